@@ -1,0 +1,6 @@
+// fusedce: fused cross-entropy kernels. The umbrella header.
+#pragma once
+
+#include "fusedce/cross_entropy.h"
+#include "fusedce/types.h"
+#include "fusedce/version.h"

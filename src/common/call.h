@@ -1,0 +1,42 @@
+// One validated call of a cross-entropy entry point, as the backends receive it.
+#pragma once
+
+#include "fusedce/cross_entropy.h"
+
+namespace fusedce {
+namespace detail {
+
+struct CeCall {
+  Job job;
+  Device device;
+  MatrixView logits;
+  VectorView target;
+  Options options;
+  ForwardOutputs out;    // kForward, kForwardBackward
+  VectorView lse_in;     // kBackward
+  VectorView grad_loss;  // kBackward (required), kForwardBackward (optional), kRescale
+  MatrixView dlogits;    // kBackward, kForwardBackward, kRescale
+  Workspace workspace;
+};
+
+/// Checks every argument of the call (SPEC.md "Bad input"); the message names the argument.
+/// Target values are not read here (they may live on a device): see check_targets_host.
+Status validate_call(const CeCall& call);
+
+/// Reads host-resident targets and reports the first one outside [0, V) that is not
+/// ignore_index, naming its row and value.
+Status check_targets_host(const VectorView& target, int64_t vocab, int64_t ignore_index);
+
+}  // namespace detail
+
+namespace cpu {
+Status run(const detail::CeCall& call);
+}  // namespace cpu
+
+namespace cuda {
+/// Present in every build; without CUDA it returns kUnsupported.
+Status run(const detail::CeCall& call);
+size_t workspace_size(Job job, int64_t rows, int64_t vocab, const Options& options);
+}  // namespace cuda
+
+}  // namespace fusedce

@@ -1,0 +1,82 @@
+// The CPU backend's row kernels: the interface between the host entry point (cross_entropy_cpu.cpp)
+// and the per-ISA translation units (kernels_avx2.cpp, kernels_generic.cpp) that compile the same
+// code (kernels_impl.h) with different instruction sets.
+#pragma once
+
+#include <cstdint>
+
+#include "common/numeric.h"
+#include "fusedce/types.h"
+
+namespace fusedce {
+namespace cpu {
+
+/// Everything a row kernel needs; filled once per call by the host code.
+struct RowArgs {
+  // Inputs.
+  const char* logits;       // row i starts at logits + i * logits_stride * elem bytes
+  DType dtype;              // float32 / bfloat16 / float16 (logits and dlogits)
+  int64_t vocab;            // V
+  int64_t logits_stride;    // elements between row starts
+  const void* target;
+  DType target_dtype;       // int32 / int64
+  int64_t target_stride;
+  int64_t ignore_index;
+  const float* class_weight;  // contiguous (V,), or nullptr
+  detail::LossConstants c;
+
+  // Features, as flags (the row loops branch on them once per chunk, not per element).
+  bool softcap;
+  bool smoothing;
+  bool metrics;
+
+  // Which sweeps run: the forward statistics, and/or the gradient.
+  bool forward;             // compute lse / loss (/ metrics) from the logits
+  bool gradient;            // write dlogits
+  const float* lse_in;      // backward only: the forward's lse (stride lse_in_stride)
+  int64_t lse_in_stride;
+
+  // Upstream gradient of row i: g_chain * (grad_loss ? grad_loss[grad_scalar ? 0 : i * stride] : 1).
+  const float* grad_loss;
+  int64_t grad_stride;
+  bool grad_scalar;
+  float g_chain;
+
+  char* dlogits;            // may equal logits (in place)
+  int64_t dlogits_stride;
+
+  // Per-row outputs (contiguous, length N); entries of ignored rows are written as 0.
+  float* row_loss;
+  float* row_lse;
+  float* row_entropy;
+  uint8_t* row_correct;
+};
+
+/// dlogits[i, :] *= factor(i), rows whose factor is 1 untouched.
+struct RescaleArgs {
+  char* dlogits;
+  DType dtype;
+  int64_t vocab;
+  int64_t stride;
+  const float* grad_loss;
+  int64_t grad_stride;
+  bool grad_scalar;
+};
+
+namespace generic {
+void process_rows(const RowArgs& args, int64_t row_begin, int64_t row_end);
+void rescale_rows(const RescaleArgs& args, int64_t row_begin, int64_t row_end);
+}  // namespace generic
+namespace avx2 {
+void process_rows(const RowArgs& args, int64_t row_begin, int64_t row_end);
+void rescale_rows(const RescaleArgs& args, int64_t row_begin, int64_t row_end);
+}  // namespace avx2
+
+/// The target of row i widened to int64.
+inline int64_t load_target(const void* target, DType dtype, int64_t stride, int64_t i) {
+  return dtype == DType::kInt32 ? static_cast<const int32_t*>(target)[i * stride]
+                                : static_cast<const int64_t*>(target)[i * stride];
+}
+
+}  // namespace cpu
+}  // namespace fusedce

@@ -1,0 +1,375 @@
+// CPU row kernels of cross-entropy over logits, compiled once per instruction set (the file that
+// includes this defines FUSEDCE_CPU_ISA, the namespace, and its own compiler flags).
+//
+// What is fused: per row, one read of the logits from memory, in chunks of kChunk elements
+// staged as float32 in an L1-resident buffer; the chunk's max, its sum of exps, the target logit,
+// the smoothing sum, argmax and entropy terms are taken from that buffer and merged into the
+// row's running state (online log-sum-exp, no second pass over memory for the max). The gradient
+// sweep re-reads the row (from cache for rows up to a few hundred KB) and writes dlogits once.
+// Nothing of size N x V is stored besides dlogits itself.
+//
+// Summation error: within a chunk, 8 lanes each add kChunk / 8 = 256 terms; chunks merge one by
+// one (128 merges at V = 256K), so the longest chain of float32 additions is a few hundred terms,
+// whatever V is.
+#ifndef FUSEDCE_CPU_ISA
+#error "define FUSEDCE_CPU_ISA before including kernels_impl.h"
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+#include "cpu/kernels.h"
+
+namespace fusedce {
+namespace cpu {
+namespace FUSEDCE_CPU_ISA {
+namespace {
+
+using detail::bf16_t;
+using detail::fp16_t;
+using detail::LossConstants;
+using detail::LseState;
+using detail::RowGrad;
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+constexpr int64_t kChunk = 2048;  // floats staged per chunk: 8 KB, stays in L1
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+inline v8f load8(const float* p) {
+  v8f v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof(v)); }
+inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+inline float hsum(v8f v) {
+  // A fixed pairwise order, so results do not depend on how rows are spread over threads.
+  const float a = (v[0] + v[4]) + (v[2] + v[6]);
+  const float b = (v[1] + v[5]) + (v[3] + v[7]);
+  return a + b;
+}
+inline float hmax(v8f v) {
+  float m = v[0];
+  for (int k = 1; k < 8; ++k) m = v[k] > m ? v[k] : m;
+  return m;
+}
+
+// exp(x) for 8 lanes: x = k ln2 + r, |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial
+// (truncation < 6e-9), 2^k built in the exponent bits. Below -87.3 (float's smallest normal)
+// the result is 0, -inf gives 0, NaN stays NaN. Written with vector extensions so it compiles
+// to whatever width the instruction set has, and gives the same bits on all of them.
+inline v8f vexp(v8f x) {
+  const v8f lo = splat(-87.33654f), hi = splat(88.37626f);
+  v8f xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const v8f shifter = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const v8f kf = (xc * splat(1.44269504f) + shifter) - shifter;
+  v8f r = xc - kf * splat(0.693145752f);
+  r = r - kf * splat(1.42860677e-6f);
+  v8f p = splat(1.0f / 5040.0f);
+  p = p * r + splat(1.0f / 720.0f);
+  p = p * r + splat(1.0f / 120.0f);
+  p = p * r + splat(1.0f / 24.0f);
+  p = p * r + splat(1.0f / 6.0f);
+  p = p * r + splat(0.5f);
+  p = p * r + splat(1.0f);
+  p = p * r + splat(1.0f);
+  const v8i ki = __builtin_convertvector(kf, v8i);
+  const v8i bits = (ki + 127) << 23;
+  v8f scale;
+  memcpy(&scale, &bits, sizeof(scale));
+  v8f res = p * scale;
+  res = x < lo ? splat(0.0f) : res;
+  res = x != x ? x : res;
+  return res;
+}
+
+// tanh(y) = 1 - 2 / (exp(2y) + 1): saturates cleanly at +-1 and keeps NaN; absolute error about
+// 1e-7, i.e. at the rounding level of the capped logit it produces.
+inline v8f vtanh(v8f y) { return splat(1.0f) - splat(2.0f) / (vexp(y + y) + splat(1.0f)); }
+
+// ---- staging a chunk of one row as float32 --------------------------------------------------
+
+inline void load_chunk(const float* x, int64_t n, float* buf) { memcpy(buf, x, n * sizeof(float)); }
+
+inline void load_chunk(const bf16_t* x, int64_t n, float* buf) {
+  for (int64_t k = 0; k < n; ++k) buf[k] = detail::bits_float(static_cast<uint32_t>(x[k].bits) << 16);
+}
+
+inline void load_chunk(const fp16_t* x, int64_t n, float* buf) {
+  int64_t k = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  for (; k + 8 <= n; k += 8) {
+    _mm256_storeu_ps(buf + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k))));
+  }
+#endif
+  for (; k < n; ++k) buf[k] = detail::fp16_to_float(x[k].bits);
+}
+
+inline void store_chunk(const float* buf, int64_t n, float* y) { memcpy(y, buf, n * sizeof(float)); }
+
+inline void store_chunk(const float* buf, int64_t n, bf16_t* y) {
+  for (int64_t k = 0; k < n; ++k) y[k].bits = detail::float_to_bf16(buf[k]);
+}
+
+inline void store_chunk(const float* buf, int64_t n, fp16_t* y) {
+  int64_t k = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  for (; k + 8 <= n; k += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + k),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(buf + k), _MM_FROUND_TO_NEAREST_INT));
+  }
+#endif
+  for (; k < n; ++k) y[k].bits = detail::float_to_fp16(buf[k]);
+}
+
+inline int64_t round_up8(int64_t n) { return (n + 7) & ~int64_t(7); }
+
+// x -> z in place over the first n8 entries (n8 a multiple of 8; the buffer has room).
+template <bool kSoftcap>
+inline void transform_chunk(float* buf, int64_t n8, const LossConstants& c) {
+  if (kSoftcap) {
+    for (int64_t k = 0; k < n8; k += 8) {
+      store8(buf + k, splat(c.softcap) * vtanh(load8(buf + k) * splat(c.inv_softcap)));
+    }
+  } else if (c.logit_scale != 1.0f) {
+    for (int64_t k = 0; k < n8; k += 8) store8(buf + k, load8(buf + k) * splat(c.logit_scale));
+  }
+}
+
+// Sum (or weighted sum with w) of the first n entries; the tail is padded into a vector so the
+// order of additions is fixed.
+inline float chunk_sum(const float* buf, const float* w, int64_t n) {
+  v8f acc = splat(0.0f);
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) acc += w ? load8(buf + k) * load8(w + k) : load8(buf + k);
+  if (k < n) {
+    float z[8] = {0, 0, 0, 0, 0, 0, 0, 0}, ww[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    memcpy(z, buf + k, (n - k) * sizeof(float));
+    if (w) memcpy(ww, w + k, (n - k) * sizeof(float));
+    acc += load8(z) * load8(ww);
+  }
+  return hsum(acc);
+}
+
+inline float chunk_max(const float* buf, int64_t n8) {
+  v8f m = splat(-kInf);
+  for (int64_t k = 0; k < n8; k += 8) {
+    const v8f v = load8(buf + k);
+    m = v > m ? v : m;
+  }
+  return hmax(m);
+}
+
+// The chunk's partial state against reference ref: s = sum exp(z - ref), ez = sum exp(z - ref) z.
+template <bool kEntropy>
+inline LseState chunk_state(const float* buf, int64_t n8, float max) {
+  const float ref = detail::lse_ref(max);
+  v8f s = splat(0.0f), ez = splat(0.0f);
+  for (int64_t k = 0; k < n8; k += 8) {
+    const v8f z = load8(buf + k);
+    const v8f e = vexp(z - splat(ref));
+    s += e;
+    // e == 0 at z == -inf: the term is 0, not 0 * -inf.
+    if (kEntropy) ez += e > splat(0.0f) ? e * z : splat(0.0f);
+  }
+  return LseState{max, hsum(s), kEntropy ? hsum(ez) : 0.0f};
+}
+
+struct RowStats {
+  LseState st;
+  float z_target;
+  float smooth_sum;  // sum_j z_j, or sum_j w_j z_j with class weights
+  int64_t argmax;
+};
+
+// Forward sweep over one row: reads each logit once.
+template <typename T, bool kSoftcap>
+RowStats row_forward(const RowArgs& a, const T* x, int64_t t, float* buf) {
+  const int64_t V = a.vocab;
+  LseState st = detail::lse_empty();
+  double smooth = 0.0;
+  float z_target = 0.0f, best = -kInf;
+  int64_t argmax = 0;
+  for (int64_t j0 = 0; j0 < V; j0 += kChunk) {
+    const int64_t n = std::min(kChunk, V - j0), n8 = round_up8(n);
+    load_chunk(x + j0, n, buf);
+    transform_chunk<kSoftcap>(buf, n8, a.c);
+    if (t >= j0 && t < j0 + n) z_target = buf[t - j0];
+    if (a.smoothing) smooth += chunk_sum(buf, a.class_weight ? a.class_weight + j0 : nullptr, n);
+    for (int64_t k = n; k < n8; ++k) buf[k] = -kInf;  // neutral for max and exp sums
+    const float cmax = chunk_max(buf, n8);
+    if (a.metrics) {
+      if (cmax > best) {  // strict: ties keep the lowest index
+        best = cmax;
+        argmax = j0 + (std::find(buf, buf + n, cmax) - buf);
+      }
+      st = detail::lse_merge(st, chunk_state<true>(buf, n8, cmax));
+    } else {
+      st = detail::lse_merge(st, chunk_state<false>(buf, n8, cmax));
+    }
+  }
+  if (a.metrics && st.s != st.s) {
+    // torch.argmax counts NaN as the largest value: find the first one (rare path).
+    for (int64_t j0 = 0; j0 < V; j0 += kChunk) {
+      const int64_t n = std::min(kChunk, V - j0);
+      load_chunk(x + j0, n, buf);
+      transform_chunk<kSoftcap>(buf, round_up8(n), a.c);
+      const float* nan = std::find_if(buf, buf + n, [](float v) { return v != v; });
+      if (nan != buf + n) {
+        argmax = j0 + (nan - buf);
+        break;
+      }
+    }
+  }
+  return RowStats{st, z_target, static_cast<float>(smooth), argmax};
+}
+
+// Gradient sweep over one row: dx_j = g (a p_j - [j == t] b_t - c w_j) dz_j/dx_j.
+template <typename T, bool kSoftcap>
+void row_gradient(const RowArgs& a, const T* x, T* dx, int64_t t, float lse, const RowGrad& rg,
+                  float* buf) {
+  const int64_t V = a.vocab;
+  const LossConstants& c = a.c;
+  for (int64_t j0 = 0; j0 < V; j0 += kChunk) {
+    const int64_t n = std::min(kChunk, V - j0), n8 = round_up8(n);
+    load_chunk(x + j0, n, buf);
+    for (int64_t k = n; k < n8; ++k) buf[k] = 0.0f;
+    transform_chunk<kSoftcap>(buf, n8, c);
+    const bool has_target = t >= j0 && t < j0 + n;
+    const float z_t = has_target ? buf[t - j0] : 0.0f;
+    for (int64_t k = 0; k < n8; k += 8) {
+      const v8f z = load8(buf + k);
+      v8f w = splat(1.0f);
+      if (a.class_weight) {
+        if (k + 8 <= n) {
+          w = load8(a.class_weight + j0 + k);
+        } else {
+          float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+          memcpy(tail, a.class_weight + j0 + k, (n - k) * sizeof(float));
+          w = load8(tail);
+        }
+      }
+      v8f d = splat(rg.g_a) * vexp(z - splat(lse)) - splat(rg.g_c) * w;
+      if (kSoftcap) {
+        const v8f u = z * splat(1.0f / c.softcap);
+        d *= splat(c.logit_scale) * (splat(1.0f) - u * u);
+      } else {
+        d *= splat(c.logit_scale);
+      }
+      store8(buf + k, d);
+    }
+    if (has_target) {
+      const float w_t = a.class_weight ? a.class_weight[t] : 1.0f;
+      const float p_t = vexp(splat(z_t - lse))[0];
+      buf[t - j0] = (rg.g_a * p_t - rg.g_bt - rg.g_c * w_t) * detail::dz_dx(z_t, c, kSoftcap);
+    }
+    store_chunk(buf, n, dx + j0);
+  }
+}
+
+template <typename T>
+void zero_row(T* dx, int64_t V) {
+  memset(static_cast<void*>(dx), 0, V * sizeof(T));
+}
+
+template <typename T, bool kSoftcap>
+void process_rows_t(const RowArgs& a, int64_t row_begin, int64_t row_end) {
+  alignas(64) float buf[kChunk + 8];
+  const T* logits = reinterpret_cast<const T*>(a.logits);
+  T* dlogits = reinterpret_cast<T*>(a.dlogits);
+  for (int64_t i = row_begin; i < row_end; ++i) {
+    const int64_t t = load_target(a.target, a.target_dtype, a.target_stride, i);
+    const T* x = logits + i * a.logits_stride;
+    T* dx = a.gradient ? dlogits + i * a.dlogits_stride : nullptr;
+    if (t == a.ignore_index) {
+      if (a.forward) {
+        a.row_loss[i] = 0.0f;
+        if (a.row_lse) a.row_lse[i] = 0.0f;
+        if (a.metrics) {
+          a.row_entropy[i] = 0.0f;
+          a.row_correct[i] = 0;
+        }
+      }
+      if (a.gradient) zero_row(dx, a.vocab);
+      continue;
+    }
+    const float w_t = a.class_weight ? a.class_weight[t] : 1.0f;
+    float lse;
+    if (a.forward) {
+      const RowStats rs = row_forward<T, kSoftcap>(a, x, t, buf);
+      lse = detail::lse_value(rs.st);
+      a.row_loss[i] = detail::row_loss(a.c, lse, rs.z_target, w_t, rs.smooth_sum, a.class_weight != nullptr);
+      if (a.row_lse) a.row_lse[i] = lse;
+      if (a.metrics) {
+        a.row_entropy[i] = lse - rs.st.ez / rs.st.s;
+        a.row_correct[i] = rs.argmax == t ? 1 : 0;
+      }
+    } else {
+      lse = a.lse_in[i * a.lse_in_stride];
+    }
+    if (a.gradient) {
+      const float g = a.g_chain * (a.grad_loss ? a.grad_loss[a.grad_scalar ? 0 : i * a.grad_stride] : 1.0f);
+      row_gradient<T, kSoftcap>(a, x, dx, t, lse, detail::row_grad(a.c, lse, w_t, g), buf);
+    }
+  }
+}
+
+template <typename T>
+void process_rows_dtype(const RowArgs& a, int64_t row_begin, int64_t row_end) {
+  if (a.softcap) {
+    process_rows_t<T, true>(a, row_begin, row_end);
+  } else {
+    process_rows_t<T, false>(a, row_begin, row_end);
+  }
+}
+
+template <typename T>
+void rescale_rows_t(const RescaleArgs& a, int64_t row_begin, int64_t row_end) {
+  alignas(64) float buf[kChunk + 8];
+  T* base = reinterpret_cast<T*>(a.dlogits);
+  for (int64_t i = row_begin; i < row_end; ++i) {
+    const float f = a.grad_loss[a.grad_scalar ? 0 : i * a.grad_stride];
+    if (f == 1.0f) continue;
+    T* row = base + i * a.stride;
+    for (int64_t j0 = 0; j0 < a.vocab; j0 += kChunk) {
+      const int64_t n = std::min(kChunk, a.vocab - j0);
+      load_chunk(row + j0, n, buf);
+      for (int64_t k = 0; k < n; ++k) buf[k] *= f;
+      store_chunk(buf, n, row + j0);
+    }
+  }
+}
+
+}  // namespace
+
+void process_rows(const RowArgs& args, int64_t row_begin, int64_t row_end) {
+  switch (args.dtype) {
+    case DType::kFloat32: return process_rows_dtype<float>(args, row_begin, row_end);
+    case DType::kBFloat16: return process_rows_dtype<bf16_t>(args, row_begin, row_end);
+    case DType::kFloat16: return process_rows_dtype<fp16_t>(args, row_begin, row_end);
+    default: return;  // rejected by validation
+  }
+}
+
+void rescale_rows(const RescaleArgs& args, int64_t row_begin, int64_t row_end) {
+  switch (args.dtype) {
+    case DType::kFloat32: return rescale_rows_t<float>(args, row_begin, row_end);
+    case DType::kBFloat16: return rescale_rows_t<bf16_t>(args, row_begin, row_end);
+    case DType::kFloat16: return rescale_rows_t<fp16_t>(args, row_begin, row_end);
+    default: return;
+  }
+}
+
+}  // namespace FUSEDCE_CPU_ISA
+}  // namespace cpu
+}  // namespace fusedce

@@ -1,0 +1,118 @@
+#include "cpu/thread_pool.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace fusedce {
+namespace cpu {
+namespace {
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int workers) {
+    for (int k = 0; k < workers; ++k) threads_.emplace_back([this] { worker_loop(); });
+  }
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+  int workers() const { return static_cast<int>(threads_.size()); }
+
+  void run(int64_t n, int64_t grain, int helpers, const std::function<void(int64_t, int64_t)>& fn) {
+    // One job at a time: a second caller waits here rather than mixing blocks of two jobs.
+    std::lock_guard<std::mutex> job_lock(job_mu_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn_ = &fn;
+      n_ = n;
+      grain_ = grain;
+      next_.store(0);
+      helpers_wanted_ = helpers;
+      active_ = 0;
+      ++generation_;
+    }
+    wake_.notify_all();
+    drain();
+    std::unique_lock<std::mutex> lock(mu_);
+    // Workers that joined must finish their blocks; late ones see no work and do not join.
+    helpers_wanted_ = 0;
+    done_.wait(lock, [this] { return active_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void drain() {
+    for (;;) {
+      const int64_t begin = next_.fetch_add(grain_);
+      if (begin >= n_) return;
+      (*fn_)(begin, std::min(n_, begin + grain_));
+    }
+  }
+
+  void worker_loop() {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      wake_.wait(lock, [&] { return stop_ || (generation_ != seen && helpers_wanted_ > 0); });
+      if (stop_) return;
+      seen = generation_;
+      --helpers_wanted_;
+      ++active_;
+      lock.unlock();
+      drain();
+      lock.lock();
+      if (--active_ == 0) done_.notify_all();
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex job_mu_;
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
+  int64_t n_ = 0, grain_ = 1;
+  std::atomic<int64_t> next_{0};
+  int helpers_wanted_ = 0;
+  int active_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+ThreadPool& pool() {
+  static ThreadPool instance(hardware_threads() - 1);
+  return instance;
+}
+
+}  // namespace
+
+int hardware_threads() {
+  const unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+
+void parallel_for(int64_t n, int64_t grain, int max_threads,
+                  const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(grain, 1);
+  const int64_t blocks = (n + grain - 1) / grain;
+  int threads = max_threads > 0 ? max_threads : hardware_threads();
+  threads = static_cast<int>(std::min<int64_t>(threads, blocks));
+  if (threads <= 1) {
+    for (int64_t b = 0; b < n; b += grain) fn(b, std::min(n, b + grain));
+    return;
+  }
+  ThreadPool& p = pool();
+  p.run(n, grain, std::min(threads - 1, p.workers()), fn);
+}
+
+}  // namespace cpu
+}  // namespace fusedce
