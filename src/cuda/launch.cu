@@ -1,0 +1,289 @@
+// The CUDA backend's host side: workspace layout, launch shapes, and the sequence of passes of
+// each job (prepare -> row kernel -> finalize), all enqueued on the caller's stream with no host
+// synchronisation (except the opt-in target check, which must read a result back).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <sstream>
+#include <string>
+
+#include "common/call.h"
+#include "common/constants.h"
+#include "cuda/kernels.h"
+#include "cuda/params.h"
+#include "cuda/vec.cuh"
+
+namespace fusedce {
+namespace cuda {
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+/// Where each piece of the workspace lives (byte offsets; size 0 = not needed).
+struct WorkspaceLayout {
+  size_t batch = 0, row_loss = 0, row_entropy = 0, row_correct = 0, total = 0;
+};
+
+WorkspaceLayout plan_workspace(Job job, int64_t rows, const Options& o) {
+  WorkspaceLayout w;
+  size_t at = 0;
+  w.batch = at;
+  at += align_up(sizeof(BatchScalars));
+  const bool forward = job == Job::kForward || job == Job::kForwardBackward;
+  if (forward && o.reduction != Reduction::kNone) {
+    w.row_loss = at;
+    at += align_up(rows * sizeof(float));
+  }
+  if (forward && o.compute_metrics) {
+    w.row_entropy = at;
+    at += align_up(rows * sizeof(float));
+    w.row_correct = at;
+    at += align_up(rows * sizeof(uint8_t));
+  }
+  w.total = job == Job::kRescale ? 0 : at;
+  return w;
+}
+
+Status device_error(cudaError_t e, const char* what) {
+  std::ostringstream os;
+  os << "CUDA error in " << what << ": " << cudaGetErrorString(e);
+  return Status(StatusCode::kDeviceError, os.str());
+}
+
+/// Makes device.index current for the call and restores the caller's device after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int index) {
+    cudaGetDevice(&previous_);
+    if (previous_ != index) cudaSetDevice(index);
+  }
+  ~DeviceGuard() {
+    int now = -1;
+    cudaGetDevice(&now);
+    if (now != previous_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+};
+
+/// How a row is spread over threads: `cluster` blocks of `threads`, each thread holding `items`
+/// 16-byte segments per piece, `pieces` pieces per block.
+struct RowShape {
+  int items, threads, cluster, pieces;
+};
+
+RowShape plan_rows(int64_t segments, int cc_major) {
+  RowShape r;
+  r.items = segments <= 2048 ? 2 : 8;
+  const int max_threads = max_row_threads(r.items);
+  const int max_cluster = cc_major >= 9 ? 8 : 1;  // clusters need sm_90; 8 is the portable size
+  const int64_t threads_needed = (segments + r.items - 1) / r.items;
+  // Blocks of about 256 threads, as many (up to the cluster limit) as the row needs: small
+  // blocks keep several resident per SM, so one block's loads overlap another's reductions.
+  int cluster = 1;
+  while (cluster < max_cluster && threads_needed > 256 * cluster) cluster *= 2;
+  int64_t per_block = (threads_needed + cluster - 1) / cluster;
+  if (per_block <= max_threads) {
+    r.cluster = cluster;
+    r.threads = static_cast<int>(std::max<int64_t>(32, (per_block + 31) / 32 * 32));
+    r.pieces = 1;
+  } else {
+    r.cluster = max_cluster;
+    r.threads = max_threads;
+    r.pieces = static_cast<int>((threads_needed + int64_t(max_cluster) * max_threads - 1) /
+                                (int64_t(max_cluster) * max_threads));
+  }
+  return r;
+}
+
+int vec_of(DType d) { return d == DType::kFloat32 ? 4 : 8; }
+
+RowKernel select_row_kernel(DType d, int items, bool forward, bool grad, bool extras) {
+  switch (d) {
+    case DType::kFloat32: return select_row_kernel_f32(items, forward, grad, extras);
+    case DType::kBFloat16: return select_row_kernel_bf16(items, forward, grad, extras);
+    default: return select_row_kernel_f16(items, forward, grad, extras);
+  }
+}
+
+int device_cc_major(int index) {
+  int major = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index);
+  return major;
+}
+
+Status launch_row_kernel(RowKernel kernel, const RowShape& shape, const RowParams& params,
+                         cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(params.rows * shape.cluster), 1, 1);
+  config.blockDim = dim3(shape.threads, 1, 1);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (shape.cluster > 1) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = shape.cluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+  }
+  cudaError_t e = cudaLaunchKernelEx(&config, kernel, params);
+  if (e != cudaSuccess) return device_error(e, "the row kernel launch");
+  return Status::Ok();
+}
+
+Status run_rescale(const detail::CeCall& call, cudaStream_t stream) {
+  const MatrixView& d = call.dlogits;
+  if (d.rows == 0) return Status::Ok();
+  RescaleParams p;
+  p.dlogits = d.data;
+  p.stride = d.row_stride;
+  p.rows = d.rows;
+  p.vocab = d.cols;
+  p.grad_loss = static_cast<const float*>(call.grad_loss.data);
+  p.grad_stride = call.grad_loss.stride;
+  p.grad_scalar = call.grad_loss.size == 1 && d.rows != 1;
+  const int64_t segments = row_segments(d.cols, vec_of(d.dtype) - 1, vec_of(d.dtype));
+  const int64_t per_block = int64_t(kRescaleThreads) * kRescaleItems;
+  p.chunks_per_row = static_cast<int>((segments + per_block - 1) / per_block);
+  RescaleKernel k = d.dtype == DType::kFloat32    ? rescale_kernel_f32()
+                    : d.dtype == DType::kBFloat16 ? rescale_kernel_bf16()
+                                                  : rescale_kernel_f16();
+  k<<<static_cast<unsigned>(p.rows * p.chunks_per_row), kRescaleThreads, 0, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? Status::Ok() : device_error(e, "the rescale kernel launch");
+}
+
+}  // namespace
+
+size_t workspace_size(Job job, int64_t rows, int64_t, const Options& options) {
+  return plan_workspace(job, rows, options).total;
+}
+
+Status run(const detail::CeCall& call) {
+  DeviceGuard guard(call.device.index);
+  cudaStream_t stream = static_cast<cudaStream_t>(call.device.stream);
+  cudaGetLastError();  // an earlier, unrelated error must not be reported as ours
+  if (call.job == Job::kRescale) return run_rescale(call, stream);
+
+  const MatrixView& L = call.logits;
+  const Options& o = call.options;
+  const int64_t N = L.rows, V = L.cols;
+  const bool forward = call.job != Job::kBackward;
+  const bool grad = call.job != Job::kForward;
+
+  const WorkspaceLayout ws = plan_workspace(call.job, N, o);
+  if (call.workspace.bytes < ws.total || (ws.total > 0 && call.workspace.data == nullptr)) {
+    std::ostringstream os;
+    os << "workspace has " << call.workspace.bytes << " bytes, this call needs " << ws.total
+       << " (ask cross_entropy_workspace_size)";
+    return Status(StatusCode::kWorkspaceTooSmall, os.str());
+  }
+  char* base = static_cast<char*>(call.workspace.data);
+  BatchScalars* batch = reinterpret_cast<BatchScalars*>(base + ws.batch);
+
+  BatchParams bp = {};
+  bp.target = call.target.data;
+  bp.target_stride = call.target.stride;
+  bp.target_i64 = call.target.dtype == DType::kInt64;
+  bp.ignore_index = o.ignore_index;
+  bp.rows = N;
+  bp.vocab = V;
+  bp.class_weight = static_cast<const float*>(o.class_weight.data);
+  bp.weight_stride = o.class_weight.stride;
+  bp.mean = o.reduction == Reduction::kMean;
+  bp.batch = batch;
+
+  const bool need_batch = bp.mean || bp.class_weight != nullptr || o.check_targets;
+  if (need_batch) {
+    launch_prepare(bp, stream);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return device_error(e, "the prepare kernel launch");
+  }
+  if (o.check_targets) {
+    // Opt-in: the one place a call waits for the device, to report the bad row by name.
+    BatchScalars host;
+    cudaError_t e = cudaMemcpyAsync(&host, batch, sizeof(host), cudaMemcpyDeviceToHost, stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+    if (e != cudaSuccess) return device_error(e, "reading the target check");
+    if (host.bad_row != INT64_MAX) {
+      std::ostringstream os;
+      os << "target[" << host.bad_row << "] = " << host.bad_value << " is out of range [0, " << V
+         << ") and is not ignore_index (" << o.ignore_index << ")";
+      return Status(StatusCode::kTargetOutOfRange, os.str());
+    }
+  }
+
+  RowParams p = {};
+  p.logits = L.data;
+  p.logits_stride = L.row_stride;
+  p.dlogits = grad ? call.dlogits.data : nullptr;
+  p.dlogits_stride = call.dlogits.row_stride;
+  p.target = call.target.data;
+  p.target_stride = call.target.stride;
+  p.target_i64 = bp.target_i64;
+  p.ignore_index = o.ignore_index;
+  p.class_weight = bp.class_weight;
+  p.weight_stride = o.class_weight.stride;
+  p.rows = N;
+  p.vocab = V;
+  p.c = detail::make_loss_constants(o, V, static_cast<float>(V));
+  p.batch = need_batch ? batch : nullptr;
+  p.softcap = o.softcap > 0.0f;
+  p.smoothing = o.label_smoothing != 0.0f;
+  p.metrics = forward && o.compute_metrics;
+  if (forward) {
+    if (o.reduction == Reduction::kNone) {
+      p.row_loss = static_cast<float*>(call.out.loss.data);
+      p.row_loss_stride = call.out.loss.stride;
+    } else {
+      p.row_loss = reinterpret_cast<float*>(base + ws.row_loss);
+      p.row_loss_stride = 1;
+    }
+    p.lse_out = static_cast<float*>(call.out.lse.data);
+    p.lse_stride = call.out.lse.stride;
+    if (p.metrics) {
+      p.row_entropy = reinterpret_cast<float*>(base + ws.row_entropy);
+      p.row_correct = reinterpret_cast<uint8_t*>(base + ws.row_correct);
+    }
+  } else {
+    p.lse_in = static_cast<const float*>(call.lse_in.data);
+    p.lse_in_stride = call.lse_in.stride;
+  }
+  p.grad_loss = static_cast<const float*>(call.grad_loss.data);
+  p.grad_stride = call.grad_loss.stride;
+  p.grad_scalar = o.reduction != Reduction::kNone;
+
+  if (N > 0) {
+    const int vec = vec_of(L.dtype);
+    // Plan for the worst row alignment, so one shape serves every row.
+    const RowShape shape = plan_rows(row_segments(V, vec - 1, vec), device_cc_major(call.device.index));
+    p.cluster = shape.cluster;
+    p.pieces = shape.pieces;
+    const bool extras = p.softcap || p.smoothing || p.metrics || p.class_weight != nullptr;
+    Status s = launch_row_kernel(select_row_kernel(L.dtype, shape.items, forward, grad, extras), shape, p, stream);
+    if (!s.ok()) return s;
+  }
+
+  if (forward && (o.reduction != Reduction::kNone || o.compute_metrics)) {
+    bp.row_loss = p.row_loss;
+    bp.loss_out = o.reduction != Reduction::kNone ? static_cast<float*>(call.out.loss.data) : nullptr;
+    if (o.compute_metrics) {
+      bp.row_entropy = p.row_entropy;
+      bp.row_correct = p.row_correct;
+      bp.num_correct_out = static_cast<int64_t*>(call.out.num_correct.data);
+      bp.entropy_out = static_cast<float*>(call.out.entropy_sum.data);
+    }
+    launch_finalize(bp, stream);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return device_error(e, "the finalize kernel launch");
+  }
+  return Status::Ok();
+}
+
+}  // namespace cuda
+}  // namespace fusedce

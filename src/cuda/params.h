@@ -1,0 +1,99 @@
+// Plain parameter structs of the CUDA passes, passed to kernels by value. Host code fills them
+// once per call; every index that can pass 2^31 (row x stride) is int64_t.
+#pragma once
+
+#include <cstdint>
+
+#include "common/numeric.h"
+
+namespace fusedce {
+namespace cuda {
+
+/// Batch-level scalars the prepare pass writes to the workspace before the row kernels run.
+struct BatchScalars {
+  double denominator;  // mean: non-ignored rows, or the sum of their target weights
+  float weight_sum;    // sum of class weights (V without weights)
+  float g_chain;       // 1 / denominator for mean, else 1
+  int64_t bad_row;    // first row whose target is out of range, or INT64_MAX
+  int64_t bad_value;  // its target
+};
+
+/// The fused row pass: forward statistics and/or the gradient, one row per thread-block cluster.
+struct RowParams {
+  const void* logits;        // (N, V) in T
+  int64_t logits_stride;     // elements between row starts
+  void* dlogits;             // (N, V) in T, may equal logits; nullptr without gradient
+  int64_t dlogits_stride;
+  const void* target;        // (N,) int32 or int64
+  int64_t target_stride;
+  bool target_i64;
+  int64_t ignore_index;
+  const float* class_weight; // (V,) or nullptr
+  int64_t weight_stride;
+  int64_t rows;              // N
+  int64_t vocab;             // V
+  detail::LossConstants c;   // weight_sum is read from batch when class weights are given
+  const BatchScalars* batch; // from the prepare pass, or nullptr (then denominator 1, W = V)
+
+  bool softcap, smoothing, metrics;
+
+  // Forward outputs per row (strided), each optional except row_loss in forward jobs.
+  float* row_loss;           // out.loss for reduction none, else workspace
+  int64_t row_loss_stride;
+  float* lse_out;
+  int64_t lse_stride;
+  float* row_entropy;        // workspace, metrics only
+  uint8_t* row_correct;      // workspace, metrics only
+
+  // Backward only: the forward's lse.
+  const float* lse_in;
+  int64_t lse_in_stride;
+
+  // Upstream gradient of row i: g_chain * (grad_loss ? grad_loss[scalar ? 0 : i * stride] : 1).
+  const float* grad_loss;
+  int64_t grad_stride;
+  bool grad_scalar;
+
+  // Layout of the launch: `cluster` blocks share a row, each covering `pieces` consecutive
+  // stretches of blockDim.x * kItems vectors.
+  int cluster;
+  int pieces;
+};
+
+/// dlogits[i, :] *= factor(i); rows whose factor is 1 skipped.
+struct RescaleParams {
+  void* dlogits;
+  int64_t stride;
+  int64_t rows;
+  int64_t vocab;
+  const float* grad_loss;
+  int64_t grad_stride;
+  bool grad_scalar;
+  int chunks_per_row;  // blocks per row
+};
+
+/// One-block passes over the batch: the prepare pass (targets, weights) and the finalize pass
+/// (per-row results summed in a fixed order).
+struct BatchParams {
+  const void* target;
+  int64_t target_stride;
+  bool target_i64;
+  int64_t ignore_index;
+  int64_t rows;
+  int64_t vocab;
+  const float* class_weight;
+  int64_t weight_stride;
+  bool mean;
+  BatchScalars* batch;
+
+  // Finalize.
+  const float* row_loss;
+  const float* row_entropy;
+  const uint8_t* row_correct;
+  float* loss_out;           // (1,)
+  int64_t* num_correct_out;  // (1,) or nullptr
+  float* entropy_out;        // (1,) or nullptr
+};
+
+}  // namespace cuda
+}  // namespace fusedce

@@ -1,0 +1,27 @@
+// Instantiations of the row and rescale kernels for float (one translation unit per dtype).
+#include "cuda/kernels.h"
+#include "cuda/rescale_kernel.cuh"
+#include "cuda/row_kernel.cuh"
+
+namespace fusedce {
+namespace cuda {
+namespace {
+
+template <int kItems, bool kExtras>
+RowKernel pick_job(bool forward, bool grad) {
+  if (forward && grad) return ce_row_kernel<float, kItems, true, true, kExtras>;
+  if (forward) return ce_row_kernel<float, kItems, true, false, kExtras>;
+  return ce_row_kernel<float, kItems, false, true, kExtras>;
+}
+
+}  // namespace
+
+RowKernel select_row_kernel_f32(int items, bool forward, bool grad, bool extras) {
+  if (items >= 8) return extras ? pick_job<8, true>(forward, grad) : pick_job<8, false>(forward, grad);
+  return extras ? pick_job<2, true>(forward, grad) : pick_job<2, false>(forward, grad);
+}
+
+RescaleKernel rescale_kernel_f32() { return ce_rescale_kernel<float>; }
+
+}  // namespace cuda
+}  // namespace fusedce

@@ -1,0 +1,91 @@
+// 16-byte vector access to rows of float32 / bfloat16 / float16 at any element alignment.
+//
+// A row is cut into 16-byte segments aligned in memory: segment s holds elements
+// [s * kVec - off, s * kVec - off + kVec) of the row, where off is how many elements the row's
+// start lies past a 16-byte boundary. Full segments move with one vector instruction; the (at
+// most two) partial ones at the row's ends move element by element, so no byte outside the row
+// is touched, whatever V and the row stride are.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace fusedce {
+namespace cuda {
+
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static __device__ __forceinline__ float to_float(float x) { return x; }
+  static __device__ __forceinline__ float from_float(float x) { return x; }
+};
+template <>
+struct Elem<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+template <>
+struct Elem<__half> {
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+};
+
+template <typename T>
+struct Segment {
+  static constexpr int kVec = 16 / sizeof(T);
+  union {
+    uint4 raw;
+    T e[kVec];
+  };
+};
+
+/// Elements the row start lies past its 16-byte boundary.
+template <typename T>
+__device__ __forceinline__ int row_offset(const T* row) {
+  return static_cast<int>((reinterpret_cast<uintptr_t>(row) / sizeof(T)) % Segment<T>::kVec);
+}
+
+/// Segments covering a row of V elements starting `off` elements past a boundary.
+__host__ __device__ __forceinline__ int64_t row_segments(int64_t V, int off, int vec) {
+  return (V + off + vec - 1) / vec;
+}
+
+/// Load segment s of a row (elements outside [0, V) are set to `fill`).
+template <typename T>
+__device__ __forceinline__ Segment<T> load_segment(const T* row, int64_t s, int off, int64_t V, T fill) {
+  constexpr int kVec = Segment<T>::kVec;
+  Segment<T> seg;
+  const int64_t j0 = s * kVec - off;
+  if (j0 >= 0 && j0 + kVec <= V) {
+    seg.raw = *reinterpret_cast<const uint4*>(row + j0);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const int64_t j = j0 + e;
+      seg.e[e] = (j >= 0 && j < V) ? row[j] : fill;
+    }
+  }
+  return seg;
+}
+
+/// Store segment s of a row (elements outside [0, V) are not written).
+template <typename T>
+__device__ __forceinline__ void store_segment(T* row, int64_t s, int off, int64_t V, const Segment<T>& seg) {
+  constexpr int kVec = Segment<T>::kVec;
+  const int64_t j0 = s * kVec - off;
+  if (j0 >= 0 && j0 + kVec <= V) {
+    __stcs(reinterpret_cast<uint4*>(row + j0), seg.raw);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const int64_t j = j0 + e;
+      if (j >= 0 && j < V) row[j] = seg.e[e];
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace fusedce
