@@ -92,8 +92,13 @@ FUSEDCE_HD LseState lse_merge(const LseState& a, const LseState& b) {
   const float m = a.m > b.m ? a.m : b.m;
   if (m == -INFINITY) return LseState{m, a.s + b.s, a.ez + b.ez};
   // exp(-inf - m) == 0 keeps a NaN sum NaN (NaN * 0) and an empty one empty (0 * 0).
+#if defined(__CUDA_ARCH__)
+  const float fa = __expf(a.m - m);  // the SFU: merges sit on the kernels' critical path
+  const float fb = __expf(b.m - m);
+#else
   const float fa = expf(a.m - m);
   const float fb = expf(b.m - m);
+#endif
   return LseState{m, a.s * fa + b.s * fb, a.ez * fa + b.ez * fb};
 }
 

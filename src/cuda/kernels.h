@@ -14,7 +14,7 @@ using RowKernel = void (*)(RowParams);
 using RescaleKernel = void (*)(RescaleParams);
 
 /// The fused row kernel for this dtype and feature set. items: 16-byte segments per thread
-/// (2 or 8).
+/// (1 or 4).
 RowKernel select_row_kernel_f32(int items, bool forward, bool grad, bool extras);
 RowKernel select_row_kernel_bf16(int items, bool forward, bool grad, bool extras);
 RowKernel select_row_kernel_f16(int items, bool forward, bool grad, bool extras);
@@ -22,8 +22,8 @@ RescaleKernel rescale_kernel_f32();
 RescaleKernel rescale_kernel_bf16();
 RescaleKernel rescale_kernel_f16();
 
-/// Largest block the row kernel with `items` segments per thread is compiled for.
-constexpr int max_row_threads(int items) { return items >= 8 ? 512 : 1024; }
+/// Largest block the row kernel is compiled for (with at most 64 registers a thread).
+constexpr int max_row_threads(int) { return 1024; }
 
 /// Segments per thread in the rescale kernel, and its block size.
 constexpr int kRescaleItems = 4;

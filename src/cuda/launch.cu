@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -70,22 +72,28 @@ class DeviceGuard {
 };
 
 /// How a row is spread over threads: `cluster` blocks of `threads`, each thread holding `items`
-/// 16-byte segments per piece, `pieces` pieces per block.
+/// 16-byte segments per piece, `pieces` pieces per block. `hw_cluster`: whether the blocks of a
+/// row form a hardware cluster (they must when they merge statistics; a backward pass needs none).
 struct RowShape {
   int items, threads, cluster, pieces;
+  bool hw_cluster;
 };
 
-RowShape plan_rows(int64_t segments, int cc_major) {
+// Blocks of about this many threads: several resident per SM (at <= 64 registers a thread), so
+// one block's loads overlap another's reductions and barriers.
+constexpr int kTargetThreads = 256;
+
+RowShape plan_rows(int64_t segments, bool merge, int cc_major) {
   RowShape r;
-  r.items = segments <= 2048 ? 2 : 8;
+  r.items = segments <= 1024 ? 1 : 4;
+  r.hw_cluster = merge;
   const int max_threads = max_row_threads(r.items);
-  const int max_cluster = cc_major >= 9 ? 8 : 1;  // clusters need sm_90; 8 is the portable size
+  // Clusters need sm_90; 16 is the non-portable maximum Hopper allows.
+  const int max_cluster = !merge ? (1 << 20) : (cc_major >= 9 ? 16 : 1);
   const int64_t threads_needed = (segments + r.items - 1) / r.items;
-  // Blocks of about 256 threads, as many (up to the cluster limit) as the row needs: small
-  // blocks keep several resident per SM, so one block's loads overlap another's reductions.
   int cluster = 1;
-  while (cluster < max_cluster && threads_needed > 256 * cluster) cluster *= 2;
-  int64_t per_block = (threads_needed + cluster - 1) / cluster;
+  while (cluster < max_cluster && threads_needed > int64_t(kTargetThreads) * cluster) cluster *= 2;
+  const int64_t per_block = (threads_needed + cluster - 1) / cluster;
   if (per_block <= max_threads) {
     r.cluster = cluster;
     r.threads = static_cast<int>(std::max<int64_t>(32, (per_block + 31) / 32 * 32));
@@ -95,6 +103,20 @@ RowShape plan_rows(int64_t segments, int cc_major) {
     r.threads = max_threads;
     r.pieces = static_cast<int>((threads_needed + int64_t(max_cluster) * max_threads - 1) /
                                 (int64_t(max_cluster) * max_threads));
+  }
+  if (r.cluster == 1) r.hw_cluster = false;
+  // Tuning knob for the dev sweep (bench --sweep): FUSEDCE_ROW_SHAPE="threads,cluster,items".
+  if (const char* env = std::getenv("FUSEDCE_ROW_SHAPE")) {
+    int threads = 0, cluster_o = 0, items = 0;
+    if (std::sscanf(env, "%d,%d,%d", &threads, &cluster_o, &items) == 3 && threads % 32 == 0 &&
+        threads <= max_threads && cluster_o >= 1 && cluster_o <= max_cluster && (items == 1 || items == 4)) {
+      r.threads = threads;
+      r.cluster = cluster_o;
+      r.items = items;
+      const int64_t per = int64_t(threads) * items * cluster_o;
+      r.pieces = static_cast<int>((segments + per - 1) / per);
+      r.hw_cluster = merge && cluster_o > 1;
+    }
   }
   return r;
 }
@@ -123,7 +145,11 @@ Status launch_row_kernel(RowKernel kernel, const RowShape& shape, const RowParam
   config.dynamicSmemBytes = 0;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
-  if (shape.cluster > 1) {
+  if (shape.hw_cluster) {
+    if (shape.cluster > 8) {
+      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+      if (e != cudaSuccess) return device_error(e, "allowing clusters of 16 blocks");
+    }
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = shape.cluster;
     attr[0].val.clusterDim.y = 1;
@@ -175,15 +201,31 @@ Status run(const detail::CeCall& call) {
   const int64_t N = L.rows, V = L.cols;
   const bool forward = call.job != Job::kBackward;
   const bool grad = call.job != Job::kForward;
+  if (V >= (int64_t(1) << 31) - 64) {
+    return Status(StatusCode::kInvalidArgument, "logits: the CUDA backend takes V < 2^31 - 64 columns");
+  }
 
   const WorkspaceLayout ws = plan_workspace(call.job, N, o);
-  if (call.workspace.bytes < ws.total || (ws.total > 0 && call.workspace.data == nullptr)) {
+  char* base = static_cast<char*>(call.workspace.data);
+  if (base == nullptr && ws.total > 0) {
+    // No workspace given: stream-ordered scratch (still no host sync, still graph-capturable).
+    // Callers on the hot path pass one from cross_entropy_workspace_size instead.
+    void* scratch = nullptr;
+    cudaError_t e = cudaMallocAsync(&scratch, ws.total, stream);
+    if (e != cudaSuccess) return device_error(e, "allocating scratch (cudaMallocAsync)");
+    detail::CeCall with = call;
+    with.workspace = Workspace{scratch, ws.total};
+    Status s = run(with);
+    e = cudaFreeAsync(scratch, stream);
+    if (s.ok() && e != cudaSuccess) return device_error(e, "freeing scratch (cudaFreeAsync)");
+    return s;
+  }
+  if (call.workspace.bytes < ws.total) {
     std::ostringstream os;
     os << "workspace has " << call.workspace.bytes << " bytes, this call needs " << ws.total
        << " (ask cross_entropy_workspace_size)";
     return Status(StatusCode::kWorkspaceTooSmall, os.str());
   }
-  char* base = static_cast<char*>(call.workspace.data);
   BatchScalars* batch = reinterpret_cast<BatchScalars*>(base + ws.batch);
 
   BatchParams bp = {};
@@ -261,7 +303,7 @@ Status run(const detail::CeCall& call) {
   if (N > 0) {
     const int vec = vec_of(L.dtype);
     // Plan for the worst row alignment, so one shape serves every row.
-    const RowShape shape = plan_rows(row_segments(V, vec - 1, vec), device_cc_major(call.device.index));
+    const RowShape shape = plan_rows(row_segments(V, vec - 1, vec), forward, device_cc_major(call.device.index));
     p.cluster = shape.cluster;
     p.pieces = shape.pieces;
     const bool extras = p.softcap || p.smoothing || p.metrics || p.class_weight != nullptr;

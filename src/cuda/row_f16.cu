@@ -17,8 +17,8 @@ RowKernel pick_job(bool forward, bool grad) {
 }  // namespace
 
 RowKernel select_row_kernel_f16(int items, bool forward, bool grad, bool extras) {
-  if (items >= 8) return extras ? pick_job<8, true>(forward, grad) : pick_job<8, false>(forward, grad);
-  return extras ? pick_job<2, true>(forward, grad) : pick_job<2, false>(forward, grad);
+  if (items >= 4) return extras ? pick_job<4, true>(forward, grad) : pick_job<4, false>(forward, grad);
+  return extras ? pick_job<1, true>(forward, grad) : pick_job<1, false>(forward, grad);
 }
 
 RescaleKernel rescale_kernel_f16() { return ce_rescale_kernel<__half>; }

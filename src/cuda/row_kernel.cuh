@@ -25,7 +25,7 @@ namespace fusedce {
 namespace cuda {
 
 constexpr int kMaxThreads = 1024;
-constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exps are taken as 2^(z log2 e)
 
 /// A block's (or cluster's) partial statistics of one row.
 struct RowPartial {
@@ -73,13 +73,22 @@ __device__ __forceinline__ RowPartial shfl_down_partial(const RowPartial& p, int
   return r;
 }
 
-/// exp(x) for x <= 0 (or -inf / NaN) through the SFU: exp2 of a pre-scaled argument.
-__device__ __forceinline__ float fast_exp(float x) { return exp2f(x * kLog2e); }
-
-/// tanh through one exp and one division: saturates at +-1, keeps NaN, absolute error ~1e-7.
-__device__ __forceinline__ float softcap_tanh(float y) {
-  return 1.0f - 2.0f / (exp2f(2.0f * kLog2e * y) + 1.0f);
+/// 2^x on the SFU (one MUFU.EX2); -inf gives 0, NaN stays NaN, results below 2^-126 flush to 0
+/// (they vanish next to the row's max term anyway).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
+
+__device__ __forceinline__ float rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/// tanh through one exp and one reciprocal: saturates at +-1, keeps NaN, absolute error ~1e-7.
+__device__ __forceinline__ float softcap_tanh(float y) { return 1.0f - 2.0f * rcp(ex2(2.0f * kLog2e * y) + 1.0f); }
 
 __device__ __forceinline__ float transform(float x, const detail::LossConstants& c, bool softcap) {
   return softcap ? c.softcap * softcap_tanh(x * c.inv_softcap) : x * c.logit_scale;
@@ -100,6 +109,7 @@ struct RowShared {
 /// Fused row kernel. kItems: 16-byte segments per thread per piece (kept in registers);
 /// kGrad: write dlogits; kForward: compute the statistics (else lse comes from lse_in);
 /// kExtras: softcap / smoothing / class weights / metrics compiled in (runtime flags pick).
+/// Indices inside a row are int (V < 2^31, checked by the launcher); row offsets are int64.
 template <typename T, int kItems, bool kForward, bool kGrad, bool kExtras>
 __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const RowParams p) {
   using E = Elem<T>;
@@ -109,21 +119,22 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
   const int rank = p.cluster > 1 ? static_cast<int>(blockIdx.x % p.cluster) : 0;
   const int64_t row = static_cast<int64_t>(blockIdx.x / p.cluster);
   if (row >= p.rows) return;  // uniform for the whole cluster
-  const int64_t V = p.vocab;
+  const int V = static_cast<int>(p.vocab);
   const T* x = static_cast<const T*>(p.logits) + row * p.logits_stride;
   T* dx = kGrad ? static_cast<T*>(p.dlogits) + row * p.dlogits_stride : nullptr;
   const int off = row_offset(x);
   // dlogits rows may sit at another alignment than the logits rows (different strides).
   const int doff = kGrad ? row_offset(dx) : 0;
-  const int64_t t = load_target_dev(p, row);
-  const int64_t nseg = row_segments(V, off, kVec);
-  const int64_t piece_segs = static_cast<int64_t>(blockDim.x) * kItems;
-  const int64_t block_seg0 = static_cast<int64_t>(rank) * p.pieces * piece_segs;
+  const int64_t t64 = load_target_dev(p, row);
+  const int nseg = static_cast<int>(row_segments(V, off, kVec));
+  const int piece_segs = static_cast<int>(blockDim.x) * kItems;
+  const int block_seg0 = rank * p.pieces * piece_segs;
+  const int tid = static_cast<int>(threadIdx.x);
 
-  if (t == p.ignore_index) {
+  if (t64 == p.ignore_index) {
     // Ignored row: no statistics, zero gradient. The branch is uniform over the cluster, so no
     // block waits at a cluster barrier the others skip.
-    if (kForward && rank == 0 && threadIdx.x == 0) {
+    if (kForward && rank == 0 && tid == 0) {
       p.row_loss[row * p.row_loss_stride] = 0.0f;
       if (p.lse_out) p.lse_out[row * p.lse_stride] = 0.0f;
       if (kExtras && p.metrics) {
@@ -132,132 +143,172 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
       }
     }
     if (kGrad) {
-      // dlogits may sit at another alignment (one segment more): the last block covers the rest.
-      const int64_t dseg = row_segments(V, doff, kVec);
-      const int64_t end = rank == p.cluster - 1 ? dseg : block_seg0 + p.pieces * piece_segs;
+      // dlogits may have one segment more than the logits: the last block covers the rest.
+      const int dseg = static_cast<int>(row_segments(V, doff, kVec));
+      const int end = rank == p.cluster - 1 ? dseg : min(dseg, block_seg0 + p.pieces * piece_segs);
       Segment<T> zero;
       zero.raw = make_uint4(0, 0, 0, 0);
-      for (int64_t s = block_seg0 + threadIdx.x; s < end && s < dseg; s += blockDim.x) {
-        store_segment(dx, s, doff, V, zero);
-      }
+      for (int s = block_seg0 + tid; s < end; s += blockDim.x) store_segment(dx, s, doff, V, zero);
     }
     return;
   }
 
-  const bool valid_t = t >= 0 && t < V;
-  const float w_t = !valid_t ? NAN : (kExtras && p.class_weight ? p.class_weight[t * p.weight_stride] : 1.0f);
+  const bool valid_t = t64 >= 0 && t64 < V;
+  const int t = valid_t ? static_cast<int>(t64) : -1;
+  const bool weighted = kExtras && p.class_weight != nullptr;
+  const bool softcap = kExtras && p.softcap;
+  // A target outside [0, V) has no logit and no weight: NaN makes its loss and gradient NaN.
+  const float w_t = !valid_t ? NAN : (weighted ? p.class_weight[t * p.weight_stride] : 1.0f);
   detail::LossConstants c = p.c;
-  if (kExtras && p.class_weight && p.batch) c.weight_sum = p.batch->weight_sum;
-  const T neg_inf = E::from_float(-INFINITY);
+  if (weighted && p.batch) c.weight_sum = p.batch->weight_sum;
+  // Logits past the row's ends load as this value; in the plain path its z is -inf, which no
+  // max, sum of exps or gradient store sees. The extras path masks them explicitly.
+  const T fill = E::from_float(c.logit_scale > 0.0f ? -INFINITY : INFINITY);
+  // Read before any barrier, hence before any gradient store (in place, x[t] is overwritten).
+  const float z_t = (kForward && rank == 0 && tid == 0 && valid_t) ? transform(E::to_float(x[t]), c, softcap) : NAN;
 
   Segment<T> reg[kItems];  // the piece held in registers
-  float lse;
-
   auto load_piece = [&](int piece) {
-    const int64_t s0 = block_seg0 + static_cast<int64_t>(piece) * piece_segs + threadIdx.x;
+    const int s0 = block_seg0 + piece * piece_segs + tid;
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {
-      const int64_t s = s0 + static_cast<int64_t>(k) * blockDim.x;
+      const int s = s0 + k * static_cast<int>(blockDim.x);
       if (s < nseg) {
-        reg[k] = load_segment(x, s, off, V, neg_inf);
+        reg[k] = load_segment(x, s, off, V, fill);
       } else {
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) reg[k].e[e] = neg_inf;
+        for (int e = 0; e < kVec; ++e) reg[k].e[e] = fill;
       }
     }
   };
+  // z of element e of segment k; in the extras path, -inf outside the row.
+  auto z_of = [&](int k, int e, int j0) {
+    const float z = transform(E::to_float(reg[k].e[e]), c, softcap);
+    if (kExtras) {
+      const int j = j0 + e;
+      return (j >= 0 && j < V) ? z : -INFINITY;
+    }
+    return z;
+  };
 
+  float lse;
   if (kForward) {
+    const bool metrics = kExtras && p.metrics;
     RowPartial mine;
-    mine.z_target = 0.0f;
-    mine.has_target = 0;
     mine.st = detail::lse_empty();
     mine.smooth = 0.0f;
     mine.amax_v = -INFINITY;
     mine.amax_i = INT64_MAX;
     for (int piece = 0; piece < p.pieces; ++piece) {
       load_piece(piece);
-      const int64_t s0 = block_seg0 + static_cast<int64_t>(piece) * piece_segs + threadIdx.x;
-      // Pass 1 over the registers: max, target, smoothing sum, argmax.
+      const int s0 = block_seg0 + piece * piece_segs + tid;
+      // Pass 1 over the registers: max (and in the extras path smoothing sum and argmax). Each
+      // segment is reduced as a tree first, so the dependent chain is kItems long, not kItems*kVec.
       float m = -INFINITY;
+      int amax_i = INT32_MAX;
+      float amax_v = -INFINITY;
 #pragma unroll
       for (int k = 0; k < kItems; ++k) {
-        const int64_t j0 = (s0 + static_cast<int64_t>(k) * blockDim.x) * kVec - off;
+        const int j0 = (s0 + k * static_cast<int>(blockDim.x)) * kVec - off;
+        float zs[kVec];
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          const int64_t j = j0 + e;
-          const bool in_row = j >= 0 && j < V;
-          const float z = in_row ? transform(E::to_float(reg[k].e[e]), c, kExtras && p.softcap) : -INFINITY;
-          m = fmaxf(m, z);
-          if (j == t) {
-            mine.z_target = z;
-            mine.has_target = 1;
-          }
-          if (kExtras) {
-            if (p.smoothing && in_row) mine.smooth += p.class_weight ? p.class_weight[j * p.weight_stride] * z : z;
-            if (p.metrics && in_row && argmax_better(z, j, mine.amax_v, mine.amax_i)) {
-              mine.amax_v = z;
-              mine.amax_i = j;
+        for (int e = 0; e < kVec; ++e) zs[e] = z_of(k, e, j0);
+#pragma unroll
+        for (int w = kVec / 2; w > 0; w /= 2) {
+#pragma unroll
+          for (int e = 0; e < w; ++e) zs[e] = fmaxf(zs[e], zs[e + w]);
+        }
+        m = fmaxf(m, zs[0]);
+        if (kExtras) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            const int j = j0 + e;
+            const bool in_row = j >= 0 && j < V;
+            const float z = z_of(k, e, j0);
+            if (p.smoothing && in_row) mine.smooth += weighted ? p.class_weight[int64_t(j) * p.weight_stride] * z : z;
+            // torch.argmax: the first NaN, else the first maximum (elements come in order of j).
+            if (metrics && in_row && (amax_i == INT32_MAX || (!(z <= amax_v) && amax_v == amax_v))) {
+              amax_v = z;
+              amax_i = j;
             }
           }
         }
       }
       // Pass 2: sum of exps (and the entropy term) against this thread's max.
-      const float ref = detail::lse_ref(m);
+      const float ref2 = detail::lse_ref(m) * kLog2e;
       float s = 0.0f, ez = 0.0f;
 #pragma unroll
       for (int k = 0; k < kItems; ++k) {
-        const int64_t j0 = (s0 + static_cast<int64_t>(k) * blockDim.x) * kVec - off;
+        const int j0 = (s0 + k * static_cast<int>(blockDim.x)) * kVec - off;
+        float es[kVec], ezs[kVec];
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-          const int64_t j = j0 + e;
-          const bool in_row = j >= 0 && j < V;
-          const float z = in_row ? transform(E::to_float(reg[k].e[e]), c, kExtras && p.softcap) : -INFINITY;
-          const float ex = fast_exp(z - ref);
-          s += ex;
-          if (kExtras && p.metrics) ez += ex > 0.0f ? ex * z : 0.0f;
+          const float z = z_of(k, e, j0);
+          es[e] = ex2(fmaf(z, kLog2e, -ref2));
+          if (metrics) ezs[e] = es[e] > 0.0f ? es[e] * z : 0.0f;  // 0, not 0 * -inf, when masked
         }
+#pragma unroll
+        for (int w = kVec / 2; w > 0; w /= 2) {
+#pragma unroll
+          for (int e = 0; e < w; ++e) {
+            es[e] += es[e + w];
+            if (metrics) ezs[e] += ezs[e + w];
+          }
+        }
+        s += es[0];
+        if (metrics) ez += ezs[0];
       }
       mine.st = detail::lse_merge(mine.st, detail::LseState{m, s, ez});
+      if (metrics && argmax_better(amax_v, amax_i, mine.amax_v, mine.amax_i)) {
+        mine.amax_v = amax_v;
+        mine.amax_i = amax_i;
+      }
     }
 
     // Block reduction in a fixed order: warp shuffles, then warp 0 over the warps.
-    const bool metrics = kExtras && p.metrics;
 #pragma unroll
     for (int d = 16; d > 0; d >>= 1) mine = merge_partial(mine, shfl_down_partial(mine, d), metrics);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+    const int warp = tid / 32, lane = tid % 32, nwarps = blockDim.x / 32;
     if (lane == 0) sh.warp[warp] = mine;
     __syncthreads();  // warp partials visible to warp 0
     if (warp == 0) {  // sh.block is written only here, and read after the next barrier
-      RowPartial b = sh.warp[0];
-      for (int w = 1; w < nwarps; ++w) b = merge_partial(b, sh.warp[w], metrics);
+      RowPartial b = sh.warp[lane < nwarps ? lane : 0];
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const RowPartial o = shfl_down_partial(b, d);
+        if ((lane & (2 * d - 1)) == 0 && lane + d < nwarps) b = merge_partial(b, o, metrics);
+      }
       if (lane == 0) sh.block = b;
     }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (p.cluster > 1) {
       namespace cg = cooperative_groups;
       cg::cluster_group cluster = cg::this_cluster();
-      cluster.sync();  // every block's partial (and z_target) written before any is read
-      if (threadIdx.x == 0) {
-        RowPartial r = *cluster.map_shared_rank(&sh.block, 0);
-        for (int q = 1; q < p.cluster; ++q) r = merge_partial(r, *cluster.map_shared_rank(&sh.block, q), metrics);
-        sh.row = r;
+      cluster.sync();  // every block's partial written before any is read
+      if (warp == 0) {
+        // Lane q fetches block q's partial (one DSMEM round trip for all), then the warp merges
+        // them in rank order: the tree below always pairs lower ranks first, so the bits do not
+        // depend on timing.
+        RowPartial r = *cluster.map_shared_rank(&sh.block, lane < p.cluster ? lane : 0);
+#pragma unroll
+        for (int d = 1; d < 32; d *= 2) {
+          const RowPartial o = shfl_down_partial(r, d);
+          if ((lane & (2 * d - 1)) == 0 && lane + d < p.cluster) r = merge_partial(r, o, metrics);
+        }
+        if (lane == 0) sh.row = r;
       }
       cluster.sync();  // no block leaves (freeing its shared memory) while others still read it
     } else
 #endif
     {
-      if (threadIdx.x == 0) sh.row = sh.block;
+      __syncthreads();  // sh.block written by warp 0
+      if (tid == 0) sh.row = sh.block;
     }
     __syncthreads();  // sh.row visible to the whole block
     lse = detail::lse_value(sh.row.st);
 
-    if (rank == 0 && threadIdx.x == 0) {
-      const float smooth = sh.row.smooth;
-      // A target outside [0, V) was held by no thread: its z is NaN, and so is the loss.
-      const float z_t = sh.row.has_target ? sh.row.z_target : NAN;
-      p.row_loss[row * p.row_loss_stride] =
-          detail::row_loss(c, lse, z_t, w_t, smooth, kExtras && p.class_weight != nullptr);
+    if (rank == 0 && tid == 0) {
+      p.row_loss[row * p.row_loss_stride] = detail::row_loss(c, lse, z_t, w_t, sh.row.smooth, weighted);
       if (p.lse_out) p.lse_out[row * p.lse_stride] = lse;
       if (metrics) {
         p.row_entropy[row] = lse - sh.row.st.ez / sh.row.st.s;
@@ -272,29 +323,44 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
     const float g_chain = p.batch ? p.batch->g_chain : 1.0f;
     const float g = g_chain * (p.grad_loss ? p.grad_loss[p.grad_scalar ? 0 : row * p.grad_stride] : 1.0f);
     const detail::RowGrad rg = detail::row_grad(c, lse, w_t, g);
+    // Plain path: dx = (g a scale) p - (g eps/V scale), the scale folded into the constants.
+    const float ga_s = rg.g_a * c.logit_scale, gc_s = rg.g_c * c.logit_scale;
+    const float lse2 = lse * kLog2e;
+    const int seg_t = valid_t ? (t + off) / kVec : -1;
     const bool same_layout = doff == off;
     for (int piece = 0; piece < p.pieces; ++piece) {
       // Registers still hold the piece when there is one piece per block and the forward ran.
       if (!kForward || p.pieces > 1) load_piece(piece);
-      const int64_t s0 = block_seg0 + static_cast<int64_t>(piece) * piece_segs + threadIdx.x;
+      const int s0 = block_seg0 + piece * piece_segs + tid;
 #pragma unroll
       for (int k = 0; k < kItems; ++k) {
-        const int64_t s = s0 + static_cast<int64_t>(k) * blockDim.x;
-        const int64_t j0 = s * kVec - off;
+        const int s = s0 + k * static_cast<int>(blockDim.x);
+        const int j0 = s * kVec - off;
         Segment<T> out;
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-          const int64_t j = j0 + e;
-          const float z = transform(E::to_float(reg[k].e[e]), c, kExtras && p.softcap);
-          float d = rg.g_a * fast_exp(z - lse);
-          if (kExtras && p.class_weight) {
-            d -= rg.g_c * ((j >= 0 && j < V) ? p.class_weight[j * p.weight_stride] : 0.0f);
+          const float z = transform(E::to_float(reg[k].e[e]), c, softcap);
+          const float pj = ex2(fmaf(z, kLog2e, -lse2));
+          float d;
+          if (kExtras) {
+            const int j = j0 + e;
+            const float wj = weighted ? ((j >= 0 && j < V) ? p.class_weight[int64_t(j) * p.weight_stride] : 0.0f) : 1.0f;
+            d = (rg.g_a * pj - rg.g_c * wj) * detail::dz_dx(z, c, softcap);
           } else {
-            d -= rg.g_c;
+            d = fmaf(ga_s, pj, -gc_s);
           }
-          if (j == t) d -= rg.g_bt;
-          d *= detail::dz_dx(z, c, kExtras && p.softcap);
           out.e[e] = E::from_float(d);
+        }
+        if (s == seg_t) {
+          // The target's own term, once per row, by the thread that holds it.
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            if (j0 + e == t) {
+              const float z = transform(E::to_float(reg[k].e[e]), c, softcap);
+              const float pj = ex2(fmaf(z, kLog2e, -lse2));
+              out.e[e] = E::from_float((rg.g_a * pj - rg.g_bt - rg.g_c * w_t) * detail::dz_dx(z, c, softcap));
+            }
+          }
         }
         if (s < nseg) {
           if (same_layout) {
@@ -303,7 +369,7 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
             // Different alignment of dlogits rows: element by element (rare: strided views).
 #pragma unroll
             for (int e = 0; e < kVec; ++e) {
-              const int64_t j = j0 + e;
+              const int j = j0 + e;
               if (j >= 0 && j < V) dx[j] = out.e[e];
             }
           }

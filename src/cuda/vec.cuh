@@ -60,7 +60,12 @@ __device__ __forceinline__ Segment<T> load_segment(const T* row, int64_t s, int 
   Segment<T> seg;
   const int64_t j0 = s * kVec - off;
   if (j0 >= 0 && j0 + kVec <= V) {
-    seg.raw = *reinterpret_cast<const uint4*>(row + j0);
+    // Read-only path, no L1 allocation: each logit is read once. (In place, the gradient store
+    // to these bytes comes later from the same thread, after every read of them.)
+    const uint4* ptr = reinterpret_cast<const uint4*>(row + j0);
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(seg.raw.x), "=r"(seg.raw.y), "=r"(seg.raw.z), "=r"(seg.raw.w)
+                 : "l"(ptr));
   } else {
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {

@@ -1,0 +1,396 @@
+// Cross-entropy kernel benchmark: the ceilings first, then each job at the issue's shapes.
+//
+// Ceilings, measured in the same run: device-to-device copy (cudaMemcpyAsync; bytes = read +
+// written) and a streaming read (a plain reduction kernel of our own; bytes = read).
+// Jobs and their byte formulas (the fewest bytes each must move):
+//   forward            N * V * elem          (logits read once; N floats out are negligible)
+//   forward+gradient   2 * N * V * elem      (logits read once, dlogits written once)
+//   backward           2 * N * V * elem      (logits read, dlogits written)
+// Timing: CUDA events around each launch sequence, after warm-up; median of many; inputs rotated
+// over enough copies to exceed the L2 several times, so every run reads from device memory.
+// Usage: fusedce_bench [--quick] [--csv FILE] [--sweep (launch shapes, for the dev notes)]
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "fusedce/fusedce.h"
+
+#define CHECK_CUDA(x)                                                                       \
+  do {                                                                                      \
+    cudaError_t e_ = (x);                                                                   \
+    if (e_ != cudaSuccess) {                                                                \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+namespace {
+
+using fusedce::DType;
+
+struct Timing {
+  double median_ms, min_ms, max_ms;
+};
+
+template <typename F>
+Timing time_it(F&& fn, int warmup, int iters) {
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  for (int i = 0; i < warmup; ++i) fn(i);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    CHECK_CUDA(cudaEventRecord(a));
+    fn(warmup + i);
+    CHECK_CUDA(cudaEventRecord(b));
+    CHECK_CUDA(cudaEventSynchronize(b));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  CHECK_CUDA(cudaEventDestroy(a));
+  CHECK_CUDA(cudaEventDestroy(b));
+  return Timing{ms[ms.size() / 2], ms.front(), ms.back()};
+}
+
+__global__ void read_kernel(const uint4* p, int64_t n, unsigned* out) {
+  unsigned acc = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldcs(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) *out = acc;  // keeps the loads alive; practically never stores
+}
+
+// Logits ~ N(0, 2) with a few outliers, from a counter hash (no host upload).
+template <typename T>
+__global__ void fill_kernel(T* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 29;
+    const float u1 = ((h >> 40) + 1) * (1.0f / 16777217.0f), u2 = ((h >> 16) & 0xffffff) * (1.0f / 16777216.0f);
+    float v = 2.0f * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+    if ((h & 0x3ff) == 0) v += 12.0f;
+    p[i] = static_cast<T>(v);
+  }
+}
+
+__global__ void target_kernel(int64_t* t, int64_t n, int64_t V, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint64_t h = (i + 7) * 0xD1B54A32D192ED03ull ^ seed;
+    h ^= h >> 33;
+    t[i] = static_cast<int64_t>(h % static_cast<uint64_t>(V));
+  }
+}
+
+size_t elem_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
+
+void fill(void* p, DType d, int64_t n, uint64_t seed) {
+  if (d == DType::kFloat32) fill_kernel<<<4096, 256>>>(static_cast<float*>(p), n, seed);
+  if (d == DType::kBFloat16) fill_kernel<<<4096, 256>>>(static_cast<__nv_bfloat16*>(p), n, seed);
+  if (d == DType::kFloat16) fill_kernel<<<4096, 256>>>(static_cast<__half*>(p), n, seed);
+  CHECK_CUDA(cudaGetLastError());
+}
+
+void ok(const fusedce::Status& s) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "fusedce: %s\n", s.message().c_str());
+    std::exit(1);
+  }
+}
+
+struct Ceilings {
+  double copy_gbs, read_gbs;
+};
+
+Ceilings measure_ceilings(int iters) {
+  const size_t bytes = size_t(2) << 30;
+  void *a, *b;
+  unsigned* sink;
+  CHECK_CUDA(cudaMalloc(&a, bytes));
+  CHECK_CUDA(cudaMalloc(&b, bytes));
+  CHECK_CUDA(cudaMalloc(&sink, 4));
+  CHECK_CUDA(cudaMemset(a, 1, bytes));
+  Timing copy = time_it([&](int) { CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); }, 3, iters);
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  Timing read = time_it([&](int i) {
+    read_kernel<<<sms * 8, 512>>>(static_cast<const uint4*>(i % 2 ? a : b), bytes / 16, sink);
+  }, 3, iters);
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(b));
+  CHECK_CUDA(cudaFree(sink));
+  return Ceilings{2.0 * bytes / (copy.median_ms * 1e6), bytes / (read.median_ms * 1e6)};
+}
+
+struct Shape {
+  int64_t N, V;
+  DType dtype;
+};
+
+enum class JobKind { kForward, kForwardGrad, kForwardGradInplace, kBackward, kForwardGradAllOptions };
+
+const char* job_name(JobKind j) {
+  switch (j) {
+    case JobKind::kForward: return "forward";
+    case JobKind::kForwardGrad: return "fwd+grad";
+    case JobKind::kForwardGradInplace: return "fwd+grad inplace";
+    case JobKind::kBackward: return "backward";
+    case JobKind::kForwardGradAllOptions: return "fwd+grad all options";
+  }
+  return "?";
+}
+
+// A quick CPU-vs-GPU agreement check before timing anything (the test suite does this in
+// depth): a fast wrong kernel must not get a line in the table.
+bool verify(DType dtype, int64_t N, int64_t V, const fusedce::Options& opt) {
+  const size_t elem = elem_size(dtype);
+  std::vector<char> hx(N * V * elem), hd_gpu(N * V * elem), hd_cpu(N * V * elem);
+  void *x, *d;
+  int64_t* t;
+  float *loss, *lse;
+  CHECK_CUDA(cudaMalloc(&x, hx.size()));
+  CHECK_CUDA(cudaMalloc(&d, hx.size()));
+  CHECK_CUDA(cudaMalloc(&t, N * 8));
+  CHECK_CUDA(cudaMalloc(&loss, 4));
+  CHECK_CUDA(cudaMalloc(&lse, N * 4));
+  fill(x, dtype, N * V, 5);
+  target_kernel<<<16, 256>>>(t, N, V, 3);
+  std::vector<int64_t> ht(N);
+  CHECK_CUDA(cudaMemcpy(hx.data(), x, hx.size(), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(ht.data(), t, N * 8, cudaMemcpyDeviceToHost));
+  for (int64_t i = 0; i < N; i += 3) ht[i] = -100;
+  CHECK_CUDA(cudaMemcpy(t, ht.data(), N * 8, cudaMemcpyHostToDevice));
+  fusedce::ForwardOutputs out;
+  out.loss = fusedce::vector(loss, DType::kFloat32, 1);
+  out.lse = fusedce::vector(lse, DType::kFloat32, N);
+  ok(fusedce::cross_entropy_forward_backward(fusedce::Device::cuda(), fusedce::matrix(x, dtype, N, V),
+                                             fusedce::vector(t, DType::kInt64, N), opt, out, {},
+                                             fusedce::matrix(d, dtype, N, V)));
+  float gpu_loss;
+  std::vector<float> gpu_lse(N), cpu_lse(N);
+  CHECK_CUDA(cudaMemcpy(&gpu_loss, loss, 4, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(gpu_lse.data(), lse, N * 4, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(hd_gpu.data(), d, hx.size(), cudaMemcpyDeviceToHost));
+  float cpu_loss;
+  fusedce::ForwardOutputs hout;
+  hout.loss = fusedce::vector(&cpu_loss, DType::kFloat32, 1);
+  hout.lse = fusedce::vector(cpu_lse.data(), DType::kFloat32, N);
+  ok(fusedce::cross_entropy_forward_backward(fusedce::Device::cpu(), fusedce::matrix(hx.data(), dtype, N, V),
+                                             fusedce::vector(ht.data(), DType::kInt64, N), opt, hout, {},
+                                             fusedce::matrix(hd_cpu.data(), dtype, N, V)));
+  auto get = [&](const std::vector<char>& b, int64_t i) -> double {
+    if (dtype == DType::kFloat32) return reinterpret_cast<const float*>(b.data())[i];
+    uint16_t h = reinterpret_cast<const uint16_t*>(b.data())[i];
+    if (dtype == DType::kBFloat16) {
+      uint32_t u = uint32_t(h) << 16;
+      float f;
+      std::memcpy(&f, &u, 4);
+      return f;
+    }
+    return __half2float(*reinterpret_cast<const __half*>(&h));
+  };
+  double max_d = 0, max_g = 0, max_lse = 0;
+  for (int64_t i = 0; i < N * V; ++i) {
+    max_d = std::max(max_d, std::fabs(get(hd_gpu, i) - get(hd_cpu, i)));
+    max_g = std::max(max_g, std::fabs(get(hd_cpu, i)));
+  }
+  for (int64_t i = 0; i < N; ++i) max_lse = std::max(max_lse, double(std::fabs(gpu_lse[i] - cpu_lse[i])));
+  const double loss_rel = std::fabs(gpu_loss - cpu_loss) / std::fabs(cpu_loss);
+  const bool good = loss_rel < 1e-4 && max_lse < 1e-3 && max_d <= 0.02 * max_g && std::isfinite(gpu_loss);
+  std::printf("# verify %s N=%lld V=%lld: loss gpu %.6f cpu %.6f (rel %.1e), max |lse diff| %.1e, max |grad diff| %.1e of max |grad| %.1e: %s\n",
+              fusedce::dtype_name(dtype), (long long)N, (long long)V, gpu_loss, cpu_loss, loss_rel, max_lse, max_d,
+              max_g, good ? "ok" : "MISMATCH");
+  CHECK_CUDA(cudaFree(x));
+  CHECK_CUDA(cudaFree(d));
+  CHECK_CUDA(cudaFree(t));
+  CHECK_CUDA(cudaFree(loss));
+  CHECK_CUDA(cudaFree(lse));
+  return good;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false, sweep = false;
+  const char* csv_path = nullptr;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--sweep")) sweep = true;
+    if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv_path = argv[++i];
+  }
+  const int iters = quick ? 10 : 50;
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  if (sweep) {
+    // Launch-shape sweep for the dev notes: forward and fwd+grad at 8192 x 128256 bf16.
+    const Ceilings c0 = measure_ceilings(iters);
+    std::printf("# sweep: copy %.0f GB/s, read %.0f GB/s\n", c0.copy_gbs, c0.read_gbs);
+    const int64_t N = 8192, V = 128256;
+    const size_t bytes = size_t(N) * V * 2;
+    void *x, *d, *ws;
+    int64_t* t;
+    float *loss, *lse;
+    CHECK_CUDA(cudaMalloc(&x, bytes));
+    CHECK_CUDA(cudaMalloc(&d, bytes));
+    CHECK_CUDA(cudaMalloc(&t, N * 8));
+    CHECK_CUDA(cudaMalloc(&loss, 4));
+    CHECK_CUDA(cudaMalloc(&lse, N * 4));
+    CHECK_CUDA(cudaMalloc(&ws, 1 << 20));
+    fill(x, DType::kBFloat16, N * V, 9);
+    target_kernel<<<64, 256>>>(t, N, V, 1);
+    fusedce::ForwardOutputs out;
+    out.loss = fusedce::vector(loss, DType::kFloat32, 1);
+    out.lse = fusedce::vector(lse, DType::kFloat32, N);
+    const char* shapes[] = {"", "128,16,4", "256,16,4", "512,8,4", "1024,4,4", "256,8,4", "512,1,4", "1024,1,4",
+                            "256,1,4", "512,2,4", "1024,2,4", "256,16,1", "512,16,1"};
+    for (const char* shp : shapes) {
+      if (*shp) setenv("FUSEDCE_ROW_SHAPE", shp, 1); else unsetenv("FUSEDCE_ROW_SHAPE");
+      const auto X = fusedce::matrix(x, DType::kBFloat16, N, V);
+      const auto D = fusedce::matrix(d, DType::kBFloat16, N, V);
+      const auto T = fusedce::vector(t, DType::kInt64, N);
+      const fusedce::Workspace w{ws, 1 << 20};
+      Timing f = time_it([&](int) { ok(fusedce::cross_entropy_forward(fusedce::Device::cuda(), X, T, {}, out, w)); }, 3, iters);
+      Timing g = time_it([&](int) { ok(fusedce::cross_entropy_forward_backward(fusedce::Device::cuda(), X, T, {}, out, {}, D, w)); }, 3, iters);
+      std::printf("shape %-10s forward %.3f ms (%.0f GB/s)  fwd+grad %.3f ms (%.0f GB/s)\n", *shp ? shp : "default",
+                  f.median_ms, bytes / (f.median_ms * 1e6), g.median_ms, 2 * bytes / (g.median_ms * 1e6));
+    }
+    unsetenv("FUSEDCE_ROW_SHAPE");
+    return 0;
+  }
+  bool verified = true;
+  fusedce::Options extras;
+  extras.label_smoothing = 0.1f;
+  extras.softcap = 20.0f;
+  extras.z_loss = 1e-3f;
+  for (DType d : {DType::kBFloat16, DType::kFloat32, DType::kFloat16}) {
+    verified &= verify(d, 37, 50257, fusedce::Options{});
+    verified &= verify(d, 5, 262147, extras);
+    verified &= verify(d, 9, 1000, extras);
+  }
+  if (!verified) {
+    std::fprintf(stderr, "fusedce_bench: GPU results disagree with the CPU backend; not timing\n");
+    return 2;
+  }
+  const Ceilings ceil = measure_ceilings(iters);
+  std::printf("# %s, %d SMs, L2 %d MB, fusedce %s\n", prop.name, prop.multiProcessorCount,
+              prop.l2CacheSize >> 20, fusedce::version());
+  std::printf("# ceilings: device-to-device copy %.0f GB/s (read + write), streaming read %.0f GB/s\n\n",
+              ceil.copy_gbs, ceil.read_gbs);
+  std::printf("| N x V | dtype | job | median ms | min..max ms | GB/s | of copy | of read |\n");
+  std::printf("|---|---|---|---|---|---|---|---|\n");
+  FILE* csv = csv_path ? std::fopen(csv_path, "w") : nullptr;
+  if (csv) std::fprintf(csv, "gpu,N,V,dtype,job,median_ms,min_ms,max_ms,gbs,frac_copy,frac_read,copy_gbs,read_gbs\n");
+
+  const std::vector<Shape> shapes = {
+      {16384, 32000, DType::kBFloat16}, {8192, 128256, DType::kBFloat16}, {4096, 262144, DType::kBFloat16},
+      {64, 262144, DType::kBFloat16},   {8192, 151936, DType::kBFloat16}, {8192, 128256, DType::kFloat32},
+  };
+  for (const Shape& sh : shapes) {
+    const size_t elem = elem_size(sh.dtype);
+    const size_t bytes = size_t(sh.N) * sh.V * elem;
+    // Enough copies that one pass over all of them is over 3x the L2: every run reads DRAM.
+    const int copies = static_cast<int>(std::max<size_t>(1, (3 * size_t(prop.l2CacheSize) + bytes - 1) / bytes));
+    std::vector<void*> logits(copies), dlogits(copies);
+    for (int k = 0; k < copies; ++k) {
+      CHECK_CUDA(cudaMalloc(&logits[k], bytes));
+      CHECK_CUDA(cudaMalloc(&dlogits[k], bytes));
+      fill(logits[k], sh.dtype, sh.N * sh.V, 1000 + k);
+    }
+    int64_t* target;
+    float *loss, *lse, *entropy;
+    int64_t* correct;
+    CHECK_CUDA(cudaMalloc(&target, sh.N * sizeof(int64_t)));
+    CHECK_CUDA(cudaMalloc(&loss, sizeof(float)));
+    CHECK_CUDA(cudaMalloc(&lse, sh.N * sizeof(float)));
+    CHECK_CUDA(cudaMalloc(&entropy, sizeof(float)));
+    CHECK_CUDA(cudaMalloc(&correct, sizeof(int64_t)));
+    float* one;
+    CHECK_CUDA(cudaMalloc(&one, sizeof(float)));
+    const float one_h = 1.0f;
+    CHECK_CUDA(cudaMemcpy(one, &one_h, sizeof(float), cudaMemcpyHostToDevice));
+    target_kernel<<<256, 256>>>(target, sh.N, sh.V, 77);
+    fusedce::Options all;
+    all.label_smoothing = 0.1f;
+    all.softcap = 30.0f;
+    all.z_loss = 1e-4f;
+    all.compute_metrics = true;
+    size_t ws_bytes = 0;
+    for (auto job : {fusedce::Job::kForward, fusedce::Job::kForwardBackward, fusedce::Job::kBackward}) {
+      ws_bytes = std::max(ws_bytes, fusedce::cross_entropy_workspace_size(job, fusedce::Device::cuda(), sh.N, sh.V, all));
+    }
+    void* ws;
+    CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+    const fusedce::Workspace workspace{ws, ws_bytes};
+    const auto dev = fusedce::Device::cuda(0, nullptr);
+    const auto tgt = fusedce::vector(target, DType::kInt64, sh.N);
+
+    for (JobKind job : {JobKind::kForward, JobKind::kForwardGrad, JobKind::kForwardGradInplace, JobKind::kBackward,
+                        JobKind::kForwardGradAllOptions}) {
+      fusedce::Options opt = job == JobKind::kForwardGradAllOptions ? all : fusedce::Options{};
+      fusedce::ForwardOutputs out;
+      out.loss = fusedce::vector(loss, DType::kFloat32, 1);
+      out.lse = fusedce::vector(lse, DType::kFloat32, sh.N);
+      if (opt.compute_metrics) {
+        out.num_correct = fusedce::vector(correct, DType::kInt64, 1);
+        out.entropy_sum = fusedce::vector(entropy, DType::kFloat32, 1);
+      }
+      if (job == JobKind::kForwardGradInplace) opt.inplace_grad = true;
+      auto run = [&](int i) {
+        void* x = logits[i % copies];
+        void* d = job == JobKind::kForwardGradInplace ? x : dlogits[i % copies];
+        const auto X = fusedce::matrix(x, sh.dtype, sh.N, sh.V);
+        const auto D = fusedce::matrix(d, sh.dtype, sh.N, sh.V);
+        switch (job) {
+          case JobKind::kForward: ok(fusedce::cross_entropy_forward(dev, X, tgt, opt, out, workspace)); break;
+          case JobKind::kBackward:
+            ok(fusedce::cross_entropy_backward(dev, X, tgt, out.lse, fusedce::vector(one, DType::kFloat32, 1), opt, D, workspace));
+            break;
+          default: ok(fusedce::cross_entropy_forward_backward(dev, X, tgt, opt, out, {}, D, workspace)); break;
+        }
+      };
+      if (job == JobKind::kBackward) {  // lse from a forward first
+        ok(fusedce::cross_entropy_forward(dev, fusedce::matrix(logits[0], sh.dtype, sh.N, sh.V), tgt, opt, out, workspace));
+      }
+      const Timing t = time_it(run, 5, iters);
+      const double moved = (job == JobKind::kForward ? 1.0 : 2.0) * double(bytes);
+      const double gbs = moved / (t.median_ms * 1e6);
+      const char* dt = fusedce::dtype_name(sh.dtype);
+      std::printf("| %lld x %lld | %s | %s | %.4f | %.4f..%.4f | %.0f | %.1f%% | %.1f%% |\n", (long long)sh.N,
+                  (long long)sh.V, dt, job_name(job), t.median_ms, t.min_ms, t.max_ms, gbs, 100 * gbs / ceil.copy_gbs,
+                  100 * gbs / ceil.read_gbs);
+      std::fflush(stdout);
+      if (csv) {
+        std::fprintf(csv, "%s,%lld,%lld,%s,%s,%.5f,%.5f,%.5f,%.1f,%.4f,%.4f,%.1f,%.1f\n", prop.name, (long long)sh.N,
+                     (long long)sh.V, dt, job_name(job), t.median_ms, t.min_ms, t.max_ms, gbs, gbs / ceil.copy_gbs,
+                     gbs / ceil.read_gbs, ceil.copy_gbs, ceil.read_gbs);
+      }
+    }
+    for (int k = 0; k < copies; ++k) {
+      CHECK_CUDA(cudaFree(logits[k]));
+      CHECK_CUDA(cudaFree(dlogits[k]));
+    }
+    CHECK_CUDA(cudaFree(target));
+    CHECK_CUDA(cudaFree(loss));
+    CHECK_CUDA(cudaFree(lse));
+    CHECK_CUDA(cudaFree(entropy));
+    CHECK_CUDA(cudaFree(correct));
+    CHECK_CUDA(cudaFree(one));
+    CHECK_CUDA(cudaFree(ws));
+  }
+  if (csv) std::fclose(csv);
+  return 0;
+}
