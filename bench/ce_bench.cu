@@ -281,6 +281,10 @@ int main(int argc, char** argv) {
     verified &= verify(d, 5, 262147, extras);
     verified &= verify(d, 9, 1000, extras);
   }
+  // Enough rows that each block owns whole rows (the fused-gradient path), plain and with options.
+  verified &= verify(DType::kBFloat16, 700, 32003, fusedce::Options{});
+  verified &= verify(DType::kBFloat16, 700, 32003, extras);
+  verified &= verify(DType::kFloat32, 600, 4099, extras);
   if (!verified) {
     std::fprintf(stderr, "fusedce_bench: GPU results disagree with the CPU backend; not timing\n");
     return 2;

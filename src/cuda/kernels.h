@@ -4,6 +4,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+#include <cstdint>
+
 #include "cuda/params.h"
 #include "fusedce/types.h"
 
@@ -12,18 +15,37 @@ namespace cuda {
 
 using RowKernel = void (*)(RowParams);
 using RescaleKernel = void (*)(RescaleParams);
+using StreamKernel = void (*)(StreamParams);
 
 /// The fused row kernel for this dtype and feature set. items: 16-byte segments per thread
 /// (1 or 4).
 RowKernel select_row_kernel_f32(int items, bool forward, bool grad, bool extras);
 RowKernel select_row_kernel_bf16(int items, bool forward, bool grad, bool extras);
 RowKernel select_row_kernel_f16(int items, bool forward, bool grad, bool extras);
+/// The streaming kernel (sm_90 only: bulk copies and mbarriers) for forward jobs.
+StreamKernel select_stream_kernel_f32(bool grad, bool extras);
+StreamKernel select_stream_kernel_bf16(bool grad, bool extras);
+StreamKernel select_stream_kernel_f16(bool grad, bool extras);
 RescaleKernel rescale_kernel_f32();
 RescaleKernel rescale_kernel_bf16();
 RescaleKernel rescale_kernel_f16();
 
 /// Largest block the row kernel is compiled for (with at most 64 registers a thread).
 constexpr int max_row_threads(int) { return 1024; }
+
+/// The streaming kernel's shape: 16 consumer warps and one producer warp per block, one block per
+/// SM; 32 KB chunks in a ring of kStages shared-memory stages (192 KB of loads in flight).
+constexpr int kStreamConsumerWarps = 16;
+constexpr int kStreamConsumers = kStreamConsumerWarps * 32;
+constexpr int kStreamThreads = kStreamConsumers + 32;
+constexpr int kChunkBytes = 32768;
+constexpr int kChunkSegs = kChunkBytes / 16;
+constexpr int kSegsPerThread = kChunkSegs / kStreamConsumers;
+constexpr int kStages = 6;
+constexpr size_t kStreamSmemBytes = size_t(kStages) * kChunkBytes + 2 * kStages * sizeof(uint64_t);
+/// Rows are split over several blocks only below this many rows (bounds the workspace).
+constexpr int64_t kSplitRowsMax = 1024;
+constexpr int kMaxSplits = 64;
 
 /// Segments per thread in the rescale kernel, and its block size.
 constexpr int kRescaleItems = 4;

@@ -25,7 +25,8 @@ size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 /// Where each piece of the workspace lives (byte offsets; size 0 = not needed).
 struct WorkspaceLayout {
-  size_t batch = 0, row_loss = 0, row_entropy = 0, row_correct = 0, total = 0;
+  size_t batch = 0, row_loss = 0, row_entropy = 0, row_correct = 0, row_lse = 0, partials = 0,
+         counters = 0, total = 0;
 };
 
 WorkspaceLayout plan_workspace(Job job, int64_t rows, const Options& o) {
@@ -43,6 +44,16 @@ WorkspaceLayout plan_workspace(Job job, int64_t rows, const Options& o) {
     at += align_up(rows * sizeof(float));
     w.row_correct = at;
     at += align_up(rows * sizeof(uint8_t));
+  }
+  if (job == Job::kForwardBackward) {  // lse for a separate gradient pass, when not asked for
+    w.row_lse = at;
+    at += align_up(rows * sizeof(float));
+  }
+  if (forward && rows <= kSplitRowsMax) {  // few rows: rows split over blocks (stream kernel)
+    w.partials = at;
+    at += align_up(size_t(rows) * kMaxSplits * sizeof(RowPartial));
+    w.counters = at;
+    at += align_up(rows * sizeof(int));
   }
   w.total = job == Job::kRescale ? 0 : at;
   return w;
@@ -121,7 +132,34 @@ RowShape plan_rows(int64_t segments, bool merge, int cc_major) {
   return r;
 }
 
+/// The streaming kernel's work split: whole rows per block, or (few rows) each row cut into
+/// `splits` stretches of `chunks_per_split` chunks so that every SM has work.
+struct StreamPlan {
+  int splits, chunks_per_split, grid;
+};
+
+StreamPlan plan_stream(int64_t rows, int64_t segments, int sms) {
+  StreamPlan s;
+  const int nchunks = static_cast<int>((segments + kChunkSegs - 1) / kChunkSegs);
+  s.splits = 1;
+  if (rows <= kSplitRowsMax && rows < 4 * int64_t(sms)) {
+    s.splits = static_cast<int>(std::min<int64_t>({nchunks, kMaxSplits, (4 * int64_t(sms) + rows - 1) / rows}));
+  }
+  s.chunks_per_split = (nchunks + s.splits - 1) / s.splits;
+  s.splits = (nchunks + s.chunks_per_split - 1) / s.chunks_per_split;
+  s.grid = static_cast<int>(std::min<int64_t>(rows * s.splits, sms));
+  return s;
+}
+
 int vec_of(DType d) { return d == DType::kFloat32 ? 4 : 8; }
+
+StreamKernel select_stream_kernel(DType d, bool grad, bool extras) {
+  switch (d) {
+    case DType::kFloat32: return select_stream_kernel_f32(grad, extras);
+    case DType::kBFloat16: return select_stream_kernel_bf16(grad, extras);
+    default: return select_stream_kernel_f16(grad, extras);
+  }
+}
 
 RowKernel select_row_kernel(DType d, int items, bool forward, bool grad, bool extras) {
   switch (d) {
@@ -303,12 +341,54 @@ Status run(const detail::CeCall& call) {
   if (N > 0) {
     const int vec = vec_of(L.dtype);
     // Plan for the worst row alignment, so one shape serves every row.
-    const RowShape shape = plan_rows(row_segments(V, vec - 1, vec), forward, device_cc_major(call.device.index));
-    p.cluster = shape.cluster;
-    p.pieces = shape.pieces;
-    const bool extras = p.softcap || p.smoothing || p.metrics || p.class_weight != nullptr;
-    Status s = launch_row_kernel(select_row_kernel(L.dtype, shape.items, forward, grad, extras), shape, p, stream);
-    if (!s.ok()) return s;
+    const int64_t segments = row_segments(V, vec - 1, vec);
+    const int cc_major = device_cc_major(call.device.index);
+    // The plain kernels assume logit_scale > 0 (they take the max over raw logits).
+    const bool extras = p.softcap || p.smoothing || p.metrics || p.class_weight != nullptr || o.logit_scale < 0.0f;
+    if (forward && cc_major >= 9 && std::getenv("FUSEDCE_NO_STREAM") == nullptr) {
+      int sms = 0;
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, call.device.index);
+      const StreamPlan plan = plan_stream(N, segments, sms);
+      StreamParams sp = {};
+      sp.row = p;
+      sp.splits = plan.splits;
+      sp.chunks_per_split = plan.chunks_per_split;
+      if (plan.splits > 1) {
+        sp.partials = base + ws.partials;
+        sp.counters = reinterpret_cast<int*>(base + ws.counters);
+        cudaError_t e = cudaMemsetAsync(sp.counters, 0, N * sizeof(int), stream);
+        if (e != cudaSuccess) return device_error(e, "clearing the row counters");
+        if (grad && sp.row.lse_out == nullptr) {
+          sp.row.lse_out = reinterpret_cast<float*>(base + ws.row_lse);
+          sp.row.lse_stride = 1;
+        }
+      }
+      const StreamKernel kernel = select_stream_kernel(L.dtype, grad && plan.splits == 1, extras);
+      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(kStreamSmemBytes));
+      if (e != cudaSuccess) return device_error(e, "raising the stream kernel's shared memory limit");
+      kernel<<<plan.grid, kStreamThreads, kStreamSmemBytes, stream>>>(sp);
+      e = cudaGetLastError();
+      if (e != cudaSuccess) return device_error(e, "the stream kernel launch");
+      if (grad && plan.splits > 1) {
+        // Few rows, each split over blocks: the gradient in a second pass from the merged lse
+        // (the rows are small enough to be re-read from L2).
+        RowParams bp_row = sp.row;
+        bp_row.lse_in = sp.row.lse_out;
+        bp_row.lse_in_stride = sp.row.lse_stride;
+        const RowShape shape = plan_rows(segments, false, cc_major);
+        bp_row.cluster = shape.cluster;
+        bp_row.pieces = shape.pieces;
+        Status s = launch_row_kernel(select_row_kernel(L.dtype, shape.items, false, true, extras), shape, bp_row, stream);
+        if (!s.ok()) return s;
+      }
+    } else {
+      const RowShape shape = plan_rows(segments, forward, cc_major);
+      p.cluster = shape.cluster;
+      p.pieces = shape.pieces;
+      Status s = launch_row_kernel(select_row_kernel(L.dtype, shape.items, forward, grad, extras), shape, p, stream);
+      if (!s.ok()) return s;
+    }
   }
 
   if (forward && (o.reduction != Reduction::kNone || o.compute_metrics)) {

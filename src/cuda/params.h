@@ -60,6 +60,26 @@ struct RowParams {
   int pieces;
 };
 
+/// A block's (or cluster's) partial statistics of one row.
+struct RowPartial {
+  detail::LseState st;
+  float smooth;    // sum z (or sum w z)
+  float amax_v;    // argmax value and index (metrics)
+  int64_t amax_i;
+  float z_target;  // the target's z, from the one thread that holds it
+  int has_target;
+};
+
+/// The streaming (sm_90) pass: persistent blocks walk work items (row, split); the copy engine
+/// streams each item's chunks into a ring of shared-memory stages.
+struct StreamParams {
+  RowParams row;
+  int splits;            // blocks sharing one row; > 1 only for few rows (then no gradient here)
+  int chunks_per_split;  // chunks of kChunkSegs segments per split
+  void* partials;        // (N, splits) RowPartial, splits > 1 only
+  int* counters;         // (N,) arrivals per row, zero between calls, splits > 1 only
+};
+
 /// dlogits[i, :] *= factor(i); rows whose factor is 1 skipped.
 struct RescaleParams {
   void* dlogits;

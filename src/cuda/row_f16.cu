@@ -1,7 +1,8 @@
-// Instantiations of the row and rescale kernels for __half (one translation unit per dtype).
+// Instantiations of the row, streaming and rescale kernels for __half (one translation unit per dtype).
 #include "cuda/kernels.h"
 #include "cuda/rescale_kernel.cuh"
 #include "cuda/row_kernel.cuh"
+#include "cuda/stream_kernel.cuh"
 
 namespace fusedce {
 namespace cuda {
@@ -22,6 +23,11 @@ RowKernel select_row_kernel_f16(int items, bool forward, bool grad, bool extras)
 }
 
 RescaleKernel rescale_kernel_f16() { return ce_rescale_kernel<__half>; }
+
+StreamKernel select_stream_kernel_f16(bool grad, bool extras) {
+  if (grad) return extras ? ce_stream_kernel<__half, true, true> : ce_stream_kernel<__half, true, false>;
+  return extras ? ce_stream_kernel<__half, false, true> : ce_stream_kernel<__half, false, false>;
+}
 
 }  // namespace cuda
 }  // namespace fusedce

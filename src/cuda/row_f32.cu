@@ -1,7 +1,8 @@
-// Instantiations of the row and rescale kernels for float (one translation unit per dtype).
+// Instantiations of the row, streaming and rescale kernels for float (one translation unit per dtype).
 #include "cuda/kernels.h"
 #include "cuda/rescale_kernel.cuh"
 #include "cuda/row_kernel.cuh"
+#include "cuda/stream_kernel.cuh"
 
 namespace fusedce {
 namespace cuda {
@@ -22,6 +23,11 @@ RowKernel select_row_kernel_f32(int items, bool forward, bool grad, bool extras)
 }
 
 RescaleKernel rescale_kernel_f32() { return ce_rescale_kernel<float>; }
+
+StreamKernel select_stream_kernel_f32(bool grad, bool extras) {
+  if (grad) return extras ? ce_stream_kernel<float, true, true> : ce_stream_kernel<float, true, false>;
+  return extras ? ce_stream_kernel<float, false, true> : ce_stream_kernel<float, false, false>;
+}
 
 }  // namespace cuda
 }  // namespace fusedce

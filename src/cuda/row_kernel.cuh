@@ -27,16 +27,6 @@ namespace cuda {
 constexpr int kMaxThreads = 1024;
 constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exps are taken as 2^(z log2 e)
 
-/// A block's (or cluster's) partial statistics of one row.
-struct RowPartial {
-  detail::LseState st;
-  float smooth;    // sum z (or sum w z)
-  float amax_v;    // argmax value and index (metrics)
-  int64_t amax_i;
-  float z_target;  // the target's z, from the one thread that holds it
-  int has_target;
-};
-
 __device__ __forceinline__ bool argmax_better(float av, int64_t ai, float bv, int64_t bi) {
   // torch.argmax: NaN is the largest value; ties go to the lowest index.
   const bool an = av != av, bn = bv != bv;
@@ -60,16 +50,22 @@ __device__ __forceinline__ RowPartial merge_partial(const RowPartial& a, const R
   return r;
 }
 
-__device__ __forceinline__ RowPartial shfl_down_partial(const RowPartial& p, int delta) {
-  RowPartial r;
+/// Lane + delta's partial. Fields a caller does not use are not shuffled: the argmax only with
+/// metrics, the target logit only where a thread (not a global load) found it.
+__device__ __forceinline__ RowPartial shfl_down_partial(const RowPartial& p, int delta, bool metrics, bool target) {
+  RowPartial r = p;
   r.st.m = __shfl_down_sync(0xffffffffu, p.st.m, delta);
   r.st.s = __shfl_down_sync(0xffffffffu, p.st.s, delta);
-  r.st.ez = __shfl_down_sync(0xffffffffu, p.st.ez, delta);
+  if (metrics) r.st.ez = __shfl_down_sync(0xffffffffu, p.st.ez, delta);
   r.smooth = __shfl_down_sync(0xffffffffu, p.smooth, delta);
-  r.amax_v = __shfl_down_sync(0xffffffffu, p.amax_v, delta);
-  r.amax_i = __shfl_down_sync(0xffffffffu, p.amax_i, delta);
-  r.z_target = __shfl_down_sync(0xffffffffu, p.z_target, delta);
-  r.has_target = __shfl_down_sync(0xffffffffu, p.has_target, delta);
+  if (metrics) {
+    r.amax_v = __shfl_down_sync(0xffffffffu, p.amax_v, delta);
+    r.amax_i = __shfl_down_sync(0xffffffffu, p.amax_i, delta);
+  }
+  if (target) {
+    r.z_target = __shfl_down_sync(0xffffffffu, p.z_target, delta);
+    r.has_target = __shfl_down_sync(0xffffffffu, p.has_target, delta);
+  }
   return r;
 }
 
@@ -267,7 +263,7 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
 
     // Block reduction in a fixed order: warp shuffles, then warp 0 over the warps.
 #pragma unroll
-    for (int d = 16; d > 0; d >>= 1) mine = merge_partial(mine, shfl_down_partial(mine, d), metrics);
+    for (int d = 16; d > 0; d >>= 1) mine = merge_partial(mine, shfl_down_partial(mine, d, metrics, true), metrics);
     const int warp = tid / 32, lane = tid % 32, nwarps = blockDim.x / 32;
     if (lane == 0) sh.warp[warp] = mine;
     __syncthreads();  // warp partials visible to warp 0
@@ -275,7 +271,7 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
       RowPartial b = sh.warp[lane < nwarps ? lane : 0];
 #pragma unroll
       for (int d = 1; d < 32; d *= 2) {
-        const RowPartial o = shfl_down_partial(b, d);
+        const RowPartial o = shfl_down_partial(b, d, metrics, true);
         if ((lane & (2 * d - 1)) == 0 && lane + d < nwarps) b = merge_partial(b, o, metrics);
       }
       if (lane == 0) sh.block = b;
@@ -292,7 +288,7 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
         RowPartial r = *cluster.map_shared_rank(&sh.block, lane < p.cluster ? lane : 0);
 #pragma unroll
         for (int d = 1; d < 32; d *= 2) {
-          const RowPartial o = shfl_down_partial(r, d);
+          const RowPartial o = shfl_down_partial(r, d, metrics, true);
           if ((lane & (2 * d - 1)) == 0 && lane + d < p.cluster) r = merge_partial(r, o, metrics);
         }
         if (lane == 0) sh.row = r;
@@ -337,19 +333,23 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
         const int s = s0 + k * static_cast<int>(blockDim.x);
         const int j0 = s * kVec - off;
         Segment<T> out;
+        if (kExtras) {
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          const float z = transform(E::to_float(reg[k].e[e]), c, softcap);
-          const float pj = ex2(fmaf(z, kLog2e, -lse2));
-          float d;
-          if (kExtras) {
+          for (int e = 0; e < kVec; ++e) {
+            const float z = transform(E::to_float(reg[k].e[e]), c, softcap);
+            const float pj = ex2(fmaf(z, kLog2e, -lse2));
             const int j = j0 + e;
             const float wj = weighted ? ((j >= 0 && j < V) ? p.class_weight[int64_t(j) * p.weight_stride] : 0.0f) : 1.0f;
-            d = (rg.g_a * pj - rg.g_c * wj) * detail::dz_dx(z, c, softcap);
-          } else {
-            d = fmaf(ga_s, pj, -gc_s);
+            out.e[e] = E::from_float((rg.g_a * pj - rg.g_c * wj) * detail::dz_dx(z, c, softcap));
           }
-          out.e[e] = E::from_float(d);
+        } else {
+          // dx = g a scale p - g eps/V scale, p = 2^(x scale log2e - lse log2e); pairs convert at once.
+          const float sl2 = c.logit_scale * kLog2e;
+#pragma unroll
+          for (int i = 0; i < kVec / 2; ++i) {
+            const float2 xx = seg_pair(reg[k], i);
+            set_pair(out, i, fmaf(ga_s, ex2(fmaf(xx.x, sl2, -lse2)), -gc_s), fmaf(ga_s, ex2(fmaf(xx.y, sl2, -lse2)), -gc_s));
+          }
         }
         if (s == seg_t) {
           // The target's own term, once per row, by the thread that holds it.

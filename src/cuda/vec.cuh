@@ -42,6 +42,43 @@ struct Segment {
   };
 };
 
+/// Largest element of a segment (NaN ignored, as fmaxf), as float. 16-bit types compare packed
+/// pairs (one max per two elements) and convert once.
+__device__ __forceinline__ float seg_max(const Segment<float>& s) {
+  return fmaxf(fmaxf(s.e[0], s.e[1]), fmaxf(s.e[2], s.e[3]));
+}
+__device__ __forceinline__ float seg_max(const Segment<__nv_bfloat16>& s) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&s.raw);
+  const __nv_bfloat162 m = __hmax2(__hmax2(h[0], h[1]), __hmax2(h[2], h[3]));
+  return fmaxf(__low2float(m), __high2float(m));
+}
+__device__ __forceinline__ float seg_max(const Segment<__half>& s) {
+  const __half2* h = reinterpret_cast<const __half2*>(&s.raw);
+  const __half2 m = __hmax2(__hmax2(h[0], h[1]), __hmax2(h[2], h[3]));
+  return fmaxf(__low2float(m), __high2float(m));
+}
+
+/// Elements 2i and 2i+1 of a segment as floats.
+__device__ __forceinline__ float2 seg_pair(const Segment<float>& s, int i) { return make_float2(s.e[2 * i], s.e[2 * i + 1]); }
+__device__ __forceinline__ float2 seg_pair(const Segment<__nv_bfloat16>& s, int i) {
+  return __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(&s.raw)[i]);
+}
+__device__ __forceinline__ float2 seg_pair(const Segment<__half>& s, int i) {
+  return __half22float2(reinterpret_cast<const __half2*>(&s.raw)[i]);
+}
+
+/// Sets elements 2i and 2i+1 (rounded to nearest even; one conversion per pair for 16-bit types).
+__device__ __forceinline__ void set_pair(Segment<float>& s, int i, float a, float b) {
+  s.e[2 * i] = a;
+  s.e[2 * i + 1] = b;
+}
+__device__ __forceinline__ void set_pair(Segment<__nv_bfloat16>& s, int i, float a, float b) {
+  reinterpret_cast<__nv_bfloat162*>(&s.raw)[i] = __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ void set_pair(Segment<__half>& s, int i, float a, float b) {
+  reinterpret_cast<__half2*>(&s.raw)[i] = __floats2half2_rn(a, b);
+}
+
 /// Elements the row start lies past its 16-byte boundary.
 template <typename T>
 __device__ __forceinline__ int row_offset(const T* row) {

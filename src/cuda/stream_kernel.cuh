@@ -1,0 +1,413 @@
+// The streaming cross-entropy pass for Hopper: forward statistics, and with them the gradient.
+//
+// What it fuses: persistent blocks (one per SM) walk the work items (a row, or a split of a row
+// when there are few rows). A producer warp has the copy engine stream each item's 32 KB chunks
+// into a ring of shared-memory stages (cp.async.bulk + mbarrier), kStages chunks ahead, across
+// row boundaries; 16 consumer warps fold each chunk into per-thread online (max, sum of exps)
+// states, then reduce the row. With the gradient, the row is streamed a second time (from L2: the
+// block read it microseconds before) and dlogits is written from the staged chunks. Nothing of
+// size N x V is stored besides dlogits, and device memory sees each logit read once.
+//
+// Bytes: forward N*V*sizeof(T); with the gradient 2*N*V*sizeof(T) (plus the L2 re-read). The
+// limit is device-memory bandwidth: kStages * 32 KB = 192 KB of loads in flight per SM covers it.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/row_kernel.cuh"
+#include "cuda/tma.cuh"
+
+namespace fusedce {
+namespace cuda {
+
+/// Where one work item's bytes are: its row, alignment and chunk range.
+template <typename T>
+struct ItemGeometry {
+  static constexpr int kVec = Segment<T>::kVec;
+  const T* x;      // the row
+  int off;         // elements the row start lies past a 16-byte boundary
+  int nseg;        // segments of the row
+  int first_full;  // segments [first_full, last_full] lie wholly inside the row
+  int last_full;
+  int c0, c1;      // chunks [c0, c1) of this item
+
+  __device__ __forceinline__ ItemGeometry(const RowParams& p, int64_t row, int split, int chunks_per_split) {
+    const int V = static_cast<int>(p.vocab);
+    x = static_cast<const T*>(p.logits) + row * p.logits_stride;
+    off = row_offset(x);
+    nseg = static_cast<int>(row_segments(V, off, kVec));
+    first_full = off == 0 ? 0 : 1;
+    last_full = (V + off) / kVec - 1;
+    const int nchunks = (nseg + kChunkSegs - 1) / kChunkSegs;
+    c0 = min(nchunks, split * chunks_per_split);
+    c1 = min(nchunks, c0 + chunks_per_split);
+  }
+  /// Segment s, from the staged chunk when it lies wholly inside the row, else from global memory
+  /// (the row's ragged ends) or `fill` past the row.
+  __device__ __forceinline__ Segment<T> fetch(const unsigned char* stage, int c, int s, int V, T fill) const {
+    Segment<T> seg;
+    if (s >= first_full && s <= last_full) {
+      seg.raw = *reinterpret_cast<const uint4*>(stage + (s - c * kChunkSegs) * 16);
+    } else if (s < nseg) {
+      seg = load_segment(x, s, off, V, fill);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) seg.e[e] = fill;
+    }
+    return seg;
+  }
+};
+
+/// Another block's published partial, read from L2 (never from this SM's incoherent L1).
+__device__ __forceinline__ RowPartial load_partial_l2(const RowPartial* src) {
+  RowPartial r;
+  const unsigned* from = reinterpret_cast<const unsigned*>(src);
+  unsigned* to = reinterpret_cast<unsigned*>(&r);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(RowPartial) / 4); ++i) to[i] = __ldcg(from + i);
+  return r;
+}
+
+template <typename T, bool kGrad, bool kExtras>
+__global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const StreamParams sp) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using E = Elem<T>;
+  constexpr int kVec = Segment<T>::kVec;
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + size_t(kStages) * kChunkBytes);
+  uint64_t* empty = full + kStages;
+  // Warp partials double-buffered by row parity: a warp may start writing the next row's
+  // partial while warp 0 still reads this row's (there is one barrier between them).
+  __shared__ RowPartial warp_part[2][kStreamConsumerWarps];
+  __shared__ RowPartial row_part;
+
+  const RowParams& p = sp.row;
+  const int V = static_cast<int>(p.vocab);
+  const int64_t items = p.rows * sp.splits;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // The gradient is formed here only when a block owns whole rows.
+  const bool grad_here = kGrad && sp.splits == 1;
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(&full[i], 1);                      // the producer's arrive (+ the copy's bytes)
+      mbar_init(&empty[i], kStreamConsumerWarps);  // one arrive per consumer warp
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();  // barriers initialised before anyone waits on them
+
+  if (warp == kStreamConsumerWarps) {
+    // ---- producer: one lane issues every bulk copy, kStages chunks ahead of the consumers.
+    if (lane != 0) return;
+    uint32_t n = 0;  // chunks issued so far: stage n % kStages, round n / kStages
+    // Targets are fetched one item ahead: a global load's latency under full bandwidth is about
+    // a microsecond, too long to sit in every item's critical path.
+    int64_t t_next = blockIdx.x < items ? load_target_dev(p, blockIdx.x / sp.splits) : 0;
+    for (int64_t w = blockIdx.x; w < items; w += gridDim.x) {
+      const int64_t row = w / sp.splits;
+      const int64_t t_cur = t_next;
+      if (w + gridDim.x < items) t_next = load_target_dev(p, (w + gridDim.x) / sp.splits);
+      if (t_cur == p.ignore_index) continue;
+      const ItemGeometry<T> g(p, row, static_cast<int>(w % sp.splits), sp.chunks_per_split);
+      const char* aligned = reinterpret_cast<const char*>(g.x - g.off);
+      for (int pass = 0; pass < (grad_here ? 2 : 1); ++pass) {
+        for (int c = g.c0; c < g.c1; ++c, ++n) {
+          const int stage = n % kStages;
+          mbar_wait(&empty[stage], ((n / kStages) & 1) ^ 1);  // consumers done with its last use
+          const int lo = max(c * kChunkSegs, g.first_full);
+          const int hi = min((c + 1) * kChunkSegs, g.last_full + 1);
+          const uint32_t bytes = hi > lo ? static_cast<uint32_t>(hi - lo) * 16u : 0u;
+          mbar_arrive_expect_tx(&full[stage], bytes);
+          if (bytes) {
+            bulk_load(smem + size_t(stage) * kChunkBytes + size_t(lo - c * kChunkSegs) * 16,
+                      aligned + size_t(lo) * 16, bytes, &full[stage]);
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers
+  const int ctid = threadIdx.x;  // 0 .. kStreamConsumers - 1
+  uint32_t n = 0;                // chunks consumed so far, in the producer's order
+  int parity = 0;                // which warp_part buffer this row uses
+  const bool metrics = kExtras && p.metrics;
+  int64_t t_next = blockIdx.x < items ? load_target_dev(p, blockIdx.x / sp.splits) : 0;
+  const float g_chain = grad_here && p.batch ? p.batch->g_chain : 1.0f;
+  for (int64_t w = blockIdx.x; w < items; w += gridDim.x) {
+    const int64_t row = w / sp.splits;
+    const int split = static_cast<int>(w % sp.splits);
+    const int64_t t64 = t_next;  // fetched one item ahead (see the producer)
+    if (w + gridDim.x < items) t_next = load_target_dev(p, (w + gridDim.x) / sp.splits);
+    if (t64 == p.ignore_index) {
+      if (split == 0 && ctid == 0) {
+        p.row_loss[row * p.row_loss_stride] = 0.0f;
+        if (p.lse_out) p.lse_out[row * p.lse_stride] = 0.0f;
+        if (metrics) {
+          p.row_entropy[row] = 0.0f;
+          p.row_correct[row] = 0;
+        }
+      }
+      if (grad_here) {
+        T* dx = static_cast<T*>(p.dlogits) + row * p.dlogits_stride;
+        const int doff = row_offset(dx);
+        const int dseg = static_cast<int>(row_segments(V, doff, kVec));
+        Segment<T> zero;
+        zero.raw = make_uint4(0, 0, 0, 0);
+        for (int s = ctid; s < dseg; s += kStreamConsumers) store_segment(dx, s, doff, V, zero);
+      }
+      continue;
+    }
+    const ItemGeometry<T> g(p, row, split, sp.chunks_per_split);
+    const bool valid_t = t64 >= 0 && t64 < V;
+    const int t = valid_t ? static_cast<int>(t64) : -1;
+    const bool weighted = kExtras && p.class_weight != nullptr;
+    const bool softcap = kExtras && p.softcap;
+    const float w_t = !valid_t ? NAN : (weighted ? p.class_weight[t * p.weight_stride] : 1.0f);
+    // The upstream gradient, loaded now so its latency hides behind the statistics sweep.
+    const float g_up = grad_here && p.grad_loss ? p.grad_loss[p.grad_scalar ? 0 : row * p.grad_stride] : 1.0f;
+    detail::LossConstants c = p.c;
+    if (weighted && p.batch) c.weight_sum = p.batch->weight_sum;
+    const T fill = E::from_float(c.logit_scale > 0.0f ? -INFINITY : INFINITY);
+    // Read before this row's barriers, hence before any of its gradient stores (in place).
+    const float z_t = (ctid == 0 && valid_t && sp.splits == 1) ? transform(E::to_float(g.x[t]), c, softcap) : NAN;
+
+    auto z_of = [&](const Segment<T>& seg, int e, int j0) {
+      const float z = transform(E::to_float(seg.e[e]), c, softcap);
+      if (kExtras) {
+        const int j = j0 + e;
+        return (j >= 0 && j < V) ? z : -INFINITY;
+      }
+      return z;
+    };
+
+    // ---- statistics sweep
+    RowPartial mine;
+    mine.st = detail::lse_empty();
+    mine.smooth = 0.0f;
+    mine.amax_v = -INFINITY;
+    mine.amax_i = INT64_MAX;
+    mine.z_target = 0.0f;
+    mine.has_target = 0;
+    float run_m = -INFINITY, run_s = 0.0f, run_ez = 0.0f;
+    int amax_i = INT32_MAX;
+    float amax_v = -INFINITY;
+    for (int ch = g.c0; ch < g.c1; ++ch, ++n) {
+      const int stage = n % kStages;
+      const unsigned char* buf = smem + size_t(stage) * kChunkBytes;
+      mbar_wait(&full[stage], (n / kStages) & 1);
+      Segment<T> seg[kSegsPerThread];
+#pragma unroll
+      for (int k = 0; k < kSegsPerThread; ++k) seg[k] = g.fetch(buf, ch, ch * kChunkSegs + ctid + k * kStreamConsumers, V, fill);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[stage]);  // this warp has its data in registers
+
+      if (!kExtras) {
+        // Plain path (logit_scale > 0, no options): the max over raw logits (packed pairs for
+        // 16-bit types), then one FFMA + one EX2 + one add per element.
+        float xm = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < kSegsPerThread; ++k) xm = fmaxf(xm, seg_max(seg[k]));
+        const float new_m = fmaxf(run_m, xm * c.logit_scale);
+        const float ref2 = detail::lse_ref(new_m) * kLog2e;
+        const float scale = run_m == -INFINITY ? 1.0f : ex2(fmaf(run_m, kLog2e, -ref2));
+        const float sl2 = c.logit_scale * kLog2e;
+        float acc[kSegsPerThread];
+#pragma unroll
+        for (int k = 0; k < kSegsPerThread; ++k) {
+          float es[kVec / 2];
+#pragma unroll
+          for (int i = 0; i < kVec / 2; ++i) {
+            const float2 xx = seg_pair(seg[k], i);
+            es[i] = ex2(fmaf(xx.x, sl2, -ref2)) + ex2(fmaf(xx.y, sl2, -ref2));
+          }
+#pragma unroll
+          for (int wdt = kVec / 4; wdt > 0; wdt /= 2) {
+#pragma unroll
+            for (int i = 0; i < wdt; ++i) es[i] += es[i + wdt];
+          }
+          acc[k] = es[0];
+        }
+        static_assert(kSegsPerThread == 4, "the sum below pairs four segments");
+        run_s = run_s * scale + ((acc[0] + acc[1]) + (acc[2] + acc[3]));
+        run_m = new_m;
+        continue;
+      }
+      float cm = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kSegsPerThread; ++k) {
+        const int j0 = (ch * kChunkSegs + ctid + k * kStreamConsumers) * kVec - g.off;
+        float zs[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) zs[e] = z_of(seg[k], e, j0);
+        if (kExtras) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            const int j = j0 + e;
+            const bool in_row = j >= 0 && j < V;
+            if (p.smoothing && in_row) mine.smooth += weighted ? p.class_weight[int64_t(j) * p.weight_stride] * zs[e] : zs[e];
+            // torch.argmax: the first NaN, else the first maximum (j increases along a thread).
+            if (metrics && in_row && (amax_i == INT32_MAX || (!(zs[e] <= amax_v) && amax_v == amax_v))) {
+              amax_v = zs[e];
+              amax_i = j;
+            }
+          }
+        }
+#pragma unroll
+        for (int wdt = kVec / 2; wdt > 0; wdt /= 2) {
+#pragma unroll
+          for (int e = 0; e < wdt; ++e) zs[e] = fmaxf(zs[e], zs[e + wdt]);
+        }
+        cm = fmaxf(cm, zs[0]);
+      }
+      // Fold the chunk into the running state against the new max (one rescale per chunk).
+      const float new_m = fmaxf(run_m, cm);
+      const float ref2 = detail::lse_ref(new_m) * kLog2e;
+      const float scale = run_m == -INFINITY ? 1.0f : ex2(fmaf(run_m, kLog2e, -ref2));
+      float s = 0.0f, ez = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kSegsPerThread; ++k) {
+        const int j0 = (ch * kChunkSegs + ctid + k * kStreamConsumers) * kVec - g.off;
+        float es[kVec], ezs[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          const float z = z_of(seg[k], e, j0);
+          es[e] = ex2(fmaf(z, kLog2e, -ref2));
+          if (metrics) ezs[e] = es[e] > 0.0f ? es[e] * z : 0.0f;
+        }
+#pragma unroll
+        for (int wdt = kVec / 2; wdt > 0; wdt /= 2) {
+#pragma unroll
+          for (int e = 0; e < wdt; ++e) {
+            es[e] += es[e + wdt];
+            if (metrics) ezs[e] += ezs[e + wdt];
+          }
+        }
+        s += es[0];
+        if (metrics) ez += ezs[0];
+      }
+      run_s = run_s * scale + s;
+      if (metrics) run_ez = run_ez * scale + ez;
+      run_m = new_m;
+    }
+    mine.st = detail::LseState{run_m, run_s, run_ez};
+    mine.amax_v = amax_v;
+    mine.amax_i = amax_i;
+
+    // ---- the row's (or split's) statistics: warps, then warp 0 over the warps
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) mine = merge_partial(mine, shfl_down_partial(mine, d, metrics, false), metrics);
+    if (lane == 0) warp_part[parity][warp] = mine;
+    named_barrier(1, kStreamConsumers);  // warp partials written (and the last row's row_part read)
+    if (warp == 0) {
+      RowPartial b = warp_part[parity][lane < kStreamConsumerWarps ? lane : 0];
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const RowPartial o = shfl_down_partial(b, d, metrics, false);
+        if ((lane & (2 * d - 1)) == 0 && lane + d < kStreamConsumerWarps) b = merge_partial(b, o, metrics);
+      }
+      if (lane == 0) {
+        bool finalize = sp.splits == 1;
+        float zt = z_t;
+        if (!finalize) {
+          // Publish this split; the last split of the row to arrive merges all, in split order.
+          RowPartial* parts = static_cast<RowPartial*>(sp.partials) + row * sp.splits;
+          parts[split] = b;
+          __threadfence();  // the partial is visible before the arrival is counted
+          const int arrived = atomicAdd(&sp.counters[row], 1);
+          if (arrived == sp.splits - 1) {
+            __threadfence();  // see every other split's partial
+            b = load_partial_l2(&parts[0]);
+            for (int q = 1; q < sp.splits; ++q) b = merge_partial(b, load_partial_l2(&parts[q]), metrics);
+            sp.counters[row] = 0;  // ready for the next call (or graph replay)
+            zt = valid_t ? transform(E::to_float(g.x[t]), c, softcap) : NAN;
+            finalize = true;
+          }
+        }
+        if (finalize) {
+          const float lse = detail::lse_value(b.st);
+          p.row_loss[row * p.row_loss_stride] = detail::row_loss(c, lse, zt, w_t, b.smooth, weighted);
+          if (p.lse_out) p.lse_out[row * p.lse_stride] = lse;
+          if (metrics) {
+            p.row_entropy[row] = lse - b.st.ez / b.st.s;
+            p.row_correct[row] = b.amax_i == t ? 1 : 0;
+          }
+        }
+        row_part = b;
+      }
+    }
+    parity ^= 1;
+    if (!grad_here) continue;
+    named_barrier(1, kStreamConsumers);  // row_part visible
+    const float lse = detail::lse_value(row_part.st);
+
+    // ---- gradient sweep over the re-staged chunks
+    T* dx = static_cast<T*>(p.dlogits) + row * p.dlogits_stride;
+    const bool same_layout = row_offset(dx) == g.off;
+    const float gr = g_chain * g_up;
+    const detail::RowGrad rg = detail::row_grad(c, lse, w_t, gr);
+    const float ga_s = rg.g_a * c.logit_scale, gc_s = rg.g_c * c.logit_scale;
+    const float lse2 = lse * kLog2e;
+    const float sl2 = c.logit_scale * kLog2e;
+    const int seg_t = valid_t ? (t + g.off) / kVec : -1;
+    for (int ch = g.c0; ch < g.c1; ++ch, ++n) {
+      const int stage = n % kStages;
+      const unsigned char* buf = smem + size_t(stage) * kChunkBytes;
+      mbar_wait(&full[stage], (n / kStages) & 1);
+      Segment<T> seg[kSegsPerThread];
+#pragma unroll
+      for (int k = 0; k < kSegsPerThread; ++k) seg[k] = g.fetch(buf, ch, ch * kChunkSegs + ctid + k * kStreamConsumers, V, fill);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[stage]);
+#pragma unroll
+      for (int k = 0; k < kSegsPerThread; ++k) {
+        const int s = ch * kChunkSegs + ctid + k * kStreamConsumers;
+        if (s >= g.nseg) continue;
+        const int j0 = s * kVec - g.off;
+        Segment<T> out;
+        if (kExtras) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            const float z = transform(E::to_float(seg[k].e[e]), c, softcap);
+            const float pj = ex2(fmaf(z, kLog2e, -lse2));
+            const int j = j0 + e;
+            const float wj = weighted ? ((j >= 0 && j < V) ? p.class_weight[int64_t(j) * p.weight_stride] : 0.0f) : 1.0f;
+            out.e[e] = E::from_float((rg.g_a * pj - rg.g_c * wj) * detail::dz_dx(z, c, softcap));
+          }
+        } else {
+          // dx = g a scale p - g eps/V scale, p = 2^(x scale log2e - lse log2e).
+#pragma unroll
+          for (int i = 0; i < kVec / 2; ++i) {
+            const float2 xx = seg_pair(seg[k], i);
+            set_pair(out, i, fmaf(ga_s, ex2(fmaf(xx.x, sl2, -lse2)), -gc_s), fmaf(ga_s, ex2(fmaf(xx.y, sl2, -lse2)), -gc_s));
+          }
+        }
+        if (s == seg_t) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            if (j0 + e == t) {
+              const float z = transform(E::to_float(seg[k].e[e]), c, softcap);
+              const float pj = ex2(fmaf(z, kLog2e, -lse2));
+              out.e[e] = E::from_float((rg.g_a * pj - rg.g_bt - rg.g_c * w_t) * detail::dz_dx(z, c, softcap));
+            }
+          }
+        }
+        if (same_layout) {
+          store_segment(dx, s, g.off, V, out);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            const int j = j0 + e;
+            if (j >= 0 && j < V) dx[j] = out.e[e];
+          }
+        }
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace cuda
+}  // namespace fusedce
