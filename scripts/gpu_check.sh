@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU must show, in one run on the GPU machine: build (sm_90 + sm_80), every C++
 # test on the GPU, compute-sanitizer (memcheck, racecheck) on a small sweep, the benchmarks.
-# Logs go to $OUT (or ./gpu_out). GoogleTest comes from .deps/googletest when it is not installed.
+# Logs go to $OUT (or ./gpu_out). GoogleTest comes from .deps/googletest when it is not installed
+# (copy /usr/src/googletest there and carry it). CTEST_ARGS narrows ctest (e.g. -R "cuda|Cuda"),
+# BENCH_ARGS goes to the benchmark (e.g. --quick).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -24,17 +26,21 @@ cmake --build "$build" -j 16 > "$out/build.log" 2>&1 || { grep -E "error" "$out/
 grep -E "spill" "$out/build.log" | sort | uniq -c | head -20
 
 step "tests (ctest, GPU present)"
-ctest --test-dir "$build" -j 4 --timeout 900 > "$out/ctest.log" 2>&1 || status=1
+ctest --test-dir "$build" -j 12 --timeout 900 ${CTEST_ARGS:-} > "$out/ctest.log" 2>&1 || status=1
 tail -25 "$out/ctest.log"
 
 step "compute-sanitizer on a small sweep"
-tests_bin=$(find "$build/tests/cpp" -maxdepth 1 -type f -name 'fusedce_tests*' -perm -u+x | head -1)
-filter=${SANITIZER_FILTER:-'*Cuda*Small*:*Cuda*Odd*:*Cuda*Stride*'}
+# Small CUDA cases of the grid (odd, tiny and mid-size V, every option) and the layout, special
+# value, equivalence and batch tests on CUDA.
+bin="$build/tests/cpp"
 for tool in memcheck racecheck; do
-  compute-sanitizer --tool $tool --error-exitcode 9 "$tests_bin" --gtest_filter="$filter" \
-    > "$out/sanitizer_$tool.log" 2>&1
-  rc=$?
-  echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$out/sanitizer_$tool.log" | tail -3 | tr '\n' ' ')"
+  rc=0
+  compute-sanitizer --tool $tool --error-exitcode 9 "$bin/fusedce_grid_tests" \
+    --gtest_filter="${GRID_FILTER:-*cuda_*_V7_N3_*:*cuda_*_V127_N257_*:*cuda_bfloat16_V1024_N257_*:*cuda_*_V1_N1_*}" \
+    > "$out/sanitizer_${tool}_grid.log" 2>&1 || rc=$?
+  compute-sanitizer --tool $tool --error-exitcode 9 "$bin/fusedce_tests" --gtest_filter="${TESTS_FILTER:-*cuda*:*Cuda*}" \
+    > "$out/sanitizer_${tool}_tests.log" 2>&1 || rc=$?
+  echo "$tool: exit $rc; $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|tests? ran|PASSED|FAILED' "$out"/sanitizer_${tool}_*.log | tr '\n' ' ')"
   [ $rc -eq 0 ] || status=1
 done
 

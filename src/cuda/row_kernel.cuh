@@ -90,6 +90,14 @@ __device__ __forceinline__ float transform(float x, const detail::LossConstants&
   return softcap ? c.softcap * softcap_tanh(x * c.inv_softcap) : x * c.logit_scale;
 }
 
+/// exp(z - ref) for z = transform(x). Without softcap the difference is formed by one FMA from
+/// the raw logit (x * scale - ref, rounded once) before the log2(e) factor, so logits of large
+/// magnitude keep their precision; every kernel path uses this one formula, which keeps results
+/// bit-identical whichever path (plain or with options) a call takes.
+__device__ __forceinline__ float exp_rel(float x, float z, float ref, const detail::LossConstants& c, bool softcap) {
+  return ex2((softcap ? z - ref : fmaf(x, c.logit_scale, -ref)) * kLog2e);
+}
+
 __device__ __forceinline__ int64_t load_target_dev(const RowParams& p, int64_t row) {
   return p.target_i64 ? static_cast<const int64_t*>(p.target)[row * p.target_stride]
                       : static_cast<int64_t>(static_cast<const int32_t*>(p.target)[row * p.target_stride]);
@@ -231,7 +239,7 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
         }
       }
       // Pass 2: sum of exps (and the entropy term) against this thread's max.
-      const float ref2 = detail::lse_ref(m) * kLog2e;
+      const float ref = detail::lse_ref(m);
       float s = 0.0f, ez = 0.0f;
 #pragma unroll
       for (int k = 0; k < kItems; ++k) {
@@ -240,7 +248,7 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
           const float z = z_of(k, e, j0);
-          es[e] = ex2(fmaf(z, kLog2e, -ref2));
+          es[e] = z == -INFINITY ? 0.0f : exp_rel(E::to_float(reg[k].e[e]), z, ref, c, softcap);
           if (metrics) ezs[e] = es[e] > 0.0f ? es[e] * z : 0.0f;  // 0, not 0 * -inf, when masked
         }
 #pragma unroll
@@ -321,7 +329,6 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
     const detail::RowGrad rg = detail::row_grad(c, lse, w_t, g);
     // Plain path: dx = (g a scale) p - (g eps/V scale), the scale folded into the constants.
     const float ga_s = rg.g_a * c.logit_scale, gc_s = rg.g_c * c.logit_scale;
-    const float lse2 = lse * kLog2e;
     const int seg_t = valid_t ? (t + off) / kVec : -1;
     const bool same_layout = doff == off;
     for (int piece = 0; piece < p.pieces; ++piece) {
@@ -333,22 +340,25 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
         const int s = s0 + k * static_cast<int>(blockDim.x);
         const int j0 = s * kVec - off;
         Segment<T> out;
-        if (kExtras) {
+        if (kExtras && (softcap || weighted)) {
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
-            const float z = transform(E::to_float(reg[k].e[e]), c, softcap);
-            const float pj = ex2(fmaf(z, kLog2e, -lse2));
+            const float xv = E::to_float(reg[k].e[e]);
+            const float z = transform(xv, c, softcap);
+            const float pj = exp_rel(xv, z, lse, c, softcap);
             const int j = j0 + e;
             const float wj = weighted ? ((j >= 0 && j < V) ? p.class_weight[int64_t(j) * p.weight_stride] : 0.0f) : 1.0f;
             out.e[e] = E::from_float((rg.g_a * pj - rg.g_c * wj) * detail::dz_dx(z, c, softcap));
           }
         } else {
-          // dx = g a scale p - g eps/V scale, p = 2^(x scale log2e - lse log2e); pairs convert at once.
-          const float sl2 = c.logit_scale * kLog2e;
+          // dx = g a scale p - g eps/V scale, p = exp(x scale - lse); pairs convert at once. The
+          // same arithmetic as the streaming kernel's, so backward and forward-with-gradient agree
+          // bit for bit.
 #pragma unroll
           for (int i = 0; i < kVec / 2; ++i) {
             const float2 xx = seg_pair(reg[k], i);
-            set_pair(out, i, fmaf(ga_s, ex2(fmaf(xx.x, sl2, -lse2)), -gc_s), fmaf(ga_s, ex2(fmaf(xx.y, sl2, -lse2)), -gc_s));
+            set_pair(out, i, fmaf(ga_s, exp_rel(xx.x, 0.0f, lse, c, false), -gc_s),
+                     fmaf(ga_s, exp_rel(xx.y, 0.0f, lse, c, false), -gc_s));
           }
         }
         if (s == seg_t) {
@@ -356,8 +366,9 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
             if (j0 + e == t) {
-              const float z = transform(E::to_float(reg[k].e[e]), c, softcap);
-              const float pj = ex2(fmaf(z, kLog2e, -lse2));
+              const float xv = E::to_float(reg[k].e[e]);
+              const float z = transform(xv, c, softcap);
+              const float pj = exp_rel(xv, z, lse, c, softcap);
               out.e[e] = E::from_float((rg.g_a * pj - rg.g_bt - rg.g_c * w_t) * detail::dz_dx(z, c, softcap));
             }
           }

@@ -101,6 +101,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     // ---- producer: one lane issues every bulk copy, kStages chunks ahead of the consumers.
     if (lane != 0) return;
     uint32_t n = 0;  // chunks issued so far: stage n % kStages, round n / kStages
+    // With the gradient, the first sweep's lines should survive in L2 until the second sweep
+    // re-reads them microseconds later; the second sweep's (and dlogits', stored .cs) go first.
+    const uint64_t keep = make_l2_policy(grad_here ? L2Policy::kEvictLast : L2Policy::kEvictFirst);
+    const uint64_t drop = make_l2_policy(L2Policy::kEvictFirst);
     // Targets are fetched one item ahead: a global load's latency under full bandwidth is about
     // a microsecond, too long to sit in every item's critical path.
     int64_t t_next = blockIdx.x < items ? load_target_dev(p, blockIdx.x / sp.splits) : 0;
@@ -120,8 +124,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
           const uint32_t bytes = hi > lo ? static_cast<uint32_t>(hi - lo) * 16u : 0u;
           mbar_arrive_expect_tx(&full[stage], bytes);
           if (bytes) {
-            bulk_load(smem + size_t(stage) * kChunkBytes + size_t(lo - c * kChunkSegs) * 16,
-                      aligned + size_t(lo) * 16, bytes, &full[stage]);
+            bulk_load_hint(smem + size_t(stage) * kChunkBytes + size_t(lo - c * kChunkSegs) * 16,
+                           aligned + size_t(lo) * 16, bytes, &full[stage], pass == 0 ? keep : drop);
           }
         }
       }
@@ -211,9 +215,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
 #pragma unroll
         for (int k = 0; k < kSegsPerThread; ++k) xm = fmaxf(xm, seg_max(seg[k]));
         const float new_m = fmaxf(run_m, xm * c.logit_scale);
-        const float ref2 = detail::lse_ref(new_m) * kLog2e;
-        const float scale = run_m == -INFINITY ? 1.0f : ex2(fmaf(run_m, kLog2e, -ref2));
-        const float sl2 = c.logit_scale * kLog2e;
+        const float ref = detail::lse_ref(new_m);
+        const float scale = run_m == -INFINITY ? 1.0f : ex2((run_m - ref) * kLog2e);
         float acc[kSegsPerThread];
 #pragma unroll
         for (int k = 0; k < kSegsPerThread; ++k) {
@@ -221,7 +224,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
 #pragma unroll
           for (int i = 0; i < kVec / 2; ++i) {
             const float2 xx = seg_pair(seg[k], i);
-            es[i] = ex2(fmaf(xx.x, sl2, -ref2)) + ex2(fmaf(xx.y, sl2, -ref2));
+            es[i] = exp_rel(xx.x, 0.0f, ref, c, false) + exp_rel(xx.y, 0.0f, ref, c, false);
           }
 #pragma unroll
           for (int wdt = kVec / 4; wdt > 0; wdt /= 2) {
@@ -262,11 +265,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         }
         cm = fmaxf(cm, zs[0]);
       }
-      // Fold the chunk into the running state against the new max (one rescale per chunk).
+      // Fold the chunk into the running state against the new max (one rescale per chunk). The
+      // sums run in the plain path's order, so options that do not change the math (metrics)
+      // leave the loss bit-identical.
       const float new_m = fmaxf(run_m, cm);
-      const float ref2 = detail::lse_ref(new_m) * kLog2e;
-      const float scale = run_m == -INFINITY ? 1.0f : ex2(fmaf(run_m, kLog2e, -ref2));
-      float s = 0.0f, ez = 0.0f;
+      const float ref = detail::lse_ref(new_m);
+      const float scale = run_m == -INFINITY ? 1.0f : ex2((run_m - ref) * kLog2e);
+      float acc[kSegsPerThread], acc_ez[kSegsPerThread];
 #pragma unroll
       for (int k = 0; k < kSegsPerThread; ++k) {
         const int j0 = (ch * kChunkSegs + ctid + k * kStreamConsumers) * kVec - g.off;
@@ -274,20 +279,27 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
           const float z = z_of(seg[k], e, j0);
-          es[e] = ex2(fmaf(z, kLog2e, -ref2));
-          if (metrics) ezs[e] = es[e] > 0.0f ? es[e] * z : 0.0f;
+          es[e] = z == -INFINITY ? 0.0f : exp_rel(E::to_float(seg[k].e[e]), z, ref, c, softcap);
+          ezs[e] = metrics && es[e] > 0.0f ? es[e] * z : 0.0f;  // 0, not 0 * -inf, when masked
         }
 #pragma unroll
-        for (int wdt = kVec / 2; wdt > 0; wdt /= 2) {
+        for (int i = 0; i < kVec / 2; ++i) {
+          es[i] = es[2 * i] + es[2 * i + 1];
+          ezs[i] = ezs[2 * i] + ezs[2 * i + 1];
+        }
 #pragma unroll
-          for (int e = 0; e < wdt; ++e) {
-            es[e] += es[e + wdt];
-            if (metrics) ezs[e] += ezs[e + wdt];
+        for (int wdt = kVec / 4; wdt > 0; wdt /= 2) {
+#pragma unroll
+          for (int i = 0; i < wdt; ++i) {
+            es[i] += es[i + wdt];
+            ezs[i] += ezs[i + wdt];
           }
         }
-        s += es[0];
-        if (metrics) ez += ezs[0];
+        acc[k] = es[0];
+        acc_ez[k] = ezs[0];
       }
+      const float s = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+      const float ez = (acc_ez[0] + acc_ez[1]) + (acc_ez[2] + acc_ez[3]);
       run_s = run_s * scale + s;
       if (metrics) run_ez = run_ez * scale + ez;
       run_m = new_m;
@@ -349,8 +361,6 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     const float gr = g_chain * g_up;
     const detail::RowGrad rg = detail::row_grad(c, lse, w_t, gr);
     const float ga_s = rg.g_a * c.logit_scale, gc_s = rg.g_c * c.logit_scale;
-    const float lse2 = lse * kLog2e;
-    const float sl2 = c.logit_scale * kLog2e;
     const int seg_t = valid_t ? (t + g.off) / kVec : -1;
     for (int ch = g.c0; ch < g.c1; ++ch, ++n) {
       const int stage = n % kStages;
@@ -367,29 +377,33 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         if (s >= g.nseg) continue;
         const int j0 = s * kVec - g.off;
         Segment<T> out;
-        if (kExtras) {
+        if (kExtras && (softcap || weighted)) {
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
-            const float z = transform(E::to_float(seg[k].e[e]), c, softcap);
-            const float pj = ex2(fmaf(z, kLog2e, -lse2));
+            const float xv = E::to_float(seg[k].e[e]);
+            const float z = transform(xv, c, softcap);
+            const float pj = exp_rel(xv, z, lse, c, softcap);
             const int j = j0 + e;
             const float wj = weighted ? ((j >= 0 && j < V) ? p.class_weight[int64_t(j) * p.weight_stride] : 0.0f) : 1.0f;
             out.e[e] = E::from_float((rg.g_a * pj - rg.g_c * wj) * detail::dz_dx(z, c, softcap));
           }
         } else {
-          // dx = g a scale p - g eps/V scale, p = 2^(x scale log2e - lse log2e).
+          // dx = g a scale p - g eps/V scale, p = exp(x scale - lse): the same arithmetic on the
+          // plain path and with options that leave dz/dx = scale (smoothing, z-loss, metrics).
 #pragma unroll
           for (int i = 0; i < kVec / 2; ++i) {
             const float2 xx = seg_pair(seg[k], i);
-            set_pair(out, i, fmaf(ga_s, ex2(fmaf(xx.x, sl2, -lse2)), -gc_s), fmaf(ga_s, ex2(fmaf(xx.y, sl2, -lse2)), -gc_s));
+            set_pair(out, i, fmaf(ga_s, exp_rel(xx.x, 0.0f, lse, c, false), -gc_s),
+                     fmaf(ga_s, exp_rel(xx.y, 0.0f, lse, c, false), -gc_s));
           }
         }
         if (s == seg_t) {
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
             if (j0 + e == t) {
-              const float z = transform(E::to_float(seg[k].e[e]), c, softcap);
-              const float pj = ex2(fmaf(z, kLog2e, -lse2));
+              const float xv = E::to_float(seg[k].e[e]);
+              const float z = transform(xv, c, softcap);
+              const float pj = exp_rel(xv, z, lse, c, softcap);
               out.e[e] = E::from_float((rg.g_a * pj - rg.g_bt - rg.g_c * w_t) * detail::dz_dx(z, c, softcap));
             }
           }

@@ -54,6 +54,30 @@ __device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, 
       : "memory");
 }
 
+/// An L2 policy for bulk loads: kEvictLast keeps lines for a re-read soon after (the gradient
+/// sweep), kEvictFirst lets them go first.
+enum class L2Policy { kEvictLast, kEvictFirst };
+
+__device__ __forceinline__ uint64_t make_l2_policy(L2Policy which) {
+  uint64_t policy;
+  if (which == L2Policy::kEvictLast) {
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  } else {
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  }
+  return policy;
+}
+
+/// bulk_load with an L2 cache policy from make_l2_policy.
+__device__ __forceinline__ void bulk_load_hint(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar,
+                                               uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+          smem_addr(smem_dst)),
+      "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
+      : "memory");
+}
+
 /// Barrier among the first `threads` threads of the block (named barrier `id`, not 0).
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
