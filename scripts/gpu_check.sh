@@ -26,7 +26,7 @@ cmake --build "$build" -j 16 > "$out/build.log" 2>&1 || { grep -E "error" "$out/
 grep -E "spill" "$out/build.log" | sort | uniq -c | head -20
 
 step "tests (ctest, GPU present)"
-ctest --test-dir "$build" -j 12 --timeout 900 ${CTEST_ARGS:-} > "$out/ctest.log" 2>&1 || status=1
+ctest --test-dir "$build" -j 12 --timeout 900 --output-on-failure ${CTEST_ARGS:-} > "$out/ctest.log" 2>&1 || status=1
 tail -25 "$out/ctest.log"
 
 step "compute-sanitizer on a small sweep"

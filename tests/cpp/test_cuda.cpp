@@ -1,0 +1,256 @@
+// Tests only the CUDA backend can fail: capture and replay in a CUDA graph, the same bits run to
+// run (split rows merge through atomics in workspace), and CPU-vs-CUDA agreement on random
+// problems. Skipped where no GPU is present.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fusedce/fusedce.h"
+#include "harness.h"
+#include "problem.h"
+
+namespace fusedce_test {
+namespace {
+
+using fusedce::DType;
+
+#define ASSERT_CUDA(x) ASSERT_EQ((x), cudaSuccess) << #x
+#define ASSERT_OK(s)                     \
+  do {                                   \
+    const fusedce::Status st_ = (s);     \
+    ASSERT_TRUE(st_.ok()) << st_.message(); \
+  } while (0)
+
+bool have_gpu() {
+  int n = 0;
+  if (!fusedce::built_with_cuda() || cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    cudaGetLastError();
+    return false;
+  }
+  return true;
+}
+
+/// A random (N, V) problem on host and device: logits ~ N(0, 2) with outliers, 30% ignored.
+struct DeviceProblem {
+  DType dtype;
+  int64_t N, V;
+  std::vector<uint8_t> host_x;
+  std::vector<int64_t> host_t;
+  void *x = nullptr, *dx = nullptr, *ws = nullptr;
+  int64_t* t = nullptr;
+  float *loss = nullptr, *lse = nullptr, *entropy = nullptr;
+  int64_t* correct = nullptr;
+  size_t ws_bytes = 0;
+
+  DeviceProblem(DType d, int64_t n, int64_t v, std::mt19937_64& rng) : dtype(d), N(n), V(v) {
+    host_x.resize(N * V * elem_size(d));
+    host_t.resize(N);
+    std::normal_distribution<float> normal(0.0f, 2.0f);
+    for (int64_t i = 0; i < N * V; ++i) store_value(host_x.data(), d, i, normal(rng) + (rng() % 997 == 0 ? 15.0f : 0.0f));
+    for (int64_t i = 0; i < N; ++i) host_t[i] = rng() % 10 < 3 ? -100 : static_cast<int64_t>(rng() % V);
+    cudaMalloc(&x, host_x.size());
+    cudaMalloc(&dx, host_x.size());
+    cudaMalloc(&t, N * sizeof(int64_t));
+    cudaMalloc(&loss, std::max<int64_t>(N, 1) * sizeof(float));
+    cudaMalloc(&lse, std::max<int64_t>(N, 1) * sizeof(float));
+    cudaMalloc(&entropy, sizeof(float));
+    cudaMalloc(&correct, sizeof(int64_t));
+    upload();
+  }
+  ~DeviceProblem() {
+    for (void* p : {x, dx, ws, static_cast<void*>(t), static_cast<void*>(loss), static_cast<void*>(lse),
+                    static_cast<void*>(entropy), static_cast<void*>(correct)}) {
+      cudaFree(p);
+    }
+  }
+  void upload() {
+    cudaMemcpy(x, host_x.data(), host_x.size(), cudaMemcpyHostToDevice);
+    cudaMemcpy(t, host_t.data(), N * sizeof(int64_t), cudaMemcpyHostToDevice);
+  }
+  void reserve_workspace(const fusedce::Options& o) {
+    ws_bytes = fusedce::cross_entropy_workspace_size(fusedce::Job::kForwardBackward, fusedce::Device::cuda(), N, V, o);
+    cudaMalloc(&ws, std::max<size_t>(ws_bytes, 1));
+  }
+  fusedce::ForwardOutputs outputs(const fusedce::Options& o) const {
+    fusedce::ForwardOutputs out;
+    out.loss = fusedce::vector(loss, DType::kFloat32, o.reduction == fusedce::Reduction::kNone ? N : 1);
+    out.lse = fusedce::vector(lse, DType::kFloat32, N);
+    if (o.compute_metrics) {
+      out.num_correct = fusedce::vector(correct, DType::kInt64, 1);
+      out.entropy_sum = fusedce::vector(entropy, DType::kFloat32, 1);
+    }
+    return out;
+  }
+  fusedce::Status forward_backward(const fusedce::Options& o, cudaStream_t stream) const {
+    return fusedce::cross_entropy_forward_backward(fusedce::Device::cuda(0, stream), fusedce::matrix(x, dtype, N, V),
+                                                   fusedce::vector(t, DType::kInt64, N), o, outputs(o), {},
+                                                   fusedce::matrix(dx, dtype, N, V), fusedce::Workspace{ws, ws_bytes});
+  }
+  /// Every output's bytes, for bit comparisons.
+  std::vector<uint8_t> results(const fusedce::Options& o) const {
+    const size_t loss_n = o.reduction == fusedce::Reduction::kNone ? N : 1;
+    std::vector<uint8_t> r(host_x.size() + (loss_n + N) * 4 + 12);
+    cudaDeviceSynchronize();
+    uint8_t* at = r.data();
+    cudaMemcpy(at, dx, host_x.size(), cudaMemcpyDeviceToHost);
+    at += host_x.size();
+    cudaMemcpy(at, loss, loss_n * 4, cudaMemcpyDeviceToHost);
+    at += loss_n * 4;
+    cudaMemcpy(at, lse, N * 4, cudaMemcpyDeviceToHost);
+    at += N * 4;
+    if (o.compute_metrics) {
+      cudaMemcpy(at, entropy, 4, cudaMemcpyDeviceToHost);
+      cudaMemcpy(at + 4, correct, 8, cudaMemcpyDeviceToHost);
+    }
+    return r;
+  }
+};
+
+fusedce::Options all_options() {
+  fusedce::Options o;
+  o.label_smoothing = 0.1f;
+  o.z_loss = 1e-3f;
+  o.softcap = 25.0f;
+  o.compute_metrics = true;
+  return o;
+}
+
+// Shapes for the two kernel regimes: whole rows per block (many rows) and rows split over blocks
+// (few rows, partials merged through workspace), each with an odd V.
+struct Shape {
+  int64_t N, V;
+};
+const Shape kShapes[] = {{700, 32003}, {3, 262147}, {1, 5}};
+
+TEST(CudaGraph, CapturedForwardBackwardReplaysOnNewInputs) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng = test_rng();
+  for (const Shape& sh : kShapes) {
+    for (const fusedce::Options& o : {fusedce::Options{}, all_options()}) {
+      SCOPED_TRACE("N=" + std::to_string(sh.N) + " V=" + std::to_string(sh.V));
+      DeviceProblem p(DType::kBFloat16, sh.N, sh.V, rng);
+      p.reserve_workspace(o);
+      cudaStream_t stream;
+      ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      ASSERT_OK(p.forward_backward(o, stream));
+      ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+      ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+      for (int replay = 0; replay < 3; ++replay) {
+        // New inputs in the same buffers, then the graph, then the direct call: same bits.
+        std::normal_distribution<float> normal(0.0f, 3.0f);
+        for (int64_t i = 0; i < sh.N * sh.V; ++i) store_value(p.host_x.data(), p.dtype, i, normal(rng));
+        p.upload();
+        ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+        ASSERT_CUDA(cudaStreamSynchronize(stream));
+        const std::vector<uint8_t> from_graph = p.results(o);
+        p.upload();
+        ASSERT_OK(p.forward_backward(o, stream));
+        ASSERT_CUDA(cudaStreamSynchronize(stream));
+        EXPECT_TRUE(from_graph == p.results(o)) << "replay " << replay << " differs from a direct call";
+      }
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      cudaStreamDestroy(stream);
+    }
+  }
+}
+
+TEST(CudaDeterminism, SameBitsRunToRun) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng = test_rng();
+  for (const Shape& sh : kShapes) {
+    for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+      const fusedce::Options o = all_options();
+      DeviceProblem p(d, sh.N, sh.V, rng);
+      p.reserve_workspace(o);
+      ASSERT_OK(p.forward_backward(o, nullptr));
+      const std::vector<uint8_t> first = p.results(o);
+      for (int run = 0; run < 4; ++run) {
+        p.upload();
+        ASSERT_OK(p.forward_backward(o, nullptr));
+        EXPECT_TRUE(first == p.results(o)) << "run " << run << " N=" << sh.N << " V=" << sh.V;
+      }
+    }
+  }
+}
+
+// The CPU and CUDA backends on the same random problems (random shapes, dtypes, options): loss,
+// lse, metrics and gradients within the per-dtype tolerance of each other.
+TEST(CudaAgreement, CpuAndCudaAgreeOnRandomProblems) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng = test_rng();
+  for (int trial = 0; trial < 24; ++trial) {
+    const DType d = trial % 3 == 0 ? DType::kFloat32 : trial % 3 == 1 ? DType::kBFloat16 : DType::kFloat16;
+    const int64_t N = 1 + rng() % (trial % 4 == 0 ? 5 : 600);
+    const int64_t V = 1 + rng() % (trial % 2 ? 70000 : 3000);
+    fusedce::Options o;
+    if (rng() % 2) o.label_smoothing = 0.05f;
+    if (rng() % 2) o.z_loss = 1e-4f;
+    if (rng() % 3 == 0) o.softcap = 30.0f;
+    if (rng() % 3 == 0) o.logit_scale = 0.5f;
+    o.compute_metrics = rng() % 2;
+    o.reduction = static_cast<fusedce::Reduction>(rng() % 3);
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": " + fusedce::dtype_name(d) + " N=" + std::to_string(N) +
+                 " V=" + std::to_string(V));
+    DeviceProblem p(d, N, V, rng);
+    p.reserve_workspace(o);
+    ASSERT_OK(p.forward_backward(o, nullptr));
+    const size_t loss_n = o.reduction == fusedce::Reduction::kNone ? N : 1;
+    std::vector<float> g_loss(loss_n), g_lse(N), c_loss(loss_n), c_lse(N);
+    std::vector<uint8_t> g_dx(p.host_x.size()), c_dx(p.host_x.size());
+    float g_ent = 0, c_ent = 0;
+    int64_t g_cor = 0, c_cor = 0;
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    cudaMemcpy(g_loss.data(), p.loss, loss_n * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(g_lse.data(), p.lse, N * 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(g_dx.data(), p.dx, g_dx.size(), cudaMemcpyDeviceToHost);
+    cudaMemcpy(&g_ent, p.entropy, 4, cudaMemcpyDeviceToHost);
+    cudaMemcpy(&g_cor, p.correct, 8, cudaMemcpyDeviceToHost);
+    fusedce::ForwardOutputs out;
+    out.loss = fusedce::vector(c_loss.data(), DType::kFloat32, loss_n);
+    out.lse = fusedce::vector(c_lse.data(), DType::kFloat32, N);
+    if (o.compute_metrics) {
+      out.num_correct = fusedce::vector(&c_cor, DType::kInt64, 1);
+      out.entropy_sum = fusedce::vector(&c_ent, DType::kFloat32, 1);
+    }
+    ASSERT_OK(fusedce::cross_entropy_forward_backward(fusedce::Device::cpu(), fusedce::matrix(p.host_x.data(), d, N, V),
+                                                      fusedce::vector(p.host_t.data(), DType::kInt64, N), o, out, {},
+                                                      fusedce::matrix(c_dx.data(), d, N, V)));
+    const Tolerance lt = tolerance(d, Quantity::kLoss), gt = tolerance(d, Quantity::kGradient);
+    Mismatches loss("loss"), lse("lse"), grad("dlogits"), metrics("metrics");
+    for (size_t i = 0; i < loss_n; ++i) loss.check(g_loss[i], c_loss[i], std::fabs(c_loss[i]) + 1.0, lt, i);
+    for (int64_t i = 0; i < N; ++i) lse.check(g_lse[i], c_lse[i], std::fabs(c_lse[i]) + 1.0, lt, i);
+    if (o.compute_metrics) {
+      metrics.check(g_ent, c_ent, std::fabs(c_ent) + 1.0, lt, 0);
+      // Near-ties of the argmax may resolve differently under the two backends' rounding.
+      if (std::llabs(g_cor - c_cor) > 1 + N / 100) metrics.add("num_correct " + std::to_string(g_cor) + " vs " + std::to_string(c_cor));
+    }
+    int64_t valid = 0;
+    for (int64_t i = 0; i < N; ++i) valid += p.host_t[i] != -100;
+    for (int64_t i = 0; i < N; ++i) {
+      // The magnitude of the terms that cancel in row i's gradient (as the reference's scale):
+      // |g| (|a| + b_t + eps/V) max dz/dx, a = 1 + 2 z_loss lse; at least the largest entry.
+      const double g = o.reduction == fusedce::Reduction::kMean ? 1.0 / std::max<int64_t>(valid, 1) : 1.0;
+      double scale = g * (1.0 + 2.0 * o.z_loss * std::fabs(c_lse[i]) + 1.0 + o.label_smoothing) * o.logit_scale;
+      for (int64_t j = 0; j < V; ++j) scale = std::max(scale, std::fabs(load_value(c_dx.data(), d, i * V + j)));
+      for (int64_t j = 0; j < V; ++j) {
+        grad.check(load_value(g_dx.data(), d, i * V + j), load_value(c_dx.data(), d, i * V + j), scale + 1e-30, gt, i, j);
+      }
+    }
+    loss.report();
+    lse.report();
+    grad.report();
+    metrics.report();
+  }
+}
+
+}  // namespace
+}  // namespace fusedce_test
