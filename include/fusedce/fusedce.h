@@ -2,5 +2,6 @@
 #pragma once
 
 #include "fusedce/cross_entropy.h"
+#include "fusedce/linear_cross_entropy.h"
 #include "fusedce/types.h"
 #include "fusedce/version.h"

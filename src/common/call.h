@@ -40,3 +40,44 @@ size_t workspace_size(Job job, int64_t rows, int64_t vocab, const Options& optio
 }  // namespace cuda
 
 }  // namespace fusedce
+
+#include "fusedce/linear_cross_entropy.h"
+
+namespace fusedce {
+namespace detail {
+
+/// One validated call of a linear cross-entropy entry point.
+struct LinearCall {
+  Job job;  // kForward or kForwardBackward
+  Device device;
+  MatrixView hidden, weight;
+  VectorView bias, target;
+  Options options;
+  LinearOptions linear;
+  ForwardOutputs out;
+  VectorView grad_loss;
+  LinearGrads grads;
+  Workspace workspace;
+};
+
+Status validate_linear_call(const LinearCall& call);
+
+/// The effective target of row i (SPEC: causal shift inside sequences when asked).
+inline int64_t linear_target(const LinearCall& c, int64_t i) {
+  const VectorView& t = c.target;
+  const int64_t L = c.linear.shift_seq_len;
+  if (L > 0) {
+    if (i % L == L - 1) return c.options.ignore_index;
+    ++i;
+  }
+  return t.dtype == DType::kInt32 ? static_cast<const int32_t*>(t.data)[i * t.stride]
+                                  : static_cast<const int64_t*>(t.data)[i * t.stride];
+}
+
+}  // namespace detail
+
+namespace cpu {
+Status run_linear(const detail::LinearCall& call);
+}  // namespace cpu
+
+}  // namespace fusedce

@@ -226,6 +226,72 @@ Status validate_call(const CeCall& c) {
   return Status::Ok();
 }
 
+Status validate_linear_call(const LinearCall& c) {
+  if (c.device.type != DeviceType::kCPU && c.device.type != DeviceType::kCUDA) {
+    return invalid("device.type must be kCPU or kCUDA");
+  }
+  Status s = check_matrix("hidden", c.hidden);
+  if (!s.ok()) return s;
+  s = check_matrix("weight", c.weight);
+  if (!s.ok()) return s;
+  std::ostringstream os;
+  if (c.weight.dtype != c.hidden.dtype) {
+    os << "weight must have hidden's dtype (" << dtype_name(c.hidden.dtype) << "), got " << dtype_name(c.weight.dtype);
+    return invalid(os.str());
+  }
+  if (c.weight.cols != c.hidden.cols) {
+    os << "weight must be (V, H) with H = hidden's " << c.hidden.cols << " columns, got " << c.weight.cols;
+    return invalid(os.str());
+  }
+  if (c.weight.rows < 1) return invalid("weight must have at least one row (V >= 1)");
+  const int64_t N = c.hidden.rows, H = c.hidden.cols, V = c.weight.rows;
+  if (!c.bias.empty() || c.bias.size != 0) {
+    s = check_vector("bias", c.bias, c.hidden.dtype, V);
+    if (!s.ok()) return s;
+  }
+  s = check_target(c.target, N);
+  if (!s.ok()) return s;
+  s = check_options(c.options, V);
+  if (!s.ok()) return s;
+  if (c.linear.shift_seq_len < 0 || (c.linear.shift_seq_len > 0 && N % c.linear.shift_seq_len != 0)) {
+    os << "shift_seq_len must be 0 (no shift) or divide the " << N << " rows, got " << c.linear.shift_seq_len;
+    return invalid(os.str());
+  }
+  CeCall as_ce{};
+  as_ce.job = c.job;
+  as_ce.logits = MatrixView{c.hidden.data, c.hidden.dtype, N, V, V};
+  as_ce.options = c.options;
+  as_ce.out = c.out;
+  s = check_outputs(as_ce);
+  if (!s.ok()) return s;
+  if (c.job == Job::kForwardBackward) {
+    if (!c.grad_loss.empty() || c.grad_loss.size != 0) {
+      s = check_grad_loss(c.grad_loss, c.options.reduction, N);
+      if (!s.ok()) return s;
+    }
+    const struct {
+      const char* name;
+      const MatrixView& m;
+      int64_t rows;
+    } mats[] = {{"grad_hidden", c.grads.grad_hidden, N}, {"grad_weight", c.grads.grad_weight, V}};
+    for (const auto& g : mats) {
+      if (g.m.empty() && g.m.rows == 0) continue;
+      s = check_matrix(g.name, g.m);
+      if (!s.ok()) return s;
+      if (g.m.dtype != c.hidden.dtype || g.m.rows != g.rows || g.m.cols != H) {
+        os << g.name << " must be " << g.rows << " x " << H << " " << dtype_name(c.hidden.dtype) << ", got "
+           << g.m.rows << " x " << g.m.cols << " " << dtype_name(g.m.dtype);
+        return invalid(os.str());
+      }
+    }
+    if (!c.grads.grad_bias.empty() || c.grads.grad_bias.size != 0) {
+      s = check_vector("grad_bias", c.grads.grad_bias, c.hidden.dtype, V);
+      if (!s.ok()) return s;
+    }
+  }
+  return Status::Ok();
+}
+
 Status check_targets_host(const VectorView& target, int64_t vocab, int64_t ignore_index) {
   for (int64_t i = 0; i < target.size; ++i) {
     const int64_t t = target.dtype == DType::kInt32

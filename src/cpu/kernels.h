@@ -80,3 +80,27 @@ inline int64_t load_target(const void* target, DType dtype, int64_t stride, int6
 
 }  // namespace cpu
 }  // namespace fusedce
+
+namespace fusedce {
+namespace cpu {
+
+/// Dense tile products of the linear cross-entropy CPU path, all float32, row-major, H contiguous:
+///   logits: C[r * vt + v]  = sum_h A[r * H + h] * B[v * H + h]
+///   dw:     D[v * H + h]  += sum_r G[r * vt + v] * A[r * H + h]
+///   dh:     E[r * H + h]  += sum_v G[r * vt + v] * B[v * H + h]
+/// Sums run in a fixed order (8 lanes along h, then a fixed tree), whatever the thread count.
+struct TileKernels {
+  void (*logits)(const float* A, const float* B, int64_t rc, int64_t vt, int64_t H, float* C);
+  void (*dw)(const float* G, const float* A, int64_t rc, int64_t vt, int64_t H, float* D);
+  void (*dh)(const float* G, const float* B, int64_t rc, int64_t vt, int64_t H, float* E);
+};
+
+namespace generic {
+TileKernels tile_kernels();
+}  // namespace generic
+namespace avx2 {
+TileKernels tile_kernels();
+}  // namespace avx2
+
+}  // namespace cpu
+}  // namespace fusedce

@@ -350,7 +350,50 @@ void rescale_rows_t(const RescaleArgs& a, int64_t row_begin, int64_t row_end) {
   }
 }
 
+// ---- dense tiles of the linear cross-entropy path ----------------------------------------------
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  v8f acc = splat(0.0f);
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) acc += load8(a + k) * load8(b + k);
+  float tail = 0.0f;
+  for (; k < n; ++k) tail += a[k] * b[k];
+  return hsum(acc) + tail;
+}
+
+// y[0:n) += s * x[0:n)
+inline void axpy(float s, const float* x, float* y, int64_t n) {
+  int64_t k = 0;
+  const v8f sv = splat(s);
+  for (; k + 8 <= n; k += 8) store8(y + k, load8(y + k) + sv * load8(x + k));
+  for (; k < n; ++k) y[k] += s * x[k];
+}
+
+void tile_logits(const float* A, const float* B, int64_t rc, int64_t vt, int64_t H, float* C) {
+  for (int64_t r = 0; r < rc; ++r) {
+    for (int64_t v = 0; v < vt; ++v) C[r * vt + v] = dot(A + r * H, B + v * H, H);
+  }
+}
+
+void tile_dw(const float* G, const float* A, int64_t rc, int64_t vt, int64_t H, float* D) {
+  for (int64_t v = 0; v < vt; ++v) {
+    for (int64_t r = 0; r < rc; ++r) {
+      axpy(G[r * vt + v], A + r * H, D + v * H, H);
+    }
+  }
+}
+
+void tile_dh(const float* G, const float* B, int64_t rc, int64_t vt, int64_t H, float* E) {
+  for (int64_t r = 0; r < rc; ++r) {
+    for (int64_t v = 0; v < vt; ++v) {
+      axpy(G[r * vt + v], B + v * H, E + r * H, H);
+    }
+  }
+}
+
 }  // namespace
+
+TileKernels tile_kernels() { return TileKernels{tile_logits, tile_dw, tile_dh}; }
 
 void process_rows(const RowArgs& args, int64_t row_begin, int64_t row_end) {
   switch (args.dtype) {
