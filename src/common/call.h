@@ -81,3 +81,34 @@ Status run_linear(const detail::LinearCall& call);
 }  // namespace cpu
 
 }  // namespace fusedce
+
+#include "fusedce/vocab_parallel.h"
+
+namespace fusedce {
+namespace detail {
+
+/// One validated call of a vocabulary-parallel step (1 stats, 2 merge, 3 backward).
+struct ShardCall {
+  int step;
+  Device device;
+  MatrixView logits;  // steps 1, 3
+  VectorView target;
+  ShardSpec shard;
+  Options options;
+  MatrixView stats;   // step 1 output, step 2 input (gathered)
+  int64_t world;      // step 2
+  ForwardOutputs out; // step 2
+  VectorView row_weight, batch;  // step 2 outputs, step 3 inputs
+  VectorView lse, grad_loss;     // step 3
+  MatrixView dlogits;            // step 3
+};
+
+Status validate_shard_call(const ShardCall& call);
+
+}  // namespace detail
+
+namespace cpu {
+Status run_shard(const detail::ShardCall& call);
+}  // namespace cpu
+
+}  // namespace fusedce

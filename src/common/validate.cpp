@@ -292,6 +292,79 @@ Status validate_linear_call(const LinearCall& c) {
   return Status::Ok();
 }
 
+Status validate_shard_call(const ShardCall& c) {
+  if (c.device.type != DeviceType::kCPU && c.device.type != DeviceType::kCUDA) {
+    return invalid("device.type must be kCPU or kCUDA");
+  }
+  std::ostringstream os;
+  const int64_t N = c.target.size;
+  Status s = check_target(c.target, N);
+  if (!s.ok()) return s;
+  if (c.shard.vocab_total < 1) return invalid("shard.vocab_total must be >= 1");
+  if (c.step == 1 || c.step == 3) {
+    s = check_matrix("logits", c.logits);
+    if (!s.ok()) return s;
+    if (c.logits.rows != N) {
+      os << "logits must have the target's " << N << " rows, got " << c.logits.rows;
+      return invalid(os.str());
+    }
+    if (c.shard.vocab_start < 0 || c.shard.vocab_start + c.logits.cols > c.shard.vocab_total) {
+      os << "shard.vocab_start (" << c.shard.vocab_start << ") + the shard's " << c.logits.cols
+         << " columns must lie within shard.vocab_total (" << c.shard.vocab_total << ")";
+      return invalid(os.str());
+    }
+    s = check_options(c.options, c.logits.cols);
+    if (!s.ok()) return s;
+  } else {
+    Options o = c.options;
+    o.class_weight = VectorView{};  // step 2 reads the weights from the gathered statistics
+    s = check_options(o, c.shard.vocab_total);
+    if (!s.ok()) return s;
+  }
+  if (c.step == 1 || c.step == 2) {
+    const int64_t rows = c.step == 1 ? N + 1 : c.world * (N + 1);
+    if (c.step == 2 && c.world < 1) return invalid("world must be >= 1");
+    const MatrixView& m = c.stats;
+    if (m.dtype != DType::kFloat32 || m.rows != rows || m.cols != kShardStatsWidth ||
+        (m.rows > 1 && m.row_stride != kShardStatsWidth) || m.data == nullptr) {
+      os << (c.step == 1 ? "stats" : "gathered") << " must be a contiguous float32 (" << rows << ", "
+         << kShardStatsWidth << ") matrix";
+      return invalid(os.str());
+    }
+  }
+  if (c.step == 2) {
+    CeCall as_ce{};
+    as_ce.job = Job::kForward;
+    as_ce.logits = MatrixView{c.stats.data, DType::kFloat32, N, c.shard.vocab_total, c.shard.vocab_total};
+    as_ce.options = c.options;
+    as_ce.out = c.out;
+    s = check_outputs(as_ce);
+    if (!s.ok()) return s;
+    s = check_vector("lse", c.out.lse, DType::kFloat32, N);  // the backward step needs it
+    if (!s.ok()) return s;
+  }
+  if (c.step == 2 || c.step == 3) {
+    s = check_vector("row_weight", c.row_weight, DType::kFloat32, N);
+    if (!s.ok()) return s;
+    s = check_vector("batch", c.batch, DType::kFloat32, 2);
+    if (!s.ok()) return s;
+  }
+  if (c.step == 3) {
+    s = check_vector("lse", c.lse, DType::kFloat32, N);
+    if (!s.ok()) return s;
+    s = check_grad_loss(c.grad_loss, c.options.reduction, N);
+    if (!s.ok()) return s;
+    CeCall as_ce{};
+    as_ce.job = Job::kBackward;
+    as_ce.logits = c.logits;
+    as_ce.dlogits = c.dlogits;
+    as_ce.options = c.options;
+    s = check_dlogits(as_ce);
+    if (!s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
 Status check_targets_host(const VectorView& target, int64_t vocab, int64_t ignore_index) {
   for (int64_t i = 0; i < target.size; ++i) {
     const int64_t t = target.dtype == DType::kInt32

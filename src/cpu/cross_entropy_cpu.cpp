@@ -67,6 +67,11 @@ Status run_rescale(const detail::CeCall& call) {
 
 }  // namespace
 
+void run_rows(const RowArgs& args, int64_t n, int max_threads) {
+  const RowFn fn = row_kernel();
+  parallel_for(n, row_grain(args.vocab), max_threads, [&](int64_t b, int64_t e) { fn(args, b, e); });
+}
+
 Status run(const detail::CeCall& call) {
   if (call.job == Job::kRescale) return run_rescale(call);
 
@@ -128,8 +133,7 @@ Status run(const detail::CeCall& call) {
   a.row_entropy = row_entropy.data();
   a.row_correct = row_correct.data();
 
-  const RowFn fn = row_kernel();
-  parallel_for(N, row_grain(V), call.device.num_threads, [&](int64_t b, int64_t e) { fn(a, b, e); });
+  run_rows(a, N, call.device.num_threads);
 
   if (!forward) return Status::Ok();
   const ForwardOutputs& out = call.out;

@@ -7,6 +7,7 @@
 
 #include "common/numeric.h"
 #include "fusedce/types.h"
+#include "fusedce/vocab_parallel.h"
 
 namespace fusedce {
 namespace cpu {
@@ -45,6 +46,12 @@ struct RowArgs {
   char* dlogits;            // may equal logits (in place)
   int64_t dlogits_stride;
 
+  // Vocabulary shard (vocabulary-parallel): the row holds global columns [target_offset,
+  // target_offset + vocab); targets are global. 0 for a whole vocabulary.
+  int64_t target_offset;
+  const float* w_t_in;      // shard backward: each row's target weight (nullptr = from class_weight)
+  float* partial_out;       // shard statistics: kShardStatsWidth floats per row instead of a loss
+
   // Per-row outputs (contiguous, length N); entries of ignored rows are written as 0.
   float* row_loss;
   float* row_lse;
@@ -71,6 +78,9 @@ namespace avx2 {
 void process_rows(const RowArgs& args, int64_t row_begin, int64_t row_end);
 void rescale_rows(const RescaleArgs& args, int64_t row_begin, int64_t row_end);
 }  // namespace avx2
+
+/// process_rows of the best instruction set this CPU has, over rows [0, n) on the thread pool.
+void run_rows(const RowArgs& args, int64_t n, int max_threads);
 
 /// The target of row i widened to int64.
 inline int64_t load_target(const void* target, DType dtype, int64_t stride, int64_t i) {

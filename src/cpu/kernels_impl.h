@@ -190,6 +190,7 @@ struct RowStats {
   float z_target;
   float smooth_sum;  // sum_j z_j, or sum_j w_j z_j with class weights
   int64_t argmax;
+  float best;        // z at argmax (NaN when the row holds a NaN)
 };
 
 // Forward sweep over one row: reads each logit once.
@@ -227,11 +228,12 @@ RowStats row_forward(const RowArgs& a, const T* x, int64_t t, float* buf) {
       const float* nan = std::find_if(buf, buf + n, [](float v) { return v != v; });
       if (nan != buf + n) {
         argmax = j0 + (nan - buf);
+        best = NAN;
         break;
       }
     }
   }
-  return RowStats{st, z_target, static_cast<float>(smooth), argmax};
+  return RowStats{st, z_target, static_cast<float>(smooth), argmax, best};
 }
 
 // Gradient sweep over one row: dx_j = g (a p_j - [j == t] b_t - c w_j) dz_j/dx_j.
@@ -292,6 +294,11 @@ void process_rows_t(const RowArgs& a, int64_t row_begin, int64_t row_end) {
     const T* x = logits + i * a.logits_stride;
     T* dx = a.gradient ? dlogits + i * a.dlogits_stride : nullptr;
     if (t == a.ignore_index) {
+      if (a.partial_out) {
+        float* o = a.partial_out + i * kShardStatsWidth;
+        for (int k = 0; k < kShardStatsWidth; ++k) o[k] = 0.0f;
+        continue;
+      }
       if (a.forward) {
         a.row_loss[i] = 0.0f;
         if (a.row_lse) a.row_lse[i] = 0.0f;
@@ -303,8 +310,27 @@ void process_rows_t(const RowArgs& a, int64_t row_begin, int64_t row_end) {
       if (a.gradient) zero_row(dx, a.vocab);
       continue;
     }
-    const float w_t = a.class_weight ? a.class_weight[t] : 1.0f;
+    // Index in this row's columns (a shard's target may lie in another shard: no target term).
+    const int64_t tl = t - a.target_offset;
+    const bool holds_t = tl >= 0 && tl < a.vocab;
+    const float w_t = a.w_t_in ? a.w_t_in[i] : (a.class_weight && holds_t ? a.class_weight[tl] : 1.0f);
     float lse;
+    if (a.partial_out) {
+      // Shard statistics: the row's partial state, merged across shards by the caller.
+      const RowStats rs = row_forward<T, kSoftcap>(a, x, tl, buf);
+      float* o = a.partial_out + i * kShardStatsWidth;
+      o[0] = rs.st.m;
+      o[1] = rs.st.s;
+      o[2] = rs.st.ez;
+      o[3] = holds_t ? rs.z_target : 0.0f;
+      o[4] = holds_t ? 1.0f : 0.0f;
+      o[5] = rs.smooth_sum;
+      o[6] = rs.best;
+      const int32_t gi = static_cast<int32_t>(rs.argmax + a.target_offset);
+      memcpy(&o[7], &gi, sizeof(gi));
+      o[8] = holds_t ? w_t : 0.0f;
+      continue;
+    }
     if (a.forward) {
       const RowStats rs = row_forward<T, kSoftcap>(a, x, t, buf);
       lse = detail::lse_value(rs.st);
@@ -319,7 +345,7 @@ void process_rows_t(const RowArgs& a, int64_t row_begin, int64_t row_end) {
     }
     if (a.gradient) {
       const float g = a.g_chain * (a.grad_loss ? a.grad_loss[a.grad_scalar ? 0 : i * a.grad_stride] : 1.0f);
-      row_gradient<T, kSoftcap>(a, x, dx, t, lse, detail::row_grad(a.c, lse, w_t, g), buf);
+      row_gradient<T, kSoftcap>(a, x, dx, tl, lse, detail::row_grad(a.c, lse, w_t, g), buf);
     }
   }
 }

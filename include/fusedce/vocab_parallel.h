@@ -1,0 +1,47 @@
+// fusedce: cross-entropy over a vocabulary split across ranks (SPEC.md, "Vocabulary-parallel
+// form"). Each rank holds logits[:, vocab_start : vocab_start + V_local]. Three steps, with the
+// communication between them left to the caller (torch.distributed in the Python front end):
+//   1. cross_entropy_shard_stats: per-row partial statistics of the local shard, (N + 1, 9) floats;
+//   2. the caller all-gathers them (only per-row scalars cross ranks), and every rank calls
+//      cross_entropy_shard_merge on the gathered block, in rank order: the loss, lse and metrics,
+//      bit-identical on every rank;
+//   3. cross_entropy_shard_backward: each rank's slice of dlogits from the merged lse.
+#pragma once
+
+#include "fusedce/cross_entropy.h"
+#include "fusedce/types.h"
+
+namespace fusedce {
+
+/// Floats per row of shard statistics: max, sum of exps, entropy term, target z, holds-target
+/// flag, smoothing sum, argmax value, argmax global index (int32 bits), target weight. Row N
+/// carries the shard's class-weight sum in column 0.
+constexpr int kShardStatsWidth = 9;
+
+/// Where the local columns sit in the full vocabulary.
+struct ShardSpec {
+  int64_t vocab_start = 0;  ///< global index of the local first column
+  int64_t vocab_total = 0;  ///< V of the full vocabulary
+};
+
+/// Step 1. logits (N, V_local); target (N,) global indices or ignore_index; options.class_weight,
+/// if given, is the local slice (V_local,). stats: float32 (N + 1, kShardStatsWidth), contiguous.
+Status cross_entropy_shard_stats(const Device& device, const MatrixView& logits, const VectorView& target,
+                                 const ShardSpec& shard, const Options& options, const MatrixView& stats);
+
+/// Step 2. gathered: float32 (world * (N + 1), kShardStatsWidth), rank r's stats at rows
+/// [r (N + 1), (r + 1)(N + 1)). Writes `out` as cross_entropy_forward would for the full
+/// vocabulary, plus what the backward needs: row_weight (N,) each row's target weight,
+/// batch (2,) the mean's denominator and the class-weight sum.
+Status cross_entropy_shard_merge(const Device& device, const MatrixView& gathered, int64_t world,
+                                 const VectorView& target, const ShardSpec& shard, const Options& options,
+                                 const ForwardOutputs& out, const VectorView& row_weight, const VectorView& batch);
+
+/// Step 3. This rank's dlogits (N, V_local) from the merged lse (N,), row_weight and batch of
+/// step 2, and the upstream gradient grad_loss ((1,) for sum / mean, (N,) for none).
+Status cross_entropy_shard_backward(const Device& device, const MatrixView& logits, const VectorView& target,
+                                    const ShardSpec& shard, const Options& options, const VectorView& lse,
+                                    const VectorView& row_weight, const VectorView& batch,
+                                    const VectorView& grad_loss, const MatrixView& dlogits);
+
+}  // namespace fusedce
