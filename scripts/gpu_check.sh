@@ -46,4 +46,17 @@ done
 
 step "benchmark"
 "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench.csv" | tee "$out/bench.md" || status=1
+
+step "peers (same machine, same run)"
+# Liger-Kernel travels as a wheel in .whl/ (carry it); torch and triton are on the machine.
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+PYTHONUNBUFFERED=1 python3 bench/peers_ce.py ${BENCH_ARGS:-} 2>&1 | tee "$out/peers.md" || status=1
+
+step "dev: first-design linear cross-entropy (cuBLASLt chunks), check + floor-relative timing"
+if [ -f dev/linear_ce_cublas.cu ]; then
+  nvcc -std=c++17 -O3 -arch=sm_90 -Iinclude dev/linear_ce_cublas.cu "$build/libfusedce.a" -lcublasLt \
+    -o "$build/linear_ce_dev" && "$build/linear_ce_dev" 2>&1 | tee "$out/linear_dev.md" || status=1
+fi
 exit $status

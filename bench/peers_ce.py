@@ -1,0 +1,99 @@
+"""Peers' cross-entropy over logits, timed like bench/ce_bench.cu, for bench/RESULTS.md.
+
+Runs on the GPU machine inside scripts/gpu_check.sh, right after fusedce_bench, so both tables come
+from the same run on the same card. Ceilings are measured here again (torch copy and a streaming
+sum). Jobs and byte formulas as in ce_bench.cu: forward N*V*elem; forward+gradient 2*N*V*elem.
+Peers: PyTorch eager (`F.cross_entropy(logits.float(), ...)`, as transformers calls it), the same
+under torch.compile, and Liger-Kernel when it is importable. A missing or failing peer is reported
+as such. Usage: python3 bench/peers_ce.py [--quick]
+"""
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(16384, 32000, torch.bfloat16), (8192, 128256, torch.bfloat16), (4096, 262144, torch.bfloat16),
+          (64, 262144, torch.bfloat16), (8192, 151936, torch.bfloat16), (8192, 128256, torch.float32)]
+
+
+def median_ms(fn, iters):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        fn(0)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        start.record()
+        fn(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def ceilings(iters):
+    n = 2 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(1)
+    b = torch.empty_like(a)
+    copy = median_ms(lambda i: b.copy_(a), iters)
+    x = a.view(torch.float32)
+    read = median_ms(lambda i: x.sum(), iters)
+    return 2 * n / copy / 1e6, n / read / 1e6
+
+
+def eager_loss(x, t):
+    return F.cross_entropy(x.float(), t)
+
+
+def peers():
+    out = {"torch eager": eager_loss, "torch.compile": torch.compile(eager_loss)}
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy
+
+        out["liger"] = lambda x, t: liger_cross_entropy(x, t)
+    except Exception as e:  # reported, never hides the row
+        print(f"# liger: not available ({type(e).__name__}: {e})")
+    return out
+
+
+def main():
+    quick = "--quick" in sys.argv
+    iters = 10 if quick else 30
+    copy_gbs, read_gbs = ceilings(iters)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"# ceilings: device-to-device copy {copy_gbs:.0f} GB/s (read + write), streaming read {read_gbs:.0f} GB/s\n")
+    print("| N x V | dtype | peer | job | median ms | GB/s | of copy | of read |")
+    print("|---|---|---|---|---|---|---|---|")
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    for n, v, dt in SHAPES:
+        elem = torch.tensor([], dtype=dt).element_size()
+        copies = max(1, -(-3 * l2 // (n * v * elem)))
+        xs = [(torch.randn(n, v, device="cuda") * 2).to(dt) for _ in range(copies)]
+        t = torch.randint(0, v, (n,), device="cuda")
+        for name, fn in peers().items():
+            for job in ("forward", "fwd+grad"):
+                try:
+                    if job == "forward":
+                        def run(i, fn=fn):
+                            with torch.no_grad():
+                                fn(xs[i % copies], t)
+                    else:
+                        leaves = [x.detach().requires_grad_(True) for x in xs]
+
+                        def run(i, fn=fn, leaves=leaves):
+                            leaf = leaves[i % copies]
+                            leaf.grad = None
+                            fn(leaf, t).backward()
+                    ms = median_ms(run, iters)
+                    gbs = (1 if job == "forward" else 2) * n * v * elem / ms / 1e6
+                    print(f"| {n} x {v} | {str(dt)[6:]} | {name} | {job} | {ms:.4f} | {gbs:.0f} | "
+                          f"{100 * gbs / copy_gbs:.1f}% | {100 * gbs / read_gbs:.1f}% |", flush=True)
+                except Exception as e:
+                    print(f"| {n} x {v} | {str(dt)[6:]} | {name} | {job} | failed: {type(e).__name__} | | | |", flush=True)
+                torch.cuda.empty_cache()
+        del xs
+
+
+if __name__ == "__main__":
+    main()
