@@ -1,0 +1,28 @@
+"""fusedce: fused cross-entropy for PyTorch.
+
+``fusedce.cross_entropy`` / ``fusedce.CrossEntropyLoss`` are drop-ins for PyTorch's, computed by
+the fusedce core in one sweep over the logits (loss and gradient together);
+``fusedce.transformers.apply()`` puts them under every causal LM of Hugging Face transformers.
+The ops behind them are ``torch.ops.fusedce.*`` (schemas in torch/binding.cpp).
+"""
+
+import os as _os
+
+# A CMake build tree (-DFUSEDCE_TORCH=ON) used without installing: FUSEDCE_BUILD_DIR=<build dir>
+# with PYTHONPATH=<repo>/python finds the extension and its build facts in <build dir>/torch.
+if _os.environ.get("FUSEDCE_BUILD_DIR"):
+    __path__.append(_os.path.join(_os.path.abspath(_os.environ["FUSEDCE_BUILD_DIR"]), "torch"))
+
+from . import _library  # noqa: E402
+
+_library.load()
+
+from . import ops  # noqa: E402  (fake kernels and autograd of the ops just loaded)
+from . import transformers  # noqa: E402
+from .functional import cross_entropy  # noqa: E402
+from .nn import CrossEntropyLoss  # noqa: E402
+
+__version__ = "0.1.0"
+with_cuda = _library.with_cuda
+
+__all__ = ["cross_entropy", "CrossEntropyLoss", "transformers", "ops", "with_cuda"]

@@ -1,0 +1,204 @@
+"""Fake (meta) kernels and autograd formulas for the ops of torch/binding.cpp.
+
+The ops themselves (schemas, CPU and CUDA kernels) live in the C++ extension; this module only
+tells torch.compile the shapes of their outputs and tells autograd how to differentiate them.
+Nothing here computes anything: gradients come from the core, formed during the forward sweep
+(``ce_fwd_bwd``) or from the saved log-sum-exp (``ce_bwd``), and are scaled by the upstream
+gradient with ``ce_rescale_``.
+
+Argument order shared by every op (see binding.cpp): logits (N, V), target (N,), weight (V,) or
+None, ignore_index, reduction, label_smoothing, logit_scale, softcap (0 = off), z_loss.
+"""
+
+import torch
+
+ops = torch.ops.fusedce
+
+# Positions of the shared options in the functional ops' arguments.
+_NUM_ARGS_FWD = 10  # logits, target, weight, 6 options, compute_metrics
+_NUM_ARGS_BWD = 11  # logits, target, weight, lse, grad_loss, 6 options
+
+
+def _loss_shape(logits, reduction):
+    return (logits.shape[0],) if reduction == "none" else ()
+
+
+def _empty_outputs(logits, reduction, compute_metrics):
+    """loss, lse, num_correct, entropy_sum as the functional ops allocate them (binding.cpp)."""
+    n = logits.shape[0]
+    metrics_shape = () if compute_metrics else (0,)
+    return (
+        logits.new_empty(_loss_shape(logits, reduction), dtype=torch.float32),
+        logits.new_empty((n,), dtype=torch.float32),
+        logits.new_empty(metrics_shape, dtype=torch.int64),
+        logits.new_empty(metrics_shape, dtype=torch.float32),
+    )
+
+
+def _check_fake_inputs(logits, target):
+    torch._check(logits.dim() == 2, lambda: f"fusedce: logits must be 2-D (rows, V), got {logits.dim()}-D")
+    torch._check(
+        target.dim() == 1 and target.shape[0] == logits.shape[0],
+        lambda: f"fusedce: target must be 1-D with one entry per row of logits ({logits.shape[0]})",
+    )
+
+
+# ---- fake kernels: shapes and dtypes only --------------------------------------------------
+
+
+@torch.library.register_fake("fusedce::ce_fwd")
+def _ce_fwd_fake(logits, target, weight, ignore_index, reduction, label_smoothing, logit_scale,
+                 softcap, z_loss, compute_metrics):
+    _check_fake_inputs(logits, target)
+    return _empty_outputs(logits, reduction, compute_metrics)
+
+
+@torch.library.register_fake("fusedce::ce_fwd_bwd")
+def _ce_fwd_bwd_fake(logits, target, weight, ignore_index, reduction, label_smoothing,
+                     logit_scale, softcap, z_loss, compute_metrics):
+    _check_fake_inputs(logits, target)
+    return (*_empty_outputs(logits, reduction, compute_metrics), logits.new_empty(logits.shape))
+
+
+@torch.library.register_fake("fusedce::ce_bwd")
+def _ce_bwd_fake(logits, target, weight, lse, grad_loss, ignore_index, reduction,
+                 label_smoothing, logit_scale, softcap, z_loss):
+    _check_fake_inputs(logits, target)
+    return logits.new_empty(logits.shape)
+
+
+@torch.library.register_fake("fusedce::ce_fwd_out")
+def _ce_fwd_out_fake(logits, target, weight, ignore_index, reduction, label_smoothing,
+                     logit_scale, softcap, z_loss, loss, lse, num_correct, entropy_sum):
+    _check_fake_inputs(logits, target)
+
+
+@torch.library.register_fake("fusedce::ce_fwd_bwd_out")
+def _ce_fwd_bwd_out_fake(logits, target, weight, ignore_index, reduction, label_smoothing,
+                         logit_scale, softcap, z_loss, loss, lse, num_correct, entropy_sum,
+                         dlogits):
+    _check_fake_inputs(logits, target)
+
+
+@torch.library.register_fake("fusedce::ce_fwd_bwd_inplace")
+def _ce_fwd_bwd_inplace_fake(logits, target, weight, ignore_index, reduction, label_smoothing,
+                             logit_scale, softcap, z_loss, loss, lse, num_correct, entropy_sum):
+    _check_fake_inputs(logits, target)
+
+
+@torch.library.register_fake("fusedce::ce_bwd_out")
+def _ce_bwd_out_fake(logits, target, weight, lse, grad_loss, ignore_index, reduction,
+                     label_smoothing, logit_scale, softcap, z_loss, dlogits):
+    _check_fake_inputs(logits, target)
+
+
+@torch.library.register_fake("fusedce::ce_rescale_")
+def _ce_rescale_fake(grad_loss, dlogits):
+    torch._check(dlogits.dim() == 2, lambda: "fusedce: dlogits must be 2-D (rows, V)")
+
+
+# ---- autograd ------------------------------------------------------------------------------
+
+
+def _graph_is_kept():
+    """True when the running backward keeps its graph (retain_graph=True), so a saved tensor may
+    be read again by a later backward and must not be overwritten."""
+    if torch.compiler.is_compiling():
+        return False  # traced: the graph is functionalised, in-place ops are rewritten
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(keep()) if keep is not None else False
+
+
+def _upstream(grad_loss):
+    # float32 and with a real stride: `loss.sum().backward()` hands 'none' an expanded (stride 0)
+    # gradient, which the core does not take.
+    return grad_loss.to(torch.float32).contiguous()
+
+
+def _setup_ce_fwd_bwd(ctx, inputs, output):
+    loss, lse, num_correct, entropy_sum, dlogits = output
+    ctx.save_for_backward(dlogits)
+    # Only the loss is differentiable; no zero gradients are materialised for the other outputs
+    # (dlogits is as large as the logits).
+    ctx.mark_non_differentiable(lse, num_correct, entropy_sum, dlogits)
+    ctx.set_materialize_grads(False)
+
+
+def _backward_ce_fwd_bwd(ctx, grad_loss, *unused):
+    # The op returned dlogits to its caller, so its formula scales a copy. fusedce.cross_entropy
+    # does not go through here: FusedCrossEntropy keeps dlogits private and scales it in place.
+    grads = [None] * _NUM_ARGS_FWD
+    if grad_loss is not None and ctx.needs_input_grad[0]:
+        (dlogits,) = ctx.saved_tensors
+        grads[0] = dlogits.clone()
+        ops.ce_rescale_(_upstream(grad_loss), grads[0])
+    return tuple(grads)
+
+
+torch.library.register_autograd("fusedce::ce_fwd_bwd", _backward_ce_fwd_bwd,
+                                setup_context=_setup_ce_fwd_bwd)
+
+
+def _setup_ce_fwd(ctx, inputs, output):
+    logits, target, weight, *options, _compute_metrics = inputs
+    loss, lse, num_correct, entropy_sum = output
+    ctx.save_for_backward(logits, target, weight, lse)
+    ctx.options = options
+    ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
+    ctx.set_materialize_grads(False)
+
+
+def _backward_ce_fwd(ctx, grad_loss, *unused):
+    grads = [None] * _NUM_ARGS_FWD
+    if grad_loss is not None and ctx.needs_input_grad[0]:
+        logits, target, weight, lse = ctx.saved_tensors
+        grads[0] = ops.ce_bwd(logits, target, weight, lse, _upstream(grad_loss), *ctx.options)
+    return tuple(grads)
+
+
+torch.library.register_autograd("fusedce::ce_fwd", _backward_ce_fwd, setup_context=_setup_ce_fwd)
+
+
+class FusedCrossEntropy(torch.autograd.Function):
+    """The training path of fusedce.cross_entropy: one sweep forms the loss and dlogits for an
+    upstream gradient of 1 (``ce_fwd_bwd``, or ``ce_fwd_bwd_inplace`` over the logits themselves
+    with ``inplace=True``); dlogits never leaves this function, so the backward scales it in
+    place by the upstream gradient (``ce_rescale_``: rows whose factor is 1 are not touched) and
+    hands it on. Only when the graph is kept for another backward is a copy scaled instead.
+
+    Under torch.compile the in-place scaling of the saved dlogits is functionalised, and inductor
+    writes it back into the same buffer. ``inplace=True`` mutates a differentiable input, which a
+    compiled graph cannot differentiate; fusedce.cross_entropy uses it in eager mode only.
+
+    Arguments: logits, target, weight, the six options, compute_metrics, inplace. Returns loss,
+    lse, num_correct, entropy_sum (only the loss is differentiable).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing,
+                logit_scale, softcap, z_loss, compute_metrics, inplace):
+        options = (ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss)
+        if inplace:
+            loss, lse, num_correct, entropy_sum = _empty_outputs(logits, reduction, compute_metrics)
+            ops.ce_fwd_bwd_inplace(logits, target, weight, *options, loss, lse,
+                                   num_correct if compute_metrics else None,
+                                   entropy_sum if compute_metrics else None)
+            dlogits = logits  # now holds the gradient
+        else:
+            loss, lse, num_correct, entropy_sum, dlogits = ops.ce_fwd_bwd(
+                logits, target, weight, *options, compute_metrics)
+        ctx.save_for_backward(dlogits)
+        ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
+        ctx.set_materialize_grads(False)
+        return loss, lse, num_correct, entropy_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        grads = [None] * (_NUM_ARGS_FWD + 1)
+        if grad_loss is not None and ctx.needs_input_grad[0]:
+            (dlogits,) = ctx.saved_tensors
+            if _graph_is_kept():
+                dlogits = dlogits.clone()
+            ops.ce_rescale_(_upstream(grad_loss), dlogits)
+            grads[0] = dlogits
+        return tuple(grads)

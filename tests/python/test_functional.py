@@ -1,0 +1,310 @@
+"""fusedce.cross_entropy against PyTorch: every option, every reduction, the three dtypes, loss
+and gradient, judged against a float64 reference with PyTorch's own error in the same dtype as
+the budget."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusedce
+from conftest import (DEVICES, DTYPES, assert_within_budget, error_scales, loss_and_grad,
+                      make_problem, make_weight, torch_cross_entropy)
+
+# Option sets: each PyTorch option alone, fusedce's own options alone, and all together.
+OPTIONS = {
+    "plain": {},
+    "weight": {"weight": True},
+    "smoothing": {"label_smoothing": 0.1},
+    "weight_smoothing": {"weight": True, "label_smoothing": 0.2},
+    "scale": {"logit_scale": 0.5},
+    "softcap": {"softcap": 5.0},
+    "zloss": {"z_loss": 1e-3},
+    "everything": {"weight": True, "label_smoothing": 0.1, "logit_scale": 1.7, "softcap": 8.0,
+                   "z_loss": 1e-2, "ignore_index": 3},
+}
+
+# Shapes: a single row; odd V that no vector width divides; (B, S, V) as a language model has it;
+# a vocabulary large enough for several chunks per row.
+SHAPES = [((1,), 7), ((37,), 129), ((2, 9), 1000), ((4,), 5003)]
+
+
+def _kwargs(opts, vocab, device):
+    kw = dict(opts)
+    if kw.pop("weight", False):
+        kw["weight"] = make_weight(vocab, device)
+    return kw
+
+
+def _check(device, dtype, shape, vocab, opts, reduction, grad_scale=1.0):
+    kw = _kwargs(opts, vocab, device)
+    kw["reduction"] = reduction
+    x, t = make_problem(shape, vocab, dtype, device, ignore_index=kw.get("ignore_index", -100))
+    fkw = {k: v for k, v in kw.items() if k != "weight"}
+    w = kw.get("weight")
+    grad_out = None
+    if grad_scale != 1.0 or reduction == "none":
+        g = torch.Generator().manual_seed(5)
+        shape_out = t.shape if reduction == "none" else ()
+        grad_out = (torch.rand(shape_out, generator=g) * grad_scale).to(device)
+
+    ours = loss_and_grad(lambda a: fusedce.cross_entropy(a, t, w, **fkw), x, grad_out)
+    ref = loss_and_grad(lambda a: torch_cross_entropy(a, t, w, compute_dtype=torch.float64, **fkw), x,
+                        None if grad_out is None else grad_out.double())
+    theirs = loss_and_grad(lambda a: torch_cross_entropy(a, t, w, **fkw), x,
+                           None if grad_out is None else grad_out.to(dtype))
+
+    assert ours[0].dtype == torch.float32
+    assert ours[0].shape == ref[0].shape
+    assert ours[1].dtype == dtype
+    label = f"{dtype} {shape}x{vocab} {opts} {reduction}"
+    loss_scale, grad_scale = error_scales(x, t, **kw, grad_out=grad_out)
+    assert_within_budget(ours[0], theirs[0], ref[0], what=f"loss {label}", scale=loss_scale)
+    assert_within_budget(ours[1], theirs[1], ref[1], what=f"grad {label}", scale=grad_scale,
+                         out_dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,vocab", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
+def test_options_mean(device, dtype, shape, vocab, opts):
+    _check(device, dtype, shape, vocab, opts, "mean")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+@pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
+def test_options_reductions(device, dtype, reduction, opts):
+    _check(device, dtype, (3, 11), 517, opts, reduction)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_upstream_gradient_not_one(device, dtype, reduction):
+    # The backward scales the gradient formed in the forward by the upstream gradient.
+    _check(device, dtype, (64,), 300, OPTIONS["everything"], reduction, grad_scale=3.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_f_cross_entropy_directly(device):
+    # The plain call is F.cross_entropy's drop-in: same arguments, same numbers (float32).
+    w = make_weight(321, device)
+    for kw in ({}, {"weight": w}, {"label_smoothing": 0.3}, {"weight": w, "reduction": "sum"},
+               {"reduction": "none", "ignore_index": 7}):
+        x, t = make_problem((50,), 321, device=device, ignore_index=kw.get("ignore_index", -100))
+        ours = fusedce.cross_entropy(x, t, **kw)
+        theirs = F.cross_entropy(x, t, **kw)
+        torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unbatched_logits(device):
+    # (V,) logits with a 0-D target, as F.cross_entropy takes them.
+    x = torch.randn(10, device=device)
+    t = torch.tensor(4, device=device)
+    for reduction in ("none", "mean", "sum"):
+        ours = fusedce.cross_entropy(x, t, reduction=reduction)
+        theirs = F.cross_entropy(x, t, reduction=reduction)
+        assert ours.shape == theirs.shape
+        torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_every_row_ignored(device, reduction):
+    x = torch.randn(5, 13, device=device, requires_grad=True)
+    t = torch.full((5,), -100, device=device)
+    ours = fusedce.cross_entropy(x, t, reduction=reduction)
+    theirs = F.cross_entropy(x.detach(), t, reduction=reduction)
+    torch.testing.assert_close(ours, theirs, equal_nan=True)  # mean: NaN, as PyTorch
+    ours.sum().backward()
+    if reduction != "mean":
+        assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(device):
+    x = torch.randn(0, 17, device=device, requires_grad=True)
+    t = torch.zeros(0, dtype=torch.long, device=device)
+    assert fusedce.cross_entropy(x, t, reduction="sum").item() == 0.0
+    assert fusedce.cross_entropy(x, t, reduction="none").shape == (0,)
+    loss = fusedce.cross_entropy(x, t)
+    assert torch.isnan(loss)
+    loss.backward()
+    assert x.grad.shape == (0, 17)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_special_values(device):
+    # NaN / +inf propagate to that row as in PyTorch; -inf entries are a masked vocabulary.
+    x = torch.randn(4, 9, device=device)
+    x[0, 3] = float("nan")
+    x[1, 2] = float("inf")
+    x[2, :5] = float("-inf")
+    t = torch.tensor([1, 2, 6, 0], device=device)
+    ours = fusedce.cross_entropy(x, t, reduction="none")
+    theirs = F.cross_entropy(x, t, reduction="none")
+    torch.testing.assert_close(ours, theirs, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_metrics(device, dtype):
+    x, t = make_problem((3, 40), 700, dtype, device)
+    loss, m = fusedce.cross_entropy(x, t, reduction="sum", return_metrics=True)
+    assert set(m) == {"num_correct", "entropy_sum", "lse"}
+    x64 = x.double().reshape(-1, 700)
+    t1 = t.reshape(-1)
+    keep = t1 != -100
+    assert m["num_correct"].dtype == torch.int64 and m["num_correct"].shape == ()
+    assert m["num_correct"].item() == (x64.argmax(-1) == t1)[keep].sum().item()
+    lse = torch.logsumexp(x64, -1)
+    p = torch.softmax(x64, -1)
+    entropy = (lse - (p * x64).sum(-1))[keep].sum()
+    assert m["entropy_sum"].dtype == torch.float32 and m["entropy_sum"].shape == ()
+    torch.testing.assert_close(m["entropy_sum"].double(), entropy, rtol=1e-5, atol=1e-4)
+    assert m["lse"].dtype == torch.float32 and m["lse"].shape == (120,)
+    torch.testing.assert_close(m["lse"].double(), torch.where(keep, lse, 0.0), rtol=1e-6, atol=1e-5)
+    # metrics leave the loss and the gradient bit-identical
+    assert torch.equal(loss, fusedce.cross_entropy(x, t, reduction="sum"))
+    g1 = loss_and_grad(lambda a: fusedce.cross_entropy(a, t, return_metrics=True)[0], x)[1]
+    g2 = loss_and_grad(lambda a: fusedce.cross_entropy(a, t), x)[1]
+    assert torch.equal(g1, g2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bsv_and_strided_rows_without_copy(device, dtype):
+    # (B, S, V) logits that are a slice of a wider buffer: the rows are strided, the call reads
+    # them in place (the gradient formed in place over the logits shows it is the same memory).
+    big, t = make_problem((3, 5), 260, dtype, device)
+    x = big[..., :250]
+    t = t.clamp(max=249)
+    assert not x.is_contiguous()
+    ours = loss_and_grad(lambda a: fusedce.cross_entropy(a[..., :250], t), big)
+    ref = loss_and_grad(lambda a: torch_cross_entropy(a[..., :250], t, compute_dtype=torch.float64), big)
+    theirs = loss_and_grad(lambda a: torch_cross_entropy(a[..., :250], t), big)
+    loss_scale, grad_scale = error_scales(x[..., :250], t)
+    assert_within_budget(ours[0], theirs[0], ref[0], what="loss", scale=loss_scale)
+    assert_within_budget(ours[1], theirs[1], ref[1], what="grad", out_dtype=dtype, scale=grad_scale)
+
+    leaf = big.detach().clone().requires_grad_(True)
+    loss = fusedce.cross_entropy(leaf[..., :250], t, inplace_backward=True)
+    loss.backward()
+    # the first 250 columns of the buffer now hold the gradient; the rest is untouched
+    assert torch.equal(leaf.detach()[..., :250], leaf.grad[..., :250])
+    assert torch.equal(leaf.detach()[..., 250:], big[..., 250:])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_unit_last_stride(device):
+    # A last dimension that is not contiguous (a transpose) is copied, then computed right.
+    x = torch.randn(300, 8, device=device).t()  # (8, 300) with stride (1, 8)
+    t = torch.randint(0, 300, (8,), device=device)
+    ours = loss_and_grad(lambda a: fusedce.cross_entropy(a, t), x)
+    theirs = loss_and_grad(lambda a: F.cross_entropy(a, t), x)
+    torch.testing.assert_close(ours[0], theirs[0])
+    torch.testing.assert_close(ours[1], theirs[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int32_target_and_strided_target(device):
+    x, t = make_problem((6, 7), 100, device=device)
+    t_strided = torch.stack([t, t], -1)[..., 0]  # stride 2
+    assert t_strided.stride(-1) == 2
+    ref = fusedce.cross_entropy(x, t)
+    assert torch.equal(fusedce.cross_entropy(x, t.int()), ref)
+    assert torch.equal(fusedce.cross_entropy(x, t_strided), ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_inplace_backward(device, dtype):
+    # The logits are overwritten by their gradient; the gradient is the out-of-place one, also
+    # through a matmul (logits as an intermediate, as a language model's head makes them).
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(24, 32, generator=g).to(dtype).to(device).requires_grad_(True)
+    w = torch.randn(500, 32, generator=g).to(dtype).to(device).requires_grad_(True)
+    t = torch.randint(0, 500, (24,), generator=g).to(device)
+    kw = dict(label_smoothing=0.1, z_loss=1e-3, softcap=20.0)
+
+    def grads(inplace):
+        h.grad = w.grad = None
+        logits = h @ w.t()
+        loss = fusedce.cross_entropy(logits, t, inplace_backward=inplace, **kw) * 2.5
+        loss.backward()
+        return loss.detach(), h.grad.clone(), w.grad.clone(), logits.detach()
+
+    loss0, gh0, gw0, logits0 = grads(False)
+    loss1, gh1, gw1, logits1 = grads(True)
+    assert torch.equal(loss0, loss1)
+    assert torch.equal(gh0, gh1) and torch.equal(gw0, gw1)
+    assert not torch.equal(logits0, logits1)  # overwritten
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inplace_backward_refuses_when_logits_are_needed(device):
+    # tanh saves its output for its own backward; overwriting it must not go unnoticed.
+    x = torch.randn(4, 50, device=device, requires_grad=True)
+    t = torch.randint(0, 50, (4,), device=device)
+    logits = torch.tanh(x)
+    loss = fusedce.cross_entropy(logits, t, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_retain_graph_backward_twice(device, inplace):
+    # The saved gradient is scaled in place, except when the graph is kept for another backward.
+    x0, t = make_problem((20,), 90, device=device)
+    x = x0.clone().requires_grad_(True)
+    loss = fusedce.cross_entropy(x * 1.0, t, inplace_backward=inplace)
+    (g1,) = torch.autograd.grad(loss * 3.0, x, retain_graph=True)
+    (g2,) = torch.autograd.grad(loss * 3.0, x, retain_graph=True)
+    (g3,) = torch.autograd.grad(loss * 0.5, x)
+    ref = loss_and_grad(lambda a: F.cross_entropy(a, t), x0)[1]
+    torch.testing.assert_close(g1, 3.0 * ref)
+    assert torch.equal(g1, g2)
+    torch.testing.assert_close(g3, 0.5 * ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_only_without_grad(device):
+    # Without a gradient to form, only the forward runs (and no (N, V) buffer is made).
+    x, t = make_problem((8,), 64, device=device)
+    with torch.no_grad():
+        a = fusedce.cross_entropy(x.requires_grad_(True), t)
+    assert a.grad_fn is None
+    b = fusedce.cross_entropy(x.detach(), t)
+    assert b.grad_fn is None
+    torch.testing.assert_close(a, F.cross_entropy(x.detach(), t))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_of_forward_only_op(device):
+    # ce_fwd's own autograd formula (ce_bwd from the saved lse), for callers of the raw op.
+    x, t = make_problem((10,), 77, device=device)
+    args = (t, None, -100, "mean", 0.1, 1.0, 0.0, 0.0, False)
+    ours = loss_and_grad(lambda a: torch.ops.fusedce.ce_fwd(a, *args)[0] * 2.0, x)
+    ref = loss_and_grad(lambda a: F.cross_entropy(a, t, label_smoothing=0.1) * 2.0, x)
+    torch.testing.assert_close(ours[0], ref[0])
+    torch.testing.assert_close(ours[1], ref[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_module(device):
+    w = make_weight(200, device)
+    x, t = make_problem((4, 6), 200, device=device, ignore_index=5)
+    ours = fusedce.CrossEntropyLoss(w, ignore_index=5, label_smoothing=0.05).to(device)
+    theirs = torch.nn.CrossEntropyLoss(w, ignore_index=5, label_smoothing=0.05)
+    torch.testing.assert_close(ours(x, t), theirs(x.reshape(-1, 200), t.reshape(-1)))
+    assert "weight" in dict(ours.named_buffers())
+    with pytest.warns(UserWarning, match="deprecated"):  # the deprecated arguments, as torch
+        legacy = fusedce.CrossEntropyLoss(size_average=False)
+    assert legacy.reduction == "sum"
+    loss, m = fusedce.CrossEntropyLoss(reduction="none", return_metrics=True, z_loss=1e-4)(x, t)
+    assert loss.shape == t.shape and "num_correct" in m
+    assert "z_loss=0.0001" in repr(fusedce.CrossEntropyLoss(z_loss=1e-4))

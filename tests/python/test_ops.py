@@ -1,0 +1,131 @@
+"""torch.library.opcheck on every op of the fusedce library: schemas and mutation annotations
+match what the kernels do, fake kernels match real ones, autograd is registered where it must be,
+and the ops work under AOTAutograd with dynamic shapes."""
+
+import pytest
+import torch
+
+import fusedce  # noqa: F401  (loads the ops)
+from conftest import DEVICES, make_problem, make_weight
+
+ops = torch.ops.fusedce
+
+# (name, options): the plain call and one with every option (weight passed separately).
+CASES = [
+    ("plain", dict(ignore_index=-100, reduction="mean", label_smoothing=0.0, logit_scale=1.0,
+                   softcap=0.0, z_loss=0.0)),
+    ("options_none", dict(ignore_index=2, reduction="none", label_smoothing=0.1, logit_scale=0.7,
+                          softcap=10.0, z_loss=1e-3)),
+    ("options_sum", dict(ignore_index=-100, reduction="sum", label_smoothing=0.2, logit_scale=1.3,
+                         softcap=0.0, z_loss=1e-2)),
+]
+
+
+def _inputs(device, dtype, opts, weighted, n=13, vocab=97):
+    x, t = make_problem((n,), vocab, dtype, device, ignore_index=opts["ignore_index"], seed=4)
+    w = make_weight(vocab, device) if weighted else None
+    return x, t, w, tuple(opts.values())
+
+
+def _loss_buffer(x, opts):
+    return torch.empty((x.shape[0],) if opts["reduction"] == "none" else (), device=x.device)
+
+
+def _metrics(x):
+    return (torch.empty((), dtype=torch.int64, device=x.device),
+            torch.empty((), dtype=torch.float32, device=x.device))
+
+
+parametrize = pytest.mark.parametrize
+cases = parametrize("name,opts", CASES, ids=[c[0] for c in CASES])
+dtypes = parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+
+
+@parametrize("device", DEVICES)
+@dtypes
+@cases
+@parametrize("metrics", [False, True])
+@parametrize("requires_grad", [False, True])
+def test_ce_fwd(device, dtype, name, opts, metrics, requires_grad):
+    x, t, w, o = _inputs(device, dtype, opts, weighted=name != "plain")
+    torch.library.opcheck(ops.ce_fwd.default, (x.requires_grad_(requires_grad), t, w, *o, metrics))
+
+
+@parametrize("device", DEVICES)
+@dtypes
+@cases
+@parametrize("metrics", [False, True])
+@parametrize("requires_grad", [False, True])
+def test_ce_fwd_bwd(device, dtype, name, opts, metrics, requires_grad):
+    x, t, w, o = _inputs(device, dtype, opts, weighted=name != "plain")
+    torch.library.opcheck(ops.ce_fwd_bwd.default, (x.requires_grad_(requires_grad), t, w, *o, metrics))
+
+
+@parametrize("device", DEVICES)
+@dtypes
+@cases
+def test_ce_bwd(device, dtype, name, opts):
+    x, t, w, o = _inputs(device, dtype, opts, weighted=name != "plain")
+    _, lse, _, _ = ops.ce_fwd(x, t, w, *o, False)
+    g = torch.rand(_loss_buffer(x, opts).shape, device=device)
+    torch.library.opcheck(ops.ce_bwd.default, (x, t, w, lse, g, *o))
+
+
+@parametrize("device", DEVICES)
+@dtypes
+@cases
+@parametrize("metrics", [False, True])
+def test_ce_fwd_out(device, dtype, name, opts, metrics):
+    x, t, w, o = _inputs(device, dtype, opts, weighted=name != "plain")
+    nc, es = _metrics(x) if metrics else (None, None)
+    lse = torch.empty(x.shape[0], device=device)
+    torch.library.opcheck(ops.ce_fwd_out.default, (x, t, w, *o, _loss_buffer(x, opts), lse, nc, es))
+
+
+@parametrize("device", DEVICES)
+@dtypes
+@cases
+@parametrize("metrics", [False, True])
+def test_ce_fwd_bwd_out(device, dtype, name, opts, metrics):
+    x, t, w, o = _inputs(device, dtype, opts, weighted=name != "plain")
+    nc, es = _metrics(x) if metrics else (None, None)
+    lse = torch.empty(x.shape[0], device=device)
+    torch.library.opcheck(ops.ce_fwd_bwd_out.default,
+                          (x, t, w, *o, _loss_buffer(x, opts), lse, nc, es, torch.empty_like(x)))
+
+
+@parametrize("device", DEVICES)
+@dtypes
+@cases
+@parametrize("metrics", [False, True])
+def test_ce_fwd_bwd_inplace(device, dtype, name, opts, metrics):
+    x, t, w, o = _inputs(device, dtype, opts, weighted=name != "plain")
+    nc, es = _metrics(x) if metrics else (None, None)
+    lse = torch.empty(x.shape[0], device=device)
+    torch.library.opcheck(ops.ce_fwd_bwd_inplace.default,
+                          (x, t, w, *o, _loss_buffer(x, opts), lse, nc, es))
+
+
+@parametrize("device", DEVICES)
+@dtypes
+@cases
+def test_ce_bwd_out(device, dtype, name, opts):
+    x, t, w, o = _inputs(device, dtype, opts, weighted=name != "plain")
+    _, lse, _, _ = ops.ce_fwd(x, t, w, *o, False)
+    g = torch.rand(_loss_buffer(x, opts).shape, device=device)
+    torch.library.opcheck(ops.ce_bwd_out.default, (x, t, w, lse, g, *o, torch.empty_like(x)))
+
+
+@parametrize("device", DEVICES)
+@dtypes
+@parametrize("per_row", [False, True])
+def test_ce_rescale_(device, dtype, per_row):
+    x, _ = make_problem((9,), 40, dtype, device)
+    g = torch.rand(9 if per_row else (), device=device) * 3
+    torch.library.opcheck(ops.ce_rescale_.default, (g, x))
+
+
+def test_every_op_is_checked():
+    names = {name for name in dir(ops) if not name.startswith("_")} - {"name"}
+    tested = {name[len("test_"):] for name in globals() if name.startswith("test_ce_")}
+    assert names <= tested, f"ops without an opcheck test: {sorted(names - tested)}"

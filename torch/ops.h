@@ -1,0 +1,351 @@
+// The kernels behind the fusedce torch ops: wrap tensors into the core's views, check what the
+// core cannot see (devices, dimensions, strides of torch tensors), call the core, and turn a
+// non-ok Status into a Python exception. No arithmetic on tensor data happens here.
+//
+// Each op is a template over a device context `Ctx` (binding.cpp: CPU, binding_cuda.cpp: CUDA)
+// that provides:
+//   Ctx ctx(const at::Tensor& like, const char* name);  // device guard for `like`'s device,
+//                                      // held for the call; `name` for error messages
+//   fusedce::Device ctx.device();      // the core's device handle (CUDA: the current stream)
+// Workspace comes from torch's allocator (the caching allocator on CUDA), sized by
+// cross_entropy_workspace_size, and lives until the call returns; the caching allocator orders
+// its reuse on the current stream.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+#include <fusedce/fusedce.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace fusedce_torch {
+
+using at::Tensor;
+using OptTensor = c10::optional<Tensor>;
+
+// ---- conversions and checks ---------------------------------------------------------------
+
+inline fusedce::DType dtype_of(const Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return fusedce::DType::kFloat32;
+    case at::kBFloat16: return fusedce::DType::kBFloat16;
+    case at::kHalf: return fusedce::DType::kFloat16;
+    case at::kInt: return fusedce::DType::kInt32;
+    case at::kLong: return fusedce::DType::kInt64;
+    default:
+      TORCH_CHECK_VALUE(false, "fusedce: ", name, " has dtype ", t.scalar_type(),
+                        ", which fusedce does not take");
+  }
+  return fusedce::DType::kFloat32;  // unreachable
+}
+
+inline void check_float(const Tensor& t, const char* name) {
+  const auto s = t.scalar_type();
+  TORCH_CHECK_VALUE(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf, "fusedce: ", name,
+                    " must be float32, bfloat16 or float16, got ", s);
+}
+
+inline void check_same_device(const Tensor& t, const char* name, const Tensor& logits) {
+  TORCH_CHECK_VALUE(t.device() == logits.device(), "fusedce: ", name, " is on ", t.device(),
+                    " but logits are on ", logits.device());
+}
+
+// (rows, V) with unit stride along V; rows may be strided.
+inline fusedce::MatrixView matrix_of(const Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == 2, "fusedce: ", name, " must be 2-D (rows, V), got ", t.dim(),
+                    "-D of shape ", t.sizes());
+  check_float(t, name);
+  const int64_t rows = t.size(0), cols = t.size(1);
+  TORCH_CHECK_VALUE(cols <= 1 || t.stride(1) == 1, "fusedce: ", name,
+                    " must have unit stride along its last dimension, got strides ", t.strides());
+  const int64_t row_stride = rows > 1 ? t.stride(0) : cols;
+  TORCH_CHECK_VALUE(rows <= 1 || row_stride >= cols, "fusedce: ", name, " rows overlap (strides ",
+                    t.strides(), " for shape ", t.sizes(), ")");
+  return fusedce::matrix(t.numel() > 0 ? const_cast<void*>(t.const_data_ptr()) : nullptr,
+                         dtype_of(t, name), rows, cols, row_stride);
+}
+
+inline fusedce::VectorView vector_of(const Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() <= 1, "fusedce: ", name, " must be 0-D or 1-D, got shape ", t.sizes());
+  const int64_t stride = t.dim() == 1 && t.numel() > 1 ? t.stride(0) : 1;
+  return fusedce::vector(t.numel() > 0 ? const_cast<void*>(t.const_data_ptr()) : nullptr,
+                         dtype_of(t, name), t.numel(), stride);
+}
+
+inline fusedce::Reduction reduction_of(const std::string& r) {
+  if (r == "mean") return fusedce::Reduction::kMean;
+  if (r == "sum") return fusedce::Reduction::kSum;
+  if (r == "none") return fusedce::Reduction::kNone;
+  TORCH_CHECK_VALUE(false, "fusedce: reduction must be 'none', 'sum' or 'mean', got '", r, "'");
+  return fusedce::Reduction::kMean;  // unreachable
+}
+
+// The options every op shares. `weight` (class weights) must outlive the call.
+inline fusedce::Options options_of(const Tensor& logits, const OptTensor& weight,
+                                   int64_t ignore_index, const std::string& reduction,
+                                   double label_smoothing, double logit_scale, double softcap,
+                                   double z_loss) {
+  fusedce::Options o;
+  o.ignore_index = ignore_index;
+  o.reduction = reduction_of(reduction);
+  o.label_smoothing = static_cast<float>(label_smoothing);
+  o.logit_scale = static_cast<float>(logit_scale);
+  o.softcap = static_cast<float>(softcap);
+  o.z_loss = static_cast<float>(z_loss);
+  if (weight.has_value()) {
+    check_same_device(*weight, "weight", logits);
+    TORCH_CHECK_VALUE(weight->scalar_type() == at::kFloat, "fusedce: weight must be float32, got ",
+                      weight->scalar_type());
+    TORCH_CHECK_VALUE(weight->dim() == 1, "fusedce: weight must be 1-D (V,), got shape ",
+                      weight->sizes());
+    o.class_weight = vector_of(*weight, "weight");
+  }
+  return o;
+}
+
+inline void check_status(const fusedce::Status& s, const char* op) {
+  if (s.ok()) return;
+  switch (s.code()) {
+    case fusedce::StatusCode::kInvalidArgument:
+    case fusedce::StatusCode::kTargetOutOfRange:
+      TORCH_CHECK_VALUE(false, "fusedce.", op, ": ", s.message());
+      break;
+    default:
+      TORCH_CHECK(false, "fusedce.", op, ": ", s.message());
+  }
+}
+
+inline void check_inputs(const Tensor& logits, const Tensor& target) {
+  check_same_device(target, "target", logits);
+  TORCH_CHECK_VALUE(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt,
+                    "fusedce: target must be int64 or int32 class indices, got ",
+                    target.scalar_type());
+  TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == logits.size(0),
+                    "fusedce: target must be 1-D with one entry per row of logits (",
+                    logits.size(0), "), got shape ", target.sizes());
+}
+
+inline void check_out(const Tensor& t, const char* name, const Tensor& logits) {
+  check_same_device(t, name, logits);
+}
+
+// Metrics are computed when both buffers are given.
+inline bool metrics_requested(const OptTensor& num_correct, const OptTensor& entropy_sum) {
+  TORCH_CHECK_VALUE(num_correct.has_value() == entropy_sum.has_value(),
+                    "fusedce: give both num_correct and entropy_sum, or neither");
+  return num_correct.has_value();
+}
+
+template <class Ctx>
+fusedce::Workspace workspace_for(fusedce::Job job, Ctx& ctx, const Tensor& like, int64_t rows,
+                                 int64_t vocab, const fusedce::Options& o, Tensor* holder) {
+  const size_t bytes = fusedce::cross_entropy_workspace_size(job, ctx.device(), rows, vocab, o);
+  if (bytes == 0) return {};
+  *holder = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+  return fusedce::Workspace{holder->data_ptr(), bytes};
+}
+
+// ---- out-variant ops: write only into the given buffers -----------------------------------
+
+template <class Ctx>
+void ce_fwd_out(const Tensor& logits, const Tensor& target, const OptTensor& weight,
+                int64_t ignore_index, c10::string_view reduction, double label_smoothing,
+                double logit_scale, double softcap, double z_loss, const Tensor& loss,
+                const Tensor& lse, const OptTensor& num_correct, const OptTensor& entropy_sum) {
+  Ctx ctx(logits, "logits");
+  const fusedce::MatrixView x = matrix_of(logits, "logits");
+  check_inputs(logits, target);
+  fusedce::Options o = options_of(logits, weight, ignore_index, std::string(reduction.data(), reduction.size()),
+                                  label_smoothing, logit_scale, softcap, z_loss);
+  fusedce::ForwardOutputs out;
+  check_out(loss, "loss", logits);
+  check_out(lse, "lse", logits);
+  out.loss = vector_of(loss, "loss");
+  out.lse = vector_of(lse, "lse");
+  o.compute_metrics = metrics_requested(num_correct, entropy_sum);
+  if (o.compute_metrics) {
+    check_out(*num_correct, "num_correct", logits);
+    check_out(*entropy_sum, "entropy_sum", logits);
+    out.num_correct = vector_of(*num_correct, "num_correct");
+    out.entropy_sum = vector_of(*entropy_sum, "entropy_sum");
+  }
+  Tensor ws_holder;
+  const fusedce::Workspace ws =
+      workspace_for(fusedce::Job::kForward, ctx, logits, x.rows, x.cols, o, &ws_holder);
+  check_status(fusedce::cross_entropy_forward(ctx.device(), x, vector_of(target, "target"), o, out, ws),
+               "ce_fwd");
+}
+
+// Forward with the gradient for an upstream gradient of 1 in the same sweep. `dlogits` is
+// either a separate buffer or (inplace) the logits themselves.
+template <class Ctx>
+void ce_fwd_bwd_impl(const Tensor& logits, const Tensor& target, const OptTensor& weight,
+                     int64_t ignore_index, c10::string_view reduction, double label_smoothing,
+                     double logit_scale, double softcap, double z_loss, const Tensor& loss,
+                     const Tensor& lse, const OptTensor& num_correct,
+                     const OptTensor& entropy_sum, const Tensor& dlogits, bool inplace,
+                     const char* op) {
+  Ctx ctx(logits, "logits");
+  const fusedce::MatrixView x = matrix_of(logits, "logits");
+  check_inputs(logits, target);
+  fusedce::Options o = options_of(logits, weight, ignore_index, std::string(reduction.data(), reduction.size()),
+                                  label_smoothing, logit_scale, softcap, z_loss);
+  o.inplace_grad = inplace;
+  fusedce::ForwardOutputs out;
+  check_out(loss, "loss", logits);
+  check_out(lse, "lse", logits);
+  out.loss = vector_of(loss, "loss");
+  out.lse = vector_of(lse, "lse");
+  o.compute_metrics = metrics_requested(num_correct, entropy_sum);
+  if (o.compute_metrics) {
+    check_out(*num_correct, "num_correct", logits);
+    check_out(*entropy_sum, "entropy_sum", logits);
+    out.num_correct = vector_of(*num_correct, "num_correct");
+    out.entropy_sum = vector_of(*entropy_sum, "entropy_sum");
+  }
+  check_out(dlogits, "dlogits", logits);
+  TORCH_CHECK_VALUE(dlogits.sizes() == logits.sizes(), "fusedce: dlogits must have the logits' shape ",
+                    logits.sizes(), ", got ", dlogits.sizes());
+  const fusedce::MatrixView dx = matrix_of(dlogits, "dlogits");
+  Tensor ws_holder;
+  const fusedce::Workspace ws =
+      workspace_for(fusedce::Job::kForwardBackward, ctx, logits, x.rows, x.cols, o, &ws_holder);
+  check_status(fusedce::cross_entropy_forward_backward(ctx.device(), x, vector_of(target, "target"),
+                                                       o, out, /*grad_loss=*/{}, dx, ws),
+               op);
+}
+
+template <class Ctx>
+void ce_fwd_bwd_out(const Tensor& logits, const Tensor& target, const OptTensor& weight,
+                    int64_t ignore_index, c10::string_view reduction, double label_smoothing,
+                    double logit_scale, double softcap, double z_loss, const Tensor& loss,
+                    const Tensor& lse, const OptTensor& num_correct, const OptTensor& entropy_sum,
+                    const Tensor& dlogits) {
+  ce_fwd_bwd_impl<Ctx>(logits, target, weight, ignore_index, reduction, label_smoothing,
+                       logit_scale, softcap, z_loss, loss, lse, num_correct, entropy_sum, dlogits,
+                       /*inplace=*/false, "ce_fwd_bwd");
+}
+
+template <class Ctx>
+void ce_fwd_bwd_inplace(const Tensor& logits, const Tensor& target, const OptTensor& weight,
+                        int64_t ignore_index, c10::string_view reduction, double label_smoothing,
+                        double logit_scale, double softcap, double z_loss, const Tensor& loss,
+                        const Tensor& lse, const OptTensor& num_correct,
+                        const OptTensor& entropy_sum) {
+  ce_fwd_bwd_impl<Ctx>(logits, target, weight, ignore_index, reduction, label_smoothing,
+                       logit_scale, softcap, z_loss, loss, lse, num_correct, entropy_sum, logits,
+                       /*inplace=*/true, "ce_fwd_bwd_inplace");
+}
+
+template <class Ctx>
+void ce_bwd_out(const Tensor& logits, const Tensor& target, const OptTensor& weight,
+                const Tensor& lse, const Tensor& grad_loss, int64_t ignore_index,
+                c10::string_view reduction, double label_smoothing, double logit_scale,
+                double softcap, double z_loss, const Tensor& dlogits) {
+  Ctx ctx(logits, "logits");
+  const fusedce::MatrixView x = matrix_of(logits, "logits");
+  check_inputs(logits, target);
+  const fusedce::Options o = options_of(logits, weight, ignore_index, std::string(reduction.data(), reduction.size()),
+                                        label_smoothing, logit_scale, softcap, z_loss);
+  check_same_device(lse, "lse", logits);
+  check_same_device(grad_loss, "grad_loss", logits);
+  check_out(dlogits, "dlogits", logits);
+  TORCH_CHECK_VALUE(dlogits.sizes() == logits.sizes(), "fusedce: dlogits must have the logits' shape ",
+                    logits.sizes(), ", got ", dlogits.sizes());
+  const fusedce::MatrixView dx = matrix_of(dlogits, "dlogits");
+  Tensor ws_holder;
+  const fusedce::Workspace ws =
+      workspace_for(fusedce::Job::kBackward, ctx, logits, x.rows, x.cols, o, &ws_holder);
+  check_status(fusedce::cross_entropy_backward(ctx.device(), x, vector_of(target, "target"),
+                                               vector_of(lse, "lse"), vector_of(grad_loss, "grad_loss"),
+                                               o, dx, ws),
+               "ce_bwd");
+}
+
+template <class Ctx>
+void ce_rescale_(const Tensor& grad_loss, const Tensor& dlogits) {
+  Ctx ctx(dlogits, "dlogits");
+  check_same_device(grad_loss, "grad_loss", dlogits);
+  const fusedce::MatrixView dx = matrix_of(dlogits, "dlogits");
+  TORCH_CHECK_VALUE(grad_loss.scalar_type() == at::kFloat, "fusedce: grad_loss must be float32, got ",
+                    grad_loss.scalar_type());
+  Tensor ws_holder;
+  const fusedce::Workspace ws =
+      workspace_for(fusedce::Job::kRescale, ctx, dlogits, dx.rows, dx.cols, fusedce::Options{}, &ws_holder);
+  check_status(fusedce::cross_entropy_rescale_grad(ctx.device(), vector_of(grad_loss, "grad_loss"), dx, ws),
+               "ce_rescale_");
+}
+
+// ---- functional ops: allocate the outputs, then run the out variant -----------------------
+
+inline Tensor empty_loss(const Tensor& logits, c10::string_view reduction) {
+  const auto opts = logits.options().dtype(at::kFloat);
+  if (reduction_of(std::string(reduction.data(), reduction.size())) == fusedce::Reduction::kNone) {
+    return at::empty({logits.size(0)}, opts);
+  }
+  return at::empty({}, opts);
+}
+
+// num_correct / entropy_sum: 0-D when asked for, else empty (0,) tensors that cost nothing.
+inline std::tuple<Tensor, Tensor> empty_metrics(const Tensor& logits, bool compute_metrics) {
+  const std::vector<int64_t> shape = compute_metrics ? std::vector<int64_t>{} : std::vector<int64_t>{0};
+  return {at::empty(shape, logits.options().dtype(at::kLong)),
+          at::empty(shape, logits.options().dtype(at::kFloat))};
+}
+
+inline OptTensor if_metrics(const Tensor& t, bool compute_metrics) {
+  return compute_metrics ? OptTensor(t) : OptTensor();
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor, Tensor> ce_fwd(const Tensor& logits, const Tensor& target,
+                                                  const OptTensor& weight, int64_t ignore_index,
+                                                  c10::string_view reduction, double label_smoothing,
+                                                  double logit_scale, double softcap, double z_loss,
+                                                  bool compute_metrics) {
+  TORCH_CHECK_VALUE(logits.dim() == 2, "fusedce: logits must be 2-D (rows, V), got shape ",
+                    logits.sizes());
+  Tensor loss = empty_loss(logits, reduction);
+  Tensor lse = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  auto [num_correct, entropy_sum] = empty_metrics(logits, compute_metrics);
+  ce_fwd_out<Ctx>(logits, target, weight, ignore_index, reduction, label_smoothing, logit_scale,
+                  softcap, z_loss, loss, lse, if_metrics(num_correct, compute_metrics),
+                  if_metrics(entropy_sum, compute_metrics));
+  return {loss, lse, num_correct, entropy_sum};
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ce_fwd_bwd(
+    const Tensor& logits, const Tensor& target, const OptTensor& weight, int64_t ignore_index,
+    c10::string_view reduction, double label_smoothing, double logit_scale, double softcap,
+    double z_loss, bool compute_metrics) {
+  TORCH_CHECK_VALUE(logits.dim() == 2, "fusedce: logits must be 2-D (rows, V), got shape ",
+                    logits.sizes());
+  Tensor loss = empty_loss(logits, reduction);
+  Tensor lse = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  auto [num_correct, entropy_sum] = empty_metrics(logits, compute_metrics);
+  Tensor dlogits = at::empty(logits.sizes(), logits.options());
+  ce_fwd_bwd_out<Ctx>(logits, target, weight, ignore_index, reduction, label_smoothing,
+                      logit_scale, softcap, z_loss, loss, lse, if_metrics(num_correct, compute_metrics),
+                      if_metrics(entropy_sum, compute_metrics), dlogits);
+  return {loss, lse, num_correct, entropy_sum, dlogits};
+}
+
+template <class Ctx>
+Tensor ce_bwd(const Tensor& logits, const Tensor& target, const OptTensor& weight,
+              const Tensor& lse, const Tensor& grad_loss, int64_t ignore_index,
+              c10::string_view reduction, double label_smoothing, double logit_scale,
+              double softcap, double z_loss) {
+  TORCH_CHECK_VALUE(logits.dim() == 2, "fusedce: logits must be 2-D (rows, V), got shape ",
+                    logits.sizes());
+  Tensor dlogits = at::empty(logits.sizes(), logits.options());
+  ce_bwd_out<Ctx>(logits, target, weight, lse, grad_loss, ignore_index, reduction,
+                  label_smoothing, logit_scale, softcap, z_loss, dlogits);
+  return dlogits;
+}
+
+}  // namespace fusedce_torch
