@@ -9,9 +9,9 @@ The ops behind them are ``torch.ops.fusedce.*`` (schemas in torch/binding.cpp).
 import os as _os
 
 # A CMake build tree (-DFUSEDCE_TORCH=ON) used without installing: FUSEDCE_BUILD_DIR=<build dir>
-# with PYTHONPATH=<repo>/python finds the extension and its build facts in <build dir>/torch.
+# with PYTHONPATH=<repo>/python takes the extension and its build facts from <build dir>/torch.
 if _os.environ.get("FUSEDCE_BUILD_DIR"):
-    __path__.append(_os.path.join(_os.path.abspath(_os.environ["FUSEDCE_BUILD_DIR"]), "torch"))
+    __path__.insert(0, _os.path.join(_os.path.abspath(_os.environ["FUSEDCE_BUILD_DIR"]), "torch"))
 
 from . import _library  # noqa: E402
 

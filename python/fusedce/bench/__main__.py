@@ -2,10 +2,11 @@
 the same logits, on the CPU (default) or a GPU:
 
     python -m fusedce.bench [--device cpu|cuda] [--shapes 2048x32000,512x128256]
-                            [--dtypes float32,bfloat16] [--repeat 5] [--threads N]
+                            [--dtypes float32,bfloat16] [--repeat 5] [--warmup 2]
+                            [--threads N]
 
 Each row times loss + loss.backward() on a fresh leaf holding the logits (median of --repeat
-runs after one warm-up). "torch" is F.cross_entropy in the logits' dtype; "torch fp32" upcasts
+runs after --warmup runs; the first runs at a new size pay for fresh pages of memory). "torch" is F.cross_entropy in the logits' dtype; "torch fp32" upcasts
 first, as transformers' ForCausalLMLoss does for a bfloat16 model. Bytes: fusedce reads the
 logits once and writes the gradient once (2 N V element sizes); GB/s is that over the time.
 """
@@ -25,16 +26,16 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_fwd_bwd(fn, x, t, repeat, device):
+def time_fwd_bwd(fn, x, t, repeat, warmup, device):
     times = []
-    for i in range(repeat + 1):
+    for i in range(warmup + repeat):
         leaf = x.detach().requires_grad_(True)
         _sync(device)
         start = time.perf_counter()
         loss = fn(leaf, t)
         loss.backward()
         _sync(device)
-        if i > 0:
+        if i >= warmup:
             times.append(time.perf_counter() - start)
         del loss, leaf
     return statistics.median(times)
@@ -46,6 +47,7 @@ def main():
     p.add_argument("--shapes", default="2048x32000,512x128256")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave it)")
     a = p.parse_args()
     if a.threads:
@@ -73,7 +75,7 @@ def main():
             for name, fn in peers.items():
                 if name == "torch fp32" and dtype == torch.float32:
                     continue
-                ms[name] = time_fwd_bwd(fn, x, t, a.repeat, a.device) * 1e3
+                ms[name] = time_fwd_bwd(fn, x, t, a.repeat, a.warmup, a.device) * 1e3
             gbs = 2 * n * v * x.element_size() / (ms["fusedce"] * 1e-3) / 1e9
             speedup = ms["torch"] / ms["fusedce"]
             speedups.append(speedup)
