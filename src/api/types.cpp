@@ -41,8 +41,9 @@ const char* version() {
       FUSEDCE_VERSION_PATCH);
 }
 
+// A HIP build's GPU backend takes DeviceType::kCUDA devices too (AMD GPUs, as in PyTorch on ROCm).
 bool built_with_cuda() {
-#if defined(FUSEDCE_WITH_CUDA)
+#if defined(FUSEDCE_WITH_CUDA) || defined(FUSEDCE_WITH_HIP)
   return true;
 #else
   return false;

@@ -28,8 +28,8 @@ FUSEDCE_HD float bits_float(uint32_t u) {
   return f;
 }
 
-// Storage-only 16-bit types of the host backend (the CUDA code uses the cuda_bf16 / cuda_fp16
-// types, with the same bit layout).
+// Storage-only 16-bit types of the host backend (the GPU code uses the cuda_bf16 / cuda_fp16
+// types, or HIP's, with the same bit layout: see cuda/port.h).
 struct bf16_t {
   uint16_t bits;
 };
@@ -92,7 +92,7 @@ FUSEDCE_HD LseState lse_merge(const LseState& a, const LseState& b) {
   const float m = a.m > b.m ? a.m : b.m;
   if (m == -INFINITY) return LseState{m, a.s + b.s, a.ez + b.ez};
   // exp(-inf - m) == 0 keeps a NaN sum NaN (NaN * 0) and an empty one empty (0 * 0).
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
   const float fa = __expf(a.m - m);  // the SFU: merges sit on the kernels' critical path
   const float fb = __expf(b.m - m);
 #else

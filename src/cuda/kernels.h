@@ -2,7 +2,7 @@
 // units (row_f32.cu, row_bf16.cu, row_f16.cu) define them, so each dtype compiles in parallel.
 #pragma once
 
-#include <cuda_runtime.h>
+#include "cuda/port.h"  // first: the platform's runtime header defines __forceinline__ and friends
 
 #include <cstddef>
 #include <cstdint>
@@ -34,10 +34,11 @@ RescaleKernel rescale_kernel_f16();
 constexpr int max_row_threads(int) { return 1024; }
 
 /// The streaming kernel's shape: 16 consumer warps and one producer warp per block, one block per
-/// SM; 32 KB chunks in a ring of kStages shared-memory stages (192 KB of loads in flight).
+/// SM; 32 KB chunks in a ring of kStages shared-memory stages (192 KB of loads in flight). sm_90
+/// only: a HIP build compiles the kernel as an empty shell and never launches it.
 constexpr int kStreamConsumerWarps = 16;
-constexpr int kStreamConsumers = kStreamConsumerWarps * 32;
-constexpr int kStreamThreads = kStreamConsumers + 32;
+constexpr int kStreamConsumers = kStreamConsumerWarps * kWarpSize;
+constexpr int kStreamThreads = kStreamConsumers + kWarpSize;
 constexpr int kChunkBytes = 32768;
 constexpr int kChunkSegs = kChunkBytes / 16;
 constexpr int kSegsPerThread = kChunkSegs / kStreamConsumers;

@@ -1,7 +1,7 @@
 // The CUDA backend's host side: workspace layout, launch shapes, and the sequence of passes of
 // each job (prepare -> row kernel -> finalize), all enqueued on the caller's stream with no host
 // synchronisation (except the opt-in target check, which must read a result back).
-#include <cuda_runtime.h>
+#include "cuda/port.h"  // first: the platform's runtime header
 
 #include <algorithm>
 #include <cstdio>
@@ -69,13 +69,13 @@ Status device_error(cudaError_t e, const char* what) {
 class DeviceGuard {
  public:
   explicit DeviceGuard(int index) {
-    cudaGetDevice(&previous_);
-    if (previous_ != index) cudaSetDevice(index);
+    (void)cudaGetDevice(&previous_);
+    if (previous_ != index) (void)cudaSetDevice(index);
   }
   ~DeviceGuard() {
     int now = -1;
-    cudaGetDevice(&now);
-    if (now != previous_) cudaSetDevice(previous_);
+    (void)cudaGetDevice(&now);
+    if (now != previous_) (void)cudaSetDevice(previous_);
   }
 
  private:
@@ -100,14 +100,15 @@ RowShape plan_rows(int64_t segments, bool merge, int cc_major) {
   r.hw_cluster = merge;
   const int max_threads = max_row_threads(r.items);
   // Clusters need sm_90; 16 is the non-portable maximum Hopper allows.
-  const int max_cluster = !merge ? (1 << 20) : (cc_major >= 9 ? 16 : 1);
+  const int max_cluster = !merge ? (1 << 20) : (kHopperFeatures && cc_major >= 9 ? 16 : 1);
   const int64_t threads_needed = (segments + r.items - 1) / r.items;
   int cluster = 1;
   while (cluster < max_cluster && threads_needed > int64_t(kTargetThreads) * cluster) cluster *= 2;
   const int64_t per_block = (threads_needed + cluster - 1) / cluster;
   if (per_block <= max_threads) {
     r.cluster = cluster;
-    r.threads = static_cast<int>(std::max<int64_t>(32, (per_block + 31) / 32 * 32));
+    // Whole warps: the block reduction covers blockDim.x / kWarpSize warps.
+    r.threads = static_cast<int>(std::max<int64_t>(kWarpSize, (per_block + kWarpSize - 1) / kWarpSize * kWarpSize));
     r.pieces = 1;
   } else {
     r.cluster = max_cluster;
@@ -119,7 +120,7 @@ RowShape plan_rows(int64_t segments, bool merge, int cc_major) {
   // Tuning knob for the dev sweep (bench --sweep): FUSEDCE_ROW_SHAPE="threads,cluster,items".
   if (const char* env = std::getenv("FUSEDCE_ROW_SHAPE")) {
     int threads = 0, cluster_o = 0, items = 0;
-    if (std::sscanf(env, "%d,%d,%d", &threads, &cluster_o, &items) == 3 && threads % 32 == 0 &&
+    if (std::sscanf(env, "%d,%d,%d", &threads, &cluster_o, &items) == 3 && threads % kWarpSize == 0 &&
         threads <= max_threads && cluster_o >= 1 && cluster_o <= max_cluster && (items == 1 || items == 4)) {
       r.threads = threads;
       r.cluster = cluster_o;
@@ -171,12 +172,18 @@ RowKernel select_row_kernel(DType d, int items, bool forward, bool grad, bool ex
 
 int device_cc_major(int index) {
   int major = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index);
+  (void)cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index);  // 0 on failure
   return major;
 }
 
 Status launch_row_kernel(RowKernel kernel, const RowShape& shape, const RowParams& params,
                          cudaStream_t stream) {
+#if FUSEDCE_PLATFORM_HIP
+  // No thread-block clusters on AMD GPUs (plan_rows never asks for one there): a plain launch.
+  if (shape.hw_cluster) return Status(StatusCode::kUnsupported, "thread-block clusters need an sm_90 GPU");
+  kernel<<<static_cast<unsigned>(params.rows * shape.cluster), shape.threads, 0, stream>>>(params);
+  cudaError_t e = cudaGetLastError();
+#else
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(params.rows * shape.cluster), 1, 1);
   config.blockDim = dim3(shape.threads, 1, 1);
@@ -196,6 +203,7 @@ Status launch_row_kernel(RowKernel kernel, const RowShape& shape, const RowParam
     config.numAttrs = 1;
   }
   cudaError_t e = cudaLaunchKernelEx(&config, kernel, params);
+#endif
   if (e != cudaSuccess) return device_error(e, "the row kernel launch");
   return Status::Ok();
 }
@@ -231,7 +239,7 @@ size_t workspace_size(Job job, int64_t rows, int64_t, const Options& options) {
 Status run(const detail::CeCall& call) {
   DeviceGuard guard(call.device.index);
   cudaStream_t stream = static_cast<cudaStream_t>(call.device.stream);
-  cudaGetLastError();  // an earlier, unrelated error must not be reported as ours
+  (void)cudaGetLastError();  // an earlier, unrelated error must not be reported as ours
   if (call.job == Job::kRescale) return run_rescale(call, stream);
 
   const MatrixView& L = call.logits;
@@ -345,9 +353,9 @@ Status run(const detail::CeCall& call) {
     const int cc_major = device_cc_major(call.device.index);
     // The plain kernels assume logit_scale > 0 (they take the max over raw logits).
     const bool extras = p.softcap || p.smoothing || p.metrics || p.class_weight != nullptr || o.logit_scale < 0.0f;
-    if (forward && cc_major >= 9 && std::getenv("FUSEDCE_NO_STREAM") == nullptr) {
+    if (kHopperFeatures && forward && cc_major >= 9 && std::getenv("FUSEDCE_NO_STREAM") == nullptr) {
       int sms = 0;
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, call.device.index);
+      (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, call.device.index);
       const StreamPlan plan = plan_stream(N, segments, sms);
       StreamParams sp = {};
       sp.row = p;

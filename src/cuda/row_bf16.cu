@@ -1,4 +1,4 @@
-// Instantiations of the row, streaming and rescale kernels for __nv_bfloat16 (one translation unit per dtype).
+// Instantiations of the row, streaming and rescale kernels for BFloat16 (one translation unit per dtype).
 #include "cuda/kernels.h"
 #include "cuda/rescale_kernel.cuh"
 #include "cuda/row_kernel.cuh"
@@ -10,9 +10,9 @@ namespace {
 
 template <int kItems, bool kExtras>
 RowKernel pick_job(bool forward, bool grad) {
-  if (forward && grad) return ce_row_kernel<__nv_bfloat16, kItems, true, true, kExtras>;
-  if (forward) return ce_row_kernel<__nv_bfloat16, kItems, true, false, kExtras>;
-  return ce_row_kernel<__nv_bfloat16, kItems, false, true, kExtras>;
+  if (forward && grad) return ce_row_kernel<BFloat16, kItems, true, true, kExtras>;
+  if (forward) return ce_row_kernel<BFloat16, kItems, true, false, kExtras>;
+  return ce_row_kernel<BFloat16, kItems, false, true, kExtras>;
 }
 
 }  // namespace
@@ -22,11 +22,11 @@ RowKernel select_row_kernel_bf16(int items, bool forward, bool grad, bool extras
   return extras ? pick_job<1, true>(forward, grad) : pick_job<1, false>(forward, grad);
 }
 
-RescaleKernel rescale_kernel_bf16() { return ce_rescale_kernel<__nv_bfloat16>; }
+RescaleKernel rescale_kernel_bf16() { return ce_rescale_kernel<BFloat16>; }
 
 StreamKernel select_stream_kernel_bf16(bool grad, bool extras) {
-  if (grad) return extras ? ce_stream_kernel<__nv_bfloat16, true, true> : ce_stream_kernel<__nv_bfloat16, true, false>;
-  return extras ? ce_stream_kernel<__nv_bfloat16, false, true> : ce_stream_kernel<__nv_bfloat16, false, false>;
+  if (grad) return extras ? ce_stream_kernel<BFloat16, true, true> : ce_stream_kernel<BFloat16, true, false>;
+  return extras ? ce_stream_kernel<BFloat16, false, true> : ce_stream_kernel<BFloat16, false, false>;
 }
 
 }  // namespace cuda

@@ -1,4 +1,4 @@
-// Instantiations of the row, streaming and rescale kernels for __half (one translation unit per dtype).
+// Instantiations of the row, streaming and rescale kernels for Half (one translation unit per dtype).
 #include "cuda/kernels.h"
 #include "cuda/rescale_kernel.cuh"
 #include "cuda/row_kernel.cuh"
@@ -10,9 +10,9 @@ namespace {
 
 template <int kItems, bool kExtras>
 RowKernel pick_job(bool forward, bool grad) {
-  if (forward && grad) return ce_row_kernel<__half, kItems, true, true, kExtras>;
-  if (forward) return ce_row_kernel<__half, kItems, true, false, kExtras>;
-  return ce_row_kernel<__half, kItems, false, true, kExtras>;
+  if (forward && grad) return ce_row_kernel<Half, kItems, true, true, kExtras>;
+  if (forward) return ce_row_kernel<Half, kItems, true, false, kExtras>;
+  return ce_row_kernel<Half, kItems, false, true, kExtras>;
 }
 
 }  // namespace
@@ -22,11 +22,11 @@ RowKernel select_row_kernel_f16(int items, bool forward, bool grad, bool extras)
   return extras ? pick_job<1, true>(forward, grad) : pick_job<1, false>(forward, grad);
 }
 
-RescaleKernel rescale_kernel_f16() { return ce_rescale_kernel<__half>; }
+RescaleKernel rescale_kernel_f16() { return ce_rescale_kernel<Half>; }
 
 StreamKernel select_stream_kernel_f16(bool grad, bool extras) {
-  if (grad) return extras ? ce_stream_kernel<__half, true, true> : ce_stream_kernel<__half, true, false>;
-  return extras ? ce_stream_kernel<__half, false, true> : ce_stream_kernel<__half, false, false>;
+  if (grad) return extras ? ce_stream_kernel<Half, true, true> : ce_stream_kernel<Half, true, false>;
+  return extras ? ce_stream_kernel<Half, false, true> : ce_stream_kernel<Half, false, false>;
 }
 
 }  // namespace cuda

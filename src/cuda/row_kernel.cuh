@@ -11,14 +11,13 @@
 // bandwidth; the exps (one MUFU.EX2 per element per sweep) stay under the SFU rate at that bandwidth.
 #pragma once
 
-#include <cooperative_groups.h>
-
 #include <cfloat>
 #include <cstdint>
 
 #include "common/numeric.h"
 #include "cuda/kernels.h"
 #include "cuda/params.h"
+#include "cuda/port.h"
 #include "cuda/vec.cuh"
 
 namespace fusedce {
@@ -54,33 +53,19 @@ __device__ __forceinline__ RowPartial merge_partial(const RowPartial& a, const R
 /// metrics, the target logit only where a thread (not a global load) found it.
 __device__ __forceinline__ RowPartial shfl_down_partial(const RowPartial& p, int delta, bool metrics, bool target) {
   RowPartial r = p;
-  r.st.m = __shfl_down_sync(0xffffffffu, p.st.m, delta);
-  r.st.s = __shfl_down_sync(0xffffffffu, p.st.s, delta);
-  if (metrics) r.st.ez = __shfl_down_sync(0xffffffffu, p.st.ez, delta);
-  r.smooth = __shfl_down_sync(0xffffffffu, p.smooth, delta);
+  r.st.m = shfl_down(p.st.m, delta);
+  r.st.s = shfl_down(p.st.s, delta);
+  if (metrics) r.st.ez = shfl_down(p.st.ez, delta);
+  r.smooth = shfl_down(p.smooth, delta);
   if (metrics) {
-    r.amax_v = __shfl_down_sync(0xffffffffu, p.amax_v, delta);
-    r.amax_i = __shfl_down_sync(0xffffffffu, p.amax_i, delta);
+    r.amax_v = shfl_down(p.amax_v, delta);
+    r.amax_i = shfl_down(p.amax_i, delta);
   }
   if (target) {
-    r.z_target = __shfl_down_sync(0xffffffffu, p.z_target, delta);
-    r.has_target = __shfl_down_sync(0xffffffffu, p.has_target, delta);
+    r.z_target = shfl_down(p.z_target, delta);
+    r.has_target = shfl_down(p.has_target, delta);
   }
   return r;
-}
-
-/// 2^x on the SFU (one MUFU.EX2); -inf gives 0, NaN stays NaN, results below 2^-126 flush to 0
-/// (they vanish next to the row's max term anyway).
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float rcp(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 /// tanh through one exp and one reciprocal: saturates at +-1, keeps NaN, absolute error ~1e-7.
@@ -105,7 +90,7 @@ __device__ __forceinline__ int64_t load_target_dev(const RowParams& p, int64_t r
 
 /// Shared memory of the row pass.
 struct RowShared {
-  RowPartial warp[kMaxThreads / 32];
+  RowPartial warp[kMaxThreads / kWarpSize];
   RowPartial block;  // this block's partial, read by the cluster's other blocks
   RowPartial row;    // the merged row
 };
@@ -151,7 +136,7 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
       const int dseg = static_cast<int>(row_segments(V, doff, kVec));
       const int end = rank == p.cluster - 1 ? dseg : min(dseg, block_seg0 + p.pieces * piece_segs);
       Segment<T> zero;
-      zero.raw = make_uint4(0, 0, 0, 0);
+      zero.raw = u32x4_zero();
       for (int s = block_seg0 + tid; s < end; s += blockDim.x) store_segment(dx, s, doff, V, zero);
     }
     return;
@@ -271,14 +256,14 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
 
     // Block reduction in a fixed order: warp shuffles, then warp 0 over the warps.
 #pragma unroll
-    for (int d = 16; d > 0; d >>= 1) mine = merge_partial(mine, shfl_down_partial(mine, d, metrics, true), metrics);
-    const int warp = tid / 32, lane = tid % 32, nwarps = blockDim.x / 32;
+    for (int d = kWarpSize / 2; d > 0; d >>= 1) mine = merge_partial(mine, shfl_down_partial(mine, d, metrics, true), metrics);
+    const int warp = tid / kWarpSize, lane = tid % kWarpSize, nwarps = blockDim.x / kWarpSize;
     if (lane == 0) sh.warp[warp] = mine;
     __syncthreads();  // warp partials visible to warp 0
     if (warp == 0) {  // sh.block is written only here, and read after the next barrier
       RowPartial b = sh.warp[lane < nwarps ? lane : 0];
 #pragma unroll
-      for (int d = 1; d < 32; d *= 2) {
+      for (int d = 1; d < kWarpSize; d *= 2) {
         const RowPartial o = shfl_down_partial(b, d, metrics, true);
         if ((lane & (2 * d - 1)) == 0 && lane + d < nwarps) b = merge_partial(b, o, metrics);
       }
@@ -295,7 +280,7 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
         // depend on timing.
         RowPartial r = *cluster.map_shared_rank(&sh.block, lane < p.cluster ? lane : 0);
 #pragma unroll
-        for (int d = 1; d < 32; d *= 2) {
+        for (int d = 1; d < kWarpSize; d *= 2) {
           const RowPartial o = shfl_down_partial(r, d, metrics, true);
           if ((lane & (2 * d - 1)) == 0 && lane + d < p.cluster) r = merge_partial(r, o, metrics);
         }

@@ -14,11 +14,16 @@
 
 #include <cstdint>
 
+#include "cuda/port.h"
 #include "cuda/row_kernel.cuh"
+#if !FUSEDCE_PLATFORM_HIP
 #include "cuda/tma.cuh"
+#endif
 
 namespace fusedce {
 namespace cuda {
+
+#if !FUSEDCE_PLATFORM_HIP  // sm_90 only: on HIP just the kernel's empty shell below, never launched
 
 /// Where one work item's bytes are: its row, alignment and chunk range.
 template <typename T>
@@ -47,7 +52,7 @@ struct ItemGeometry {
   __device__ __forceinline__ Segment<T> fetch(const unsigned char* stage, int c, int s, int V, T fill) const {
     Segment<T> seg;
     if (s >= first_full && s <= last_full) {
-      seg.raw = *reinterpret_cast<const uint4*>(stage + (s - c * kChunkSegs) * 16);
+      seg.raw = *reinterpret_cast<const U32x4*>(stage + (s - c * kChunkSegs) * 16);
     } else if (s < nseg) {
       seg = load_segment(x, s, off, V, fill);
     } else {
@@ -67,6 +72,7 @@ __device__ __forceinline__ RowPartial load_partial_l2(const RowPartial* src) {
   for (int i = 0; i < static_cast<int>(sizeof(RowPartial) / 4); ++i) to[i] = __ldcg(from + i);
   return r;
 }
+#endif
 
 template <typename T, bool kGrad, bool kExtras>
 __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const StreamParams sp) {
@@ -84,7 +90,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   const RowParams& p = sp.row;
   const int V = static_cast<int>(p.vocab);
   const int64_t items = p.rows * sp.splits;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   // The gradient is formed here only when a block owns whole rows.
   const bool grad_here = kGrad && sp.splits == 1;
 
@@ -159,7 +165,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         const int doff = row_offset(dx);
         const int dseg = static_cast<int>(row_segments(V, doff, kVec));
         Segment<T> zero;
-        zero.raw = make_uint4(0, 0, 0, 0);
+        zero.raw = u32x4_zero();
         for (int s = ctid; s < dseg; s += kStreamConsumers) store_segment(dx, s, doff, V, zero);
       }
       continue;
@@ -310,13 +316,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
 
     // ---- the row's (or split's) statistics: warps, then warp 0 over the warps
 #pragma unroll
-    for (int d = 16; d > 0; d >>= 1) mine = merge_partial(mine, shfl_down_partial(mine, d, metrics, false), metrics);
+    for (int d = kWarpSize / 2; d > 0; d >>= 1) mine = merge_partial(mine, shfl_down_partial(mine, d, metrics, false), metrics);
     if (lane == 0) warp_part[parity][warp] = mine;
     named_barrier(1, kStreamConsumers);  // warp partials written (and the last row's row_part read)
     if (warp == 0) {
       RowPartial b = warp_part[parity][lane < kStreamConsumerWarps ? lane : 0];
 #pragma unroll
-      for (int d = 1; d < 32; d *= 2) {
+      for (int d = 1; d < kWarpSize; d *= 2) {
         const RowPartial o = shfl_down_partial(b, d, metrics, false);
         if ((lane & (2 * d - 1)) == 0 && lane + d < kStreamConsumerWarps) b = merge_partial(b, o, metrics);
       }

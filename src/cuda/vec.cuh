@@ -7,10 +7,9 @@
 // is touched, whatever V and the row stride are.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstdint>
+
+#include "cuda/port.h"
 
 namespace fusedce {
 namespace cuda {
@@ -23,21 +22,21 @@ struct Elem<float> {
   static __device__ __forceinline__ float from_float(float x) { return x; }
 };
 template <>
-struct Elem<__nv_bfloat16> {
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+struct Elem<BFloat16> {
+  static __device__ __forceinline__ float to_float(BFloat16 x) { return cuda::to_float(x); }
+  static __device__ __forceinline__ BFloat16 from_float(float x) { return bf16_from_float(x); }
 };
 template <>
-struct Elem<__half> {
-  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+struct Elem<Half> {
+  static __device__ __forceinline__ float to_float(Half x) { return cuda::to_float(x); }
+  static __device__ __forceinline__ Half from_float(float x) { return half_from_float(x); }
 };
 
 template <typename T>
 struct Segment {
   static constexpr int kVec = 16 / sizeof(T);
   union {
-    uint4 raw;
+    U32x4 raw;
     T e[kVec];
   };
 };
@@ -47,24 +46,24 @@ struct Segment {
 __device__ __forceinline__ float seg_max(const Segment<float>& s) {
   return fmaxf(fmaxf(s.e[0], s.e[1]), fmaxf(s.e[2], s.e[3]));
 }
-__device__ __forceinline__ float seg_max(const Segment<__nv_bfloat16>& s) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&s.raw);
-  const __nv_bfloat162 m = __hmax2(__hmax2(h[0], h[1]), __hmax2(h[2], h[3]));
-  return fmaxf(__low2float(m), __high2float(m));
+__device__ __forceinline__ float seg_max(const Segment<BFloat16>& s) {
+  const BFloat162* h = reinterpret_cast<const BFloat162*>(&s.raw);
+  const BFloat162 m = max2(max2(h[0], h[1]), max2(h[2], h[3]));
+  return fmaxf(low_float(m), high_float(m));
 }
-__device__ __forceinline__ float seg_max(const Segment<__half>& s) {
-  const __half2* h = reinterpret_cast<const __half2*>(&s.raw);
-  const __half2 m = __hmax2(__hmax2(h[0], h[1]), __hmax2(h[2], h[3]));
-  return fmaxf(__low2float(m), __high2float(m));
+__device__ __forceinline__ float seg_max(const Segment<Half>& s) {
+  const Half2* h = reinterpret_cast<const Half2*>(&s.raw);
+  const Half2 m = max2(max2(h[0], h[1]), max2(h[2], h[3]));
+  return fmaxf(low_float(m), high_float(m));
 }
 
 /// Elements 2i and 2i+1 of a segment as floats.
 __device__ __forceinline__ float2 seg_pair(const Segment<float>& s, int i) { return make_float2(s.e[2 * i], s.e[2 * i + 1]); }
-__device__ __forceinline__ float2 seg_pair(const Segment<__nv_bfloat16>& s, int i) {
-  return __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(&s.raw)[i]);
+__device__ __forceinline__ float2 seg_pair(const Segment<BFloat16>& s, int i) {
+  return to_float2(reinterpret_cast<const BFloat162*>(&s.raw)[i]);
 }
-__device__ __forceinline__ float2 seg_pair(const Segment<__half>& s, int i) {
-  return __half22float2(reinterpret_cast<const __half2*>(&s.raw)[i]);
+__device__ __forceinline__ float2 seg_pair(const Segment<Half>& s, int i) {
+  return to_float2(reinterpret_cast<const Half2*>(&s.raw)[i]);
 }
 
 /// Sets elements 2i and 2i+1 (rounded to nearest even; one conversion per pair for 16-bit types).
@@ -72,11 +71,11 @@ __device__ __forceinline__ void set_pair(Segment<float>& s, int i, float a, floa
   s.e[2 * i] = a;
   s.e[2 * i + 1] = b;
 }
-__device__ __forceinline__ void set_pair(Segment<__nv_bfloat16>& s, int i, float a, float b) {
-  reinterpret_cast<__nv_bfloat162*>(&s.raw)[i] = __floats2bfloat162_rn(a, b);
+__device__ __forceinline__ void set_pair(Segment<BFloat16>& s, int i, float a, float b) {
+  reinterpret_cast<BFloat162*>(&s.raw)[i] = bf162_from_floats(a, b);
 }
-__device__ __forceinline__ void set_pair(Segment<__half>& s, int i, float a, float b) {
-  reinterpret_cast<__half2*>(&s.raw)[i] = __floats2half2_rn(a, b);
+__device__ __forceinline__ void set_pair(Segment<Half>& s, int i, float a, float b) {
+  reinterpret_cast<Half2*>(&s.raw)[i] = half2_from_floats(a, b);
 }
 
 /// Elements the row start lies past its 16-byte boundary.
@@ -97,12 +96,9 @@ __device__ __forceinline__ Segment<T> load_segment(const T* row, int64_t s, int 
   Segment<T> seg;
   const int64_t j0 = s * kVec - off;
   if (j0 >= 0 && j0 + kVec <= V) {
-    // Read-only path, no L1 allocation: each logit is read once. (In place, the gradient store
-    // to these bytes comes later from the same thread, after every read of them.)
-    const uint4* ptr = reinterpret_cast<const uint4*>(row + j0);
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(seg.raw.x), "=r"(seg.raw.y), "=r"(seg.raw.z), "=r"(seg.raw.w)
-                 : "l"(ptr));
+    // Streaming load: each logit is read once. (In place, the gradient store to these bytes comes
+    // later from the same thread, after every read of them.)
+    seg.raw = load_streaming(reinterpret_cast<const U32x4*>(row + j0));
   } else {
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
@@ -119,7 +115,7 @@ __device__ __forceinline__ void store_segment(T* row, int64_t s, int off, int64_
   constexpr int kVec = Segment<T>::kVec;
   const int64_t j0 = s * kVec - off;
   if (j0 >= 0 && j0 + kVec <= V) {
-    __stcs(reinterpret_cast<uint4*>(row + j0), seg.raw);
+    store_streaming(reinterpret_cast<U32x4*>(row + j0), seg.raw);
   } else {
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
