@@ -105,8 +105,8 @@ def _graph_is_kept():
     be read again by a later backward and must not be overwritten."""
     if torch.compiler.is_compiling():
         return False  # traced: the graph is functionalised, in-place ops are rewritten
-    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return bool(keep()) if keep is not None else False
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)  # torch >= 2.5
+    return bool(keep()) if keep is not None else True  # unknown: assume kept, copy to be safe
 
 
 def _upstream(grad_loss):
