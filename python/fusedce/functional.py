@@ -44,7 +44,9 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
         z_loss: adds ``z_loss * logsumexp(logits)**2`` per non-ignored row (PaLM's z-loss).
         inplace_backward: overwrite ``logits`` with their gradient during the forward (no
             second (N, V) buffer). The logits' values are gone after the call, so nothing else
-            may need them; autograd's version check reports it if something does. In eager mode
+            may need them; autograd's version check reports it if something does. (Logits whose
+            rows cannot be viewed as (N, V) without a copy are copied, and the copy is
+            overwritten.) In eager mode
             only: under torch.compile the call falls back to the out-of-place path, because an op
             that mutates its differentiable input cannot be differentiated in a compiled graph.
         return_metrics: also return ``{"num_correct": int64 0-D tensor, "entropy_sum": float32

@@ -14,9 +14,8 @@ import torch
 
 ops = torch.ops.fusedce
 
-# Positions of the shared options in the functional ops' arguments.
-_NUM_ARGS_FWD = 10  # logits, target, weight, 6 options, compute_metrics
-_NUM_ARGS_BWD = 11  # logits, target, weight, lse, grad_loss, 6 options
+# Arguments of ce_fwd / ce_fwd_bwd: logits, target, weight, 6 options, compute_metrics.
+_NUM_ARGS_FWD = 10
 
 
 def _loss_shape(logits, reduction):
