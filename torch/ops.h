@@ -49,9 +49,10 @@ inline void check_float(const Tensor& t, const char* name) {
                     " must be float32, bfloat16 or float16, got ", s);
 }
 
-inline void check_same_device(const Tensor& t, const char* name, const Tensor& logits) {
-  TORCH_CHECK_VALUE(t.device() == logits.device(), "fusedce: ", name, " is on ", t.device(),
-                    " but logits are on ", logits.device());
+inline void check_same_device(const Tensor& t, const char* name, const Tensor& ref,
+                              const char* ref_name = "logits") {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), "fusedce: ", name, " is on ", t.device(), " but ",
+                    ref_name, " are on ", ref.device());
 }
 
 // (rows, V) with unit stride along V; rows may be strided.
@@ -269,7 +270,7 @@ void ce_bwd_out(const Tensor& logits, const Tensor& target, const OptTensor& wei
 template <class Ctx>
 void ce_rescale_(const Tensor& grad_loss, const Tensor& dlogits) {
   Ctx ctx(dlogits, "dlogits");
-  check_same_device(grad_loss, "grad_loss", dlogits);
+  check_same_device(grad_loss, "grad_loss", dlogits, "dlogits");
   const fusedce::MatrixView dx = matrix_of(dlogits, "dlogits");
   TORCH_CHECK_VALUE(grad_loss.scalar_type() == at::kFloat, "fusedce: grad_loss must be float32, got ",
                     grad_loss.scalar_type());
