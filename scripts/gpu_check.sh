@@ -47,6 +47,19 @@ done
 step "benchmark"
 "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench.csv" | tee "$out/bench.md" || status=1
 
+step "Python front end on the GPU (the machine's torch)"
+if python3 -c "import torch, pytest" 2>/dev/null; then
+  cmake -S . -B build-gpu-torch -G Ninja -DCMAKE_BUILD_TYPE=Release -DFUSEDCE_CUDA=ON -DFUSEDCE_TORCH=ON \
+    -DFUSEDCE_TESTS=OFF -DFUSEDCE_EXAMPLES=OFF "-DCMAKE_CUDA_ARCHITECTURES=80-real;90" \
+    -DPython_EXECUTABLE="$(command -v python3)" > "$out/torch_build.log" 2>&1 &&
+    cmake --build build-gpu-torch -j 16 >> "$out/torch_build.log" 2>&1 || { tail -20 "$out/torch_build.log"; status=1; }
+  FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python python3 -m pytest tests/python -q -rs -p no:cacheprovider \
+    > "$out/pytest.log" 2>&1 || status=1
+  tail -5 "$out/pytest.log"
+else
+  echo "python3 has no torch or pytest here: Python tests not run (carry pytest in .whl/)"
+fi
+
 step "peers (same machine, same run)"
 # Liger-Kernel travels as a wheel in .whl/ (carry it); torch and triton are on the machine.
 if ls .whl/*.whl > /dev/null 2>&1; then
