@@ -389,12 +389,13 @@ def test_cuda_matches_cpu():
         torch.testing.assert_close(a.float().cpu(), c.float(), rtol=2e-2, atol=1e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_budget_catches_a_one_percent_error(dtype):
-    # The tolerances above can fail: gradients off by 1 % are outside the budget.
+@pytest.mark.parametrize("dtype,factor", [(torch.float32, 1.001), (torch.bfloat16, 1.05)], ids=str)
+def test_budget_catches_a_wrong_gradient(dtype, factor):
+    # The tolerances above can fail: gradients off by 0.1 % in float32 (5 % in bfloat16, whose
+    # own rounding is 0.4 %) are outside the budget.
     with pytest.raises(AssertionError, match="grad_hidden"):
         check_linear("cpu", dtype, (33,), 19, 211, OPTIONS["everything"], "sum", bias=True,
-                     error_factor=1.01)
+                     error_factor=factor)
 
 
 # ---- vocabulary-parallel hand-off -----------------------------------------------------------
