@@ -1,9 +1,11 @@
-"""fusedce.CrossEntropyLoss: torch.nn.CrossEntropyLoss with fusedce's options."""
+"""fusedce.CrossEntropyLoss: torch.nn.CrossEntropyLoss with fusedce's options;
+fusedce.LinearCrossEntropyLoss: the same loss taken from hidden states and a head's weight."""
 
 import torch
 from torch.nn.modules.loss import _WeightedLoss
 
 from .functional import cross_entropy
+from .linear import linear_cross_entropy
 
 
 class CrossEntropyLoss(_WeightedLoss):
@@ -39,6 +41,52 @@ class CrossEntropyLoss(_WeightedLoss):
         for name, default in (("label_smoothing", 0.0), ("logit_scale", 1.0), ("softcap", None),
                               ("z_loss", 0.0), ("inplace_backward", False),
                               ("return_metrics", False)):
+            value = getattr(self, name)
+            if value != default:
+                parts.append(f"{name}={value}")
+        return ", ".join(parts)
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """The loss of :func:`fusedce.linear_cross_entropy` as a module: the options are fixed at
+    construction (the class weights kept as the buffer ``class_weight``), and
+    ``forward(hidden, weight, target, bias=None)`` takes a language model's last hidden states
+    (..., H) and its head's ``weight`` (V, H) (and ``bias``), never forming the logits."""
+
+    __constants__ = ["ignore_index", "reduction", "label_smoothing", "logit_scale", "softcap",
+                     "z_loss", "shift", "return_metrics", "chunk_budget_bytes", "low_memory"]
+
+    def __init__(self, class_weight=None, *, ignore_index=-100, reduction="mean",
+                 label_smoothing=0.0, logit_scale=1.0, softcap=None, z_loss=0.0, shift=False,
+                 return_metrics=False, chunk_budget_bytes=None, low_memory=False):
+        super().__init__()
+        self.register_buffer("class_weight", class_weight)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.logit_scale = logit_scale
+        self.softcap = softcap
+        self.z_loss = z_loss
+        self.shift = shift
+        self.return_metrics = return_metrics
+        self.chunk_budget_bytes = chunk_budget_bytes
+        self.low_memory = low_memory
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: torch.Tensor = None):
+        return linear_cross_entropy(
+            hidden, weight, target, bias, class_weight=self.class_weight,
+            ignore_index=self.ignore_index, reduction=self.reduction,
+            label_smoothing=self.label_smoothing, logit_scale=self.logit_scale,
+            softcap=self.softcap, z_loss=self.z_loss, shift=self.shift,
+            return_metrics=self.return_metrics, chunk_budget_bytes=self.chunk_budget_bytes,
+            low_memory=self.low_memory)
+
+    def extra_repr(self):
+        parts = [f"reduction={self.reduction!r}", f"ignore_index={self.ignore_index}"]
+        for name, default in (("label_smoothing", 0.0), ("logit_scale", 1.0), ("softcap", None),
+                              ("z_loss", 0.0), ("shift", False), ("return_metrics", False),
+                              ("chunk_budget_bytes", None), ("low_memory", False)):
             value = getattr(self, name)
             if value != default:
                 parts.append(f"{name}={value}")
