@@ -61,7 +61,6 @@ Targets are global class indices in ``[0, V)`` (or ``ignore_index``) on every ra
 (``weight=`` / ``class_weight=``) are each rank's slice ``(V_local,)`` of the full ``(V,)`` vector.
 """
 
-import math
 
 import torch
 import torch.distributed as dist
@@ -111,8 +110,8 @@ def _as_int(value, name, where):
 def _summed_local_sizes(local_vocab, process_group, device):
     """V as the sum of every rank's V_local: one all-reduce of one integer, read on the host."""
     if torch.compiler.is_compiling():
-        raise ValueError("vocab_total is required under torch.compile when vocab_start is given "
-                         "(deriving it needs a host-visible collective)")
+        raise ValueError("fusedce: vocab_total is required under torch.compile when vocab_start "
+                         "is given (deriving it needs a host-visible collective)")
     size = torch.tensor([local_vocab], dtype=torch.int64, device=device)
     dist.all_reduce(size, group=process_group)
     return int(size.item())
@@ -174,7 +173,7 @@ def _all_reduce_sum(tensor, process_group):
 
 
 def _merge_shards(stats, target, weight, shard, options, compute_metrics, process_group):
-    """Steps 2 of the core: the one all-gather of the shard statistics, then the rank-order merge
+    """Step 2 of the core: the one all-gather of the shard statistics, then the rank-order merge
     (the same bits on every rank). Returns loss, lse, num_correct, entropy_sum, row_weight, batch."""
     gathered = _all_gather_rows(stats, process_group)
     return ops.ce_shard_merge(gathered, target, weight, *shard, *options, compute_metrics)
@@ -449,7 +448,8 @@ def _check_linear_args(hidden, weight, target, bias, class_weight, reduction, so
                          f"{tuple(hidden.shape[:-1])}, got {tuple(target.shape)}")
     if target.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{where}: target must be int64 or int32 class indices, got {target.dtype}")
-    for name, t in (("weight", weight), ("target", target), ("bias", bias), ("class_weight", class_weight)):
+    for name, t in (("weight", weight), ("target", target), ("bias", bias),
+                    ("class_weight", class_weight)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{where}: {name} is on {t.device} but hidden is on {hidden.device}")
     local_vocab = weight.shape[0]
@@ -546,7 +546,8 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, *, pr
         loss, lse, num_correct, entropy_sum = VocabParallelLinearCrossEntropy.apply(
             h, weight, bias, t, class_weight, process_group, shard, options, bool(return_metrics), plan)
     else:
-        stats = _linear_stats(h, weight, bias, t, class_weight, shard, options, bool(return_metrics), plan)
+        stats = _linear_stats(h, weight, bias, t, class_weight, shard, options,
+                              bool(return_metrics), plan)
         loss, lse, num_correct, entropy_sum = _merge_shards(
             stats, t, class_weight, shard, options, bool(return_metrics), process_group)[:4]
     if reduction == "none":

@@ -106,7 +106,8 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
 
     if process_group is not None:
         if inplace_backward:
-            raise ValueError("fusedce.cross_entropy: inplace_backward is not available with process_group")
+            raise ValueError("fusedce.cross_entropy: inplace_backward is not available with "
+                             "process_group")
         loss, lse, num_correct, entropy_sum = distributed.cross_entropy_rows(
             x, t, weight, args[3:9], args[9], process_group=process_group, vocab_start=vocab_start,
             vocab_total=vocab_total)

@@ -164,7 +164,8 @@ def _check_metrics(m, z, t, opts, what):
     rows = (z.abs().max(-1).values + lse.abs() + 1)[keep]
     scale = rows.sum().item()
     assert_within_budget(m["entropy_sum"], None, entropy, what=f"{what}: entropy_sum", scale=scale)
-    assert_within_budget(m["lse"], None, lse, what=f"{what}: lse", scale=rows.max().item() if keep.any() else 0.0)
+    row_scale = rows.max().item() if keep.any() else 0.0
+    assert_within_budget(m["lse"], None, lse, what=f"{what}: lse", scale=row_scale)
 
 
 def _same_on_every_rank(values, what):
@@ -196,8 +197,8 @@ def _run_ce_case(name, layout, sizes, rank, group):
     _same_on_every_rank([loss, metrics["num_correct"], metrics["entropy_sum"], metrics["lse"]], what)
 
     ref_grad = None if grad is None else grad.double()
-    ref, ref_dx = _loss_and_grad(lambda a: torch_cross_entropy(a, t.long(), w, compute_dtype=torch.float64, **opts),
-                                 x, ref_grad)
+    ref, ref_dx = _loss_and_grad(
+        lambda a: torch_cross_entropy(a, t.long(), w, compute_dtype=torch.float64, **opts), x, ref_grad)
     theirs, their_dx = _loss_and_grad(lambda a: torch_cross_entropy(a, t.long(), w, **opts), x, grad)
     loss_scale, grad_scale = error_scales(x, t.long(), w, **opts, grad_out=grad)
     assert loss.dtype == torch.float32 and loss.shape == ref.shape, what
@@ -285,7 +286,8 @@ def _run_linear_case(name, layout, sizes, rank, group):
             return torch_cross_entropy(z, tt, cw, compute_dtype=dtype, **opts)
         return fn
 
-    ref, ref_g = _linear_loss_and_grads(reference(torch.float64), (h, wt, b), needs, None if grad is None else grad.double())
+    ref_grad = None if grad is None else grad.double()
+    ref, ref_g = _linear_loss_and_grads(reference(torch.float64), (h, wt, b), needs, ref_grad)
     theirs, their_g = _linear_loss_and_grads(reference(h.dtype), (h, wt, b), needs, grad)
     z64 = F.linear(h.double(), wt.double(), None if b is None else b.double())
     loss_scale, dz_scale = error_scales(z64, tt, cw, **opts, grad_out=grad)
@@ -404,7 +406,8 @@ def _group_results(world, tmp_path_factory):
                          ids=lambda v: str(v))
 def test_group(world, key, tmp_path_factory):
     results = _group_results(world, tmp_path_factory)
-    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(results) if res.get(key, "missing") is not None]
+    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(results)
+                if res.get(key, "missing") is not None]
     assert not failures, "\n".join(failures)
 
 
@@ -426,7 +429,8 @@ def group_of_one(tmp_path_factory):
 def _needs_vp_kernels(device):
     """The CUDA kernels of the vocabulary-parallel ops come with the core's CUDA backend for
     them; until then a CUDA case has nothing to run."""
-    if device == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key("fusedce::ce_shard_stats", "CUDA"):
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    if device == "cuda" and not has_kernel("fusedce::ce_shard_stats", "CUDA"):
         pytest.skip("the vocabulary-parallel ops have no CUDA kernels in this build yet")
 
 
@@ -441,7 +445,8 @@ def test_group_of_one_equals_plain_op(device, dtype, name, group_of_one):
     w = w.to(device) if w is not None else None
     grad = grad.to(device) if grad is not None else None
     (loss, m), dx = _loss_and_grad(
-        lambda a: fusedce.cross_entropy(a, t, w, process_group=group_of_one, return_metrics=True, **opts), x, grad)
+        lambda a: fusedce.cross_entropy(a, t, w, process_group=group_of_one, return_metrics=True,
+                                        **opts), x, grad)
     (ref, ref_m), ref_dx = _loss_and_grad(
         lambda a: fusedce.cross_entropy(a, t, w, return_metrics=True, **opts), x, grad)
     torch.testing.assert_close(loss, ref, rtol=2e-6, atol=1e-6)
@@ -476,8 +481,8 @@ def test_group_of_one_module(group_of_one):
     x, t = make_problem((4, 5), 50, ignore_index=7)
     loss_fn = fusedce.CrossEntropyLoss(ignore_index=7, label_smoothing=0.05, process_group=group_of_one)
     assert "process_group" in repr(loss_fn)
-    torch.testing.assert_close(loss_fn(x, t), F.cross_entropy(x.reshape(-1, 50), t.reshape(-1), ignore_index=7,
-                                                              label_smoothing=0.05))
+    theirs = F.cross_entropy(x.reshape(-1, 50), t.reshape(-1), ignore_index=7, label_smoothing=0.05)
+    torch.testing.assert_close(loss_fn(x, t), theirs)
 
 
 def test_empty_batch(group_of_one):
@@ -489,8 +494,8 @@ def test_empty_batch(group_of_one):
     loss.backward()
     assert x.grad.shape == (0, 17)
     h = torch.randn(0, 5, requires_grad=True)
-    out = fusedce.vocab_parallel_linear_cross_entropy(h, torch.randn(17, 5), t, process_group=group_of_one,
-                                                      reduction="sum")
+    out = fusedce.vocab_parallel_linear_cross_entropy(h, torch.randn(17, 5), t, reduction="sum",
+                                                      process_group=group_of_one)
     out.backward()
     assert out.item() == 0.0 and h.grad.shape == (0, 5)
 
@@ -535,7 +540,8 @@ def test_communication_pattern(group_of_one, monkeypatch):
     calls.clear()
     h.grad = None
     h.requires_grad_(False)
-    fusedce.vocab_parallel_linear_cross_entropy(h, wt, t.reshape(-1), process_group=group_of_one).backward()
+    loss = fusedce.vocab_parallel_linear_cross_entropy(h, wt, t.reshape(-1), process_group=group_of_one)
+    loss.backward()
     assert calls == [("all_gather", (21, 9))], "no all-reduce when hidden needs no gradient"
 
 
