@@ -59,7 +59,7 @@ void bump_versions_of_written(const c10::OperatorHandle& op, c10::DispatchKeySet
 
 #define FUSEDCE_LCE_ARGS                                                                       \
   "Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, " FUSEDCE_CE_ARGS \
-  ", int shift_seq_len, int chunk_budget_bytes, bool low_memory"
+  ", int shift_seq_len, int chunk_budget_bytes, bool low_memory, bool skip_ignored"
 
 TORCH_LIBRARY(fusedce, m) {
   m.def("ce_fwd_out(Tensor logits, Tensor target, Tensor? weight, " FUSEDCE_CE_ARGS

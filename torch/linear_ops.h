@@ -5,8 +5,7 @@
 // the core validates dtypes, sizes and target values and names the bad argument.
 //
 // Same device-context template as ops.h (binding.cpp: CPU, binding_cuda.cpp: CUDA). The core's
-// linear entry points plan their own scratch (LinearOptions::chunk_budget_bytes), so no
-// workspace is passed.
+// scratch (its size from linear_cross_entropy_workspace_size) comes from torch's allocator.
 #pragma once
 
 #include "ops.h"
@@ -67,13 +66,14 @@ inline fusedce::Options linear_options_of(const Tensor& hidden, const OptTensor&
 }
 
 inline fusedce::LinearOptions linear_only_options(int64_t shift_seq_len, int64_t chunk_budget_bytes,
-                                                  bool low_memory) {
+                                                  bool low_memory, bool skip_ignored) {
   TORCH_CHECK_VALUE(chunk_budget_bytes >= 0, "fusedce: chunk_budget_bytes must be >= 0 (0 = default), got ",
                     chunk_budget_bytes);
   fusedce::LinearOptions l;
   l.shift_seq_len = shift_seq_len;
   l.chunk_budget_bytes = static_cast<size_t>(chunk_budget_bytes);
   l.low_memory = low_memory;
+  l.skip_ignored = skip_ignored;
   return l;
 }
 
@@ -95,13 +95,28 @@ inline fusedce::ForwardOutputs linear_outputs_of(const Tensor& hidden, const Ten
   return out;
 }
 
+// The core's scratch (logit chunks, the float32 grad_weight accumulator, ...) taken from torch's
+// allocator, so that it shows in torch's memory statistics and is reused by its cache; an empty
+// tensor where the core needs none (the CPU backend).
+inline Tensor linear_workspace(const Tensor& hidden, fusedce::Job job, const fusedce::Device& device,
+                               const fusedce::MatrixView& h, const fusedce::MatrixView& w, const fusedce::Options& o,
+                               const fusedce::LinearOptions& lo, const fusedce::LinearGrads& grads) {
+  const size_t bytes = fusedce::linear_cross_entropy_workspace_size(job, device, h.rows, h.cols, w.rows, h.dtype, o,
+                                                                    lo, grads);
+  return at::empty({static_cast<int64_t>(bytes)}, hidden.options().dtype(at::kByte));
+}
+
+inline fusedce::Workspace workspace_of(const Tensor& ws) {
+  return ws.numel() > 0 ? fusedce::Workspace{ws.data_ptr(), static_cast<size_t>(ws.numel())} : fusedce::Workspace{};
+}
+
 // ---- out-variant ops: write only into the given buffers -----------------------------------
 
 template <class Ctx>
 void lce_fwd_out(const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
                  const OptTensor& class_weight, int64_t ignore_index, c10::string_view reduction,
                  double label_smoothing, double logit_scale, double softcap, double z_loss,
-                 int64_t shift_seq_len, int64_t chunk_budget_bytes, bool low_memory, const Tensor& loss,
+                 int64_t shift_seq_len, int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored, const Tensor& loss,
                  const Tensor& lse, const OptTensor& num_correct, const OptTensor& entropy_sum) {
   Ctx ctx(hidden, "hidden");
   const fusedce::MatrixView h = linear_matrix_of(hidden, "hidden", "(N, H)");
@@ -110,10 +125,11 @@ void lce_fwd_out(const Tensor& hidden, const Tensor& weight, const OptTensor& bi
   fusedce::Options o = linear_options_of(hidden, class_weight, ignore_index, reduction, label_smoothing,
                                          logit_scale, softcap, z_loss);
   const fusedce::ForwardOutputs out = linear_outputs_of(hidden, loss, lse, num_correct, entropy_sum, &o);
+  const fusedce::LinearOptions lo = linear_only_options(shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored);
+  const Tensor ws = linear_workspace(hidden, fusedce::Job::kForward, ctx.device(), h, w, o, lo, {});
   check_status(fusedce::linear_cross_entropy_forward(
                    ctx.device(), h, w, bias.has_value() ? vector_of(*bias, "bias") : fusedce::VectorView{},
-                   vector_of(target, "target"), o, linear_only_options(shift_seq_len, chunk_budget_bytes, low_memory),
-                   out),
+                   vector_of(target, "target"), o, lo, out, workspace_of(ws)),
                "lce_fwd");
 }
 
@@ -123,7 +139,7 @@ template <class Ctx>
 void lce_fwd_bwd_out(const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
                      const OptTensor& class_weight, int64_t ignore_index, c10::string_view reduction,
                      double label_smoothing, double logit_scale, double softcap, double z_loss,
-                     int64_t shift_seq_len, int64_t chunk_budget_bytes, bool low_memory,
+                     int64_t shift_seq_len, int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored,
                      const OptTensor& grad_loss, const Tensor& loss, const Tensor& lse,
                      const OptTensor& num_correct, const OptTensor& entropy_sum, const OptTensor& grad_hidden,
                      const OptTensor& grad_weight, const OptTensor& grad_bias) {
@@ -153,10 +169,11 @@ void lce_fwd_bwd_out(const Tensor& hidden, const Tensor& weight, const OptTensor
     check_same_device(*grad_bias, "grad_bias", hidden, "hidden");
     grads.grad_bias = vector_of(*grad_bias, "grad_bias");
   }
+  const fusedce::LinearOptions lo = linear_only_options(shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored);
+  const Tensor ws = linear_workspace(hidden, fusedce::Job::kForwardBackward, ctx.device(), h, w, o, lo, grads);
   check_status(fusedce::linear_cross_entropy_forward_backward(
                    ctx.device(), h, w, bias.has_value() ? vector_of(*bias, "bias") : fusedce::VectorView{},
-                   vector_of(target, "target"), o, linear_only_options(shift_seq_len, chunk_budget_bytes, low_memory),
-                   out, g, grads),
+                   vector_of(target, "target"), o, lo, out, g, grads, workspace_of(ws)),
                "lce_fwd_bwd");
 }
 
@@ -179,13 +196,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lce_fwd(
     const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
     const OptTensor& class_weight, int64_t ignore_index, c10::string_view reduction, double label_smoothing,
     double logit_scale, double softcap, double z_loss, int64_t shift_seq_len, int64_t chunk_budget_bytes,
-    bool low_memory, bool compute_metrics) {
+    bool low_memory, bool skip_ignored, bool compute_metrics) {
   check_hidden_2d(hidden);
   Tensor loss = empty_linear_loss(hidden, reduction);
   Tensor lse = at::empty({hidden.size(0)}, hidden.options().dtype(at::kFloat));
   auto [num_correct, entropy_sum] = empty_metrics(hidden, compute_metrics);
   lce_fwd_out<Ctx>(hidden, weight, bias, target, class_weight, ignore_index, reduction, label_smoothing,
-                   logit_scale, softcap, z_loss, shift_seq_len, chunk_budget_bytes, low_memory, loss, lse,
+                   logit_scale, softcap, z_loss, shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored, loss, lse,
                    if_metrics(num_correct, compute_metrics), if_metrics(entropy_sum, compute_metrics));
   return {loss, lse, num_correct, entropy_sum};
 }
@@ -196,7 +213,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> lce_fwd_bwd(
     const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
     const OptTensor& class_weight, int64_t ignore_index, c10::string_view reduction, double label_smoothing,
     double logit_scale, double softcap, double z_loss, int64_t shift_seq_len, int64_t chunk_budget_bytes,
-    bool low_memory, const OptTensor& grad_loss, bool compute_metrics, bool need_grad_hidden,
+    bool low_memory, bool skip_ignored, const OptTensor& grad_loss, bool compute_metrics, bool need_grad_hidden,
     bool need_grad_weight, bool need_grad_bias) {
   check_hidden_2d(hidden);
   TORCH_CHECK_VALUE(weight.dim() == 2, "fusedce: weight must be 2-D (V, H), got shape ", weight.sizes());
@@ -210,7 +227,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> lce_fwd_bwd(
   Tensor grad_weight = need_grad_weight ? at::empty(weight.sizes(), weight.options()) : none();
   Tensor grad_bias = need_grad_bias ? at::empty(bias->sizes(), bias->options()) : none();
   lce_fwd_bwd_out<Ctx>(hidden, weight, bias, target, class_weight, ignore_index, reduction, label_smoothing,
-                       logit_scale, softcap, z_loss, shift_seq_len, chunk_budget_bytes, low_memory, grad_loss, loss,
+                       logit_scale, softcap, z_loss, shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored, grad_loss, loss,
                        lse, if_metrics(num_correct, compute_metrics), if_metrics(entropy_sum, compute_metrics),
                        need_grad_hidden ? OptTensor(grad_hidden) : OptTensor(),
                        need_grad_weight ? OptTensor(grad_weight) : OptTensor(),

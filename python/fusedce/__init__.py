@@ -21,13 +21,17 @@ _library.load()
 
 from . import ops  # noqa: E402  (fake kernels and autograd of the ops just loaded)
 from . import linear_ops  # noqa: E402
+from . import vp_ops  # noqa: E402  (fake kernels of the vocabulary-parallel ops)
+from . import distributed  # noqa: E402
 from . import transformers  # noqa: E402
 from .functional import cross_entropy  # noqa: E402
 from .linear import linear_cross_entropy  # noqa: E402
 from .nn import CrossEntropyLoss, LinearCrossEntropyLoss  # noqa: E402
+from .distributed import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy  # noqa: E402
 
 __version__ = "0.1.0"
 with_cuda = _library.with_cuda
 
 __all__ = ["cross_entropy", "CrossEntropyLoss", "linear_cross_entropy", "LinearCrossEntropyLoss",
-           "transformers", "ops", "with_cuda"]
+           "transformers", "ops", "with_cuda", "distributed", "vocab_parallel_cross_entropy",
+           "vocab_parallel_linear_cross_entropy"]

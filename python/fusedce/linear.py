@@ -80,7 +80,8 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
                          ignore_index=-100, reduction="mean", label_smoothing=0.0,
                          logit_scale=1.0, softcap=None, z_loss=0.0, shift=False,
                          return_metrics=False, chunk_budget_bytes=None, low_memory=False,
-                         process_group=None, vocab_start=None):
+                         skip_ignored=False, process_group=None, vocab_start=None,
+                         vocab_total=None):
     """Cross-entropy of the logits ``hidden @ weight.T + bias`` against class indices ``target``,
     as ``fusedce.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` computes it, but
     without ever storing the (N, V) logits: the core forms them tile by tile, folds each tile
@@ -108,9 +109,16 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
             bit-identical with and without.
         chunk_budget_bytes: scratch memory the core may use for logit tiles (None: its default).
         low_memory: keep all extra memory under 512 MiB, even at the cost of recomputation.
-        process_group, vocab_start: with a process group, ``weight`` (and ``bias``,
-            ``class_weight``) hold the vocabulary rows [vocab_start, vocab_start + V) of this
-            rank, and the call is :func:`fusedce.distributed.vocab_parallel_linear_cross_entropy`.
+        skip_ignored: run the matrix products over the rows whose target is not ignored only
+            (a prompt-masked batch then costs only its answer tokens). On a GPU this needs
+            their count on the host: the call waits for the device once (a small copy), and
+            cannot be captured in a CUDA graph. Off (default), nothing synchronises and ignored
+            rows cost their share of the products (their gradient is zero). The CPU backend
+            always skips them.
+        process_group, vocab_start, vocab_total: with a process group, ``weight`` (and
+            ``bias``, ``class_weight``) hold the vocabulary rows [vocab_start, vocab_start + V)
+            of this rank, out of vocab_total, and the call is
+            :func:`fusedce.distributed.vocab_parallel_linear_cross_entropy`.
 
     Returns:
         The float32 loss, or ``(loss, metrics)`` with ``return_metrics=True``.
@@ -119,9 +127,9 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
     'sum' or 'mean' (and with 'none' when only hidden requires grad) they are formed in the
     forward pass for an upstream gradient of 1, and the backward only scales them (no work at
     all when the factor is 1); with 'none' and weight or bias requiring grad, the backward
-    recomputes them with the per-row upstream gradient. No host synchronisation: rows whose
-    target is ignored (or shifted out) are skipped inside the core, which reads the targets
-    where it runs; the Python side never looks at tensor values.
+    recomputes them with the per-row upstream gradient. No host synchronisation (unless
+    ``skip_ignored``): the core reads the targets where it runs; the Python side never looks at
+    tensor values.
     """
     if process_group is not None:
         from .distributed import vocab_parallel_linear_cross_entropy
@@ -131,9 +139,9 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
             class_weight=class_weight, ignore_index=ignore_index, reduction=reduction,
             label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap,
             z_loss=z_loss, shift=shift, return_metrics=return_metrics,
-            chunk_budget_bytes=chunk_budget_bytes, low_memory=low_memory)
-    if vocab_start is not None:
-        _fail("vocab_start is only used with a process_group (vocabulary-parallel weight)")
+            chunk_budget_bytes=chunk_budget_bytes, low_memory=low_memory, vocab_total=vocab_total)
+    if vocab_start is not None or vocab_total is not None:
+        _fail("vocab_start and vocab_total are only used with a process_group (vocabulary-parallel weight)")
     _check_arguments(hidden, weight, target, bias, class_weight, reduction, softcap,
                      chunk_budget_bytes)
     if class_weight is not None:
@@ -146,7 +154,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
     shift_seq_len = _sequence_length(hidden) if shift else 0
     args = (h, w, bias, t, class_weight, int(ignore_index), reduction, float(label_smoothing),
             float(logit_scale), float(softcap or 0.0), float(z_loss), int(shift_seq_len),
-            int(chunk_budget_bytes or 0), bool(low_memory), bool(return_metrics))
+            int(chunk_budget_bytes or 0), bool(low_memory), bool(skip_ignored), bool(return_metrics))
 
     grad_on = torch.is_grad_enabled()
     needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,

@@ -12,7 +12,7 @@ grad_weight differently, so the backward recomputes with the core's per-row ``gr
 Argument order shared by every lce op: hidden (N, H), weight (V, H), bias (V,) or None,
 target (N,), class_weight (V,) or None, then the options ignore_index, reduction,
 label_smoothing, logit_scale, softcap (0 = off), z_loss, shift_seq_len, chunk_budget_bytes,
-low_memory.
+low_memory, skip_ignored.
 """
 
 import torch
@@ -20,7 +20,7 @@ import torch
 from .ops import _graph_is_kept, _upstream, ops
 
 # hidden, weight, bias, target, class_weight and the nine options.
-_NUM_LEADING = 14
+_NUM_LEADING = 15
 # lce_fwd: + compute_metrics; lce_fwd_bwd: + grad_loss, compute_metrics and three need flags.
 _NUM_ARGS_FWD = _NUM_LEADING + 1
 _NUM_ARGS_FWD_BWD = _NUM_LEADING + 5
@@ -53,7 +53,7 @@ def _check_fake_inputs(hidden, weight, target):
 @torch.library.register_fake("fusedce::lce_fwd")
 def _lce_fwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
                   label_smoothing, logit_scale, softcap, z_loss, shift_seq_len, chunk_budget_bytes,
-                  low_memory, compute_metrics):
+                  low_memory, skip_ignored, compute_metrics):
     _check_fake_inputs(hidden, weight, target)
     return _forward_outputs(hidden, reduction, compute_metrics)
 
@@ -61,7 +61,7 @@ def _lce_fwd_fake(hidden, weight, bias, target, class_weight, ignore_index, redu
 @torch.library.register_fake("fusedce::lce_fwd_bwd")
 def _lce_fwd_bwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
                       label_smoothing, logit_scale, softcap, z_loss, shift_seq_len,
-                      chunk_budget_bytes, low_memory, grad_loss, compute_metrics,
+                      chunk_budget_bytes, low_memory, skip_ignored, grad_loss, compute_metrics,
                       need_grad_hidden, need_grad_weight, need_grad_bias):
     _check_fake_inputs(hidden, weight, target)
     torch._check(not need_grad_bias or bias is not None,
@@ -77,14 +77,14 @@ def _lce_fwd_bwd_fake(hidden, weight, bias, target, class_weight, ignore_index, 
 @torch.library.register_fake("fusedce::lce_fwd_out")
 def _lce_fwd_out_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
                       label_smoothing, logit_scale, softcap, z_loss, shift_seq_len,
-                      chunk_budget_bytes, low_memory, loss, lse, num_correct, entropy_sum):
+                      chunk_budget_bytes, low_memory, skip_ignored, loss, lse, num_correct, entropy_sum):
     _check_fake_inputs(hidden, weight, target)
 
 
 @torch.library.register_fake("fusedce::lce_fwd_bwd_out")
 def _lce_fwd_bwd_out_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
                           label_smoothing, logit_scale, softcap, z_loss, shift_seq_len,
-                          chunk_budget_bytes, low_memory, grad_loss, loss, lse, num_correct,
+                          chunk_budget_bytes, low_memory, skip_ignored, grad_loss, loss, lse, num_correct,
                           entropy_sum, grad_hidden, grad_weight, grad_bias):
     _check_fake_inputs(hidden, weight, target)
 
@@ -173,9 +173,10 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, ignore_index, reduction,
                 label_smoothing, logit_scale, softcap, z_loss, shift_seq_len, chunk_budget_bytes,
-                low_memory, compute_metrics, need_grad_hidden, need_grad_weight, need_grad_bias):
+                low_memory, skip_ignored, compute_metrics, need_grad_hidden, need_grad_weight,
+                need_grad_bias):
         options = (ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss,
-                   shift_seq_len, chunk_budget_bytes, low_memory)
+                   shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored)
         ctx.needs = (need_grad_hidden, need_grad_weight, need_grad_bias)
         ctx.fused = gradients_factor(reduction, need_grad_weight, need_grad_bias)
         if ctx.fused:
@@ -194,7 +195,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        grads = [None] * 18
+        grads = [None] * 19
         if grad_loss is None:
             return tuple(grads)
         g = _upstream(grad_loss)

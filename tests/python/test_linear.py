@@ -366,10 +366,16 @@ def test_module(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_memory_options_leave_results_unchanged(device):
-    # chunk_budget_bytes and low_memory only change how the core tiles the work.
+    # chunk_budget_bytes, low_memory and skip_ignored only change how the core tiles the work.
     h, w, b, t = make_linear_problem((30,), 16, 400, device=device, bias=True)
     ref = loss_and_grads(lambda *a: fusedce.linear_cross_entropy(a[0], a[1], t, a[2]), (h, w, b))
-    for kw in ({"chunk_budget_bytes": 4096}, {"low_memory": True}):
+    variants = [{"chunk_budget_bytes": 4096}, {"skip_ignored": True}]
+    if device == "cpu":
+        variants.append({"low_memory": True})
+    else:  # not built for CUDA yet: a clear error, never a silent fallback past the memory bound
+        with pytest.raises(RuntimeError, match="low_memory"):
+            fusedce.linear_cross_entropy(h, w, t, b, low_memory=True)
+    for kw in variants:
         out = loss_and_grads(lambda *a: fusedce.linear_cross_entropy(a[0], a[1], t, a[2], **kw), (h, w, b))
         torch.testing.assert_close(out[0], ref[0], rtol=1e-6, atol=1e-7)
         for a, r in zip(out[1], ref[1]):
@@ -423,6 +429,7 @@ def test_process_group_hands_every_option_to_distributed(monkeypatch):
     assert seen.pop("hidden") is h and seen.pop("weight") is w and seen.pop("target") is t
     assert seen.pop("bias") is b
     assert seen.pop("class_weight") is cw
+    assert seen.pop("vocab_total") is None
     assert seen == {k: v for k, v in kw.items() if k != "class_weight"}
 
 

@@ -129,11 +129,11 @@ def test_ce_rescale_(device, dtype, per_row):
 
 # (name, options, bias, class weights): the options after class_weight, as the lce ops take them
 # (ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss, shift_seq_len,
-# chunk_budget_bytes, low_memory).
+# chunk_budget_bytes, low_memory, skip_ignored).
 LCE_CASES = [
-    ("plain", (-100, "mean", 0.0, 1.0, 0.0, 0.0, 0, 0, False), False, False),
-    ("options_none_shift", (2, "none", 0.1, 0.7, 10.0, 1e-3, 7, 0, False), True, True),
-    ("options_sum_low_memory", (-100, "sum", 0.2, 1.3, 0.0, 1e-2, 0, 4096, True), True, False),
+    ("plain", (-100, "mean", 0.0, 1.0, 0.0, 0.0, 0, 0, False, False), False, False),
+    ("options_none_shift_skip", (2, "none", 0.1, 0.7, 10.0, 1e-3, 7, 0, False, True), True, True),
+    ("options_sum_low_memory", (-100, "sum", 0.2, 1.3, 0.0, 1e-2, 0, 4096, True, False), True, False),
 ]
 lce_cases = parametrize("name,opts,with_bias,weighted", LCE_CASES, ids=[c[0] for c in LCE_CASES])
 
