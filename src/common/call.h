@@ -118,5 +118,9 @@ Status validate_shard_call(const ShardCall& call);
 namespace cpu {
 Status run_shard(const detail::ShardCall& call);
 }  // namespace cpu
+namespace cuda {
+/// Present in every build; without a GPU backend it returns kUnsupported.
+Status run_shard(const detail::ShardCall& call);
+}  // namespace cuda
 
 }  // namespace fusedce
