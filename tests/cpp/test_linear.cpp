@@ -120,6 +120,9 @@ Tol loss_tol(DType) { return {2e-5, 2e-6}; }
 // a logit one unit of the dtype away from the GPU's float32 sums (rarely; on a target logit that
 // moves the row's loss by that unit).
 Tol loss_tol_cuda16(DType d) { return d == DType::kBFloat16 ? Tol{8e-3, 1e-3} : Tol{1e-3, 2e-4}; }
+// With a bias, the products' epilogue rounds the logits once more (as PyTorch's bf16 addmm does);
+// in bfloat16 that moves some dlogits by a unit, about 1% of the largest gradient entry.
+Tol grad_tol_cuda16(DType d) { return d == DType::kBFloat16 ? Tol{2e-2, 1e-2} : Tol{2e-3, 1e-3}; }
 // Gradients: float32 sums over H or N terms, then one rounding to the dtype.
 Tol grad_tol(DType d) { return d == DType::kFloat32 ? Tol{1e-4, 1e-5} : d == DType::kBFloat16 ? Tol{1e-2, 4e-3} : Tol{2e-3, 1e-3}; }
 
@@ -305,9 +308,10 @@ TEST_P(LinearGrid, MatchesFloat64Reference) {
     for (int64_t k = 0; k < n; ++k) v[k] = load_value(buf.data(), d, k);
     return v;
   };
-  expect_close("grad_hidden", widen(got.gh, N * H), ref.gh, grad_tol(d));
-  expect_close("grad_weight", widen(got.gw, V * H), ref.gw, grad_tol(d));
-  if (lc.bias) expect_close("grad_bias", widen(got.gb, V), ref.gb, grad_tol(d));
+  const Tol gt = cuda16 ? grad_tol_cuda16(d) : grad_tol(d);
+  expect_close("grad_hidden", widen(got.gh, N * H), ref.gh, gt);
+  expect_close("grad_weight", widen(got.gw, V * H), ref.gw, gt);
+  if (lc.bias) expect_close("grad_bias", widen(got.gb, V), ref.gb, gt);
 
   // Metrics on or off: loss and every gradient bit for bit the same.
   const LinRun plain = run(*backend, lc, d, hid, w, b, tgt, cw, up, false, &st);
@@ -324,9 +328,9 @@ TEST_P(LinearGrid, MatchesFloat64Reference) {
   std::vector<double> sl(skipped.loss.begin(), skipped.loss.end()), slse(skipped.lse.begin(), skipped.lse.end());
   expect_close("loss (skip_ignored)", sl, lc.o.reduction == Reduction::kNone ? ref.loss_rows : std::vector<double>{ref.loss}, lt);
   expect_close("lse (skip_ignored)", slse, ref.lse, lt);
-  expect_close("grad_hidden (skip_ignored)", widen(skipped.gh, N * H), ref.gh, grad_tol(d));
-  expect_close("grad_weight (skip_ignored)", widen(skipped.gw, V * H), ref.gw, grad_tol(d));
-  if (lc.bias) expect_close("grad_bias (skip_ignored)", widen(skipped.gb, V), ref.gb, grad_tol(d));
+  expect_close("grad_hidden (skip_ignored)", widen(skipped.gh, N * H), ref.gh, gt);
+  expect_close("grad_weight (skip_ignored)", widen(skipped.gw, V * H), ref.gw, gt);
+  if (lc.bias) expect_close("grad_bias (skip_ignored)", widen(skipped.gb, V), ref.gb, gt);
 }
 
 INSTANTIATE_TEST_SUITE_P(Linear, LinearGrid,

@@ -123,7 +123,7 @@ def test_gradcheck_linear(device, reduction, opts, shift):
 def test_gradcheck_linear_ops(device, op):
     # The raw ops' own autograd formulas (a recompute with the upstream gradient).
     h, w, b, t = _linear_problem(device)
-    opts = (t.reshape(-1), make_weight(7, device), -100, "none", 0.1, 1.2, 4.0, 0.01, 3, 0, False)
+    opts = (t.reshape(-1), make_weight(7, device), -100, "none", 0.1, 1.2, 4.0, 0.01, 3, 0, False, False)
     extra = (False,) if op == "lce_fwd" else (None, False, False, False, False)
     fn = getattr(torch.ops.fusedce, op)
     with warnings.catch_warnings():

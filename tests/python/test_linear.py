@@ -501,7 +501,7 @@ def _bad(case, device):
     ("reduction", ValueError, "reduction must be"),
     ("softcap", ValueError, "softcap must be None"),
     ("label_smoothing", ValueError, "label_smoothing must be in"),
-    ("vocab_start", ValueError, "vocab_start is only used with a process_group"),
+    ("vocab_start", ValueError, "vocab_start and vocab_total are only used with a process_group"),
     ("chunk_budget", ValueError, "chunk_budget_bytes must be"),
     ("hidden_not_tensor", TypeError, "hidden must be a tensor"),
 ])
@@ -526,13 +526,13 @@ def test_device_mismatch_cuda():
     # the op itself names the argument too (no Python checks in front of it)
     with pytest.raises(ValueError, match="weight is on"):
         torch.ops.fusedce.lce_fwd(h.cuda(), w, None, t.cuda(), None, -100, "mean", 0.0, 1.0, 0.0, 0.0,
-                                  0, 0, False, False)
+                                  0, 0, False, False, False)
 
 
 def test_op_errors_name_the_argument():
     # The ops check what the Python front end also checks, for callers of the raw ops.
     h, w, b, t = make_linear_problem((6,), 10, 30, bias=True)
-    opts = (-100, "mean", 0.0, 1.0, 0.0, 0.0, 0, 0, False)
+    opts = (-100, "mean", 0.0, 1.0, 0.0, 0.0, 0, 0, False, False)
     lce_fwd = torch.ops.fusedce.lce_fwd
     with pytest.raises(ValueError, match="weight must have hidden's dtype"):
         lce_fwd(h, w.half(), None, t, None, *opts, False)
@@ -543,6 +543,6 @@ def test_op_errors_name_the_argument():
     with pytest.raises(ValueError, match="bias must"):
         lce_fwd(h, w, b[:-1], t, None, *opts, False)
     with pytest.raises(ValueError, match="shift_seq_len must be 0"):
-        lce_fwd(h, w, None, t, None, *opts[:6], 4, 0, False, False)
+        lce_fwd(h, w, None, t, None, *opts[:6], 4, 0, False, False, False)
     with pytest.raises(ValueError, match="need_grad_bias"):
         torch.ops.fusedce.lce_fwd_bwd(h, w, None, t, None, *opts, None, False, True, True, True)
