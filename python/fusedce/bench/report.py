@@ -41,13 +41,19 @@ def table(rows, meta):
     lines = [f"# {meta['device_name']} | torch {meta['torch_version']} | fusedce {meta['fusedce_version']} "
              f"({meta['fusedce_commit']})",
              "# ceilings measured in this run: " + ", ".join(meta["ceiling_text"]),
+             "# rate: cross-entropy GB/s (forward N*V*elem, fwd+bwd 2*N*V*elem bytes) of the copy "
+             "bandwidth; linear TFLOP/s (6*N*H*V) of the GEMM rate",
+             "# error: the loss's relative error / the gradient's relative max-norm error against "
+             "float64; WRONG past the dtype's tolerance",
+             "# peak extra MB: device memory beyond the inputs and the gradients returned"
+             + ("" if meta.get("device") != "cpu" else " (GPU only: empty here)"),
              "",
              "| case | model | dtype | job | implementation | median ms (p10-p90) | rate | of ceiling "
              "| peak extra MB | error loss / grad |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     unavailable = {}
     for r in rows:
-        if r.status == "unavailable" and r.peer != FUSEDCE:
+        if r.status == "unavailable" and r.peer != FUSEDCE:  # listed once below the table
             unavailable.setdefault((r.peer, r.note), set()).add(r.kind)
             continue
         rate = "" if r.rate is None else f"{_sig(r.rate)} {r.unit}"
@@ -80,7 +86,8 @@ def summary(rows):
     lines = []
     for (kind, job, peer), (x, n) in sorted(speedups(rows).items()):
         what = "cross-entropy" if kind == "ce" else "linear cross-entropy"
-        lines.append(f"fusedce vs {peer}, {what} {job}: geometric-mean speed-up {x:.2f}x over {n} rows")
+        lines.append(f"fusedce vs {peer}, {what} {job}: geometric-mean speed-up {x:.2f}x over "
+                     f"{n} row{'' if n == 1 else 's'}")
     wrong = [r for r in rows if r.status == "ok" and not r.correct]
     for r in wrong:
         lines.append(f"WRONG: {r.peer} on {r.case} {r.dtype} {r.job}: loss error {r.loss_err:.2e}"

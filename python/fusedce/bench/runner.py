@@ -9,7 +9,7 @@ import torch
 
 from .measure import peak_extra_bytes, spread, time_runs
 from .problems import tolerance
-from .workloads import make_workload
+from .workloads import JOBS, make_workload
 
 
 @dataclasses.dataclass
@@ -51,7 +51,7 @@ class Progress:
     """A progress bar on stderr: tqdm when it is installed, else a counter redrawn in place."""
 
     def __init__(self, total, enabled):
-        self.total, self.done, self.enabled = total, 0, enabled
+        self.total, self.done, self.enabled, self.text = total, 0, enabled, ""
         self.bar = None
         if enabled:
             try:
@@ -61,15 +61,23 @@ class Progress:
             except ImportError:
                 pass
 
-    def step(self, text):
-        self.done += 1
-        if not self.enabled:
-            return
+    def show(self, text):
+        """Name what runs now."""
+        self.text = text
         if self.bar is not None:
             self.bar.set_description_str(text)
+        elif self.enabled:
+            self._draw()
+
+    def advance(self):
+        self.done += 1
+        if self.bar is not None:
             self.bar.update(1)
-        else:
-            print(f"\r[{self.done}/{self.total}] {text[:70]:<70}", end="", file=sys.stderr, flush=True)
+        elif self.enabled:
+            self._draw()
+
+    def _draw(self):
+        print(f"\r[{self.done}/{self.total}] {self.text[:70]:<70}", end="", file=sys.stderr, flush=True)
 
     def close(self):
         if self.bar is not None:
@@ -106,8 +114,8 @@ def measure_one(work, fn, job, dtype, device, repeat, warmup, ceiling):
 
 
 def count_units(cases, dtypes, peers):
-    return sum(len(("forward", "fwd+bwd") if c.kind == "ce" else ("fwd+bwd",))
-               for c in cases for _ in dtypes for p in peers if p.offers(c.kind))
+    """The number of rows run_benchmark will produce (the progress bar's length)."""
+    return sum(len(JOBS[c.kind]) for c in cases for _ in dtypes for p in peers if p.offers(c.kind))
 
 
 def run_benchmark(cases, dtypes, peers, device, repeat, warmup, ceilings, l2, progress):
@@ -124,17 +132,17 @@ def run_benchmark(cases, dtypes, peers, device, repeat, warmup, ceilings, l2, pr
             try:
                 work = make_workload(case, dtype, device, l2)
             except Exception as e:  # e.g. out of memory for the inputs or the reference
-                for job in (("forward", "fwd+bwd") if case.kind == "ce" else ("fwd+bwd",)):
+                for job in JOBS[case.kind]:
                     for peer in offering:
                         rows.append(Row(job=job, peer=peer.name, status="failed",
                                         note=f"inputs: {_failure(e)}", **base))
-                        progress.step(f"{case.label} {peer.name}")
+                        progress.advance()
                 _release(device)
                 continue
             ceiling = ceilings["copy"] if case.kind == "ce" else ceilings.get(dtype)
             for job in work.jobs:
                 for peer in offering:
-                    progress.step(f"{case.label} {dtype_name(dtype)} {job} {peer.name}")
+                    progress.show(f"{case.label} {dtype_name(dtype)} {job} {peer.name}")
                     row = Row(job=job, peer=peer.name, status="ok", unit=work.unit, **base)
                     if case.kind in peer.reasons:
                         row.status, row.note = "unavailable", peer.reasons[case.kind]
@@ -148,6 +156,7 @@ def run_benchmark(cases, dtypes, peers, device, repeat, warmup, ceilings, l2, pr
                             row.status, row.note = "failed", _failure(e)
                         _release(device)
                     rows.append(row)
+                    progress.advance()
             del work
             _release(device)
     return rows

@@ -14,6 +14,7 @@ import torch
 from .problems import CrossEntropyReference, LinearReference, make_linear, make_logits
 
 MAX_COPIES = 64
+JOBS = {"ce": ("forward", "fwd+bwd"), "linear": ("fwd+bwd",)}
 
 
 def _copies_for(nbytes, l2):
@@ -26,7 +27,7 @@ class CrossEntropyWorkload:
     """Logits (N, V) and targets; jobs 'forward' (loss only, no gradient requested) and 'fwd+bwd'
     (loss.backward() into a fresh gradient)."""
 
-    jobs = ("forward", "fwd+bwd")
+    jobs = JOBS["ce"]
     unit = "GB/s"
 
     def __init__(self, case, dtype, device, l2):
@@ -83,7 +84,7 @@ class LinearWorkload:
     """hidden (N, H), weight (V, H) and targets; job 'fwd+bwd' (loss.backward() into fresh
     gradients of hidden and weight)."""
 
-    jobs = ("fwd+bwd",)
+    jobs = JOBS["linear"]
     unit = "TFLOP/s"
 
     def __init__(self, case, dtype, device, l2):
