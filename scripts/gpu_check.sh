@@ -87,9 +87,8 @@ FUSEDCE_PEER_FLASH_ATTN_CE=${FUSEDCE_PEER_FLASH_ATTN_CE:-$PWD/.whl/peers/flash_a
   python3 bench/peers_ce.py ${BENCH_ARGS:-} 2>&1 | tee "$out/peers.md" || status=1
 fi
 
-if want linear && [ -f dev/linear_ce_cublas.cu ]; then
-step "dev: first-design linear cross-entropy (cuBLASLt chunks), check + floor-relative timing"
-  nvcc -std=c++17 -O3 -arch=sm_90 -Iinclude dev/linear_ce_cublas.cu "$build/libfusedce.a" -lcublasLt \
-    -o "$build/linear_ce_dev" && "$build/linear_ce_dev" 2>&1 | tee "$out/linear_dev.md" || status=1
+if want linear; then
+step "linear cross-entropy benchmark (fused vs the bare GEMM floor of the same run)"
+"$build/bench/fusedce_linear_bench" ${BENCH_ARGS:-} 2>&1 | tee "$out/linear_bench.md" || status=1
 fi
 exit $status
