@@ -68,7 +68,7 @@ def default_cases(device, quick):
     plot), 1K and 32K tokens at 128256, a masked batch; linear: tokens 1K..32K through the
     Llama 3.1 8B head (the time/memory-vs-tokens plot), each other head at 8192 tokens, a masked
     batch. CPU: the same kinds of rows at sizes that finish in a few minutes on two cores (128
-tokens over every vocabulary; 16 to 64 tokens through a 2048 x 32000 head).
+tokens over every vocabulary; 16 to 64 tokens through a 1024 x 32000 head).
     quick: a few rows of each kind (seconds on a CPU)."""
     if device == "cuda":
         if quick:
@@ -82,7 +82,7 @@ tokens over every vocabulary; 16 to 64 tokens through a 2048 x 32000 head).
     if quick:
         return [_ce(64, 32000), _ce(64, 50257, True), _lin(32, 256, 32000), _lin(64, 256, 32000, True)]
     ce = [_ce(128, v) for v in VOCABS] + [_ce(128, 128256, True)]
-    linear = [_lin(n, 2048, 32000) for n in (16, 32, 64)] + [_lin(64, 2048, 32000, True)]
+    linear = [_lin(n, 1024, 32000) for n in (16, 32, 64)] + [_lin(64, 1024, 32000, True)]
     return ce + linear
 
 

@@ -60,6 +60,20 @@ def _fusedce(device):
     return fns, reasons
 
 
+def _fusedce_skip(device):
+    """fusedce.linear_cross_entropy(skip_ignored=True): the products run over the non-ignored
+    rows only (on a GPU at the price of one wait for their count); what a prompt-masked batch
+    gains. The CPU backend always skips them, so the row shows the same call there."""
+    import fusedce
+
+    if device == "cuda" and not fusedce.with_cuda:
+        raise Unavailable("this build of fusedce has no CUDA kernels")
+    lce = getattr(fusedce, "linear_cross_entropy", None)
+    if lce is None:
+        raise Unavailable(f"fusedce {fusedce.__version__} has no linear_cross_entropy yet")
+    return {"linear": lambda h, w, t: lce(h, w, t, skip_ignored=True)}, {}
+
+
 def _torch_ce(x, t):
     """As transformers' ForCausalLMLoss calls it: the logits upcast to float32 first."""
     return F.cross_entropy(x.float(), t)
@@ -152,6 +166,7 @@ def _flash_attn(device):
 # id, display name, loader, kinds it offers, whether it runs on CUDA devices only
 REGISTRY = [
     ("fusedce", "fusedce", _fusedce, ("ce", "linear"), False),
+    ("fusedce-skip", "fusedce skip_ignored", _fusedce_skip, ("linear",), False),
     ("torch", "torch eager", _torch, ("ce", "linear"), False),
     ("torch-compile", "torch.compile", _torch_compile, ("ce", "linear"), False),
     ("torch-lce", "torch F.linear_cross_entropy", _torch_lce, ("linear",), False),

@@ -69,14 +69,15 @@ def table(rows, meta):
 
 
 def speedups(rows):
-    """fusedce's geometric-mean speed-up over each other implementation, per kind and job, over
-    the rows where both ran and both were within tolerance: {(kind, job, peer): (x, count)}."""
+    """fusedce's geometric-mean speed-up over each other implementation (not over its own
+    variants), per kind and job, over the rows where both ran and both were within tolerance:
+    {(kind, job, peer): (x, count)}."""
     ours = {(r.kind, r.job, r.case, r.dtype): r for r in rows
             if r.peer == FUSEDCE and r.status == "ok" and r.correct}
     ratios = {}
     for r in rows:
         mine = ours.get((r.kind, r.job, r.case, r.dtype))
-        if r.peer == FUSEDCE or mine is None or r.status != "ok" or not r.correct:
+        if r.peer.startswith(FUSEDCE) or mine is None or r.status != "ok" or not r.correct:
             continue
         ratios.setdefault((r.kind, r.job, r.peer), []).append(r.median_ms / mine.median_ms)
     return {k: (statistics.geometric_mean(v), len(v)) for k, v in ratios.items()}
