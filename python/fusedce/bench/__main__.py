@@ -56,7 +56,8 @@ def parse_args(argv):
                                     "shapes of real models")
     p.add_argument("--dtypes", help="comma-separated from float32,bfloat16,float16 (default bfloat16 on a "
                                     "GPU, float32 on the CPU, where bfloat16 products are slow)")
-    p.add_argument("--repeat", type=int, help="timed runs per row (default 20 on a GPU, 3 on the CPU; quick 5 / 2)")
+    p.add_argument("--repeat", type=int,
+                   help="timed runs per row (default 20 on a GPU, 3 on the CPU; with --quick 5 / 2)")
     p.add_argument("--warmup", type=int, help="untimed runs after the checked one (default 3 on a GPU, "
                                               "0 on the CPU)")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave it)")

@@ -140,7 +140,8 @@ def _plot_ce(plt, rows, meta, dtype, path):
     """Bandwidth vs vocabulary at the token count that has the most vocabularies, forward and
     forward+backward side by side, the copy ceiling drawn. False if there is nothing to draw."""
     ce_rows = [r for r in rows if r.kind == "ce" and r.dtype == dtype and r.status == "ok" and not r.masked]
-    tokens = _most_common(r.tokens for r in ce_rows if r.peer == FUSEDCE) or _most_common(r.tokens for r in ce_rows)
+    tokens = (_most_common(r.tokens for r in ce_rows if r.peer == FUSEDCE)
+              or _most_common(r.tokens for r in ce_rows))
     if tokens is None:
         return False
     vocabs = sorted({r.vocab for r in ce_rows if r.tokens == tokens})
@@ -166,11 +167,13 @@ def _plot_ce(plt, rows, meta, dtype, path):
 def _plot_linear(plt, rows, meta, dtype, path):
     """Time (and, on a GPU, peak extra memory) vs tokens for the hidden x vocab that has the most
     token counts, with the time 6·N·H·V takes at the measured GEMM rate. False if nothing."""
-    lin_rows = [r for r in rows if r.kind == "linear" and r.dtype == dtype and r.status == "ok" and not r.masked]
+    lin_rows = [r for r in rows
+                if r.kind == "linear" and r.dtype == dtype and r.status == "ok" and not r.masked]
     head = _most_common((r.hidden, r.vocab) for r in lin_rows)
     if head is None:
         return False
-    series = _series(rows, "linear", "fwd+bwd", dtype, lambda r: r.tokens if (r.hidden, r.vocab) == head else None)
+    series = _series(rows, "linear", "fwd+bwd", dtype,
+                     lambda r: r.tokens if (r.hidden, r.vocab) == head else None)
     has_memory = any(r.peak_extra_mb is not None for points in series.values() for _, r in points)
     fig, axes = plt.subplots(1, 2 if has_memory else 1, figsize=(13 if has_memory else 7, 5), squeeze=False)
     axes = axes[0]
