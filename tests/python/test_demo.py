@@ -97,8 +97,9 @@ def test_compare_curves():
     assert not report.compare_curves([5.0, 4.0], [5.0], "float32")["agree"]
 
 
-@pytest.mark.parametrize("argv, name", [(["--steps", "0"], "--steps"), (["--vocab", "100"], "--vocab"),
-                                        (["--batch-size", "-1"], "--batch-size"), (["--dtype", "fp8"], "--dtype")])
+@pytest.mark.parametrize("argv, name", [
+    (["--steps", "0"], "--steps"), (["--vocab", "100"], "--vocab"),
+    (["--batch-size", "-1"], "--batch-size"), (["--dtype", "fp8"], "--dtype")])
 def test_bad_arguments_name_the_option(argv, name, capsys):
     with pytest.raises(SystemExit) as e:
         cli.parse_args(argv)
@@ -163,7 +164,8 @@ def test_loss_functions_match_float64(loss_fn, device):
     target = torch.randint(0, 301, (3, 7), device=device)
     loss = loss_fn(model, hidden, target)
     loss.backward()
-    ref, ref_h, ref_w = reference_loss_and_grads(hidden.reshape(-1, 24), model.lm_head.weight, target.reshape(-1))
+    ref, ref_h, ref_w = reference_loss_and_grads(hidden.reshape(-1, 24), model.lm_head.weight,
+                                                 target.reshape(-1))
     assert loss.dtype == torch.float32
     assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
     torch.testing.assert_close(hidden.grad.reshape(-1, 24).double(), ref_h, rtol=1e-4, atol=1e-6)
@@ -175,7 +177,8 @@ def test_generate_draws_only_allowed_ids():
     model = TinyGPT(ModelConfig(vocab=50, seq_len=8, d_model=16, n_layer=1, n_head=2))
     allowed = torch.zeros(50, dtype=torch.bool)
     allowed[[3, 17, 42]] = True
-    out = model.generate(torch.tensor([[1, 2]]), 30, generator=torch.Generator().manual_seed(0), allowed=allowed)
+    gen = torch.Generator().manual_seed(0)
+    out = model.generate(torch.tensor([[1, 2]]), 30, generator=gen, allowed=allowed)
     assert out.shape == (1, 32) and out[0, :2].tolist() == [1, 2]
     assert set(out[0, 2:].tolist()) <= {3, 17, 42}
 
@@ -208,3 +211,8 @@ def test_cuda_peak_memory_sees_a_64_mib_tensor():
     x = torch.ones(16 * 2**20, device="cuda")
     del x
     assert mem.stop() - mem.base_bytes >= 64 * 2**20
+
+
+def test_too_long_sequences_for_the_corpus_exit_2(tmp_path, capsys):
+    assert run_quick(tmp_path / "out", "--seq-len", "10000000") == 2
+    assert "--seq-len" in capsys.readouterr().err

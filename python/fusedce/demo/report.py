@@ -4,6 +4,7 @@ matplotlib is installed."""
 
 import json
 import math
+import textwrap
 
 # Largest |difference| allowed between the two loss curves (nats), by compute dtype. The runs
 # start from the same weights and see the same batches, so the curves differ only by rounding:
@@ -57,11 +58,12 @@ def summary_lines(setup, runs, agreement):
     saved = t["peak_memory_bytes"] - f["peak_memory_bytes"]
     if t["peak_memory_bytes"] > 0:
         lines.append(f"fusedce vs torch: peak memory {_mib(abs(saved))} {'less' if saved >= 0 else 'more'} "
-                     f"({100 * saved / t['peak_memory_bytes']:+.0f}% saved), "
-                     f"speed x{f['tokens_per_s'] / t['tokens_per_s']:.2f}")
+                     f"({100 * abs(saved) / t['peak_memory_bytes']:.0f}%), "
+                     f"{f['tokens_per_s'] / t['tokens_per_s']:.2f}x the tokens/s")
     verdict = "agree" if agreement["agree"] else "DIVERGE"
     lines.append(f"loss curves: max |diff| {agreement['max_abs_diff']:.2e} at step {agreement['at_step']} "
-                 f"(first step {agreement['first_step_abs_diff']:.2e}); tolerance {agreement['tolerance']:.0e}: {verdict}")
+                 f"(first step {agreement['first_step_abs_diff']:.2e}); "
+                 f"tolerance {agreement['tolerance']:.0e}: {verdict}")
     return lines
 
 
@@ -77,17 +79,21 @@ def plot_curves(path, runs, agreement, title):
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True,
                                       gridspec_kw={"height_ratios": [3, 1.3]})
-    styles = {"torch": dict(color="tab:blue", lw=2.2, alpha=0.6), "fusedce": dict(color="tab:red", lw=1, ls="--")}
+    styles = {"torch": dict(color="tab:blue", lw=2.2, alpha=0.6),
+              "fusedce": dict(color="tab:red", lw=1, ls="--")}
     for name in ("torch", "fusedce"):
         r = runs[name]
         label = (f"{LABELS[name]}: {r['tokens_per_s']:,.0f} tok/s, peak {_mib(r['peak_memory_bytes'])}")
         top.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, **styles[name])
     top.set_ylabel("training loss (nats)")
-    top.set_title(title, fontsize=9)
+    top.set_title(textwrap.fill(title, 100), fontsize=9)
     top.legend(fontsize=8)
     top.grid(alpha=0.3)
-    diff = [max(abs(a - b), 1e-12) for a, b in zip(runs["torch"]["losses"], runs["fusedce"]["losses"])]
-    bottom.semilogy(range(1, len(diff) + 1), diff, color="black", lw=0.8, label="|difference|")
+    pairs = zip(runs["torch"]["losses"], runs["fusedce"]["losses"])
+    # steps with bit-identical losses have no point on a log scale
+    diff = [(step, abs(a - b)) for step, (a, b) in enumerate(pairs, 1) if a != b]
+    bottom.semilogy([s for s, _ in diff], [d for _, d in diff], ".", color="black", ms=3,
+                    label="|difference| (steps with identical losses not shown)")
     bottom.axhline(agreement["tolerance"], color="tab:red", lw=0.8, ls=":", label="tolerance")
     bottom.set_xlabel("step")
     bottom.set_ylabel("|torch - fusedce|")
@@ -99,9 +105,10 @@ def plot_curves(path, runs, agreement, title):
     return True
 
 
-def write_json(path, config, corpus, runs, agreement):
+def write_json(path, config, versions, corpus, runs, agreement):
     with open(path, "w") as f:
-        json.dump({"config": config, "corpus": corpus, "runs": runs, "agreement": agreement}, f, indent=1)
+        json.dump({"config": config, "versions": versions, "corpus": corpus, "runs": runs,
+                   "agreement": agreement}, f, indent=1)
 
 
 def write_samples(path, prompt, runs):

@@ -98,7 +98,8 @@ class _Bar:
         if now - self._last > 0.2 or self.n == self.total:
             self._last = now
             done = int(30 * self.n / max(1, self.total))
-            sys.stderr.write(f"\r{self.desc}: {self.n}/{self.total} [{'#' * done}{'.' * (30 - done)}] {self.postfix}")
+            bar = "#" * done + "." * (30 - done)
+            sys.stderr.write(f"\r{self.desc}: {self.n}/{self.total} [{bar}] {self.postfix}")
             sys.stderr.flush()
 
     def set_postfix_str(self, s):
