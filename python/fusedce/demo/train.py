@@ -121,23 +121,43 @@ def progress_bar(total, desc):
 def train_run(cfg, tokens, merges, loss_name):
     """Trains a fresh model with the loss LOSSES[loss_name]; returns the per-step losses,
     tokens per second, peak memory and a sample of generated text (a dict of plain values)."""
-    loss_fn = LOSSES[loss_name]
     device = torch.device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     model = TinyGPT(cfg.model).to(device)  # initialised on the CPU: same weights on any device
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     data = torch.tensor(tokens, dtype=torch.long)
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    amp = cfg.dtype == "bfloat16"
-    tokens_per_step = cfg.batch_size * cfg.model.seq_len
-    warmup = timing_warmup(cfg.steps)
-
     mem = PeakMemory(device)
     mem.start()
+    losses, seconds, timed_steps = train_steps(model, data, cfg, LOSSES[loss_name], loss_name)
+    mem.stop()
+    seen = torch.bincount(data, minlength=cfg.model.vocab) > 0
+    return {
+        "loss": loss_name,
+        "losses": losses,
+        "tokens_per_s": timed_steps * cfg.batch_size * cfg.model.seq_len / seconds,
+        "timed_steps": timed_steps,
+        "seconds": seconds,
+        "peak_memory_bytes": mem.peak_bytes,
+        "base_memory_bytes": mem.base_bytes,
+        "memory_measure": mem.what,
+        "params": sum(p.numel() for p in model.parameters()),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+        "threads": torch.get_num_threads(),
+        "sample": sample_text(model, BytePairTokenizer(merges), seen.to(device), cfg),
+    }
+
+
+def train_steps(model, data, cfg, loss_fn, desc):
+    """cfg.steps steps of AdamW on batches drawn from `data`; returns the losses (floats), the
+    seconds taken by the steps after timing_warmup, and how many those were."""
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    amp = cfg.dtype == "bfloat16"
+    warmup = timing_warmup(cfg.steps)
     losses = []
-    bar = progress_bar(cfg.steps, loss_name)
+    bar = progress_bar(cfg.steps, desc)
     start = time.perf_counter()
     for step in range(cfg.steps):
         if step == warmup:
@@ -154,31 +174,13 @@ def train_run(cfg, tokens, merges, loss_name):
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-        if step % 10 == 0 or step == cfg.steps - 1:
+        if step % 10 == 0 or step == cfg.steps - 1:  # .item() waits for the GPU: not every step
             bar.set_postfix_str(f"loss {losses[-1].item():.4f}")
         bar.update(1)
     _sync(device)
-    elapsed = time.perf_counter() - start
+    seconds = time.perf_counter() - start
     bar.close()
-    mem.stop()
-
-    timed_steps = cfg.steps - warmup
-    result = {
-        "loss": loss_name,
-        "losses": torch.stack(losses).float().cpu().tolist(),
-        "tokens_per_s": timed_steps * tokens_per_step / elapsed if timed_steps else float("nan"),
-        "timed_steps": timed_steps,
-        "seconds": elapsed,
-        "peak_memory_bytes": mem.peak_bytes,
-        "base_memory_bytes": mem.base_bytes,
-        "memory_measure": mem.what,
-        "params": sum(p.numel() for p in model.parameters()),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
-        "threads": torch.get_num_threads(),
-    }
-    seen = torch.bincount(data, minlength=cfg.model.vocab) > 0
-    result["sample"] = sample_text(model, BytePairTokenizer(merges), seen.to(device), cfg)
-    return result
+    return torch.stack(losses).float().cpu().tolist(), seconds, cfg.steps - warmup
 
 
 def sample_text(model, tok, allowed, cfg):
