@@ -99,7 +99,8 @@ def test_compare_curves():
 
 @pytest.mark.parametrize("argv, name", [
     (["--steps", "0"], "--steps"), (["--vocab", "100"], "--vocab"),
-    (["--batch-size", "-1"], "--batch-size"), (["--dtype", "fp8"], "--dtype")])
+    (["--batch-size", "-1"], "--batch-size"), (["--dtype", "fp8"], "--dtype"),
+    (["--threads", "-2"], "--threads")])
 def test_bad_arguments_name_the_option(argv, name, capsys):
     with pytest.raises(SystemExit) as e:
         cli.parse_args(argv)

@@ -40,8 +40,8 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="a tiny model for a few steps (seconds; for CI)")
     p.add_argument("--out", default="demo_out", help="output folder (default: demo_out)")
     p.add_argument("--vocab", type=int, help="vocabulary size (default: 2048 on cpu, 32768 on cuda)")
-    p.add_argument("--batch-size", type=int, help="sequences per step")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence")
+    p.add_argument("--batch-size", type=int, help="sequences per step (default: 8 on cpu, 32 on cuda)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: 128 on cpu, 512 on cuda)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="float32, or bfloat16 autocast (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--sample-tokens", type=int, default=200, help="tokens of generated text to write")
@@ -51,6 +51,9 @@ def parse_args(argv):
     for name in ("steps", "vocab", "batch_size", "seq_len"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    for name in ("sample_tokens", "threads"):
+        if getattr(a, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must not be negative")
     if a.vocab is not None and a.vocab < 256:
         p.error("--vocab must be at least 256 (the byte values)")
     return a
