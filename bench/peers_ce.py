@@ -4,9 +4,13 @@ Runs on the GPU machine inside scripts/gpu_check.sh, right after fusedce_bench, 
 from the same run on the same card. Ceilings are measured here again (torch copy and a streaming
 sum). Jobs and byte formulas as in ce_bench.cu: forward N*V*elem; forward+gradient 2*N*V*elem.
 Peers: PyTorch eager (`F.cross_entropy(logits.float(), ...)`, as transformers calls it), the same
-under torch.compile, and Liger-Kernel when it is importable. A missing or failing peer is reported
-as such. Usage: python3 bench/peers_ce.py [--quick]
+under torch.compile, Liger-Kernel when importable, the fusedce Python front end, and
+flash-attn's Triton cross-entropy loaded from the file named by $FUSEDCE_PEER_FLASH_ATTN_CE (its
+module imports only torch and triton; the wheel's CUDA extension is not needed). A missing or
+failing peer is reported as such. Usage: python3 bench/peers_ce.py [--quick]
 """
+import importlib.util
+import os
 import statistics
 import sys
 
@@ -54,6 +58,20 @@ def peers():
         out["liger"] = lambda x, t: liger_cross_entropy(x, t)
     except Exception as e:  # reported, never hides the row
         print(f"# liger: not available ({type(e).__name__}: {e})")
+    path = os.environ.get("FUSEDCE_PEER_FLASH_ATTN_CE")
+    try:
+        spec = importlib.util.spec_from_file_location("flash_attn_ce", path)
+        fa = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(fa)
+        out["flash-attn"] = lambda x, t: fa.cross_entropy_loss(x, t)[0].mean()
+    except Exception as e:
+        print(f"# flash-attn: not available ({type(e).__name__}: {e}; FUSEDCE_PEER_FLASH_ATTN_CE={path})")
+    try:
+        import fusedce
+
+        out["fusedce (torch op)"] = lambda x, t: fusedce.cross_entropy(x, t)
+    except Exception as e:
+        print(f"# fusedce Python front end: not available ({type(e).__name__}: {e})")
     return out
 
 

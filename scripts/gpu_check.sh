@@ -3,19 +3,25 @@
 # test on the GPU, compute-sanitizer (memcheck, racecheck) on a small sweep, the benchmarks.
 # Logs go to $OUT (or ./gpu_out). GoogleTest comes from .deps/googletest when it is not installed
 # (copy /usr/src/googletest there and carry it). CTEST_ARGS narrows ctest (e.g. -R "cuda|Cuda"),
-# BENCH_ARGS goes to the benchmark (e.g. --quick).
+# BENCH_ARGS goes to the benchmark (e.g. --quick). TORCH_CUDA_ARCHS: the torch extension's
+# architectures (default 80-real;90). STEPS picks steps (default: all of
+# "tests sanitizer bench python peers linear report demo"); the C++ build runs for the first four.
+# PYTEST_ARGS narrows the Python tests (e.g. -k cuda), REPORT_ARGS / DEMO_ARGS go to
+# `python -m fusedce.bench` / `python -m fusedce.demo`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 build=build-gpu
 status=0
-step() { echo "== $*"; }
+step() { echo "== $*  ($(date +%T))"; }
+want() { [[ " ${STEPS:-tests sanitizer bench python peers linear report demo} " == *" $1 "* ]]; }
 
 step "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 nvcc --version | tail -2
 
+if want tests || want sanitizer || want bench || want linear; then
 step "build"
 gtest_arg=()
 [ -d .deps/googletest ] && gtest_arg=(-DFUSEDCE_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
@@ -24,11 +30,15 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFUSEDCE_CUDA=ON -DF
   || { tail -30 "$out/configure.log"; exit 1; }
 cmake --build "$build" -j 16 > "$out/build.log" 2>&1 || { grep -E "error" "$out/build.log" | head -30; exit 1; }
 grep -E "spill" "$out/build.log" | sort | uniq -c | head -20
+fi
 
+if want tests; then
 step "tests (ctest, GPU present)"
 ctest --test-dir "$build" -j 12 --timeout 900 --output-on-failure ${CTEST_ARGS:-} > "$out/ctest.log" 2>&1 || status=1
 tail -25 "$out/ctest.log"
+fi
 
+if want sanitizer; then
 step "compute-sanitizer on a small sweep"
 # Small CUDA cases of the grid (odd, tiny and mid-size V, every option) and the layout, special
 # value, equivalence and batch tests on CUDA.
@@ -43,33 +53,61 @@ for tool in memcheck racecheck; do
   echo "$tool: exit $rc; $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|tests? ran|PASSED|FAILED' "$out"/sanitizer_${tool}_*.log | tr '\n' ' ')"
   [ $rc -eq 0 ] || status=1
 done
+fi
 
+if want bench; then
 step "benchmark"
 "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench.csv" | tee "$out/bench.md" || status=1
+fi
 
+# Carried wheels (peers, and whatever the Python tests need) go to /tmp/site.
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+
+if want python || want peers || want report || want demo; then
 step "Python front end on the GPU (the machine's torch)"
 if python3 -c "import torch, pytest" 2>/dev/null; then
   cmake -S . -B build-gpu-torch -G Ninja -DCMAKE_BUILD_TYPE=Release -DFUSEDCE_CUDA=ON -DFUSEDCE_TORCH=ON \
-    -DFUSEDCE_TESTS=OFF -DFUSEDCE_EXAMPLES=OFF "-DCMAKE_CUDA_ARCHITECTURES=80-real;90" \
+    -DFUSEDCE_TESTS=OFF -DFUSEDCE_EXAMPLES=OFF "-DCMAKE_CUDA_ARCHITECTURES=${TORCH_CUDA_ARCHS:-80-real;90}" \
     -DPython_EXECUTABLE="$(command -v python3)" > "$out/torch_build.log" 2>&1 &&
     cmake --build build-gpu-torch -j 16 >> "$out/torch_build.log" 2>&1 || { tail -20 "$out/torch_build.log"; status=1; }
-  FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python python3 -m pytest tests/python -q -rs -p no:cacheprovider \
-    > "$out/pytest.log" 2>&1 || status=1
-  tail -5 "$out/pytest.log"
+  if want python; then
+    FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} python3 -m pytest tests/python -q -rs \
+      -p no:cacheprovider ${PYTEST_ARGS:-} > "$out/pytest.log" 2>&1 || status=1
+    tail -5 "$out/pytest.log"
+  fi
 else
   echo "python3 has no torch or pytest here: Python tests not run (carry pytest in .whl/)"
 fi
-
-step "peers (same machine, same run)"
-# Liger-Kernel travels as a wheel in .whl/ (carry it); torch and triton are on the machine.
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-PYTHONUNBUFFERED=1 python3 bench/peers_ce.py ${BENCH_ARGS:-} 2>&1 | tee "$out/peers.md" || status=1
 
-step "dev: first-design linear cross-entropy (cuBLASLt chunks), check + floor-relative timing"
-if [ -f dev/linear_ce_cublas.cu ]; then
-  nvcc -std=c++17 -O3 -arch=sm_90 -Iinclude dev/linear_ce_cublas.cu "$build/libfusedce.a" -lcublasLt \
-    -o "$build/linear_ce_dev" && "$build/linear_ce_dev" 2>&1 | tee "$out/linear_dev.md" || status=1
+if want peers; then
+step "peers (same machine, same run)"
+# Liger-Kernel travels as a wheel in .whl/, flash-attn's Triton cross-entropy as a file in
+# .whl/peers/ (carry .whl); torch and triton are on the machine.
+FUSEDCE_PEER_FLASH_ATTN_CE=${FUSEDCE_PEER_FLASH_ATTN_CE:-$PWD/.whl/peers/flash_attn_ce.py} \
+  FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
+  python3 bench/peers_ce.py ${BENCH_ARGS:-} 2>&1 | tee "$out/peers.md" || status=1
+fi
+
+if want report; then
+step "benchmark report: python -m fusedce.bench against every importable peer"
+FUSEDCE_PEER_FLASH_ATTN_CE=${FUSEDCE_PEER_FLASH_ATTN_CE:-$PWD/.whl/peers/flash_attn_ce.py} \
+  FUSEDCE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
+  FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
+  python3 -m fusedce.bench --no-progress --out "$out/report" ${REPORT_ARGS:-} 2>&1 | tee "$out/report.log" || status=1
+fi
+
+if want demo; then
+step "demo: python -m fusedce.demo --device cuda"
+FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
+  python3 -m fusedce.demo --device cuda --out "$out/demo" ${DEMO_ARGS:-} 2>&1 | tail -40 | tee "$out/demo.log" || status=1
+fi
+
+if want linear; then
+step "linear cross-entropy benchmark (fused vs the bare GEMM floor of the same run)"
+"$build/bench/fusedce_linear_bench" ${BENCH_ARGS:-} 2>&1 | tee "$out/linear_bench.md" || status=1
 fi
 exit $status

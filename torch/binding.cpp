@@ -18,6 +18,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "linear_ops.h"
 #include "ops.h"
 
 namespace fusedce_torch {
@@ -56,6 +57,10 @@ void bump_versions_of_written(const c10::OperatorHandle& op, c10::DispatchKeySet
   "int ignore_index, str reduction, float label_smoothing, float logit_scale, float softcap, " \
   "float z_loss"
 
+#define FUSEDCE_LCE_ARGS                                                                       \
+  "Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, " FUSEDCE_CE_ARGS \
+  ", int shift_seq_len, int chunk_budget_bytes, bool low_memory, bool skip_ignored"
+
 TORCH_LIBRARY(fusedce, m) {
   m.def("ce_fwd_out(Tensor logits, Tensor target, Tensor? weight, " FUSEDCE_CE_ARGS
         ", Tensor(a!) loss, Tensor(b!) lse, Tensor(c!)? num_correct, Tensor(d!)? entropy_sum) -> ()");
@@ -75,6 +80,18 @@ TORCH_LIBRARY(fusedce, m) {
         "Tensor dlogits)");
   m.def("ce_bwd(Tensor logits, Tensor target, Tensor? weight, Tensor lse, Tensor grad_loss, "
         FUSEDCE_CE_ARGS ") -> Tensor");
+
+  m.def("lce_fwd_out(" FUSEDCE_LCE_ARGS
+        ", Tensor(a!) loss, Tensor(b!) lse, Tensor(c!)? num_correct, Tensor(d!)? entropy_sum) -> ()");
+  m.def("lce_fwd_bwd_out(" FUSEDCE_LCE_ARGS
+        ", Tensor? grad_loss, Tensor(a!) loss, Tensor(b!) lse, Tensor(c!)? num_correct, "
+        "Tensor(d!)? entropy_sum, Tensor(e!)? grad_hidden, Tensor(f!)? grad_weight, Tensor(g!)? grad_bias) -> ()");
+  m.def("lce_fwd(" FUSEDCE_LCE_ARGS
+        ", bool compute_metrics) -> (Tensor loss, Tensor lse, Tensor num_correct, Tensor entropy_sum)");
+  m.def("lce_fwd_bwd(" FUSEDCE_LCE_ARGS
+        ", Tensor? grad_loss, bool compute_metrics, bool need_grad_hidden, bool need_grad_weight, "
+        "bool need_grad_bias) -> (Tensor loss, Tensor lse, Tensor num_correct, Tensor entropy_sum, "
+        "Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
 }
 
 TORCH_LIBRARY_IMPL(fusedce, CPU, m) {
@@ -87,10 +104,15 @@ TORCH_LIBRARY_IMPL(fusedce, CPU, m) {
   m.impl("ce_fwd", &fusedce_torch::ce_fwd<Ctx>);
   m.impl("ce_fwd_bwd", &fusedce_torch::ce_fwd_bwd<Ctx>);
   m.impl("ce_bwd", &fusedce_torch::ce_bwd<Ctx>);
+  m.impl("lce_fwd_out", &fusedce_torch::lce_fwd_out<Ctx>);
+  m.impl("lce_fwd_bwd_out", &fusedce_torch::lce_fwd_bwd_out<Ctx>);
+  m.impl("lce_fwd", &fusedce_torch::lce_fwd<Ctx>);
+  m.impl("lce_fwd_bwd", &fusedce_torch::lce_fwd_bwd<Ctx>);
 }
 
 TORCH_LIBRARY_IMPL(fusedce, ADInplaceOrView, m) {
-  for (const char* op : {"ce_fwd_out", "ce_fwd_bwd_out", "ce_fwd_bwd_inplace", "ce_bwd_out", "ce_rescale_"}) {
+  for (const char* op : {"ce_fwd_out", "ce_fwd_bwd_out", "ce_fwd_bwd_inplace", "ce_bwd_out", "ce_rescale_",
+                         "lce_fwd_out", "lce_fwd_bwd_out"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&fusedce_torch::bump_versions_of_written>());
   }
 }

@@ -5,7 +5,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "linear_ops.h"
 #include "ops.h"
+#include "vp_ops.h"
 
 namespace fusedce_torch {
 namespace {
@@ -43,4 +45,11 @@ TORCH_LIBRARY_IMPL(fusedce, CUDA, m) {
   m.impl("ce_fwd", &fusedce_torch::ce_fwd<Ctx>);
   m.impl("ce_fwd_bwd", &fusedce_torch::ce_fwd_bwd<Ctx>);
   m.impl("ce_bwd", &fusedce_torch::ce_bwd<Ctx>);
+  m.impl("lce_fwd_out", &fusedce_torch::lce_fwd_out<Ctx>);
+  m.impl("lce_fwd_bwd_out", &fusedce_torch::lce_fwd_bwd_out<Ctx>);
+  m.impl("lce_fwd", &fusedce_torch::lce_fwd<Ctx>);
+  m.impl("lce_fwd_bwd", &fusedce_torch::lce_fwd_bwd<Ctx>);
+  m.impl("ce_shard_stats", &fusedce_torch::ce_shard_stats<Ctx>);
+  m.impl("ce_shard_merge", &fusedce_torch::ce_shard_merge<Ctx>);
+  m.impl("ce_shard_bwd", &fusedce_torch::ce_shard_bwd<Ctx>);
 }

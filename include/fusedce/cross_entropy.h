@@ -25,7 +25,8 @@ struct ForwardOutputs {
 /// The jobs, for workspace queries.
 enum class Job : int32_t { kForward = 0, kBackward = 1, kForwardBackward = 2, kRescale = 3 };
 
-/// Bytes of device workspace the job needs for these sizes and options (0 on the CPU).
+/// Bytes of device workspace the job needs for these sizes and options (0 on the CPU). The size
+/// for `rows` rows also serves any call with fewer rows (same job, vocab and options).
 /// Entry points take the workspace as their last argument; given none (empty), the CUDA backend
 /// takes stream-ordered scratch (cudaMallocAsync / cudaFreeAsync) for the call instead.
 size_t cross_entropy_workspace_size(Job job, const Device& device, int64_t rows, int64_t vocab,

@@ -20,6 +20,12 @@ struct LinearOptions {
   /// Bound the extra memory (including any float32 grad_weight accumulator) at 512 MiB, even at
   /// the cost of recomputation.
   bool low_memory = false;
+  /// CUDA: run the matrix products over the rows whose target is not ignored only. Counting
+  /// them needs their number on the host, so the call waits for the device once (one small
+  /// copy) and cannot be captured in a CUDA graph; without it, ignored rows still cost their
+  /// share of the products (their gradient is zero) and the call never synchronises. The CPU
+  /// backend always drops ignored rows (it has nothing to wait for).
+  bool skip_ignored = false;
 };
 
 /// Gradients to form; an empty view is not computed. Each has its input's dtype; grad_weight is
@@ -29,6 +35,14 @@ struct LinearGrads {
   MatrixView grad_weight;  ///< (V, H)
   VectorView grad_bias;    ///< (V,)
 };
+
+/// Bytes of device workspace a call needs (0 on the CPU). `job` is kForward or
+/// kForwardBackward; `grads` says which gradients will be asked for (their pointers are not read).
+/// The size for N rows serves any call with at most N rows and the same other arguments. Given no
+/// workspace, the CUDA backend takes stream-ordered scratch (cudaMallocAsync) for the call.
+size_t linear_cross_entropy_workspace_size(Job job, const Device& device, int64_t rows, int64_t hidden_size,
+                                           int64_t vocab, DType dtype, const Options& options,
+                                           const LinearOptions& linear, const LinearGrads& grads);
 
 /// Forward: the loss of hidden @ weight.T (+ bias), reduced as options.reduction says, per-row
 /// lse and optional metrics (ForwardOutputs as for cross_entropy_forward; the per-row vectors

@@ -6,7 +6,7 @@ must to give clear errors, and picks the op; every number comes from the core.
 
 import torch
 
-from . import _library
+from . import _library, distributed
 from .ops import FusedCrossEntropy, ops
 
 _REDUCTIONS = ("none", "sum", "mean")
@@ -23,7 +23,8 @@ def _rows(logits, vocab):
 
 def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="mean",
                   label_smoothing=0.0, logit_scale=1.0, softcap=None, z_loss=0.0,
-                  inplace_backward=False, return_metrics=False):
+                  inplace_backward=False, return_metrics=False, process_group=None,
+                  vocab_start=None, vocab_total=None):
     """Cross-entropy of ``logits`` (..., V) against class indices ``target`` (...), as
     ``F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), ...)`` computes it, fused: the
     loss and its gradient come from one read of the logits, and the logits are never copied or
@@ -52,6 +53,13 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
         return_metrics: also return ``{"num_correct": int64 0-D tensor, "entropy_sum": float32
             0-D tensor, "lse": float32 (N,) tensor}`` (counts and sums over non-ignored rows, not
             means; lse is 0 at ignored rows). These are not differentiable.
+        process_group: a ``torch.distributed`` group whose ranks split the vocabulary: this rank's
+            ``logits`` are columns ``[vocab_start, vocab_start + V_local)`` of the full logits,
+            ``weight`` is its slice of the class weights, ``target`` holds global indices; the
+            loss and metrics are those of the full logits on every rank, the gradient this
+            rank's slice. See :mod:`fusedce.distributed` for the layout rules of
+            ``vocab_start`` / ``vocab_total`` and what crosses ranks (one all-gather of per-row
+            scalars). ``inplace_backward`` is not available there.
 
     Returns:
         The float32 loss, or ``(loss, metrics)`` with ``return_metrics=True``.
@@ -96,7 +104,14 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
     args = (x, t, weight, int(ignore_index), reduction, float(label_smoothing),
             float(logit_scale), float(softcap or 0.0), float(z_loss), bool(return_metrics))
 
-    if torch.is_grad_enabled() and logits.requires_grad:
+    if process_group is not None:
+        if inplace_backward:
+            raise ValueError("fusedce.cross_entropy: inplace_backward is not available with "
+                             "process_group")
+        loss, lse, num_correct, entropy_sum = distributed.cross_entropy_rows(
+            x, t, weight, args[3:9], args[9], process_group=process_group, vocab_start=vocab_start,
+            vocab_total=vocab_total)
+    elif torch.is_grad_enabled() and logits.requires_grad:
         inplace = bool(inplace_backward) and not torch.compiler.is_compiling()
         loss, lse, num_correct, entropy_sum = FusedCrossEntropy.apply(*args, inplace)
     else:

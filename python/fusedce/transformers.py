@@ -2,6 +2,27 @@
 language model of the installed transformers compute its training loss with fusedce;
 ``revert()`` undoes it.
 
+With ``apply(fused_linear=True)`` (the default), a model laid out as a base model plus an
+``nn.Linear`` ``lm_head`` never produces its logits when it is called with labels and with
+gradients enabled (a training step): the loss is fused linear cross-entropy of the last hidden
+states and ``lm_head.weight``, computed inside ``lm_head``'s own call, so that the hooks which
+gather a sharded weight around that call (FSDP, DeepSpeed ZeRO-3) fire as usual. How it works,
+generically (no model's forward is copied):
+
+- ``PreTrainedModel.__call__`` is wrapped. A call with ``labels`` whose loss function is the
+  causal-LM loss below arms the model's ``lm_head`` for that one call: its forward (an instance
+  attribute set for the call and removed after it) computes the loss and returns a marker, an
+  empty ``(..., 0)`` tensor, in place of the logits.
+- The model's forward carries the marker on to its loss function, which returns the loss. Any
+  logit transform a model applies between ``lm_head`` and the loss must be the one the config
+  declares (``final_logit_softcapping``: Gemma 2 and 3; ``logit_scale``: Cohere;
+  ``logits_scaling``: Granite), and the fused loss applies it; the marker records every
+  operation on it and the loss function checks them against that transform on sample values.
+  A model that does anything else with its logits gets a clear error naming the operation
+  (never a silently different loss); ``apply(fused_linear=False)`` is the fallback.
+- The returned output's ``logits`` is that empty tensor. Calls without labels, or without
+  gradients (evaluation, generation), produce the logits as usual.
+
 transformers looks a model's loss up by its ``loss_type`` in
 ``transformers.loss.loss_utils.LOSS_MAPPING`` every time the model computes a loss; causal LMs
 (``ForCausalLM``, ``ForConditionalGeneration`` and every other entry that maps to
@@ -13,21 +34,30 @@ transformers module already imported; modules imported later pick the replacemen
 a hand-written loop.
 """
 
+import inspect
+import math
 import sys
 
 import torch
 import torch.nn.functional as F
 
 from .functional import cross_entropy
+from .linear import linear_cross_entropy
 
 _original = None  # transformers' ForCausalLMLoss while applied
+_fused_linear = False  # apply(fused_linear=...)
+_unset = object()
+_original_call = None  # while wrapped: PreTrainedModel.__dict__'s own __call__, or _unset
 
 
 def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
                    shift_labels=None, **kwargs):
     """transformers' ``ForCausalLMLoss`` (label shift, ``ignore_index``, ``num_items_in_batch``
     normalisation), with fusedce computing the cross-entropy straight from the logits in their
-    own dtype: no float32 copy, no (N, V) buffer besides the gradient."""
+    own dtype: no float32 copy, no (N, V) buffer besides the gradient. Given the marker of an
+    armed ``lm_head`` (``fused_linear``), it returns the loss the head computed."""
+    if isinstance(logits, _PendingLogits):
+        return logits.consume(labels, vocab_size, shift_labels, num_items_in_batch)
     if shift_labels is None:
         # Shift so that tokens < n predict n; the last position predicts nothing.
         labels = F.pad(labels, (0, 1), value=ignore_index)
@@ -57,25 +87,272 @@ def _swap(old, new):
                 setattr(module, "ForCausalLMLoss", new)
 
 
-def apply():
-    """Route every causal-LM training loss of transformers through fusedce (idempotent)."""
-    global _original
-    if _original is not None:
-        return
+def apply(fused_linear=True):
+    """Route every causal-LM training loss of transformers through fusedce (idempotent; calling
+    it again with another ``fused_linear`` switches). With ``fused_linear`` the loss of a call
+    with labels and gradients comes from fused linear cross-entropy and the logits are never
+    made (module docstring); without it, from fusedce.cross_entropy over the logits."""
+    global _original, _fused_linear
+    from transformers import PreTrainedModel
     from transformers.loss import loss_utils
 
-    _original = loss_utils.ForCausalLMLoss
-    _swap(_original, causal_lm_loss)
+    if _original is None:
+        _original = loss_utils.ForCausalLMLoss
+        _swap(_original, causal_lm_loss)
+    _fused_linear = bool(fused_linear)
+    if _fused_linear:
+        _wrap_call(PreTrainedModel)
+    else:
+        _unwrap_call(PreTrainedModel)
 
 
 def revert():
-    """Restore transformers' own loss, also in modules imported since apply()."""
-    global _original
+    """Restore transformers' own loss, also in modules imported since apply(), and
+    PreTrainedModel.__call__."""
+    global _original, _fused_linear
     if _original is None:
         return
+    from transformers import PreTrainedModel
+
+    _unwrap_call(PreTrainedModel)
+    _fused_linear = False
     _swap(causal_lm_loss, _original)
     _original = None
 
 
 def is_applied():
     return _original is not None
+
+
+# ---- fused_linear: the loss from lm_head's call ---------------------------------------------
+
+
+def _wrap_call(cls):
+    global _original_call
+    if _original_call is None:
+        _original_call = cls.__dict__.get("__call__", _unset)
+        cls.__call__ = _model_call
+
+
+def _unwrap_call(cls):
+    global _original_call
+    if _original_call is None:
+        return
+    if _original_call is _unset:
+        del cls.__call__
+    else:  # transformers defines none today
+        cls.__call__ = _original_call
+    _original_call = None
+
+
+def _model_call(self, *args, **kwargs):
+    """PreTrainedModel.__call__ while fused_linear is on: arm lm_head for a training call with
+    labels, run the model, disarm."""
+    pending = _arm(self, args, kwargs)
+    if pending is None:
+        return torch.nn.Module.__call__(self, *args, **kwargs)
+    head = pending.head
+    head.forward = lambda hidden: _fused_head_forward(head, pending, hidden)
+    try:
+        out = torch.nn.Module.__call__(self, *args, **kwargs)
+    finally:
+        del head.forward
+        pending.closed = True
+    if pending.head_called and not pending.consumed:
+        raise RuntimeError(
+            f"fusedce.transformers (fused_linear=True): {type(self).__name__} called lm_head "
+            "but its loss function never received lm_head's output; use "
+            "fusedce.transformers.apply(fused_linear=False) for this model")
+    return out
+
+
+_label_positions = {}  # model class -> position of `labels` among forward's positional args
+
+
+def _labels_of(model, args, kwargs):
+    if "labels" in kwargs:
+        return kwargs["labels"]
+    cls = type(model)
+    if cls not in _label_positions:
+        names = list(inspect.signature(cls.forward).parameters)[1:]  # without self
+        _label_positions[cls] = names.index("labels") if "labels" in names else None
+    i = _label_positions[cls]
+    return args[i] if i is not None and i < len(args) else None
+
+
+def _arm(model, args, kwargs):
+    """The loss context of a call that fused_linear takes over, or None: a training call
+    (gradients enabled) with labels, of a model whose loss is the causal-LM loss and whose
+    output embedding is a plain nn.Linear not already wrapped by someone else's forward."""
+    if not _fused_linear or not torch.is_grad_enabled():
+        return None
+    labels = _labels_of(model, args, kwargs)
+    if labels is None:
+        return None
+    if getattr(model, "loss_function", None) is not causal_lm_loss:
+        return None
+    head = model.get_output_embeddings()
+    if (not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward
+            or "forward" in head.__dict__):
+        return None
+    return _Pending(model, head, labels, kwargs)
+
+
+def _logit_transform(config):
+    """(logit_scale, softcap) that the model applies to lm_head's output before its loss, as
+    its config declares them."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = getattr(text, "logit_scale", None)
+    scale = 1.0 if scale is None else float(scale)
+    scaling = getattr(text, "logits_scaling", None)  # Granite divides by it
+    if scaling is not None:
+        scale /= float(scaling)
+    softcap = getattr(text, "final_logit_softcapping", None)
+    return scale, (float(softcap) if softcap else None)
+
+
+class _Pending:
+    """One armed model call: the labels and loss options it was given, the loss lm_head
+    computed, and the operations applied to the marker since."""
+
+    def __init__(self, model, head, labels, kwargs):
+        self.model_name = type(model).__name__
+        self.head = head
+        self.labels = labels
+        self.shift_labels = kwargs.get("shift_labels")
+        self.num_items_in_batch = kwargs.get("num_items_in_batch")
+        self.ignore_index = kwargs.get("ignore_index", -100)
+        self.logit_scale, self.softcap = _logit_transform(model.config)
+        self.steps = []  # ("scale", c) or ("tanh",) in order
+        self.latest = None  # the newest marker
+        self.loss = None
+        self.head_called = self.consumed = self.closed = False
+
+    def fail(self, what):
+        raise RuntimeError(
+            f"fusedce.transformers (fused_linear=True): {self.model_name} {what}, which the fused "
+            "loss does not follow; use fusedce.transformers.apply(fused_linear=False) for this "
+            "model")
+
+    def record(self, func, args, kwargs, source):
+        """Note an operation on the marker `source`; only a chain of scalings, tanh and dtype
+        casts is followed (what Gemma's softcap and Cohere's or Granite's scale are made of)."""
+        name = getattr(func, "__name__", repr(func))
+        if source is not self.latest:
+            self.fail(f"uses its logits more than once (in {name})")
+        if kwargs or not args or args[0] is not source:
+            self.fail(f"applies {name} to its logits")
+        rest = args[1:]
+        if name in _SCALE_OPS and len(rest) == 1 and _is_number(rest[0]):
+            factor = float(rest[0])
+            self.steps.append(("scale", 1.0 / factor if name in _DIVIDE_OPS else factor))
+        elif name == "tanh" and not rest:
+            self.steps.append(("tanh",))
+        elif name in ("float", "to", "type_as") and all(isinstance(r, torch.dtype) or _is_float_tensor(r)
+                                                        for r in rest):
+            pass  # a cast: the fused loss computes in float32 whatever the logits' dtype
+        else:
+            self.fail(f"applies {name} to its logits")
+
+    def check_steps(self):
+        """The recorded operations equal the config's transform on sample logits."""
+        x = torch.linspace(-60.0, 60.0, 241, dtype=torch.float64)
+        y = x.clone()
+        for step in self.steps:
+            y = y * step[1] if step[0] == "scale" else torch.tanh(y)
+        z = x * self.logit_scale
+        if self.softcap:
+            z = self.softcap * torch.tanh(z / self.softcap)
+        if not torch.allclose(y, z, rtol=1e-9, atol=1e-12):
+            ops = ", ".join(s[0] if len(s) == 1 else f"{s[0]} {s[1]:g}" for s in self.steps) or "nothing"
+            self.fail(f"transforms its logits by [{ops}] while its config declares "
+                      f"logit_scale={self.logit_scale:g}, softcap={self.softcap}")
+
+
+_SCALE_OPS = {"__mul__", "__rmul__", "mul", "__truediv__", "div", "true_divide"}
+_DIVIDE_OPS = {"__truediv__", "div", "true_divide"}
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and value != 0
+
+
+def _is_float_tensor(value):
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _fused_head_forward(head, pending, hidden):
+    """lm_head's forward for an armed call: the loss of the whole batch from `hidden` and the
+    head's own weight (inside the head's call), and a marker in place of the logits. A second
+    call of the head in the same model call gets ordinary logits."""
+    if pending.head_called:
+        return torch.nn.Linear.forward(head, hidden)
+    pending.head_called = True
+    weight, bias = head.weight, head.bias
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):  # nn.Linear would run in the autocast dtype
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    if pending.shift_labels is not None:
+        target, shift = pending.shift_labels.to(hidden.device), False
+    else:
+        target, shift = pending.labels.to(hidden.device), True
+    num_items = pending.num_items_in_batch
+    loss = linear_cross_entropy(hidden, weight, target, bias, ignore_index=pending.ignore_index,
+                                reduction="mean" if num_items is None else "sum",
+                                logit_scale=pending.logit_scale, softcap=pending.softcap,
+                                shift=shift)
+    if num_items is not None:
+        if torch.is_tensor(num_items):
+            num_items = num_items.to(loss.device)
+        loss = loss / num_items
+    pending.loss = loss
+    marker = hidden.new_empty((*hidden.shape[:-1], 0)).as_subclass(_PendingLogits)
+    marker._pending = pending
+    pending.latest = marker
+    return marker
+
+
+class _PendingLogits(torch.Tensor):
+    """The empty stand-in for the logits that an armed lm_head returns. While its model call
+    runs, every operation on it is recorded (_Pending.record) and yields a new marker; the
+    causal-LM loss function takes the loss from it. Afterwards it behaves as a plain empty
+    tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        source = next((a for a in args if isinstance(a, _PendingLogits)), None)
+        if source is None:
+            source = next((a for a in kwargs.values() if isinstance(a, _PendingLogits)), None)
+        pending = getattr(source, "_pending", None)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if pending is None or pending.closed or pending.consumed or not isinstance(out, torch.Tensor):
+            return out
+        pending.record(func, args, kwargs, source)
+        marker = out.as_subclass(cls)
+        marker._pending = pending
+        pending.latest = marker
+        return marker
+
+    def consume(self, labels, vocab_size, shift_labels, num_items_in_batch):
+        """The loss computed in lm_head, once the loss function's arguments and the operations
+        since lm_head are checked to be those the fused loss assumed."""
+        pending = getattr(self, "_pending", None)
+        if pending is None or pending.closed or pending.consumed:
+            raise RuntimeError("fusedce.transformers: logits from an earlier fused_linear call "
+                               "were passed to a loss function")
+        if self is not pending.latest:
+            pending.fail("passes an earlier version of its logits to its loss")
+        if labels is not pending.labels or shift_labels is not pending.shift_labels \
+                or num_items_in_batch is not pending.num_items_in_batch:
+            pending.fail("passes its loss function other labels than it was given")
+        if vocab_size != pending.head.weight.shape[0]:
+            pending.fail(f"computes its loss over {vocab_size} classes, not lm_head's "
+                         f"{pending.head.weight.shape[0]}")
+        pending.check_steps()
+        pending.consumed = True
+        return pending.loss

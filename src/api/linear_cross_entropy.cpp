@@ -10,14 +10,18 @@ namespace {
 Status dispatch(const detail::LinearCall& call) {
   Status s = detail::validate_linear_call(call);
   if (!s.ok()) return s;
-  if (call.device.type == DeviceType::kCUDA) {
-    return Status(StatusCode::kUnsupported,
-                  "linear cross-entropy has no CUDA backend yet (issue 5): call it with Device::cpu()");
-  }
+  if (call.device.type == DeviceType::kCUDA) return cuda::run_linear(call);
   return cpu::run_linear(call);
 }
 
 }  // namespace
+
+size_t linear_cross_entropy_workspace_size(Job job, const Device& device, int64_t rows, int64_t hidden_size,
+                                           int64_t vocab, DType dtype, const Options& options,
+                                           const LinearOptions& linear, const LinearGrads& grads) {
+  if (device.type != DeviceType::kCUDA) return 0;
+  return cuda::linear_workspace_size(job, device, rows, hidden_size, vocab, dtype, options, linear, grads);
+}
 
 Status linear_cross_entropy_forward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                                     const VectorView& bias, const VectorView& target, const Options& options,

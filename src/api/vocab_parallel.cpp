@@ -9,10 +9,7 @@ namespace {
 Status dispatch(const detail::ShardCall& call) {
   Status s = detail::validate_shard_call(call);
   if (!s.ok()) return s;
-  if (call.device.type == DeviceType::kCUDA) {
-    return Status(StatusCode::kUnsupported,
-                  "the vocabulary-parallel steps have no CUDA backend yet (issue 7): call them with Device::cpu()");
-  }
+  if (call.device.type == DeviceType::kCUDA) return cuda::run_shard(call);
   return cpu::run_shard(call);
 }
 

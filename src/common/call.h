@@ -80,6 +80,14 @@ namespace cpu {
 Status run_linear(const detail::LinearCall& call);
 }  // namespace cpu
 
+namespace cuda {
+/// Present in every build; without the CUDA backend it returns kUnsupported.
+Status run_linear(const detail::LinearCall& call);
+size_t linear_workspace_size(Job job, const Device& device, int64_t rows, int64_t hidden_size, int64_t vocab,
+                             DType dtype, const Options& options, const LinearOptions& linear,
+                             const LinearGrads& grads);
+}  // namespace cuda
+
 }  // namespace fusedce
 
 #include "fusedce/vocab_parallel.h"
@@ -110,5 +118,9 @@ Status validate_shard_call(const ShardCall& call);
 namespace cpu {
 Status run_shard(const detail::ShardCall& call);
 }  // namespace cpu
+namespace cuda {
+/// Present in every build; without a GPU backend it returns kUnsupported.
+Status run_shard(const detail::ShardCall& call);
+}  // namespace cuda
 
 }  // namespace fusedce

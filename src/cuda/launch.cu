@@ -49,11 +49,16 @@ WorkspaceLayout plan_workspace(Job job, int64_t rows, const Options& o) {
     w.row_lse = at;
     at += align_up(rows * sizeof(float));
   }
-  if (forward && rows <= kSplitRowsMax) {  // few rows: rows split over blocks (stream kernel)
+  if (forward) {
+    // Few rows: rows split over blocks (stream kernel). Reserved for up to kSplitRowsMax rows
+    // even when `rows` is larger, so that the size asked for N rows serves every call with at
+    // most N rows (a chunked caller sizes once for its largest chunk; its ragged last chunk may
+    // be the one that splits).
+    const size_t split_rows = static_cast<size_t>(std::min<int64_t>(rows, kSplitRowsMax));
     w.partials = at;
-    at += align_up(size_t(rows) * kMaxSplits * sizeof(RowPartial));
+    at += align_up(split_rows * kMaxSplits * sizeof(RowPartial));
     w.counters = at;
-    at += align_up(rows * sizeof(int));
+    at += align_up(split_rows * sizeof(int));
   }
   w.total = job == Job::kRescale ? 0 : at;
   return w;

@@ -28,13 +28,17 @@ class CudaBackend final : public Backend {
     return p;
   }
   void release(void* ptr) override { cudaFree(ptr); }
+  // Copies go through the backend's own stream and wait for it. (A plain cudaMemcpy runs on the
+  // legacy default stream, which a non-blocking stream does not wait for, and a host-to-device
+  // copy from pageable memory may return before its DMA lands: a later kernel on stream_ could
+  // then be overtaken by it, e.g. a poison fill landing on top of freshly written dlogits.)
   void copy_to_device(void* dst, const void* src, size_t bytes) override {
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync H2D");
     check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-    check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
   }
   void copy_to_host(void* dst, const void* src, size_t bytes) override {
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync D2H");
     check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-    check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
   }
   void synchronize() override { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
 

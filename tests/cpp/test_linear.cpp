@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "fusedce/fusedce.h"
+#include "backend.h"
 #include "problem.h"
 
 namespace fusedce_test {
@@ -35,9 +36,13 @@ struct RefResult {
 };
 
 // The float64 reference. Inputs are the already rounded values (exact in double).
+// `logits_dtype`: the dtype each logit is rounded to before the cross-entropy, and each dlogit
+// before the gradient products (the CUDA backend keeps a 16-bit input's logits and dlogits in that
+// dtype, as PyTorch's bf16 matmuls do); float32 = no rounding beyond float32's, which is far below
+// every tolerance here.
 RefResult reference(const LinCase& lc, const std::vector<double>& hid, const std::vector<double>& w,
                     const std::vector<double>& b, const std::vector<int64_t>& tgt, const std::vector<double>& cw,
-                    const std::vector<double>& up) {
+                    const std::vector<double>& up, DType logits_dtype = DType::kFloat32) {
   const int64_t N = lc.N, H = lc.H, V = lc.V;
   const fusedce::Options& o = lc.o;
   RefResult r;
@@ -64,6 +69,7 @@ RefResult reference(const LinCase& lc, const std::vector<double>& hid, const std
     for (int64_t j = 0; j < V; ++j) {
       double acc = lc.bias ? b[j] : 0.0;
       for (int64_t h = 0; h < H; ++h) acc += hid[i * H + h] * w[j * H + h];
+      if (logits_dtype != DType::kFloat32) acc = round_to(logits_dtype, static_cast<float>(acc));
       x[j] = acc;
       z[j] = o.softcap > 0 ? o.softcap * std::tanh(o.logit_scale * acc / o.softcap) : o.logit_scale * acc;
       m = std::max(m, z[j]);
@@ -90,7 +96,9 @@ RefResult reference(const LinCase& lc, const std::vector<double>& hid, const std
       const double p = std::exp(z[j] - lse);
       double dz = g * (a * p - (j == t ? (1 - eps) * wc(t) : 0.0) - eps / V * wc(j));
       const double dzdx = o.softcap > 0 ? o.logit_scale * (1 - std::pow(z[j] / o.softcap, 2)) : o.logit_scale;
-      const double dx = dz * dzdx;
+      double dx = dz * dzdx;
+      // The CUDA backend's 16-bit path holds dlogits in the dtype for the gradient products.
+      if (logits_dtype != DType::kFloat32) dx = round_to(logits_dtype, static_cast<float>(dx));
       r.gb[j] += dx;
       for (int64_t h = 0; h < H; ++h) {
         r.gh[i * H + h] += dx * w[j * H + h];
@@ -108,6 +116,13 @@ struct Tol {
   double rtol, atol;
 };
 Tol loss_tol(DType) { return {2e-5, 2e-6}; }
+// The CUDA backend's 16-bit logits: the reference rounds them too, but its double sums may round
+// a logit one unit of the dtype away from the GPU's float32 sums (rarely; on a target logit that
+// moves the row's loss by that unit).
+Tol loss_tol_cuda16(DType d) { return d == DType::kBFloat16 ? Tol{8e-3, 1e-3} : Tol{1e-3, 2e-4}; }
+// With a bias, the products' epilogue rounds the logits once more (as PyTorch's bf16 addmm does);
+// in bfloat16 that moves some dlogits by a unit, about 1% of the largest gradient entry.
+Tol grad_tol_cuda16(DType d) { return d == DType::kBFloat16 ? Tol{2e-2, 1e-2} : Tol{2e-3, 1e-3}; }
 // Gradients: float32 sums over H or N terms, then one rounding to the dtype.
 Tol grad_tol(DType d) { return d == DType::kFloat32 ? Tol{1e-4, 1e-5} : d == DType::kBFloat16 ? Tol{1e-2, 4e-3} : Tol{2e-3, 1e-3}; }
 
@@ -132,38 +147,61 @@ struct LinRun {
   std::vector<uint8_t> gh, gw, gb;
 };
 
-LinRun run(const LinCase& lc, DType d, const std::vector<uint8_t>& hid, const std::vector<uint8_t>& w,
-        const std::vector<uint8_t>& b, const std::vector<int64_t>& tgt, const std::vector<float>& cw,
-        const std::vector<float>& up, bool metrics, fusedce::Status* status) {
+/// One forward_backward on `backend` (inputs copied to its memory, results copied back).
+LinRun run(Backend& backend, const LinCase& lc, DType d, const std::vector<uint8_t>& hid, const std::vector<uint8_t>& w,
+           const std::vector<uint8_t>& b, const std::vector<int64_t>& tgt, const std::vector<float>& cw,
+           const std::vector<float>& up, bool metrics, fusedce::Status* status, bool skip_ignored = false) {
   LinRun r;
   const int64_t N = lc.N, H = lc.H, V = lc.V;
+  const size_t el = elem_size(d);
   fusedce::Options o = lc.o;
   o.compute_metrics = metrics;
-  if (!cw.empty()) o.class_weight = fusedce::vector(const_cast<float*>(cw.data()), DType::kFloat32, V);
-  r.loss.assign(o.reduction == Reduction::kNone ? N : 1, 0.0f);
-  r.lse.assign(N, 0.0f);
-  r.gh.assign(N * H * elem_size(d), 0);
-  r.gw.assign(V * H * elem_size(d), 0);
-  r.gb.assign(V * elem_size(d), 0);
+  DeviceBuffer d_hid = DeviceBuffer::from_vector(backend, hid), d_w = DeviceBuffer::from_vector(backend, w),
+               d_b = DeviceBuffer::from_vector(backend, b), d_t = DeviceBuffer::from_vector(backend, tgt),
+               d_cw = DeviceBuffer::from_vector(backend, cw), d_up = DeviceBuffer::from_vector(backend, up);
+  if (!cw.empty()) o.class_weight = fusedce::vector(d_cw.data(), DType::kFloat32, V);
+  const int64_t loss_n = o.reduction == Reduction::kNone ? N : 1;
+  // Outputs start as poison: whatever the call does not write shows up as a mismatch.
+  DeviceBuffer d_loss(backend, loss_n * 4), d_lse(backend, N * 4), d_ent(backend, 4), d_cor(backend, 8),
+      d_gh(backend, N * H * el), d_gw(backend, V * H * el), d_gb(backend, V * el);
+  for (DeviceBuffer* buf : {&d_loss, &d_lse, &d_ent, &d_cor, &d_gh, &d_gw, &d_gb}) buf->fill(0xCD);
   fusedce::ForwardOutputs out;
-  out.loss = fusedce::vector(r.loss.data(), DType::kFloat32, r.loss.size());
-  out.lse = fusedce::vector(r.lse.data(), DType::kFloat32, N);
+  out.loss = fusedce::vector(d_loss.data(), DType::kFloat32, loss_n);
+  out.lse = fusedce::vector(d_lse.data(), DType::kFloat32, N);
   if (metrics) {
-    out.num_correct = fusedce::vector(&r.correct, DType::kInt64, 1);
-    out.entropy_sum = fusedce::vector(&r.entropy, DType::kFloat32, 1);
+    out.num_correct = fusedce::vector(d_cor.data(), DType::kInt64, 1);
+    out.entropy_sum = fusedce::vector(d_ent.data(), DType::kFloat32, 1);
   }
   fusedce::LinearOptions lo;
   lo.shift_seq_len = lc.shift;
+  lo.skip_ignored = skip_ignored;
+  // A small chunk budget on the GPU, so that several chunks (and a ragged last one) run.
+  if (backend.kind() == BackendKind::kCuda) lo.chunk_budget_bytes = size_t(7) * V * el + 3;
   fusedce::LinearGrads g;
-  g.grad_hidden = fusedce::matrix(r.gh.data(), d, N, H);
-  g.grad_weight = fusedce::matrix(r.gw.data(), d, V, H);
-  if (lc.bias) g.grad_bias = fusedce::vector(r.gb.data(), d, V);
+  g.grad_hidden = fusedce::matrix(d_gh.data(), d, N, H);
+  g.grad_weight = fusedce::matrix(d_gw.data(), d, V, H);
+  if (lc.bias) g.grad_bias = fusedce::vector(d_gb.data(), d, V);
   *status = fusedce::linear_cross_entropy_forward_backward(
-      fusedce::Device::cpu(), fusedce::matrix(const_cast<uint8_t*>(hid.data()), d, N, H),
-      fusedce::matrix(const_cast<uint8_t*>(w.data()), d, V, H),
-      lc.bias ? fusedce::vector(const_cast<uint8_t*>(b.data()), d, V) : fusedce::VectorView{},
-      fusedce::vector(const_cast<int64_t*>(tgt.data()), DType::kInt64, N), o, lo, out,
-      up.empty() ? fusedce::VectorView{} : fusedce::vector(const_cast<float*>(up.data()), DType::kFloat32, up.size()), g);
+      backend.device(), fusedce::matrix(d_hid.data(), d, N, H), fusedce::matrix(d_w.data(), d, V, H),
+      lc.bias ? fusedce::vector(d_b.data(), d, V) : fusedce::VectorView{},
+      fusedce::vector(d_t.data(), DType::kInt64, N), o, lo, out,
+      up.empty() ? fusedce::VectorView{} : fusedce::vector(d_up.data(), DType::kFloat32, up.size()), g);
+  backend.synchronize();
+  r.loss = d_loss.to_host_as<float>();
+  r.loss.resize(loss_n);
+  r.lse = d_lse.to_host_as<float>();
+  r.lse.resize(N);
+  if (metrics) {
+    d_ent.download(&r.entropy, 4);
+    d_cor.download(&r.correct, 8);
+  }
+  r.gh = d_gh.to_host();
+  r.gh.resize(N * H * el);
+  r.gw = d_gw.to_host();
+  r.gw.resize(V * H * el);
+  r.gb = d_gb.to_host();
+  r.gb.resize(V * el);
+  if (!lc.bias) r.gb.assign(V * el, 0);
   return r;
 }
 
@@ -208,11 +246,15 @@ std::vector<LinCase> cases() {
   return v;
 }
 
-class LinearGrid : public ::testing::TestWithParam<std::tuple<LinCase, DType>> {};
+class LinearGrid : public ::testing::TestWithParam<std::tuple<LinCase, DType, BackendKind>> {};
 
 TEST_P(LinearGrid, MatchesFloat64Reference) {
   const LinCase& lc = std::get<0>(GetParam());
   const DType d = std::get<1>(GetParam());
+  std::string why;
+  Backend* backend = find_backend(std::get<2>(GetParam()), &why);
+  if (backend == nullptr) GTEST_SKIP() << why;
+  const bool cuda16 = backend->kind() == BackendKind::kCuda && d != DType::kFloat32;
   std::mt19937_64 rng = test_rng();
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const int64_t N = lc.N, H = lc.H, V = lc.V;
@@ -249,40 +291,139 @@ TEST_P(LinearGrid, MatchesFloat64Reference) {
     up = {1.75f};
   }
   const std::vector<double> upd(up.begin(), up.end());
-  const RefResult ref = reference(lc, hd, wd, bd, tgt, cwd, upd);
+  const RefResult ref = reference(lc, hd, wd, bd, tgt, cwd, upd, cuda16 ? d : DType::kFloat32);
 
   fusedce::Status st;
-  const LinRun got = run(lc, d, hid, w, b, tgt, cw, up, true, &st);
+  const LinRun got = run(*backend, lc, d, hid, w, b, tgt, cw, up, true, &st);
   ASSERT_TRUE(st.ok()) << st.message();
   std::vector<double> gl(got.loss.begin(), got.loss.end()), glse(got.lse.begin(), got.lse.end());
-  expect_close("loss", gl, lc.o.reduction == Reduction::kNone ? ref.loss_rows : std::vector<double>{ref.loss}, loss_tol(d));
-  expect_close("lse", glse, ref.lse, loss_tol(d));
-  EXPECT_NEAR(got.entropy, ref.entropy, 2e-5 * (std::fabs(ref.entropy) + N));
-  EXPECT_EQ(got.correct, ref.correct);
+  const Tol lt = cuda16 ? loss_tol_cuda16(d) : loss_tol(d);
+  expect_close("loss", gl, lc.o.reduction == Reduction::kNone ? ref.loss_rows : std::vector<double>{ref.loss}, lt);
+  expect_close("lse", glse, ref.lse, lt);
+  EXPECT_NEAR(got.entropy, ref.entropy, (cuda16 ? 1e-3 : 2e-5) * (std::fabs(ref.entropy) + N));
+  // A near-tie of the argmax may resolve either way under the GPU's float32 sums.
+  EXPECT_NEAR(static_cast<double>(got.correct), static_cast<double>(ref.correct), cuda16 ? 1.0 : 0.0);
   auto widen = [&](const std::vector<uint8_t>& buf, int64_t n) {
     std::vector<double> v(n);
     for (int64_t k = 0; k < n; ++k) v[k] = load_value(buf.data(), d, k);
     return v;
   };
-  expect_close("grad_hidden", widen(got.gh, N * H), ref.gh, grad_tol(d));
-  expect_close("grad_weight", widen(got.gw, V * H), ref.gw, grad_tol(d));
-  if (lc.bias) expect_close("grad_bias", widen(got.gb, V), ref.gb, grad_tol(d));
+  const Tol gt = cuda16 ? grad_tol_cuda16(d) : grad_tol(d);
+  expect_close("grad_hidden", widen(got.gh, N * H), ref.gh, gt);
+  expect_close("grad_weight", widen(got.gw, V * H), ref.gw, gt);
+  if (lc.bias) expect_close("grad_bias", widen(got.gb, V), ref.gb, gt);
 
   // Metrics on or off: loss and every gradient bit for bit the same.
-  const LinRun plain = run(lc, d, hid, w, b, tgt, cw, up, false, &st);
+  const LinRun plain = run(*backend, lc, d, hid, w, b, tgt, cw, up, false, &st);
   ASSERT_TRUE(st.ok()) << st.message();
   EXPECT_EQ(0, std::memcmp(plain.loss.data(), got.loss.data(), got.loss.size() * sizeof(float)));
   EXPECT_EQ(plain.gh, got.gh);
   EXPECT_EQ(plain.gw, got.gw);
   EXPECT_EQ(plain.gb, got.gb);
+
+  // Ignored rows dropped before the products: the same results (on the GPU, other chunks, so
+  // within tolerance rather than bit for bit), and zeros where rows were skipped.
+  const LinRun skipped = run(*backend, lc, d, hid, w, b, tgt, cw, up, true, &st, /*skip_ignored=*/true);
+  ASSERT_TRUE(st.ok()) << st.message();
+  std::vector<double> sl(skipped.loss.begin(), skipped.loss.end()), slse(skipped.lse.begin(), skipped.lse.end());
+  expect_close("loss (skip_ignored)", sl, lc.o.reduction == Reduction::kNone ? ref.loss_rows : std::vector<double>{ref.loss}, lt);
+  expect_close("lse (skip_ignored)", slse, ref.lse, lt);
+  expect_close("grad_hidden (skip_ignored)", widen(skipped.gh, N * H), ref.gh, gt);
+  expect_close("grad_weight (skip_ignored)", widen(skipped.gw, V * H), ref.gw, gt);
+  if (lc.bias) expect_close("grad_bias (skip_ignored)", widen(skipped.gb, V), ref.gb, gt);
 }
 
-INSTANTIATE_TEST_SUITE_P(CpuLinear, LinearGrid,
+INSTANTIATE_TEST_SUITE_P(Linear, LinearGrid,
                          ::testing::Combine(::testing::ValuesIn(cases()),
-                                            ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16)),
+                                            ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
+                                            ::testing::ValuesIn(all_backends())),
                          [](const auto& info) {
-                           return std::get<0>(info.param).name + "_" + fusedce::dtype_name(std::get<1>(info.param));
+                           return std::string(backend_name(std::get<2>(info.param))) + "_" +
+                                  std::get<0>(info.param).name + "_" + fusedce::dtype_name(std::get<1>(info.param));
                          });
+
+// The GPU path's contract beyond the numbers: same bits run to run, a caller's workspace of the
+// queried size gives the same bits as the backend's own scratch, one byte less is refused by
+// name, and N = 0 gives the empty-batch results (mean NaN, zero gradients).
+class LinearContract : public ::testing::TestWithParam<BackendKind> {};
+
+TEST_P(LinearContract, DeterministicWorkspaceAndEmptyBatch) {
+  std::string why;
+  Backend* backend = find_backend(GetParam(), &why);
+  if (backend == nullptr) GTEST_SKIP() << why;
+  const bool gpu = GetParam() == BackendKind::kCuda;
+  const DType d = DType::kBFloat16;
+  const int64_t N = 300, H = 72, V = 3001;
+  std::mt19937_64 rng = test_rng();
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<uint8_t> hid(N * H * 2), w(V * H * 2);
+  for (int64_t k = 0; k < N * H; ++k) store_value(hid.data(), d, k, normal(rng));
+  for (int64_t k = 0; k < V * H; ++k) store_value(w.data(), d, k, 0.3f * normal(rng));
+  std::vector<int64_t> tgt(N);
+  for (auto& t : tgt) t = rng() % 4 == 0 ? -100 : static_cast<int64_t>(rng() % V);
+  DeviceBuffer d_hid = DeviceBuffer::from_vector(*backend, hid), d_w = DeviceBuffer::from_vector(*backend, w),
+               d_t = DeviceBuffer::from_vector(*backend, tgt);
+  fusedce::Options o;
+  o.label_smoothing = 0.1f;
+  o.compute_metrics = true;
+  fusedce::LinearOptions lo;
+  lo.chunk_budget_bytes = size_t(64) * V * 2;  // five chunks
+  auto call = [&](int64_t rows, fusedce::Workspace ws, fusedce::Status* st) {
+    DeviceBuffer loss(*backend, 4), lse(*backend, std::max<int64_t>(rows, 1) * 4), ent(*backend, 4),
+        cor(*backend, 8), gh(*backend, std::max<int64_t>(rows, 1) * H * 2), gw(*backend, V * H * 2);
+    gw.fill(0xCD);
+    fusedce::ForwardOutputs out;
+    out.loss = fusedce::vector(loss.data(), DType::kFloat32, 1);
+    out.lse = fusedce::vector(lse.data(), DType::kFloat32, rows);
+    out.entropy_sum = fusedce::vector(ent.data(), DType::kFloat32, 1);
+    out.num_correct = fusedce::vector(cor.data(), DType::kInt64, 1);
+    fusedce::LinearGrads g;
+    g.grad_hidden = fusedce::matrix(gh.data(), d, rows, H);
+    g.grad_weight = fusedce::matrix(gw.data(), d, V, H);
+    *st = fusedce::linear_cross_entropy_forward_backward(backend->device(), fusedce::matrix(d_hid.data(), d, rows, H),
+                                                         fusedce::matrix(d_w.data(), d, V, H), {},
+                                                         fusedce::vector(d_t.data(), DType::kInt64, rows), o, lo, out,
+                                                         {}, g, ws);
+    backend->synchronize();
+    std::vector<uint8_t> all = loss.to_host();
+    for (const DeviceBuffer* b : {&lse, &ent, &cor, &gh, &gw}) {
+      const std::vector<uint8_t> v = b->to_host();
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    return all;
+  };
+  fusedce::Status st;
+  const std::vector<uint8_t> first = call(N, {}, &st);
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_TRUE(first == call(N, {}, &st)) << "a second run differs";
+  fusedce::LinearGrads want;
+  want.grad_hidden = fusedce::matrix(d_hid.data(), d, N, H);
+  want.grad_weight = fusedce::matrix(d_w.data(), d, V, H);
+  const size_t bytes = fusedce::linear_cross_entropy_workspace_size(fusedce::Job::kForwardBackward, backend->device(),
+                                                                    N, H, V, d, o, lo, want);
+  if (gpu) {
+    ASSERT_GT(bytes, 0u);
+    DeviceBuffer ws(*backend, bytes);
+    EXPECT_TRUE(first == call(N, fusedce::Workspace{ws.data(), bytes}, &st)) << "with a caller's workspace";
+    ASSERT_TRUE(st.ok()) << st.message();
+    call(N, fusedce::Workspace{ws.data(), bytes - 1}, &st);
+    EXPECT_EQ(st.code(), fusedce::StatusCode::kWorkspaceTooSmall);
+    EXPECT_NE(st.message().find("workspace"), std::string::npos) << st.message();
+  } else {
+    EXPECT_EQ(bytes, 0u);
+  }
+
+  const std::vector<uint8_t> empty = call(0, {}, &st);
+  ASSERT_TRUE(st.ok()) << st.message();
+  float loss;
+  std::memcpy(&loss, empty.data(), 4);
+  EXPECT_TRUE(std::isnan(loss)) << "mean over no rows: " << loss;
+  const size_t gw_at = empty.size() - size_t(V) * H * 2;
+  for (size_t k = gw_at; k < empty.size(); ++k) ASSERT_EQ(empty[k], 0) << "grad_weight byte " << k - gw_at;
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, LinearContract, ::testing::ValuesIn(all_backends()),
+                         [](const auto& info) { return std::string(backend_name(info.param)); });
 
 TEST(LinearBadInput, NamesTheArgument) {
   std::vector<float> h(4 * 8), w(10 * 8), gw(10 * 8);

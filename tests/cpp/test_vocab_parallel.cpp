@@ -1,6 +1,7 @@
-// The vocabulary-parallel steps on the CPU: a problem split into shards (even and uneven), the
-// shard statistics gathered in rank order and merged, each shard's gradient from the merged lse,
-// against the same problem unsplit (cross_entropy_forward_backward), for every option.
+// The vocabulary-parallel steps on each backend: a problem split into shards (even and uneven),
+// the shard statistics gathered in rank order and merged, each shard's gradient from the merged
+// lse, against the same problem unsplit on the CPU (cross_entropy_forward_backward), for every
+// option.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "fusedce/fusedce.h"
+#include "backend.h"
 #include "harness.h"
 #include "problem.h"
 
@@ -54,10 +56,14 @@ std::vector<VpCase> vp_cases() {
   return v;
 }
 
-class VocabParallel : public ::testing::TestWithParam<VpCase> {};
+class VocabParallel : public ::testing::TestWithParam<std::tuple<VpCase, BackendKind>> {};
 
 TEST_P(VocabParallel, ShardedEqualsUnsharded) {
-  const VpCase& vc = GetParam();
+  const VpCase& vc = std::get<0>(GetParam());
+  std::string why;
+  Backend* backend = find_backend(std::get<1>(GetParam()), &why);
+  if (backend == nullptr) GTEST_SKIP() << why;
+  const fusedce::Device dev = backend->device();
   std::mt19937_64 rng = test_rng();
   std::normal_distribution<float> normal(0.0f, 2.0f);
   int64_t V = 0;
@@ -95,20 +101,27 @@ TEST_P(VocabParallel, ShardedEqualsUnsharded) {
       fusedce::vector(up.data(), DType::kFloat32, loss_n), fusedce::matrix(ref_dx.data(), DType::kFloat32, N, V));
   ASSERT_TRUE(s.ok()) << s.message();
 
-  // Sharded: step 1 on every rank, gathered in rank order, step 2 on every rank (same bits), step 3.
-  std::vector<float> gathered(R * (N + 1) * fusedce::kShardStatsWidth);
+  // Sharded, on the backend: step 1 on every rank, gathered in rank order, step 2 on every rank
+  // (same bits), step 3.
+  DeviceBuffer d_x = DeviceBuffer::from_vector(*backend, x), d_t = DeviceBuffer::from_vector(*backend, t),
+               d_w = DeviceBuffer::from_vector(*backend, w), d_up = DeviceBuffer::from_vector(*backend, up);
+  const auto TD = fusedce::vector(d_t.data(), DType::kInt64, N);
+  float* xd = static_cast<float*>(d_x.data());
+  float* wd = static_cast<float*>(d_w.data());
+  DeviceBuffer d_gathered(*backend, R * (N + 1) * fusedce::kShardStatsWidth * 4);
+  float* gathered = static_cast<float*>(d_gathered.data());
   std::vector<int64_t> start(R);
   for (int64_t r = 0, v0 = 0; r < R; v0 += vc.shards[r], ++r) start[r] = v0;
   auto shard_options = [&](int64_t r) {
     fusedce::Options so = o;
-    if (vc.weighted) so.class_weight = fusedce::vector(w.data() + start[r], DType::kFloat32, vc.shards[r]);
+    if (vc.weighted) so.class_weight = fusedce::vector(wd + start[r], DType::kFloat32, vc.shards[r]);
     return so;
   };
   for (int64_t r = 0; r < R; ++r) {
     s = fusedce::cross_entropy_shard_stats(
-        fusedce::Device::cpu(), fusedce::matrix(x.data() + start[r], DType::kFloat32, N, vc.shards[r], V), T,
+        dev, fusedce::matrix(xd + start[r], DType::kFloat32, N, vc.shards[r], V), TD,
         fusedce::ShardSpec{start[r], V}, shard_options(r),
-        fusedce::matrix(gathered.data() + r * (N + 1) * fusedce::kShardStatsWidth, DType::kFloat32, N + 1,
+        fusedce::matrix(gathered + r * (N + 1) * fusedce::kShardStatsWidth, DType::kFloat32, N + 1,
                         fusedce::kShardStatsWidth));
     ASSERT_TRUE(s.ok()) << s.message();
   }
@@ -116,18 +129,32 @@ TEST_P(VocabParallel, ShardedEqualsUnsharded) {
       rw(R, std::vector<float>(N)), batch(R, std::vector<float>(2));
   std::vector<float> ent(R);
   std::vector<int64_t> cor(R);
+  // Per rank: loss, lse, row_weight, batch, entropy, correct on the backend.
+  std::vector<DeviceBuffer> d_loss, d_lse, d_rw, d_batch, d_ent, d_cor;
   for (int64_t r = 0; r < R; ++r) {
+    d_loss.emplace_back(*backend, loss_n * 4);
+    d_lse.emplace_back(*backend, N * 4);
+    d_rw.emplace_back(*backend, N * 4);
+    d_batch.emplace_back(*backend, 8);
+    d_ent.emplace_back(*backend, 4);
+    d_cor.emplace_back(*backend, 8);
     fusedce::ForwardOutputs so;
-    so.loss = fusedce::vector(loss[r].data(), DType::kFloat32, loss_n);
-    so.lse = fusedce::vector(lse[r].data(), DType::kFloat32, N);
-    so.num_correct = fusedce::vector(&cor[r], DType::kInt64, 1);
-    so.entropy_sum = fusedce::vector(&ent[r], DType::kFloat32, 1);
+    so.loss = fusedce::vector(d_loss[r].data(), DType::kFloat32, loss_n);
+    so.lse = fusedce::vector(d_lse[r].data(), DType::kFloat32, N);
+    so.num_correct = fusedce::vector(d_cor[r].data(), DType::kInt64, 1);
+    so.entropy_sum = fusedce::vector(d_ent[r].data(), DType::kFloat32, 1);
     s = fusedce::cross_entropy_shard_merge(
-        fusedce::Device::cpu(),
-        fusedce::matrix(gathered.data(), DType::kFloat32, R * (N + 1), fusedce::kShardStatsWidth), R, T,
-        fusedce::ShardSpec{start[r], V}, shard_options(r), so, fusedce::vector(rw[r].data(), DType::kFloat32, N),
-        fusedce::vector(batch[r].data(), DType::kFloat32, 2));
+        dev, fusedce::matrix(gathered, DType::kFloat32, R * (N + 1), fusedce::kShardStatsWidth), R, TD,
+        fusedce::ShardSpec{start[r], V}, shard_options(r), so, fusedce::vector(d_rw[r].data(), DType::kFloat32, N),
+        fusedce::vector(d_batch[r].data(), DType::kFloat32, 2));
     ASSERT_TRUE(s.ok()) << s.message();
+    backend->synchronize();
+    d_loss[r].download(loss[r].data(), loss_n * 4);
+    d_lse[r].download(lse[r].data(), N * 4);
+    d_rw[r].download(rw[r].data(), N * 4);
+    d_batch[r].download(batch[r].data(), 8);
+    d_ent[r].download(&ent[r], 4);
+    d_cor[r].download(&cor[r], 8);
     EXPECT_EQ(loss[r], loss[0]) << "every rank merges to the same bits";
     EXPECT_EQ(cor[r], cor[0]);
   }
@@ -137,16 +164,19 @@ TEST_P(VocabParallel, ShardedEqualsUnsharded) {
   for (int64_t i = 0; i < N; ++i) mlse.check(lse[0][i], ref_lse[i], std::fabs(ref_lse[i]) + 1.0, lt, i);
   EXPECT_EQ(cor[0], ref_cor);
   EXPECT_NEAR(ent[0], ref_ent, 1e-5 * (std::fabs(ref_ent) + N * 10.0));
-  std::vector<float> dx(N * V, NAN);
+  DeviceBuffer d_dx(*backend, N * V * 4);
+  d_dx.fill(0xCD);
   for (int64_t r = 0; r < R; ++r) {
     s = fusedce::cross_entropy_shard_backward(
-        fusedce::Device::cpu(), fusedce::matrix(x.data() + start[r], DType::kFloat32, N, vc.shards[r], V), T,
-        fusedce::ShardSpec{start[r], V}, shard_options(r), fusedce::vector(lse[r].data(), DType::kFloat32, N),
-        fusedce::vector(rw[r].data(), DType::kFloat32, N), fusedce::vector(batch[r].data(), DType::kFloat32, 2),
-        fusedce::vector(up.data(), DType::kFloat32, loss_n),
-        fusedce::matrix(dx.data() + start[r], DType::kFloat32, N, vc.shards[r], V));
+        dev, fusedce::matrix(xd + start[r], DType::kFloat32, N, vc.shards[r], V), TD,
+        fusedce::ShardSpec{start[r], V}, shard_options(r), fusedce::vector(d_lse[r].data(), DType::kFloat32, N),
+        fusedce::vector(d_rw[r].data(), DType::kFloat32, N), fusedce::vector(d_batch[r].data(), DType::kFloat32, 2),
+        fusedce::vector(d_up.data(), DType::kFloat32, loss_n),
+        fusedce::matrix(static_cast<float*>(d_dx.data()) + start[r], DType::kFloat32, N, vc.shards[r], V));
     ASSERT_TRUE(s.ok()) << s.message();
   }
+  backend->synchronize();
+  std::vector<float> dx = d_dx.to_host_as<float>();
   for (int64_t i = 0; i < N; ++i) {
     double scale = 0.0;
     for (int64_t j = 0; j < V; ++j) scale = std::max(scale, std::fabs(static_cast<double>(ref_dx[i * V + j])));
@@ -158,8 +188,11 @@ TEST_P(VocabParallel, ShardedEqualsUnsharded) {
   mg.report();
 }
 
-INSTANTIATE_TEST_SUITE_P(Cpu, VocabParallel, ::testing::ValuesIn(vp_cases()),
-                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Shards, VocabParallel,
+                         ::testing::Combine(::testing::ValuesIn(vp_cases()), ::testing::ValuesIn(all_backends())),
+                         [](const auto& info) {
+                           return std::string(backend_name(std::get<1>(info.param))) + "_" + std::get<0>(info.param).name;
+                         });
 
 TEST(VocabParallelBadInput, ShardOutsideTheVocabularyIsNamed) {
   std::vector<float> x(4 * 10), stats(5 * fusedce::kShardStatsWidth);

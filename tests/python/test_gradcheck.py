@@ -85,3 +85,49 @@ def test_gradcheck_catches_a_wrong_gradient():
     x, t = _problem("cpu")
     with pytest.raises(GradcheckError):
         _gradcheck(lambda a: _WrongGradient.apply(a, t), x)
+
+
+# ---- fused linear cross-entropy ------------------------------------------------------------
+# The core takes no float64 either, so the same float32 check: hidden, weight and bias of order
+# 1 (logits of order 1), the same step and tolerances.
+
+
+def _linear_problem(device, ignore_index=-100):
+    g = torch.Generator().manual_seed(12)
+    h = torch.randn(2, 3, 5, generator=g).to(device).requires_grad_(True)
+    w = (torch.randn(7, 5, generator=g) * 0.5).to(device).requires_grad_(True)
+    b = (torch.randn(7, generator=g) * 0.5).to(device).requires_grad_(True)
+    t = torch.tensor([[0, 6, ignore_index], [2, 4, 1]]).to(device)
+    return h, w, b, t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("opts", OPTIONS.values(), ids=OPTIONS.keys())
+@pytest.mark.parametrize("shift", [False, True])
+def test_gradcheck_linear(device, reduction, opts, shift):
+    kw = dict(opts)
+    if kw.pop("weight", False):
+        kw["class_weight"] = make_weight(7, device)
+    h, w, b, t = _linear_problem(device, kw.get("ignore_index", -100))
+    fn = lambda h_, w_, b_: fusedce.linear_cross_entropy(h_, w_, t, b_, reduction=reduction,  # noqa: E731
+                                                         shift=shift, **kw)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not of double precision.*")
+        warnings.filterwarnings("ignore", message=".*not a double precision.*")
+        assert torch.autograd.gradcheck(fn, (h, w, b), **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["lce_fwd", "lce_fwd_bwd"])
+def test_gradcheck_linear_ops(device, op):
+    # The raw ops' own autograd formulas (a recompute with the upstream gradient).
+    h, w, b, t = _linear_problem(device)
+    opts = (t.reshape(-1), make_weight(7, device), -100, "none", 0.1, 1.2, 4.0, 0.01, 3, 0, False, False)
+    extra = (False,) if op == "lce_fwd" else (None, False, False, False, False)
+    fn = getattr(torch.ops.fusedce, op)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not of double precision.*")
+        warnings.filterwarnings("ignore", message=".*not a double precision.*")
+        assert torch.autograd.gradcheck(
+            lambda h_, w_, b_: fn(h_.reshape(-1, 5), w_, b_, *opts, *extra)[0], (h, w, b), **TOL)

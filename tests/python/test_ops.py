@@ -125,7 +125,90 @@ def test_ce_rescale_(device, dtype, per_row):
     torch.library.opcheck(ops.ce_rescale_.default, (g, x))
 
 
+# ---- fused linear cross-entropy --------------------------------------------------------------
+
+# (name, options, bias, class weights): the options after class_weight, as the lce ops take them
+# (ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss, shift_seq_len,
+# chunk_budget_bytes, low_memory, skip_ignored).
+LCE_CASES = [
+    ("plain", (-100, "mean", 0.0, 1.0, 0.0, 0.0, 0, 0, False, False), False, False),
+    ("options_none_shift_skip", (2, "none", 0.1, 0.7, 10.0, 1e-3, 7, 0, False, True), True, True),
+    ("options_sum_low_memory", (-100, "sum", 0.2, 1.3, 0.0, 1e-2, 0, 4096, True, False), True, False),
+]
+lce_cases = parametrize("name,opts,with_bias,weighted", LCE_CASES, ids=[c[0] for c in LCE_CASES])
+
+
+def _lce_inputs(device, dtype, opts, with_bias, weighted, n=14, hidden=9, vocab=53):
+    g = torch.Generator().manual_seed(8)
+    h = torch.randn(n, hidden, generator=g).to(dtype).to(device)
+    w = (torch.randn(vocab, hidden, generator=g) * 0.5).to(dtype).to(device)
+    b = torch.randn(vocab, generator=g).to(dtype).to(device) if with_bias else None
+    t = torch.randint(0, vocab, (n,), generator=g)
+    t[::4] = opts[0]
+    cw = make_weight(vocab, device) if weighted else None
+    return h, w, b, t.to(device), cw
+
+
+def _lce_loss_buffer(h, opts):
+    return torch.empty((h.shape[0],) if opts[1] == "none" else (), device=h.device)
+
+
+@parametrize("device", DEVICES)
+@dtypes
+@lce_cases
+@parametrize("metrics", [False, True])
+@parametrize("requires_grad", [False, True])
+def test_lce_fwd(device, dtype, name, opts, with_bias, weighted, metrics, requires_grad):
+    h, w, b, t, cw = _lce_inputs(device, dtype, opts, with_bias, weighted)
+    h.requires_grad_(requires_grad)
+    w.requires_grad_(requires_grad)
+    torch.library.opcheck(ops.lce_fwd.default, (h, w, b, t, cw, *opts, metrics))
+
+
+@parametrize("device", DEVICES)
+@dtypes
+@lce_cases
+@parametrize("needs", [(True, True, True), (False, True, False)], ids=["hwb", "w"])
+@parametrize("grad_loss", [False, True])
+def test_lce_fwd_bwd(device, dtype, name, opts, with_bias, weighted, needs, grad_loss):
+    h, w, b, t, cw = _lce_inputs(device, dtype, opts, with_bias, weighted)
+    metrics = name != "plain"
+    needs = (needs[0], needs[1], needs[2] and b is not None)
+    g = torch.rand(_lce_loss_buffer(h, opts).shape, device=device) if grad_loss else None
+    h.requires_grad_(True)
+    torch.library.opcheck(ops.lce_fwd_bwd.default, (h, w, b, t, cw, *opts, g, metrics, *needs))
+
+
+@parametrize("device", DEVICES)
+@dtypes
+@lce_cases
+@parametrize("metrics", [False, True])
+def test_lce_fwd_out(device, dtype, name, opts, with_bias, weighted, metrics):
+    h, w, b, t, cw = _lce_inputs(device, dtype, opts, with_bias, weighted)
+    nc, es = _metrics(h) if metrics else (None, None)
+    lse = torch.empty(h.shape[0], device=device)
+    torch.library.opcheck(ops.lce_fwd_out.default,
+                          (h, w, b, t, cw, *opts, _lce_loss_buffer(h, opts), lse, nc, es))
+
+
+@parametrize("device", DEVICES)
+@dtypes
+@lce_cases
+@parametrize("metrics", [False, True])
+def test_lce_fwd_bwd_out(device, dtype, name, opts, with_bias, weighted, metrics):
+    h, w, b, t, cw = _lce_inputs(device, dtype, opts, with_bias, weighted)
+    grad_loss = name != "plain"
+    nc, es = _metrics(h) if metrics else (None, None)
+    lse = torch.empty(h.shape[0], device=device)
+    g = torch.rand(_lce_loss_buffer(h, opts).shape, device=device) if grad_loss else None
+    grads = (torch.empty_like(h), torch.empty_like(w), None if b is None else torch.empty_like(b))
+    torch.library.opcheck(ops.lce_fwd_bwd_out.default,
+                          (h, w, b, t, cw, *opts, g, _lce_loss_buffer(h, opts), lse, nc, es, *grads))
+
+
 def test_every_op_is_checked():
-    names = {name for name in dir(ops) if not name.startswith("_")} - {"name"}
-    tested = {name[len("test_"):] for name in globals() if name.startswith("test_ce_")}
+    # The vocabulary-parallel ops (ce_shard_*) get theirs in test_distributed.py::test_opcheck.
+    names = {name for name in dir(ops) if not name.startswith("_") and not name.startswith("ce_shard_")} - {"name"}
+    tested = {name[len("test_"):] for name in globals()
+              if name.startswith("test_ce_") or name.startswith("test_lce_")}
     assert names <= tested, f"ops without an opcheck test: {sorted(names - tested)}"

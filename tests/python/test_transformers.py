@@ -1,6 +1,9 @@
-"""fusedce.transformers.apply(): a tiny LlamaForCausalLM (built from a config, nothing
-downloaded) trains with the same loss and gradients as with transformers' own loss, in a
-hand-written loop with gradient accumulation (num_items_in_batch) and under Trainer."""
+"""fusedce.transformers.apply(): tiny causal LMs (Llama, Qwen2, Gemma2 with its final logit
+softcap, Cohere with its logit scale, Phi with a biased lm_head; built from configs, nothing
+downloaded) train with the same loss and gradients as with transformers' own loss, in a
+hand-written loop with gradient accumulation (num_items_in_batch), with precomputed shift_labels
+and under Trainer; both with fused_linear (the loss from lm_head's call, no logits) and over
+the logits (fused_linear=False)."""
 
 import copy
 
@@ -11,18 +14,38 @@ import fusedce
 import fusedce.transformers as fct
 
 transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel  # noqa: E402
 from transformers.loss import loss_utils  # noqa: E402
 
 VOCAB = 1000
+FAMILIES = ["llama", "qwen2", "gemma2", "cohere", "phi"]
+
+
+def tiny_model(family="llama", seed=0, dtype=torch.float32):
+    """A two-layer model of `family` from a config; Gemma2 keeps its default final logit
+    softcap (30), Cohere gets a logit scale of 0.5 (its default, 1/16, would make the test
+    weak), Phi has a bias in lm_head."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64, attn_implementation="eager")
+    config = {
+        "llama": lambda: tf.LlamaConfig(num_key_value_heads=2, **common),
+        "qwen2": lambda: tf.Qwen2Config(num_key_value_heads=2, **common),
+        "gemma2": lambda: tf.Gemma2Config(num_key_value_heads=2, head_dim=16, **common),
+        "cohere": lambda: tf.CohereConfig(num_key_value_heads=2, logit_scale=0.5, bos_token_id=1,
+                                          eos_token_id=2, pad_token_id=0, **common),
+        "phi": lambda: tf.PhiConfig(**common),
+    }[family]()
+    model_class = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
+                   "gemma2": tf.Gemma2ForCausalLM, "cohere": tf.CohereForCausalLM,
+                   "phi": tf.PhiForCausalLM}[family]
+    torch.manual_seed(seed)
+    return model_class(config).to(dtype)
 
 
 def tiny_llama(seed=0, dtype=torch.float32):
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, attn_implementation="eager")
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).to(dtype)
+    return tiny_model("llama", seed, dtype)
 
 
 def batch(b, s, seed, pad_from=None):
@@ -37,43 +60,60 @@ def batch(b, s, seed, pad_from=None):
     return ids, labels
 
 
-@pytest.fixture
-def applied():
-    fct.apply()
-    yield
+@pytest.fixture(params=[True, False], ids=["fused_linear", "logits"])
+def applied(request):
+    fct.apply(fused_linear=request.param)
+    yield request.param
     fct.revert()
 
 
 @pytest.fixture
 def spy(monkeypatch):
+    """The loss calls fusedce made: the logits' dtype for cross_entropy, ("linear", hidden's
+    dtype) for linear_cross_entropy."""
     calls = []
-    real = fct.cross_entropy
+    real, real_linear = fct.cross_entropy, fct.linear_cross_entropy
 
     def counting(*args, **kwargs):
         calls.append(args[0].dtype)
         return real(*args, **kwargs)
 
+    def counting_linear(*args, **kwargs):
+        calls.append(("linear", args[0].dtype))
+        return real_linear(*args, **kwargs)
+
     monkeypatch.setattr(fct, "cross_entropy", counting)
+    monkeypatch.setattr(fct, "linear_cross_entropy", counting_linear)
     return calls
 
 
-def loss_and_grads(model, micro_batches, num_items_in_batch=None):
+def expected_calls(fused, dtype=torch.float32, n=1):
+    return [("linear", dtype) if fused else dtype] * n
+
+
+def loss_and_grads(model, micro_batches, num_items_in_batch=None, **extra):
     model.zero_grad(set_to_none=True)
     losses = []
     for ids, labels in micro_batches:
         kw = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
-        loss = model(input_ids=ids, labels=labels, **kw).loss
+        loss = model(input_ids=ids, labels=labels, **kw, **extra).loss
         loss.backward()
         losses.append(loss.detach())
     return torch.stack(losses), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def assert_same_training_signal(a, b, rtol=2e-5, atol=1e-7):
+def assert_same_training_signal(a, b, rtol=2e-5, atol=1e-7, scale_atol=1e-5):
+    """Losses and every gradient equal up to float32 rounding. The fused linear loss sums the
+    logits' dot products in another order than the model's matmul, so entries near 0 of a
+    gradient differ by a few units of rounding of that gradient's largest entries: the
+    absolute tolerance of each gradient is scale_atol times its largest entry (observed: under
+    1e-6 times it)."""
     (loss_a, grads_a), (loss_b, grads_b) = a, b
     torch.testing.assert_close(loss_a, loss_b, rtol=rtol, atol=atol)
     assert grads_a.keys() == grads_b.keys()
     for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=atol, msg=name)
+        tol = max(atol, scale_atol * grads_b[name].abs().max().item())
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=rtol, atol=tol, msg=name)
 
 
 def test_apply_and_revert_swap_the_loss():
@@ -83,6 +123,10 @@ def test_apply_and_revert_swap_the_loss():
     fct.apply()
     fct.apply()  # idempotent
     try:
+        assert PreTrainedModel.__dict__["__call__"] is fct._model_call  # fused_linear by default
+        fct.apply(fused_linear=False)
+        assert "__call__" not in PreTrainedModel.__dict__
+        fct.apply(fused_linear=True)
         assert fct.is_applied()
         assert model.loss_function is fct.causal_lm_loss
         assert loss_utils.LOSS_MAPPING["ForCausalLM"] is fct.causal_lm_loss
@@ -92,40 +136,95 @@ def test_apply_and_revert_swap_the_loss():
     finally:
         fct.revert()
     assert not fct.is_applied()
+    assert "__call__" not in PreTrainedModel.__dict__
+    assert "forward" not in model.lm_head.__dict__
     assert loss_utils.ForCausalLMLoss is original
     assert loss_utils.LOSS_MAPPING["ForCausalLM"] is original
     assert model.loss_function is original
 
 
-def test_llama_loss_and_gradients_match(applied, spy):
-    model = tiny_llama()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_and_gradients_match(applied, spy, family):
+    model = tiny_model(family)
     data = [batch(2, 16, seed=1, pad_from=[16, 9])]
     ours = loss_and_grads(model, data)
-    assert spy == [torch.float32]  # fusedce computed the loss, from the logits as they are
+    # fusedce computed the loss: from lm_head's input and weight (fused_linear), or from the
+    # logits as they are
+    assert spy == expected_calls(applied)
     fct.revert()
     theirs = loss_and_grads(model, data)
-    fct.apply()
+    fct.apply(fused_linear=applied)
     assert_same_training_signal(ours, theirs)
 
 
-def test_gradient_accumulation_with_num_items_in_batch(applied, spy):
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_gradient_accumulation_with_num_items_in_batch(applied, spy, family):
     # Two micro-batches with different numbers of real tokens, normalised by the count over both,
     # as Trainer does it: the same as one batch's mean, and the same as transformers' loss.
-    model = tiny_llama(seed=3)
+    model = tiny_model(family, seed=3)
     micro = [batch(2, 12, seed=5, pad_from=[12, 4]), batch(2, 12, seed=6, pad_from=[7, 10])]
     num_items = sum((labels[..., 1:] != -100).sum() for _, labels in micro)
     ours = loss_and_grads(model, micro, num_items_in_batch=num_items)
-    assert len(spy) == 2
+    assert spy == expected_calls(applied, n=2)
     fct.revert()
     theirs = loss_and_grads(model, micro, num_items_in_batch=num_items)
-    fct.apply()
+    fct.apply(fused_linear=applied)
     assert_same_training_signal(ours, theirs)
 
     whole = (torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro]))
     loss_whole, grads_whole = loss_and_grads(model, [whole])
-    torch.testing.assert_close(ours[0].sum(), loss_whole[0], rtol=2e-5, atol=1e-7)
-    for name, g in ours[1].items():
-        torch.testing.assert_close(g, grads_whole[name], rtol=2e-5, atol=1e-7, msg=name)
+    assert_same_training_signal((ours[0].sum(), ours[1]), (loss_whole[0], grads_whole))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_shift_labels(applied, spy, family):
+    # Precomputed shift_labels (padding-free collators) are the targets as they are.
+    model = tiny_model(family, seed=2)
+    ids, labels = batch(2, 10, seed=4, pad_from=[10, 7])
+    shift = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], 1)
+    shift[0, 2] = -100
+    ours = loss_and_grads(model, [(ids, labels)], shift_labels=shift)
+    assert spy == expected_calls(applied)
+    fct.revert()
+    theirs = loss_and_grads(model, [(ids, labels)], shift_labels=shift)
+    fct.apply(fused_linear=applied)
+    assert_same_training_signal(ours, theirs)
+
+
+def test_fused_linear_never_makes_the_logits(spy):
+    # With labels and gradients the output's logits are an empty (B, S, 0) stand-in; without
+    # labels, or without gradients (evaluation), the logits are made as usual.
+    model = tiny_model("gemma2", seed=5)
+    ids, labels = batch(2, 8, seed=3)
+    fct.apply()
+    try:
+        out = model(input_ids=ids, labels=labels)
+        assert out.logits.shape == (2, 8, 0)
+        assert spy == expected_calls(True)
+        assert "forward" not in model.lm_head.__dict__  # the head is disarmed after the call
+        assert model(input_ids=ids).logits.shape == (2, 8, VOCAB)
+        with torch.no_grad():
+            evaluated = model(input_ids=ids, labels=labels)
+        assert evaluated.logits.shape == (2, 8, VOCAB)
+        assert spy == expected_calls(True) + [torch.float32]
+        torch.testing.assert_close(evaluated.loss, out.loss.detach(), rtol=1e-5, atol=1e-6)
+    finally:
+        fct.revert()
+
+
+def test_fused_linear_refuses_an_undeclared_logit_transform():
+    # A model whose logits are transformed otherwise than its config says gets an error that
+    # names the mismatch, never a different loss.
+    model = tiny_model("cohere")
+    model.config.logit_scale = 0.25  # the model keeps multiplying by 0.5
+    ids, labels = batch(1, 6, seed=1)
+    fct.apply()
+    try:
+        with pytest.raises(RuntimeError, match=r"transforms its logits by \[scale 0.5\].*logit_scale=0.25"):
+            model(input_ids=ids, labels=labels)
+        assert "forward" not in model.lm_head.__dict__
+    finally:
+        fct.revert()
 
 
 @pytest.mark.parametrize("num_items", [None, 9, "tensor"])
@@ -146,16 +245,19 @@ def test_loss_function_matches_for_causal_lm_loss(num_items):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_bfloat16_model(applied, spy):
+def test_bfloat16_model(spy):
     # transformers upcasts a bfloat16 model's logits to float32 for its loss; fusedce reads them
     # in bfloat16 and computes in float32: the same loss, with no float32 copy of the logits.
+    # (Under no_grad fused_linear leaves the logits path on: evaluation may want the logits.)
     model = tiny_llama(seed=4, dtype=torch.bfloat16)
     ids, labels = batch(2, 10, seed=8, pad_from=[10, 6])
     with torch.no_grad():
-        ours = model(input_ids=ids, labels=labels).loss
-        fct.revert()
-        theirs = model(input_ids=ids, labels=labels).loss
         fct.apply()
+        try:
+            ours = model(input_ids=ids, labels=labels).loss
+        finally:
+            fct.revert()
+        theirs = model(input_ids=ids, labels=labels).loss
     assert spy == [torch.bfloat16]
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
@@ -186,13 +288,14 @@ def _train(tmp_path, steps=3):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_trainer(tmp_path, spy):
-    fct.apply()
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused_linear", "logits"])
+def test_trainer(tmp_path, spy, fused_linear):
+    fct.apply(fused_linear=fused_linear)
     try:
         ours = _train(tmp_path / "fusedce")
     finally:
         fct.revert()
-    assert len(spy) == 3 * 2  # every micro-batch's loss came from fusedce
+    assert spy == expected_calls(fused_linear, n=3 * 2)  # every micro-batch's loss from fusedce
     theirs = _train(tmp_path / "transformers")
     assert len(ours[0]) == 3
     torch.testing.assert_close(torch.tensor(ours[0]), torch.tensor(theirs[0]), rtol=1e-5, atol=1e-6)

@@ -1,87 +1,159 @@
-"""Forward + backward time of fusedce.cross_entropy against torch.nn.functional.cross_entropy on
-the same logits, on the CPU (default) or a GPU:
+"""fusedce against every cross-entropy implementation importable here, on shapes from real
+models: time, achieved bandwidth or FLOP rate against ceilings measured in the same run, peak
+extra memory and the error against float64.
 
-    python -m fusedce.bench [--device cpu|cuda] [--shapes 2048x32000,512x128256]
-                            [--dtypes float32,bfloat16] [--repeat 5] [--warmup 2]
-                            [--threads N]
+    python -m fusedce.bench [--out DIR] [--quick] [--only ce|linear] [--peers LIST]
+                            [--shapes 8192x128256,8192x4096x128256:masked] [--dtypes bfloat16]
+                            [--repeat N] [--warmup N] [--device cuda|cpu] [--threads N]
 
-Each row times loss + loss.backward() on a fresh leaf holding the logits (median of --repeat
-runs after --warmup runs; the first runs at a new size pay for fresh pages of memory). "torch" is F.cross_entropy in the logits' dtype; "torch fp32" upcasts
-first, as transformers' ForCausalLMLoss does for a bfloat16 model. Bytes: fusedce reads the
-logits once and writes the gradient once (2 N V element sizes); GB/s is that over the time.
+Jobs: cross-entropy over (N, V) logits, forward and forward+backward; linear cross-entropy
+(hidden (N, H) @ weight (V, H).T, never materialised by the fused implementations),
+forward+backward. Implementations: fusedce; PyTorch eager (F.cross_entropy on float32 logits, as
+transformers calls it) and torch.compile of it; PyTorch's F.linear_cross_entropy (chunked) where
+torch has it; liger-kernel, cut-cross-entropy, quack, unsloth and flash-attn's Triton kernel
+(file named by $FUSEDCE_PEER_FLASH_ATTN_CE) when importable. A missing or failing one is
+reported with the reason.
+
+Rates: cross-entropy GB/s by forward N*V*elem and forward+backward 2*N*V*elem bytes, against the
+device-to-device copy bandwidth (read + write); linear cross-entropy TFLOP/s by 6*N*H*V against a
+large torch.matmul in the same dtype. On a GPU: CUDA events after warm-up, inputs smaller than 3x
+the L2 rotated among copies. Without a GPU the CPU path runs against PyTorch's CPU path, at
+smaller sizes. --out DIR writes results.csv, results.md and PNG plots (matplotlib) there.
 """
 
 import argparse
-import statistics
+import datetime
+import os
+import subprocess
+import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 import fusedce
 
+from . import cases as cases_mod
+from . import peers as peers_mod
+from . import report
+from .measure import copy_ceiling_gbs, device_name, gemm_ceiling_tflops, l2_bytes
+from .runner import Progress, count_units, dtype_name, run_benchmark
 
-def _sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_fwd_bwd(fn, x, t, repeat, warmup, device):
-    times = []
-    for i in range(warmup + repeat):
-        leaf = x.detach().requires_grad_(True)
-        _sync(device)
-        start = time.perf_counter()
-        loss = fn(leaf, t)
-        loss.backward()
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-        del loss, leaf
-    return statistics.median(times)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--shapes", default="2048x32000,512x128256")
-    p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m fusedce.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"),
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", metavar="DIR", help="folder for results.csv, results.md and the plots")
+    p.add_argument("--quick", action="store_true", help="a few small cases and fewer runs")
+    p.add_argument("--only", choices=("ce", "linear"), help="only cross-entropy over logits, or only linear")
+    p.add_argument("--peers", default=",".join(peers_mod.PEER_IDS),
+                   help=f"comma-separated, from {','.join(peers_mod.PEER_IDS)} (default: all)")
+    p.add_argument("--shapes", help="NxV (cross-entropy) and NxHxV (linear), comma-separated, each "
+                                    "optionally ':masked' (half the targets ignored); default: "
+                                    "shapes of real models")
+    p.add_argument("--dtypes", help="comma-separated from float32,bfloat16,float16 (default bfloat16 on a "
+                                    "GPU, float32 on the CPU, where bfloat16 products are slow)")
+    p.add_argument("--repeat", type=int,
+                   help="timed runs per row (default 20 on a GPU, 3 on the CPU; with --quick 5 / 2)")
+    p.add_argument("--warmup", type=int, help="untimed runs after the checked one (default 3 on a GPU, "
+                                              "0 on the CPU)")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave it)")
-    a = p.parse_args()
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    a = p.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no GPU")
+    a.dtypes = a.dtypes or ("bfloat16" if a.device == "cuda" else "float32")
+    try:
+        a.dtypes = [DTYPES[d.strip()] for d in a.dtypes.split(",") if d.strip()]
+    except KeyError as e:
+        p.error(f"--dtypes: unknown {e.args[0]!r}; choose from {','.join(DTYPES)}")
+    if not a.dtypes:
+        p.error("--dtypes: none given")
+    a.peers = [s.strip() for s in a.peers.split(",") if s.strip()]
+    try:
+        a.cases = cases_mod.parse_shapes(a.shapes) if a.shapes else cases_mod.default_cases(a.device, a.quick)
+    except ValueError as e:
+        p.error(str(e))
+    unknown = sorted(set(a.peers) - set(peers_mod.PEER_IDS))
+    if unknown:
+        p.error(f"--peers: unknown {', '.join(unknown)}; choose from {', '.join(peers_mod.PEER_IDS)}")
+    if a.only:
+        a.cases = [c for c in a.cases if c.kind == a.only]
+    gpu = a.device == "cuda"
+    if a.repeat is None:
+        a.repeat = (5 if a.quick else 20) if gpu else (2 if a.quick else 3)
+    a.warmup = a.warmup if a.warmup is not None else (3 if gpu else 0)
+    if a.repeat < 1 or a.warmup < 0:
+        p.error("--repeat must be >= 1 and --warmup >= 0")
+    return a
+
+
+def fusedce_commit():
+    """$FUSEDCE_COMMIT, else the git commit of the checkout fusedce was imported from (with
+    '-dirty' when it has changes), else 'unknown' (an installed wheel)."""
+    if os.environ.get("FUSEDCE_COMMIT"):
+        return os.environ["FUSEDCE_COMMIT"]
+    here = os.path.dirname(os.path.abspath(fusedce.__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "describe", "--always", "--dirty", "--abbrev=7"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def measure_ceilings(device, dtypes, cases, quick):
+    """The copy bandwidth always; a GEMM rate for each dtype of a linear case."""
+    gemm = {}
+    if any(c.kind == "linear" for c in cases):
+        for dtype in dtypes:
+            gemm[dtype_name(dtype)] = gemm_ceiling_tflops(device, dtype, quick)
+    return copy_ceiling_gbs(device, quick), gemm
+
+
+def main(argv=None):
+    a = parse_args(sys.argv[1:] if argv is None else argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-
-    peers = {
-        "fusedce": lambda x, t: fusedce.cross_entropy(x, t),
-        "torch": lambda x, t: F.cross_entropy(x, t),
-        "torch fp32": lambda x, t: F.cross_entropy(x.float(), t),
+    started = time.time()
+    peers = peers_mod.load(a.peers, a.device)
+    copy_gbs, gemm = measure_ceilings(a.device, a.dtypes, a.cases, a.quick)
+    meta = {
+        "device": a.device,
+        "device_name": device_name(a.device),
+        "torch_version": torch.__version__,
+        "fusedce_version": fusedce.__version__,
+        "fusedce_commit": fusedce_commit(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "copy_gbs": copy_gbs,
+        "gemm_tflops": gemm,
     }
-    where = torch.cuda.get_device_name() if a.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"# fusedce {fusedce.__version__}, torch {torch.__version__}, {where}")
-    print(f"| N x V | dtype | {' | '.join(f'{k} ms' for k in peers)} | fusedce GB/s | speed-up vs torch |")
-    print("|---|---|" + "---|" * (len(peers) + 2))
-    speedups = []
-    for shape in a.shapes.split(","):
-        n, v = (int(s) for s in shape.split("x"))
-        for dtype_name in a.dtypes.split(","):
-            dtype = getattr(torch, dtype_name)
-            g = torch.Generator().manual_seed(0)
-            x = (torch.randn(n, v, generator=g) * 2).to(dtype).to(a.device)
-            t = torch.randint(0, v, (n,), generator=g).to(a.device)
-            t[::7] = -100
-            ms = {}
-            for name, fn in peers.items():
-                if name == "torch fp32" and dtype == torch.float32:
-                    continue
-                ms[name] = time_fwd_bwd(fn, x, t, a.repeat, a.warmup, a.device) * 1e3
-            gbs = 2 * n * v * x.element_size() / (ms["fusedce"] * 1e-3) / 1e9
-            speedup = ms["torch"] / ms["fusedce"]
-            speedups.append(speedup)
-            cells = " | ".join(f"{ms[k]:.1f}" if k in ms else "-" for k in peers)
-            print(f"| {n} x {v} | {dtype_name} | {cells} | {gbs:.1f} | {speedup:.2f}x |")
-    print(f"\ngeometric-mean speed-up over torch: {statistics.geometric_mean(speedups):.2f}x")
+    meta["ceiling_text"] = report.ceiling_text(meta)
+    ceilings = {"copy": copy_gbs, **{dt: gemm[dtype_name(dt)] for dt in a.dtypes if dtype_name(dt) in gemm}}
+    progress = Progress(count_units(a.cases, a.dtypes, peers), enabled=not a.no_progress)
+    try:
+        rows = run_benchmark(a.cases, a.dtypes, peers, a.device, a.repeat, a.warmup, ceilings,
+                             l2_bytes(a.device), progress)
+    finally:
+        progress.close()
+
+    text = report.table(rows, meta) + "\n\n" + report.summary(rows)
+    print(text)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        report.write_csv(rows, meta, os.path.join(a.out, "results.csv"))
+        with open(os.path.join(a.out, "results.md"), "w") as f:
+            f.write(text + "\n")
+        plots = report.plot(rows, meta, a.out)
+        written = ["results.csv", "results.md"] + ([os.path.basename(p) for p in plots]
+                                                   if isinstance(plots, list) else [])
+        print(f"\nwrote {', '.join(written)} to {a.out}")
+        if not isinstance(plots, list):
+            print(plots)
+    print(f"({time.time() - started:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,211 @@
+// Fused linear cross-entropy benchmark (CUDA, bfloat16): forward + all gradients through the
+// public entry point, against the floor measured in the same run, the three bare cuBLASLt
+// products of forward + backward at full size:
+//   logits (N x V) = hidden (N x H) . weight^T;  grad_hidden = dlogits . weight;
+//   grad_weight (float32) = dlogits^T . hidden.
+// FLOPs counted: 6 N H V (the floor's three products). Extra memory: the workspace the call asks
+// for (linear_cross_entropy_workspace_size), given to it explicitly, so nothing else is taken.
+// Timing: CUDA events, after warm-up, median of `iters` runs.
+// Usage: fusedce_linear_bench [--quick] [--check]
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "fusedce/fusedce.h"
+
+#define CK(x)                                                                                  \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                            \
+    }                                                                                          \
+  } while (0)
+#define CKB(x)                                                                                \
+  do {                                                                                        \
+    cublasStatus_t s_ = (x);                                                                  \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                        \
+      std::fprintf(stderr, "%s:%d %s: cublas status %d\n", __FILE__, __LINE__, #x, (int)s_); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+using fusedce::DType;
+
+void ok(const fusedce::Status& s) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "fusedce: %s\n", s.message().c_str());
+    std::exit(1);
+  }
+}
+
+/// The floor's products: D (m x n, col-major) = op(A) op(B), bf16 operands, float32 accumulation.
+struct BareGemm {
+  cublasLtHandle_t lt;
+  void* ws;
+  size_t ws_bytes = size_t(32) << 20;
+  BareGemm() {
+    CKB(cublasLtCreate(&lt));
+    CK(cudaMalloc(&ws, ws_bytes));
+  }
+  void run(cublasOperation_t opa, cublasOperation_t opb, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda,
+           const void* B, int64_t ldb, void* D, int64_t ldd, cudaDataType_t dtype) {
+    cublasLtMatmulDesc_t desc;
+    CKB(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+    CKB(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+    cublasLtMatrixLayout_t la, lb, ld;
+    CKB(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, opa == CUBLAS_OP_N ? m : k, opa == CUBLAS_OP_N ? k : m, lda));
+    CKB(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, opb == CUBLAS_OP_N ? k : n, opb == CUBLAS_OP_N ? n : k, ldb));
+    CKB(cublasLtMatrixLayoutCreate(&ld, dtype, m, n, ldd));
+    cublasLtMatmulPreference_t pref;
+    CKB(cublasLtMatmulPreferenceCreate(&pref));
+    CKB(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
+    cublasLtMatmulHeuristicResult_t heur;
+    int found = 0;
+    CKB(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, ld, ld, pref, 1, &heur, &found));
+    if (found == 0) std::exit(3);
+    const float alpha = 1.0f, beta = 0.0f;
+    CKB(cublasLtMatmul(lt, desc, &alpha, A, la, B, lb, &beta, D, ld, D, ld, &heur.algo, ws, ws_bytes, nullptr));
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(ld);
+    cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+template <typename F>
+double median_ms(F&& fn, int iters) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  fn();
+  fn();
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(a));
+    fn();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float t;
+    CK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+__global__ void fill_random(bf16* p, int64_t n, float scale, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    x ^= x >> 15;
+    // a sum of two uniforms: roughly bell-shaped, mean 0
+    const float u = (x & 0xffff) / 65536.0f + (x >> 16) / 65536.0f - 1.0f;
+    p[i] = __float2bfloat16_rn(u * scale * 2.4f);
+  }
+}
+
+struct Shape {
+  int64_t N, H, V;
+  bool half_ignored;
+};
+
+void bench(const Shape& s, BareGemm& bare, int iters) {
+  const int64_t N = s.N, H = s.H, V = s.V;
+  bf16 *hid, *w, *gh, *gw, *full;
+  CK(cudaMalloc(&hid, N * H * 2));
+  CK(cudaMalloc(&w, V * H * 2));
+  CK(cudaMalloc(&gh, N * H * 2));
+  CK(cudaMalloc(&gw, V * H * 2));
+  fill_random<<<1024, 256>>>(hid, N * H, 1.0f, 1);
+  fill_random<<<1024, 256>>>(w, V * H, 2.0f / std::sqrt(float(H)), 2);
+  std::vector<int64_t> t(N);
+  std::mt19937 rng(11);
+  for (int64_t i = 0; i < N; ++i) t[i] = s.half_ignored && i % 2 ? -100 : int64_t(rng() % V);
+  int64_t* dt;
+  CK(cudaMalloc(&dt, N * 8));
+  CK(cudaMemcpy(dt, t.data(), N * 8, cudaMemcpyHostToDevice));
+  float *loss, *lse;
+  CK(cudaMalloc(&loss, 4));
+  CK(cudaMalloc(&lse, N * 4));
+  const double flops = 6.0 * N * H * V;
+
+  // The floor: the three bare products at full size.
+  CK(cudaMalloc(&full, size_t(N) * V * 2));
+  float* gw32;
+  CK(cudaMalloc(&gw32, size_t(V) * H * 4));
+  const double t_floor = median_ms([&] {
+    bare.run(CUBLAS_OP_T, CUBLAS_OP_N, V, N, H, w, H, hid, H, full, V, CUDA_R_16BF);
+    bare.run(CUBLAS_OP_N, CUBLAS_OP_N, H, N, V, w, H, full, V, gh, H, CUDA_R_16BF);
+    bare.run(CUBLAS_OP_N, CUBLAS_OP_T, H, V, N, hid, H, full, V, gw32, H, CUDA_R_32F);
+  }, iters);
+  CK(cudaFree(full));
+  CK(cudaFree(gw32));
+
+  for (int skip = 0; skip <= (s.half_ignored ? 1 : 0); ++skip) {
+    const fusedce::Options o;
+    fusedce::LinearOptions lo;
+    lo.skip_ignored = skip == 1;
+    fusedce::LinearGrads g;
+    g.grad_hidden = fusedce::matrix(gh, DType::kBFloat16, N, H);
+    g.grad_weight = fusedce::matrix(gw, DType::kBFloat16, V, H);
+    const fusedce::Device dev = fusedce::Device::cuda(0, nullptr);
+    const size_t ws_bytes = fusedce::linear_cross_entropy_workspace_size(fusedce::Job::kForwardBackward, dev, N, H, V,
+                                                                         DType::kBFloat16, o, lo, g);
+    void* ws;
+    CK(cudaMalloc(&ws, ws_bytes));
+    fusedce::ForwardOutputs out;
+    out.loss = fusedce::vector(loss, DType::kFloat32, 1);
+    out.lse = fusedce::vector(lse, DType::kFloat32, N);
+    const double t_fused = median_ms([&] {
+      ok(fusedce::linear_cross_entropy_forward_backward(dev, fusedce::matrix(hid, DType::kBFloat16, N, H),
+                                                        fusedce::matrix(w, DType::kBFloat16, V, H), {},
+                                                        fusedce::vector(dt, DType::kInt64, N), o, lo, out, {}, g,
+                                                        fusedce::Workspace{ws, ws_bytes}));
+    }, iters);
+    const double acc = double(V) * H * 4 / 1048576.0;
+    std::printf("| %lld x %lld x %lld%s | %.2f ms | %.0f | %.2f ms (%.0f TFLOP/s) | %.3f | %.0f MiB (%.0f + %.0f accumulator) |\n",
+                (long long)N, (long long)H, (long long)V,
+                s.half_ignored ? (skip ? " half ignored, skip_ignored" : " half ignored") : "", t_fused,
+                flops / t_fused / 1e9, t_floor, flops / t_floor / 1e9, t_fused / t_floor, ws_bytes / 1048576.0,
+                ws_bytes / 1048576.0 - acc, acc);
+    std::fflush(stdout);
+    CK(cudaFree(ws));
+  }
+  for (void* p : {(void*)hid, (void*)w, (void*)gh, (void*)gw, (void*)dt, (void*)loss, (void*)lse}) CK(cudaFree(p));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) quick |= std::strcmp(argv[i], "--quick") == 0;
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("# %s, fused linear cross-entropy, bfloat16, forward + grad_hidden + grad_weight\n", prop.name);
+  std::printf("# TFLOP/s count 6 N H V; floor = the three bare cuBLASLt products of the same run\n\n");
+  std::printf("| N x H x V | fused fwd+bwd | TFLOP/s | floor (bare GEMMs) | x floor | extra memory |\n");
+  std::printf("|---|---|---|---|---|---|\n");
+  BareGemm bare;
+  const int iters = quick ? 3 : 10;
+  std::vector<Shape> shapes = {{4096, 4096, 128256, false}, {8192, 4096, 128256, false}, {16384, 2304, 256000, false},
+                               {8192, 4096, 151936, false}, {8192, 4096, 128256, true}};
+  if (!quick) shapes.push_back({32768, 4096, 128256, false});
+  for (const Shape& s : shapes) bench(s, bare, iters);
+  return 0;
+}

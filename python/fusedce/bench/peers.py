@@ -1,0 +1,200 @@
+"""The implementations measured: fusedce and every peer importable here. Peers are optional
+imports, never vendored; one that cannot be loaded is kept with the reason, so the report says
+why it has no numbers instead of leaving it out.
+
+Every implementation is called the same way, mean reduction over non-ignored rows, ignore_index
+-100:
+  ce(logits (N, V), target (N,))                      -> scalar loss
+  linear(hidden (N, H), weight (V, H), target (N,))   -> scalar loss
+Call signatures follow each project's public documentation.
+"""
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+
+import torch
+import torch.nn.functional as F
+
+FLASH_ATTN_ENV = "FUSEDCE_PEER_FLASH_ATTN_CE"
+
+
+class Unavailable(Exception):
+    """This implementation (or this kind of it) cannot run here; the message says why."""
+
+
+@dataclasses.dataclass
+class Peer:
+    """An implementation: for each kind ('ce', 'linear') either a callable or the reason it is
+    unavailable. A kind the project does not offer at all is simply absent (no row)."""
+
+    id: str
+    name: str
+    fns: dict
+    reasons: dict
+
+    def offers(self, kind):
+        return kind in self.fns or kind in self.reasons
+
+
+def _loss_of(out):
+    """Some peers return (loss, extra) or an output object; the loss is the first part."""
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return getattr(out, "loss", out)
+
+
+def _fusedce(device):
+    import fusedce
+
+    if device == "cuda" and not fusedce.with_cuda:
+        raise Unavailable("this build of fusedce has no CUDA kernels")
+    fns = {"ce": lambda x, t: fusedce.cross_entropy(x, t)}
+    reasons = {}
+    lce = getattr(fusedce, "linear_cross_entropy", None)
+    if lce is None:
+        reasons["linear"] = f"fusedce {fusedce.__version__} has no linear_cross_entropy yet"
+    else:
+        fns["linear"] = lambda h, w, t: lce(h, w, t)
+    return fns, reasons
+
+
+def _fusedce_skip(device):
+    """fusedce.linear_cross_entropy(skip_ignored=True): the products run over the non-ignored
+    rows only (on a GPU at the price of one wait for their count); what a prompt-masked batch
+    gains. The CPU backend always skips them, so the row shows the same call there."""
+    import fusedce
+
+    if device == "cuda" and not fusedce.with_cuda:
+        raise Unavailable("this build of fusedce has no CUDA kernels")
+    lce = getattr(fusedce, "linear_cross_entropy", None)
+    if lce is None:
+        raise Unavailable(f"fusedce {fusedce.__version__} has no linear_cross_entropy yet")
+    return {"linear": lambda h, w, t: lce(h, w, t, skip_ignored=True)}, {}
+
+
+def _torch_ce(x, t):
+    """As transformers' ForCausalLMLoss calls it: the logits upcast to float32 first."""
+    return F.cross_entropy(x.float(), t)
+
+
+def _torch_linear(h, w, t):
+    return F.cross_entropy(F.linear(h, w).float(), t)
+
+
+def _torch(device):
+    return {"ce": _torch_ce, "linear": _torch_linear}, {}
+
+
+def _torch_compile(device):
+    return {"ce": torch.compile(_torch_ce), "linear": torch.compile(_torch_linear)}, {}
+
+
+def _torch_lce(device):
+    if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        raise Unavailable(f"torch {torch.__version__} has no F.linear_cross_entropy with chunking options")
+    options = torch.nn.LinearCrossEntropyOptions()  # the chunked path; options=None is eager's
+
+    return {"linear": lambda h, w, t: F.linear_cross_entropy(h, w, t, options=options)}, {}
+
+
+def _liger(device):
+    from liger_kernel.transformers import LigerCrossEntropyLoss, LigerFusedLinearCrossEntropyLoss
+
+    ce, lin = LigerCrossEntropyLoss(), LigerFusedLinearCrossEntropyLoss()
+    return {"ce": lambda x, t: _loss_of(ce(x, t)),
+            "linear": lambda h, w, t: _loss_of(lin(w, h, t))}, {}
+
+
+def _cce(device):
+    from cut_cross_entropy import linear_cross_entropy
+
+    # Its Triton kernel needs a GPU; on the CPU the project's own torch.compile implementation.
+    impl = {} if device == "cuda" else {"impl": "torch_compile"}
+    return {"linear": lambda h, w, t: linear_cross_entropy(h, w, t, **impl)}, {}
+
+
+def _quack(device):
+    from quack.cross_entropy import cross_entropy
+
+    fns = {"ce": lambda x, t: cross_entropy(x, t, ignore_index=-100, reduction="mean")}
+    reasons = {}
+    try:
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+    except Exception as e:  # an older quack: cross-entropy only
+        reasons["linear"] = f"{type(e).__name__}: {e}"
+    else:
+        fns["linear"] = lambda h, w, t: _loss_of(
+            chunked_linear_cross_entropy(h, w, t, ignore_index=-100, reduction="mean"))
+    return fns, reasons
+
+
+def _unsloth(device):
+    from unsloth.kernels.cross_entropy_loss import fast_cross_entropy_loss
+
+    # takes (batch, seq, V) logits and (batch, seq) labels; mean over non-ignored tokens
+    return {"ce": lambda x, t: fast_cross_entropy_loss(x.unsqueeze(0), t.unsqueeze(0))}, {}
+
+
+def _flash_attn(device):
+    """flash-attn's Triton cross-entropy (flash_attn/ops/triton/cross_entropy.py imports only
+    torch and triton): loaded from the file named by $FUSEDCE_PEER_FLASH_ATTN_CE, or from an
+    installed flash_attn."""
+    path = os.environ.get(FLASH_ATTN_ENV)
+    if path:
+        if not os.path.isfile(path):
+            raise Unavailable(f"${FLASH_ATTN_ENV}={path} is not a file")
+        spec = importlib.util.spec_from_file_location("fusedce_bench_flash_attn_ce", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module("flash_attn.ops.triton.cross_entropy")
+        except ImportError as e:
+            raise Unavailable(f"{e}; or set ${FLASH_ATTN_ENV} to flash-attn's "
+                              "flash_attn/ops/triton/cross_entropy.py") from None
+    loss_fn = module.cross_entropy_loss
+
+    def ce(x, t):
+        losses = _loss_of(loss_fn(x, t))  # per row, 0 at ignored rows
+        return losses.sum() / (t != -100).sum()
+
+    return {"ce": ce}, {}
+
+
+# id, display name, loader, kinds it offers, whether it runs on CUDA devices only
+REGISTRY = [
+    ("fusedce", "fusedce", _fusedce, ("ce", "linear"), False),
+    ("fusedce-skip", "fusedce skip_ignored", _fusedce_skip, ("linear",), False),
+    ("torch", "torch eager", _torch, ("ce", "linear"), False),
+    ("torch-compile", "torch.compile", _torch_compile, ("ce", "linear"), False),
+    ("torch-lce", "torch F.linear_cross_entropy", _torch_lce, ("linear",), False),
+    ("liger", "liger-kernel", _liger, ("ce", "linear"), True),
+    ("cce", "cut-cross-entropy", _cce, ("linear",), False),
+    ("quack", "quack", _quack, ("ce", "linear"), True),
+    ("unsloth", "unsloth", _unsloth, ("ce",), True),
+    ("flash-attn", "flash-attn", _flash_attn, ("ce",), True),
+]
+PEER_IDS = [entry[0] for entry in REGISTRY]
+
+
+def load(ids, device):
+    """The Peer of each id in `ids` (in the registry's order), loaded for `device`."""
+    unknown = sorted(set(ids) - set(PEER_IDS))
+    if unknown:
+        raise ValueError(f"--peers: unknown {', '.join(unknown)}; choose from {', '.join(PEER_IDS)}")
+    peers = []
+    for pid, name, loader, kinds, gpu_only in REGISTRY:
+        if pid not in ids:
+            continue
+        try:
+            if gpu_only and device != "cuda":
+                raise Unavailable("runs on CUDA devices only")
+            fns, reasons = loader(device)
+        except Unavailable as e:
+            fns, reasons = {}, {k: str(e) for k in kinds}
+        except Exception as e:  # an import that fails for any reason is reported, not raised
+            fns, reasons = {}, {k: f"{type(e).__name__}: {e}".splitlines()[0] for k in kinds}
+        peers.append(Peer(pid, name, fns, reasons))
+    return peers

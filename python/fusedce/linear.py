@@ -1,0 +1,171 @@
+"""fusedce.linear_cross_entropy: the cross-entropy of ``hidden @ weight.T + bias`` without the
+(N, V) logits.
+
+This layer flattens hidden's leading dimensions (without a copy where the strides allow), turns
+``shift=True`` into the core's sequence length, checks what it must to give clear errors, and
+picks the op; every number comes from the core (linear_cross_entropy.h).
+"""
+
+import torch
+
+from . import _library
+from .functional import _REDUCTIONS, _rows
+from .linear_ops import FusedLinearCrossEntropy, ops
+
+_NAME = "fusedce.linear_cross_entropy"
+
+
+def _fail(message):
+    raise ValueError(f"{_NAME}: {message}")
+
+
+def _check_tensor(value, name, optional=False):
+    if value is None and optional:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{_NAME}: {name} must be a tensor, got {type(value).__name__}")
+
+
+def _check_same_device(value, name, hidden):
+    if value is not None and value.device != hidden.device:
+        _fail(f"{name} is on {value.device} but hidden is on {hidden.device}")
+
+
+def _check_arguments(hidden, weight, target, bias, class_weight, reduction, softcap,
+                     chunk_budget_bytes):
+    """Metadata checks only (shapes, dtypes, devices): nothing here reads tensor values."""
+    for value, name, optional in ((hidden, "hidden", False), (weight, "weight", False),
+                                  (target, "target", False), (bias, "bias", True),
+                                  (class_weight, "class_weight", True)):
+        _check_tensor(value, name, optional)
+    if reduction not in _REDUCTIONS:
+        _fail(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
+    if hidden.dim() < 1 or hidden.shape[-1] < 1:
+        _fail(f"hidden must have shape (..., H) with H >= 1, got {tuple(hidden.shape)}")
+    hidden_size = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != hidden_size:
+        _fail(f"weight must have shape (V, H) with H = hidden's last dimension ({hidden_size}), "
+              f"got {tuple(weight.shape)}")
+    vocab = weight.shape[0]
+    if target.shape != hidden.shape[:-1]:
+        _fail(f"target must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
+              f"got {tuple(target.shape)}")
+    for value, name in ((weight, "weight"), (target, "target"), (bias, "bias"),
+                        (class_weight, "class_weight")):
+        _check_same_device(value, name, hidden)
+    if weight.dtype != hidden.dtype:
+        _fail(f"weight must have hidden's dtype ({hidden.dtype}), got {weight.dtype}")
+    if bias is not None:
+        if bias.shape != (vocab,):
+            _fail(f"bias must have shape ({vocab},) (V, from weight), got {tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype:
+            _fail(f"bias must have hidden's dtype ({hidden.dtype}), got {bias.dtype}")
+    if class_weight is not None and class_weight.shape != (vocab,):
+        _fail(f"class_weight must have shape ({vocab},) (V, from weight), got {tuple(class_weight.shape)}")
+    if hidden.device.type == "cuda" and not _library.with_cuda:
+        raise RuntimeError(f"{_NAME}: hidden is on a CUDA device but this build of fusedce has no "
+                           "CUDA kernels (it was built without nvcc or with a CPU-only torch)")
+    if softcap is not None and not softcap > 0:
+        _fail(f"softcap must be None (off) or > 0, got {softcap}")
+    if chunk_budget_bytes is not None and not (isinstance(chunk_budget_bytes, int) and chunk_budget_bytes > 0):
+        _fail(f"chunk_budget_bytes must be None (the default) or a positive int, got {chunk_budget_bytes!r}")
+
+
+def _sequence_length(hidden):
+    """Rows per sequence for the causal shift: S of (..., S, H); all rows for (N, H) or (H,)."""
+    return hidden.shape[-2] if hidden.dim() >= 2 else 1
+
+
+def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None,
+                         ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                         logit_scale=1.0, softcap=None, z_loss=0.0, shift=False,
+                         return_metrics=False, chunk_budget_bytes=None, low_memory=False,
+                         skip_ignored=False, process_group=None, vocab_start=None,
+                         vocab_total=None):
+    """Cross-entropy of the logits ``hidden @ weight.T + bias`` against class indices ``target``,
+    as ``fusedce.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` computes it, but
+    without ever storing the (N, V) logits: the core forms them tile by tile, folds each tile
+    into the loss and, when anything requires grad, into the gradients in the same pass.
+
+    Args:
+        hidden: float32, bfloat16 or float16, shape (..., H).
+        weight: (V, H), hidden's dtype (a language model's ``lm_head.weight``).
+        target: int64 or int32, shape hidden.shape[:-1]; values in [0, V) or ``ignore_index``.
+        bias: (V,) in hidden's dtype, or None.
+        class_weight: per-class weights (V,), as ``F.cross_entropy``'s ``weight`` (used in
+            float32).
+        ignore_index: rows with this target add nothing to the loss, gradients or the mean.
+        reduction: 'none' (loss of target's shape), 'sum' or 'mean' (over non-ignored rows,
+            weighted by ``class_weight[target]`` when given; NaN if every row is ignored).
+        label_smoothing, logit_scale, softcap, z_loss: as in :func:`fusedce.cross_entropy`
+            (z = logit_scale * logits, then ``softcap * tanh(z / softcap)``).
+        shift: causal language modelling without copies: row i of each sequence predicts
+            target i + 1, and the last row of each sequence predicts nothing. For hidden
+            (..., S, H) a sequence is S rows; for 2-D hidden, all N rows are one sequence.
+            target is given unshifted (the labels as they are).
+        return_metrics: also return ``{"num_correct": int64 0-D tensor, "entropy_sum": float32
+            0-D tensor, "lse": float32 (N,) tensor}`` (sums over non-ignored rows; lse is 0 at
+            ignored rows), as :func:`fusedce.cross_entropy` does. The loss and gradients are
+            bit-identical with and without.
+        chunk_budget_bytes: scratch memory the core may use for logit tiles (None: its default).
+        low_memory: keep all extra memory under 512 MiB, even at the cost of recomputation.
+        skip_ignored: run the matrix products over the rows whose target is not ignored only
+            (a prompt-masked batch then costs only its answer tokens). On a GPU this needs
+            their count on the host: the call waits for the device once (a small copy), and
+            cannot be captured in a CUDA graph. Off (default), nothing synchronises and ignored
+            rows cost their share of the products (their gradient is zero). The CPU backend
+            always skips them.
+        process_group, vocab_start, vocab_total: with a process group, ``weight`` (and
+            ``bias``, ``class_weight``) hold the vocabulary rows [vocab_start, vocab_start + V)
+            of this rank, out of vocab_total, and the call is
+            :func:`fusedce.distributed.vocab_parallel_linear_cross_entropy`.
+
+    Returns:
+        The float32 loss, or ``(loss, metrics)`` with ``return_metrics=True``.
+
+    Gradients are formed for hidden, weight and bias only where they require grad. With
+    'sum' or 'mean' (and with 'none' when only hidden requires grad) they are formed in the
+    forward pass for an upstream gradient of 1, and the backward only scales them (no work at
+    all when the factor is 1); with 'none' and weight or bias requiring grad, the backward
+    recomputes them with the per-row upstream gradient. No host synchronisation (unless
+    ``skip_ignored``): the core reads the targets where it runs; the Python side never looks at
+    tensor values.
+    """
+    if process_group is not None:
+        from .distributed import vocab_parallel_linear_cross_entropy
+
+        return vocab_parallel_linear_cross_entropy(
+            hidden, weight, target, bias, process_group=process_group, vocab_start=vocab_start,
+            class_weight=class_weight, ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap,
+            z_loss=z_loss, shift=shift, return_metrics=return_metrics,
+            chunk_budget_bytes=chunk_budget_bytes, low_memory=low_memory, vocab_total=vocab_total)
+    if vocab_start is not None or vocab_total is not None:
+        _fail("vocab_start and vocab_total are only used with a process_group (vocabulary-parallel weight)")
+    _check_arguments(hidden, weight, target, bias, class_weight, reduction, softcap,
+                     chunk_budget_bytes)
+    if class_weight is not None:
+        class_weight = class_weight.to(torch.float32)
+
+    hidden_size = hidden.shape[-1]
+    h = _rows(hidden, hidden_size)
+    w = _rows(weight, hidden_size)
+    t = target.reshape(-1)
+    shift_seq_len = _sequence_length(hidden) if shift else 0
+    args = (h, w, bias, t, class_weight, int(ignore_index), reduction, float(label_smoothing),
+            float(logit_scale), float(softcap or 0.0), float(z_loss), int(shift_seq_len),
+            int(chunk_budget_bytes or 0), bool(low_memory), bool(skip_ignored), bool(return_metrics))
+
+    grad_on = torch.is_grad_enabled()
+    needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+             grad_on and bias is not None and bias.requires_grad)
+    if any(needs):
+        loss, lse, num_correct, entropy_sum = FusedLinearCrossEntropy.apply(*args, *needs)
+    else:
+        loss, lse, num_correct, entropy_sum = ops.lce_fwd(*args)
+
+    if reduction == "none":
+        loss = loss.view(target.shape)
+    if return_metrics:
+        return loss, {"num_correct": num_correct, "entropy_sum": entropy_sum, "lse": lse}
+    return loss

@@ -1,0 +1,214 @@
+"""Fake (meta) kernels and autograd formulas for the fused linear cross-entropy ops of
+torch/binding.cpp (``lce_fwd``, ``lce_fwd_bwd`` and their ``_out`` variants), and the autograd
+Function behind :func:`fusedce.linear_cross_entropy`.
+
+As in ops.py, nothing here computes anything: the loss and every gradient come from the core.
+When the inputs require grad, the core forms the gradients in the same pass as the loss (for an
+upstream gradient of 1) and the backward only scales them with ``ce_rescale_``, which does no
+work when the factor is 1. The one case that cannot work that way is reduction='none' with
+weight or bias requiring grad: each row's upstream gradient weighs that row's contribution to
+grad_weight differently, so the backward recomputes with the core's per-row ``grad_loss``.
+
+Argument order shared by every lce op: hidden (N, H), weight (V, H), bias (V,) or None,
+target (N,), class_weight (V,) or None, then the options ignore_index, reduction,
+label_smoothing, logit_scale, softcap (0 = off), z_loss, shift_seq_len, chunk_budget_bytes,
+low_memory, skip_ignored.
+"""
+
+import torch
+
+from .ops import _graph_is_kept, _upstream, ops
+
+# hidden, weight, bias, target, class_weight and the nine options.
+_NUM_LEADING = 15
+# lce_fwd: + compute_metrics; lce_fwd_bwd: + grad_loss, compute_metrics and three need flags.
+_NUM_ARGS_FWD = _NUM_LEADING + 1
+_NUM_ARGS_FWD_BWD = _NUM_LEADING + 5
+
+
+def _forward_outputs(hidden, reduction, compute_metrics):
+    """loss, lse, num_correct, entropy_sum as the functional lce ops allocate them."""
+    n = hidden.shape[0]
+    metrics_shape = () if compute_metrics else (0,)
+    return (
+        hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32),
+        hidden.new_empty((n,), dtype=torch.float32),
+        hidden.new_empty(metrics_shape, dtype=torch.int64),
+        hidden.new_empty(metrics_shape, dtype=torch.float32),
+    )
+
+
+def _check_fake_inputs(hidden, weight, target):
+    torch._check(hidden.dim() == 2, lambda: f"fusedce: hidden must be 2-D (N, H), got {hidden.dim()}-D")
+    torch._check(weight.dim() == 2, lambda: f"fusedce: weight must be 2-D (V, H), got {weight.dim()}-D")
+    torch._check(
+        target.dim() == 1 and target.shape[0] == hidden.shape[0],
+        lambda: f"fusedce: target must be 1-D with one entry per row of hidden ({hidden.shape[0]})",
+    )
+
+
+# ---- fake kernels: shapes and dtypes only --------------------------------------------------
+
+
+@torch.library.register_fake("fusedce::lce_fwd")
+def _lce_fwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                  label_smoothing, logit_scale, softcap, z_loss, shift_seq_len, chunk_budget_bytes,
+                  low_memory, skip_ignored, compute_metrics):
+    _check_fake_inputs(hidden, weight, target)
+    return _forward_outputs(hidden, reduction, compute_metrics)
+
+
+@torch.library.register_fake("fusedce::lce_fwd_bwd")
+def _lce_fwd_bwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                      label_smoothing, logit_scale, softcap, z_loss, shift_seq_len,
+                      chunk_budget_bytes, low_memory, skip_ignored, grad_loss, compute_metrics,
+                      need_grad_hidden, need_grad_weight, need_grad_bias):
+    _check_fake_inputs(hidden, weight, target)
+    torch._check(not need_grad_bias or bias is not None,
+                 lambda: "fusedce: need_grad_bias is set but bias is not given")
+    grads = (
+        hidden.new_empty(hidden.shape if need_grad_hidden else (0,)),
+        weight.new_empty(weight.shape) if need_grad_weight else hidden.new_empty((0,)),
+        bias.new_empty(bias.shape) if need_grad_bias else hidden.new_empty((0,)),
+    )
+    return (*_forward_outputs(hidden, reduction, compute_metrics), *grads)
+
+
+@torch.library.register_fake("fusedce::lce_fwd_out")
+def _lce_fwd_out_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                      label_smoothing, logit_scale, softcap, z_loss, shift_seq_len,
+                      chunk_budget_bytes, low_memory, skip_ignored, loss, lse, num_correct, entropy_sum):
+    _check_fake_inputs(hidden, weight, target)
+
+
+@torch.library.register_fake("fusedce::lce_fwd_bwd_out")
+def _lce_fwd_bwd_out_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                          label_smoothing, logit_scale, softcap, z_loss, shift_seq_len,
+                          chunk_budget_bytes, low_memory, skip_ignored, grad_loss, loss, lse, num_correct,
+                          entropy_sum, grad_hidden, grad_weight, grad_bias):
+    _check_fake_inputs(hidden, weight, target)
+
+
+# ---- autograd of the functional ops --------------------------------------------------------
+#
+# Both recompute in the backward with the upstream gradient as the core's grad_loss: correct for
+# every reduction and whatever gradients the op itself returned. fusedce.linear_cross_entropy
+# does not go through here (FusedLinearCrossEntropy below saves the forward's gradients).
+
+
+def _recompute_grads(ctx, grad_loss):
+    """Gradients for hidden, weight, bias of sum(grad_loss * loss), one forward_backward call."""
+    hidden, weight, bias, target, class_weight = ctx.saved_tensors
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    need_b = need_b and bias is not None
+    if not (need_h or need_w or need_b):
+        return None, None, None
+    out = ops.lce_fwd_bwd(hidden, weight, bias, target, class_weight, *ctx.options,
+                          _upstream(grad_loss), False, need_h, need_w, need_b)
+    grad_h, grad_w, grad_b = out[4:]
+    return grad_h if need_h else None, grad_w if need_w else None, grad_b if need_b else None
+
+
+def _setup_lce(ctx, inputs, output):
+    hidden, weight, bias, target, class_weight = inputs[:5]
+    ctx.save_for_backward(hidden, weight, bias, target, class_weight)
+    ctx.options = inputs[5:_NUM_LEADING]
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+
+
+def _backward_lce_fwd(ctx, grad_loss, *unused):
+    grads = [None] * _NUM_ARGS_FWD
+    if grad_loss is not None:
+        grads[:3] = _recompute_grads(ctx, grad_loss)
+    return tuple(grads)
+
+
+def _backward_lce_fwd_bwd(ctx, grad_loss, *unused):
+    grads = [None] * _NUM_ARGS_FWD_BWD
+    if grad_loss is not None:
+        grads[:3] = _recompute_grads(ctx, grad_loss)
+    return tuple(grads)
+
+
+torch.library.register_autograd("fusedce::lce_fwd", _backward_lce_fwd, setup_context=_setup_lce)
+torch.library.register_autograd("fusedce::lce_fwd_bwd", _backward_lce_fwd_bwd, setup_context=_setup_lce)
+
+
+# ---- the training path of fusedce.linear_cross_entropy -------------------------------------
+
+
+def gradients_factor(reduction, need_grad_weight, need_grad_bias):
+    """True when the gradients formed in the forward for an upstream gradient of 1 give the
+    real ones by scaling: always for 'sum' / 'mean' (one scalar factor), and for 'none' only
+    when grad_hidden alone is needed (row i of grad_hidden scales by the row's factor, while
+    grad_weight and grad_bias mix the rows)."""
+    return reduction != "none" or not (need_grad_weight or need_grad_bias)
+
+
+def _scale_saved(grad, grad_loss, keep):
+    """grad * grad_loss through ce_rescale_ (no work where the factor is 1), in place unless
+    the graph is kept for another backward that will read `grad` again."""
+    if keep:
+        grad = grad.clone()
+    as_rows = grad.view(1, -1) if grad.dim() == 1 else grad  # grad_bias (V,) as one row
+    ops.ce_rescale_(grad_loss, as_rows)
+    return grad
+
+
+class FusedLinearCrossEntropy(torch.autograd.Function):
+    """The loss of ``hidden @ weight.T + bias`` with the gradients the caller needs.
+
+    When :func:`gradients_factor` holds, one ``lce_fwd_bwd`` call forms the loss and the needed
+    gradients together; they never leave this function, so the backward scales them in place by
+    the upstream gradient (``ce_rescale_``: nothing is touched when the factor is 1). Otherwise
+    (reduction='none' with weight or bias requiring grad) the forward runs ``lce_fwd`` alone and
+    the backward calls ``lce_fwd_bwd`` with the per-row upstream gradient.
+
+    Arguments: hidden (N, H), weight, bias, target (N,), class_weight, the nine options,
+    compute_metrics, need_grad_hidden, need_grad_weight, need_grad_bias. Returns loss, lse,
+    num_correct, entropy_sum (only the loss is differentiable).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, class_weight, ignore_index, reduction,
+                label_smoothing, logit_scale, softcap, z_loss, shift_seq_len, chunk_budget_bytes,
+                low_memory, skip_ignored, compute_metrics, need_grad_hidden, need_grad_weight,
+                need_grad_bias):
+        options = (ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss,
+                   shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored)
+        ctx.needs = (need_grad_hidden, need_grad_weight, need_grad_bias)
+        ctx.fused = gradients_factor(reduction, need_grad_weight, need_grad_bias)
+        if ctx.fused:
+            loss, lse, num_correct, entropy_sum, grad_h, grad_w, grad_b = ops.lce_fwd_bwd(
+                hidden, weight, bias, target, class_weight, *options, None, compute_metrics,
+                need_grad_hidden, need_grad_weight, need_grad_bias)
+            ctx.save_for_backward(grad_h, grad_w, grad_b)
+        else:
+            loss, lse, num_correct, entropy_sum = ops.lce_fwd(
+                hidden, weight, bias, target, class_weight, *options, compute_metrics)
+            ctx.save_for_backward(hidden, weight, bias, target, class_weight)
+            ctx.options = options
+        ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
+        ctx.set_materialize_grads(False)
+        return loss, lse, num_correct, entropy_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        grads = [None] * 19
+        if grad_loss is None:
+            return tuple(grads)
+        g = _upstream(grad_loss)
+        if ctx.fused:
+            keep = _graph_is_kept()
+            for i, (need, saved) in enumerate(zip(ctx.needs, ctx.saved_tensors)):
+                if need:
+                    grads[i] = _scale_saved(saved, g, keep)
+        else:
+            hidden, weight, bias, target, class_weight = ctx.saved_tensors
+            out = ops.lce_fwd_bwd(hidden, weight, bias, target, class_weight, *ctx.options, g,
+                                  False, *ctx.needs)
+            for i, (need, grad) in enumerate(zip(ctx.needs, out[4:])):
+                if need:
+                    grads[i] = grad
+        return tuple(grads)

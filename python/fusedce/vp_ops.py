@@ -1,0 +1,59 @@
+"""Fake (meta) kernels of the vocabulary-parallel ops of torch/vp_binding.cpp.
+
+The ops (``ce_shard_stats``, ``ce_shard_merge``, ``ce_shard_bwd``) are the three steps of
+fusedce/vocab_parallel.h; python/fusedce/distributed.py strings them together with the
+collectives between them. They have no autograd formula: the autograd.Functions of
+distributed.py call ``ce_shard_bwd`` in their backward, because a gradient needs the merged
+statistics of every rank, which no single op sees.
+
+Arguments shared by the three: target (N,) of global class indices, weight (V_local,) or None,
+vocab_start, vocab_total, then the options of SPEC.md as in ops.py.
+"""
+
+import torch
+
+# Floats per row of shard statistics (fusedce::kShardStatsWidth in fusedce/vocab_parallel.h).
+STATS_WIDTH = 9
+
+
+def _check_rows(logits, target):
+    torch._check(logits.dim() == 2, lambda: f"fusedce: logits must be 2-D (rows, V), got {logits.dim()}-D")
+    torch._check(
+        target.dim() == 1 and target.shape[0] == logits.shape[0],
+        lambda: f"fusedce: target must be 1-D with one entry per row of logits ({logits.shape[0]})",
+    )
+
+
+@torch.library.register_fake("fusedce::ce_shard_stats")
+def _ce_shard_stats_fake(logits, target, weight, vocab_start, vocab_total, ignore_index, reduction,
+                         label_smoothing, logit_scale, softcap, z_loss, compute_metrics):
+    _check_rows(logits, target)
+    return logits.new_empty((logits.shape[0] + 1, STATS_WIDTH), dtype=torch.float32)
+
+
+@torch.library.register_fake("fusedce::ce_shard_merge")
+def _ce_shard_merge_fake(gathered, target, weight, vocab_start, vocab_total, ignore_index,
+                         reduction, label_smoothing, logit_scale, softcap, z_loss, compute_metrics):
+    n = target.shape[0]
+    torch._check(gathered.dim() == 2 and gathered.shape[1] == STATS_WIDTH,
+                 lambda: f"fusedce: gathered must be (world * (N + 1), {STATS_WIDTH})")
+    torch._check(gathered.shape[0] % (n + 1) == 0,
+                 lambda: "fusedce: gathered must have world * (N + 1) rows")
+    metrics_shape = () if compute_metrics else (0,)
+    f32 = dict(dtype=torch.float32)
+    return (
+        gathered.new_empty((n,) if reduction == "none" else (), **f32),
+        gathered.new_empty((n,), **f32),
+        gathered.new_empty(metrics_shape, dtype=torch.int64),
+        gathered.new_empty(metrics_shape, **f32),
+        gathered.new_empty((n,), **f32),
+        gathered.new_empty((2,), **f32),
+    )
+
+
+@torch.library.register_fake("fusedce::ce_shard_bwd")
+def _ce_shard_bwd_fake(logits, target, weight, lse, row_weight, batch, grad_loss, vocab_start,
+                       vocab_total, ignore_index, reduction, label_smoothing, logit_scale, softcap,
+                       z_loss):
+    _check_rows(logits, target)
+    return logits.new_empty(logits.shape)

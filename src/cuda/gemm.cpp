@@ -1,0 +1,131 @@
+// cuBLASLt products for the linear cross-entropy (gemm.h). One handle per device, created on
+// first use and kept for the process (creating one costs far more than a product at our sizes).
+#include "cuda/gemm.h"
+
+#include <cublasLt.h>
+
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <string>
+
+namespace fusedce {
+namespace cuda {
+namespace {
+
+cudaDataType_t cuda_type(DType d) {
+  switch (d) {
+    case DType::kFloat32: return CUDA_R_32F;
+    case DType::kBFloat16: return CUDA_R_16BF;
+    default: return CUDA_R_16F;
+  }
+}
+
+Status lt_error(cublasStatus_t s, const char* what) {
+  std::ostringstream os;
+  os << "cuBLASLt error " << static_cast<int>(s) << " in " << what;
+  return Status(StatusCode::kDeviceError, os.str());
+}
+
+Status handle_for(int device, cublasLtHandle_t* out) {
+  static std::mutex mu;
+  static std::map<int, cublasLtHandle_t> handles;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = handles.find(device);
+  if (it != handles.end()) {
+    *out = it->second;
+    return Status::Ok();
+  }
+  cublasLtHandle_t h = nullptr;
+  const cublasStatus_t s = cublasLtCreate(&h);
+  if (s != CUBLAS_STATUS_SUCCESS) return lt_error(s, "cublasLtCreate");
+  handles[device] = h;
+  *out = h;
+  return Status::Ok();
+}
+
+/// The largest power of two (<= 256) dividing the address: cuBLASLt's heuristics otherwise assume
+/// 256-byte aligned operands, and a kernel picked on that assumption may fault on a row slice.
+uint32_t alignment_of(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t align = 256;
+  while (align > 1 && a % align != 0) align >>= 1;
+  return align;
+}
+
+/// RAII for the descriptors of one product.
+struct Descriptors {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~Descriptors() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+#define FUSEDCE_LT(expr, what)                                      \
+  do {                                                              \
+    const cublasStatus_t s_ = (expr);                               \
+    if (s_ != CUBLAS_STATUS_SUCCESS) return lt_error(s_, what);     \
+  } while (0)
+
+}  // namespace
+
+Status gemm(const GemmCall& c) {
+  cublasLtHandle_t lt = nullptr;
+  Status st = handle_for(c.device, &lt);
+  if (!st.ok()) return st;
+  Descriptors ds;
+  FUSEDCE_LT(cublasLtMatmulDescCreate(&ds.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "creating the product descriptor");
+  const cublasOperation_t opa = c.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t opb = c.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  FUSEDCE_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)), "TRANSA");
+  FUSEDCE_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)), "TRANSB");
+  if (c.bias) {
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    const cudaDataType_t bt = cuda_type(c.bias_dtype);
+    FUSEDCE_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)), "EPILOGUE");
+    FUSEDCE_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &c.bias, sizeof(c.bias)),
+               "BIAS_POINTER");
+    FUSEDCE_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)),
+               "BIAS_DATA_TYPE");
+  }
+  FUSEDCE_LT(cublasLtMatrixLayoutCreate(&ds.a, cuda_type(c.a.dtype), c.a.rows, c.a.cols, c.a.ld), "layout of A");
+  FUSEDCE_LT(cublasLtMatrixLayoutCreate(&ds.b, cuda_type(c.b.dtype), c.b.rows, c.b.cols, c.b.ld), "layout of B");
+  FUSEDCE_LT(cublasLtMatrixLayoutCreate(&ds.d, cuda_type(c.d_dtype), c.m, c.n, c.ld_d), "layout of D");
+  FUSEDCE_LT(cublasLtMatmulPreferenceCreate(&ds.pref), "preference");
+  const uint64_t ws = kGemmWorkspaceBytes;
+  FUSEDCE_LT(cublasLtMatmulPreferenceSetAttribute(ds.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
+             "workspace preference");
+  const uint32_t al_a = alignment_of(c.a.data), al_b = alignment_of(c.b.data), al_d = alignment_of(c.d);
+  FUSEDCE_LT(cublasLtMatmulPreferenceSetAttribute(ds.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a)),
+             "alignment of A");
+  FUSEDCE_LT(cublasLtMatmulPreferenceSetAttribute(ds.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)),
+             "alignment of B");
+  FUSEDCE_LT(cublasLtMatmulPreferenceSetAttribute(ds.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof(al_d)),
+             "alignment of C");
+  FUSEDCE_LT(cublasLtMatmulPreferenceSetAttribute(ds.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d)),
+             "alignment of D");
+  cublasLtMatmulHeuristicResult_t heur = {};
+  int found = 0;
+  FUSEDCE_LT(cublasLtMatmulAlgoGetHeuristic(lt, ds.op, ds.a, ds.b, ds.d, ds.d, ds.pref, 1, &heur, &found),
+             "choosing an algorithm");
+  if (found == 0) {
+    std::ostringstream os;
+    os << "cuBLASLt has no algorithm for a " << c.m << " x " << c.n << " product of " << dtype_name(c.a.dtype)
+       << " operands (alignments " << al_a << ", " << al_b << ", " << al_d << " bytes)";
+    return Status(StatusCode::kUnsupported, os.str());
+  }
+  const float alpha = 1.0f;
+  FUSEDCE_LT(cublasLtMatmul(lt, ds.op, &alpha, c.a.data, ds.a, c.b.data, ds.b, &c.beta, c.d, ds.d, c.d, ds.d,
+                            &heur.algo, c.workspace, kGemmWorkspaceBytes, c.stream),
+             "the product");
+  return Status::Ok();
+}
+
+}  // namespace cuda
+}  // namespace fusedce

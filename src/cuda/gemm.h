@@ -1,0 +1,46 @@
+// The matrix products of the CUDA linear cross-entropy, through cuBLASLt. Host code only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "fusedce/types.h"
+
+namespace fusedce {
+namespace cuda {
+
+/// Bytes of cuBLASLt workspace each product may use (what cuBLAS suggests for Hopper).
+constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
+
+/// One column-major operand: `rows` x `cols` of `dtype` with leading dimension `ld`
+/// (a row-major (r, c) matrix with row stride s is the column-major c x r matrix with ld = s).
+struct GemmOperand {
+  const void* data;
+  DType dtype;
+  int64_t rows, cols, ld;
+};
+
+/// D (m x n) = op(A) op(B) [+ bias over the m rows] + beta D, float32 accumulation (float32
+/// inputs stay float32: no TF32). `transpose_a` / `_b`: op is the transpose. D's dtype may be
+/// float32 while A and B are 16-bit (an accumulator).
+struct GemmCall {
+  GemmOperand a, b;
+  bool transpose_a, transpose_b;
+  void* d;
+  DType d_dtype;
+  int64_t m, n, ld_d;
+  float beta;
+  const void* bias;  // (m,) in d_dtype's 16-bit partner or float32: the inputs' dtype; or null
+  DType bias_dtype;
+  void* workspace;  // kGemmWorkspaceBytes
+  cudaStream_t stream;
+  int device;
+};
+
+/// Runs the product; Status names what cuBLASLt refused.
+Status gemm(const GemmCall& call);
+
+}  // namespace cuda
+}  // namespace fusedce

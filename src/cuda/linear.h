@@ -1,0 +1,106 @@
+// The CUDA linear cross-entropy: the small kernels around the matrix products (linear_kernels.cu)
+// and the host orchestration (linear_cuda.cpp). Device code sees only the plain structs here.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "fusedce/types.h"
+
+namespace fusedce {
+namespace cuda {
+
+/// The rows' effective targets (after the causal shift), which rows enter the products, and the
+/// batch scalars the reduction needs. One block; every sum in a fixed order.
+struct LinearPrepareParams {
+  const void* target;
+  int64_t target_stride;
+  bool target_i64;
+  int64_t rows;
+  int64_t shift;  // 0 = none
+  int64_t ignore_index;
+  int64_t vocab;
+  const float* class_weight;  // or null
+  int64_t weight_stride;
+  bool compact;  // idx lists only the rows whose target is not ignored (else every row)
+  // outputs
+  int64_t* eff_target;  // (rows,)
+  int64_t* idx;         // (rows,) row of each position
+  int64_t* count;       // positions in idx
+  float* denom;         // sum of the target weights of the counted rows (the mean's denominator)
+  int64_t* bad_row;     // first row with a target outside [0, V) and not ignored, or INT64_MAX
+};
+
+/// Per chunk of positions [p0, p0 + n): the targets and upstream gradients of its rows, and (when
+/// compacting) its hidden rows gathered into a dense block.
+struct LinearGatherParams {
+  const int64_t* eff_target;
+  const int64_t* idx;
+  int64_t p0, n;
+  // upstream gradient of each row: reduction none: grad_loss[row] (1 if absent); sum: grad_loss[0]
+  // (1 if absent); mean: that over *denom.
+  const float* grad_loss;
+  int64_t grad_stride;
+  int reduction;  // Reduction as int
+  const float* denom;
+  const void* hidden;  // gathered only when hidden_out is not null
+  int64_t hidden_stride, H;
+  DType dtype;
+  // outputs
+  int64_t* target_out;  // (n,)
+  float* grad_out;      // (n,) or null (forward only)
+  void* hidden_out;     // (n, H) dense, or null
+};
+
+/// Per chunk: each position's results back to its row.
+struct LinearScatterParams {
+  const int64_t* idx;
+  int64_t p0, n;
+  const float* lse_in;    // (n,)
+  float* lse_out;         // or null
+  int64_t lse_stride;
+  const float* loss_in;   // (n,)
+  float* row_loss;        // (rows,) contiguous
+  const void* gh_in;      // (n, H) dense, or null
+  void* gh_out;
+  int64_t gh_stride, H;
+  DType dtype;
+};
+
+/// The end of a call: the reduced loss (rows in a fixed order), metric sums over chunks, and
+/// grad_weight / grad_bias rounded from their float32 accumulators.
+struct LinearFinishParams {
+  const float* row_loss;  // (rows,)
+  int64_t rows;
+  int reduction;
+  const float* denom;
+  float* loss_out;  // (1,) for sum / mean, (rows,) strided for none
+  int64_t loss_stride;
+  const float* chunk_entropy;  // (chunks,) or null
+  const int64_t* chunk_correct;
+  int64_t chunks;
+  float* entropy_out;
+  int64_t* correct_out;
+};
+
+struct ConvertParams {
+  const float* src;  // (rows, cols) dense
+  void* dst;
+  int64_t rows, cols, dst_stride;
+  DType dtype;
+};
+
+void launch_linear_prepare(const LinearPrepareParams& p, cudaStream_t stream);
+void launch_linear_gather(const LinearGatherParams& p, cudaStream_t stream);
+void launch_linear_scatter(const LinearScatterParams& p, cudaStream_t stream);
+void launch_linear_finish(const LinearFinishParams& p, cudaStream_t stream);
+void launch_convert(const ConvertParams& p, cudaStream_t stream);
+/// n copies of 1 in `dtype` (the ones vector that turns a product into grad_bias's column sums).
+void launch_fill_ones(void* dst, int64_t n, DType dtype, cudaStream_t stream);
+/// Clears a strided (n,) float vector (the lse of rows that the compacted products skip).
+void launch_zero_strided(float* dst, int64_t n, int64_t stride, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace fusedce

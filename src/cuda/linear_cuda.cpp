@@ -1,0 +1,477 @@
+// The CUDA backend of fused linear cross-entropy, first design (DESIGN.md): token chunks, each
+//   1. logits chunk (rows, V) = hidden_chunk . weight^T (+ bias), cuBLASLt, in the input dtype;
+//   2. the cross-entropy kernel of the logits (reduction none, every option) turns it into the
+//      rows' loss, lse, metrics and, in place, dlogits scaled by each row's upstream gradient;
+//   3. grad_hidden_chunk = dlogits . weight; grad_weight += dlogits^T . hidden_chunk into a
+//      float32 accumulator (the output itself for float32); grad_bias += column sums (a product
+//      with a ones vector) into a float32 accumulator.
+// The logits never exist beyond one chunk (chunk_budget_bytes). The reduction, the mean's
+// denominator and every upstream-gradient factor live in device memory: no host sync, except
+// with skip_ignored (rows with an ignored target are dropped before any product, which needs
+// their count on the host) and with check_targets. Every sum has a fixed order: the loss sums the
+// rows in row order, the products accumulate chunk after chunk, so results are the same bits run
+// to run (they depend on the chunk size, which depends only on the arguments).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <sstream>
+
+#include "common/call.h"
+#include "cuda/gemm.h"
+#include "cuda/linear.h"
+
+namespace fusedce {
+namespace cuda {
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+size_t elem_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
+
+/// Default bytes of logits per chunk: with the cuBLASLt workspace and the per-row vectors the
+/// extra memory stays within 512 MiB plus the float32 grad_weight accumulator.
+constexpr size_t kDefaultChunkBudget = size_t(448) << 20;
+
+/// What one call computes, from its arguments alone (so the size query and the run agree).
+struct LinearPlan {
+  int64_t N, H, V;
+  DType dtype;
+  bool grad, grad_hidden, grad_weight, grad_bias, compact, metrics;
+  int64_t chunk_rows;  // rows per chunk
+  int64_t ld_logits;   // row stride of the logits chunk: V rounded up to 16 bytes
+  int64_t max_chunks;
+  Options ce_options;  // the per-chunk cross-entropy call's options
+  // workspace byte offsets
+  size_t gemm_ws, logits, ce_ws, ce_ws_bytes, ones, gw_acc, gb_acc, eff_target, idx, scalars, target_c, grad_c,
+      loss_c, lse_c, row_loss, chunk_entropy, chunk_correct, hidden_c, gh_c, total;
+};
+
+struct Scalars {  // device-side batch scalars written by the prepare kernel
+  int64_t count;
+  int64_t bad_row;
+  float denom;
+};
+
+LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int64_t V, DType dtype, const Options& o,
+                       const LinearOptions& lo, bool want_gh, bool want_gw, bool want_gb) {
+  LinearPlan p{};
+  p.N = N;
+  p.H = H;
+  p.V = V;
+  p.dtype = dtype;
+  p.grad_hidden = job == Job::kForwardBackward && want_gh;
+  p.grad_weight = job == Job::kForwardBackward && want_gw;
+  p.grad_bias = job == Job::kForwardBackward && want_gb;
+  p.grad = p.grad_hidden || p.grad_weight || p.grad_bias;
+  p.compact = lo.skip_ignored;
+  p.metrics = o.compute_metrics;
+  const size_t el = elem_size(dtype);
+  const int64_t per16 = static_cast<int64_t>(16 / el);
+  p.ld_logits = (V + per16 - 1) / per16 * per16;
+  const size_t budget = lo.chunk_budget_bytes > 0 ? lo.chunk_budget_bytes : kDefaultChunkBudget;
+  int64_t rows = static_cast<int64_t>(budget / (size_t(p.ld_logits) * el));
+  if (rows >= 256) rows = rows / 128 * 128;  // whole tiles for the products
+  p.chunk_rows = std::max<int64_t>(1, std::min<int64_t>(rows, std::max<int64_t>(N, 1)));
+  p.max_chunks = (std::max<int64_t>(N, 1) + p.chunk_rows - 1) / p.chunk_rows;
+
+  p.ce_options = o;
+  p.ce_options.reduction = Reduction::kNone;
+  p.ce_options.inplace_grad = p.grad;
+  p.ce_options.check_targets = false;
+
+  const int64_t C = p.chunk_rows;
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    const size_t here = at;
+    at += align_up(bytes);
+    return here;
+  };
+  p.gemm_ws = take(kGemmWorkspaceBytes);
+  p.logits = take(size_t(C) * p.ld_logits * el);
+  p.ce_ws_bytes = cross_entropy_workspace_size(p.grad ? Job::kForwardBackward : Job::kForward, device, C, V,
+                                               p.ce_options);
+  p.ce_ws = take(p.ce_ws_bytes);
+  p.ones = p.grad_bias ? take(size_t(C) * el) : 0;
+  p.gw_acc = p.grad_weight && dtype != DType::kFloat32 ? take(size_t(V) * H * 4) : 0;
+  p.gb_acc = p.grad_bias ? take(size_t(V) * 4) : 0;
+  p.eff_target = take(size_t(N) * 8);
+  p.idx = take(size_t(N) * 8);
+  p.scalars = take(sizeof(Scalars));
+  p.target_c = take(size_t(C) * 8);
+  p.grad_c = take(size_t(C) * 4);
+  p.loss_c = take(size_t(C) * 4);
+  p.lse_c = take(size_t(C) * 4);
+  p.row_loss = take(size_t(N) * 4);
+  p.chunk_entropy = p.metrics ? take(size_t(p.max_chunks) * 4) : 0;
+  p.chunk_correct = p.metrics ? take(size_t(p.max_chunks) * 8) : 0;
+  p.hidden_c = p.compact ? take(size_t(C) * H * el) : 0;
+  p.gh_c = p.compact && p.grad_hidden ? take(size_t(C) * H * el) : 0;
+  p.total = at;
+  return p;
+}
+
+Status device_error(cudaError_t e, const char* what) {
+  std::ostringstream os;
+  os << "CUDA error in " << what << ": " << cudaGetErrorString(e);
+  return Status(StatusCode::kDeviceError, os.str());
+}
+
+Status last_error(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? Status::Ok() : device_error(e, what);
+}
+
+#define FUSEDCE_TRY(expr)         \
+  do {                            \
+    Status s_ = (expr);           \
+    if (!s_.ok()) return s_;      \
+  } while (0)
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int index) {
+    (void)cudaGetDevice(&previous_);
+    if (previous_ != index) (void)cudaSetDevice(index);
+  }
+  ~DeviceGuard() {
+    int now = -1;
+    (void)cudaGetDevice(&now);
+    if (now != previous_) (void)cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+};
+
+/// The run of one call over a workspace that fits its plan.
+class LinearRun {
+ public:
+  LinearRun(const detail::LinearCall& call, const LinearPlan& plan, char* ws)
+      : c_(call), p_(plan), ws_(ws), stream_(static_cast<cudaStream_t>(call.device.stream)) {}
+
+  Status run() {
+    FUSEDCE_TRY(prepare());
+    int64_t positions = p_.N;
+    if (p_.compact) FUSEDCE_TRY(read_count(&positions));
+    if (c_.options.check_targets) FUSEDCE_TRY(check_targets());
+    if (p_.grad_bias) {
+      launch_fill_ones(at(p_.ones), p_.chunk_rows, p_.dtype, stream_);
+      FUSEDCE_TRY(last_error("filling the ones vector"));
+    }
+    int64_t chunk = 0;
+    for (int64_t p0 = 0; p0 < positions; p0 += p_.chunk_rows, ++chunk) {
+      FUSEDCE_TRY(run_chunk(p0, std::min(p_.chunk_rows, positions - p0), chunk));
+    }
+    return finish(chunk);
+  }
+
+ private:
+  void* at(size_t offset) const { return ws_ + offset; }
+  template <typename T>
+  T* at_as(size_t offset) const {
+    return reinterpret_cast<T*>(ws_ + offset);
+  }
+  const char* hidden_row(int64_t row) const {
+    return static_cast<const char*>(c_.hidden.data) + size_t(row) * c_.hidden.row_stride * elem_size(p_.dtype);
+  }
+  Scalars* scalars() const { return at_as<Scalars>(p_.scalars); }
+
+  Status prepare() {
+    LinearPrepareParams q{};
+    q.target = c_.target.data;
+    q.target_stride = c_.target.stride;
+    q.target_i64 = c_.target.dtype == DType::kInt64;
+    q.rows = p_.N;
+    q.shift = c_.linear.shift_seq_len;
+    q.ignore_index = c_.options.ignore_index;
+    q.vocab = p_.V;
+    q.class_weight = static_cast<const float*>(c_.options.class_weight.data);
+    q.weight_stride = c_.options.class_weight.stride;
+    q.compact = p_.compact;
+    q.eff_target = at_as<int64_t>(p_.eff_target);
+    q.idx = at_as<int64_t>(p_.idx);
+    q.count = &scalars()->count;
+    q.denom = &scalars()->denom;
+    q.bad_row = &scalars()->bad_row;
+    launch_linear_prepare(q, stream_);
+    FUSEDCE_TRY(last_error("the prepare kernel"));
+    if (p_.compact) {
+      // Rows the products skip keep zeros: their loss, lse and grad_hidden.
+      cudaError_t e = cudaMemsetAsync(at(p_.row_loss), 0, size_t(p_.N) * 4, stream_);
+      if (e != cudaSuccess) return device_error(e, "clearing the row losses");
+      if (c_.out.lse.data) launch_zero_strided(static_cast<float*>(c_.out.lse.data), p_.N, c_.out.lse.stride, stream_);
+      if (p_.grad_hidden && p_.N > 0) {
+        const MatrixView& g = c_.grads.grad_hidden;
+        const size_t el = elem_size(p_.dtype);
+        e = cudaMemset2DAsync(g.data, size_t(g.row_stride) * el, 0, size_t(p_.H) * el, size_t(p_.N), stream_);
+        if (e != cudaSuccess) return device_error(e, "clearing grad_hidden");
+      }
+      FUSEDCE_TRY(last_error("clearing the skipped rows"));
+    }
+    return Status::Ok();
+  }
+
+  Status read_count(int64_t* positions) {
+    // skip_ignored: the one wait of the call, for the number of rows that enter the products.
+    cudaError_t e = cudaMemcpyAsync(positions, &scalars()->count, sizeof(int64_t), cudaMemcpyDeviceToHost, stream_);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+    return e == cudaSuccess ? Status::Ok() : device_error(e, "reading the count of rows to compute");
+  }
+
+  Status check_targets() {
+    int64_t bad = INT64_MAX;
+    cudaError_t e = cudaMemcpyAsync(&bad, &scalars()->bad_row, sizeof(bad), cudaMemcpyDeviceToHost, stream_);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+    if (e != cudaSuccess) return device_error(e, "reading the target check");
+    if (bad == INT64_MAX) return Status::Ok();
+    int64_t value = 0;
+    e = cudaMemcpy(&value, at_as<int64_t>(p_.eff_target) + bad, sizeof(value), cudaMemcpyDeviceToHost);
+    if (e != cudaSuccess) return device_error(e, "reading the bad target");
+    std::ostringstream os;
+    const int64_t src = c_.linear.shift_seq_len > 0 ? bad + 1 : bad;  // the target entry it came from
+    os << "target[" << src << "] = " << value << " is out of range [0, " << p_.V << ") and is not ignore_index ("
+       << c_.options.ignore_index << ")";
+    return Status(StatusCode::kTargetOutOfRange, os.str());
+  }
+
+  GemmCall base_gemm() const {
+    GemmCall g{};
+    g.workspace = at(p_.gemm_ws);
+    g.stream = stream_;
+    g.device = c_.device.index;
+    return g;
+  }
+
+  Status run_chunk(int64_t p0, int64_t nc, int64_t chunk) {
+    const DType d = p_.dtype;
+    const size_t el = elem_size(d);
+    // Targets, upstream gradients and (compacting) the hidden rows of the chunk's positions.
+    LinearGatherParams gq{};
+    gq.eff_target = at_as<int64_t>(p_.eff_target);
+    gq.idx = at_as<int64_t>(p_.idx);
+    gq.p0 = p0;
+    gq.n = nc;
+    gq.grad_loss = static_cast<const float*>(c_.grad_loss.data);
+    gq.grad_stride = c_.grad_loss.stride;
+    gq.reduction = static_cast<int>(c_.options.reduction);
+    gq.denom = &scalars()->denom;
+    gq.hidden = c_.hidden.data;
+    gq.hidden_stride = c_.hidden.row_stride;
+    gq.H = p_.H;
+    gq.dtype = d;
+    gq.target_out = at_as<int64_t>(p_.target_c);
+    gq.grad_out = p_.grad ? at_as<float>(p_.grad_c) : nullptr;
+    gq.hidden_out = p_.compact ? at(p_.hidden_c) : nullptr;
+    launch_linear_gather(gq, stream_);
+    FUSEDCE_TRY(last_error("the gather kernel"));
+
+    const void* hc = p_.compact ? at(p_.hidden_c) : hidden_row(p0);
+    const int64_t ldh = p_.compact ? p_.H : c_.hidden.row_stride;
+    const GemmOperand hidden_op{hc, d, p_.H, nc, ldh};                           // H x nc
+    const GemmOperand weight_op{c_.weight.data, d, p_.H, p_.V, c_.weight.row_stride};  // H x V
+    void* logits = at(p_.logits);
+    const GemmOperand dlogits_op{logits, d, p_.V, nc, p_.ld_logits};             // V x nc
+
+    // 1. logits^T (V x nc) = weight (H x V)^T . hidden_c (H x nc) (+ bias)
+    GemmCall g = base_gemm();
+    g.a = weight_op;
+    g.transpose_a = true;
+    g.b = hidden_op;
+    g.d = logits;
+    g.d_dtype = d;
+    g.m = p_.V;
+    g.n = nc;
+    g.ld_d = p_.ld_logits;
+    g.bias = c_.bias.data;
+    g.bias_dtype = d;
+    FUSEDCE_TRY(gemm(g));
+
+    // 2. the cross-entropy sweep over the chunk; dlogits in place
+    const MatrixView L = matrix(logits, d, nc, p_.V, p_.ld_logits);
+    const VectorView t = vector(at(p_.target_c), DType::kInt64, nc);
+    ForwardOutputs out;
+    out.loss = vector(at(p_.loss_c), DType::kFloat32, nc);
+    out.lse = vector(at(p_.lse_c), DType::kFloat32, nc);
+    if (p_.metrics) {
+      out.entropy_sum = vector(at_as<float>(p_.chunk_entropy) + chunk, DType::kFloat32, 1);
+      out.num_correct = vector(at_as<int64_t>(p_.chunk_correct) + chunk, DType::kInt64, 1);
+    }
+    const Workspace ce_ws{at(p_.ce_ws), p_.ce_ws_bytes};
+    if (p_.grad) {
+      FUSEDCE_TRY(cross_entropy_forward_backward(c_.device, L, t, p_.ce_options, out,
+                                                 vector(at(p_.grad_c), DType::kFloat32, nc), L, ce_ws));
+    } else {
+      FUSEDCE_TRY(cross_entropy_forward(c_.device, L, t, p_.ce_options, out, ce_ws));
+    }
+
+    // 3. gradients of the chunk
+    if (p_.grad_hidden) {
+      // grad_hidden_c^T (H x nc) = weight (H x V) . dlogits^T (V x nc)
+      const MatrixView& gh = c_.grads.grad_hidden;
+      GemmCall h = base_gemm();
+      h.a = weight_op;
+      h.b = dlogits_op;
+      h.d = p_.compact ? at(p_.gh_c) : static_cast<char*>(gh.data) + size_t(p0) * gh.row_stride * el;
+      h.d_dtype = d;
+      h.m = p_.H;
+      h.n = nc;
+      h.ld_d = p_.compact ? p_.H : gh.row_stride;
+      FUSEDCE_TRY(gemm(h));
+    }
+    if (p_.grad_weight) {
+      // grad_weight^T (H x V) (+)= hidden_c (H x nc) . dlogits (nc x V)
+      const MatrixView& gw = c_.grads.grad_weight;
+      const bool direct = d == DType::kFloat32;
+      GemmCall w = base_gemm();
+      w.a = hidden_op;
+      w.b = dlogits_op;
+      w.transpose_b = true;
+      w.d = direct ? gw.data : at(p_.gw_acc);
+      w.d_dtype = DType::kFloat32;
+      w.m = p_.H;
+      w.n = p_.V;
+      w.ld_d = direct ? gw.row_stride : p_.H;
+      w.beta = chunk == 0 ? 0.0f : 1.0f;
+      FUSEDCE_TRY(gemm(w));
+    }
+    if (p_.grad_bias) {
+      // grad_bias (V x 1) (+)= dlogits^T (V x nc) . ones (nc x 1)
+      GemmCall b = base_gemm();
+      b.a = dlogits_op;
+      b.b = GemmOperand{at(p_.ones), d, nc, 1, nc};
+      b.d = at(p_.gb_acc);
+      b.d_dtype = DType::kFloat32;
+      b.m = p_.V;
+      b.n = 1;
+      b.ld_d = p_.V;
+      b.beta = chunk == 0 ? 0.0f : 1.0f;
+      FUSEDCE_TRY(gemm(b));
+    }
+
+    // Results of the chunk's positions back to their rows.
+    LinearScatterParams sq{};
+    sq.idx = at_as<int64_t>(p_.idx);
+    sq.p0 = p0;
+    sq.n = nc;
+    sq.lse_in = at_as<float>(p_.lse_c);
+    sq.lse_out = static_cast<float*>(c_.out.lse.data);
+    sq.lse_stride = c_.out.lse.stride;
+    sq.loss_in = at_as<float>(p_.loss_c);
+    sq.row_loss = at_as<float>(p_.row_loss);
+    sq.gh_in = p_.compact && p_.grad_hidden ? at(p_.gh_c) : nullptr;
+    sq.gh_out = c_.grads.grad_hidden.data;
+    sq.gh_stride = c_.grads.grad_hidden.row_stride;
+    sq.H = p_.H;
+    sq.dtype = d;
+    launch_linear_scatter(sq, stream_);
+    return last_error("the scatter kernel");
+  }
+
+  Status finish(int64_t chunks) {
+    const size_t el = elem_size(p_.dtype);
+    if (chunks == 0) {
+      // No row entered a product: zero gradients (the accumulators were never written).
+      if (p_.grad_weight) {
+        const MatrixView& gw = c_.grads.grad_weight;
+        cudaError_t e = cudaMemset2DAsync(gw.data, size_t(gw.row_stride) * el, 0, size_t(p_.H) * el, size_t(p_.V), stream_);
+        if (e != cudaSuccess) return device_error(e, "clearing grad_weight");
+      }
+      if (p_.grad_bias) {
+        cudaError_t e = cudaMemsetAsync(at(p_.gb_acc), 0, size_t(p_.V) * 4, stream_);
+        if (e != cudaSuccess) return device_error(e, "clearing grad_bias");
+      }
+      if (p_.metrics) {
+        cudaError_t e = cudaMemsetAsync(at(p_.chunk_entropy), 0, 4, stream_);
+        if (e == cudaSuccess) e = cudaMemsetAsync(at(p_.chunk_correct), 0, 8, stream_);
+        if (e != cudaSuccess) return device_error(e, "clearing the metrics");
+      }
+      if (!p_.compact && p_.N > 0) return Status(StatusCode::kDeviceError, "internal: rows but no chunk");
+    }
+    LinearFinishParams f{};
+    f.row_loss = at_as<float>(p_.row_loss);
+    f.rows = p_.N;
+    f.reduction = static_cast<int>(c_.options.reduction);
+    f.denom = &scalars()->denom;
+    f.loss_out = static_cast<float*>(c_.out.loss.data);
+    f.loss_stride = c_.out.loss.stride;
+    if (p_.metrics) {
+      f.chunk_entropy = at_as<float>(p_.chunk_entropy);
+      f.chunk_correct = at_as<int64_t>(p_.chunk_correct);
+      f.chunks = std::max<int64_t>(chunks, 1);
+      f.entropy_out = static_cast<float*>(c_.out.entropy_sum.data);
+      f.correct_out = static_cast<int64_t*>(c_.out.num_correct.data);
+    }
+    launch_linear_finish(f, stream_);
+    FUSEDCE_TRY(last_error("the finish kernel"));
+    if (p_.grad_weight && p_.dtype != DType::kFloat32 && chunks > 0) {
+      const MatrixView& gw = c_.grads.grad_weight;
+      launch_convert(ConvertParams{at_as<float>(p_.gw_acc), gw.data, p_.V, p_.H, gw.row_stride, p_.dtype}, stream_);
+      FUSEDCE_TRY(last_error("rounding grad_weight"));
+    }
+    if (p_.grad_bias) {
+      const VectorView& gb = c_.grads.grad_bias;
+      // A (V,) vector with stride s is a (V, 1) matrix with row stride s.
+      launch_convert(ConvertParams{at_as<float>(p_.gb_acc), gb.data, p_.V, 1, gb.stride, p_.dtype}, stream_);
+      FUSEDCE_TRY(last_error("rounding grad_bias"));
+    }
+    return Status::Ok();
+  }
+
+  const detail::LinearCall& c_;
+  const LinearPlan& p_;
+  char* ws_;
+  cudaStream_t stream_;
+};
+
+LinearPlan plan_for(const detail::LinearCall& c) {
+  return plan_linear(c.job, c.device, c.hidden.rows, c.hidden.cols, c.weight.rows, c.hidden.dtype, c.options,
+                     c.linear, c.grads.grad_hidden.data != nullptr, c.grads.grad_weight.data != nullptr,
+                     c.grads.grad_bias.data != nullptr);
+}
+
+}  // namespace
+
+size_t linear_workspace_size(Job job, const Device& device, int64_t rows, int64_t hidden_size, int64_t vocab,
+                             DType dtype, const Options& options, const LinearOptions& linear,
+                             const LinearGrads& grads) {
+  return plan_linear(job, device, rows, hidden_size, vocab, dtype, options, linear, !grads.grad_hidden.empty(),
+                     !grads.grad_weight.empty(), !grads.grad_bias.empty())
+      .total;
+}
+
+Status run_linear(const detail::LinearCall& call) {
+  if (call.linear.low_memory) {
+    return Status(StatusCode::kUnsupported,
+                  "linear cross-entropy: low_memory has no CUDA implementation yet (the CPU backend has it)");
+  }
+  if (call.weight.rows >= (int64_t(1) << 31) - 64) {
+    return Status(StatusCode::kInvalidArgument, "weight: the CUDA backend takes V < 2^31 - 64 rows");
+  }
+  DeviceGuard guard(call.device.index);
+  (void)cudaGetLastError();  // an earlier, unrelated error must not be reported as ours
+  const LinearPlan plan = plan_for(call);
+  cudaStream_t stream = static_cast<cudaStream_t>(call.device.stream);
+  char* ws = static_cast<char*>(call.workspace.data);
+  if (ws == nullptr) {
+    // No workspace given: stream-ordered scratch for the call (no host sync, graph-capturable).
+    void* scratch = nullptr;
+    cudaError_t e = cudaMallocAsync(&scratch, plan.total, stream);
+    if (e != cudaSuccess) return device_error(e, "allocating scratch (cudaMallocAsync)");
+    Status s = LinearRun(call, plan, static_cast<char*>(scratch)).run();
+    e = cudaFreeAsync(scratch, stream);
+    if (s.ok() && e != cudaSuccess) return device_error(e, "freeing scratch (cudaFreeAsync)");
+    return s;
+  }
+  if (call.workspace.bytes < plan.total) {
+    std::ostringstream os;
+    os << "workspace has " << call.workspace.bytes << " bytes, this call needs " << plan.total
+       << " (ask linear_cross_entropy_workspace_size)";
+    return Status(StatusCode::kWorkspaceTooSmall, os.str());
+  }
+  return LinearRun(call, plan, ws).run();
+}
+
+}  // namespace cuda
+}  // namespace fusedce

@@ -1,0 +1,276 @@
+// The small kernels of the CUDA linear cross-entropy (see linear.h): everything but the matrix
+// products (cuBLASLt) and the cross-entropy sweep (the logits kernels). All are bandwidth-trivial
+// next to the products; what matters is that none needs the host and every sum has a fixed order.
+#include "cuda/port.h"  // first: the platform's runtime header
+
+#include <climits>
+#include <cstdint>
+
+#include "cuda/linear.h"
+#include "cuda/vec.cuh"
+
+namespace fusedce {
+namespace cuda {
+namespace {
+
+constexpr int kPrepareThreads = 1024;
+constexpr int kRowsPerThread = 8;  // consecutive rows per thread per tile of the compaction
+
+__device__ int64_t load_target(const LinearPrepareParams& p, int64_t i) {
+  return p.target_i64 ? static_cast<const int64_t*>(p.target)[i * p.target_stride]
+                      : static_cast<int64_t>(static_cast<const int32_t*>(p.target)[i * p.target_stride]);
+}
+
+/// Exclusive prefix sum of `v` over the block; `total` gets the block's sum.
+__device__ int64_t block_exclusive_scan(int64_t v, int64_t* total) {
+  __shared__ int64_t warp_sums[kPrepareThreads / 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int64_t x = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int64_t y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int64_t s = lane < kPrepareThreads / 32 ? warp_sums[lane] : 0;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int64_t y = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += y;
+    }
+    warp_sums[lane] = s;  // inclusive over warps
+  }
+  __syncthreads();
+  const int64_t before = (warp > 0 ? warp_sums[warp - 1] : 0) + x - v;
+  *total = warp_sums[kPrepareThreads / 32 - 1];
+  __syncthreads();  // warp_sums is reused by the next call
+  return before;
+}
+
+__global__ void __launch_bounds__(kPrepareThreads) linear_prepare_kernel(const LinearPrepareParams p) {
+  __shared__ double weight_part[kPrepareThreads];
+  __shared__ int64_t bad_part[kPrepareThreads];
+  double wsum = 0.0;  // this thread's rows, in row order: the same bits every run
+  int64_t bad = INT64_MAX;
+  int64_t base = 0;
+  const int64_t tile = int64_t(kPrepareThreads) * kRowsPerThread;
+  for (int64_t t0 = 0; t0 < p.rows; t0 += tile) {
+    const int64_t r0 = t0 + int64_t(threadIdx.x) * kRowsPerThread;
+    int64_t keep = 0;
+    int64_t eff[kRowsPerThread];
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) {
+      const int64_t i = r0 + k;
+      eff[k] = p.ignore_index;
+      if (i < p.rows) {
+        if (p.shift > 0) {
+          eff[k] = i % p.shift == p.shift - 1 ? p.ignore_index : load_target(p, i + 1);
+        } else {
+          eff[k] = load_target(p, i);
+        }
+        p.eff_target[i] = eff[k];
+        const bool counted = eff[k] != p.ignore_index;
+        if (counted) {
+          if (eff[k] < 0 || eff[k] >= p.vocab) {
+            bad = min(bad, i);
+          } else {
+            wsum += p.class_weight ? double(p.class_weight[eff[k] * p.weight_stride]) : 1.0;
+          }
+        }
+        keep += (!p.compact || counted) ? 1 : 0;
+      }
+    }
+    int64_t total = 0;
+    int64_t at = base + block_exclusive_scan(keep, &total);
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) {
+      const int64_t i = r0 + k;
+      if (i < p.rows && (!p.compact || eff[k] != p.ignore_index)) p.idx[at++] = i;
+    }
+    base += total;
+  }
+  weight_part[threadIdx.x] = wsum;
+  bad_part[threadIdx.x] = bad;
+  __syncthreads();
+  for (int s = kPrepareThreads / 2; s > 0; s >>= 1) {  // a fixed tree: deterministic
+    if (threadIdx.x < s) {
+      weight_part[threadIdx.x] += weight_part[threadIdx.x + s];
+      bad_part[threadIdx.x] = min(bad_part[threadIdx.x], bad_part[threadIdx.x + s]);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    *p.count = base;
+    *p.denom = static_cast<float>(weight_part[0]);
+    *p.bad_row = bad_part[0];
+  }
+}
+
+template <typename T>
+__device__ void copy_row(const T* src, T* dst, int64_t H) {
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) dst[h] = src[h];
+}
+
+__device__ void copy_row_any(const void* src, void* dst, int64_t H, DType d) {
+  if (d == DType::kFloat32) {
+    copy_row(static_cast<const float*>(src), static_cast<float*>(dst), H);
+  } else {
+    copy_row(static_cast<const uint16_t*>(src), static_cast<uint16_t*>(dst), H);
+  }
+}
+
+size_t elem_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
+
+/// One block per position: the row's target, upstream gradient and (compacting) hidden row.
+__global__ void linear_gather_kernel(const LinearGatherParams p, size_t elem) {
+  const int64_t k = blockIdx.x;
+  const int64_t row = p.idx[p.p0 + k];
+  if (threadIdx.x == 0) {
+    p.target_out[k] = p.eff_target[row];
+    if (p.grad_out) {
+      float g;
+      if (p.reduction == static_cast<int>(Reduction::kNone)) {
+        g = p.grad_loss ? p.grad_loss[row * p.grad_stride] : 1.0f;
+      } else {
+        g = p.grad_loss ? p.grad_loss[0] : 1.0f;
+        if (p.reduction == static_cast<int>(Reduction::kMean)) g /= *p.denom;
+      }
+      p.grad_out[k] = g;
+    }
+  }
+  if (p.hidden_out) {
+    const char* src = static_cast<const char*>(p.hidden) + size_t(row) * p.hidden_stride * elem;
+    char* dst = static_cast<char*>(p.hidden_out) + size_t(k) * p.H * elem;
+    copy_row_any(src, dst, p.H, p.dtype);
+  }
+}
+
+__global__ void linear_scatter_kernel(const LinearScatterParams p, size_t elem) {
+  const int64_t k = blockIdx.x;
+  const int64_t row = p.idx[p.p0 + k];
+  if (threadIdx.x == 0) {
+    if (p.lse_out) p.lse_out[row * p.lse_stride] = p.lse_in[k];
+    p.row_loss[row] = p.loss_in[k];
+  }
+  if (p.gh_in) {
+    const char* src = static_cast<const char*>(p.gh_in) + size_t(k) * p.H * elem;
+    char* dst = static_cast<char*>(p.gh_out) + size_t(row) * p.gh_stride * elem;
+    copy_row_any(src, dst, p.H, p.dtype);
+  }
+}
+
+constexpr int kFinishThreads = 1024;
+
+__global__ void __launch_bounds__(kFinishThreads) linear_finish_kernel(const LinearFinishParams p) {
+  __shared__ double part[kFinishThreads];
+  __shared__ double ent[kFinishThreads];
+  __shared__ long long cor[kFinishThreads];
+  double s = 0.0, e = 0.0;
+  long long c = 0;
+  for (int64_t i = threadIdx.x; i < p.rows; i += kFinishThreads) s += p.row_loss[i];
+  if (p.chunk_entropy) {
+    for (int64_t i = threadIdx.x; i < p.chunks; i += kFinishThreads) {
+      e += p.chunk_entropy[i];
+      c += p.chunk_correct[i];
+    }
+  }
+  part[threadIdx.x] = s;
+  ent[threadIdx.x] = e;
+  cor[threadIdx.x] = c;
+  __syncthreads();
+  for (int k = kFinishThreads / 2; k > 0; k >>= 1) {
+    if (threadIdx.x < k) {
+      part[threadIdx.x] += part[threadIdx.x + k];
+      ent[threadIdx.x] += ent[threadIdx.x + k];
+      cor[threadIdx.x] += cor[threadIdx.x + k];
+    }
+    __syncthreads();
+  }
+  if (p.reduction == static_cast<int>(Reduction::kNone)) {
+    for (int64_t i = threadIdx.x; i < p.rows; i += kFinishThreads) p.loss_out[i * p.loss_stride] = p.row_loss[i];
+  }
+  if (threadIdx.x == 0) {
+    if (p.reduction != static_cast<int>(Reduction::kNone)) {
+      double total = part[0];
+      // All rows ignored: 0 / 0 = NaN, as PyTorch's mean.
+      if (p.reduction == static_cast<int>(Reduction::kMean)) total /= double(*p.denom);
+      p.loss_out[0] = static_cast<float>(total);
+    }
+    if (p.chunk_entropy) {
+      *p.entropy_out = static_cast<float>(ent[0]);
+      *p.correct_out = cor[0];
+    }
+  }
+}
+
+template <typename T>
+__global__ void convert_kernel(const ConvertParams p) {
+  const int64_t n = p.rows * p.cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / p.cols, c = i - r * p.cols;
+    static_cast<T*>(p.dst)[r * p.dst_stride + c] = Elem<T>::from_float(p.src[i]);
+  }
+}
+
+template <typename T>
+__global__ void fill_ones_kernel(T* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    dst[i] = Elem<T>::from_float(1.0f);
+  }
+}
+
+__global__ void zero_strided_kernel(float* dst, int64_t n, int64_t stride) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    dst[i * stride] = 0.0f;
+  }
+}
+
+unsigned grid_for(int64_t n, int threads) {
+  const int64_t blocks = (n + threads - 1) / threads;
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 4096 ? 4096 : blocks));
+}
+
+}  // namespace
+
+void launch_linear_prepare(const LinearPrepareParams& p, cudaStream_t stream) {
+  linear_prepare_kernel<<<1, kPrepareThreads, 0, stream>>>(p);
+}
+
+void launch_linear_gather(const LinearGatherParams& p, cudaStream_t stream) {
+  if (p.n <= 0) return;
+  linear_gather_kernel<<<static_cast<unsigned>(p.n), p.hidden_out ? 256 : 32, 0, stream>>>(p, elem_bytes(p.dtype));
+}
+
+void launch_linear_scatter(const LinearScatterParams& p, cudaStream_t stream) {
+  if (p.n <= 0) return;
+  linear_scatter_kernel<<<static_cast<unsigned>(p.n), p.gh_in ? 256 : 32, 0, stream>>>(p, elem_bytes(p.dtype));
+}
+
+void launch_linear_finish(const LinearFinishParams& p, cudaStream_t stream) {
+  linear_finish_kernel<<<1, kFinishThreads, 0, stream>>>(p);
+}
+
+void launch_convert(const ConvertParams& p, cudaStream_t stream) {
+  const unsigned grid = grid_for(p.rows * p.cols, 256);
+  switch (p.dtype) {
+    case DType::kFloat32: convert_kernel<float><<<grid, 256, 0, stream>>>(p); break;
+    case DType::kBFloat16: convert_kernel<BFloat16><<<grid, 256, 0, stream>>>(p); break;
+    default: convert_kernel<Half><<<grid, 256, 0, stream>>>(p); break;
+  }
+}
+
+void launch_fill_ones(void* dst, int64_t n, DType dtype, cudaStream_t stream) {
+  const unsigned grid = grid_for(n, 256);
+  switch (dtype) {
+    case DType::kFloat32: fill_ones_kernel<<<grid, 256, 0, stream>>>(static_cast<float*>(dst), n); break;
+    case DType::kBFloat16: fill_ones_kernel<<<grid, 256, 0, stream>>>(static_cast<BFloat16*>(dst), n); break;
+    default: fill_ones_kernel<<<grid, 256, 0, stream>>>(static_cast<Half*>(dst), n); break;
+  }
+}
+
+void launch_zero_strided(float* dst, int64_t n, int64_t stride, cudaStream_t stream) {
+  if (n > 0) zero_strided_kernel<<<grid_for(n, 256), 256, 0, stream>>>(dst, n, stride);
+}
+
+}  // namespace cuda
+}  // namespace fusedce

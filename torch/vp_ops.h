@@ -1,0 +1,123 @@
+// The kernels behind the vocabulary-parallel torch ops (schemas in vp_binding.cpp): wrap tensors
+// into the core's views, check what the core cannot see, call the three steps of
+// fusedce/vocab_parallel.h. No arithmetic on tensor data and no communication happens here: the
+// Python front end (python/fusedce/distributed.py) all-gathers the statistics between step 1 and
+// step 2 with torch.distributed.
+//
+// Each op is a template over a device context `Ctx`, as in ops.h (a CPU one in vp_binding.cpp; a
+// CUDA registration only needs binding_cuda.cpp's context and three m.impl lines once the core
+// has a CUDA backend for these steps).
+#pragma once
+
+#include <fusedce/vocab_parallel.h>
+
+#include <string>
+#include <tuple>
+
+#include "ops.h"
+
+namespace fusedce_torch {
+
+inline fusedce::ShardSpec shard_of(int64_t vocab_start, int64_t vocab_total) {
+  return fusedce::ShardSpec{vocab_start, vocab_total};
+}
+
+inline std::string reduction_string(c10::string_view reduction) {
+  return std::string(reduction.data(), reduction.size());
+}
+
+// Step 1: the shard's per-row statistics, float32 (N + 1, kShardStatsWidth).
+template <class Ctx>
+Tensor ce_shard_stats(const Tensor& logits, const Tensor& target, const OptTensor& weight,
+                      int64_t vocab_start, int64_t vocab_total, int64_t ignore_index,
+                      c10::string_view reduction, double label_smoothing, double logit_scale,
+                      double softcap, double z_loss, bool compute_metrics) {
+  Ctx ctx(logits, "logits");
+  const fusedce::MatrixView x = matrix_of(logits, "logits");
+  check_inputs(logits, target);
+  fusedce::Options o = options_of(logits, weight, ignore_index, reduction_string(reduction),
+                                  label_smoothing, logit_scale, softcap, z_loss);
+  o.compute_metrics = compute_metrics;
+  Tensor stats = at::empty({logits.size(0) + 1, fusedce::kShardStatsWidth},
+                           logits.options().dtype(at::kFloat));
+  check_status(fusedce::cross_entropy_shard_stats(
+                   ctx.device(), x, vector_of(target, "target"), shard_of(vocab_start, vocab_total), o,
+                   fusedce::matrix(stats.data_ptr(), fusedce::DType::kFloat32, stats.size(0),
+                                   fusedce::kShardStatsWidth)),
+               "ce_shard_stats");
+  return stats;
+}
+
+// Step 2: every rank's statistics, gathered in rank order ((world * (N + 1), kShardStatsWidth)),
+// merged into the loss, lse and metrics of the full vocabulary, plus row_weight (N,) and batch
+// (2,) for step 3. `weight` is the local slice of the class weights (it only says that the loss
+// is weighted: the weights themselves travel in the statistics).
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ce_shard_merge(
+    const Tensor& gathered, const Tensor& target, const OptTensor& weight, int64_t vocab_start,
+    int64_t vocab_total, int64_t ignore_index, c10::string_view reduction, double label_smoothing,
+    double logit_scale, double softcap, double z_loss, bool compute_metrics) {
+  Ctx ctx(gathered, "gathered");
+  check_same_device(target, "target", gathered, "gathered");
+  TORCH_CHECK_VALUE(gathered.dim() == 2 && gathered.size(1) == fusedce::kShardStatsWidth &&
+                        gathered.scalar_type() == at::kFloat && gathered.is_contiguous(),
+                    "fusedce: gathered must be a contiguous float32 (world * (N + 1), ",
+                    fusedce::kShardStatsWidth, ") tensor, got ", gathered.scalar_type(), " of shape ",
+                    gathered.sizes());
+  TORCH_CHECK_VALUE(target.dim() == 1, "fusedce: target must be 1-D, got shape ", target.sizes());
+  const int64_t n = target.size(0);
+  TORCH_CHECK_VALUE(gathered.size(0) >= n + 1 && gathered.size(0) % (n + 1) == 0, "fusedce: gathered has ",
+                    gathered.size(0), " rows, which is not world * (N + 1) for the target's N = ", n);
+  fusedce::Options o = options_of(gathered, weight, ignore_index, reduction_string(reduction),
+                                  label_smoothing, logit_scale, softcap, z_loss);
+  o.compute_metrics = compute_metrics;
+  const auto f32 = gathered.options().dtype(at::kFloat);
+  Tensor loss = o.reduction == fusedce::Reduction::kNone ? at::empty({n}, f32) : at::empty({}, f32);
+  Tensor lse = at::empty({n}, f32);
+  auto [num_correct, entropy_sum] = empty_metrics(gathered, compute_metrics);
+  Tensor row_weight = at::empty({n}, f32);
+  Tensor batch = at::empty({2}, f32);
+  fusedce::ForwardOutputs out;
+  out.loss = vector_of(loss, "loss");
+  out.lse = vector_of(lse, "lse");
+  if (compute_metrics) {
+    out.num_correct = vector_of(num_correct, "num_correct");
+    out.entropy_sum = vector_of(entropy_sum, "entropy_sum");
+  }
+  check_status(fusedce::cross_entropy_shard_merge(
+                   ctx.device(),
+                   fusedce::matrix(gathered.data_ptr(), fusedce::DType::kFloat32, gathered.size(0),
+                                   fusedce::kShardStatsWidth),
+                   gathered.size(0) / (n + 1), vector_of(target, "target"), shard_of(vocab_start, vocab_total),
+                   o, out, vector_of(row_weight, "row_weight"), vector_of(batch, "batch")),
+               "ce_shard_merge");
+  return {loss, lse, num_correct, entropy_sum, row_weight, batch};
+}
+
+// Step 3: this rank's dlogits from the merged lse, row_weight and batch, for the upstream
+// gradient grad_loss (float32; 0-D or (1,) for 'sum' / 'mean', (N,) for 'none').
+template <class Ctx>
+Tensor ce_shard_bwd(const Tensor& logits, const Tensor& target, const OptTensor& weight,
+                    const Tensor& lse, const Tensor& row_weight, const Tensor& batch,
+                    const Tensor& grad_loss, int64_t vocab_start, int64_t vocab_total,
+                    int64_t ignore_index, c10::string_view reduction, double label_smoothing,
+                    double logit_scale, double softcap, double z_loss) {
+  Ctx ctx(logits, "logits");
+  const fusedce::MatrixView x = matrix_of(logits, "logits");
+  check_inputs(logits, target);
+  const fusedce::Options o = options_of(logits, weight, ignore_index, reduction_string(reduction),
+                                        label_smoothing, logit_scale, softcap, z_loss);
+  check_same_device(lse, "lse", logits);
+  check_same_device(row_weight, "row_weight", logits);
+  check_same_device(batch, "batch", logits);
+  check_same_device(grad_loss, "grad_loss", logits);
+  Tensor dlogits = at::empty(logits.sizes(), logits.options());
+  check_status(fusedce::cross_entropy_shard_backward(
+                   ctx.device(), x, vector_of(target, "target"), shard_of(vocab_start, vocab_total), o,
+                   vector_of(lse, "lse"), vector_of(row_weight, "row_weight"), vector_of(batch, "batch"),
+                   vector_of(grad_loss, "grad_loss"), matrix_of(dlogits, "dlogits")),
+               "ce_shard_bwd");
+  return dlogits;
+}
+
+}  // namespace fusedce_torch
