@@ -15,7 +15,7 @@ from fusedce.demo.corpus import load_text, tokenize
 from fusedce.demo.memory import PeakMemory
 from fusedce.demo.model import ModelConfig, TinyGPT
 from fusedce.demo.tokenizer import BytePairTokenizer
-from fusedce.demo.train import fusedce_loss, lr_at, torch_loss
+from fusedce.demo.train import fusedce_loss, lr_at, make_optimizer, torch_loss, train_steps
 
 from conftest import DEVICES, requires_cuda
 
@@ -86,6 +86,46 @@ def test_exit_status_is_1_when_curves_diverge(tmp_path, monkeypatch, capsys):
     assert run_quick(tmp_path / "out") == 1
     captured = capsys.readouterr()
     assert "DIVERGE" in captured.out and "diverge" in captured.err
+
+
+class SilentBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, s):
+        pass
+
+    def close(self):
+        pass
+
+
+def curve(loss_fn, steps=20):
+    """The --quick model trained in this process for `steps` steps with `loss_fn`."""
+    cfg = cli.run_config(cli.parse_args(["--quick", "--steps", str(steps)]))
+    tok, tokens = tokenize(load_text()[:50000], cfg.model.vocab)
+    torch.manual_seed(cfg.seed)
+    model = TinyGPT(cfg.model)
+    opt = make_optimizer(model, cfg)
+    losses, _, _ = train_steps(model, opt, torch.tensor(tokens), cfg, loss_fn, SilentBar())
+    return losses
+
+
+def half_weight_gradient(model, hidden, target):
+    """A planted bug: the right loss, but lm_head.weight's gradient comes from half the rows."""
+    h, t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    n, w = h.shape[0] // 2, model.lm_head.weight
+    return F.cross_entropy(torch.cat([F.linear(h[:n], w), F.linear(h[n:], w.detach())]), t)
+
+
+def test_tolerance_passes_fusedce_and_fails_a_gradient_bug():
+    """In float32 the curves of the two losses agree far inside the tolerance, while a loss with
+    a wrong gradient (same loss values at the start) leaves it within a few steps; Adam makes
+    training blind to a uniform scale of a gradient, but not to a wrong direction."""
+    reference = curve(torch_loss)
+    ok = report.compare_curves(reference, curve(fusedce_loss), "float32")
+    assert ok["agree"] and ok["max_abs_diff"] <= report.TOLERANCE["float32"] / 10
+    bad = report.compare_curves(reference, curve(half_weight_gradient), "float32")
+    assert bad["first_step_abs_diff"] <= 1e-6 and not bad["agree"]
 
 
 def test_compare_curves():

@@ -129,7 +129,7 @@ def train_run(cfg, tokens, merges, loss_name):
     data = torch.tensor(tokens, dtype=torch.long)
     # Built before the memory baseline: constructing them imports modules (tqdm; torch's
     # compiler stack, for the optimizer) worth a hundred MB of RSS that are not the run's.
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    opt = make_optimizer(model, cfg)
     bar = progress_bar(cfg.steps, loss_name)
     mem = PeakMemory(device)
     mem.start()
@@ -150,6 +150,10 @@ def train_run(cfg, tokens, merges, loss_name):
         "threads": torch.get_num_threads(),
         "sample": sample_text(model, BytePairTokenizer(merges), seen.to(device), cfg),
     }
+
+
+def make_optimizer(model, cfg):
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
 
 
 def train_steps(model, opt, data, cfg, loss_fn, bar):
