@@ -1,0 +1,119 @@
+"""What the demo shows: the two loss curves and their agreement, tokens per second, peak memory,
+and a sample of generated text; printed, written to JSON and text files, and plotted (PNG) when
+matplotlib is installed."""
+
+import json
+import math
+import textwrap
+
+# Largest |difference| allowed between the two loss curves (nats), by compute dtype. The runs
+# start from the same weights and see the same batches, so the curves differ only by rounding:
+# the losses of the first step differ by float32 rounding of the loss (about 1e-6), and later
+# steps by that much plus its growth through training (both runs follow different rounding from
+# step one on, and training amplifies small differences slowly). A bug in a loss or a gradient
+# (a wrong scale, a missing row, a wrong term) moves the curves apart by 1e-2 or more within a
+# few steps. bfloat16: the baseline rounds its logits to bfloat16 before the upcast, fusedce
+# does not, so they differ by the rounding of logits to bfloat16 from the first step on.
+TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}
+
+LABELS = {
+    "torch": "torch: lm_head + F.cross_entropy (float32 logits)",
+    "fusedce": "fusedce.linear_cross_entropy",
+}
+
+
+def compare_curves(a, b, dtype):
+    """max |a - b| over the steps (and where), the first step's difference, and whether the
+    curves agree within TOLERANCE[dtype] (any non-finite loss: they do not)."""
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    finite = all(math.isfinite(x) for x in a + b) and len(a) == len(b) and len(a) > 0
+    worst = max(range(len(diffs)), key=diffs.__getitem__) if diffs else 0
+    tol = TOLERANCE[dtype]
+    max_diff = diffs[worst] if diffs and finite else float("nan")
+    return {
+        "max_abs_diff": max_diff,
+        "at_step": worst,
+        "first_step_abs_diff": diffs[0] if diffs else float("nan"),
+        "tolerance": tol,
+        "agree": finite and max_diff <= tol,
+    }
+
+
+def _mib(n):
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def summary_lines(setup, runs, agreement):
+    """The printed report, as lines of text."""
+    t, f = runs["torch"], runs["fusedce"]
+    lines = [setup, ""]
+    width = max(len(v) for v in LABELS.values())
+    lines.append(f"{'run':<{width}} | final loss | tokens/s | peak memory")
+    lines.append(f"{'-' * width}-|------------|----------|------------")
+    for name in ("torch", "fusedce"):
+        r = runs[name]
+        lines.append(f"{LABELS[name]:<{width}} | {r['losses'][-1]:10.4f} | {r['tokens_per_s']:8,.0f} | "
+                     f"{_mib(r['peak_memory_bytes']):>11}")
+    lines.append(f"peak memory: {t['memory_measure']}")
+    saved = t["peak_memory_bytes"] - f["peak_memory_bytes"]
+    if t["peak_memory_bytes"] > 0:
+        lines.append(f"fusedce vs torch: peak memory {_mib(abs(saved))} {'less' if saved >= 0 else 'more'} "
+                     f"({100 * abs(saved) / t['peak_memory_bytes']:.0f}%), "
+                     f"{f['tokens_per_s'] / t['tokens_per_s']:.2f}x the tokens/s")
+    verdict = "agree" if agreement["agree"] else "DIVERGE"
+    lines.append(f"loss curves: max |diff| {agreement['max_abs_diff']:.2e} at step {agreement['at_step']} "
+                 f"(first step {agreement['first_step_abs_diff']:.2e}); "
+                 f"tolerance {agreement['tolerance']:.0e}: {verdict}")
+    return lines
+
+
+def plot_curves(path, runs, agreement, title):
+    """Writes the two loss curves and their difference to a PNG; False when matplotlib is not
+    installed (nothing written)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 1.3]})
+    styles = {"torch": dict(color="tab:blue", lw=2.2, alpha=0.6),
+              "fusedce": dict(color="tab:red", lw=1, ls="--")}
+    for name in ("torch", "fusedce"):
+        r = runs[name]
+        label = (f"{LABELS[name]}: {r['tokens_per_s']:,.0f} tok/s, peak {_mib(r['peak_memory_bytes'])}")
+        top.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, **styles[name])
+    top.set_ylabel("training loss (nats)")
+    top.set_title(textwrap.fill(title, 100), fontsize=9)
+    top.legend(fontsize=8)
+    top.grid(alpha=0.3)
+    pairs = zip(runs["torch"]["losses"], runs["fusedce"]["losses"])
+    # steps with bit-identical losses have no point on a log scale
+    diff = [(step, abs(a - b)) for step, (a, b) in enumerate(pairs, 1) if a != b]
+    bottom.semilogy([s for s, _ in diff], [d for _, d in diff], ".", color="black", ms=3,
+                    label="|difference| (steps with identical losses not shown)")
+    bottom.axhline(agreement["tolerance"], color="tab:red", lw=0.8, ls=":", label="tolerance")
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("|torch - fusedce|")
+    bottom.legend(fontsize=8)
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_json(path, config, versions, corpus, runs, agreement):
+    with open(path, "w") as f:
+        json.dump({"config": config, "versions": versions, "corpus": corpus, "runs": runs,
+                   "agreement": agreement}, f, indent=1)
+
+
+def write_samples(path, prompt, runs):
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"# Text sampled from each trained model after the prompt {prompt!r} "
+                "(temperature 0.8, same seed)\n")
+        for name in ("fusedce", "torch"):
+            f.write(f"\n## {LABELS[name]}\n\n{runs[name]['sample']}\n")
