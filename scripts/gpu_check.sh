@@ -7,7 +7,8 @@
 # architectures (default 80-real;90). STEPS picks steps (default: all of
 # "tests sanitizer bench python peers linear report demo"); the C++ build runs for the first four.
 # PYTEST_ARGS narrows the Python tests (e.g. -k cuda), REPORT_ARGS / DEMO_ARGS go to
-# `python -m fusedce.bench` / `python -m fusedce.demo`.
+# `python -m fusedce.bench` / `python -m fusedce.demo`; PYTEST_TIMEOUT, REPORT_TIMEOUT and
+# DEMO_TIMEOUT (seconds) bound those steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -74,7 +75,7 @@ if python3 -c "import torch, pytest" 2>/dev/null; then
     -DPython_EXECUTABLE="$(command -v python3)" > "$out/torch_build.log" 2>&1 &&
     cmake --build build-gpu-torch -j 16 >> "$out/torch_build.log" 2>&1 || { tail -20 "$out/torch_build.log"; status=1; }
   if want python; then
-    FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} python3 -m pytest tests/python -q -rs \
+    FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} timeout ${PYTEST_TIMEOUT:-3000} python3 -m pytest tests/python -q -rs \
       -p no:cacheprovider ${PYTEST_ARGS:-} > "$out/pytest.log" 2>&1 || status=1
     tail -5 "$out/pytest.log"
   fi
@@ -97,13 +98,13 @@ step "benchmark report: python -m fusedce.bench against every importable peer"
 FUSEDCE_PEER_FLASH_ATTN_CE=${FUSEDCE_PEER_FLASH_ATTN_CE:-$PWD/.whl/peers/flash_attn_ce.py} \
   FUSEDCE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
   FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
-  python3 -m fusedce.bench --no-progress --out "$out/report" ${REPORT_ARGS:-} 2>&1 | tee "$out/report.log" || status=1
+  timeout ${REPORT_TIMEOUT:-3000} python3 -m fusedce.bench --no-progress --out "$out/report" ${REPORT_ARGS:-} 2>&1 | tee "$out/report.log" || status=1
 fi
 
 if want demo; then
 step "demo: python -m fusedce.demo --device cuda"
 FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
-  python3 -m fusedce.demo --device cuda --out "$out/demo" ${DEMO_ARGS:-} 2>&1 | tail -40 | tee "$out/demo.log" || status=1
+  timeout ${DEMO_TIMEOUT:-3000} python3 -m fusedce.demo --device cuda --out "$out/demo" ${DEMO_ARGS:-} 2>&1 | tail -40 | tee "$out/demo.log" || status=1
 fi
 
 if want linear; then
