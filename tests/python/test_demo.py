@@ -42,7 +42,7 @@ def check_outputs(out, steps, dtype):
         assert r["peak_memory_bytes"] >= 0 and r["memory_measure"]
     # Same start, same batches: the first losses (before any update) agree to float32 rounding
     # of a loss near log(V) in float32, and to bfloat16 rounding of the logits in bfloat16.
-    first_tol = 1e-5 if dtype == "float32" else 2e-2
+    first_tol = 1e-5 if dtype == "float32" else 2e-3
     assert abs(runs["torch"]["losses"][0] - runs["fusedce"]["losses"][0]) <= first_tol
     # ... and the first loss is that of an untrained model over a V-way softmax, about log(V).
     assert abs(runs["torch"]["losses"][0] - math.log(res["config"]["model"]["vocab"])) < 0.5

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+import fusedce
+
 from .memory import PeakMemory
 from .model import ModelConfig, TinyGPT
 from .tokenizer import BytePairTokenizer
@@ -45,8 +47,6 @@ def fusedce_loss(model, hidden, target):
     """The same loss from fusedce.linear_cross_entropy on the hidden states and lm_head.weight:
     the logits are formed tile by tile and never stored whole. A custom op is on none of
     autocast's lists, so under autocast we cast its inputs as autocast casts lm_head's."""
-    import fusedce
-
     weight = model.lm_head.weight
     if torch.is_autocast_enabled(hidden.device.type):
         dtype = torch.get_autocast_dtype(hidden.device.type)
