@@ -99,12 +99,15 @@ FUSEDCE_PEER_FLASH_ATTN_CE=${FUSEDCE_PEER_FLASH_ATTN_CE:-$PWD/.whl/peers/flash_a
   FUSEDCE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
   FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
   timeout ${REPORT_TIMEOUT:-3000} python3 -m fusedce.bench --no-progress --out "$out/report" ${REPORT_ARGS:-} 2>&1 | tee "$out/report.log" || status=1
+# One archive: the device tool brings back only a few files per call.
+tar -C "$out" -czf "$out/report.tgz" report && rm -rf "$out/report"
 fi
 
 if want demo; then
 step "demo: python -m fusedce.demo --device cuda"
 FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
   timeout ${DEMO_TIMEOUT:-3000} python3 -m fusedce.demo --device cuda --out "$out/demo" ${DEMO_ARGS:-} 2>&1 | tail -40 | tee "$out/demo.log" || status=1
+tar -C "$out" -czf "$out/demo.tgz" demo && rm -rf "$out/demo"
 fi
 
 if want linear; then

@@ -39,7 +39,7 @@ struct LinearPlan {
   int64_t N, H, V;
   DType dtype;
   bool grad, grad_hidden, grad_weight, grad_bias, compact, metrics;
-  int64_t chunk_rows;  // rows per chunk
+  int64_t chunk_rows;  // rows the logit buffer holds: the most a chunk has
   int64_t ld_logits;   // row stride of the logits chunk: V rounded up to 16 bytes
   int64_t max_chunks;
   Options ce_options;  // the per-chunk cross-entropy call's options
@@ -160,11 +160,24 @@ class LinearRun {
       launch_fill_ones(at(p_.ones), p_.chunk_rows, p_.dtype, stream_);
       FUSEDCE_TRY(last_error("filling the ones vector"));
     }
+    const int64_t step = balanced_chunk(positions);
     int64_t chunk = 0;
-    for (int64_t p0 = 0; p0 < positions; p0 += p_.chunk_rows, ++chunk) {
-      FUSEDCE_TRY(run_chunk(p0, std::min(p_.chunk_rows, positions - p0), chunk));
+    for (int64_t p0 = 0; p0 < positions; p0 += step, ++chunk) {
+      FUSEDCE_TRY(run_chunk(p0, std::min(step, positions - p0), chunk));
     }
     return finish(chunk);
+  }
+
+  /// Rows per chunk for `positions` rows: as many chunks as the buffer needs, of even size
+  /// (whole tiles of 128 where possible), so that no chunk is a thin ragged remainder whose
+  /// products run far below the matrix units' rate (2048 rows in a 1792-row buffer: 2 x 1024,
+  /// not 1792 + 256). Never more than the buffer holds, never more chunks than planned.
+  int64_t balanced_chunk(int64_t positions) const {
+    if (positions <= p_.chunk_rows) return std::max<int64_t>(positions, 1);
+    const int64_t chunks = (positions + p_.chunk_rows - 1) / p_.chunk_rows;
+    int64_t rows = (positions + chunks - 1) / chunks;
+    if (rows > 128) rows = std::min<int64_t>((rows + 127) / 128 * 128, p_.chunk_rows);
+    return rows;
   }
 
  private:
