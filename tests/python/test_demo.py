@@ -4,6 +4,9 @@ against a float64 reference, the curve comparison, the memory measure, the exit 
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -236,13 +239,24 @@ def test_lr_schedule_warms_up_then_decays_to_a_tenth():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
 
 
+_CPU_PEAK_PROBE = """
+import torch
+from fusedce.demo.memory import PeakMemory
+mem = PeakMemory("cpu")
+mem.start()
+x = torch.ones(16 * 2**20)  # 64 MiB, every page touched
+del x
+print(mem.stop(), mem.what, sep="|")
+"""
+
+
 def test_cpu_peak_memory_sees_a_64_mib_tensor():
-    mem = PeakMemory("cpu")
-    mem.start()
-    x = torch.ones(16 * 2**20)  # 64 MiB, every page touched
-    del x
-    peak = mem.stop()
-    assert 60 * 2**20 <= peak <= 200 * 2**20, (peak, mem.what)
+    # In a fresh process: after the rest of the suite, this process's heap may hold a freed
+    # block large enough to serve the tensor from pages already resident (no RSS growth).
+    out = subprocess.run([sys.executable, "-c", _CPU_PEAK_PROBE], capture_output=True, text=True,
+                         check=True, env=os.environ.copy()).stdout.strip().splitlines()[-1]
+    peak, what = out.split("|", 1)
+    assert 60 * 2**20 <= int(peak) <= 200 * 2**20, (peak, what)
 
 
 @requires_cuda
