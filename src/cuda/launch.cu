@@ -12,6 +12,7 @@
 
 #include "common/call.h"
 #include "common/constants.h"
+#include "cuda/host_util.h"
 #include "cuda/kernels.h"
 #include "cuda/params.h"
 #include "cuda/vec.cuh"
@@ -20,8 +21,6 @@ namespace fusedce {
 namespace cuda {
 namespace {
 
-constexpr size_t kAlign = 256;
-size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 /// Where each piece of the workspace lives (byte offsets; size 0 = not needed).
 struct WorkspaceLayout {
@@ -63,29 +62,6 @@ WorkspaceLayout plan_workspace(Job job, int64_t rows, const Options& o) {
   w.total = job == Job::kRescale ? 0 : at;
   return w;
 }
-
-Status device_error(cudaError_t e, const char* what) {
-  std::ostringstream os;
-  os << "CUDA error in " << what << ": " << cudaGetErrorString(e);
-  return Status(StatusCode::kDeviceError, os.str());
-}
-
-/// Makes device.index current for the call and restores the caller's device after.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int index) {
-    (void)cudaGetDevice(&previous_);
-    if (previous_ != index) (void)cudaSetDevice(index);
-  }
-  ~DeviceGuard() {
-    int now = -1;
-    (void)cudaGetDevice(&now);
-    if (now != previous_) (void)cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-};
 
 /// How a row is spread over threads: `cluster` blocks of `threads`, each thread holding `items`
 /// 16-byte segments per piece, `pieces` pieces per block. `hw_cluster`: whether the blocks of a

@@ -20,14 +20,13 @@
 
 #include "common/call.h"
 #include "cuda/gemm.h"
+#include "cuda/host_util.h"
 #include "cuda/linear.h"
 
 namespace fusedce {
 namespace cuda {
 namespace {
 
-constexpr size_t kAlign = 256;
-size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 size_t elem_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
 /// Default bytes of logits per chunk: with the cuBLASLt workspace and the per-row vectors the
@@ -112,38 +111,11 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   return p;
 }
 
-Status device_error(cudaError_t e, const char* what) {
-  std::ostringstream os;
-  os << "CUDA error in " << what << ": " << cudaGetErrorString(e);
-  return Status(StatusCode::kDeviceError, os.str());
-}
-
-Status last_error(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? Status::Ok() : device_error(e, what);
-}
-
 #define FUSEDCE_TRY(expr)         \
   do {                            \
     Status s_ = (expr);           \
     if (!s_.ok()) return s_;      \
   } while (0)
-
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int index) {
-    (void)cudaGetDevice(&previous_);
-    if (previous_ != index) (void)cudaSetDevice(index);
-  }
-  ~DeviceGuard() {
-    int now = -1;
-    (void)cudaGetDevice(&now);
-    if (now != previous_) (void)cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-};
 
 /// The run of one call over a workspace that fits its plan.
 class LinearRun {

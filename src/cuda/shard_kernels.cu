@@ -15,6 +15,7 @@
 
 #include "common/call.h"
 #include "common/constants.h"
+#include "cuda/host_util.h"
 #include "cuda/vec.cuh"
 
 namespace fusedce {
@@ -287,12 +288,6 @@ __global__ void __launch_bounds__(kThreads) shard_backward_kernel(const ShardPar
   }
 }
 
-Status launch_status(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return Status::Ok();
-  return Status(StatusCode::kDeviceError, std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));
-}
-
 ShardParams shard_params(const detail::ShardCall& call) {
   const Options& o = call.options;
   ShardParams p{};
@@ -327,10 +322,8 @@ void launch_backward(const ShardParams& p, cudaStream_t s) {
 Status run_shard(const detail::ShardCall& call) {
   DType d = call.logits.dtype;
   cudaStream_t stream = static_cast<cudaStream_t>(call.device.stream);
-  int previous = 0;
-  (void)cudaGetDevice(&previous);
-  if (previous != call.device.index) (void)cudaSetDevice(call.device.index);
-  (void)cudaGetLastError();
+  DeviceGuard guard(call.device.index);
+  (void)cudaGetLastError();  // an earlier, unrelated error must not be reported as ours
   Status st;
   if (call.step == 1) {
     ShardParams p = shard_params(call);
@@ -338,7 +331,7 @@ Status run_shard(const detail::ShardCall& call) {
     if (d == DType::kFloat32) launch_stats<float>(p, stream);
     else if (d == DType::kBFloat16) launch_stats<BFloat16>(p, stream);
     else launch_stats<Half>(p, stream);
-    st = launch_status("the shard statistics kernel");
+    st = last_error("the shard statistics kernel");
   } else if (call.step == 2) {
     const Options& o = call.options;
     MergeParams m{};
@@ -365,7 +358,7 @@ Status run_shard(const detail::ShardCall& call) {
       m.entropy_sum = static_cast<float*>(call.out.entropy_sum.data);
     }
     shard_merge_kernel<<<1, kMergeThreads, 0, stream>>>(m);
-    st = launch_status("the shard merge kernel");
+    st = last_error("the shard merge kernel");
   } else {
     const Options& o = call.options;
     ShardParams p = shard_params(call);
@@ -384,9 +377,8 @@ Status run_shard(const detail::ShardCall& call) {
     if (d == DType::kFloat32) launch_backward<float>(p, stream);
     else if (d == DType::kBFloat16) launch_backward<BFloat16>(p, stream);
     else launch_backward<Half>(p, stream);
-    st = launch_status("the shard backward kernel");
+    st = last_error("the shard backward kernel");
   }
-  if (previous != call.device.index) (void)cudaSetDevice(previous);
   return st;
 }
 

@@ -1,0 +1,51 @@
+// Host-side helpers shared by the GPU launchers (launch.cu, linear_cuda.cpp, shard_kernels.cu).
+// Include it after the platform's runtime header: cuda/port.h in the .cu files (which also maps
+// these names to HIP's), <cuda_runtime.h> in host-only .cpp files.
+#pragma once
+
+#include <cstddef>
+#include <sstream>
+
+#include "fusedce/types.h"
+
+namespace fusedce {
+namespace cuda {
+
+/// Workspace pieces start at this alignment (what vectorised loads and cuBLASLt like best).
+constexpr size_t kWorkspaceAlign = 256;
+inline size_t align_up(size_t n) { return (n + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
+
+/// A runtime error as the entry points report it, naming what failed.
+inline Status device_error(cudaError_t e, const char* what) {
+  std::ostringstream os;
+  os << "CUDA error in " << what << ": " << cudaGetErrorString(e);
+  return Status(StatusCode::kDeviceError, os.str());
+}
+
+/// The error a launch left behind, if any.
+inline Status last_error(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? Status::Ok() : device_error(e, what);
+}
+
+/// Makes device.index current for the call and restores the caller's device after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int index) {
+    (void)cudaGetDevice(&previous_);
+    if (previous_ != index) (void)cudaSetDevice(index);
+  }
+  ~DeviceGuard() {
+    int now = -1;
+    (void)cudaGetDevice(&now);
+    if (now != previous_) (void)cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+}  // namespace cuda
+}  // namespace fusedce
