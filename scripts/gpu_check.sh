@@ -9,6 +9,10 @@
 # PYTEST_ARGS narrows the Python tests (e.g. -k cuda), REPORT_ARGS / DEMO_ARGS go to
 # `python -m fusedce.bench` / `python -m fusedce.demo`; PYTEST_TIMEOUT, REPORT_TIMEOUT and
 # DEMO_TIMEOUT (seconds) bound those steps.
+# All steps take about 20 minutes on an H200, more than one 10-minute device call: the sessions
+# so far ran two calls, STEPS="tests sanitizer bench linear" with CTEST_ARGS='-R (cuda|Cuda)'
+# (~7 min), then STEPS="python report demo" TORCH_CUDA_ARCHS=90 PYTEST_ARGS="-k cuda"
+# REPORT_ARGS=--quick (~5 min). Carry .deps (GoogleTest) and .whl (peers) with them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
