@@ -89,6 +89,11 @@ struct BareGemm {
 
 template <typename F>
 double median_ms(F&& fn, int iters) {
+  if (iters <= 0) {  // profile mode: one run, no timing (the profiler times each kernel)
+    fn();
+    CK(cudaDeviceSynchronize());
+    return 0.0;
+  }
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
@@ -125,7 +130,7 @@ struct Shape {
   bool half_ignored;
 };
 
-void bench(const Shape& s, BareGemm& bare, int iters) {
+void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory) {
   const int64_t N = s.N, H = s.H, V = s.V;
   bf16 *hid, *w, *gh, *gw, *full;
   CK(cudaMalloc(&hid, N * H * 2));
@@ -157,10 +162,14 @@ void bench(const Shape& s, BareGemm& bare, int iters) {
   CK(cudaFree(full));
   CK(cudaFree(gw32));
 
-  for (int skip = 0; skip <= (s.half_ignored ? 1 : 0); ++skip) {
+  // Modes: 0 default, 1 skip_ignored (half-ignored shapes only), 2 low_memory.
+  for (int mode : {0, 1, 2}) {
+    if ((mode == 1 && !s.half_ignored) || (mode == 2 && (s.half_ignored || !with_low_memory))) continue;
+    const bool skip = mode == 1;
     const fusedce::Options o;
     fusedce::LinearOptions lo;
-    lo.skip_ignored = skip == 1;
+    lo.skip_ignored = skip;
+    lo.low_memory = mode == 2;
     fusedce::LinearGrads g;
     g.grad_hidden = fusedce::matrix(gh, DType::kBFloat16, N, H);
     g.grad_weight = fusedce::matrix(gw, DType::kBFloat16, V, H);
@@ -178,10 +187,10 @@ void bench(const Shape& s, BareGemm& bare, int iters) {
                                                         fusedce::vector(dt, DType::kInt64, N), o, lo, out, {}, g,
                                                         fusedce::Workspace{ws, ws_bytes}));
     }, iters);
-    const double acc = double(V) * H * 4 / 1048576.0;
+    const double acc = lo.low_memory ? 0.0 : double(V) * H * 4 / 1048576.0;
     std::printf("| %lld x %lld x %lld%s | %.2f ms | %.0f | %.2f ms (%.0f TFLOP/s) | %.3f | %.0f MiB (%.0f + %.0f accumulator) |\n",
                 (long long)N, (long long)H, (long long)V,
-                s.half_ignored ? (skip ? " half ignored, skip_ignored" : " half ignored") : "", t_fused,
+                lo.low_memory ? " low_memory" : s.half_ignored ? (skip ? " half ignored, skip_ignored" : " half ignored") : "", t_fused,
                 flops / t_fused / 1e9, t_floor, flops / t_floor / 1e9, t_fused / t_floor, ws_bytes / 1048576.0,
                 ws_bytes / 1048576.0 - acc, acc);
     std::fflush(stdout);
@@ -193,8 +202,17 @@ void bench(const Shape& s, BareGemm& bare, int iters) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // --quick: fewer shapes and runs. --profile N H V: one shape, one timed run of each mode (for
+  // ncu: the per-kernel times of the fused call beside the bare products').
   bool quick = false;
-  for (int i = 1; i < argc; ++i) quick |= std::strcmp(argv[i], "--quick") == 0;
+  Shape one{0, 0, 0, false};
+  for (int i = 1; i < argc; ++i) {
+    quick |= std::strcmp(argv[i], "--quick") == 0;
+    if (std::strcmp(argv[i], "--profile") == 0 && i + 3 < argc) {
+      one = Shape{std::atoll(argv[i + 1]), std::atoll(argv[i + 2]), std::atoll(argv[i + 3]), false};
+      i += 3;
+    }
+  }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("# %s, fused linear cross-entropy, bfloat16, forward + grad_hidden + grad_weight\n", prop.name);
@@ -202,10 +220,14 @@ int main(int argc, char** argv) {
   std::printf("| N x H x V | fused fwd+bwd | TFLOP/s | floor (bare GEMMs) | x floor | extra memory |\n");
   std::printf("|---|---|---|---|---|---|\n");
   BareGemm bare;
+  if (one.N > 0) {
+    bench(one, bare, 0, true);
+    return 0;
+  }
   const int iters = quick ? 3 : 10;
   std::vector<Shape> shapes = {{4096, 4096, 128256, false}, {8192, 4096, 128256, false}, {16384, 2304, 256000, false},
                                {8192, 4096, 151936, false}, {8192, 4096, 128256, true}};
   if (!quick) shapes.push_back({32768, 4096, 128256, false});
-  for (const Shape& s : shapes) bench(s, bare, iters);
+  for (const Shape& s : shapes) bench(s, bare, iters, true);
   return 0;
 }

@@ -8,7 +8,8 @@
 # "tests sanitizer bench python peers linear report demo"); the C++ build runs for the first four.
 # PYTEST_ARGS narrows the Python tests (e.g. -k cuda), REPORT_ARGS / DEMO_ARGS go to
 # `python -m fusedce.bench` / `python -m fusedce.demo`; PYTEST_TIMEOUT, REPORT_TIMEOUT and
-# DEMO_TIMEOUT (seconds) bound those steps.
+# DEMO_TIMEOUT (seconds) bound those steps. The opt-in step "profile" runs ncu over one fused
+# linear call (PROFILE_SHAPE="N H V") and prints the per-kernel times (bench/ncu_summary.py).
 # All steps take about 20 minutes on an H200, more than one 10-minute device call: the sessions
 # so far ran two calls, STEPS="tests sanitizer bench linear" with CTEST_ARGS='-R (cuda|Cuda)'
 # (~7 min), then STEPS="python report demo" TORCH_CUDA_ARCHS=90 PYTEST_ARGS="-k cuda"
@@ -117,5 +118,12 @@ fi
 if want linear; then
 step "linear cross-entropy benchmark (fused vs the bare GEMM floor of the same run)"
 "$build/bench/fusedce_linear_bench" ${BENCH_ARGS:-} 2>&1 | tee "$out/linear_bench.md" || status=1
+fi
+
+if want profile; then
+step "ncu: per-kernel times of one fused linear call (PROFILE_SHAPE, default 8192 4096 128256)"
+ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+  "$build/bench/fusedce_linear_bench" --profile ${PROFILE_SHAPE:-8192 4096 128256} > "$out/linear_profile.csv" 2> "$out/ncu.err" || status=1
+python3 bench/ncu_summary.py "$out/linear_profile.csv" | tee "$out/linear_profile.md" || { tail -5 "$out/ncu.err"; status=1; }
 fi
 exit $status

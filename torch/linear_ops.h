@@ -112,6 +112,10 @@ inline fusedce::Workspace workspace_of(const Tensor& ws) {
 
 // ---- out-variant ops: write only into the given buffers -----------------------------------
 
+// The GPU adds the bias in the product's epilogue, which reads it densely: a strided bias (a
+// slice of a larger tensor) is copied first. Undefined when there is none.
+inline Tensor contiguous_bias(const OptTensor& bias) { return bias.has_value() ? bias->contiguous() : Tensor(); }
+
 template <class Ctx>
 void lce_fwd_out(const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
                  const OptTensor& class_weight, int64_t ignore_index, c10::string_view reduction,
@@ -127,8 +131,9 @@ void lce_fwd_out(const Tensor& hidden, const Tensor& weight, const OptTensor& bi
   const fusedce::ForwardOutputs out = linear_outputs_of(hidden, loss, lse, num_correct, entropy_sum, &o);
   const fusedce::LinearOptions lo = linear_only_options(shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored);
   const Tensor ws = linear_workspace(hidden, fusedce::Job::kForward, ctx.device(), h, w, o, lo, {});
+  const Tensor bias_c = contiguous_bias(bias);
   check_status(fusedce::linear_cross_entropy_forward(
-                   ctx.device(), h, w, bias.has_value() ? vector_of(*bias, "bias") : fusedce::VectorView{},
+                   ctx.device(), h, w, bias_c.defined() ? vector_of(bias_c, "bias") : fusedce::VectorView{},
                    vector_of(target, "target"), o, lo, out, workspace_of(ws)),
                "lce_fwd");
 }
@@ -171,8 +176,9 @@ void lce_fwd_bwd_out(const Tensor& hidden, const Tensor& weight, const OptTensor
   }
   const fusedce::LinearOptions lo = linear_only_options(shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored);
   const Tensor ws = linear_workspace(hidden, fusedce::Job::kForwardBackward, ctx.device(), h, w, o, lo, grads);
+  const Tensor bias_c = contiguous_bias(bias);
   check_status(fusedce::linear_cross_entropy_forward_backward(
-                   ctx.device(), h, w, bias.has_value() ? vector_of(*bias, "bias") : fusedce::VectorView{},
+                   ctx.device(), h, w, bias_c.defined() ? vector_of(bias_c, "bias") : fusedce::VectorView{},
                    vector_of(target, "target"), o, lo, out, g, grads, workspace_of(ws)),
                "lce_fwd_bwd");
 }

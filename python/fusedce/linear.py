@@ -108,7 +108,10 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
             ignored rows), as :func:`fusedce.cross_entropy` does. The loss and gradients are
             bit-identical with and without.
         chunk_budget_bytes: scratch memory the core may use for logit tiles (None: its default).
-        low_memory: keep all extra memory under 512 MiB, even at the cost of recomputation.
+        low_memory: keep all extra memory under 512 MiB, even at the cost of recomputation
+            (on a GPU, grad_weight is formed slice by slice of the vocabulary from logits
+            recomputed by a fourth matrix product: about 4/3 of the default path's flops,
+            and no float32 (V, H) accumulator).
         skip_ignored: run the matrix products over the rows whose target is not ignored only
             (a prompt-masked batch then costs only its answer tokens). On a GPU this needs
             their count on the host: the call waits for the device once (a small copy), and

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/numeric.h"
 #include "fusedce/types.h"
 
 namespace fusedce {
@@ -31,6 +32,7 @@ struct LinearPrepareParams {
   int64_t* count;       // positions in idx
   float* denom;         // sum of the target weights of the counted rows (the mean's denominator)
   int64_t* bad_row;     // first row with a target outside [0, V) and not ignored, or INT64_MAX
+  float* weight_sum;    // sum of the V class weights (V without weights): label smoothing's W
 };
 
 /// Per chunk of positions [p0, p0 + n): the targets and upstream gradients of its rows, and (when
@@ -49,7 +51,7 @@ struct LinearGatherParams {
   int64_t hidden_stride, H;
   DType dtype;
   // outputs
-  int64_t* target_out;  // (n,)
+  int64_t* target_out;  // (n,) or null
   float* grad_out;      // (n,) or null (forward only)
   void* hidden_out;     // (n, H) dense, or null
 };
@@ -85,6 +87,27 @@ struct LinearFinishParams {
   int64_t* correct_out;
 };
 
+/// low_memory's vocabulary-sliced backward: the logits of positions [p0, p0 + n) over the
+/// vocabulary columns [v0, v0 + cols), recomputed by a product, become dlogits in place from the
+/// row statistics the token-chunked forward saved (lse and the upstream gradient per position).
+/// The formula of the vocabulary-parallel backward (common/numeric.h: row_grad).
+struct LinearSliceGradParams {
+  void* logits;  // (n, cols) with row stride ld, 16-byte aligned rows
+  int64_t ld, n, cols, v0, p0;
+  const int64_t* eff_target;  // by row
+  const int64_t* idx;         // row of each position
+  const void* bias;           // (V,) dense, or null: added to the product's logits, then rounded
+  const float* lse;           // by position
+  const float* grad;          // by position: the row's upstream gradient (mean's 1/denom folded in)
+  const float* class_weight;  // or null
+  int64_t weight_stride;
+  const float* weight_sum;    // device scalar (prepare)
+  detail::LossConstants c;
+  bool softcap;
+  int64_t ignore_index, vocab;
+  DType dtype;
+};
+
 struct ConvertParams {
   const float* src;  // (rows, cols) dense
   void* dst;
@@ -97,6 +120,10 @@ void launch_linear_gather(const LinearGatherParams& p, cudaStream_t stream);
 void launch_linear_scatter(const LinearScatterParams& p, cudaStream_t stream);
 void launch_linear_finish(const LinearFinishParams& p, cudaStream_t stream);
 void launch_convert(const ConvertParams& p, cudaStream_t stream);
+void launch_linear_slice_grad(const LinearSliceGradParams& p, cudaStream_t stream);
+/// x[r][j] = round(x[r][j] + bias[j]) over (rows, cols) with row stride ld, in the dtype: the
+/// bias as low_memory adds it in both passes (see linear_cuda.cpp).
+void launch_add_bias(void* x, int64_t ld, int64_t rows, int64_t cols, const void* bias, DType dtype, cudaStream_t stream);
 /// n copies of 1 in `dtype` (the ones vector that turns a product into grad_bias's column sums).
 void launch_fill_ones(void* dst, int64_t n, DType dtype, cudaStream_t stream);
 /// Clears a strided (n,) float vector (the lse of rows that the compacted products skip).

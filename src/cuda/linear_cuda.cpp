@@ -5,6 +5,13 @@
 //   3. grad_hidden_chunk = dlogits . weight; grad_weight += dlogits^T . hidden_chunk into a
 //      float32 accumulator (the output itself for float32); grad_bias += column sums (a product
 //      with a ones vector) into a float32 accumulator.
+// low_memory (with grad_weight): the float32 (V, H) accumulator would break the 512 MiB bound, so
+// step 3 leaves grad_weight out and a second pass forms it slice by slice of the vocabulary: for
+// each slice, the logits of every position over the slice's columns are recomputed (a product),
+// turned into dlogits from the lse and upstream gradient the first pass saved, and
+// grad_weight's slice = dlogits^T . hidden is written once (float32 accumulation inside the
+// product over all positions; a small float32 slice accumulator only when the positions need
+// more than one token chunk). 8 N H V flops instead of 6: the price of the bound.
 // The logits never exist beyond one chunk (chunk_budget_bytes). The reduction, the mean's
 // denominator and every upstream-gradient factor live in device memory: no host sync, except
 // with skip_ignored (rows with an ignored target are dropped before any product, which needs
@@ -17,8 +24,10 @@
 #include <climits>
 #include <cstdint>
 #include <sstream>
+#include <string>
 
 #include "common/call.h"
+#include "common/constants.h"
 #include "cuda/gemm.h"
 #include "cuda/host_util.h"
 #include "cuda/linear.h"
@@ -32,26 +41,95 @@ size_t elem_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 /// Default bytes of logits per chunk: with the cuBLASLt workspace and the per-row vectors the
 /// extra memory stays within 512 MiB plus the float32 grad_weight accumulator.
 constexpr size_t kDefaultChunkBudget = size_t(448) << 20;
+/// low_memory: the logit buffer's default (the smaller one when the second pass needs a slice
+/// accumulator), and the most that float32 accumulator may take; with the cuBLASLt workspace
+/// and the per-row vectors the whole call stays under 512 MiB.
+constexpr size_t kLowMemoryChunkBudget = size_t(384) << 20;
+constexpr size_t kLowMemorySmallChunkBudget = size_t(256) << 20;
+constexpr size_t kSliceAccBytes = size_t(128) << 20;
+/// low_memory: a vocabulary slice spans at least this many columns (or the whole vocabulary)
+/// when the buffer allows, so the slice products stay large.
+constexpr int64_t kMinSliceVocab = 4096;
+
+/// Rows per chunk for `positions` rows with at most `cap` per chunk: as many chunks as needed, of
+/// even size (whole tiles of 128 where possible), so that no chunk is a thin ragged remainder
+/// whose products run far below the matrix units' rate (2048 rows in a 1792-row buffer:
+/// 2 x 1024, not 1792 + 256). Never more than `cap`.
+int64_t balanced_rows(int64_t positions, int64_t cap, int64_t granule = 128) {
+  if (positions <= cap) return std::max<int64_t>(positions, 1);
+  const int64_t chunks = (positions + cap - 1) / cap;
+  int64_t rows = (positions + chunks - 1) / chunks;
+  if (rows > granule) rows = std::min<int64_t>((rows + granule - 1) / granule * granule, cap);
+  return rows;
+}
+
+int64_t round_up(int64_t n, int64_t q) { return (n + q - 1) / q * q; }
+
+/// low_memory's second pass: positions per token chunk and columns per vocabulary slice.
+struct SlicePlan {
+  int64_t rows;    // positions per token chunk (the last may have fewer)
+  int64_t vocab;   // columns per slice (the last may have fewer)
+  int64_t ld;      // row stride of the slice's logits
+  size_t hidden;   // bytes at the buffer's start for the gathered hidden rows (skip_ignored)
+  bool acc;        // more than one token chunk: 16-bit grad_weight goes through the accumulator
+};
 
 /// What one call computes, from its arguments alone (so the size query and the run agree).
 struct LinearPlan {
   int64_t N, H, V;
   DType dtype;
   bool grad, grad_hidden, grad_weight, grad_bias, compact, metrics;
+  bool low_memory;       // grad_weight by the vocabulary-sliced second pass
+  bool gw_via_acc;       // 16-bit grad_weight summed over chunks in a float32 accumulator
+  size_t buffer_bytes;   // the logit buffer
+  size_t slice_acc_bytes;
   int64_t chunk_rows;  // rows the logit buffer holds: the most a chunk has
   int64_t ld_logits;   // row stride of the logits chunk: V rounded up to 16 bytes
   int64_t max_chunks;
   Options ce_options;  // the per-chunk cross-entropy call's options
   // workspace byte offsets
-  size_t gemm_ws, logits, ce_ws, ce_ws_bytes, ones, gw_acc, gb_acc, eff_target, idx, scalars, target_c, grad_c,
-      loss_c, lse_c, row_loss, chunk_entropy, chunk_correct, hidden_c, gh_c, total;
+  size_t gemm_ws, logits, ce_ws, ce_ws_bytes, ones, gw_acc, gb_acc, eff_target, idx, scalars, target_c, grad_p,
+      loss_c, lse_p, row_loss, chunk_entropy, chunk_correct, hidden_c, gh_c, slice_acc, total;
 };
 
 struct Scalars {  // device-side batch scalars written by the prepare kernel
   int64_t count;
   int64_t bad_row;
   float denom;
+  float weight_sum;
 };
+
+/// The second pass's shape for `positions` rows entering the products. Depends on the plan and
+/// `positions` only; with positions <= N it never needs more than the plan reserved.
+SlicePlan plan_slices(const LinearPlan& p, int64_t positions) {
+  const size_t el = elem_size(p.dtype);
+  const int64_t per16 = static_cast<int64_t>(16 / el);
+  const int64_t hc = p.compact ? p.H : 0;  // hidden columns gathered per position
+  // Narrowest slice worth having: kMinSliceVocab columns, fewer for a buffer too small to hold
+  // a square-ish tile of them (tests' tiny budgets), never under one 16-byte segment.
+  int64_t isq = 1;
+  while ((isq + 1) * (isq + 1) <= static_cast<int64_t>(p.buffer_bytes / el)) ++isq;
+  const int64_t vmin = std::max<int64_t>(per16, std::min<int64_t>({round_up(p.V, per16), kMinSliceVocab, isq / per16 * per16}));
+  const size_t usable = p.buffer_bytes > kWorkspaceAlign ? p.buffer_bytes - (p.compact ? kWorkspaceAlign : 0) : p.buffer_bytes;
+  int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(usable / (el * size_t(hc + vmin))));
+  if (cap >= 256) cap = cap / 128 * 128;
+  SlicePlan s{};
+  s.rows = balanced_rows(std::max<int64_t>(positions, 1), cap);
+  s.acc = positions > cap;
+  s.hidden = p.compact ? align_up(size_t(s.rows) * hc * el) : 0;
+  int64_t fit = static_cast<int64_t>((p.buffer_bytes - std::min(s.hidden, p.buffer_bytes)) / (size_t(s.rows) * el));
+  if (s.acc && p.dtype != DType::kFloat32) fit = std::min<int64_t>(fit, static_cast<int64_t>(p.slice_acc_bytes / (size_t(p.H) * 4)));
+  if (round_up(p.V, per16) <= fit) {
+    s.vocab = p.V;
+  } else {
+    const int64_t q = fit >= 128 ? 128 : per16;  // whole tiles for the products where it fits
+    const int64_t most = std::max<int64_t>(per16, fit / q * q);
+    const int64_t slices = (p.V + most - 1) / most;
+    s.vocab = std::min<int64_t>(most, round_up((p.V + slices - 1) / slices, q));
+  }
+  s.ld = round_up(s.vocab, per16);
+  return s;
+}
 
 LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int64_t V, DType dtype, const Options& o,
                        const LinearOptions& lo, bool want_gh, bool want_gw, bool want_gb) {
@@ -66,14 +144,40 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   p.grad = p.grad_hidden || p.grad_weight || p.grad_bias;
   p.compact = lo.skip_ignored;
   p.metrics = o.compute_metrics;
+  p.low_memory = lo.low_memory && p.grad_weight;
   const size_t el = elem_size(dtype);
   const int64_t per16 = static_cast<int64_t>(16 / el);
   p.ld_logits = (V + per16 - 1) / per16 * per16;
-  const size_t budget = lo.chunk_budget_bytes > 0 ? lo.chunk_budget_bytes : kDefaultChunkBudget;
-  int64_t rows = static_cast<int64_t>(budget / (size_t(p.ld_logits) * el));
-  if (rows >= 256) rows = rows / 128 * 128;  // whole tiles for the products
-  p.chunk_rows = std::max<int64_t>(1, std::min<int64_t>(rows, std::max<int64_t>(N, 1)));
-  p.max_chunks = (std::max<int64_t>(N, 1) + p.chunk_rows - 1) / p.chunk_rows;
+  // Per row of a chunk: its logits, and (compacting) its gathered hidden row and grad_hidden row.
+  const size_t row_bytes = size_t(p.ld_logits) * el + (p.compact ? size_t(H) * el * (p.grad_hidden ? 2 : 1) : 0);
+  auto set_chunks = [&](size_t budget) {
+    int64_t rows = static_cast<int64_t>(budget / row_bytes);
+    if (rows >= 256) rows = rows / 128 * 128;  // whole tiles for the products
+    p.chunk_rows = std::max<int64_t>(1, std::min<int64_t>(rows, std::max<int64_t>(N, 1)));
+    p.max_chunks = (std::max<int64_t>(N, 1) + p.chunk_rows - 1) / p.chunk_rows;
+    p.buffer_bytes = size_t(p.chunk_rows) * p.ld_logits * el;
+  };
+  const bool acc16 = p.grad_weight && !p.low_memory && dtype != DType::kFloat32;
+  const size_t acc_bytes = size_t(V) * H * 4;
+  if (lo.chunk_budget_bytes > 0) {
+    set_chunks(lo.chunk_budget_bytes);
+  } else if (p.low_memory) {
+    // The larger buffer when the second pass then needs no slice accumulator, else the smaller
+    // one beside the accumulator: under 512 MiB in all either way.
+    p.slice_acc_bytes = std::max(kSliceAccBytes, size_t(128) * H * 4);
+    set_chunks(kLowMemoryChunkBudget);
+    if (dtype != DType::kFloat32 && plan_slices(p, N).acc) set_chunks(kLowMemorySmallChunkBudget);
+  } else if (acc16 && size_t(std::max<int64_t>(N, 1)) * row_bytes <= kDefaultChunkBudget + acc_bytes) {
+    // Every row's logits fit in the default budget plus the float32 accumulator's bytes: one
+    // chunk, in that room instead. The products then run at full size, grad_weight is one
+    // product over all rows (float32 accumulation inside it, rounded once) and nothing is read
+    // back: the same memory bound, less time.
+    set_chunks(size_t(std::max<int64_t>(N, 1)) * row_bytes);
+  } else {
+    set_chunks(kDefaultChunkBudget);
+  }
+  // 16-bit grad_weight over several chunks sums them in a float32 accumulator.
+  p.gw_via_acc = acc16 && p.max_chunks > 1;
 
   p.ce_options = o;
   p.ce_options.reduction = Reduction::kNone;
@@ -88,25 +192,34 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
     return here;
   };
   p.gemm_ws = take(kGemmWorkspaceBytes);
-  p.logits = take(size_t(C) * p.ld_logits * el);
+  p.slice_acc_bytes = 0;
+  if (p.low_memory && dtype != DType::kFloat32) {
+    // Reserved only when N positions need more than one token chunk in the second pass.
+    p.slice_acc_bytes = std::max(kSliceAccBytes, size_t(128) * H * 4);
+    const SlicePlan worst = plan_slices(p, N);
+    p.slice_acc_bytes = worst.acc ? std::min(p.slice_acc_bytes, size_t(round_up(V, per16)) * H * 4) : 0;
+  }
+  p.logits = take(p.buffer_bytes);
   p.ce_ws_bytes = cross_entropy_workspace_size(p.grad ? Job::kForwardBackward : Job::kForward, device, C, V,
                                                p.ce_options);
   p.ce_ws = take(p.ce_ws_bytes);
   p.ones = p.grad_bias ? take(size_t(C) * el) : 0;
-  p.gw_acc = p.grad_weight && dtype != DType::kFloat32 ? take(size_t(V) * H * 4) : 0;
+  p.gw_acc = p.gw_via_acc ? take(acc_bytes) : 0;
   p.gb_acc = p.grad_bias ? take(size_t(V) * 4) : 0;
   p.eff_target = take(size_t(N) * 8);
   p.idx = take(size_t(N) * 8);
   p.scalars = take(sizeof(Scalars));
   p.target_c = take(size_t(C) * 8);
-  p.grad_c = take(size_t(C) * 4);
+  // By position (the second pass of low_memory reads them back): upstream gradient and lse.
+  p.grad_p = take(size_t(std::max<int64_t>(N, 1)) * 4);
   p.loss_c = take(size_t(C) * 4);
-  p.lse_c = take(size_t(C) * 4);
+  p.lse_p = take(size_t(std::max<int64_t>(N, 1)) * 4);
   p.row_loss = take(size_t(N) * 4);
   p.chunk_entropy = p.metrics ? take(size_t(p.max_chunks) * 4) : 0;
   p.chunk_correct = p.metrics ? take(size_t(p.max_chunks) * 8) : 0;
   p.hidden_c = p.compact ? take(size_t(C) * H * el) : 0;
   p.gh_c = p.compact && p.grad_hidden ? take(size_t(C) * H * el) : 0;
+  p.slice_acc = p.slice_acc_bytes ? take(p.slice_acc_bytes) : 0;
   p.total = at;
   return p;
 }
@@ -132,24 +245,13 @@ class LinearRun {
       launch_fill_ones(at(p_.ones), p_.chunk_rows, p_.dtype, stream_);
       FUSEDCE_TRY(last_error("filling the ones vector"));
     }
-    const int64_t step = balanced_chunk(positions);
+    const int64_t step = balanced_rows(positions, p_.chunk_rows);
     int64_t chunk = 0;
     for (int64_t p0 = 0; p0 < positions; p0 += step, ++chunk) {
       FUSEDCE_TRY(run_chunk(p0, std::min(step, positions - p0), chunk));
     }
+    if (p_.low_memory && positions > 0) FUSEDCE_TRY(weight_by_slices(positions));
     return finish(chunk);
-  }
-
-  /// Rows per chunk for `positions` rows: as many chunks as the buffer needs, of even size
-  /// (whole tiles of 128 where possible), so that no chunk is a thin ragged remainder whose
-  /// products run far below the matrix units' rate (2048 rows in a 1792-row buffer: 2 x 1024,
-  /// not 1792 + 256). Never more than the buffer holds, never more chunks than planned.
-  int64_t balanced_chunk(int64_t positions) const {
-    if (positions <= p_.chunk_rows) return std::max<int64_t>(positions, 1);
-    const int64_t chunks = (positions + p_.chunk_rows - 1) / p_.chunk_rows;
-    int64_t rows = (positions + chunks - 1) / chunks;
-    if (rows > 128) rows = std::min<int64_t>((rows + 127) / 128 * 128, p_.chunk_rows);
-    return rows;
   }
 
  private:
@@ -180,6 +282,7 @@ class LinearRun {
     q.count = &scalars()->count;
     q.denom = &scalars()->denom;
     q.bad_row = &scalars()->bad_row;
+    q.weight_sum = &scalars()->weight_sum;
     launch_linear_prepare(q, stream_);
     FUSEDCE_TRY(last_error("the prepare kernel"));
     if (p_.compact) {
@@ -247,7 +350,7 @@ class LinearRun {
     gq.H = p_.H;
     gq.dtype = d;
     gq.target_out = at_as<int64_t>(p_.target_c);
-    gq.grad_out = p_.grad ? at_as<float>(p_.grad_c) : nullptr;
+    gq.grad_out = p_.grad ? at_as<float>(p_.grad_p) + p0 : nullptr;
     gq.hidden_out = p_.compact ? at(p_.hidden_c) : nullptr;
     launch_linear_gather(gq, stream_);
     FUSEDCE_TRY(last_error("the gather kernel"));
@@ -269,16 +372,24 @@ class LinearRun {
     g.m = p_.V;
     g.n = nc;
     g.ld_d = p_.ld_logits;
-    g.bias = c_.bias.data;
+    // low_memory adds the bias in a pass of its own, rounding as the second pass does; the
+    // products' epilogues may round differently from one kernel to another, and the second pass
+    // must see the very logits whose lse this pass saves (an lse one bf16 unit off a dominant
+    // logit would move that class's probability by up to 6%).
+    g.bias = p_.low_memory ? nullptr : c_.bias.data;
     g.bias_dtype = d;
     FUSEDCE_TRY(gemm(g));
+    if (p_.low_memory && c_.bias.data) {
+      launch_add_bias(logits, p_.ld_logits, nc, p_.V, c_.bias.data, d, stream_);
+      FUSEDCE_TRY(last_error("adding the bias"));
+    }
 
     // 2. the cross-entropy sweep over the chunk; dlogits in place
     const MatrixView L = matrix(logits, d, nc, p_.V, p_.ld_logits);
     const VectorView t = vector(at(p_.target_c), DType::kInt64, nc);
     ForwardOutputs out;
     out.loss = vector(at(p_.loss_c), DType::kFloat32, nc);
-    out.lse = vector(at(p_.lse_c), DType::kFloat32, nc);
+    out.lse = vector(at_as<float>(p_.lse_p) + p0, DType::kFloat32, nc);
     if (p_.metrics) {
       out.entropy_sum = vector(at_as<float>(p_.chunk_entropy) + chunk, DType::kFloat32, 1);
       out.num_correct = vector(at_as<int64_t>(p_.chunk_correct) + chunk, DType::kInt64, 1);
@@ -286,7 +397,7 @@ class LinearRun {
     const Workspace ce_ws{at(p_.ce_ws), p_.ce_ws_bytes};
     if (p_.grad) {
       FUSEDCE_TRY(cross_entropy_forward_backward(c_.device, L, t, p_.ce_options, out,
-                                                 vector(at(p_.grad_c), DType::kFloat32, nc), L, ce_ws));
+                                                 vector(at_as<float>(p_.grad_p) + p0, DType::kFloat32, nc), L, ce_ws));
     } else {
       FUSEDCE_TRY(cross_entropy_forward(c_.device, L, t, p_.ce_options, out, ce_ws));
     }
@@ -305,16 +416,16 @@ class LinearRun {
       h.ld_d = p_.compact ? p_.H : gh.row_stride;
       FUSEDCE_TRY(gemm(h));
     }
-    if (p_.grad_weight) {
+    if (p_.grad_weight && !p_.low_memory) {
       // grad_weight^T (H x V) (+)= hidden_c (H x nc) . dlogits (nc x V)
       const MatrixView& gw = c_.grads.grad_weight;
-      const bool direct = d == DType::kFloat32;
+      const bool direct = !p_.gw_via_acc;  // float32, or one chunk: straight into grad_weight
       GemmCall w = base_gemm();
       w.a = hidden_op;
       w.b = dlogits_op;
       w.transpose_b = true;
       w.d = direct ? gw.data : at(p_.gw_acc);
-      w.d_dtype = DType::kFloat32;
+      w.d_dtype = direct ? d : DType::kFloat32;
       w.m = p_.H;
       w.n = p_.V;
       w.ld_d = direct ? gw.row_stride : p_.H;
@@ -340,7 +451,7 @@ class LinearRun {
     sq.idx = at_as<int64_t>(p_.idx);
     sq.p0 = p0;
     sq.n = nc;
-    sq.lse_in = at_as<float>(p_.lse_c);
+    sq.lse_in = at_as<float>(p_.lse_p) + p0;
     sq.lse_out = static_cast<float*>(c_.out.lse.data);
     sq.lse_stride = c_.out.lse.stride;
     sq.loss_in = at_as<float>(p_.loss_c);
@@ -352,6 +463,107 @@ class LinearRun {
     sq.dtype = d;
     launch_linear_scatter(sq, stream_);
     return last_error("the scatter kernel");
+  }
+
+  /// low_memory's second pass (see the top of the file): grad_weight slice by slice.
+  Status weight_by_slices(int64_t positions) {
+    const DType d = p_.dtype;
+    const size_t el = elem_size(d);
+    const SlicePlan sp = plan_slices(p_, positions);
+    const MatrixView& gw = c_.grads.grad_weight;
+    char* buffer = static_cast<char*>(at(p_.logits));
+    void* hidden_buf = buffer;               // gathered hidden rows (skip_ignored)
+    void* logits = buffer + sp.hidden;       // (rows, ld) logits, then dlogits, of a slice
+    const bool one_chunk = sp.rows >= positions;
+    if (p_.compact && one_chunk) FUSEDCE_TRY(gather_hidden(0, positions, hidden_buf));
+    for (int64_t v0 = 0; v0 < p_.V; v0 += sp.vocab) {
+      const int64_t vs = std::min(sp.vocab, p_.V - v0);
+      const bool via_acc = sp.acc && d != DType::kFloat32;
+      for (int64_t q0 = 0; q0 < positions; q0 += sp.rows) {
+        const int64_t nr = std::min(sp.rows, positions - q0);
+        if (p_.compact && !one_chunk) FUSEDCE_TRY(gather_hidden(q0, nr, hidden_buf));
+        const void* hc = p_.compact ? hidden_buf : hidden_row(q0);
+        const int64_t ldh = p_.compact ? p_.H : c_.hidden.row_stride;
+        const GemmOperand hidden_op{hc, d, p_.H, nr, ldh};
+        const char* wslice = static_cast<const char*>(c_.weight.data) + size_t(v0) * c_.weight.row_stride * el;
+
+        // logits^T (vs x nr) = weight_slice (H x vs)^T . hidden (H x nr)
+        GemmCall g = base_gemm();
+        g.a = GemmOperand{wslice, d, p_.H, vs, c_.weight.row_stride};
+        g.transpose_a = true;
+        g.b = hidden_op;
+        g.d = logits;
+        g.d_dtype = d;
+        g.m = vs;
+        g.n = nr;
+        g.ld_d = sp.ld;
+        FUSEDCE_TRY(gemm(g));  // the bias is added by the slice kernel, as the first pass did
+
+        LinearSliceGradParams q{};
+        q.logits = logits;
+        q.ld = sp.ld;
+        q.n = nr;
+        q.cols = vs;
+        q.v0 = v0;
+        q.p0 = q0;
+        q.eff_target = at_as<int64_t>(p_.eff_target);
+        q.idx = at_as<int64_t>(p_.idx);
+        q.bias = c_.bias.data;
+        q.lse = at_as<float>(p_.lse_p);
+        q.grad = at_as<float>(p_.grad_p);
+        q.class_weight = static_cast<const float*>(c_.options.class_weight.data);
+        q.weight_stride = c_.options.class_weight.stride;
+        q.weight_sum = &scalars()->weight_sum;
+        q.c = detail::make_loss_constants(c_.options, p_.V, 0.0f);
+        q.softcap = c_.options.softcap > 0.0f;
+        q.ignore_index = c_.options.ignore_index;
+        q.vocab = p_.V;
+        q.dtype = d;
+        launch_linear_slice_grad(q, stream_);
+        FUSEDCE_TRY(last_error("the slice gradient kernel"));
+
+        // grad_weight_slice^T (H x vs) (+)= hidden (H x nr) . dlogits (nr x vs)
+        GemmCall w = base_gemm();
+        w.a = hidden_op;
+        w.b = GemmOperand{logits, d, vs, nr, sp.ld};
+        w.transpose_b = true;
+        w.m = p_.H;
+        w.n = vs;
+        w.beta = q0 == 0 ? 0.0f : 1.0f;
+        if (via_acc) {
+          w.d = at(p_.slice_acc);
+          w.d_dtype = DType::kFloat32;
+          w.ld_d = p_.H;
+        } else {  // float32 output, or one token chunk: straight into grad_weight, rounded once
+          w.d = static_cast<char*>(gw.data) + size_t(v0) * gw.row_stride * el;
+          w.d_dtype = d;
+          w.ld_d = gw.row_stride;
+        }
+        FUSEDCE_TRY(gemm(w));
+      }
+      if (via_acc) {
+        char* dst = static_cast<char*>(gw.data) + size_t(v0) * gw.row_stride * el;
+        launch_convert(ConvertParams{at_as<float>(p_.slice_acc), dst, vs, p_.H, gw.row_stride, d}, stream_);
+        FUSEDCE_TRY(last_error("rounding a grad_weight slice"));
+      }
+    }
+    return Status::Ok();
+  }
+
+  /// The hidden rows of positions [q0, q0 + n), dense, for the second pass (skip_ignored).
+  Status gather_hidden(int64_t q0, int64_t n, void* dst) {
+    LinearGatherParams gq{};
+    gq.eff_target = at_as<int64_t>(p_.eff_target);
+    gq.idx = at_as<int64_t>(p_.idx);
+    gq.p0 = q0;
+    gq.n = n;
+    gq.hidden = c_.hidden.data;
+    gq.hidden_stride = c_.hidden.row_stride;
+    gq.H = p_.H;
+    gq.dtype = p_.dtype;
+    gq.hidden_out = dst;
+    launch_linear_gather(gq, stream_);
+    return last_error("gathering hidden rows");
   }
 
   Status finish(int64_t chunks) {
@@ -390,7 +602,7 @@ class LinearRun {
     }
     launch_linear_finish(f, stream_);
     FUSEDCE_TRY(last_error("the finish kernel"));
-    if (p_.grad_weight && p_.dtype != DType::kFloat32 && chunks > 0) {
+    if (p_.gw_via_acc && chunks > 0) {
       const MatrixView& gw = c_.grads.grad_weight;
       launch_convert(ConvertParams{at_as<float>(p_.gw_acc), gw.data, p_.V, p_.H, gw.row_stride, p_.dtype}, stream_);
       FUSEDCE_TRY(last_error("rounding grad_weight"));
@@ -427,12 +639,12 @@ size_t linear_workspace_size(Job job, const Device& device, int64_t rows, int64_
 }
 
 Status run_linear(const detail::LinearCall& call) {
-  if (call.linear.low_memory) {
-    return Status(StatusCode::kUnsupported,
-                  "linear cross-entropy: low_memory has no CUDA implementation yet (the CPU backend has it)");
-  }
   if (call.weight.rows >= (int64_t(1) << 31) - 64) {
     return Status(StatusCode::kInvalidArgument, "weight: the CUDA backend takes V < 2^31 - 64 rows");
+  }
+  if (call.bias.data != nullptr && call.bias.size > 1 && call.bias.stride != 1) {
+    // cuBLASLt's bias epilogue reads a dense vector.
+    return Status(StatusCode::kInvalidArgument, "bias: the CUDA backend needs stride 1, got " + std::to_string(call.bias.stride));
   }
   DeviceGuard guard(call.device.index);
   (void)cudaGetLastError();  // an earlier, unrelated error must not be reported as ours

@@ -3,6 +3,7 @@
 // next to the products; what matters is that none needs the host and every sum has a fixed order.
 #include "cuda/port.h"  // first: the platform's runtime header
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 
@@ -49,6 +50,7 @@ __device__ int64_t block_exclusive_scan(int64_t v, int64_t* total) {
 
 __global__ void __launch_bounds__(kPrepareThreads) linear_prepare_kernel(const LinearPrepareParams p) {
   __shared__ double weight_part[kPrepareThreads];
+  __shared__ double class_part[kPrepareThreads];
   __shared__ int64_t bad_part[kPrepareThreads];
   double wsum = 0.0;  // this thread's rows, in row order: the same bits every run
   int64_t bad = INT64_MAX;
@@ -89,12 +91,18 @@ __global__ void __launch_bounds__(kPrepareThreads) linear_prepare_kernel(const L
     }
     base += total;
   }
+  double csum = 0.0;  // the class weights, strided per thread as the logits path's prepare sums them
+  if (p.class_weight) {
+    for (int64_t j = threadIdx.x; j < p.vocab; j += kPrepareThreads) csum += p.class_weight[j * p.weight_stride];
+  }
   weight_part[threadIdx.x] = wsum;
+  class_part[threadIdx.x] = csum;
   bad_part[threadIdx.x] = bad;
   __syncthreads();
   for (int s = kPrepareThreads / 2; s > 0; s >>= 1) {  // a fixed tree: deterministic
     if (threadIdx.x < s) {
       weight_part[threadIdx.x] += weight_part[threadIdx.x + s];
+      class_part[threadIdx.x] += class_part[threadIdx.x + s];
       bad_part[threadIdx.x] = min(bad_part[threadIdx.x], bad_part[threadIdx.x + s]);
     }
     __syncthreads();
@@ -103,6 +111,7 @@ __global__ void __launch_bounds__(kPrepareThreads) linear_prepare_kernel(const L
     *p.count = base;
     *p.denom = static_cast<float>(weight_part[0]);
     *p.bad_row = bad_part[0];
+    if (p.weight_sum) *p.weight_sum = p.class_weight ? static_cast<float>(class_part[0]) : static_cast<float>(p.vocab);
   }
 }
 
@@ -126,7 +135,7 @@ __global__ void linear_gather_kernel(const LinearGatherParams p, size_t elem) {
   const int64_t k = blockIdx.x;
   const int64_t row = p.idx[p.p0 + k];
   if (threadIdx.x == 0) {
-    p.target_out[k] = p.eff_target[row];
+    if (p.target_out) p.target_out[k] = p.eff_target[row];
     if (p.grad_out) {
       float g;
       if (p.reduction == static_cast<int>(Reduction::kNone)) {
@@ -156,6 +165,71 @@ __global__ void linear_scatter_kernel(const LinearScatterParams p, size_t elem) 
     const char* src = static_cast<const char*>(p.gh_in) + size_t(k) * p.H * elem;
     char* dst = static_cast<char*>(p.gh_out) + size_t(row) * p.gh_stride * elem;
     copy_row_any(src, dst, p.H, p.dtype);
+  }
+}
+
+constexpr int kSliceThreads = 256;
+
+/// A logit plus its bias, rounded to the dtype: the one rounding both low_memory passes apply.
+template <typename T>
+__device__ __forceinline__ float with_bias(float x, T b) {
+  return Elem<T>::to_float(Elem<T>::from_float(x + Elem<T>::to_float(b)));
+}
+
+template <typename T>
+__global__ void add_bias_kernel(T* x, int64_t ld, int64_t rows, int64_t cols, const T* bias) {
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < cols; j += int64_t(gridDim.x) * blockDim.x) {
+      x[r * ld + j] = Elem<T>::from_float(with_bias(Elem<T>::to_float(x[r * ld + j]), bias[j]));
+    }
+  }
+}
+
+/// One block per position of the slice; 16-byte segments (rows are aligned: the slice buffer's
+/// row stride is a multiple of 16 bytes). Every logit of a segment is read before its dlogits
+/// are stored over it.
+template <typename T>
+__global__ void __launch_bounds__(kSliceThreads) linear_slice_grad_kernel(const LinearSliceGradParams p) {
+  constexpr int kVec = Segment<T>::kVec;
+  const int64_t k = blockIdx.x;
+  T* row = static_cast<T*>(p.logits) + k * p.ld;
+  const int64_t segs = row_segments(p.cols, 0, kVec);
+  const int64_t t = p.eff_target[p.idx[p.p0 + k]];
+  if (t == p.ignore_index) {
+    Segment<T> zero;
+    zero.raw = u32x4_zero();
+    for (int64_t s = threadIdx.x; s < segs; s += kSliceThreads) store_segment(row, s, 0, p.cols, zero);
+    return;
+  }
+  const bool valid_t = t >= 0 && t < p.vocab;
+  const bool weighted = p.class_weight != nullptr;
+  detail::LossConstants c = p.c;
+  c.weight_sum = *p.weight_sum;
+  // An out-of-range target (unchecked) makes the row NaN, as the logits path does.
+  const float w_t = !valid_t ? NAN : (weighted ? p.class_weight[t * p.weight_stride] : 1.0f);
+  const float lse = p.lse[p.p0 + k];
+  const detail::RowGrad rg = detail::row_grad(c, lse, w_t, p.grad[p.p0 + k]);
+  const int64_t tl = valid_t ? t - p.v0 : -1;  // target column inside the slice, if there
+  for (int64_t s = threadIdx.x; s < segs; s += kSliceThreads) {
+    Segment<T> seg = load_segment(row, s, 0, p.cols, Elem<T>::from_float(0.0f));
+#pragma unroll
+    for (int e = 0; e < kVec; e += 2) {
+      float d[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t j = s * kVec + e + h;
+        float x = Elem<T>::to_float(seg.e[e + h]);
+        if (p.bias && j < p.cols) x = with_bias(x, static_cast<const T*>(p.bias)[p.v0 + j]);
+        const float z = detail::transform_logit(x, c, p.softcap);
+        const float pj = expf(z - lse);
+        const float wj = weighted && j < p.cols ? p.class_weight[(p.v0 + j) * p.weight_stride] : 1.0f;
+        float g = rg.g_a * pj - rg.g_c * wj;
+        if (j == tl) g -= rg.g_bt;
+        d[h] = g * detail::dz_dx(z, c, p.softcap);
+      }
+      set_pair(seg, e / 2, d[0], d[1]);
+    }
+    store_segment(row, s, 0, p.cols, seg);
   }
 }
 
@@ -256,6 +330,35 @@ void launch_convert(const ConvertParams& p, cudaStream_t stream) {
     case DType::kFloat32: convert_kernel<float><<<grid, 256, 0, stream>>>(p); break;
     case DType::kBFloat16: convert_kernel<BFloat16><<<grid, 256, 0, stream>>>(p); break;
     default: convert_kernel<Half><<<grid, 256, 0, stream>>>(p); break;
+  }
+}
+
+void launch_linear_slice_grad(const LinearSliceGradParams& p, cudaStream_t stream) {
+  if (p.n <= 0 || p.cols <= 0) return;
+  const unsigned grid = static_cast<unsigned>(p.n);
+  switch (p.dtype) {
+    case DType::kFloat32: linear_slice_grad_kernel<float><<<grid, kSliceThreads, 0, stream>>>(p); break;
+    case DType::kBFloat16: linear_slice_grad_kernel<BFloat16><<<grid, kSliceThreads, 0, stream>>>(p); break;
+    default: linear_slice_grad_kernel<Half><<<grid, kSliceThreads, 0, stream>>>(p); break;
+  }
+}
+
+void launch_add_bias(void* x, int64_t ld, int64_t rows, int64_t cols, const void* bias, DType dtype,
+                     cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((cols + 255) / 256, 64)),
+                  static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
+  switch (dtype) {
+    case DType::kFloat32:
+      add_bias_kernel<<<grid, 256, 0, stream>>>(static_cast<float*>(x), ld, rows, cols, static_cast<const float*>(bias));
+      break;
+    case DType::kBFloat16:
+      add_bias_kernel<<<grid, 256, 0, stream>>>(static_cast<BFloat16*>(x), ld, rows, cols,
+                                                static_cast<const BFloat16*>(bias));
+      break;
+    default:
+      add_bias_kernel<<<grid, 256, 0, stream>>>(static_cast<Half*>(x), ld, rows, cols, static_cast<const Half*>(bias));
+      break;
   }
 }
 

@@ -150,7 +150,8 @@ struct LinRun {
 /// One forward_backward on `backend` (inputs copied to its memory, results copied back).
 LinRun run(Backend& backend, const LinCase& lc, DType d, const std::vector<uint8_t>& hid, const std::vector<uint8_t>& w,
            const std::vector<uint8_t>& b, const std::vector<int64_t>& tgt, const std::vector<float>& cw,
-           const std::vector<float>& up, bool metrics, fusedce::Status* status, bool skip_ignored = false) {
+           const std::vector<float>& up, bool metrics, fusedce::Status* status, bool skip_ignored = false,
+           bool low_memory = false, size_t budget = 0) {
   LinRun r;
   const int64_t N = lc.N, H = lc.H, V = lc.V;
   const size_t el = elem_size(d);
@@ -175,8 +176,9 @@ LinRun run(Backend& backend, const LinCase& lc, DType d, const std::vector<uint8
   fusedce::LinearOptions lo;
   lo.shift_seq_len = lc.shift;
   lo.skip_ignored = skip_ignored;
+  lo.low_memory = low_memory;
   // A small chunk budget on the GPU, so that several chunks (and a ragged last one) run.
-  if (backend.kind() == BackendKind::kCuda) lo.chunk_budget_bytes = size_t(7) * V * el + 3;
+  if (backend.kind() == BackendKind::kCuda) lo.chunk_budget_bytes = budget ? budget : size_t(7) * V * el + 3;
   fusedce::LinearGrads g;
   g.grad_hidden = fusedce::matrix(d_gh.data(), d, N, H);
   g.grad_weight = fusedce::matrix(d_gw.data(), d, V, H);
@@ -331,6 +333,26 @@ TEST_P(LinearGrid, MatchesFloat64Reference) {
   expect_close("grad_hidden (skip_ignored)", widen(skipped.gh, N * H), ref.gh, gt);
   expect_close("grad_weight (skip_ignored)", widen(skipped.gw, V * H), ref.gw, gt);
   if (lc.bias) expect_close("grad_bias (skip_ignored)", widen(skipped.gb, V), ref.gb, gt);
+
+  // low_memory: grad_weight by vocabulary slices. On the GPU two budgets: a thin one (several
+  // slices, one token chunk each) and one byte (a one-row buffer: several token chunks per slice,
+  // summed in the float32 slice accumulator when V is small enough); with and without
+  // skip_ignored.
+  const std::vector<size_t> budgets =
+      backend->kind() == BackendKind::kCuda ? std::vector<size_t>{size_t(7) * V * elem_size(d) + 3, 1} : std::vector<size_t>{0};
+  for (size_t budget : budgets) {
+    for (bool skip : {false, true}) {
+      const std::string tag = " (low_memory, budget " + std::to_string(budget) + (skip ? ", skip_ignored)" : ")");
+      const LinRun lm = run(*backend, lc, d, hid, w, b, tgt, cw, up, true, &st, skip, /*low_memory=*/true, budget);
+      ASSERT_TRUE(st.ok()) << st.message();
+      std::vector<double> ml(lm.loss.begin(), lm.loss.end()), mlse(lm.lse.begin(), lm.lse.end());
+      expect_close("loss" + tag, ml, lc.o.reduction == Reduction::kNone ? ref.loss_rows : std::vector<double>{ref.loss}, lt);
+      expect_close("lse" + tag, mlse, ref.lse, lt);
+      expect_close("grad_hidden" + tag, widen(lm.gh, N * H), ref.gh, gt);
+      expect_close("grad_weight" + tag, widen(lm.gw, V * H), ref.gw, gt);
+      if (lc.bias) expect_close("grad_bias" + tag, widen(lm.gb, V), ref.gb, gt);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Linear, LinearGrid,
@@ -414,6 +436,85 @@ TEST_P(LinearContract, DeterministicWorkspaceAndEmptyBatch) {
   }
 
   const std::vector<uint8_t> empty = call(0, {}, &st);
+  ASSERT_TRUE(st.ok()) << st.message();
+  float loss;
+  std::memcpy(&loss, empty.data(), 4);
+  EXPECT_TRUE(std::isnan(loss)) << "mean over no rows: " << loss;
+  const size_t gw_at = empty.size() - size_t(V) * H * 2;
+  for (size_t k = gw_at; k < empty.size(); ++k) ASSERT_EQ(empty[k], 0) << "grad_weight byte " << k - gw_at;
+}
+
+// low_memory's promise: the whole workspace of the shapes stays under 512 MiB (the
+// default path needs the float32 (V, H) accumulator on top), and a low_memory call is the same
+// bits run to run and gives the empty-batch results.
+TEST_P(LinearContract, LowMemoryStaysUnder512MiB) {
+  std::string why;
+  Backend* backend = find_backend(GetParam(), &why);
+  if (backend == nullptr) GTEST_SKIP() << why;
+  const DType d = DType::kBFloat16;
+  fusedce::Options o;
+  o.compute_metrics = true;
+  fusedce::LinearOptions lo;
+  lo.low_memory = true;
+  struct Shape { int64_t N, H, V; };
+  for (const Shape s : {Shape{4096, 4096, 128256}, Shape{8192, 4096, 128256}, Shape{16384, 2304, 256000},
+                        Shape{32768, 4096, 128256}, Shape{262144, 8192, 262144}}) {
+    fusedce::LinearGrads g;  // views only describe what is wanted; no memory behind them
+    g.grad_hidden = fusedce::matrix(reinterpret_cast<void*>(256), d, s.N, s.H);
+    g.grad_weight = fusedce::matrix(reinterpret_cast<void*>(256), d, s.V, s.H);
+    g.grad_bias = fusedce::vector(reinterpret_cast<void*>(256), d, s.V);
+    for (bool skip : {false, true}) {
+      lo.skip_ignored = skip;
+      const size_t bytes = fusedce::linear_cross_entropy_workspace_size(fusedce::Job::kForwardBackward,
+                                                                        backend->device(), s.N, s.H, s.V, d, o, lo, g);
+      if (GetParam() == BackendKind::kCuda) {
+        EXPECT_GT(bytes, 0u);
+        EXPECT_LT(bytes, size_t(512) << 20) << s.N << " x " << s.H << " x " << s.V << " skip_ignored " << skip;
+      }
+    }
+  }
+
+  const int64_t N = 300, H = 72, V = 3001;
+  std::mt19937_64 rng = test_rng();
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<uint8_t> hid(N * H * 2), w(V * H * 2);
+  for (int64_t k = 0; k < N * H; ++k) store_value(hid.data(), d, k, normal(rng));
+  for (int64_t k = 0; k < V * H; ++k) store_value(w.data(), d, k, 0.3f * normal(rng));
+  std::vector<int64_t> tgt(N);
+  for (auto& t : tgt) t = rng() % 4 == 0 ? -100 : static_cast<int64_t>(rng() % V);
+  DeviceBuffer d_hid = DeviceBuffer::from_vector(*backend, hid), d_w = DeviceBuffer::from_vector(*backend, w),
+               d_t = DeviceBuffer::from_vector(*backend, tgt);
+  lo.skip_ignored = false;
+  lo.chunk_budget_bytes = size_t(40) * V * 2;  // several token chunks and vocabulary slices
+  auto call = [&](int64_t rows, fusedce::Status* st) {
+    DeviceBuffer loss(*backend, 4), lse(*backend, std::max<int64_t>(rows, 1) * 4), ent(*backend, 4),
+        cor(*backend, 8), gh(*backend, std::max<int64_t>(rows, 1) * H * 2), gw(*backend, V * H * 2);
+    gw.fill(0xCD);
+    fusedce::ForwardOutputs out;
+    out.loss = fusedce::vector(loss.data(), DType::kFloat32, 1);
+    out.lse = fusedce::vector(lse.data(), DType::kFloat32, rows);
+    out.entropy_sum = fusedce::vector(ent.data(), DType::kFloat32, 1);
+    out.num_correct = fusedce::vector(cor.data(), DType::kInt64, 1);
+    fusedce::LinearGrads g;
+    g.grad_hidden = fusedce::matrix(gh.data(), d, rows, H);
+    g.grad_weight = fusedce::matrix(gw.data(), d, V, H);
+    *st = fusedce::linear_cross_entropy_forward_backward(backend->device(), fusedce::matrix(d_hid.data(), d, rows, H),
+                                                         fusedce::matrix(d_w.data(), d, V, H), {},
+                                                         fusedce::vector(d_t.data(), DType::kInt64, rows), o, lo, out,
+                                                         {}, g);
+    backend->synchronize();
+    std::vector<uint8_t> all = loss.to_host();
+    for (const DeviceBuffer* b : {&lse, &ent, &cor, &gh, &gw}) {
+      const std::vector<uint8_t> v = b->to_host();
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    return all;
+  };
+  fusedce::Status st;
+  const std::vector<uint8_t> first = call(N, &st);
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_TRUE(first == call(N, &st)) << "a second low_memory run differs";
+  const std::vector<uint8_t> empty = call(0, &st);
   ASSERT_TRUE(st.ok()) << st.message();
   float loss;
   std::memcpy(&loss, empty.data(), 4);

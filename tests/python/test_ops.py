@@ -139,8 +139,6 @@ lce_cases = parametrize("name,opts,with_bias,weighted", LCE_CASES, ids=[c[0] for
 
 
 def _lce_inputs(device, dtype, opts, with_bias, weighted, n=14, hidden=9, vocab=53):
-    if device == "cuda" and opts[8]:
-        pytest.skip("low_memory has no CUDA implementation yet (the op reports it by name)")
     g = torch.Generator().manual_seed(8)
     h = torch.randn(n, hidden, generator=g).to(dtype).to(device)
     w = (torch.randn(vocab, hidden, generator=g) * 0.5).to(dtype).to(device)
