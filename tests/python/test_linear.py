@@ -377,9 +377,13 @@ def test_memory_options_leave_results_unchanged(device):
                 {"low_memory": True, "chunk_budget_bytes": 2048, "skip_ignored": True}]
     for kw in variants:
         out = loss_and_grads(lambda *a: fusedce.linear_cross_entropy(a[0], a[1], t, a[2], **kw), (h, w, b))
+        # On a GPU, low_memory forms grad_weight from probabilities recomputed in its second pass
+        # (expf there, the logits kernel's hardware exp2 in the first): float32 rounding apart,
+        # seen at 7e-6 relative on an entry of 1.7e-2.
+        tol = dict(rtol=1e-5, atol=1e-6) if device == "cuda" and kw.get("low_memory") else dict(rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(out[0], ref[0], rtol=1e-6, atol=1e-7)
         for a, r in zip(out[1], ref[1]):
-            torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(a, r, **tol)
 
 
 @requires_cuda
