@@ -225,16 +225,53 @@ bool verify(DType dtype, int64_t N, int64_t V, const fusedce::Options& opt) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, sweep = false;
+  bool quick = false, sweep = false, profile = false;
   const char* csv_path = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--sweep")) sweep = true;
+    if (!std::strcmp(argv[i], "--profile")) profile = true;
     if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv_path = argv[++i];
   }
   const int iters = quick ? 10 : 50;
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  if (profile) {
+    // For ncu: the cases whose gaps the notes explain, each run twice (warm-up, then the one to
+    // read), nothing timed. bf16: forward 64 x 262144 (few rows), forward 16384 x 32000 (short
+    // rows), forward and fwd+grad 8192 x 128256.
+    struct Case { int64_t N, V; bool grad; };
+    for (const Case k : {Case{64, 262144, false}, Case{16384, 32000, false}, Case{8192, 128256, false},
+                         Case{8192, 128256, true}}) {
+      const size_t bytes = size_t(k.N) * k.V * 2;
+      void *x, *d, *ws;
+      int64_t* t;
+      float *loss, *lse;
+      CHECK_CUDA(cudaMalloc(&x, bytes));
+      CHECK_CUDA(cudaMalloc(&d, bytes));
+      CHECK_CUDA(cudaMalloc(&t, k.N * 8));
+      CHECK_CUDA(cudaMalloc(&loss, 4));
+      CHECK_CUDA(cudaMalloc(&lse, k.N * 4));
+      CHECK_CUDA(cudaMalloc(&ws, 16 << 20));
+      fill(x, DType::kBFloat16, k.N * k.V, 9);
+      target_kernel<<<64, 256>>>(t, k.N, k.V, 1);
+      fusedce::ForwardOutputs out;
+      out.loss = fusedce::vector(loss, DType::kFloat32, 1);
+      out.lse = fusedce::vector(lse, DType::kFloat32, k.N);
+      const auto X = fusedce::matrix(x, DType::kBFloat16, k.N, k.V);
+      const auto D = fusedce::matrix(d, DType::kBFloat16, k.N, k.V);
+      const auto T = fusedce::vector(t, DType::kInt64, k.N);
+      const fusedce::Workspace w{ws, 16 << 20};
+      for (int rep = 0; rep < 2; ++rep) {
+        if (k.grad) ok(fusedce::cross_entropy_forward_backward(fusedce::Device::cuda(), X, T, {}, out, {}, D, w));
+        else ok(fusedce::cross_entropy_forward(fusedce::Device::cuda(), X, T, {}, out, w));
+      }
+      CHECK_CUDA(cudaDeviceSynchronize());
+      std::printf("profiled %lld x %lld %s\n", (long long)k.N, (long long)k.V, k.grad ? "fwd+grad" : "forward");
+      for (void* ptr : {x, d, ws, (void*)t, (void*)loss, (void*)lse}) CHECK_CUDA(cudaFree(ptr));
+    }
+    return 0;
+  }
   if (sweep) {
     // Launch-shape sweep for the dev notes: forward and fwd+grad at 8192 x 128256 bf16.
     const Ceilings c0 = measure_ceilings(iters);

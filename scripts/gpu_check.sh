@@ -11,7 +11,9 @@
 # the Python tests; REPORT_ARGS / DEMO_ARGS go to
 # `python -m fusedce.bench` / `python -m fusedce.demo`; PYTEST_TIMEOUT, REPORT_TIMEOUT and
 # DEMO_TIMEOUT (seconds) bound those steps. The opt-in step "profile" runs ncu over one fused
-# linear call (PROFILE_SHAPE="N H V") and prints the per-kernel times (bench/ncu_summary.py).
+# linear call (PROFILE_SHAPE="N H V") and prints the per-kernel times (bench/ncu_summary.py);
+# "ce_profile" runs ncu's speed-of-light, occupancy, warp-state and memory sections over the
+# cross-entropy kernels of `fusedce_bench --profile`.
 # All steps take about 20 minutes on an H200, more than one 10-minute device call: the sessions
 # so far ran two calls, STEPS="tests sanitizer bench linear" with CTEST_ARGS='-R (cuda|Cuda)'
 # (~7 min), then STEPS="python report demo" TORCH_CUDA_ARCHS=90 PYTEST_ARGS="-k cuda"
@@ -29,7 +31,7 @@ step "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 nvcc --version | tail -2
 
-if want tests || want sanitizer || want bench || want linear; then
+if want tests || want sanitizer || want bench || want linear || want profile || want ce_profile; then
 step "build"
 gtest_arg=()
 [ -d .deps/googletest ] && gtest_arg=(-DFUSEDCE_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
@@ -131,5 +133,12 @@ step "ncu: per-kernel times of one fused linear call (PROFILE_SHAPE, default 819
 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
   "$build/bench/fusedce_linear_bench" --profile ${PROFILE_SHAPE:-8192 4096 128256} > "$out/linear_profile.csv" 2> "$out/ncu.err" || status=1
 python3 bench/ncu_summary.py "$out/linear_profile.csv" | tee "$out/linear_profile.md" || { tail -5 "$out/ncu.err"; status=1; }
+fi
+
+if want ce_profile; then
+step "ncu: the cross-entropy kernels at the shapes whose gaps bench/NOTES.md explains"
+ncu --clock-control none -k regex:ce_ --section SpeedOfLight --section Occupancy --section WarpStateStats \
+  --section MemoryWorkloadAnalysis "$build/bench/fusedce_bench" --profile > "$out/ce_profile.txt" 2> "$out/ncu_ce.err" || status=1
+grep -E "profiled|ce_.*kernel|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Warp Cycles Per Issued|Stall|Grid Size|L2 Hit" "$out/ce_profile.txt" | head -150
 fi
 exit $status

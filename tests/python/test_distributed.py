@@ -15,6 +15,7 @@ import datetime
 import json
 import os
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -396,8 +397,19 @@ def _group_results(world, tmp_path_factory):
     """Every rank's findings for every case of a world size: one spawned group per world size
     (a spawn costs seconds), run on first use."""
     if world not in _GROUP_RESULTS:
-        out = tmp_path_factory.mktemp(f"world{world}")
-        mp.spawn(_worker, args=(world, str(out / "store"), str(out)), nprocs=world, join=True)
+        for attempt in range(2):
+            out = tmp_path_factory.mktemp(f"world{world}")  # a fresh FileStore each attempt
+            try:
+                mp.spawn(_worker, args=(world, str(out / "store"), str(out)), nprocs=world, join=True)
+                break
+            except mp.ProcessExitedException as e:
+                # A rank killed by a signal before any case ran: seen once in CI on the loaded
+                # 2-core VM (torch 2.15, "terminate called without an active exception" while the
+                # gloo group started), never in 3 local reruns. Retried once, loudly; a crash of
+                # ours repeats and fails the second attempt.
+                if attempt == 1 or e.signal_name is None:
+                    raise
+                warnings.warn(f"gloo group of {world} died by {e.signal_name}; retrying once")
         _GROUP_RESULTS[world] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     return _GROUP_RESULTS[world]
 
