@@ -1,4 +1,5 @@
-// Tests only the CUDA backend can fail: capture and replay in a CUDA graph, the same bits run to
+// Tests only the CUDA backend can fail: capture and replay in a CUDA graph (cross-entropy over
+// logits and fused linear cross-entropy), the same bits run to
 // run (split rows merge through atomics in workspace), and CPU-vs-CUDA agreement on random
 // problems. Skipped where no GPU is present.
 #include <cuda_runtime.h>
@@ -8,6 +9,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fusedce/fusedce.h"
@@ -256,6 +258,107 @@ TEST(CudaAgreement, CpuAndCudaAgreeOnRandomProblems) {
     grad.report();
     metrics.report();
   }
+}
+
+// Fused linear cross-entropy in a CUDA graph: the chunked path (float32 grad_weight accumulator),
+// one chunk, and low_memory (vocabulary slices), each captured once with a caller's workspace and
+// replayed on new hidden states; every replay gives the bits of a direct call on those inputs.
+TEST(CudaGraph, LinearCapturedReplaysOnNewInputs) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng = test_rng();
+  const DType d = DType::kBFloat16;
+  const int64_t N = 300, H = 72, V = 3001;
+  std::vector<uint8_t> hid(N * H * 2), w(V * H * 2), b(V * 2);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t k = 0; k < N * H; ++k) store_value(hid.data(), d, k, normal(rng));
+  for (int64_t k = 0; k < V * H; ++k) store_value(w.data(), d, k, 0.3f * normal(rng));
+  for (int64_t k = 0; k < V; ++k) store_value(b.data(), d, k, normal(rng));
+  std::vector<int64_t> tgt(N);
+  for (auto& t : tgt) t = rng() % 4 == 0 ? -100 : static_cast<int64_t>(rng() % V);
+  void *d_hid, *d_w, *d_b, *d_t, *d_loss, *d_lse, *d_ent, *d_cor, *d_gh, *d_gw, *d_gb;
+  ASSERT_CUDA(cudaMalloc(&d_hid, hid.size()));
+  ASSERT_CUDA(cudaMalloc(&d_w, w.size()));
+  ASSERT_CUDA(cudaMalloc(&d_b, b.size()));
+  ASSERT_CUDA(cudaMalloc(&d_t, N * 8));
+  ASSERT_CUDA(cudaMalloc(&d_loss, 4));
+  ASSERT_CUDA(cudaMalloc(&d_lse, N * 4));
+  ASSERT_CUDA(cudaMalloc(&d_ent, 4));
+  ASSERT_CUDA(cudaMalloc(&d_cor, 8));
+  ASSERT_CUDA(cudaMalloc(&d_gh, N * H * 2));
+  ASSERT_CUDA(cudaMalloc(&d_gw, V * H * 2));
+  ASSERT_CUDA(cudaMalloc(&d_gb, V * 2));
+  ASSERT_CUDA(cudaMemcpy(d_w, w.data(), w.size(), cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(d_b, b.data(), b.size(), cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(d_t, tgt.data(), N * 8, cudaMemcpyHostToDevice));
+  fusedce::Options o;
+  o.label_smoothing = 0.1f;
+  o.compute_metrics = true;
+  fusedce::LinearGrads g;
+  g.grad_hidden = fusedce::matrix(d_gh, d, N, H);
+  g.grad_weight = fusedce::matrix(d_gw, d, V, H);
+  g.grad_bias = fusedce::vector(d_gb, d, V);
+  fusedce::ForwardOutputs out;
+  out.loss = fusedce::vector(d_loss, DType::kFloat32, 1);
+  out.lse = fusedce::vector(d_lse, DType::kFloat32, N);
+  out.entropy_sum = fusedce::vector(d_ent, DType::kFloat32, 1);
+  out.num_correct = fusedce::vector(d_cor, DType::kInt64, 1);
+  auto results = [&] {
+    std::vector<uint8_t> all;
+    for (auto [ptr, bytes] : {std::pair<void*, size_t>{d_loss, 4}, {d_lse, N * 4}, {d_ent, 4}, {d_cor, 8},
+                              {d_gh, N * H * 2}, {d_gw, V * H * 2}, {d_gb, V * 2}}) {
+      std::vector<uint8_t> v(bytes);
+      cudaMemcpy(v.data(), ptr, bytes, cudaMemcpyDeviceToHost);
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    return all;
+  };
+  struct Mode { const char* name; size_t budget; bool low_memory; };
+  for (const Mode m : {Mode{"chunked", size_t(64) * V * 2, false}, Mode{"one chunk", 0, false},
+                       Mode{"low_memory", size_t(40) * V * 2, true}}) {
+    SCOPED_TRACE(m.name);
+    fusedce::LinearOptions lo;
+    lo.chunk_budget_bytes = m.budget;
+    lo.low_memory = m.low_memory;
+    const size_t ws_bytes = fusedce::linear_cross_entropy_workspace_size(
+        fusedce::Job::kForwardBackward, fusedce::Device::cuda(0, nullptr), N, H, V, d, o, lo, g);
+    void* ws;
+    ASSERT_CUDA(cudaMalloc(&ws, ws_bytes));
+    cudaStream_t stream;
+    ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto call = [&] {
+      return fusedce::linear_cross_entropy_forward_backward(
+          fusedce::Device::cuda(0, stream), fusedce::matrix(d_hid, d, N, H), fusedce::matrix(d_w, d, V, H),
+          fusedce::vector(d_b, d, V), fusedce::vector(d_t, DType::kInt64, N), o, lo, out, {}, g,
+          fusedce::Workspace{ws, ws_bytes});
+    };
+    // One direct call first, as frameworks warm up before capturing: cuBLASLt's handle is
+    // created on first use, which a capturing stream would not allow.
+    ASSERT_CUDA(cudaMemcpy(d_hid, hid.data(), hid.size(), cudaMemcpyHostToDevice));
+    ASSERT_OK(call());
+    ASSERT_CUDA(cudaStreamSynchronize(stream));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    const fusedce::Status captured = call();
+    ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+    ASSERT_OK(captured);
+    ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 3; ++replay) {
+      for (int64_t k = 0; k < N * H; ++k) store_value(hid.data(), d, k, normal(rng));
+      ASSERT_CUDA(cudaMemcpy(d_hid, hid.data(), hid.size(), cudaMemcpyHostToDevice));
+      ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+      ASSERT_CUDA(cudaStreamSynchronize(stream));
+      const std::vector<uint8_t> from_graph = results();
+      ASSERT_OK(call());
+      ASSERT_CUDA(cudaStreamSynchronize(stream));
+      EXPECT_TRUE(from_graph == results()) << "replay " << replay << " differs from a direct call";
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+    cudaFree(ws);
+  }
+  for (void* ptr : {d_hid, d_w, d_b, d_t, d_loss, d_lse, d_ent, d_cor, d_gh, d_gw, d_gb}) cudaFree(ptr);
 }
 
 }  // namespace
