@@ -112,7 +112,7 @@ SlicePlan plan_slices(const LinearPlan& p, int64_t positions) {
   const int64_t vmin = std::max<int64_t>(per16, std::min<int64_t>({round_up(p.V, per16), kMinSliceVocab, isq / per16 * per16}));
   const size_t usable = p.buffer_bytes > kWorkspaceAlign ? p.buffer_bytes - (p.compact ? kWorkspaceAlign : 0) : p.buffer_bytes;
   int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(usable / (el * size_t(hc + vmin))));
-  if (cap >= 256) cap = cap / 128 * 128;
+  if (cap >= 256 && cap < positions) cap = cap / 128 * 128;  // as set_chunks: all rows fit = one chunk
   SlicePlan s{};
   s.rows = balanced_rows(std::max<int64_t>(positions, 1), cap);
   s.acc = positions > cap;
@@ -152,7 +152,9 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   const size_t row_bytes = size_t(p.ld_logits) * el + (p.compact ? size_t(H) * el * (p.grad_hidden ? 2 : 1) : 0);
   auto set_chunks = [&](size_t budget) {
     int64_t rows = static_cast<int64_t>(budget / row_bytes);
-    if (rows >= 256) rows = rows / 128 * 128;  // whole tiles for the products
+    // Whole tiles of 128 rows for the products when the rows need several chunks anyway; a
+    // budget that holds every row is one chunk (8197 rows must not become 8192 + 5).
+    if (rows >= 256 && rows < N) rows = rows / 128 * 128;
     p.chunk_rows = std::max<int64_t>(1, std::min<int64_t>(rows, std::max<int64_t>(N, 1)));
     p.max_chunks = (std::max<int64_t>(N, 1) + p.chunk_rows - 1) / p.chunk_rows;
     p.buffer_bytes = size_t(p.chunk_rows) * p.ld_logits * el;
