@@ -225,17 +225,74 @@ bool verify(DType dtype, int64_t N, int64_t V, const fusedce::Options& opt) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, sweep = false, profile = false;
+  bool quick = false, sweep = false, profile = false, sweep_splits = false;
   const char* csv_path = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--sweep")) sweep = true;
     if (!std::strcmp(argv[i], "--profile")) profile = true;
+    if (!std::strcmp(argv[i], "--sweep-splits")) sweep_splits = true;
     if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv_path = argv[++i];
   }
   const int iters = quick ? 10 : 50;
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  if (sweep_splits) {
+    // Few rows, forward, bf16: the stream kernel's work split (items per SM, the knob
+    // FUSEDCE_STREAM_ITEMS_PER_SM; 4 by default) against the streaming-read ceiling. Inputs rotated
+    // past 3x the L2. Each setting's loss is checked against the default's (another split only
+    // reorders the sums).
+    const Ceilings c0 = measure_ceilings(iters);
+    std::printf("# sweep-splits: streaming read %.0f GB/s\n", c0.read_gbs);
+    std::printf("| N x V | items per SM | median ms | GB/s | of read | loss rel. diff vs default |\n|---|---|---|---|---|---|\n");
+    struct Few { int64_t N, V; };
+    for (const Few k : {Few{64, 262144}, Few{16, 262144}, Few{4, 262144}, Few{256, 128256}}) {
+      const size_t bytes = size_t(k.N) * k.V * 2;
+      const int copies = static_cast<int>(std::max<size_t>(1, (3 * size_t(prop.l2CacheSize) + bytes - 1) / bytes));
+      std::vector<void*> xs(copies);
+      for (int c = 0; c < copies; ++c) {
+        CHECK_CUDA(cudaMalloc(&xs[c], bytes));
+        fill(xs[c], DType::kBFloat16, k.N * k.V, 300 + c);
+      }
+      void* ws;
+      int64_t* t;
+      float *loss, *lse;
+      const size_t ws_bytes = fusedce::cross_entropy_workspace_size(fusedce::Job::kForward, fusedce::Device::cuda(), k.N,
+                                                                    k.V, fusedce::Options{});
+      CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+      CHECK_CUDA(cudaMalloc(&t, k.N * 8));
+      CHECK_CUDA(cudaMalloc(&loss, 4));
+      CHECK_CUDA(cudaMalloc(&lse, k.N * 4));
+      target_kernel<<<16, 256>>>(t, k.N, k.V, 7);
+      fusedce::ForwardOutputs out;
+      out.loss = fusedce::vector(loss, DType::kFloat32, 1);
+      out.lse = fusedce::vector(lse, DType::kFloat32, k.N);
+      const auto T = fusedce::vector(t, DType::kInt64, k.N);
+      const fusedce::Workspace w{ws, ws_bytes};
+      auto run = [&](int i) {
+        ok(fusedce::cross_entropy_forward(fusedce::Device::cuda(), fusedce::matrix(xs[i % copies], DType::kBFloat16, k.N, k.V),
+                                          T, {}, out, w));
+      };
+      float ref_loss = 0.0f;
+      for (int knob : {0, 1, 2, 8, 16, 32, 64}) {
+        if (knob) setenv("FUSEDCE_STREAM_ITEMS_PER_SM", std::to_string(knob).c_str(), 1);
+        else unsetenv("FUSEDCE_STREAM_ITEMS_PER_SM");
+        run(0);
+        float l = 0.0f;
+        CHECK_CUDA(cudaMemcpy(&l, loss, 4, cudaMemcpyDeviceToHost));
+        if (!knob) ref_loss = l;
+        const Timing tm = time_it(run, 5, iters);
+        const double gbs = bytes / (tm.median_ms * 1e6);
+        std::printf("| %lld x %lld | %s | %.4f | %.0f | %.1f%% | %.1e |\n", (long long)k.N, (long long)k.V,
+                    knob ? std::to_string(knob).c_str() : "4 (default)", tm.median_ms, gbs, 100.0 * gbs / c0.read_gbs,
+                    std::fabs(l - ref_loss) / std::fabs(ref_loss));
+      }
+      unsetenv("FUSEDCE_STREAM_ITEMS_PER_SM");
+      for (void* ptr : xs) CHECK_CUDA(cudaFree(ptr));
+      for (void* ptr : {ws, (void*)t, (void*)loss, (void*)lse}) CHECK_CUDA(cudaFree(ptr));
+    }
+    return 0;
+  }
   if (profile) {
     // For ncu: the cases whose gaps the notes explain, each run twice (warm-up, then the one to
     // read), nothing timed. bf16: forward 64 x 262144 (few rows), forward 16384 x 32000 (short

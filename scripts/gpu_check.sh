@@ -13,7 +13,8 @@
 # DEMO_TIMEOUT (seconds) bound those steps. The opt-in step "profile" runs ncu over one fused
 # linear call (PROFILE_SHAPE="N H V") and prints the per-kernel times (bench/ncu_summary.py);
 # "ce_profile" runs ncu's speed-of-light, occupancy, warp-state and memory sections over the
-# cross-entropy kernels of `fusedce_bench --profile`.
+# cross-entropy kernels of `fusedce_bench --profile`; "splits" times few-rows forwards over the
+# stream kernel's items-per-SM knob (`fusedce_bench --sweep-splits`).
 # All steps take about 20 minutes on an H200, more than one 10-minute device call: the sessions
 # so far ran two calls, STEPS="tests sanitizer bench linear" with CTEST_ARGS='-R (cuda|Cuda)'
 # (~7 min), then STEPS="python report demo" TORCH_CUDA_ARCHS=90 PYTEST_ARGS="-k cuda"
@@ -31,7 +32,7 @@ step "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 nvcc --version | tail -2
 
-if want tests || want sanitizer || want bench || want linear || want profile || want ce_profile; then
+if want tests || want sanitizer || want bench || want linear || want profile || want ce_profile || want splits; then
 step "build"
 gtest_arg=()
 [ -d .deps/googletest ] && gtest_arg=(-DFUSEDCE_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
@@ -133,6 +134,11 @@ step "ncu: per-kernel times of one fused linear call (PROFILE_SHAPE, default 819
 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
   "$build/bench/fusedce_linear_bench" --profile ${PROFILE_SHAPE:-8192 4096 128256} > "$out/linear_profile.csv" 2> "$out/ncu.err" || status=1
 python3 bench/ncu_summary.py "$out/linear_profile.csv" | tee "$out/linear_profile.md" || { tail -5 "$out/ncu.err"; status=1; }
+fi
+
+if want splits; then
+step "few-rows sweep: the stream kernel's work split (FUSEDCE_STREAM_ITEMS_PER_SM)"
+"$build/bench/fusedce_bench" --sweep-splits ${BENCH_ARGS:-} 2>&1 | tee "$out/sweep_splits.md" || status=1
 fi
 
 if want ce_profile; then

@@ -120,12 +120,23 @@ struct StreamPlan {
   int splits, chunks_per_split, grid;
 };
 
+/// Work items per SM the split aims at when rows are few (4). Tuning knob for the dev sweep
+/// (bench --sweep-splits): FUSEDCE_STREAM_ITEMS_PER_SM=1..64.
+int64_t items_per_sm() {
+  if (const char* env = std::getenv("FUSEDCE_STREAM_ITEMS_PER_SM")) {
+    const int k = std::atoi(env);
+    if (k >= 1 && k <= 64) return k;
+  }
+  return 4;
+}
+
 StreamPlan plan_stream(int64_t rows, int64_t segments, int sms) {
   StreamPlan s;
   const int nchunks = static_cast<int>((segments + kChunkSegs - 1) / kChunkSegs);
+  const int64_t want = items_per_sm() * int64_t(sms);
   s.splits = 1;
-  if (rows <= kSplitRowsMax && rows < 4 * int64_t(sms)) {
-    s.splits = static_cast<int>(std::min<int64_t>({nchunks, kMaxSplits, (4 * int64_t(sms) + rows - 1) / rows}));
+  if (rows <= kSplitRowsMax && rows < want) {
+    s.splits = static_cast<int>(std::min<int64_t>({nchunks, kMaxSplits, (want + rows - 1) / rows}));
   }
   s.chunks_per_split = (nchunks + s.splits - 1) / s.splits;
   s.splits = (nchunks + s.chunks_per_split - 1) / s.chunks_per_split;
