@@ -364,6 +364,71 @@ INSTANTIATE_TEST_SUITE_P(Linear, LinearGrid,
                                   std::get<0>(info.param).name + "_" + fusedce::dtype_name(std::get<1>(info.param));
                          });
 
+// A bf16 problem (N = 300, H = 72, V = 3001, a quarter of the targets ignored) on a backend, and
+// one forward_backward on its first `rows` rows: every output's bytes, in a fixed order (loss,
+// lse, entropy, correct, grad_hidden, grad_weight; grad_weight starts as poison).
+struct ContractProblem {
+  static constexpr int64_t N = 300, H = 72, V = 3001;
+  static constexpr DType d = DType::kBFloat16;
+  Backend& backend;
+  DeviceBuffer hid, w, t;
+
+  static std::vector<uint8_t> random_values(int64_t n, float scale, std::mt19937_64& rng) {
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<uint8_t> v(n * 2);
+    for (int64_t k = 0; k < n; ++k) store_value(v.data(), d, k, scale * normal(rng));
+    return v;
+  }
+  static std::vector<int64_t> random_targets(std::mt19937_64& rng) {
+    std::vector<int64_t> tgt(N);
+    for (auto& x : tgt) x = rng() % 4 == 0 ? -100 : static_cast<int64_t>(rng() % V);
+    return tgt;
+  }
+  ContractProblem(Backend& b, std::mt19937_64 rng = test_rng())
+      : backend(b),
+        hid(DeviceBuffer::from_vector(b, random_values(N * H, 1.0f, rng))),
+        w(DeviceBuffer::from_vector(b, random_values(V * H, 0.3f, rng))),
+        t(DeviceBuffer::from_vector(b, random_targets(rng))) {}
+
+  std::vector<uint8_t> call(int64_t rows, const fusedce::Options& o, const fusedce::LinearOptions& lo,
+                            fusedce::Workspace ws, fusedce::Status* st) {
+    DeviceBuffer loss(backend, 4), lse(backend, std::max<int64_t>(rows, 1) * 4), ent(backend, 4),
+        cor(backend, 8), gh(backend, std::max<int64_t>(rows, 1) * H * 2), gw(backend, V * H * 2);
+    gw.fill(0xCD);
+    fusedce::ForwardOutputs out;
+    out.loss = fusedce::vector(loss.data(), DType::kFloat32, 1);
+    out.lse = fusedce::vector(lse.data(), DType::kFloat32, rows);
+    out.entropy_sum = fusedce::vector(ent.data(), DType::kFloat32, 1);
+    out.num_correct = fusedce::vector(cor.data(), DType::kInt64, 1);
+    fusedce::LinearGrads g;
+    g.grad_hidden = fusedce::matrix(gh.data(), d, rows, H);
+    g.grad_weight = fusedce::matrix(gw.data(), d, V, H);
+    *st = fusedce::linear_cross_entropy_forward_backward(backend.device(), fusedce::matrix(hid.data(), d, rows, H),
+                                                         fusedce::matrix(w.data(), d, V, H), {},
+                                                         fusedce::vector(t.data(), DType::kInt64, rows), o, lo, out,
+                                                         {}, g, ws);
+    backend.synchronize();
+    std::vector<uint8_t> all = loss.to_host();
+    for (const DeviceBuffer* b : {&lse, &ent, &cor, &gh, &gw}) {
+      const std::vector<uint8_t> v = b->to_host();
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    return all;
+  }
+
+  /// The empty batch: a NaN mean and an all-zero grad_weight.
+  void expect_empty_batch_results(const fusedce::Options& o, const fusedce::LinearOptions& lo) {
+    fusedce::Status st;
+    const std::vector<uint8_t> empty = call(0, o, lo, {}, &st);
+    ASSERT_TRUE(st.ok()) << st.message();
+    float loss;
+    std::memcpy(&loss, empty.data(), 4);
+    EXPECT_TRUE(std::isnan(loss)) << "mean over no rows: " << loss;
+    const size_t gw_at = empty.size() - size_t(V) * H * 2;
+    for (size_t k = gw_at; k < empty.size(); ++k) ASSERT_EQ(empty[k], 0) << "grad_weight byte " << k - gw_at;
+  }
+};
+
 // The GPU path's contract beyond the numbers: same bits run to run, a caller's workspace of the
 // queried size gives the same bits as the backend's own scratch, one byte less is refused by
 // name, and N = 0 gives the empty-batch results (mean NaN, zero gradients).
@@ -374,74 +439,34 @@ TEST_P(LinearContract, DeterministicWorkspaceAndEmptyBatch) {
   Backend* backend = find_backend(GetParam(), &why);
   if (backend == nullptr) GTEST_SKIP() << why;
   const bool gpu = GetParam() == BackendKind::kCuda;
-  const DType d = DType::kBFloat16;
-  const int64_t N = 300, H = 72, V = 3001;
-  std::mt19937_64 rng = test_rng();
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<uint8_t> hid(N * H * 2), w(V * H * 2);
-  for (int64_t k = 0; k < N * H; ++k) store_value(hid.data(), d, k, normal(rng));
-  for (int64_t k = 0; k < V * H; ++k) store_value(w.data(), d, k, 0.3f * normal(rng));
-  std::vector<int64_t> tgt(N);
-  for (auto& t : tgt) t = rng() % 4 == 0 ? -100 : static_cast<int64_t>(rng() % V);
-  DeviceBuffer d_hid = DeviceBuffer::from_vector(*backend, hid), d_w = DeviceBuffer::from_vector(*backend, w),
-               d_t = DeviceBuffer::from_vector(*backend, tgt);
+  using P = ContractProblem;
+  P p(*backend);
   fusedce::Options o;
   o.label_smoothing = 0.1f;
   o.compute_metrics = true;
   fusedce::LinearOptions lo;
-  lo.chunk_budget_bytes = size_t(64) * V * 2;  // five chunks
-  auto call = [&](int64_t rows, fusedce::Workspace ws, fusedce::Status* st) {
-    DeviceBuffer loss(*backend, 4), lse(*backend, std::max<int64_t>(rows, 1) * 4), ent(*backend, 4),
-        cor(*backend, 8), gh(*backend, std::max<int64_t>(rows, 1) * H * 2), gw(*backend, V * H * 2);
-    gw.fill(0xCD);
-    fusedce::ForwardOutputs out;
-    out.loss = fusedce::vector(loss.data(), DType::kFloat32, 1);
-    out.lse = fusedce::vector(lse.data(), DType::kFloat32, rows);
-    out.entropy_sum = fusedce::vector(ent.data(), DType::kFloat32, 1);
-    out.num_correct = fusedce::vector(cor.data(), DType::kInt64, 1);
-    fusedce::LinearGrads g;
-    g.grad_hidden = fusedce::matrix(gh.data(), d, rows, H);
-    g.grad_weight = fusedce::matrix(gw.data(), d, V, H);
-    *st = fusedce::linear_cross_entropy_forward_backward(backend->device(), fusedce::matrix(d_hid.data(), d, rows, H),
-                                                         fusedce::matrix(d_w.data(), d, V, H), {},
-                                                         fusedce::vector(d_t.data(), DType::kInt64, rows), o, lo, out,
-                                                         {}, g, ws);
-    backend->synchronize();
-    std::vector<uint8_t> all = loss.to_host();
-    for (const DeviceBuffer* b : {&lse, &ent, &cor, &gh, &gw}) {
-      const std::vector<uint8_t> v = b->to_host();
-      all.insert(all.end(), v.begin(), v.end());
-    }
-    return all;
-  };
+  lo.chunk_budget_bytes = size_t(64) * P::V * 2;  // five chunks
   fusedce::Status st;
-  const std::vector<uint8_t> first = call(N, {}, &st);
+  const std::vector<uint8_t> first = p.call(P::N, o, lo, {}, &st);
   ASSERT_TRUE(st.ok()) << st.message();
-  EXPECT_TRUE(first == call(N, {}, &st)) << "a second run differs";
+  EXPECT_TRUE(first == p.call(P::N, o, lo, {}, &st)) << "a second run differs";
   fusedce::LinearGrads want;
-  want.grad_hidden = fusedce::matrix(d_hid.data(), d, N, H);
-  want.grad_weight = fusedce::matrix(d_w.data(), d, V, H);
+  want.grad_hidden = fusedce::matrix(p.hid.data(), P::d, P::N, P::H);
+  want.grad_weight = fusedce::matrix(p.w.data(), P::d, P::V, P::H);
   const size_t bytes = fusedce::linear_cross_entropy_workspace_size(fusedce::Job::kForwardBackward, backend->device(),
-                                                                    N, H, V, d, o, lo, want);
+                                                                    P::N, P::H, P::V, P::d, o, lo, want);
   if (gpu) {
     ASSERT_GT(bytes, 0u);
     DeviceBuffer ws(*backend, bytes);
-    EXPECT_TRUE(first == call(N, fusedce::Workspace{ws.data(), bytes}, &st)) << "with a caller's workspace";
+    EXPECT_TRUE(first == p.call(P::N, o, lo, fusedce::Workspace{ws.data(), bytes}, &st)) << "with a caller's workspace";
     ASSERT_TRUE(st.ok()) << st.message();
-    call(N, fusedce::Workspace{ws.data(), bytes - 1}, &st);
+    p.call(P::N, o, lo, fusedce::Workspace{ws.data(), bytes - 1}, &st);
     EXPECT_EQ(st.code(), fusedce::StatusCode::kWorkspaceTooSmall);
     EXPECT_NE(st.message().find("workspace"), std::string::npos) << st.message();
   } else {
     EXPECT_EQ(bytes, 0u);
   }
-
-  const std::vector<uint8_t> empty = call(0, {}, &st);
-  ASSERT_TRUE(st.ok()) << st.message();
-  float loss;
-  std::memcpy(&loss, empty.data(), 4);
-  EXPECT_TRUE(std::isnan(loss)) << "mean over no rows: " << loss;
-  const size_t gw_at = empty.size() - size_t(V) * H * 2;
-  for (size_t k = gw_at; k < empty.size(); ++k) ASSERT_EQ(empty[k], 0) << "grad_weight byte " << k - gw_at;
+  p.expect_empty_batch_results(o, lo);
 }
 
 // low_memory's promise: the whole workspace of the shapes stays under 512 MiB (the
@@ -474,53 +499,14 @@ TEST_P(LinearContract, LowMemoryStaysUnder512MiB) {
     }
   }
 
-  const int64_t N = 300, H = 72, V = 3001;
-  std::mt19937_64 rng = test_rng();
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<uint8_t> hid(N * H * 2), w(V * H * 2);
-  for (int64_t k = 0; k < N * H; ++k) store_value(hid.data(), d, k, normal(rng));
-  for (int64_t k = 0; k < V * H; ++k) store_value(w.data(), d, k, 0.3f * normal(rng));
-  std::vector<int64_t> tgt(N);
-  for (auto& t : tgt) t = rng() % 4 == 0 ? -100 : static_cast<int64_t>(rng() % V);
-  DeviceBuffer d_hid = DeviceBuffer::from_vector(*backend, hid), d_w = DeviceBuffer::from_vector(*backend, w),
-               d_t = DeviceBuffer::from_vector(*backend, tgt);
+  ContractProblem p(*backend);
   lo.skip_ignored = false;
-  lo.chunk_budget_bytes = size_t(40) * V * 2;  // several token chunks and vocabulary slices
-  auto call = [&](int64_t rows, fusedce::Status* st) {
-    DeviceBuffer loss(*backend, 4), lse(*backend, std::max<int64_t>(rows, 1) * 4), ent(*backend, 4),
-        cor(*backend, 8), gh(*backend, std::max<int64_t>(rows, 1) * H * 2), gw(*backend, V * H * 2);
-    gw.fill(0xCD);
-    fusedce::ForwardOutputs out;
-    out.loss = fusedce::vector(loss.data(), DType::kFloat32, 1);
-    out.lse = fusedce::vector(lse.data(), DType::kFloat32, rows);
-    out.entropy_sum = fusedce::vector(ent.data(), DType::kFloat32, 1);
-    out.num_correct = fusedce::vector(cor.data(), DType::kInt64, 1);
-    fusedce::LinearGrads g;
-    g.grad_hidden = fusedce::matrix(gh.data(), d, rows, H);
-    g.grad_weight = fusedce::matrix(gw.data(), d, V, H);
-    *st = fusedce::linear_cross_entropy_forward_backward(backend->device(), fusedce::matrix(d_hid.data(), d, rows, H),
-                                                         fusedce::matrix(d_w.data(), d, V, H), {},
-                                                         fusedce::vector(d_t.data(), DType::kInt64, rows), o, lo, out,
-                                                         {}, g);
-    backend->synchronize();
-    std::vector<uint8_t> all = loss.to_host();
-    for (const DeviceBuffer* b : {&lse, &ent, &cor, &gh, &gw}) {
-      const std::vector<uint8_t> v = b->to_host();
-      all.insert(all.end(), v.begin(), v.end());
-    }
-    return all;
-  };
+  lo.chunk_budget_bytes = size_t(40) * ContractProblem::V * 2;  // several token chunks and vocabulary slices
   fusedce::Status st;
-  const std::vector<uint8_t> first = call(N, &st);
+  const std::vector<uint8_t> first = p.call(ContractProblem::N, o, lo, {}, &st);
   ASSERT_TRUE(st.ok()) << st.message();
-  EXPECT_TRUE(first == call(N, &st)) << "a second low_memory run differs";
-  const std::vector<uint8_t> empty = call(0, &st);
-  ASSERT_TRUE(st.ok()) << st.message();
-  float loss;
-  std::memcpy(&loss, empty.data(), 4);
-  EXPECT_TRUE(std::isnan(loss)) << "mean over no rows: " << loss;
-  const size_t gw_at = empty.size() - size_t(V) * H * 2;
-  for (size_t k = gw_at; k < empty.size(); ++k) ASSERT_EQ(empty[k], 0) << "grad_weight byte " << k - gw_at;
+  EXPECT_TRUE(first == p.call(ContractProblem::N, o, lo, {}, &st)) << "a second low_memory run differs";
+  p.expect_empty_batch_results(o, lo);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, LinearContract, ::testing::ValuesIn(all_backends()),
