@@ -60,18 +60,32 @@ def _fusedce(device):
     return fns, reasons
 
 
-def _fusedce_skip(device):
-    """fusedce.linear_cross_entropy(skip_ignored=True): the products run over the non-ignored
-    rows only (on a GPU at the price of one wait for their count); what a prompt-masked batch
-    gains. The CPU backend always skips them, so the row shows the same call there."""
-    import fusedce
+def _fusedce_linear_variant(doc, **options):
+    """A loader for fusedce.linear_cross_entropy called with `options` (a row of its own)."""
 
-    if device == "cuda" and not fusedce.with_cuda:
-        raise Unavailable("this build of fusedce has no CUDA kernels")
-    lce = getattr(fusedce, "linear_cross_entropy", None)
-    if lce is None:
-        raise Unavailable(f"fusedce {fusedce.__version__} has no linear_cross_entropy yet")
-    return {"linear": lambda h, w, t: lce(h, w, t, skip_ignored=True)}, {}
+    def load(device):
+        import fusedce
+
+        if device == "cuda" and not fusedce.with_cuda:
+            raise Unavailable("this build of fusedce has no CUDA kernels")
+        lce = getattr(fusedce, "linear_cross_entropy", None)
+        if lce is None:
+            raise Unavailable(f"fusedce {fusedce.__version__} has no linear_cross_entropy yet")
+        return {"linear": lambda h, w, t: lce(h, w, t, **options)}, {}
+
+    load.__doc__ = doc
+    return load
+
+
+_fusedce_skip = _fusedce_linear_variant(
+    """skip_ignored=True: the products run over the non-ignored rows only (on a GPU at the price
+    of one wait for their count); what a prompt-masked batch gains. The CPU backend always skips
+    them, so the row shows the same call there.""", skip_ignored=True)
+
+_fusedce_low_memory = _fusedce_linear_variant(
+    """low_memory=True: all extra memory under 512 MiB, grad_weight formed slice by slice of the
+    vocabulary from recomputed logits (about 4/3 of the default's flops on a GPU).""",
+    low_memory=True)
 
 
 def _torch_ce(x, t):
@@ -167,6 +181,7 @@ def _flash_attn(device):
 REGISTRY = [
     ("fusedce", "fusedce", _fusedce, ("ce", "linear"), False),
     ("fusedce-skip", "fusedce skip_ignored", _fusedce_skip, ("linear",), False),
+    ("fusedce-lowmem", "fusedce low_memory", _fusedce_low_memory, ("linear",), False),
     ("torch", "torch eager", _torch, ("ce", "linear"), False),
     ("torch-compile", "torch.compile", _torch_compile, ("ce", "linear"), False),
     ("torch-lce", "torch F.linear_cross_entropy", _torch_lce, ("linear",), False),
