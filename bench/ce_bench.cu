@@ -238,15 +238,21 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   if (sweep_splits) {
-    // Few rows, forward, bf16: the stream kernel's work split (items per SM, the knob
-    // FUSEDCE_STREAM_ITEMS_PER_SM; 4 by default) against the streaming-read ceiling. Inputs rotated
-    // past 3x the L2. Each setting's loss is checked against the default's (another split only
-    // reorders the sums).
+    // Few rows, forward, bf16: the stream kernel's work split (chunks of 32 KB per split, the knob
+    // FUSEDCE_STREAM_SPLIT_CHUNKS; 0 = the plan's choice) against the streaming-read ceiling.
+    // Inputs rotated past 3x the L2. Two times per setting: events around one call (what an eager
+    // caller sees, host launch latency included) and the GPU time per call from a CUDA graph of
+    // kGraphCalls calls (the kernels alone). Each setting's loss is checked against the plan's
+    // (another split only reorders the sums).
+    constexpr int kGraphCalls = 20;
     const Ceilings c0 = measure_ceilings(iters);
     std::printf("# sweep-splits: streaming read %.0f GB/s\n", c0.read_gbs);
-    std::printf("| N x V | items per SM | median ms | GB/s | of read | loss rel. diff vs default |\n|---|---|---|---|---|---|\n");
+    std::printf("| N x V | chunks per split | median ms (one call) | of read | GPU ms per call (graph) | of read | loss rel. diff vs plan |\n"
+                "|---|---|---|---|---|---|---|\n");
+    cudaStream_t stream;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     struct Few { int64_t N, V; };
-    for (const Few k : {Few{64, 262144}, Few{16, 262144}, Few{4, 262144}, Few{256, 128256}}) {
+    for (const Few k : {Few{64, 262144}, Few{16, 262144}, Few{4, 262144}, Few{1, 262144}, Few{256, 128256}}) {
       const size_t bytes = size_t(k.N) * k.V * 2;
       const int copies = static_cast<int>(std::max<size_t>(1, (3 * size_t(prop.l2CacheSize) + bytes - 1) / bytes));
       std::vector<void*> xs(copies);
@@ -264,33 +270,62 @@ int main(int argc, char** argv) {
       CHECK_CUDA(cudaMalloc(&loss, 4));
       CHECK_CUDA(cudaMalloc(&lse, k.N * 4));
       target_kernel<<<16, 256>>>(t, k.N, k.V, 7);
+      CHECK_CUDA(cudaDeviceSynchronize());
       fusedce::ForwardOutputs out;
       out.loss = fusedce::vector(loss, DType::kFloat32, 1);
       out.lse = fusedce::vector(lse, DType::kFloat32, k.N);
       const auto T = fusedce::vector(t, DType::kInt64, k.N);
       const fusedce::Workspace w{ws, ws_bytes};
-      auto run = [&](int i) {
-        ok(fusedce::cross_entropy_forward(fusedce::Device::cuda(), fusedce::matrix(xs[i % copies], DType::kBFloat16, k.N, k.V),
+      auto call = [&](int i, cudaStream_t st) {
+        ok(fusedce::cross_entropy_forward(fusedce::Device::cuda(0, st), fusedce::matrix(xs[i % copies], DType::kBFloat16, k.N, k.V),
                                           T, {}, out, w));
       };
       float ref_loss = 0.0f;
-      for (int knob : {0, 1, 2, 8, 16, 32, 64}) {
-        if (knob) setenv("FUSEDCE_STREAM_ITEMS_PER_SM", std::to_string(knob).c_str(), 1);
-        else unsetenv("FUSEDCE_STREAM_ITEMS_PER_SM");
-        run(0);
+      for (int knob : {0, 1, 2, 4, 8, 16, 1 << 20}) {
+        if (knob) setenv("FUSEDCE_STREAM_SPLIT_CHUNKS", std::to_string(knob).c_str(), 1);
+        else unsetenv("FUSEDCE_STREAM_SPLIT_CHUNKS");
+        call(0, nullptr);
         float l = 0.0f;
         CHECK_CUDA(cudaMemcpy(&l, loss, 4, cudaMemcpyDeviceToHost));
         if (!knob) ref_loss = l;
-        const Timing tm = time_it(run, 5, iters);
-        const double gbs = bytes / (tm.median_ms * 1e6);
-        std::printf("| %lld x %lld | %s | %.4f | %.0f | %.1f%% | %.1e |\n", (long long)k.N, (long long)k.V,
-                    knob ? std::to_string(knob).c_str() : "4 (default)", tm.median_ms, gbs, 100.0 * gbs / c0.read_gbs,
-                    std::fabs(l - ref_loss) / std::fabs(ref_loss));
+        const Timing one = time_it([&](int i) { call(i, nullptr); }, 5, iters);
+        // kGraphCalls calls (rotating inputs) captured once; each replay timed, per call.
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+        for (int i = 0; i < kGraphCalls; ++i) call(i, stream);
+        CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+        CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+        cudaEvent_t a, b;
+        CHECK_CUDA(cudaEventCreate(&a));
+        CHECK_CUDA(cudaEventCreate(&b));
+        std::vector<double> per;
+        for (int r = 0; r < iters / 2 + 3; ++r) {
+          CHECK_CUDA(cudaEventRecord(a, stream));
+          CHECK_CUDA(cudaGraphLaunch(exec, stream));
+          CHECK_CUDA(cudaEventRecord(b, stream));
+          CHECK_CUDA(cudaEventSynchronize(b));
+          float ms = 0;
+          CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+          if (r >= 3) per.push_back(ms / kGraphCalls);  // the first replays warm up
+        }
+        std::sort(per.begin(), per.end());
+        const double graph_ms = per[per.size() / 2];
+        CHECK_CUDA(cudaEventDestroy(a));
+        CHECK_CUDA(cudaEventDestroy(b));
+        CHECK_CUDA(cudaGraphExecDestroy(exec));
+        CHECK_CUDA(cudaGraphDestroy(graph));
+        const double frac_one = 100.0 * bytes / (one.median_ms * 1e6) / c0.read_gbs;
+        const double frac_graph = 100.0 * bytes / (graph_ms * 1e6) / c0.read_gbs;
+        const std::string label = knob == 0 ? "plan" : knob == (1 << 20) ? "whole rows" : std::to_string(knob);
+        std::printf("| %lld x %lld | %s | %.4f | %.1f%% | %.4f | %.1f%% | %.1e |\n", (long long)k.N, (long long)k.V,
+                    label.c_str(), one.median_ms, frac_one, graph_ms, frac_graph, std::fabs(l - ref_loss) / std::fabs(ref_loss));
       }
-      unsetenv("FUSEDCE_STREAM_ITEMS_PER_SM");
+      unsetenv("FUSEDCE_STREAM_SPLIT_CHUNKS");
       for (void* ptr : xs) CHECK_CUDA(cudaFree(ptr));
       for (void* ptr : {ws, (void*)t, (void*)loss, (void*)lse}) CHECK_CUDA(cudaFree(ptr));
     }
+    CHECK_CUDA(cudaStreamDestroy(stream));
     return 0;
   }
   if (profile) {

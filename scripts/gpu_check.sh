@@ -14,7 +14,8 @@
 # linear call (PROFILE_SHAPE="N H V") and prints the per-kernel times (bench/ncu_summary.py);
 # "ce_profile" runs ncu's speed-of-light, occupancy, warp-state and memory sections over the
 # cross-entropy kernels of `fusedce_bench --profile`; "splits" times few-rows forwards over the
-# stream kernel's items-per-SM knob (`fusedce_bench --sweep-splits`).
+# stream kernel's chunks-per-split knob, per call and per call inside a CUDA graph
+# (`fusedce_bench --sweep-splits`).
 # All steps take about 20 minutes on an H200, more than one 10-minute device call: the sessions
 # so far ran two calls, STEPS="tests sanitizer bench linear" with CTEST_ARGS='-R (cuda|Cuda)'
 # (~7 min), then STEPS="python report demo" TORCH_CUDA_ARCHS=90 PYTEST_ARGS="-k cuda"
@@ -137,7 +138,7 @@ python3 bench/ncu_summary.py "$out/linear_profile.csv" | tee "$out/linear_profil
 fi
 
 if want splits; then
-step "few-rows sweep: the stream kernel's work split (FUSEDCE_STREAM_ITEMS_PER_SM)"
+step "few-rows sweep: the stream kernel's work split (FUSEDCE_STREAM_SPLIT_CHUNKS)"
 "$build/bench/fusedce_bench" --sweep-splits ${BENCH_ARGS:-} 2>&1 | tee "$out/sweep_splits.md" || status=1
 fi
 

@@ -2,12 +2,14 @@
 //
 // prepare: reads the N targets (and the V class weights) once: the mean's denominator, the sum
 // of class weights, the first out-of-range target. finalize: sums the per-row losses, entropies
-// and correct flags. Both sum in a fixed order (strided per thread in double, then a tree), so
+// and correct flags (and counts the mean's rows when no prepare ran). split merge: for few rows
+// split over blocks, folds each row's partials into its results, then finalizes. Both sum in a fixed order (strided per thread in double, then a tree), so
 // results are the same bits run to run. Bytes: N * 8 (+ V * 4) and N * 9: microseconds at the
 // batch sizes of training.
 #include <cstdint>
 
 #include "cuda/kernels.h"
+#include "cuda/row_kernel.cuh"
 
 namespace fusedce {
 namespace cuda {
@@ -63,22 +65,28 @@ __global__ void __launch_bounds__(kBatchThreads) ce_prepare_kernel(const BatchPa
   }
 }
 
-__global__ void __launch_bounds__(kBatchThreads) ce_finalize_kernel(const BatchParams p) {
-  __shared__ double smem[kBatchThreads];
-  double loss = 0.0, entropy = 0.0, correct = 0.0;
+// The batch sums of the per-row results, in a fixed order. With count_rows, the mean's
+// denominator too (no prepare pass ran).
+__device__ void finalize_sums(const BatchParams& p, double* smem) {
+  double loss = 0.0, entropy = 0.0, correct = 0.0, den = 0.0;
   for (int64_t i = threadIdx.x; i < p.rows; i += blockDim.x) {
     if (p.loss_out) loss += p.row_loss[i];
     if (p.num_correct_out) {
       entropy += p.row_entropy[i];
       correct += p.row_correct[i];
     }
+    if (p.count_rows) {
+      const int64_t t = batch_target(p, i);
+      den += (t != p.ignore_index && t >= 0 && t < p.vocab) ? 1.0 : 0.0;
+    }
   }
   if (p.loss_out) {
     loss = block_sum(loss, smem);
+    den = p.count_rows ? block_sum(den, smem) : 0.0;
     if (threadIdx.x == 0) {
-      // mean: the prepare pass's denominator (0 when every row is ignored: 0 / 0 = NaN, as PyTorch).
-      *p.loss_out = p.mean ? static_cast<float>(loss / p.batch->denominator)
-                           : static_cast<float>(loss);
+      // mean: the denominator (0 when every row is ignored: 0 / 0 = NaN, as PyTorch).
+      if (p.mean) den = p.count_rows ? den : p.batch->denominator;
+      *p.loss_out = p.mean ? static_cast<float>(loss / den) : static_cast<float>(loss);
     }
   }
   if (p.num_correct_out) {
@@ -91,6 +99,53 @@ __global__ void __launch_bounds__(kBatchThreads) ce_finalize_kernel(const BatchP
   }
 }
 
+__global__ void __launch_bounds__(kBatchThreads) ce_finalize_kernel(const BatchParams p) {
+  __shared__ double smem[kBatchThreads];
+  finalize_sums(p, smem);
+}
+
+// Few rows split over blocks (the stream kernel): each row's partials folded by one warp in a
+// fixed tree order (the bits do not depend on which split finished first), the row's results
+// written, then the batch sums. Rows whose target is ignore_index were written by the stream
+// kernel and published no partials.
+__global__ void __launch_bounds__(kBatchThreads) ce_split_merge_kernel(const BatchParams bp, const RowParams rp,
+                                                                        const RowPartial* parts, int splits) {
+  __shared__ double smem[kBatchThreads];
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int nwarps = blockDim.x / kWarpSize;
+  const bool metrics = rp.metrics;
+  const bool weighted = rp.class_weight != nullptr;
+  detail::LossConstants c = rp.c;
+  if (weighted && rp.batch) c.weight_sum = rp.batch->weight_sum;
+  const int lanes = min(splits, kWarpSize);
+  for (int64_t row = warp; row < rp.rows; row += nwarps) {
+    const int64_t t = batch_target(bp, row);
+    if (t == bp.ignore_index) continue;
+    const RowPartial* q = parts + row * splits;
+    // Lanes past the last split hold a copy of it that the tree never merges.
+    RowPartial a = q[min(lane, splits - 1)];
+    if (lane + kWarpSize < splits) a = merge_partial(a, q[lane + kWarpSize], metrics);
+    for (int d = 1; d < kWarpSize; d *= 2) {
+      const RowPartial o = shfl_down_partial(a, d, metrics, true);
+      if ((lane & (2 * d - 1)) == 0 && lane + d < lanes) a = merge_partial(a, o, metrics);
+    }
+    if (lane == 0) {
+      const bool valid_t = t >= 0 && t < rp.vocab;
+      const float w_t = !valid_t ? NAN : (weighted ? rp.class_weight[t * rp.weight_stride] : 1.0f);
+      const float lse = detail::lse_value(a.st);
+      const float zt = a.has_target ? a.z_target : NAN;
+      rp.row_loss[row * rp.row_loss_stride] = detail::row_loss(c, lse, zt, w_t, a.smooth, weighted);
+      if (rp.lse_out) rp.lse_out[row * rp.lse_stride] = lse;
+      if (metrics) {
+        rp.row_entropy[row] = lse - a.st.ez / a.st.s;
+        rp.row_correct[row] = valid_t && a.amax_i == t ? 1 : 0;
+      }
+    }
+  }
+  __syncthreads();  // every row's results written before the sums read them
+  if (bp.loss_out || bp.num_correct_out) finalize_sums(bp, smem);
+}
+
 }  // namespace
 
 void launch_prepare(const BatchParams& p, cudaStream_t stream) {
@@ -99,6 +154,11 @@ void launch_prepare(const BatchParams& p, cudaStream_t stream) {
 
 void launch_finalize(const BatchParams& p, cudaStream_t stream) {
   ce_finalize_kernel<<<1, kBatchThreads, 0, stream>>>(p);
+}
+
+void launch_split_merge(const BatchParams& bp, const RowParams& rp, const void* partials, int splits,
+                        cudaStream_t stream) {
+  ce_split_merge_kernel<<<1, kBatchThreads, 0, stream>>>(bp, rp, static_cast<const RowPartial*>(partials), splits);
 }
 
 }  // namespace cuda

@@ -54,6 +54,8 @@ constexpr int kRescaleThreads = 256;
 
 void launch_prepare(const BatchParams& p, cudaStream_t stream);
 void launch_finalize(const BatchParams& p, cudaStream_t stream);
+void launch_split_merge(const BatchParams& bp, const RowParams& rp, const void* partials, int splits,
+                        cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace fusedce

@@ -8,7 +8,10 @@
 #include <cstdlib>
 #include <cstdint>
 #include <sstream>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common/call.h"
 #include "common/constants.h"
@@ -24,8 +27,7 @@ namespace {
 
 /// Where each piece of the workspace lives (byte offsets; size 0 = not needed).
 struct WorkspaceLayout {
-  size_t batch = 0, row_loss = 0, row_entropy = 0, row_correct = 0, row_lse = 0, partials = 0,
-         counters = 0, total = 0;
+  size_t batch = 0, row_loss = 0, row_entropy = 0, row_correct = 0, row_lse = 0, partials = 0, total = 0;
 };
 
 WorkspaceLayout plan_workspace(Job job, int64_t rows, const Options& o) {
@@ -56,8 +58,6 @@ WorkspaceLayout plan_workspace(Job job, int64_t rows, const Options& o) {
     const size_t split_rows = static_cast<size_t>(std::min<int64_t>(rows, kSplitRowsMax));
     w.partials = at;
     at += align_up(split_rows * kMaxSplits * sizeof(RowPartial));
-    w.counters = at;
-    at += align_up(split_rows * sizeof(int));
   }
   w.total = job == Job::kRescale ? 0 : at;
   return w;
@@ -120,28 +120,55 @@ struct StreamPlan {
   int splits, chunks_per_split, grid;
 };
 
-/// Work items per SM the split aims at when rows are few (4). Tuning knob for the dev sweep
-/// (bench --sweep-splits): FUSEDCE_STREAM_ITEMS_PER_SM=1..64.
-int64_t items_per_sm() {
-  if (const char* env = std::getenv("FUSEDCE_STREAM_ITEMS_PER_SM")) {
-    const int k = std::atoi(env);
-    if (k >= 1 && k <= 64) return k;
-  }
-  return 4;
+/// Chunks per split forced by the dev sweep (bench --sweep-splits: FUSEDCE_STREAM_SPLIT_CHUNKS),
+/// or 0 for the plan's own choice.
+int forced_split_chunks() {
+  const char* env = std::getenv("FUSEDCE_STREAM_SPLIT_CHUNKS");
+  const int k = env ? std::atoi(env) : 0;
+  return k > 0 ? k : 0;
 }
 
-StreamPlan plan_stream(int64_t rows, int64_t segments, int sms) {
+/// A block's time is about its chunks plus a fixed cost per work item (pipeline start, the
+/// row's reduction), here in chunks; the split is the one with the least time on the busiest SM.
+constexpr int64_t kItemCostChunks = 1;
+
+StreamPlan plan_stream(int64_t rows, int64_t segments, int sms, bool grad) {
   StreamPlan s;
   const int nchunks = static_cast<int>((segments + kChunkSegs - 1) / kChunkSegs);
-  const int64_t want = items_per_sm() * int64_t(sms);
-  s.splits = 1;
-  if (rows <= kSplitRowsMax && rows < want) {
-    s.splits = static_cast<int>(std::min<int64_t>({nchunks, kMaxSplits, (want + rows - 1) / rows}));
+  int per = nchunks;  // chunks per split
+  // With the gradient, a split row loses the fused second sweep (a separate gradient pass
+  // follows): only worth it when whole rows would leave SMs idle.
+  if (rows <= kSplitRowsMax && (!grad || rows < sms)) {
+    int64_t best = INT64_MAX;
+    for (int c = std::max(1, (nchunks + kMaxSplits - 1) / kMaxSplits); c <= nchunks; ++c) {
+      const int64_t items = rows * ((nchunks + c - 1) / c);
+      const int64_t waves = (items + sms - 1) / sms;
+      const int64_t cost = waves * (c + kItemCostChunks);
+      if (cost < best) {
+        best = cost;
+        per = c;
+      }
+    }
+    if (const int forced = forced_split_chunks()) per = std::max(std::min(forced, nchunks), (nchunks + kMaxSplits - 1) / kMaxSplits);
   }
-  s.chunks_per_split = (nchunks + s.splits - 1) / s.splits;
-  s.splits = (nchunks + s.chunks_per_split - 1) / s.chunks_per_split;
+  s.chunks_per_split = per;
+  s.splits = (nchunks + per - 1) / per;
   s.grid = static_cast<int>(std::min<int64_t>(rows * s.splits, sms));
   return s;
+}
+
+/// cudaFuncSetAttribute once per kernel and device: it costs microseconds of host time, which a
+/// few-rows call (tens of microseconds of GPU time) would otherwise wait on.
+cudaError_t allow_stream_smem(const void* kernel, int device) {
+  static std::mutex mu;
+  static std::vector<std::pair<const void*, int>> done;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& d : done) {
+    if (d.first == kernel && d.second == device) return cudaSuccess;
+  }
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kStreamSmemBytes));
+  if (e == cudaSuccess) done.emplace_back(kernel, device);
+  return e;
 }
 
 int vec_of(DType d) { return d == DType::kFloat32 ? 4 : 8; }
@@ -222,6 +249,18 @@ Status run_rescale(const detail::CeCall& call, cudaStream_t stream) {
   return e == cudaSuccess ? Status::Ok() : device_error(e, "the rescale kernel launch");
 }
 
+/// The finalize pass's inputs: the per-row results and where the sums go.
+void fill_finalize(BatchParams& bp, const RowParams& p, const detail::CeCall& call, const Options& o) {
+  bp.row_loss = p.row_loss;
+  bp.loss_out = o.reduction != Reduction::kNone ? static_cast<float*>(call.out.loss.data) : nullptr;
+  if (o.compute_metrics) {
+    bp.row_entropy = p.row_entropy;
+    bp.row_correct = p.row_correct;
+    bp.num_correct_out = static_cast<int64_t*>(call.out.num_correct.data);
+    bp.entropy_out = static_cast<float*>(call.out.entropy_sum.data);
+  }
+}
+
 }  // namespace
 
 size_t workspace_size(Job job, int64_t rows, int64_t, const Options& options) {
@@ -278,7 +317,10 @@ Status run(const detail::CeCall& call) {
   bp.mean = o.reduction == Reduction::kMean;
   bp.batch = batch;
 
-  const bool need_batch = bp.mean || bp.class_weight != nullptr || o.check_targets;
+  // The prepare pass: for class weights, the target check, and the gradient's 1 / denominator.
+  // A forward's mean counts its rows in the finalize pass instead (one launch less).
+  const bool need_batch = (bp.mean && grad) || bp.class_weight != nullptr || o.check_targets;
+  bp.count_rows = bp.mean && !need_batch;
   if (need_batch) {
     launch_prepare(bp, stream);
     cudaError_t e = cudaGetLastError();
@@ -338,6 +380,7 @@ Status run(const detail::CeCall& call) {
   p.grad_stride = call.grad_loss.stride;
   p.grad_scalar = o.reduction != Reduction::kNone;
 
+  bool finalized = false;  // the split-merge pass ran the batch sums
   if (N > 0) {
     const int vec = vec_of(L.dtype);
     // Plan for the worst row alignment, so one shape serves every row.
@@ -348,28 +391,32 @@ Status run(const detail::CeCall& call) {
     if (kHopperFeatures && forward && cc_major >= 9 && std::getenv("FUSEDCE_NO_STREAM") == nullptr) {
       int sms = 0;
       (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, call.device.index);
-      const StreamPlan plan = plan_stream(N, segments, sms);
+      const StreamPlan plan = plan_stream(N, segments, sms, grad);
       StreamParams sp = {};
       sp.row = p;
       sp.splits = plan.splits;
       sp.chunks_per_split = plan.chunks_per_split;
       if (plan.splits > 1) {
         sp.partials = base + ws.partials;
-        sp.counters = reinterpret_cast<int*>(base + ws.counters);
-        cudaError_t e = cudaMemsetAsync(sp.counters, 0, N * sizeof(int), stream);
-        if (e != cudaSuccess) return device_error(e, "clearing the row counters");
         if (grad && sp.row.lse_out == nullptr) {
           sp.row.lse_out = reinterpret_cast<float*>(base + ws.row_lse);
           sp.row.lse_stride = 1;
         }
       }
       const StreamKernel kernel = select_stream_kernel(L.dtype, grad && plan.splits == 1, extras);
-      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(kStreamSmemBytes));
+      cudaError_t e = allow_stream_smem(reinterpret_cast<const void*>(kernel), call.device.index);
       if (e != cudaSuccess) return device_error(e, "raising the stream kernel's shared memory limit");
       kernel<<<plan.grid, kStreamThreads, kStreamSmemBytes, stream>>>(sp);
       e = cudaGetLastError();
       if (e != cudaSuccess) return device_error(e, "the stream kernel launch");
+      if (plan.splits > 1) {
+        // The rows' partials folded into their results (and the batch sums: no finalize below).
+        fill_finalize(bp, p, call, o);
+        launch_split_merge(bp, sp.row, sp.partials, plan.splits, stream);
+        e = cudaGetLastError();
+        if (e != cudaSuccess) return device_error(e, "the split-merge kernel launch");
+        finalized = true;
+      }
       if (grad && plan.splits > 1) {
         // Few rows, each split over blocks: the gradient in a second pass from the merged lse
         // (the rows are small enough to be re-read from L2).
@@ -391,15 +438,8 @@ Status run(const detail::CeCall& call) {
     }
   }
 
-  if (forward && (o.reduction != Reduction::kNone || o.compute_metrics)) {
-    bp.row_loss = p.row_loss;
-    bp.loss_out = o.reduction != Reduction::kNone ? static_cast<float*>(call.out.loss.data) : nullptr;
-    if (o.compute_metrics) {
-      bp.row_entropy = p.row_entropy;
-      bp.row_correct = p.row_correct;
-      bp.num_correct_out = static_cast<int64_t*>(call.out.num_correct.data);
-      bp.entropy_out = static_cast<float*>(call.out.entropy_sum.data);
-    }
+  if (!finalized && forward && (o.reduction != Reduction::kNone || o.compute_metrics)) {
+    fill_finalize(bp, p, call, o);
     launch_finalize(bp, stream);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return device_error(e, "the finalize kernel launch");

@@ -76,8 +76,7 @@ struct StreamParams {
   RowParams row;
   int splits;            // blocks sharing one row; > 1 only for few rows (then no gradient here)
   int chunks_per_split;  // chunks of kChunkSegs segments per split
-  void* partials;        // (N, splits) RowPartial, splits > 1 only
-  int* counters;         // (N,) arrivals per row, zero between calls, splits > 1 only
+  void* partials;        // (N, splits) RowPartial, splits > 1 only (merged by the split-merge pass)
 };
 
 /// dlogits[i, :] *= factor(i); rows whose factor is 1 skipped.
@@ -106,7 +105,9 @@ struct BatchParams {
   bool mean;
   BatchScalars* batch;
 
-  // Finalize.
+  // Finalize. count_rows: the mean's denominator is counted here (no prepare pass ran: a
+  // forward without class weights needs the batch scalars only for the mean).
+  bool count_rows;
   const float* row_loss;
   const float* row_entropy;
   const uint8_t* row_correct;

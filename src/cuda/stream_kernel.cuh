@@ -1,7 +1,8 @@
 // The streaming cross-entropy pass for Hopper: forward statistics, and with them the gradient.
 //
 // What it fuses: persistent blocks (one per SM) walk the work items (a row, or a split of a row
-// when there are few rows). A producer warp has the copy engine stream each item's 32 KB chunks
+// when there are few rows: each split publishes its partial statistics, which the split-merge
+// pass folds after this kernel). A producer warp has the copy engine stream each item's 32 KB chunks
 // into a ring of shared-memory stages (cp.async.bulk + mbarrier), kStages chunks ahead, across
 // row boundaries; 16 consumer warps fold each chunk into per-thread online (max, sum of exps)
 // states, then reduce the row. With the gradient, the row is streamed a second time (from L2: the
@@ -63,15 +64,6 @@ struct ItemGeometry {
   }
 };
 
-/// Another block's published partial, read from L2 (never from this SM's incoherent L1).
-__device__ __forceinline__ RowPartial load_partial_l2(const RowPartial* src) {
-  RowPartial r;
-  const unsigned* from = reinterpret_cast<const unsigned*>(src);
-  unsigned* to = reinterpret_cast<unsigned*>(&r);
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(RowPartial) / 4); ++i) to[i] = __ldcg(from + i);
-  return r;
-}
 #endif
 
 template <typename T, bool kGrad, bool kExtras>
@@ -181,8 +173,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     detail::LossConstants c = p.c;
     if (weighted && p.batch) c.weight_sum = p.batch->weight_sum;
     const T fill = E::from_float(c.logit_scale > 0.0f ? -INFINITY : INFINITY);
-    // Read before this row's barriers, hence before any of its gradient stores (in place).
-    const float z_t = (ctid == 0 && valid_t && sp.splits == 1) ? transform(E::to_float(g.x[t]), c, softcap) : NAN;
+    // The target logit, loaded by the one thread whose item holds it and only used at the end, so
+    // its latency hides behind the sweep. Read before this row's barriers, hence before any of
+    // its gradient stores (in place).
+    const int item_lo = g.c0 * kChunkSegs * kVec - g.off, item_hi = g.c1 * kChunkSegs * kVec - g.off;
+    const bool holds_t = ctid == 0 && valid_t && (sp.splits == 1 || (t >= item_lo && t < item_hi));
+    const T x_t = holds_t ? g.x[t] : fill;
 
     auto z_of = [&](const Segment<T>& seg, int e, int j0) {
       const float z = transform(E::to_float(seg.e[e]), c, softcap);
@@ -327,25 +323,17 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         if ((lane & (2 * d - 1)) == 0 && lane + d < kStreamConsumerWarps) b = merge_partial(b, o, metrics);
       }
       if (lane == 0) {
-        bool finalize = sp.splits == 1;
-        float zt = z_t;
-        if (!finalize) {
-          // Publish this split; the last split of the row to arrive merges all, in split order.
-          RowPartial* parts = static_cast<RowPartial*>(sp.partials) + row * sp.splits;
-          parts[split] = b;
-          __threadfence();  // the partial is visible before the arrival is counted
-          const int arrived = atomicAdd(&sp.counters[row], 1);
-          if (arrived == sp.splits - 1) {
-            __threadfence();  // see every other split's partial
-            b = load_partial_l2(&parts[0]);
-            for (int q = 1; q < sp.splits; ++q) b = merge_partial(b, load_partial_l2(&parts[q]), metrics);
-            sp.counters[row] = 0;  // ready for the next call (or graph replay)
-            zt = valid_t ? transform(E::to_float(g.x[t]), c, softcap) : NAN;
-            finalize = true;
-          }
+        if (holds_t) {
+          b.z_target = transform(E::to_float(x_t), c, softcap);
+          b.has_target = 1;
         }
-        if (finalize) {
+        if (sp.splits > 1) {
+          // Publish this split's partial and move on: the split-merge pass (after this kernel)
+          // folds a row's partials, so no block waits on another's arrival here.
+          static_cast<RowPartial*>(sp.partials)[row * sp.splits + split] = b;
+        } else {
           const float lse = detail::lse_value(b.st);
+          const float zt = holds_t ? b.z_target : NAN;
           p.row_loss[row * p.row_loss_stride] = detail::row_loss(c, lse, zt, w_t, b.smooth, weighted);
           if (p.lse_out) p.lse_out[row * p.lse_stride] = lse;
           if (metrics) {

@@ -1,7 +1,7 @@
 // Tests only the CUDA backend can fail: capture and replay in a CUDA graph (cross-entropy over
-// logits and fused linear cross-entropy), the same bits run to
-// run (split rows merge through atomics in workspace), and CPU-vs-CUDA agreement on random
-// problems. Skipped where no GPU is present.
+// logits and fused linear cross-entropy), the same bits run to run (split rows publish partials
+// that one pass folds in a fixed order), and CPU-vs-CUDA agreement on random problems. Skipped
+// where no GPU is present.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
