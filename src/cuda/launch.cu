@@ -381,11 +381,13 @@ Status run(const detail::CeCall& call) {
   p.grad_scalar = o.reduction != Reduction::kNone;
 
   bool finalized = false;  // the split-merge pass ran the batch sums
+  bool pdl = false;        // a kernel of ours runs before finalize, on sm_90: launch it as a dependent
   if (N > 0) {
     const int vec = vec_of(L.dtype);
     // Plan for the worst row alignment, so one shape serves every row.
     const int64_t segments = row_segments(V, vec - 1, vec);
     const int cc_major = device_cc_major(call.device.index);
+    pdl = kHopperFeatures && cc_major >= 9;
     // The plain kernels assume logit_scale > 0 (they take the max over raw logits).
     const bool extras = p.softcap || p.smoothing || p.metrics || p.class_weight != nullptr || o.logit_scale < 0.0f;
     if (kHopperFeatures && forward && cc_major >= 9 && std::getenv("FUSEDCE_NO_STREAM") == nullptr) {
@@ -396,6 +398,9 @@ Status run(const detail::CeCall& call) {
       sp.row = p;
       sp.splits = plan.splits;
       sp.chunks_per_split = plan.chunks_per_split;
+      int l2_bytes = 0;
+      (void)cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, call.device.index);
+      sp.grad_backwards = int64_t(sms) * V * static_cast<int64_t>(dtype_size(L.dtype)) > int64_t(l2_bytes);
       if (plan.splits > 1) {
         sp.partials = base + ws.partials;
         if (grad && sp.row.lse_out == nullptr) {
@@ -412,7 +417,7 @@ Status run(const detail::CeCall& call) {
       if (plan.splits > 1) {
         // The rows' partials folded into their results (and the batch sums: no finalize below).
         fill_finalize(bp, p, call, o);
-        launch_split_merge(bp, sp.row, sp.partials, plan.splits, stream);
+        launch_split_merge(bp, sp.row, sp.partials, plan.splits, /*dependent=*/true, stream);
         e = cudaGetLastError();
         if (e != cudaSuccess) return device_error(e, "the split-merge kernel launch");
         finalized = true;
@@ -440,7 +445,7 @@ Status run(const detail::CeCall& call) {
 
   if (!finalized && forward && (o.reduction != Reduction::kNone || o.compute_metrics)) {
     fill_finalize(bp, p, call, o);
-    launch_finalize(bp, stream);
+    launch_finalize(bp, pdl, stream);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return device_error(e, "the finalize kernel launch");
   }

@@ -77,6 +77,11 @@ struct StreamParams {
   int splits;            // blocks sharing one row; > 1 only for few rows (then no gradient here)
   int chunks_per_split;  // chunks of kChunkSegs segments per split
   void* partials;        // (N, splits) RowPartial, splits > 1 only (merged by the split-merge pass)
+  // The gradient sweep walks each row backwards. When the rows in flight on all SMs outgrow the
+  // L2, a forward re-scan misses on every chunk (LRU evicts each row's start first); backwards,
+  // the chunks loaded last, still in L2, come first. Measured on the H200: 4096 x 262144 bf16
+  // fwd+grad 5% faster; rows that fit were 3% slower backwards, so they keep the forward order.
+  bool grad_backwards;
 };
 
 /// dlogits[i, :] *= factor(i); rows whose factor is 1 skipped.

@@ -86,6 +86,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   // The gradient is formed here only when a block owns whole rows.
   const bool grad_here = kGrad && sp.splits == 1;
 
+  // The pass after this one (split merge, finalize) may be scheduled now: it waits for this
+  // grid's writes itself, and its launch latency hides behind this kernel.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(&full[i], 1);                      // the producer's arrive (+ the copy's bytes)
@@ -114,7 +117,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       const ItemGeometry<T> g(p, row, static_cast<int>(w % sp.splits), sp.chunks_per_split);
       const char* aligned = reinterpret_cast<const char*>(g.x - g.off);
       for (int pass = 0; pass < (grad_here ? 2 : 1); ++pass) {
-        for (int c = g.c0; c < g.c1; ++c, ++n) {
+        for (int i = 0; i < g.c1 - g.c0; ++i, ++n) {
+          const int c = pass == 1 && sp.grad_backwards ? g.c1 - 1 - i : g.c0 + i;
           const int stage = n % kStages;
           mbar_wait(&empty[stage], ((n / kStages) & 1) ^ 1);  // consumers done with its last use
           const int lo = max(c * kChunkSegs, g.first_full);
@@ -356,7 +360,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     const detail::RowGrad rg = detail::row_grad(c, lse, w_t, gr);
     const float ga_s = rg.g_a * c.logit_scale, gc_s = rg.g_c * c.logit_scale;
     const int seg_t = valid_t ? (t + g.off) / kVec : -1;
-    for (int ch = g.c0; ch < g.c1; ++ch, ++n) {
+    for (int i = 0; i < g.c1 - g.c0; ++i, ++n) {
+      const int ch = sp.grad_backwards ? g.c1 - 1 - i : g.c0 + i;  // in the producer's order
       const int stage = n % kStages;
       const unsigned char* buf = smem + size_t(stage) * kChunkBytes;
       mbar_wait(&full[stage], (n / kStages) & 1);
