@@ -17,14 +17,6 @@ namespace {
 
 constexpr int kBatchThreads = 1024;
 
-// Launched as a programmatic dependent (sm_90): the block may start while the kernel before it
-// is finishing, and waits here until that kernel's writes are visible. A no-op otherwise.
-__device__ __forceinline__ void wait_for_prior_kernel() {
-#if !FUSEDCE_PLATFORM_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ int64_t batch_target(const BatchParams& p, int64_t i) {
   return p.target_i64 ? static_cast<const int64_t*>(p.target)[i * p.target_stride]
                       : static_cast<int64_t>(static_cast<const int32_t*>(p.target)[i * p.target_stride]);
@@ -109,7 +101,6 @@ __device__ void finalize_sums(const BatchParams& p, double* smem) {
 
 __global__ void __launch_bounds__(kBatchThreads) ce_finalize_kernel(const BatchParams p) {
   __shared__ double smem[kBatchThreads];
-  wait_for_prior_kernel();
   finalize_sums(p, smem);
 }
 
@@ -120,7 +111,6 @@ __global__ void __launch_bounds__(kBatchThreads) ce_finalize_kernel(const BatchP
 __global__ void __launch_bounds__(kBatchThreads) ce_split_merge_kernel(const BatchParams bp, const RowParams rp,
                                                                         const RowPartial* parts, int splits) {
   __shared__ double smem[kBatchThreads];
-  wait_for_prior_kernel();
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int nwarps = blockDim.x / kWarpSize;
   const bool metrics = rp.metrics;
@@ -162,34 +152,13 @@ void launch_prepare(const BatchParams& p, cudaStream_t stream) {
   ce_prepare_kernel<<<1, kBatchThreads, 0, stream>>>(p);
 }
 
-/// A one-block pass after another kernel; on sm_90 as a programmatic dependent launch, so its
-/// launch latency hides behind that kernel's tail (the kernel waits for the writes it reads).
-template <typename... Args>
-void launch_after(bool dependent, void (*kernel)(Args...), cudaStream_t stream, Args... args) {
-#if FUSEDCE_PLATFORM_HIP
-  (void)dependent;
-  kernel<<<1, kBatchThreads, 0, stream>>>(args...);
-#else
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(1, 1, 1);
-  config.blockDim = dim3(kBatchThreads, 1, 1);
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = dependent ? 1 : 0;
-  (void)cudaLaunchKernelEx(&config, kernel, args...);  // errors surface through cudaGetLastError
-#endif
+void launch_finalize(const BatchParams& p, cudaStream_t stream) {
+  ce_finalize_kernel<<<1, kBatchThreads, 0, stream>>>(p);
 }
 
-void launch_finalize(const BatchParams& p, bool dependent, cudaStream_t stream) {
-  launch_after(dependent, ce_finalize_kernel, stream, p);
-}
-
-void launch_split_merge(const BatchParams& bp, const RowParams& rp, const void* partials, int splits, bool dependent,
+void launch_split_merge(const BatchParams& bp, const RowParams& rp, const void* partials, int splits,
                         cudaStream_t stream) {
-  launch_after(dependent, ce_split_merge_kernel, stream, bp, rp, static_cast<const RowPartial*>(partials), splits);
+  ce_split_merge_kernel<<<1, kBatchThreads, 0, stream>>>(bp, rp, static_cast<const RowPartial*>(partials), splits);
 }
 
 }  // namespace cuda

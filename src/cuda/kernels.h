@@ -53,9 +53,8 @@ constexpr int kRescaleItems = 4;
 constexpr int kRescaleThreads = 256;
 
 void launch_prepare(const BatchParams& p, cudaStream_t stream);
-// dependent: launch as a programmatic dependent of the kernel before (sm_90 only).
-void launch_finalize(const BatchParams& p, bool dependent, cudaStream_t stream);
-void launch_split_merge(const BatchParams& bp, const RowParams& rp, const void* partials, int splits, bool dependent,
+void launch_finalize(const BatchParams& p, cudaStream_t stream);
+void launch_split_merge(const BatchParams& bp, const RowParams& rp, const void* partials, int splits,
                         cudaStream_t stream);
 
 }  // namespace cuda

@@ -381,13 +381,11 @@ Status run(const detail::CeCall& call) {
   p.grad_scalar = o.reduction != Reduction::kNone;
 
   bool finalized = false;  // the split-merge pass ran the batch sums
-  bool pdl = false;        // a kernel of ours runs before finalize, on sm_90: launch it as a dependent
   if (N > 0) {
     const int vec = vec_of(L.dtype);
     // Plan for the worst row alignment, so one shape serves every row.
     const int64_t segments = row_segments(V, vec - 1, vec);
     const int cc_major = device_cc_major(call.device.index);
-    pdl = kHopperFeatures && cc_major >= 9;
     // The plain kernels assume logit_scale > 0 (they take the max over raw logits).
     const bool extras = p.softcap || p.smoothing || p.metrics || p.class_weight != nullptr || o.logit_scale < 0.0f;
     if (kHopperFeatures && forward && cc_major >= 9 && std::getenv("FUSEDCE_NO_STREAM") == nullptr) {
@@ -417,7 +415,7 @@ Status run(const detail::CeCall& call) {
       if (plan.splits > 1) {
         // The rows' partials folded into their results (and the batch sums: no finalize below).
         fill_finalize(bp, p, call, o);
-        launch_split_merge(bp, sp.row, sp.partials, plan.splits, /*dependent=*/true, stream);
+        launch_split_merge(bp, sp.row, sp.partials, plan.splits, stream);
         e = cudaGetLastError();
         if (e != cudaSuccess) return device_error(e, "the split-merge kernel launch");
         finalized = true;
@@ -445,7 +443,7 @@ Status run(const detail::CeCall& call) {
 
   if (!finalized && forward && (o.reduction != Reduction::kNone || o.compute_metrics)) {
     fill_finalize(bp, p, call, o);
-    launch_finalize(bp, pdl, stream);
+    launch_finalize(bp, stream);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return device_error(e, "the finalize kernel launch");
   }

@@ -86,9 +86,6 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   // The gradient is formed here only when a block owns whole rows.
   const bool grad_here = kGrad && sp.splits == 1;
 
-  // The pass after this one (split merge, finalize) may be scheduled now: it waits for this
-  // grid's writes itself, and its launch latency hides behind this kernel.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(&full[i], 1);                      // the producer's arrive (+ the copy's bytes)
