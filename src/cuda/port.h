@@ -30,6 +30,7 @@
 // Runtime API: the CUDA names the launcher uses, as their HIP equivalents.
 #define cudaDevAttrComputeCapabilityMajor hipDeviceAttributeComputeCapabilityMajor
 #define cudaDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define cudaDevAttrL2CacheSize hipDeviceAttributeL2CacheSize
 #define cudaDeviceGetAttribute hipDeviceGetAttribute
 #define cudaError_t hipError_t
 #define cudaFreeAsync hipFreeAsync
