@@ -15,7 +15,8 @@
 # "ce_profile" runs ncu's speed-of-light, occupancy, warp-state and memory sections over the
 # cross-entropy kernels of `fusedce_bench --profile`; "splits" times few-rows forwards over the
 # stream kernel's chunks-per-split knob, per call and per call inside a CUDA graph
-# (`fusedce_bench --sweep-splits`).
+# (`fusedce_bench --sweep-splits`); "async" runs the benchmark with and without the stream
+# kernel's opt-in asynchronous row reduction (FUSEDCE_STREAM_ASYNC_REDUCE=1).
 # All steps take about 20 minutes on an H200, more than one 10-minute device call: the sessions
 # so far ran two calls, STEPS="tests sanitizer bench linear" with CTEST_ARGS='-R (cuda|Cuda)'
 # (~7 min), then STEPS="python report demo" TORCH_CUDA_ARCHS=90 PYTEST_ARGS="-k cuda"
@@ -33,7 +34,7 @@ step "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 nvcc --version | tail -2
 
-if want tests || want sanitizer || want bench || want linear || want profile || want ce_profile || want splits; then
+if want tests || want sanitizer || want bench || want linear || want profile || want ce_profile || want splits || want async; then
 step "build"
 gtest_arg=()
 [ -d .deps/googletest ] && gtest_arg=(-DFUSEDCE_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
@@ -140,6 +141,13 @@ fi
 if want splits; then
 step "few-rows sweep: the stream kernel's work split (FUSEDCE_STREAM_SPLIT_CHUNKS)"
 "$build/bench/fusedce_bench" --sweep-splits ${BENCH_ARGS:-} 2>&1 | tee "$out/sweep_splits.md" || status=1
+fi
+
+if want async; then
+step "A/B: the stream kernel's asynchronous row reduction (FUSEDCE_STREAM_ASYNC_REDUCE=1) against the default"
+"$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_sync.csv" > "$out/bench_sync.md" || status=1
+FUSEDCE_STREAM_ASYNC_REDUCE=1 "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_async.csv" > "$out/bench_async.md" || status=1
+for f in sync async; do echo "-- $f"; grep -E "ceilings|forward \|" "$out/bench_$f.md"; done
 fi
 
 if want ce_profile; then

@@ -157,6 +157,13 @@ StreamPlan plan_stream(int64_t rows, int64_t segments, int sms, bool grad) {
   return s;
 }
 
+/// The stream kernel's asynchronous row reduction (StreamParams::async_reduce), opt-in until
+/// measured on the GPU: FUSEDCE_STREAM_ASYNC_REDUCE=1.
+bool async_reduce_requested() {
+  const char* env = std::getenv("FUSEDCE_STREAM_ASYNC_REDUCE");
+  return env != nullptr && env[0] == '1';
+}
+
 /// cudaFuncSetAttribute once per kernel and device: it costs microseconds of host time, which a
 /// few-rows call (tens of microseconds of GPU time) would otherwise wait on.
 cudaError_t allow_stream_smem(const void* kernel, int device) {
@@ -399,6 +406,7 @@ Status run(const detail::CeCall& call) {
       int l2_bytes = 0;
       (void)cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, call.device.index);
       sp.grad_backwards = int64_t(sms) * V * static_cast<int64_t>(dtype_size(L.dtype)) > int64_t(l2_bytes);
+      sp.async_reduce = async_reduce_requested();
       if (plan.splits > 1) {
         sp.partials = base + ws.partials;
         if (grad && sp.row.lse_out == nullptr) {

@@ -83,6 +83,10 @@ struct StreamParams {
   // 8192 x 128256 fp32 fwd+grad 4-5% faster in two runs; rows that fit showed no gain beyond the
   // ~5% spread between runs, so they keep the forward order.
   bool grad_backwards;
+  // Forward over whole rows: fold each row's warp partials asynchronously (one finalizing warp
+  // per row, in turn, instead of a block-wide barrier per row). Opt-in while unmeasured:
+  // FUSEDCE_STREAM_ASYNC_REDUCE=1.
+  bool async_reduce;
 };
 
 /// dlogits[i, :] *= factor(i); rows whose factor is 1 skipped.

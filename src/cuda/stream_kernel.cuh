@@ -74,9 +74,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + size_t(kStages) * kChunkBytes);
   uint64_t* empty = full + kStages;
-  // Warp partials double-buffered by row parity: a warp may start writing the next row's
-  // partial while warp 0 still reads this row's (there is one barrier between them).
-  __shared__ RowPartial warp_part[2][kStreamConsumerWarps];
+  // Warp partials. Synchronous reduction: double-buffered by row parity (a warp may start
+  // writing the next row's partial while warp 0 still reads this row's; one barrier between
+  // them). Asynchronous reduction: kReduceSlots slots, one named barrier each (see below).
+  __shared__ RowPartial warp_part[kReduceSlots][kStreamConsumerWarps];
   __shared__ RowPartial row_part;
 
   const RowParams& p = sp.row;
@@ -135,7 +136,16 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   // ---- consumers
   const int ctid = threadIdx.x;  // 0 .. kStreamConsumers - 1
   uint32_t n = 0;                // chunks consumed so far, in the producer's order
-  int parity = 0;                // which warp_part buffer this row uses
+  int parity = 0;                // which warp_part buffer this row uses (synchronous reduction)
+  uint32_t seq = 0;              // items reduced so far (ignored rows are not)
+  // Asynchronous reduction (forward over whole rows, opt-in): each warp posts its partial and
+  // arrives at the item's named barrier without waiting; only the item's finalizing warp (one
+  // per item, in turn) waits there, folds the 16 partials and writes the row's results. No warp
+  // stalls on a per-row barrier, so short rows no longer pay the slowest warp plus warp 0's tail
+  // on every row. Slots are safe to reuse: every item has at least one chunk, and no warp can
+  // run more than kStages chunks ahead of the slowest (the ring's empty barriers), so at most
+  // kStages + 1 < kReduceSlots items are in flight.
+  const bool async = kAsyncReduceAllowed && !grad_here && sp.splits == 1 && sp.async_reduce;
   const bool metrics = kExtras && p.metrics;
   int64_t t_next = blockIdx.x < items ? load_target_dev(p, blockIdx.x / sp.splits) : 0;
   const float g_chain = grad_here && p.batch ? p.batch->g_chain : 1.0f;
@@ -164,6 +174,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       continue;
     }
     const ItemGeometry<T> g(p, row, split, sp.chunks_per_split);
+    const int fin_warp = async ? static_cast<int>(seq % kStreamConsumerWarps) : 0;  // folds this item
     const bool valid_t = t64 >= 0 && t64 < V;
     const int t = valid_t ? static_cast<int>(t64) : -1;
     const bool weighted = kExtras && p.class_weight != nullptr;
@@ -178,7 +189,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     // its latency hides behind the sweep. Read before this row's barriers, hence before any of
     // its gradient stores (in place).
     const int item_lo = g.c0 * kChunkSegs * kVec - g.off, item_hi = g.c1 * kChunkSegs * kVec - g.off;
-    const bool holds_t = ctid == 0 && valid_t && (sp.splits == 1 || (t >= item_lo && t < item_hi));
+    const bool holds_t = ctid == fin_warp * kWarpSize && valid_t && (sp.splits == 1 || (t >= item_lo && t < item_hi));
     const T x_t = holds_t ? g.x[t] : fill;
 
     auto z_of = [&](const Segment<T>& seg, int e, int j0) {
@@ -311,13 +322,21 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     mine.amax_v = amax_v;
     mine.amax_i = amax_i;
 
-    // ---- the row's (or split's) statistics: warps, then warp 0 over the warps
+    // ---- the row's (or split's) statistics: warps, then one warp (warp 0, or the item's finalizer) over the warps
 #pragma unroll
     for (int d = kWarpSize / 2; d > 0; d >>= 1) mine = merge_partial(mine, shfl_down_partial(mine, d, metrics, false), metrics);
-    if (lane == 0) warp_part[parity][warp] = mine;
-    named_barrier(1, kStreamConsumers);  // warp partials written (and the last row's row_part read)
-    if (warp == 0) {
-      RowPartial b = warp_part[parity][lane < kStreamConsumerWarps ? lane : 0];
+    const int slot = async ? static_cast<int>(seq % kReduceSlots) : parity;
+    if (lane == 0) warp_part[slot][warp] = mine;
+    if (!async) {
+      named_barrier(1, kStreamConsumers);  // warp partials written (and the last row's row_part read)
+    } else if (warp == fin_warp) {
+      named_barrier(2 + slot, kStreamConsumers);  // every warp's partial of this item written
+    } else {
+      named_barrier_arrive(2 + slot, kStreamConsumers);
+    }
+    ++seq;
+    if (warp == fin_warp) {
+      RowPartial b = warp_part[slot][lane < kStreamConsumerWarps ? lane : 0];
 #pragma unroll
       for (int d = 1; d < kWarpSize; d *= 2) {
         const RowPartial o = shfl_down_partial(b, d, metrics, false);

@@ -83,5 +83,11 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+/// Arrive at a named barrier without waiting (the producer side of a bar.arrive / bar.sync
+/// pair: the memory accesses before it are visible to the threads that bar.sync on it).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 }  // namespace cuda
 }  // namespace fusedce

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -95,6 +96,11 @@ struct DeviceProblem {
                                                    fusedce::vector(t, DType::kInt64, N), o, outputs(o), {},
                                                    fusedce::matrix(dx, dtype, N, V), fusedce::Workspace{ws, ws_bytes});
   }
+  fusedce::Status forward(const fusedce::Options& o, cudaStream_t stream) const {
+    return fusedce::cross_entropy_forward(fusedce::Device::cuda(0, stream), fusedce::matrix(x, dtype, N, V),
+                                          fusedce::vector(t, DType::kInt64, N), o, outputs(o),
+                                          fusedce::Workspace{ws, ws_bytes});
+  }
   /// Every output's bytes, for bit comparisons.
   std::vector<uint8_t> results(const fusedce::Options& o) const {
     const size_t loss_n = o.reduction == fusedce::Reduction::kNone ? N : 1;
@@ -163,6 +169,36 @@ TEST(CudaGraph, CapturedForwardBackwardReplaysOnNewInputs) {
       cudaGraphExecDestroy(exec);
       cudaGraphDestroy(graph);
       cudaStreamDestroy(stream);
+    }
+  }
+}
+
+// The stream kernel's asynchronous row reduction (opt-in: FUSEDCE_STREAM_ASYNC_REDUCE=1) folds
+// the same warp partials in the same tree as the synchronous one, only in another warp: forward
+// results are the same bits. Shapes whose forward runs whole rows per block (the only case it
+// applies to), short and long rows, 30% ignored rows interleaved.
+TEST(CudaStream, AsyncReductionGivesTheSameBits) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng = test_rng();
+  const Shape shapes[] = {{3000, 32003}, {1500, 50257}, {2000, 7}, {700, 4099}, {1, 5}};
+  fusedce::Options none;
+  none.reduction = fusedce::Reduction::kNone;
+  for (const Shape& sh : shapes) {
+    for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+      for (const fusedce::Options& o : {fusedce::Options{}, all_options(), none}) {
+        SCOPED_TRACE("N=" + std::to_string(sh.N) + " V=" + std::to_string(sh.V) + " " + dtype_tag(d));
+        DeviceProblem p(d, sh.N, sh.V, rng);
+        p.reserve_workspace(o);
+        unsetenv("FUSEDCE_STREAM_ASYNC_REDUCE");
+        ASSERT_OK(p.forward(o, nullptr));
+        const std::vector<uint8_t> sync_bits = p.results(o);
+        setenv("FUSEDCE_STREAM_ASYNC_REDUCE", "1", 1);
+        const fusedce::Status s = p.forward(o, nullptr);
+        const std::vector<uint8_t> async_bits = p.results(o);
+        unsetenv("FUSEDCE_STREAM_ASYNC_REDUCE");
+        ASSERT_OK(s);
+        EXPECT_TRUE(sync_bits == async_bits) << "asynchronous reduction changed the forward's bits";
+      }
     }
   }
 }
