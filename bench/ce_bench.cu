@@ -9,6 +9,8 @@
 // Timing: CUDA events around each launch sequence, after warm-up; median of many; inputs rotated
 // over enough copies to exceed the L2 several times, so every run reads from device memory.
 // Usage: fusedce_bench [--quick] [--csv FILE] [--sweep (launch shapes, for the dev notes)]
+//        [--sweep-splits (few rows: chunks per split)] [--options (each option alone, fwd+grad)]
+//        [--profile (for ncu)]
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -224,19 +226,111 @@ bool verify(DType dtype, int64_t N, int64_t V, const fusedce::Options& opt) {
 
 }  // namespace
 
+// --options: what each option costs. bf16 forward and forward+gradient at a long-row and a
+// short-row shape, plain and with one option at a time, then all together; time and the
+// fraction of the copy ceiling by the same byte formulas as the main table. Inputs rotated past
+// 3x the L2.
+int bench_options(int iters, const cudaDeviceProp& prop) {
+  const Ceilings c0 = measure_ceilings(iters);
+  std::printf("# options: device-to-device copy %.0f GB/s, streaming read %.0f GB/s\n", c0.copy_gbs, c0.read_gbs);
+  std::printf("| N x V | options | forward ms | of read | fwd+grad ms | of copy | fwd+grad x plain |\n"
+              "|---|---|---|---|---|---|---|\n");
+  struct Opt { const char* name; fusedce::Options o; bool weights; };
+  std::vector<Opt> opts;
+  auto add = [&](const char* name, auto set, bool weights = false) {
+    fusedce::Options o;
+    set(o);
+    opts.push_back({name, o, weights});
+  };
+  add("plain", [](fusedce::Options&) {});
+  add("label_smoothing 0.1", [](fusedce::Options& o) { o.label_smoothing = 0.1f; });
+  add("z_loss 1e-4", [](fusedce::Options& o) { o.z_loss = 1e-4f; });
+  add("softcap 30", [](fusedce::Options& o) { o.softcap = 30.0f; });
+  add("logit_scale 0.5", [](fusedce::Options& o) { o.logit_scale = 0.5f; });
+  add("metrics", [](fusedce::Options& o) { o.compute_metrics = true; });
+  add("class_weight", [](fusedce::Options&) {}, true);
+  add("class_weight + smoothing", [](fusedce::Options& o) { o.label_smoothing = 0.1f; }, true);
+  add("reduction sum", [](fusedce::Options& o) { o.reduction = fusedce::Reduction::kSum; });
+  add("all (smoothing, z_loss, softcap, metrics)", [](fusedce::Options& o) {
+    o.label_smoothing = 0.1f;
+    o.z_loss = 1e-4f;
+    o.softcap = 30.0f;
+    o.compute_metrics = true;
+  });
+  struct Sh { int64_t N, V; };
+  for (const Sh sh : {Sh{8192, 128256}, Sh{16384, 32000}}) {
+    const size_t bytes = size_t(sh.N) * sh.V * 2;
+    const int copies = static_cast<int>(std::max<size_t>(1, (3 * size_t(prop.l2CacheSize) + bytes - 1) / bytes));
+    std::vector<void*> xs(copies);
+    for (int c = 0; c < copies; ++c) {
+      CHECK_CUDA(cudaMalloc(&xs[c], bytes));
+      fill(xs[c], DType::kBFloat16, sh.N * sh.V, 500 + c);
+    }
+    void *dx, *ws;
+    int64_t *t, *correct;
+    float *loss, *lse, *entropy, *w;
+    CHECK_CUDA(cudaMalloc(&dx, bytes));
+    CHECK_CUDA(cudaMalloc(&t, sh.N * 8));
+    CHECK_CUDA(cudaMalloc(&loss, 4));
+    CHECK_CUDA(cudaMalloc(&lse, sh.N * 4));
+    CHECK_CUDA(cudaMalloc(&entropy, 4));
+    CHECK_CUDA(cudaMalloc(&correct, 8));
+    CHECK_CUDA(cudaMalloc(&w, sh.V * 4));
+    std::vector<float> hw(sh.V);
+    for (int64_t j = 0; j < sh.V; ++j) hw[j] = 0.5f + static_cast<float>((j * 2654435761u) % 1000) / 1000.0f;
+    CHECK_CUDA(cudaMemcpy(w, hw.data(), sh.V * 4, cudaMemcpyHostToDevice));
+    target_kernel<<<64, 256>>>(t, sh.N, sh.V, 11);
+    size_t ws_bytes = 0;
+    for (Opt& op : opts) {
+      if (op.weights) op.o.class_weight = fusedce::vector(w, DType::kFloat32, sh.V);
+      ws_bytes = std::max(ws_bytes, fusedce::cross_entropy_workspace_size(fusedce::Job::kForwardBackward,
+                                                                           fusedce::Device::cuda(), sh.N, sh.V, op.o));
+    }
+    CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+    const fusedce::Workspace work{ws, ws_bytes};
+    const auto T = fusedce::vector(t, DType::kInt64, sh.N);
+    const auto D = fusedce::matrix(dx, DType::kBFloat16, sh.N, sh.V);
+    double plain_grad = 0.0;
+    for (const Opt& op : opts) {
+      fusedce::ForwardOutputs out;
+      out.loss = fusedce::vector(loss, DType::kFloat32, 1);
+      out.lse = fusedce::vector(lse, DType::kFloat32, sh.N);
+      if (op.o.compute_metrics) {
+        out.num_correct = fusedce::vector(correct, DType::kInt64, 1);
+        out.entropy_sum = fusedce::vector(entropy, DType::kFloat32, 1);
+      }
+      auto X = [&](int i) { return fusedce::matrix(xs[i % copies], DType::kBFloat16, sh.N, sh.V); };
+      const Timing f = time_it([&](int i) { ok(fusedce::cross_entropy_forward(fusedce::Device::cuda(), X(i), T, op.o, out, work)); },
+                               3, iters);
+      const Timing g = time_it(
+          [&](int i) { ok(fusedce::cross_entropy_forward_backward(fusedce::Device::cuda(), X(i), T, op.o, out, {}, D, work)); },
+          3, iters);
+      if (plain_grad == 0.0) plain_grad = g.median_ms;
+      std::printf("| %lld x %lld | %s | %.4f | %.1f%% | %.4f | %.1f%% | %.2f |\n", (long long)sh.N, (long long)sh.V,
+                  op.name, f.median_ms, 100.0 * bytes / (f.median_ms * 1e6) / c0.read_gbs, g.median_ms,
+                  100.0 * 2 * bytes / (g.median_ms * 1e6) / c0.copy_gbs, g.median_ms / plain_grad);
+    }
+    for (void* ptr : xs) CHECK_CUDA(cudaFree(ptr));
+    for (void* ptr : {dx, ws, (void*)t, (void*)loss, (void*)lse, (void*)entropy, (void*)correct, (void*)w}) CHECK_CUDA(cudaFree(ptr));
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
-  bool quick = false, sweep = false, profile = false, sweep_splits = false;
+  bool quick = false, sweep = false, profile = false, sweep_splits = false, options = false;
   const char* csv_path = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--sweep")) sweep = true;
     if (!std::strcmp(argv[i], "--profile")) profile = true;
     if (!std::strcmp(argv[i], "--sweep-splits")) sweep_splits = true;
+    if (!std::strcmp(argv[i], "--options")) options = true;
     if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv_path = argv[++i];
   }
   const int iters = quick ? 10 : 50;
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  if (options) return bench_options(iters, prop);
   if (sweep_splits) {
     // Few rows, forward, bf16: the stream kernel's work split (chunks of 32 KB per split, the knob
     // FUSEDCE_STREAM_SPLIT_CHUNKS; 0 = the plan's choice) against the streaming-read ceiling.

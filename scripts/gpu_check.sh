@@ -16,7 +16,8 @@
 # cross-entropy kernels of `fusedce_bench --profile`; "splits" times few-rows forwards over the
 # stream kernel's chunks-per-split knob, per call and per call inside a CUDA graph
 # (`fusedce_bench --sweep-splits`); "async" runs the benchmark with and without the stream
-# kernel's opt-in asynchronous row reduction (FUSEDCE_STREAM_ASYNC_REDUCE=1).
+# kernel's opt-in asynchronous row reduction (FUSEDCE_STREAM_ASYNC_REDUCE=1); "options" times
+# each option alone (`fusedce_bench --options`).
 # All steps take about 20 minutes on an H200, more than one 10-minute device call: the sessions
 # so far ran two calls, STEPS="tests sanitizer bench linear" with CTEST_ARGS='-R (cuda|Cuda)'
 # (~7 min), then STEPS="python report demo" TORCH_CUDA_ARCHS=90 PYTEST_ARGS="-k cuda"
@@ -34,7 +35,7 @@ step "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 nvcc --version | tail -2
 
-if want tests || want sanitizer || want bench || want linear || want profile || want ce_profile || want splits || want async; then
+if want tests || want sanitizer || want bench || want linear || want profile || want ce_profile || want splits || want async || want options; then
 step "build"
 gtest_arg=()
 [ -d .deps/googletest ] && gtest_arg=(-DFUSEDCE_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
@@ -70,6 +71,13 @@ for tool in memcheck racecheck; do
   echo "$tool: exit $rc; $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|tests? ran|PASSED|FAILED' "$out"/sanitizer_${tool}_*.log | tr '\n' ' ')"
   [ $rc -eq 0 ] || status=1
 done
+# Informational: does racecheck accept the ring protocol itself (bench/race_probe.cu)?
+if [ -x "$build/bench/fusedce_race_probe" ]; then
+  for form in bulk generic; do
+    compute-sanitizer --tool racecheck "$build/bench/fusedce_race_probe" $form > "$out/sanitizer_race_probe_$form.log" 2>&1
+    echo "race probe ($form): $(grep -hE 'sum|RACECHECK SUMMARY' "$out/sanitizer_race_probe_$form.log" | tr '\n' ' ')"
+  done
+fi
 fi
 
 if want bench; then
@@ -141,6 +149,11 @@ fi
 if want splits; then
 step "few-rows sweep: the stream kernel's work split (FUSEDCE_STREAM_SPLIT_CHUNKS)"
 "$build/bench/fusedce_bench" --sweep-splits ${BENCH_ARGS:-} 2>&1 | tee "$out/sweep_splits.md" || status=1
+fi
+
+if want options; then
+step "what each option costs (fusedce_bench --options)"
+"$build/bench/fusedce_bench" --options ${BENCH_ARGS:-} 2>&1 | tee "$out/bench_options.md" || status=1
 fi
 
 if want async; then
