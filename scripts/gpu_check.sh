@@ -15,9 +15,9 @@
 # "ce_profile" runs ncu's speed-of-light, occupancy, warp-state and memory sections over the
 # cross-entropy kernels of `fusedce_bench --profile`; "splits" times few-rows forwards over the
 # stream kernel's chunks-per-split knob, per call and per call inside a CUDA graph
-# (`fusedce_bench --sweep-splits`); "async" runs the benchmark with and without the stream
-# kernel's opt-in asynchronous row reduction (FUSEDCE_STREAM_ASYNC_REDUCE=1); "options" times
-# each option alone (`fusedce_bench --options`).
+# (`fusedce_bench --sweep-splits`); "ab" runs the benchmark as is and with each opt-in variant
+# of the stream kernel (FUSEDCE_STREAM_ASYNC_REDUCE=1, FUSEDCE_STREAM_CLUSTER=2); "options"
+# times each option alone (`fusedce_bench --options`).
 # All steps take about 20 minutes on an H200, more than one 10-minute device call: the sessions
 # so far ran two calls, STEPS="tests sanitizer bench linear" with CTEST_ARGS='-R (cuda|Cuda)'
 # (~7 min), then STEPS="python report demo" TORCH_CUDA_ARCHS=90 PYTEST_ARGS="-k cuda"
@@ -35,7 +35,7 @@ step "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 nvcc --version | tail -2
 
-if want tests || want sanitizer || want bench || want linear || want profile || want ce_profile || want splits || want async || want options; then
+if want tests || want sanitizer || want bench || want linear || want profile || want ce_profile || want splits || want ab || want options; then
 step "build"
 gtest_arg=()
 [ -d .deps/googletest ] && gtest_arg=(-DFUSEDCE_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
@@ -156,11 +156,14 @@ step "what each option costs (fusedce_bench --options)"
 "$build/bench/fusedce_bench" --options ${BENCH_ARGS:-} 2>&1 | tee "$out/bench_options.md" || status=1
 fi
 
-if want async; then
-step "A/B: the stream kernel's asynchronous row reduction (FUSEDCE_STREAM_ASYNC_REDUCE=1) against the default"
-"$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_sync.csv" > "$out/bench_sync.md" || status=1
+if want ab; then
+step "A/B: the stream kernel's opt-in variants against the default (fusedce_bench, same binary)"
+# async: asynchronous row reduction (forward over whole rows); halves: long rows on 2-block
+# clusters (forward + gradient).
+"$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_default.csv" > "$out/bench_default.md" || status=1
 FUSEDCE_STREAM_ASYNC_REDUCE=1 "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_async.csv" > "$out/bench_async.md" || status=1
-for f in sync async; do echo "-- $f"; grep -E "ceilings|forward \|" "$out/bench_$f.md"; done
+FUSEDCE_STREAM_CLUSTER=2 "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_halves.csv" > "$out/bench_halves.md" || status=1
+for f in default async halves; do echo "-- $f"; grep -E "ceilings|\| (forward|fwd\+grad) \|" "$out/bench_$f.md"; done
 fi
 
 if want ce_profile; then

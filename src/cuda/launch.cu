@@ -164,6 +164,63 @@ bool async_reduce_requested() {
   return env != nullptr && env[0] == '1';
 }
 
+/// Rows halved over 2-block clusters (StreamParams::halves), opt-in until measured on the GPU:
+/// FUSEDCE_STREAM_CLUSTER=2.
+bool halves_requested() {
+  const char* env = std::getenv("FUSEDCE_STREAM_CLUSTER");
+  return env != nullptr && std::atoi(env) == 2;
+}
+
+#if FUSEDCE_PLATFORM_HIP
+// No thread-block clusters on AMD GPUs: halves are never requested there (the stream kernel is
+// sm_90 only).
+int clusters_of_two(StreamKernel, int) { return 0; }
+cudaError_t launch_in_clusters_of_two(StreamKernel, int, const StreamParams&, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+#else
+cudaLaunchConfig_t cluster_config(int grid, cudaStream_t stream, cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
+  config.blockDim = dim3(kStreamThreads, 1, 1);
+  config.dynamicSmemBytes = kStreamSmemBytes;
+  config.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 2;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return config;
+}
+
+/// How many 2-block clusters of the stream kernel fit on the device at once (0 if none or on
+/// error): the persistent grid's size.
+int clusters_of_two(StreamKernel kernel, int device) {
+  static std::mutex mu;
+  static std::vector<std::pair<const void*, std::pair<int, int>>> known;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& k : known) {
+    if (k.first == reinterpret_cast<const void*>(kernel) && k.second.first == device) return k.second.second;
+  }
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t config = cluster_config(2, nullptr, attr);
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();
+    clusters = 0;
+  }
+  known.push_back({reinterpret_cast<const void*>(kernel), {device, clusters}});
+  return clusters;
+}
+
+cudaError_t launch_in_clusters_of_two(StreamKernel kernel, int grid, const StreamParams& sp, cudaStream_t stream) {
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t config = cluster_config(grid, stream, attr);
+  return cudaLaunchKernelEx(&config, kernel, sp);
+}
+#endif
+
 /// cudaFuncSetAttribute once per kernel and device: it costs microseconds of host time, which a
 /// few-rows call (tens of microseconds of GPU time) would otherwise wait on.
 cudaError_t allow_stream_smem(const void* kernel, int device) {
@@ -403,10 +460,23 @@ Status run(const detail::CeCall& call) {
       sp.row = p;
       sp.splits = plan.splits;
       sp.chunks_per_split = plan.chunks_per_split;
+      sp.async_reduce = async_reduce_requested();
+      const StreamKernel kernel = select_stream_kernel(L.dtype, grad && plan.splits == 1, extras);
+      cudaError_t e = allow_stream_smem(reinterpret_cast<const void*>(kernel), call.device.index);
+      if (e != cudaSuccess) return device_error(e, "raising the stream kernel's shared memory limit");
+      sp.halves = 1;
+      int grid = plan.grid;
+      if (grad && plan.splits == 1 && plan.chunks_per_split >= 2 && halves_requested()) {
+        const int clusters = clusters_of_two(kernel, call.device.index);
+        if (clusters > 0) {
+          sp.halves = 2;
+          sp.chunks_per_split = (plan.chunks_per_split + 1) / 2;
+          grid = 2 * static_cast<int>(std::min<int64_t>(N, clusters));
+        }
+      }
       int l2_bytes = 0;
       (void)cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, call.device.index);
-      sp.grad_backwards = int64_t(sms) * V * static_cast<int64_t>(dtype_size(L.dtype)) > int64_t(l2_bytes);
-      sp.async_reduce = async_reduce_requested();
+      sp.grad_backwards = int64_t(sms) * V * static_cast<int64_t>(dtype_size(L.dtype)) / sp.halves > int64_t(l2_bytes);
       if (plan.splits > 1) {
         sp.partials = base + ws.partials;
         if (grad && sp.row.lse_out == nullptr) {
@@ -414,11 +484,12 @@ Status run(const detail::CeCall& call) {
           sp.row.lse_stride = 1;
         }
       }
-      const StreamKernel kernel = select_stream_kernel(L.dtype, grad && plan.splits == 1, extras);
-      cudaError_t e = allow_stream_smem(reinterpret_cast<const void*>(kernel), call.device.index);
-      if (e != cudaSuccess) return device_error(e, "raising the stream kernel's shared memory limit");
-      kernel<<<plan.grid, kStreamThreads, kStreamSmemBytes, stream>>>(sp);
-      e = cudaGetLastError();
+      if (sp.halves > 1) {
+        e = launch_in_clusters_of_two(kernel, grid, sp, stream);
+      } else {
+        kernel<<<grid, kStreamThreads, kStreamSmemBytes, stream>>>(sp);
+        e = cudaGetLastError();
+      }
       if (e != cudaSuccess) return device_error(e, "the stream kernel launch");
       if (plan.splits > 1) {
         // The rows' partials folded into their results (and the batch sums: no finalize below).

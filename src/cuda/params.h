@@ -87,6 +87,11 @@ struct StreamParams {
   // per row, in turn, instead of a block-wide barrier per row). Opt-in while unmeasured:
   // FUSEDCE_STREAM_ASYNC_REDUCE=1.
   bool async_reduce;
+  // 2: each row is shared by the two blocks of a cluster (halves of chunks_per_split chunks,
+  // statistics swapped through distributed shared memory, both sweeps fused), so the rows in
+  // flight take half the L2 and the gradient sweep re-reads from it. Forward + gradient over
+  // long rows; opt-in while unmeasured: FUSEDCE_STREAM_CLUSTER=2. Else 1.
+  int halves;
 };
 
 /// dlogits[i, :] *= factor(i); rows whose factor is 1 skipped.

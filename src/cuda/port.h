@@ -33,6 +33,7 @@
 #define cudaDevAttrL2CacheSize hipDeviceAttributeL2CacheSize
 #define cudaDeviceGetAttribute hipDeviceGetAttribute
 #define cudaError_t hipError_t
+#define cudaErrorNotSupported hipErrorNotSupported
 #define cudaFreeAsync hipFreeAsync
 #define cudaFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
 #define cudaFuncSetAttribute(kernel, attr, value) \

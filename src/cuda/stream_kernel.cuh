@@ -79,12 +79,23 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   // them). Asynchronous reduction: kReduceSlots slots, one named barrier each (see below).
   __shared__ RowPartial warp_part[kReduceSlots][kStreamConsumerWarps];
   __shared__ RowPartial row_part;
+  // Halves of a row on a 2-block cluster: the other block's partial, written here through
+  // distributed shared memory, and the mbarrier it arrives on; double-buffered by row parity.
+  __shared__ RowPartial half_part[2];
+  __shared__ uint64_t half_full[2];
 
   const RowParams& p = sp.row;
   const int V = static_cast<int>(p.vocab);
   const int64_t items = p.rows * sp.splits;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  // The gradient is formed here only when a block owns whole rows.
+  // With sp.halves == 2 each row is shared by the two blocks of a cluster (each streams half,
+  // both sweeps), so that the rows in flight on all SMs take half the L2; items then walk
+  // clusters, not blocks.
+  const bool halves = sp.halves > 1;
+  const int crank = halves ? static_cast<int>(cluster_rank()) : 0;
+  const int64_t first = halves ? blockIdx.x / 2 : blockIdx.x;
+  const int64_t step = halves ? gridDim.x / 2 : gridDim.x;
+  // The gradient is formed here only when a block (or a cluster) owns whole rows.
   const bool grad_here = kGrad && sp.splits == 1;
 
   if (threadIdx.x == 0) {
@@ -92,9 +103,15 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       mbar_init(&full[i], 1);                      // the producer's arrive (+ the copy's bytes)
       mbar_init(&empty[i], kStreamConsumerWarps);  // one arrive per consumer warp
     }
+    for (int i = 0; i < 2; ++i) mbar_init(&half_full[i], 1);  // the other block's remote arrive
     mbar_init_fence();
   }
-  __syncthreads();  // barriers initialised before anyone waits on them
+  // Barriers initialised before anyone (in the cluster) waits on or arrives at them.
+  if (halves) {
+    cluster_sync_all();
+  } else {
+    __syncthreads();
+  }
 
   if (warp == kStreamConsumerWarps) {
     // ---- producer: one lane issues every bulk copy, kStages chunks ahead of the consumers.
@@ -106,13 +123,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     const uint64_t drop = make_l2_policy(L2Policy::kEvictFirst);
     // Targets are fetched one item ahead: a global load's latency under full bandwidth is about
     // a microsecond, too long to sit in every item's critical path.
-    int64_t t_next = blockIdx.x < items ? load_target_dev(p, blockIdx.x / sp.splits) : 0;
-    for (int64_t w = blockIdx.x; w < items; w += gridDim.x) {
+    int64_t t_next = first < items ? load_target_dev(p, first / sp.splits) : 0;
+    for (int64_t w = first; w < items; w += step) {
       const int64_t row = w / sp.splits;
       const int64_t t_cur = t_next;
-      if (w + gridDim.x < items) t_next = load_target_dev(p, (w + gridDim.x) / sp.splits);
+      if (w + step < items) t_next = load_target_dev(p, (w + step) / sp.splits);
       if (t_cur == p.ignore_index) continue;
-      const ItemGeometry<T> g(p, row, static_cast<int>(w % sp.splits), sp.chunks_per_split);
+      const ItemGeometry<T> g(p, row, halves ? crank : static_cast<int>(w % sp.splits), sp.chunks_per_split);
       const char* aligned = reinterpret_cast<const char*>(g.x - g.off);
       for (int pass = 0; pass < (grad_here ? 2 : 1); ++pass) {
         for (int i = 0; i < g.c1 - g.c0; ++i, ++n) {
@@ -147,13 +164,14 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   // kStages + 1 < kReduceSlots items are in flight.
   const bool async = kAsyncReduceAllowed && !grad_here && sp.splits == 1 && sp.async_reduce;
   const bool metrics = kExtras && p.metrics;
-  int64_t t_next = blockIdx.x < items ? load_target_dev(p, blockIdx.x / sp.splits) : 0;
+  int64_t t_next = first < items ? load_target_dev(p, first / sp.splits) : 0;
   const float g_chain = grad_here && p.batch ? p.batch->g_chain : 1.0f;
-  for (int64_t w = blockIdx.x; w < items; w += gridDim.x) {
+  uint32_t hseq = 0;  // rows exchanged with the other half (halves only)
+  for (int64_t w = first; w < items; w += step) {
     const int64_t row = w / sp.splits;
-    const int split = static_cast<int>(w % sp.splits);
+    const int split = halves ? crank : static_cast<int>(w % sp.splits);
     const int64_t t64 = t_next;  // fetched one item ahead (see the producer)
-    if (w + gridDim.x < items) t_next = load_target_dev(p, (w + gridDim.x) / sp.splits);
+    if (w + step < items) t_next = load_target_dev(p, (w + step) / sp.splits);
     if (t64 == p.ignore_index) {
       if (split == 0 && ctid == 0) {
         p.row_loss[row * p.row_loss_stride] = 0.0f;
@@ -163,7 +181,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
           p.row_correct[row] = 0;
         }
       }
-      if (grad_here) {
+      if (grad_here && crank == 0) {
         T* dx = static_cast<T*>(p.dlogits) + row * p.dlogits_stride;
         const int doff = row_offset(dx);
         const int dseg = static_cast<int>(row_segments(V, doff, kVec));
@@ -189,7 +207,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     // its latency hides behind the sweep. Read before this row's barriers, hence before any of
     // its gradient stores (in place).
     const int item_lo = g.c0 * kChunkSegs * kVec - g.off, item_hi = g.c1 * kChunkSegs * kVec - g.off;
-    const bool holds_t = ctid == fin_warp * kWarpSize && valid_t && (sp.splits == 1 || (t >= item_lo && t < item_hi));
+    const bool whole = sp.splits == 1 && !halves;
+    const bool holds_t = ctid == fin_warp * kWarpSize && valid_t && (whole || (t >= item_lo && t < item_hi));
     const T x_t = holds_t ? g.x[t] : fill;
 
     auto z_of = [&](const Segment<T>& seg, int e, int j0) {
@@ -347,13 +366,29 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
           b.z_target = transform(E::to_float(x_t), c, softcap);
           b.has_target = 1;
         }
+        if (halves) {
+          // Swap partials with the other half through distributed shared memory; both blocks
+          // merge rank 0's then rank 1's, so both hold the same bits of the row's statistics.
+          const int slot = static_cast<int>(hseq & 1);
+          const uint32_t use = hseq >> 1;
+          ++hseq;
+          const uint32_t peer = static_cast<uint32_t>(crank ^ 1);
+          const uint32_t dst = map_to_rank(&half_part[slot], peer);
+          const uint32_t* words = reinterpret_cast<const uint32_t*>(&b);
+#pragma unroll
+          for (int i = 0; i < static_cast<int>(sizeof(RowPartial) / 4); ++i) store_cluster_u32(dst + 4 * i, words[i]);
+          mbar_arrive_remote(map_to_rank(&half_full[slot], peer));
+          mbar_wait_cluster(&half_full[slot], use & 1);
+          const RowPartial o = half_part[slot];
+          b = crank == 0 ? merge_partial(b, o, metrics) : merge_partial(o, b, metrics);
+        }
         if (sp.splits > 1) {
           // Publish this split's partial and move on: the split-merge pass (after this kernel)
           // folds a row's partials, so no block waits on another's arrival here.
           static_cast<RowPartial*>(sp.partials)[row * sp.splits + split] = b;
-        } else {
+        } else if (crank == 0) {  // one half writes the row's results
           const float lse = detail::lse_value(b.st);
-          const float zt = holds_t ? b.z_target : NAN;
+          const float zt = b.has_target ? b.z_target : NAN;
           p.row_loss[row * p.row_loss_stride] = detail::row_loss(c, lse, zt, w_t, b.smooth, weighted);
           if (p.lse_out) p.lse_out[row * p.lse_stride] = lse;
           if (metrics) {

@@ -222,6 +222,65 @@ TEST(CudaDeterminism, SameBitsRunToRun) {
   }
 }
 
+/// p's forward+backward on the GPU and on the CPU backend: loss, lse, metrics and gradients
+/// within the per-dtype tolerance of each other.
+void expect_gpu_agrees_with_cpu(DeviceProblem& p, const fusedce::Options& o) {
+  const DType d = p.dtype;
+  const int64_t N = p.N, V = p.V;
+  p.reserve_workspace(o);
+  ASSERT_OK(p.forward_backward(o, nullptr));
+  const size_t loss_n = o.reduction == fusedce::Reduction::kNone ? N : 1;
+  std::vector<float> g_loss(loss_n), g_lse(N), c_loss(loss_n), c_lse(N);
+  std::vector<uint8_t> g_dx(p.host_x.size()), c_dx(p.host_x.size());
+  float g_ent = 0, c_ent = 0;
+  int64_t g_cor = 0, c_cor = 0;
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  cudaMemcpy(g_loss.data(), p.loss, loss_n * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(g_lse.data(), p.lse, N * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(g_dx.data(), p.dx, g_dx.size(), cudaMemcpyDeviceToHost);
+  cudaMemcpy(&g_ent, p.entropy, 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(&g_cor, p.correct, 8, cudaMemcpyDeviceToHost);
+  fusedce::ForwardOutputs out;
+  out.loss = fusedce::vector(c_loss.data(), DType::kFloat32, loss_n);
+  out.lse = fusedce::vector(c_lse.data(), DType::kFloat32, N);
+  if (o.compute_metrics) {
+    out.num_correct = fusedce::vector(&c_cor, DType::kInt64, 1);
+    out.entropy_sum = fusedce::vector(&c_ent, DType::kFloat32, 1);
+  }
+  ASSERT_OK(fusedce::cross_entropy_forward_backward(fusedce::Device::cpu(), fusedce::matrix(p.host_x.data(), d, N, V),
+                                                    fusedce::vector(p.host_t.data(), DType::kInt64, N), o, out, {},
+                                                    fusedce::matrix(c_dx.data(), d, N, V)));
+  const Tolerance lt = tolerance(d, Quantity::kLoss), gt = tolerance(d, Quantity::kGradient);
+  Mismatches loss("loss"), lse("lse"), grad("dlogits"), metrics("metrics");
+  for (size_t i = 0; i < loss_n; ++i) loss.check(g_loss[i], c_loss[i], std::fabs(c_loss[i]) + 1.0, lt, i);
+  for (int64_t i = 0; i < N; ++i) lse.check(g_lse[i], c_lse[i], std::fabs(c_lse[i]) + 1.0, lt, i);
+  if (o.compute_metrics) {
+    // entropy = lse - sum p z: its rounding error scales with the terms that cancel (|lse|),
+    // not with the (possibly small) entropy itself.
+    double ent_scale = 1.0;
+    for (int64_t i = 0; i < N; ++i) ent_scale += std::fabs(c_lse[i]) + 1.0;
+    metrics.check(g_ent, c_ent, ent_scale, lt, 0);
+    // Near-ties of the argmax may resolve differently under the two backends' rounding.
+    if (std::llabs(g_cor - c_cor) > 1 + N / 100) metrics.add("num_correct " + std::to_string(g_cor) + " vs " + std::to_string(c_cor));
+  }
+  int64_t valid = 0;
+  for (int64_t i = 0; i < N; ++i) valid += p.host_t[i] != -100;
+  for (int64_t i = 0; i < N; ++i) {
+    // The magnitude of the terms that cancel in row i's gradient (as the reference's scale):
+    // |g| (|a| + b_t + eps/V) max dz/dx, a = 1 + 2 z_loss lse; at least the largest entry.
+    const double g = o.reduction == fusedce::Reduction::kMean ? 1.0 / std::max<int64_t>(valid, 1) : 1.0;
+    double scale = g * (1.0 + 2.0 * o.z_loss * std::fabs(c_lse[i]) + 1.0 + o.label_smoothing) * o.logit_scale;
+    for (int64_t j = 0; j < V; ++j) scale = std::max(scale, std::fabs(load_value(c_dx.data(), d, i * V + j)));
+    for (int64_t j = 0; j < V; ++j) {
+      grad.check(load_value(g_dx.data(), d, i * V + j), load_value(c_dx.data(), d, i * V + j), scale + 1e-30, gt, i, j);
+    }
+  }
+  loss.report();
+  lse.report();
+  grad.report();
+  metrics.report();
+}
+
 // The CPU and CUDA backends on the same random problems (random shapes, dtypes, options): loss,
 // lse, metrics and gradients within the per-dtype tolerance of each other.
 TEST(CudaAgreement, CpuAndCudaAgreeOnRandomProblems) {
@@ -241,59 +300,33 @@ TEST(CudaAgreement, CpuAndCudaAgreeOnRandomProblems) {
     SCOPED_TRACE("trial " + std::to_string(trial) + ": " + fusedce::dtype_name(d) + " N=" + std::to_string(N) +
                  " V=" + std::to_string(V));
     DeviceProblem p(d, N, V, rng);
-    p.reserve_workspace(o);
-    ASSERT_OK(p.forward_backward(o, nullptr));
-    const size_t loss_n = o.reduction == fusedce::Reduction::kNone ? N : 1;
-    std::vector<float> g_loss(loss_n), g_lse(N), c_loss(loss_n), c_lse(N);
-    std::vector<uint8_t> g_dx(p.host_x.size()), c_dx(p.host_x.size());
-    float g_ent = 0, c_ent = 0;
-    int64_t g_cor = 0, c_cor = 0;
-    ASSERT_CUDA(cudaDeviceSynchronize());
-    cudaMemcpy(g_loss.data(), p.loss, loss_n * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(g_lse.data(), p.lse, N * 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(g_dx.data(), p.dx, g_dx.size(), cudaMemcpyDeviceToHost);
-    cudaMemcpy(&g_ent, p.entropy, 4, cudaMemcpyDeviceToHost);
-    cudaMemcpy(&g_cor, p.correct, 8, cudaMemcpyDeviceToHost);
-    fusedce::ForwardOutputs out;
-    out.loss = fusedce::vector(c_loss.data(), DType::kFloat32, loss_n);
-    out.lse = fusedce::vector(c_lse.data(), DType::kFloat32, N);
-    if (o.compute_metrics) {
-      out.num_correct = fusedce::vector(&c_cor, DType::kInt64, 1);
-      out.entropy_sum = fusedce::vector(&c_ent, DType::kFloat32, 1);
-    }
-    ASSERT_OK(fusedce::cross_entropy_forward_backward(fusedce::Device::cpu(), fusedce::matrix(p.host_x.data(), d, N, V),
-                                                      fusedce::vector(p.host_t.data(), DType::kInt64, N), o, out, {},
-                                                      fusedce::matrix(c_dx.data(), d, N, V)));
-    const Tolerance lt = tolerance(d, Quantity::kLoss), gt = tolerance(d, Quantity::kGradient);
-    Mismatches loss("loss"), lse("lse"), grad("dlogits"), metrics("metrics");
-    for (size_t i = 0; i < loss_n; ++i) loss.check(g_loss[i], c_loss[i], std::fabs(c_loss[i]) + 1.0, lt, i);
-    for (int64_t i = 0; i < N; ++i) lse.check(g_lse[i], c_lse[i], std::fabs(c_lse[i]) + 1.0, lt, i);
-    if (o.compute_metrics) {
-      // entropy = lse - sum p z: its rounding error scales with the terms that cancel (|lse|),
-      // not with the (possibly small) entropy itself.
-      double ent_scale = 1.0;
-      for (int64_t i = 0; i < N; ++i) ent_scale += std::fabs(c_lse[i]) + 1.0;
-      metrics.check(g_ent, c_ent, ent_scale, lt, 0);
-      // Near-ties of the argmax may resolve differently under the two backends' rounding.
-      if (std::llabs(g_cor - c_cor) > 1 + N / 100) metrics.add("num_correct " + std::to_string(g_cor) + " vs " + std::to_string(c_cor));
-    }
-    int64_t valid = 0;
-    for (int64_t i = 0; i < N; ++i) valid += p.host_t[i] != -100;
-    for (int64_t i = 0; i < N; ++i) {
-      // The magnitude of the terms that cancel in row i's gradient (as the reference's scale):
-      // |g| (|a| + b_t + eps/V) max dz/dx, a = 1 + 2 z_loss lse; at least the largest entry.
-      const double g = o.reduction == fusedce::Reduction::kMean ? 1.0 / std::max<int64_t>(valid, 1) : 1.0;
-      double scale = g * (1.0 + 2.0 * o.z_loss * std::fabs(c_lse[i]) + 1.0 + o.label_smoothing) * o.logit_scale;
-      for (int64_t j = 0; j < V; ++j) scale = std::max(scale, std::fabs(load_value(c_dx.data(), d, i * V + j)));
-      for (int64_t j = 0; j < V; ++j) {
-        grad.check(load_value(g_dx.data(), d, i * V + j), load_value(c_dx.data(), d, i * V + j), scale + 1e-30, gt, i, j);
+    expect_gpu_agrees_with_cpu(p, o);
+  }
+}
+
+// Long rows halved over 2-block clusters (opt-in: FUSEDCE_STREAM_CLUSTER=2; forward + gradient,
+// statistics swapped through distributed shared memory): the same agreement with the CPU
+// backend, for every dtype and option set, odd V (ragged ends in both halves), ignored rows.
+TEST(CudaStream, ClusterHalvesAgreeWithCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng = test_rng();
+  fusedce::Options smooth, capped, none;
+  smooth.label_smoothing = 0.1f;
+  smooth.z_loss = 1e-4f;
+  capped.softcap = 30.0f;
+  capped.logit_scale = 0.5f;
+  none.reduction = fusedce::Reduction::kNone;
+  setenv("FUSEDCE_STREAM_CLUSTER", "2", 1);
+  for (const DType d : {DType::kBFloat16, DType::kFloat32, DType::kFloat16}) {
+    for (const Shape sh : {Shape{300, 262147}, Shape{150, 65537}, Shape{140, 131071}}) {
+      for (const fusedce::Options& o : {fusedce::Options{}, all_options(), smooth, capped, none}) {
+        SCOPED_TRACE(std::string(fusedce::dtype_name(d)) + " N=" + std::to_string(sh.N) + " V=" + std::to_string(sh.V));
+        DeviceProblem p(d, sh.N, sh.V, rng);
+        expect_gpu_agrees_with_cpu(p, o);
       }
     }
-    loss.report();
-    lse.report();
-    grad.report();
-    metrics.report();
   }
+  unsetenv("FUSEDCE_STREAM_CLUSTER");
 }
 
 // Fused linear cross-entropy in a CUDA graph: the chunked path (float32 grad_weight accumulator),
