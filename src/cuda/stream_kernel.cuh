@@ -369,17 +369,17 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         if (halves) {
           // Swap partials with the other half through distributed shared memory; both blocks
           // merge rank 0's then rank 1's, so both hold the same bits of the row's statistics.
-          const int slot = static_cast<int>(hseq & 1);
+          const int hslot = static_cast<int>(hseq & 1);
           const uint32_t use = hseq >> 1;
           ++hseq;
           const uint32_t peer = static_cast<uint32_t>(crank ^ 1);
-          const uint32_t dst = map_to_rank(&half_part[slot], peer);
+          const uint32_t dst = map_to_rank(&half_part[hslot], peer);
           const uint32_t* words = reinterpret_cast<const uint32_t*>(&b);
 #pragma unroll
           for (int i = 0; i < static_cast<int>(sizeof(RowPartial) / 4); ++i) store_cluster_u32(dst + 4 * i, words[i]);
-          mbar_arrive_remote(map_to_rank(&half_full[slot], peer));
-          mbar_wait_cluster(&half_full[slot], use & 1);
-          const RowPartial o = half_part[slot];
+          mbar_arrive_remote(map_to_rank(&half_full[hslot], peer));
+          mbar_wait_cluster(&half_full[hslot], use & 1);
+          const RowPartial o = half_part[hslot];
           b = crank == 0 ? merge_partial(b, o, metrics) : merge_partial(o, b, metrics);
         }
         if (sp.splits > 1) {
@@ -396,7 +396,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
             p.row_correct[row] = b.amax_i == t ? 1 : 0;
           }
         }
-        row_part = b;
+        if (grad_here) row_part = b;  // the gradient sweep's lse (asynchronous: finalizers never share it)
       }
     }
     parity ^= 1;
