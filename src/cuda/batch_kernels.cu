@@ -132,14 +132,8 @@ __global__ void __launch_bounds__(kBatchThreads) ce_split_merge_kernel(const Bat
     if (lane == 0) {
       const bool valid_t = t >= 0 && t < rp.vocab;
       const float w_t = !valid_t ? NAN : (weighted ? rp.class_weight[t * rp.weight_stride] : 1.0f);
-      const float lse = detail::lse_value(a.st);
-      const float zt = a.has_target ? a.z_target : NAN;
-      rp.row_loss[row * rp.row_loss_stride] = detail::row_loss(c, lse, zt, w_t, a.smooth, weighted);
-      if (rp.lse_out) rp.lse_out[row * rp.lse_stride] = lse;
-      if (metrics) {
-        rp.row_entropy[row] = lse - a.st.ez / a.st.s;
-        rp.row_correct[row] = valid_t && a.amax_i == t ? 1 : 0;
-      }
+      write_row_results(rp, row, a, detail::lse_value(a.st), a.has_target ? a.z_target : NAN, c, w_t, valid_t ? t : -1,
+                        weighted, metrics);
     }
   }
   __syncthreads();  // every row's results written before the sums read them

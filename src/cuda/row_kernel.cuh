@@ -49,6 +49,19 @@ __device__ __forceinline__ RowPartial merge_partial(const RowPartial& a, const R
   return r;
 }
 
+/// A row's forward results from its merged statistics `r`: the loss, lse (when asked), entropy
+/// and correct flag (metrics). One writer per row; the stream, split-merge and row passes share it.
+__device__ __forceinline__ void write_row_results(const RowParams& p, int64_t row, const RowPartial& r, float lse,
+                                                  float z_t, const detail::LossConstants& c, float w_t, int64_t t,
+                                                  bool weighted, bool metrics) {
+  p.row_loss[row * p.row_loss_stride] = detail::row_loss(c, lse, z_t, w_t, r.smooth, weighted);
+  if (p.lse_out) p.lse_out[row * p.lse_stride] = lse;
+  if (metrics) {
+    p.row_entropy[row] = lse - r.st.ez / r.st.s;
+    p.row_correct[row] = r.amax_i == t ? 1 : 0;  // t: -1 for a bad target
+  }
+}
+
 /// Lane + delta's partial. Fields a caller does not use are not shuffled: the argmax only with
 /// metrics, the target logit only where a thread (not a global load) found it.
 __device__ __forceinline__ RowPartial shfl_down_partial(const RowPartial& p, int delta, bool metrics, bool target) {
@@ -296,14 +309,7 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
     __syncthreads();  // sh.row visible to the whole block
     lse = detail::lse_value(sh.row.st);
 
-    if (rank == 0 && tid == 0) {
-      p.row_loss[row * p.row_loss_stride] = detail::row_loss(c, lse, z_t, w_t, sh.row.smooth, weighted);
-      if (p.lse_out) p.lse_out[row * p.lse_stride] = lse;
-      if (metrics) {
-        p.row_entropy[row] = lse - sh.row.st.ez / sh.row.st.s;
-        p.row_correct[row] = sh.row.amax_i == t ? 1 : 0;
-      }
-    }
+    if (rank == 0 && tid == 0) write_row_results(p, row, sh.row, lse, z_t, c, w_t, t, weighted, metrics);
   } else {
     lse = p.lse_in[row * p.lse_in_stride];
   }

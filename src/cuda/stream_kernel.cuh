@@ -387,14 +387,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
           // folds a row's partials, so no block waits on another's arrival here.
           static_cast<RowPartial*>(sp.partials)[row * sp.splits + split] = b;
         } else if (crank == 0) {  // one half writes the row's results
-          const float lse = detail::lse_value(b.st);
-          const float zt = b.has_target ? b.z_target : NAN;
-          p.row_loss[row * p.row_loss_stride] = detail::row_loss(c, lse, zt, w_t, b.smooth, weighted);
-          if (p.lse_out) p.lse_out[row * p.lse_stride] = lse;
-          if (metrics) {
-            p.row_entropy[row] = lse - b.st.ez / b.st.s;
-            p.row_correct[row] = b.amax_i == t ? 1 : 0;
-          }
+          write_row_results(p, row, b, detail::lse_value(b.st), b.has_target ? b.z_target : NAN, c, w_t, t, weighted,
+                            metrics);
         }
         if (grad_here) row_part = b;  // the gradient sweep's lse (asynchronous: finalizers never share it)
       }
