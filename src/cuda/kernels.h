@@ -22,10 +22,15 @@ using StreamKernel = void (*)(StreamParams);
 RowKernel select_row_kernel_f32(int items, bool forward, bool grad, bool extras);
 RowKernel select_row_kernel_bf16(int items, bool forward, bool grad, bool extras);
 RowKernel select_row_kernel_f16(int items, bool forward, bool grad, bool extras);
+/// The streaming kernel's option sets, compiled apart: the plain path (logit_scale > 0, no
+/// options); options on the plain arithmetic (logit_scale > 0, no soft-cap: smoothing, class
+/// weights, metrics; z-loss needs nothing per element); the general one (soft-cap or
+/// logit_scale < 0: z, whose tanh costs two MUFU ops, formed once and kept in registers).
+enum StreamOpts : int { kStreamPlain = 0, kStreamOptions = 1, kStreamGeneral = 2 };
 /// The streaming kernel (sm_90 only: bulk copies and mbarriers) for forward jobs.
-StreamKernel select_stream_kernel_f32(bool grad, bool extras);
-StreamKernel select_stream_kernel_bf16(bool grad, bool extras);
-StreamKernel select_stream_kernel_f16(bool grad, bool extras);
+StreamKernel select_stream_kernel_f32(bool grad, StreamOpts opts);
+StreamKernel select_stream_kernel_bf16(bool grad, StreamOpts opts);
+StreamKernel select_stream_kernel_f16(bool grad, StreamOpts opts);
 RescaleKernel rescale_kernel_f32();
 RescaleKernel rescale_kernel_bf16();
 RescaleKernel rescale_kernel_f16();

@@ -157,18 +157,22 @@ StreamPlan plan_stream(int64_t rows, int64_t segments, int sms, bool grad) {
   return s;
 }
 
-/// The stream kernel's asynchronous row reduction (StreamParams::async_reduce), opt-in until
-/// measured on the GPU: FUSEDCE_STREAM_ASYNC_REDUCE=1.
+/// The stream kernel's asynchronous row reduction (StreamParams::async_reduce), on unless
+/// FUSEDCE_STREAM_ASYNC_REDUCE=0 (H200, 2026-11-29, forward: 16384 x 32000 bf16 0.445 -> 0.418 ms,
+/// 8192 x 128256 0.525 -> 0.499 ms; same bits as the synchronous reduction).
 bool async_reduce_requested() {
   const char* env = std::getenv("FUSEDCE_STREAM_ASYNC_REDUCE");
-  return env != nullptr && env[0] == '1';
+  return env == nullptr || env[0] != '0';
 }
 
-/// Rows halved over 2-block clusters (StreamParams::halves), opt-in until measured on the GPU:
-/// FUSEDCE_STREAM_CLUSTER=2.
-bool halves_requested() {
+/// Rows halved over 2-block clusters (StreamParams::halves): FUSEDCE_STREAM_CLUSTER=2 always
+/// (with the gradient), =1 never; by default when the rows in flight on all SMs would overflow
+/// L2 (H200, 2026-11-29: 4096 x 262144 bf16 fwd+grad 1.427 -> 1.366 ms, 8192 x 128256 fp32
+/// 2.616 -> 2.274 ms; rows that fit L2 lose: 8192 x 128256 bf16 1.178 -> 1.428 ms).
+bool use_halves(int sms, int64_t row_bytes, int l2_bytes) {
   const char* env = std::getenv("FUSEDCE_STREAM_CLUSTER");
-  return env != nullptr && std::atoi(env) == 2;
+  if (env != nullptr && (std::atoi(env) == 1 || std::atoi(env) == 2)) return std::atoi(env) == 2;
+  return int64_t(sms) * row_bytes > int64_t(l2_bytes);
 }
 
 #if FUSEDCE_PLATFORM_HIP
@@ -237,11 +241,11 @@ cudaError_t allow_stream_smem(const void* kernel, int device) {
 
 int vec_of(DType d) { return d == DType::kFloat32 ? 4 : 8; }
 
-StreamKernel select_stream_kernel(DType d, bool grad, bool extras) {
+StreamKernel select_stream_kernel(DType d, bool grad, StreamOpts opts) {
   switch (d) {
-    case DType::kFloat32: return select_stream_kernel_f32(grad, extras);
-    case DType::kBFloat16: return select_stream_kernel_bf16(grad, extras);
-    default: return select_stream_kernel_f16(grad, extras);
+    case DType::kFloat32: return select_stream_kernel_f32(grad, opts);
+    case DType::kBFloat16: return select_stream_kernel_bf16(grad, opts);
+    default: return select_stream_kernel_f16(grad, opts);
   }
 }
 
@@ -461,12 +465,16 @@ Status run(const detail::CeCall& call) {
       sp.splits = plan.splits;
       sp.chunks_per_split = plan.chunks_per_split;
       sp.async_reduce = async_reduce_requested();
-      const StreamKernel kernel = select_stream_kernel(L.dtype, grad && plan.splits == 1, extras);
+      const StreamOpts opts = !extras ? kStreamPlain : (p.softcap || o.logit_scale < 0.0f) ? kStreamGeneral : kStreamOptions;
+      const StreamKernel kernel = select_stream_kernel(L.dtype, grad && plan.splits == 1, opts);
       cudaError_t e = allow_stream_smem(reinterpret_cast<const void*>(kernel), call.device.index);
       if (e != cudaSuccess) return device_error(e, "raising the stream kernel's shared memory limit");
+      int l2_bytes = 0;
+      (void)cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, call.device.index);
+      const int64_t row_bytes = V * static_cast<int64_t>(dtype_size(L.dtype));
       sp.halves = 1;
       int grid = plan.grid;
-      if (grad && plan.splits == 1 && plan.chunks_per_split >= 2 && halves_requested()) {
+      if (grad && plan.splits == 1 && plan.chunks_per_split >= 2 && use_halves(sms, row_bytes, l2_bytes)) {
         const int clusters = clusters_of_two(kernel, call.device.index);
         if (clusters > 0) {
           sp.halves = 2;
@@ -474,9 +482,7 @@ Status run(const detail::CeCall& call) {
           grid = 2 * static_cast<int>(std::min<int64_t>(N, clusters));
         }
       }
-      int l2_bytes = 0;
-      (void)cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, call.device.index);
-      sp.grad_backwards = int64_t(sms) * V * static_cast<int64_t>(dtype_size(L.dtype)) / sp.halves > int64_t(l2_bytes);
+      sp.grad_backwards = int64_t(sms) * row_bytes / sp.halves > int64_t(l2_bytes);
       if (plan.splits > 1) {
         sp.partials = base + ws.partials;
         if (grad && sp.row.lse_out == nullptr) {

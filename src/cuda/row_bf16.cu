@@ -24,9 +24,12 @@ RowKernel select_row_kernel_bf16(int items, bool forward, bool grad, bool extras
 
 RescaleKernel rescale_kernel_bf16() { return ce_rescale_kernel<BFloat16>; }
 
-StreamKernel select_stream_kernel_bf16(bool grad, bool extras) {
-  if (grad) return extras ? ce_stream_kernel<BFloat16, true, true> : ce_stream_kernel<BFloat16, true, false>;
-  return extras ? ce_stream_kernel<BFloat16, false, true> : ce_stream_kernel<BFloat16, false, false>;
+StreamKernel select_stream_kernel_bf16(bool grad, StreamOpts opts) {
+  switch (opts) {
+    case kStreamPlain: return grad ? ce_stream_kernel<BFloat16, true, kStreamPlain> : ce_stream_kernel<BFloat16, false, kStreamPlain>;
+    case kStreamOptions: return grad ? ce_stream_kernel<BFloat16, true, kStreamOptions> : ce_stream_kernel<BFloat16, false, kStreamOptions>;
+    default: return grad ? ce_stream_kernel<BFloat16, true, kStreamGeneral> : ce_stream_kernel<BFloat16, false, kStreamGeneral>;
+  }
 }
 
 }  // namespace cuda

@@ -24,9 +24,12 @@ RowKernel select_row_kernel_f16(int items, bool forward, bool grad, bool extras)
 
 RescaleKernel rescale_kernel_f16() { return ce_rescale_kernel<Half>; }
 
-StreamKernel select_stream_kernel_f16(bool grad, bool extras) {
-  if (grad) return extras ? ce_stream_kernel<Half, true, true> : ce_stream_kernel<Half, true, false>;
-  return extras ? ce_stream_kernel<Half, false, true> : ce_stream_kernel<Half, false, false>;
+StreamKernel select_stream_kernel_f16(bool grad, StreamOpts opts) {
+  switch (opts) {
+    case kStreamPlain: return grad ? ce_stream_kernel<Half, true, kStreamPlain> : ce_stream_kernel<Half, false, kStreamPlain>;
+    case kStreamOptions: return grad ? ce_stream_kernel<Half, true, kStreamOptions> : ce_stream_kernel<Half, false, kStreamOptions>;
+    default: return grad ? ce_stream_kernel<Half, true, kStreamGeneral> : ce_stream_kernel<Half, false, kStreamGeneral>;
+  }
 }
 
 }  // namespace cuda

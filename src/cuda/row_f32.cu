@@ -24,9 +24,12 @@ RowKernel select_row_kernel_f32(int items, bool forward, bool grad, bool extras)
 
 RescaleKernel rescale_kernel_f32() { return ce_rescale_kernel<float>; }
 
-StreamKernel select_stream_kernel_f32(bool grad, bool extras) {
-  if (grad) return extras ? ce_stream_kernel<float, true, true> : ce_stream_kernel<float, true, false>;
-  return extras ? ce_stream_kernel<float, false, true> : ce_stream_kernel<float, false, false>;
+StreamKernel select_stream_kernel_f32(bool grad, StreamOpts opts) {
+  switch (opts) {
+    case kStreamPlain: return grad ? ce_stream_kernel<float, true, kStreamPlain> : ce_stream_kernel<float, false, kStreamPlain>;
+    case kStreamOptions: return grad ? ce_stream_kernel<float, true, kStreamOptions> : ce_stream_kernel<float, false, kStreamOptions>;
+    default: return grad ? ce_stream_kernel<float, true, kStreamGeneral> : ce_stream_kernel<float, false, kStreamGeneral>;
+  }
 }
 
 }  // namespace cuda

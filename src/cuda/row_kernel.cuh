@@ -81,11 +81,28 @@ __device__ __forceinline__ RowPartial shfl_down_partial(const RowPartial& p, int
   return r;
 }
 
+// The options' per-element arithmetic below is written with explicit roundings (__fmul_rn, fmaf):
+// the compiler may not contract it differently in the stream and row kernels, so a backward call
+// gives the bits of the forward-with-gradient.
+
 /// tanh through one exp and one reciprocal: saturates at +-1, keeps NaN, absolute error ~1e-7.
-__device__ __forceinline__ float softcap_tanh(float y) { return 1.0f - 2.0f * rcp(ex2(2.0f * kLog2e * y) + 1.0f); }
+__device__ __forceinline__ float softcap_tanh(float y) {
+  return fmaf(-2.0f, rcp(ex2((2.0f * kLog2e) * y) + 1.0f), 1.0f);
+}
 
 __device__ __forceinline__ float transform(float x, const detail::LossConstants& c, bool softcap) {
-  return softcap ? c.softcap * softcap_tanh(x * c.inv_softcap) : x * c.logit_scale;
+  return softcap ? __fmul_rn(c.softcap, softcap_tanh(x * c.inv_softcap)) : __fmul_rn(x, c.logit_scale);
+}
+
+/// z = transform(x) and dz/dx with the tanh evaluated once (under the soft-cap dz/dx =
+/// scale * (1 - tanh^2); no division, unlike detail::dz_dx, which recovers tanh from z).
+struct ZSlope {
+  float z, dzdx;
+};
+__device__ __forceinline__ ZSlope z_and_slope(float x, const detail::LossConstants& c, bool softcap) {
+  if (!softcap) return ZSlope{__fmul_rn(x, c.logit_scale), c.logit_scale};
+  const float th = softcap_tanh(x * c.inv_softcap);
+  return ZSlope{__fmul_rn(c.softcap, th), __fmul_rn(c.logit_scale, fmaf(-th, th, 1.0f))};
 }
 
 /// exp(z - ref) for z = transform(x). Without softcap the difference is formed by one FMA from
@@ -94,6 +111,16 @@ __device__ __forceinline__ float transform(float x, const detail::LossConstants&
 /// bit-identical whichever path (plain or with options) a call takes.
 __device__ __forceinline__ float exp_rel(float x, float z, float ref, const detail::LossConstants& c, bool softcap) {
   return ex2((softcap ? z - ref : fmaf(x, c.logit_scale, -ref)) * kLog2e);
+}
+
+/// dL/dx of one element on the options path (soft-cap, or per-class smoothing weights):
+/// (g a p - g eps/V w_j - [j == t] g b_t) dz/dx; `bt` is 0 off the target, `wj` its class weight
+/// (1 unweighted).
+__device__ __forceinline__ float grad_elem(float x, float lse, const detail::RowGrad& rg, float wj, float bt,
+                                           const detail::LossConstants& c, bool softcap) {
+  const ZSlope zd = z_and_slope(x, c, softcap);
+  const float pj = exp_rel(x, zd.z, lse, c, softcap);
+  return __fmul_rn(fmaf(rg.g_a, pj, fmaf(-rg.g_c, wj, -bt)), zd.dzdx);
 }
 
 __device__ __forceinline__ int64_t load_target_dev(const RowParams& p, int64_t row) {
@@ -215,18 +242,12 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
         float zs[kVec];
 #pragma unroll
         for (int e = 0; e < kVec; ++e) zs[e] = z_of(k, e, j0);
-#pragma unroll
-        for (int w = kVec / 2; w > 0; w /= 2) {
-#pragma unroll
-          for (int e = 0; e < w; ++e) zs[e] = fmaxf(zs[e], zs[e + w]);
-        }
-        m = fmaxf(m, zs[0]);
         if (kExtras) {
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
             const int j = j0 + e;
             const bool in_row = j >= 0 && j < V;
-            const float z = z_of(k, e, j0);
+            const float z = zs[e];
             if (p.smoothing && in_row) mine.smooth += weighted ? p.class_weight[int64_t(j) * p.weight_stride] * z : z;
             // torch.argmax: the first NaN, else the first maximum (elements come in order of j).
             if (metrics && in_row && (amax_i == INT32_MAX || (!(z <= amax_v) && amax_v == amax_v))) {
@@ -235,6 +256,12 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
             }
           }
         }
+#pragma unroll
+        for (int w = kVec / 2; w > 0; w /= 2) {
+#pragma unroll
+          for (int e = 0; e < w; ++e) zs[e] = fmaxf(zs[e], zs[e + w]);
+        }
+        m = fmaxf(m, zs[0]);
       }
       // Pass 2: sum of exps (and the entropy term) against this thread's max.
       const float ref = detail::lse_ref(m);
@@ -331,15 +358,14 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
         const int s = s0 + k * static_cast<int>(blockDim.x);
         const int j0 = s * kVec - off;
         Segment<T> out;
-        if (kExtras && (softcap || weighted)) {
+        if (kExtras && (softcap || (weighted && p.smoothing))) {
+          // Per-element dz/dx (soft-cap) or per-class smoothing weight; class weights alone only
+          // scale the row (through g_a, g_bt) and take the plain arithmetic below.
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
-            const float xv = E::to_float(reg[k].e[e]);
-            const float z = transform(xv, c, softcap);
-            const float pj = exp_rel(xv, z, lse, c, softcap);
             const int j = j0 + e;
-            const float wj = weighted ? ((j >= 0 && j < V) ? p.class_weight[int64_t(j) * p.weight_stride] : 0.0f) : 1.0f;
-            out.e[e] = E::from_float((rg.g_a * pj - rg.g_c * wj) * detail::dz_dx(z, c, softcap));
+            const float wj = weighted && p.smoothing ? ((j >= 0 && j < V) ? p.class_weight[int64_t(j) * p.weight_stride] : 0.0f) : 1.0f;
+            out.e[e] = E::from_float(grad_elem(E::to_float(reg[k].e[e]), lse, rg, wj, 0.0f, c, softcap));
           }
         } else {
           // dx = g a scale p - g eps/V scale, p = exp(x scale - lse); pairs convert at once. The
@@ -357,10 +383,7 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
             if (j0 + e == t) {
-              const float xv = E::to_float(reg[k].e[e]);
-              const float z = transform(xv, c, softcap);
-              const float pj = exp_rel(xv, z, lse, c, softcap);
-              out.e[e] = E::from_float((rg.g_a * pj - rg.g_bt - rg.g_c * w_t) * detail::dz_dx(z, c, softcap));
+              out.e[e] = E::from_float(grad_elem(E::to_float(reg[k].e[e]), lse, rg, w_t, rg.g_bt, c, softcap));
             }
           }
         }

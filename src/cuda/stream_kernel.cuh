@@ -66,9 +66,12 @@ struct ItemGeometry {
 
 #endif
 
-template <typename T, bool kGrad, bool kExtras>
+/// kOpts: a StreamOpts (the plain path, options, options with the soft-cap).
+template <typename T, bool kGrad, int kOpts>
 __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const StreamParams sp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kExtras = kOpts != kStreamPlain;
+  constexpr bool kGeneral = kOpts == kStreamGeneral;
   using E = Elem<T>;
   constexpr int kVec = Segment<T>::kVec;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -196,7 +199,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     const bool valid_t = t64 >= 0 && t64 < V;
     const int t = valid_t ? static_cast<int>(t64) : -1;
     const bool weighted = kExtras && p.class_weight != nullptr;
-    const bool softcap = kExtras && p.softcap;
+    const bool softcap = kGeneral && p.softcap;  // the launcher picks the general variant for it
     const float w_t = !valid_t ? NAN : (weighted ? p.class_weight[t * p.weight_stride] : 1.0f);
     // The upstream gradient, loaded now so its latency hides behind the statistics sweep.
     const float g_up = grad_here && p.grad_loss ? p.grad_loss[p.grad_scalar ? 0 : row * p.grad_stride] : 1.0f;
@@ -211,15 +214,6 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     const bool holds_t = ctid == fin_warp * kWarpSize && valid_t && (whole || (t >= item_lo && t < item_hi));
     const T x_t = holds_t ? g.x[t] : fill;
 
-    auto z_of = [&](const Segment<T>& seg, int e, int j0) {
-      const float z = transform(E::to_float(seg.e[e]), c, softcap);
-      if (kExtras) {
-        const int j = j0 + e;
-        return (j >= 0 && j < V) ? z : -INFINITY;
-      }
-      return z;
-    };
-
     // ---- statistics sweep
     RowPartial mine;
     mine.st = detail::lse_empty();
@@ -228,9 +222,45 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     mine.amax_i = INT64_MAX;
     mine.z_target = 0.0f;
     mine.has_target = 0;
-    float run_m = -INFINITY, run_s = 0.0f, run_ez = 0.0f;
+    float run_m = -INFINITY, run_s = 0.0f, run_ez = 0.0f, smooth = 0.0f;
+    // The argmax so far along this thread (j increases along it). The options variant tracks
+    // it in raw-logit units (scale > 0 keeps the order), the general one in z.
     int amax_i = INT32_MAX;
     float amax_v = -INFINITY;
+    // torch.argmax over segment k: the first NaN, else the first maximum. Called only when the
+    // segment can change the answer: a larger max, no answer yet, or a NaN (which makes the
+    // segment's sum of exps NaN).
+    auto scan_argmax = [&](int sg, auto value_at) {
+      const int j0 = sg * kVec - g.off;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const int j = j0 + e;
+        const float z = value_at(e);
+        if (j >= 0 && j < V && (amax_i == INT32_MAX || (!(z <= amax_v) && amax_v == amax_v))) {
+          amax_v = z;
+          amax_i = j;
+        }
+      }
+    };
+    // Segment sg's smoothing term: sum_j v_j or sum_j w_j v_j over the row's elements.
+    auto smooth_of = [&](int sg, auto value_at) {
+      const int j0 = sg * kVec - g.off;
+      const bool interior = sg >= g.first_full && sg <= g.last_full;
+      float sm[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const int j = j0 + e;
+        const bool in_row = interior || (j >= 0 && j < V);
+        const float v = value_at(e);
+        sm[e] = !in_row ? 0.0f : (weighted ? p.class_weight[int64_t(j) * p.weight_stride] * v : v);
+      }
+#pragma unroll
+      for (int wdt = kVec / 2; wdt > 0; wdt /= 2) {
+#pragma unroll
+        for (int e = 0; e < wdt; ++e) sm[e] += sm[e + wdt];
+      }
+      return sm[0];
+    };
     for (int ch = g.c0; ch < g.c1; ++ch, ++n) {
       const int stage = n % kStages;
       const unsigned char* buf = smem + size_t(stage) * kChunkBytes;
@@ -241,23 +271,35 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[stage]);  // this warp has its data in registers
 
-      if (!kExtras) {
-        // Plain path (logit_scale > 0, no options): the max over raw logits (packed pairs for
-        // 16-bit types), then one FFMA + one EX2 + one add per element.
+      if constexpr (!kGeneral) {
+        // Plain arithmetic (logit_scale > 0): the max over raw logits (packed pairs for 16-bit
+        // types), then one FFMA + one EX2 + one add per element. The options variant adds the
+        // smoothing sum, the entropy term and the argmax in raw-logit units (each scaled once
+        // per item below): a few more instructions per element, the same exps, so options that
+        // do not change the math (metrics) leave the loss bit-identical.
+        float xmax[kSegsPerThread];
         float xm = -INFINITY;
 #pragma unroll
-        for (int k = 0; k < kSegsPerThread; ++k) xm = fmaxf(xm, seg_max(seg[k]));
+        for (int k = 0; k < kSegsPerThread; ++k) {
+          xmax[k] = seg_max(seg[k]);
+          xm = fmaxf(xm, xmax[k]);
+        }
         const float new_m = fmaxf(run_m, xm * c.logit_scale);
         const float ref = detail::lse_ref(new_m);
         const float scale = run_m == -INFINITY ? 1.0f : ex2((run_m - ref) * kLog2e);
         float acc[kSegsPerThread];
+        float ez = 0.0f;
 #pragma unroll
         for (int k = 0; k < kSegsPerThread; ++k) {
+          const int sg = ch * kChunkSegs + ctid + k * kStreamConsumers;
           float es[kVec / 2];
 #pragma unroll
           for (int i = 0; i < kVec / 2; ++i) {
             const float2 xx = seg_pair(seg[k], i);
-            es[i] = exp_rel(xx.x, 0.0f, ref, c, false) + exp_rel(xx.y, 0.0f, ref, c, false);
+            const float e0 = exp_rel(xx.x, 0.0f, ref, c, false), e1 = exp_rel(xx.y, 0.0f, ref, c, false);
+            es[i] = e0 + e1;
+            // p x, 0 (not 0 * -inf) where x = -inf (masked or not): -FLT_MAX keeps the product 0.
+            if (kExtras && metrics) ez = fmaf(e1, fmaxf(xx.y, -FLT_MAX), fmaf(e0, fmaxf(xx.x, -FLT_MAX), ez));
           }
 #pragma unroll
           for (int wdt = kVec / 4; wdt > 0; wdt /= 2) {
@@ -265,55 +307,57 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
             for (int i = 0; i < wdt; ++i) es[i] += es[i + wdt];
           }
           acc[k] = es[0];
+          if constexpr (kExtras) {
+            auto raw = [&](int e) { return E::to_float(seg[k].e[e]); };
+            if (p.smoothing) smooth += smooth_of(sg, raw);
+            if (metrics && (xmax[k] > amax_v || amax_i == INT32_MAX || acc[k] != acc[k])) scan_argmax(sg, raw);
+          }
         }
         static_assert(kSegsPerThread == 4, "the sum below pairs four segments");
         run_s = run_s * scale + ((acc[0] + acc[1]) + (acc[2] + acc[3]));
+        if (kExtras && metrics) run_ez = run_ez * scale + ez;
         run_m = new_m;
         continue;
       }
+      // General variant (soft-cap, or logit_scale < 0): z formed once per element and kept (the
+      // soft-cap's tanh costs two MUFU ops), -inf outside the row; only the row's ragged end
+      // segments check indices per element.
+      float zc[kSegsPerThread][kVec];
+      float segmax[kSegsPerThread];
       float cm = -INFINITY;
 #pragma unroll
       for (int k = 0; k < kSegsPerThread; ++k) {
-        const int j0 = (ch * kChunkSegs + ctid + k * kStreamConsumers) * kVec - g.off;
-        float zs[kVec];
+        const int sg = ch * kChunkSegs + ctid + k * kStreamConsumers;
+        const int j0 = sg * kVec - g.off;
+        const bool interior = sg >= g.first_full && sg <= g.last_full;
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) zs[e] = z_of(seg[k], e, j0);
-        if (kExtras) {
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            const int j = j0 + e;
-            const bool in_row = j >= 0 && j < V;
-            if (p.smoothing && in_row) mine.smooth += weighted ? p.class_weight[int64_t(j) * p.weight_stride] * zs[e] : zs[e];
-            // torch.argmax: the first NaN, else the first maximum (j increases along a thread).
-            if (metrics && in_row && (amax_i == INT32_MAX || (!(zs[e] <= amax_v) && amax_v == amax_v))) {
-              amax_v = zs[e];
-              amax_i = j;
-            }
-          }
+        for (int e = 0; e < kVec; ++e) {
+          const int j = j0 + e;
+          zc[k][e] = (interior || (j >= 0 && j < V)) ? transform(E::to_float(seg[k].e[e]), c, softcap) : -INFINITY;
         }
+        if (p.smoothing) smooth += smooth_of(sg, [&](int e) { return zc[k][e]; });
+        float mx[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) mx[e] = zc[k][e];
 #pragma unroll
         for (int wdt = kVec / 2; wdt > 0; wdt /= 2) {
 #pragma unroll
-          for (int e = 0; e < wdt; ++e) zs[e] = fmaxf(zs[e], zs[e + wdt]);
+          for (int e = 0; e < wdt; ++e) mx[e] = fmaxf(mx[e], mx[e + wdt]);
         }
-        cm = fmaxf(cm, zs[0]);
+        segmax[k] = mx[0];
+        cm = fmaxf(cm, mx[0]);
       }
-      // Fold the chunk into the running state against the new max (one rescale per chunk). The
-      // sums run in the plain path's order, so options that do not change the math (metrics)
-      // leave the loss bit-identical.
       const float new_m = fmaxf(run_m, cm);
       const float ref = detail::lse_ref(new_m);
       const float scale = run_m == -INFINITY ? 1.0f : ex2((run_m - ref) * kLog2e);
       float acc[kSegsPerThread], acc_ez[kSegsPerThread];
 #pragma unroll
       for (int k = 0; k < kSegsPerThread; ++k) {
-        const int j0 = (ch * kChunkSegs + ctid + k * kStreamConsumers) * kVec - g.off;
         float es[kVec], ezs[kVec];
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-          const float z = z_of(seg[k], e, j0);
-          es[e] = z == -INFINITY ? 0.0f : exp_rel(E::to_float(seg[k].e[e]), z, ref, c, softcap);
-          ezs[e] = metrics && es[e] > 0.0f ? es[e] * z : 0.0f;  // 0, not 0 * -inf, when masked
+          es[e] = exp_rel(0.0f, zc[k][e], ref, c, true);  // exp(z - ref), 0 outside the row
+          ezs[e] = metrics && es[e] > 0.0f ? es[e] * zc[k][e] : 0.0f;  // 0, not 0 * -inf
         }
 #pragma unroll
         for (int i = 0; i < kVec / 2; ++i) {
@@ -330,14 +374,18 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         }
         acc[k] = es[0];
         acc_ez[k] = ezs[0];
+        if (metrics && (segmax[k] > amax_v || amax_i == INT32_MAX || acc[k] != acc[k])) {
+          scan_argmax(ch * kChunkSegs + ctid + k * kStreamConsumers, [&](int e) { return zc[k][e]; });
+        }
       }
-      const float s = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-      const float ez = (acc_ez[0] + acc_ez[1]) + (acc_ez[2] + acc_ez[3]);
-      run_s = run_s * scale + s;
-      if (metrics) run_ez = run_ez * scale + ez;
+      run_s = run_s * scale + ((acc[0] + acc[1]) + (acc[2] + acc[3]));
+      if (metrics) run_ez = run_ez * scale + ((acc_ez[0] + acc_ez[1]) + (acc_ez[2] + acc_ez[3]));
       run_m = new_m;
     }
-    mine.st = detail::LseState{run_m, run_s, run_ez};
+    // The options variant's sums are in raw-logit units: z = x * scale.
+    const float unit = kGeneral ? 1.0f : c.logit_scale;
+    mine.st = detail::LseState{run_m, run_s, run_ez * unit};
+    mine.smooth = smooth * unit;
     mine.amax_v = amax_v;
     mine.amax_i = amax_i;
 
@@ -421,15 +469,14 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         if (s >= g.nseg) continue;
         const int j0 = s * kVec - g.off;
         Segment<T> out;
-        if (kExtras && (softcap || weighted)) {
+        if (kExtras && (softcap || (weighted && p.smoothing))) {
+          // Per-element dz/dx (soft-cap) or per-class smoothing weight; class weights alone only
+          // scale the row (through g_a, g_bt) and take the plain arithmetic below.
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
-            const float xv = E::to_float(seg[k].e[e]);
-            const float z = transform(xv, c, softcap);
-            const float pj = exp_rel(xv, z, lse, c, softcap);
             const int j = j0 + e;
-            const float wj = weighted ? ((j >= 0 && j < V) ? p.class_weight[int64_t(j) * p.weight_stride] : 0.0f) : 1.0f;
-            out.e[e] = E::from_float((rg.g_a * pj - rg.g_c * wj) * detail::dz_dx(z, c, softcap));
+            const float wj = weighted && p.smoothing ? ((j >= 0 && j < V) ? p.class_weight[int64_t(j) * p.weight_stride] : 0.0f) : 1.0f;
+            out.e[e] = E::from_float(grad_elem(E::to_float(seg[k].e[e]), lse, rg, wj, 0.0f, c, softcap));
           }
         } else {
           // dx = g a scale p - g eps/V scale, p = exp(x scale - lse): the same arithmetic on the
@@ -445,10 +492,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
             if (j0 + e == t) {
-              const float xv = E::to_float(seg[k].e[e]);
-              const float z = transform(xv, c, softcap);
-              const float pj = exp_rel(xv, z, lse, c, softcap);
-              out.e[e] = E::from_float((rg.g_a * pj - rg.g_bt - rg.g_c * w_t) * detail::dz_dx(z, c, softcap));
+              out.e[e] = E::from_float(grad_elem(E::to_float(seg[k].e[e]), lse, rg, w_t, rg.g_bt, c, softcap));
             }
           }
         }

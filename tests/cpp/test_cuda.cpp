@@ -173,7 +173,7 @@ TEST(CudaGraph, CapturedForwardBackwardReplaysOnNewInputs) {
   }
 }
 
-// The stream kernel's asynchronous row reduction (opt-in: FUSEDCE_STREAM_ASYNC_REDUCE=1) folds
+// The stream kernel's asynchronous row reduction (the default; FUSEDCE_STREAM_ASYNC_REDUCE=0 turns it off) folds
 // the same warp partials in the same tree as the synchronous one, only in another warp: forward
 // results are the same bits. Shapes whose forward runs whole rows per block (the only case it
 // applies to), short and long rows, 30% ignored rows interleaved.
@@ -189,13 +189,12 @@ TEST(CudaStream, AsyncReductionGivesTheSameBits) {
         SCOPED_TRACE("N=" + std::to_string(sh.N) + " V=" + std::to_string(sh.V) + " " + dtype_tag(d));
         DeviceProblem p(d, sh.N, sh.V, rng);
         p.reserve_workspace(o);
-        unsetenv("FUSEDCE_STREAM_ASYNC_REDUCE");
+        setenv("FUSEDCE_STREAM_ASYNC_REDUCE", "0", 1);
         ASSERT_OK(p.forward(o, nullptr));
         const std::vector<uint8_t> sync_bits = p.results(o);
-        setenv("FUSEDCE_STREAM_ASYNC_REDUCE", "1", 1);
+        unsetenv("FUSEDCE_STREAM_ASYNC_REDUCE");
         const fusedce::Status s = p.forward(o, nullptr);
         const std::vector<uint8_t> async_bits = p.results(o);
-        unsetenv("FUSEDCE_STREAM_ASYNC_REDUCE");
         ASSERT_OK(s);
         EXPECT_TRUE(sync_bits == async_bits) << "asynchronous reduction changed the forward's bits";
       }
@@ -304,7 +303,8 @@ TEST(CudaAgreement, CpuAndCudaAgreeOnRandomProblems) {
   }
 }
 
-// Long rows halved over 2-block clusters (opt-in: FUSEDCE_STREAM_CLUSTER=2; forward + gradient,
+// Long rows halved over 2-block clusters (forced here: FUSEDCE_STREAM_CLUSTER=2; by default only
+// rows that would overflow L2 on all SMs; forward + gradient,
 // statistics swapped through distributed shared memory): the same agreement with the CPU
 // backend, for every dtype and option set, odd V (ragged ends in both halves), ignored rows.
 TEST(CudaStream, ClusterHalvesAgreeWithCpu) {
