@@ -5,7 +5,7 @@
 // and correct flags (and counts the mean's rows when no prepare ran). split merge: for few rows
 // split over blocks, folds each row's partials into its results, then finalizes. Both sum in a fixed order (strided per thread in double, then a tree), so
 // results are the same bits run to run. Bytes: N * 8 (+ V * 4) and N * 9: microseconds at the
-// batch sizes of training.
+// batch sizes of training (the strided loops keep kBatchUnroll loads in flight per thread).
 #include <cstdint>
 
 #include "cuda/kernels.h"
@@ -20,6 +20,31 @@ constexpr int kBatchThreads = 1024;
 __device__ __forceinline__ int64_t batch_target(const BatchParams& p, int64_t i) {
   return p.target_i64 ? static_cast<const int64_t*>(p.target)[i * p.target_stride]
                       : static_cast<int64_t>(static_cast<const int32_t*>(p.target)[i * p.target_stride]);
+}
+
+// Loads in flight per thread in the strided loops below: one block must cover a batch's targets
+// and a vocabulary's class weights, and a loop with one load in flight per thread is latency-bound
+// (1024 threads x 4 bytes a microsecond: ~130 us for 128K class weights).
+constexpr int kBatchUnroll = 8;
+
+// Visits i = threadIdx.x, threadIdx.x + blockDim.x, ... < n in that order (so sums keep their
+// order and bits), kBatchUnroll indices at a time: load(i) for all of them first, so their
+// latencies overlap, then use(i, loaded) in order.
+template <typename Load, typename Use>
+__device__ __forceinline__ void strided_batches(int64_t n, Load load, Use use) {
+  for (int64_t i0 = threadIdx.x; i0 < n; i0 += int64_t(blockDim.x) * kBatchUnroll) {
+    decltype(load(i0)) v[kBatchUnroll];
+#pragma unroll
+    for (int u = 0; u < kBatchUnroll; ++u) {
+      const int64_t i = i0 + int64_t(u) * blockDim.x;
+      if (i < n) v[u] = load(i);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatchUnroll; ++u) {
+      const int64_t i = i0 + int64_t(u) * blockDim.x;
+      if (i < n) use(i, v[u]);
+    }
+  }
 }
 
 // Fixed-order tree sum of one double per thread; the result is returned to thread 0.
@@ -41,17 +66,29 @@ __global__ void __launch_bounds__(kBatchThreads) ce_prepare_kernel(const BatchPa
   if (threadIdx.x == 0) bad_row = INT64_MAX;
   __syncthreads();  // bad_row initialised before any atomicMin
   double den = 0.0, wsum = 0.0;
-  for (int64_t i = threadIdx.x; i < p.rows; i += blockDim.x) {
-    const int64_t t = batch_target(p, i);
-    if (t == p.ignore_index) continue;
-    if (t < 0 || t >= p.vocab) {
-      atomicMin(&bad_row, static_cast<unsigned long long>(i));
-    } else {
-      den += p.class_weight ? static_cast<double>(p.class_weight[t * p.weight_stride]) : 1.0;
-    }
-  }
+  struct TargetWeight {
+    int64_t t;
+    float w;  // the target's class weight (1 unweighted; 0 when ignored or out of range)
+  };
+  strided_batches(
+      p.rows,
+      [&](int64_t i) {
+        const int64_t t = batch_target(p, i);
+        const bool valid = t != p.ignore_index && t >= 0 && t < p.vocab;
+        return TargetWeight{t, !valid ? 0.0f : p.class_weight ? p.class_weight[t * p.weight_stride] : 1.0f};
+      },
+      [&](int64_t i, const TargetWeight& tw) {
+        if (tw.t == p.ignore_index) return;
+        if (tw.t < 0 || tw.t >= p.vocab) {
+          atomicMin(&bad_row, static_cast<unsigned long long>(i));
+        } else {
+          den += static_cast<double>(tw.w);
+        }
+      });
   if (p.class_weight) {
-    for (int64_t j = threadIdx.x; j < p.vocab; j += blockDim.x) wsum += p.class_weight[j * p.weight_stride];
+    strided_batches(
+        p.vocab, [&](int64_t j) { return p.class_weight[j * p.weight_stride]; },
+        [&](int64_t, float w) { wsum += w; });
   }
   den = block_sum(den, smem);
   wsum = block_sum(wsum, smem);
@@ -69,17 +106,33 @@ __global__ void __launch_bounds__(kBatchThreads) ce_prepare_kernel(const BatchPa
 // denominator too (no prepare pass ran).
 __device__ void finalize_sums(const BatchParams& p, double* smem) {
   double loss = 0.0, entropy = 0.0, correct = 0.0, den = 0.0;
-  for (int64_t i = threadIdx.x; i < p.rows; i += blockDim.x) {
-    if (p.loss_out) loss += p.row_loss[i];
-    if (p.num_correct_out) {
-      entropy += p.row_entropy[i];
-      correct += p.row_correct[i];
-    }
-    if (p.count_rows) {
-      const int64_t t = batch_target(p, i);
-      den += (t != p.ignore_index && t >= 0 && t < p.vocab) ? 1.0 : 0.0;
-    }
-  }
+  struct RowResults {
+    float loss, entropy;
+    uint8_t correct, counted;
+  };
+  strided_batches(
+      p.rows,
+      [&](int64_t i) {
+        RowResults r = {0.0f, 0.0f, 0, 0};
+        if (p.loss_out) r.loss = p.row_loss[i];
+        if (p.num_correct_out) {
+          r.entropy = p.row_entropy[i];
+          r.correct = p.row_correct[i];
+        }
+        if (p.count_rows) {
+          const int64_t t = batch_target(p, i);
+          r.counted = t != p.ignore_index && t >= 0 && t < p.vocab;
+        }
+        return r;
+      },
+      [&](int64_t, const RowResults& r) {
+        if (p.loss_out) loss += r.loss;
+        if (p.num_correct_out) {
+          entropy += r.entropy;
+          correct += r.correct;
+        }
+        if (p.count_rows) den += r.counted ? 1.0 : 0.0;
+      });
   if (p.loss_out) {
     loss = block_sum(loss, smem);
     den = p.count_rows ? block_sum(den, smem) : 0.0;
