@@ -223,24 +223,17 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     mine.z_target = 0.0f;
     mine.has_target = 0;
     float run_m = -INFINITY, run_s = 0.0f, run_ez = 0.0f, smooth = 0.0f;
-    // The argmax so far along this thread (j increases along it). The options variant tracks
-    // it in raw-logit units (scale > 0 keeps the order), the general one in z.
-    int amax_i = INT32_MAX;
+    // The argmax along this thread (j increases along it), tracked per segment in the sweep
+    // (a few selects per segment: the segment holding the first largest max, and the first
+    // segment whose sum of exps is NaN) and resolved to an element once per item below. The
+    // options variant works in raw-logit units (scale > 0 keeps the order), the general one in z.
+    int amax_seg = -1, nan_seg = -1;
     float amax_v = -INFINITY;
-    // torch.argmax over segment k: the first NaN, else the first maximum. Called only when the
-    // segment can change the answer: a larger max, no answer yet, or a NaN (which makes the
-    // segment's sum of exps NaN).
-    auto scan_argmax = [&](int sg, auto value_at) {
-      const int j0 = sg * kVec - g.off;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        const int j = j0 + e;
-        const float z = value_at(e);
-        if (j >= 0 && j < V && (amax_i == INT32_MAX || (!(z <= amax_v) && amax_v == amax_v))) {
-          amax_v = z;
-          amax_i = j;
-        }
-      }
+    auto track_argmax = [&](int sg, float segmax, float segsum) {
+      const bool better = segmax > amax_v || (amax_seg < 0 && sg < g.nseg);  // sg < nseg: in the row
+      amax_v = better ? segmax : amax_v;
+      amax_seg = better ? sg : amax_seg;
+      nan_seg = (nan_seg < 0 && segsum != segsum) ? sg : nan_seg;
     };
     // Segment sg's smoothing term: sum_j v_j or sum_j w_j v_j over the row's elements.
     auto smooth_of = [&](int sg, auto value_at) {
@@ -289,10 +282,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         const float scale = run_m == -INFINITY ? 1.0f : ex2((run_m - ref) * kLog2e);
         float acc[kSegsPerThread];
         float ez = 0.0f;
+        const bool smooth_in_pairs = kExtras && p.smoothing && !weighted;
 #pragma unroll
         for (int k = 0; k < kSegsPerThread; ++k) {
           const int sg = ch * kChunkSegs + ctid + k * kStreamConsumers;
           float es[kVec / 2];
+          float ss = 0.0f;  // the segment's raw sum (smoothing, unweighted, inside the row)
 #pragma unroll
           for (int i = 0; i < kVec / 2; ++i) {
             const float2 xx = seg_pair(seg[k], i);
@@ -300,6 +295,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
             es[i] = e0 + e1;
             // p x, 0 (not 0 * -inf) where x = -inf (masked or not): -FLT_MAX keeps the product 0.
             if (kExtras && metrics) ez = fmaf(e1, fmaxf(xx.y, -FLT_MAX), fmaf(e0, fmaxf(xx.x, -FLT_MAX), ez));
+            if (kExtras && smooth_in_pairs) ss += xx.x + xx.y;
           }
 #pragma unroll
           for (int wdt = kVec / 4; wdt > 0; wdt /= 2) {
@@ -308,9 +304,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
           }
           acc[k] = es[0];
           if constexpr (kExtras) {
-            auto raw = [&](int e) { return E::to_float(seg[k].e[e]); };
-            if (p.smoothing) smooth += smooth_of(sg, raw);
-            if (metrics && (xmax[k] > amax_v || amax_i == INT32_MAX || acc[k] != acc[k])) scan_argmax(sg, raw);
+            if (p.smoothing) {
+              const bool interior = sg >= g.first_full && sg <= g.last_full;
+              smooth += !weighted && interior ? ss : smooth_of(sg, [&](int e) { return E::to_float(seg[k].e[e]); });
+            }
+            if (metrics) track_argmax(sg, xmax[k], acc[k]);
           }
         }
         static_assert(kSegsPerThread == 4, "the sum below pairs four segments");
@@ -374,9 +372,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         }
         acc[k] = es[0];
         acc_ez[k] = ezs[0];
-        if (metrics && (segmax[k] > amax_v || amax_i == INT32_MAX || acc[k] != acc[k])) {
-          scan_argmax(ch * kChunkSegs + ctid + k * kStreamConsumers, [&](int e) { return zc[k][e]; });
-        }
+        if (metrics) track_argmax(ch * kChunkSegs + ctid + k * kStreamConsumers, segmax[k], acc[k]);
       }
       run_s = run_s * scale + ((acc[0] + acc[1]) + (acc[2] + acc[3]));
       if (metrics) run_ez = run_ez * scale + ((acc_ez[0] + acc_ez[1]) + (acc_ez[2] + acc_ez[3]));
@@ -386,8 +382,46 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     const float unit = kGeneral ? 1.0f : c.logit_scale;
     mine.st = detail::LseState{run_m, run_s, run_ez * unit};
     mine.smooth = smooth * unit;
-    mine.amax_v = amax_v;
-    mine.amax_i = amax_i;
+    if (metrics) {
+      // The element: the first NaN at or after nan_seg (its sum can be NaN from a +inf logit
+      // alone, then the search goes on), else the first element equal to the max in amax_seg.
+      // The segments are read again from memory (L2): once per item and thread.
+      auto value_at = [&](const Segment<T>& sgm, int e) {
+        const float x = E::to_float(sgm.e[e]);
+        return kGeneral ? transform(x, c, softcap) : x;
+      };
+      bool found = false;
+      int best_i = INT32_MAX;
+      float best_v = -INFINITY;
+      if (nan_seg >= 0) {
+        for (int ch = g.c0; ch < g.c1 && !found; ++ch) {
+          for (int k = 0; k < kSegsPerThread && !found; ++k) {
+            const int sg = ch * kChunkSegs + ctid + k * kStreamConsumers;
+            if (sg < nan_seg || sg >= g.nseg) continue;
+            const Segment<T> sgm = load_segment(g.x, sg, g.off, V, fill);
+            for (int e = 0; e < kVec && !found; ++e) {
+              const int j = sg * kVec - g.off + e;
+              const float z = value_at(sgm, e);
+              if (j >= 0 && j < V && z != z) {
+                found = true;
+                best_v = z;
+                best_i = j;
+              }
+            }
+          }
+        }
+      }
+      if (!found && amax_seg >= 0) {
+        const Segment<T> sgm = load_segment(g.x, amax_seg, g.off, V, fill);
+        for (int e = kVec - 1; e >= 0; --e) {
+          const int j = amax_seg * kVec - g.off + e;
+          if (j >= 0 && j < V && value_at(sgm, e) == amax_v) best_i = j;  // the first one wins
+        }
+        best_v = amax_v;
+      }
+      mine.amax_v = best_v;
+      mine.amax_i = best_i;
+    }
 
     // ---- the row's (or split's) statistics: warps, then one warp (warp 0, or the item's finalizer) over the warps
 #pragma unroll
