@@ -399,10 +399,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
             const int sg = ch * kChunkSegs + ctid + k * kStreamConsumers;
             if (sg < nan_seg || sg >= g.nseg) continue;
             const Segment<T> sgm = load_segment(g.x, sg, g.off, V, fill);
-            for (int e = 0; e < kVec && !found; ++e) {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {  // unrolled: the segment stays in registers
               const int j = sg * kVec - g.off + e;
               const float z = value_at(sgm, e);
-              if (j >= 0 && j < V && z != z) {
+              if (!found && j >= 0 && j < V && z != z) {
                 found = true;
                 best_v = z;
                 best_i = j;
@@ -413,6 +414,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       }
       if (!found && amax_seg >= 0) {
         const Segment<T> sgm = load_segment(g.x, amax_seg, g.off, V, fill);
+#pragma unroll
         for (int e = kVec - 1; e >= 0; --e) {
           const int j = amax_seg * kVec - g.off + e;
           if (j >= 0 && j < V && value_at(sgm, e) == amax_v) best_i = j;  // the first one wins
