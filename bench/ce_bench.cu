@@ -425,10 +425,11 @@ int main(int argc, char** argv) {
   if (profile) {
     // For ncu: the cases whose gaps the notes explain, each run twice (warm-up, then the one to
     // read), nothing timed. bf16: forward 64 x 262144 (few rows), forward 16384 x 32000 (short
-    // rows), forward and fwd+grad 8192 x 128256.
-    struct Case { int64_t N, V; bool grad; };
-    for (const Case k : {Case{64, 262144, false}, Case{16384, 32000, false}, Case{8192, 128256, false},
-                         Case{8192, 128256, true}}) {
+    // rows), forward and fwd+grad 8192 x 128256, and the soft-cap's forward (the slowest option).
+    struct Case { int64_t N, V; bool grad; float softcap; };
+    for (const Case k : {Case{64, 262144, false, 0.0f}, Case{16384, 32000, false, 0.0f},
+                         Case{8192, 128256, false, 0.0f}, Case{8192, 128256, true, 0.0f},
+                         Case{8192, 128256, false, 30.0f}}) {
       const size_t bytes = size_t(k.N) * k.V * 2;
       void *x, *d, *ws;
       int64_t* t;
@@ -448,12 +449,15 @@ int main(int argc, char** argv) {
       const auto D = fusedce::matrix(d, DType::kBFloat16, k.N, k.V);
       const auto T = fusedce::vector(t, DType::kInt64, k.N);
       const fusedce::Workspace w{ws, 16 << 20};
+      fusedce::Options o;
+      o.softcap = k.softcap;
       for (int rep = 0; rep < 2; ++rep) {
-        if (k.grad) ok(fusedce::cross_entropy_forward_backward(fusedce::Device::cuda(), X, T, {}, out, {}, D, w));
-        else ok(fusedce::cross_entropy_forward(fusedce::Device::cuda(), X, T, {}, out, w));
+        if (k.grad) ok(fusedce::cross_entropy_forward_backward(fusedce::Device::cuda(), X, T, o, out, {}, D, w));
+        else ok(fusedce::cross_entropy_forward(fusedce::Device::cuda(), X, T, o, out, w));
       }
       CHECK_CUDA(cudaDeviceSynchronize());
-      std::printf("profiled %lld x %lld %s\n", (long long)k.N, (long long)k.V, k.grad ? "fwd+grad" : "forward");
+      std::printf("profiled %lld x %lld %s%s\n", (long long)k.N, (long long)k.V, k.grad ? "fwd+grad" : "forward",
+                  k.softcap > 0.0f ? " softcap 30" : "");
       for (void* ptr : {x, d, ws, (void*)t, (void*)loss, (void*)lse}) CHECK_CUDA(cudaFree(ptr));
     }
     return 0;

@@ -182,8 +182,11 @@ fi
 
 if want ce_profile; then
 step "ncu: the cross-entropy kernels at the shapes whose gaps bench/NOTES.md explains"
+# DRAM bytes against the formula (forward N V elem read; with the gradient as much again written):
+# more read than that with the gradient means its second sweep missed L2.
 ncu --clock-control none -k regex:ce_ --section SpeedOfLight --section Occupancy --section WarpStateStats \
-  --section MemoryWorkloadAnalysis "$build/bench/fusedce_bench" --profile > "$out/ce_profile.txt" 2> "$out/ncu_ce.err" || status=1
-grep -E "profiled|ce_.*kernel|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Warp Cycles Per Issued|Stall|Grid Size|L2 Hit" "$out/ce_profile.txt" | head -150
+  --section MemoryWorkloadAnalysis --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
+  "$build/bench/fusedce_bench" --profile > "$out/ce_profile.txt" 2> "$out/ncu_ce.err" || status=1
+grep -E "profiled|ce_.*kernel|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Warp Cycles Per Issued|Stall|Grid Size|L2 Hit|dram__bytes|lts__t_sector_hit" "$out/ce_profile.txt" | head -200
 fi
 exit $status
