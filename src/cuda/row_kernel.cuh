@@ -361,11 +361,25 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
         if (kExtras && (softcap || (weighted && p.smoothing))) {
           // Per-element dz/dx (soft-cap) or per-class smoothing weight; class weights alone only
           // scale the row (through g_a, g_bt) and take the plain arithmetic below.
+          // Uniform branches outside the element loops: a per-element condition around the tanh
+          // made the compiler branch per element.
+          float wj[kVec];
+          if (weighted && p.smoothing) {
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            const int j = j0 + e;
-            const float wj = weighted && p.smoothing ? ((j >= 0 && j < V) ? p.class_weight[int64_t(j) * p.weight_stride] : 0.0f) : 1.0f;
-            out.e[e] = E::from_float(grad_elem(E::to_float(reg[k].e[e]), lse, rg, wj, 0.0f, c, softcap));
+            for (int e = 0; e < kVec; ++e) {
+              const int j = j0 + e;
+              wj[e] = (j >= 0 && j < V) ? p.class_weight[int64_t(j) * p.weight_stride] : 0.0f;
+            }
+          } else {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) wj[e] = 1.0f;
+          }
+          if (softcap) {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) out.e[e] = E::from_float(grad_elem(E::to_float(reg[k].e[e]), lse, rg, wj[e], 0.0f, c, true));
+          } else {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) out.e[e] = E::from_float(grad_elem(E::to_float(reg[k].e[e]), lse, rg, wj[e], 0.0f, c, false));
           }
         } else {
           // dx = g a scale p - g eps/V scale, p = exp(x scale - lse); pairs convert at once. The

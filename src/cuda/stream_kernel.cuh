@@ -239,13 +239,22 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     auto smooth_of = [&](int sg, auto value_at) {
       const int j0 = sg * kVec - g.off;
       const bool interior = sg >= g.first_full && sg <= g.last_full;
+      // Bitwise conditions (no short-circuit): selects, not a branch per element.
       float sm[kVec];
+      if (weighted) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        const int j = j0 + e;
-        const bool in_row = interior || (j >= 0 && j < V);
-        const float v = value_at(e);
-        sm[e] = !in_row ? 0.0f : (weighted ? p.class_weight[int64_t(j) * p.weight_stride] * v : v);
+        for (int e = 0; e < kVec; ++e) {
+          const int j = j0 + e;
+          const bool in_row = interior | ((j >= 0) & (j < V));
+          const float w = in_row ? p.class_weight[int64_t(in_row ? j : 0) * p.weight_stride] : 0.0f;
+          sm[e] = in_row ? w * value_at(e) : 0.0f;
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          const int j = j0 + e;
+          sm[e] = (interior | ((j >= 0) & (j < V))) ? value_at(e) : 0.0f;
+        }
       }
 #pragma unroll
       for (int wdt = kVec / 2; wdt > 0; wdt /= 2) {
@@ -320,18 +329,34 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       // General variant (soft-cap, or logit_scale < 0): z formed once per element and kept (the
       // soft-cap's tanh costs two MUFU ops), -inf outside the row; only the row's ragged end
       // segments check indices per element.
+      // Branches are uniform and outside the element loops: per-element conditions around the
+      // tanh made the compiler branch per element (SASS: BSSY/BSYNC pairs, ~20 instructions
+      // per element).
       float zc[kSegsPerThread][kVec];
       float segmax[kSegsPerThread];
       float cm = -INFINITY;
+      if (softcap) {
+#pragma unroll
+        for (int k = 0; k < kSegsPerThread; ++k) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) zc[k][e] = transform(E::to_float(seg[k].e[e]), c, true);
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < kSegsPerThread; ++k) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) zc[k][e] = transform(E::to_float(seg[k].e[e]), c, false);
+        }
+      }
 #pragma unroll
       for (int k = 0; k < kSegsPerThread; ++k) {
         const int sg = ch * kChunkSegs + ctid + k * kStreamConsumers;
         const int j0 = sg * kVec - g.off;
-        const bool interior = sg >= g.first_full && sg <= g.last_full;
+        if (sg < g.first_full || sg > g.last_full) {  // a ragged end (or past the row): mask
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          const int j = j0 + e;
-          zc[k][e] = (interior || (j >= 0 && j < V)) ? transform(E::to_float(seg[k].e[e]), c, softcap) : -INFINITY;
+          for (int e = 0; e < kVec; ++e) {
+            if (j0 + e < 0 || j0 + e >= V) zc[k][e] = -INFINITY;
+          }
         }
         if (p.smoothing) smooth += smooth_of(sg, [&](int e) { return zc[k][e]; });
         float mx[kVec];
@@ -508,11 +533,24 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         if (kExtras && (softcap || (weighted && p.smoothing))) {
           // Per-element dz/dx (soft-cap) or per-class smoothing weight; class weights alone only
           // scale the row (through g_a, g_bt) and take the plain arithmetic below.
+          // Uniform branches outside the element loops (see the statistics sweep).
+          float wj[kVec];
+          if (weighted && p.smoothing) {
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            const int j = j0 + e;
-            const float wj = weighted && p.smoothing ? ((j >= 0 && j < V) ? p.class_weight[int64_t(j) * p.weight_stride] : 0.0f) : 1.0f;
-            out.e[e] = E::from_float(grad_elem(E::to_float(seg[k].e[e]), lse, rg, wj, 0.0f, c, softcap));
+            for (int e = 0; e < kVec; ++e) {
+              const int j = j0 + e;
+              wj[e] = (j >= 0 && j < V) ? p.class_weight[int64_t(j) * p.weight_stride] : 0.0f;
+            }
+          } else {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) wj[e] = 1.0f;
+          }
+          if (softcap) {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) out.e[e] = E::from_float(grad_elem(E::to_float(seg[k].e[e]), lse, rg, wj[e], 0.0f, c, true));
+          } else {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) out.e[e] = E::from_float(grad_elem(E::to_float(seg[k].e[e]), lse, rg, wj[e], 0.0f, c, false));
           }
         } else {
           // dx = g a scale p - g eps/V scale, p = exp(x scale - lse): the same arithmetic on the
