@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "common/argmax_track.h"
 #include "cuda/port.h"
 #include "cuda/row_kernel.cuh"
 #if !FUSEDCE_PLATFORM_HIP
@@ -223,18 +224,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     mine.z_target = 0.0f;
     mine.has_target = 0;
     float run_m = -INFINITY, run_s = 0.0f, run_ez = 0.0f, smooth = 0.0f;
-    // The argmax along this thread (j increases along it), tracked per segment in the sweep
-    // (a few selects per segment: the segment holding the first largest max, and the first
-    // segment whose sum of exps is NaN) and resolved to an element once per item below. The
-    // options variant works in raw-logit units (scale > 0 keeps the order), the general one in z.
-    int amax_seg = -1, nan_seg = -1;
-    float amax_v = -INFINITY;
-    auto track_argmax = [&](int sg, float segmax, float segsum) {
-      const bool better = segmax > amax_v || (amax_seg < 0 && sg < g.nseg);  // sg < nseg: in the row
-      amax_v = better ? segmax : amax_v;
-      amax_seg = better ? sg : amax_seg;
-      nan_seg = (nan_seg < 0 && segsum != segsum) ? sg : nan_seg;
-    };
+    // The argmax along this thread, tracked per segment and resolved once per item
+    // (common/argmax_track.h). The options variant works in raw-logit units (scale > 0 keeps the
+    // order), the general one in z.
+    detail::SegmentArgmax amax;
     // Segment sg's smoothing term: sum_j v_j or sum_j w_j v_j over the row's elements.
     auto smooth_of = [&](int sg, auto value_at) {
       const int j0 = sg * kVec - g.off;
@@ -317,7 +310,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
               const bool interior = sg >= g.first_full && sg <= g.last_full;
               smooth += !weighted && interior ? ss : smooth_of(sg, [&](int e) { return E::to_float(seg[k].e[e]); });
             }
-            if (metrics) track_argmax(sg, xmax[k], acc[k]);
+            if (metrics) amax.add(sg, sg < g.nseg, xmax[k], acc[k]);
           }
         }
         static_assert(kSegsPerThread == 4, "the sum below pairs four segments");
@@ -397,7 +390,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         }
         acc[k] = es[0];
         acc_ez[k] = ezs[0];
-        if (metrics) track_argmax(ch * kChunkSegs + ctid + k * kStreamConsumers, segmax[k], acc[k]);
+        if (metrics) {
+          const int sg = ch * kChunkSegs + ctid + k * kStreamConsumers;
+          amax.add(sg, sg < g.nseg, segmax[k], acc[k]);
+        }
       }
       run_s = run_s * scale + ((acc[0] + acc[1]) + (acc[2] + acc[3]));
       if (metrics) run_ez = run_ez * scale + ((acc_ez[0] + acc_ez[1]) + (acc_ez[2] + acc_ez[3]));
@@ -409,42 +405,34 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     mine.smooth = smooth * unit;
     if (metrics) {
       // The element: the first NaN at or after nan_seg (its sum can be NaN from a +inf logit
-      // alone, then the search goes on), else the first element equal to the max in amax_seg.
-      // The segments are read again from memory (L2): once per item and thread.
-      auto value_at = [&](const Segment<T>& sgm, int e) {
-        const float x = E::to_float(sgm.e[e]);
-        return kGeneral ? transform(x, c, softcap) : x;
+      // alone, then the search goes on), else the first element equal to the max in its
+      // segment. The segments are read again from memory (L2): once per item and thread.
+      auto values_of = [&](int sg) {
+        const Segment<T> sgm = load_segment(g.x, sg, g.off, V, fill);
+        return [=](int e) {
+          const float x = E::to_float(sgm.e[e]);
+          return kGeneral ? transform(x, c, softcap) : x;
+        };
       };
-      bool found = false;
-      int best_i = INT32_MAX;
+      int best_i = -1;
       float best_v = -INFINITY;
-      if (nan_seg >= 0) {
-        for (int ch = g.c0; ch < g.c1 && !found; ++ch) {
-          for (int k = 0; k < kSegsPerThread && !found; ++k) {
+      if (amax.nan_seg >= 0) {
+        for (int ch = g.c0; ch < g.c1 && best_i < 0; ++ch) {
+          for (int k = 0; k < kSegsPerThread && best_i < 0; ++k) {
             const int sg = ch * kChunkSegs + ctid + k * kStreamConsumers;
-            if (sg < nan_seg || sg >= g.nseg) continue;
-            const Segment<T> sgm = load_segment(g.x, sg, g.off, V, fill);
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) {  // unrolled: the segment stays in registers
-              const int j = sg * kVec - g.off + e;
-              const float z = value_at(sgm, e);
-              if (!found && j >= 0 && j < V && z != z) {
-                found = true;
-                best_v = z;
-                best_i = j;
-              }
-            }
+            if (sg < amax.nan_seg || sg >= g.nseg) continue;
+            best_i = detail::first_nan_in_segment<kVec>(sg * kVec - g.off, V, values_of(sg));
           }
         }
+        best_v = NAN;
       }
-      if (!found && amax_seg >= 0) {
-        const Segment<T> sgm = load_segment(g.x, amax_seg, g.off, V, fill);
-#pragma unroll
-        for (int e = kVec - 1; e >= 0; --e) {
-          const int j = amax_seg * kVec - g.off + e;
-          if (j >= 0 && j < V && value_at(sgm, e) == amax_v) best_i = j;  // the first one wins
-        }
-        best_v = amax_v;
+      if (best_i < 0 && amax.seg >= 0) {
+        best_i = detail::first_equal_in_segment<kVec>(amax.seg * kVec - g.off, V, amax.max, values_of(amax.seg));
+        best_v = amax.max;
+      }
+      if (best_i < 0) {  // no element (no row segment along this thread)
+        best_i = INT32_MAX;
+        best_v = -INFINITY;
       }
       mine.amax_v = best_v;
       mine.amax_i = best_i;
