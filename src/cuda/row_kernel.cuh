@@ -123,6 +123,39 @@ __device__ __forceinline__ float grad_elem(float x, float lse, const detail::Row
   return __fmul_rn(fmaf(rg.g_a, pj, fmaf(-rg.g_c, wj, -bt)), zd.dzdx);
 }
 
+/// One segment's dlogits on the options path (the soft-cap's dz/dx, or per-class smoothing
+/// weights); row elements j0 .. j0 + kVec - 1. The uniform conditions stay outside the element
+/// loops: a per-element condition around the tanh made the compiler branch per element. Shared
+/// by the stream and row kernels, so backward and forward-with-gradient give the same bits.
+template <typename T>
+__device__ __forceinline__ Segment<T> options_grad_segment(const Segment<T>& x, int j0, const RowParams& p,
+                                                          float lse, const detail::RowGrad& rg,
+                                                          const detail::LossConstants& c, bool softcap,
+                                                          bool per_class_weights) {
+  using E = Elem<T>;
+  constexpr int kVec = Segment<T>::kVec;
+  float wj[kVec];
+  if (per_class_weights) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const int j = j0 + e;
+      wj[e] = (j >= 0 && j < p.vocab) ? p.class_weight[int64_t(j) * p.weight_stride] : 0.0f;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) wj[e] = 1.0f;
+  }
+  Segment<T> out;
+  if (softcap) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) out.e[e] = E::from_float(grad_elem(E::to_float(x.e[e]), lse, rg, wj[e], 0.0f, c, true));
+  } else {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) out.e[e] = E::from_float(grad_elem(E::to_float(x.e[e]), lse, rg, wj[e], 0.0f, c, false));
+  }
+  return out;
+}
+
 __device__ __forceinline__ int64_t load_target_dev(const RowParams& p, int64_t row) {
   return p.target_i64 ? static_cast<const int64_t*>(p.target)[row * p.target_stride]
                       : static_cast<int64_t>(static_cast<const int32_t*>(p.target)[row * p.target_stride]);
@@ -361,26 +394,7 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
         if (kExtras && (softcap || (weighted && p.smoothing))) {
           // Per-element dz/dx (soft-cap) or per-class smoothing weight; class weights alone only
           // scale the row (through g_a, g_bt) and take the plain arithmetic below.
-          // Uniform branches outside the element loops: a per-element condition around the tanh
-          // made the compiler branch per element.
-          float wj[kVec];
-          if (weighted && p.smoothing) {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) {
-              const int j = j0 + e;
-              wj[e] = (j >= 0 && j < V) ? p.class_weight[int64_t(j) * p.weight_stride] : 0.0f;
-            }
-          } else {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) wj[e] = 1.0f;
-          }
-          if (softcap) {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) out.e[e] = E::from_float(grad_elem(E::to_float(reg[k].e[e]), lse, rg, wj[e], 0.0f, c, true));
-          } else {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) out.e[e] = E::from_float(grad_elem(E::to_float(reg[k].e[e]), lse, rg, wj[e], 0.0f, c, false));
-          }
+          out = options_grad_segment(reg[k], j0, p, lse, rg, c, softcap, weighted && p.smoothing);
         } else {
           // dx = g a scale p - g eps/V scale, p = exp(x scale - lse); pairs convert at once. The
           // same arithmetic as the streaming kernel's, so backward and forward-with-gradient agree

@@ -521,25 +521,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         if (kExtras && (softcap || (weighted && p.smoothing))) {
           // Per-element dz/dx (soft-cap) or per-class smoothing weight; class weights alone only
           // scale the row (through g_a, g_bt) and take the plain arithmetic below.
-          // Uniform branches outside the element loops (see the statistics sweep).
-          float wj[kVec];
-          if (weighted && p.smoothing) {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) {
-              const int j = j0 + e;
-              wj[e] = (j >= 0 && j < V) ? p.class_weight[int64_t(j) * p.weight_stride] : 0.0f;
-            }
-          } else {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) wj[e] = 1.0f;
-          }
-          if (softcap) {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) out.e[e] = E::from_float(grad_elem(E::to_float(seg[k].e[e]), lse, rg, wj[e], 0.0f, c, true));
-          } else {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) out.e[e] = E::from_float(grad_elem(E::to_float(seg[k].e[e]), lse, rg, wj[e], 0.0f, c, false));
-          }
+          out = options_grad_segment(seg[k], j0, p, lse, rg, c, softcap, weighted && p.smoothing);
         } else {
           // dx = g a scale p - g eps/V scale, p = exp(x scale - lse): the same arithmetic on the
           // plain path and with options that leave dz/dx = scale (smoothing, z-loss, metrics).
