@@ -65,6 +65,25 @@ struct ItemGeometry {
   }
 };
 
+/// Hands a stage back to the producer once this warp's reads of it are in registers. The arrive
+/// is made to depend on the loaded words (a predicate ptxas cannot fold: always true, as V >= 1),
+/// so it issues only after the shared-memory loads have returned. Without the dependency ptxas
+/// issued the arrive right behind the LDS, before its data came back; under load the copy
+/// engine's next bulk write to the stage could land first, and the warp summed another chunk's
+/// logits (H200, 2026-11-29: fwd+grad, one row in a few hundred with a wrong lse, different rows
+/// each run, once the argmax resolution put a global load between the sweep and the row
+/// reduction; with the dependency, the same build passes CudaStream.MetricsLeave* and
+/// CudaAgreement run after run). The XORs cost about six instructions per chunk and thread.
+template <typename T>
+__device__ __forceinline__ void release_stage(uint64_t* empty, const Segment<T> (&seg)[kSegsPerThread], int lane,
+                                              int V) {
+  uint32_t token = 0;
+#pragma unroll
+  for (int k = 0; k < kSegsPerThread; ++k) token ^= seg[k].raw.x ^ seg[k].raw.y ^ seg[k].raw.z ^ seg[k].raw.w;
+  __syncwarp();
+  if (lane == 0 && ((token != 0x9E3779B9u) | (V > 0))) mbar_arrive(empty);
+}
+
 #endif
 
 /// kOpts: a StreamOpts (the plain path, options, options with the soft-cap).
@@ -263,8 +282,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       Segment<T> seg[kSegsPerThread];
 #pragma unroll
       for (int k = 0; k < kSegsPerThread; ++k) seg[k] = g.fetch(buf, ch, ch * kChunkSegs + ctid + k * kStreamConsumers, V, fill);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[stage]);  // this warp has its data in registers
+      release_stage(&empty[stage], seg, lane, V);
 
       if constexpr (!kGeneral) {
         // Plain arithmetic (logit_scale > 0): the max over raw logits (packed pairs for 16-bit
@@ -510,8 +528,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       Segment<T> seg[kSegsPerThread];
 #pragma unroll
       for (int k = 0; k < kSegsPerThread; ++k) seg[k] = g.fetch(buf, ch, ch * kChunkSegs + ctid + k * kStreamConsumers, V, fill);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[stage]);
+      release_stage(&empty[stage], seg, lane, V);
 #pragma unroll
       for (int k = 0; k < kSegsPerThread; ++k) {
         const int s = ch * kChunkSegs + ctid + k * kStreamConsumers;

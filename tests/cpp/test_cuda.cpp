@@ -202,6 +202,55 @@ TEST(CudaStream, AsyncReductionGivesTheSameBits) {
   }
 }
 
+// Metrics (token accuracy, entropy) ride along the statistics sweep: they must not change the
+// row statistics. Loss, lse and dlogits with metrics on are the bits of the same call without
+// them, run after run. The stream kernel resolves the argmax per item from memory after the sweep;
+// that load exposed a race (a stage handed back to the copy engine before the warp's reads of it
+// had returned: fwd+grad rows of 300 to 555 x 32003 to 262144 lost or gained a segment's exps,
+// about one row in 300, different rows each run). The metrics-off call is the plain kernel, the
+// metrics-on one the options kernel: their sums are the same arithmetic.
+void expect_metrics_leave_bits(const Shape& sh, DType d, const fusedce::Options& o, std::mt19937_64& rng) {
+  SCOPED_TRACE("N=" + std::to_string(sh.N) + " V=" + std::to_string(sh.V) + " " + dtype_tag(d) +
+               (o.softcap ? " softcap" : " logit_scale"));
+  DeviceProblem p(d, sh.N, sh.V, rng);
+  fusedce::Options with = o;
+  with.compute_metrics = true;
+  p.reserve_workspace(with);
+  ASSERT_OK(p.forward_backward(o, nullptr));
+  const std::vector<uint8_t> plain = p.results(o);
+  for (int run = 0; run < 3; ++run) {
+    ASSERT_OK(p.forward_backward(with, nullptr));
+    EXPECT_TRUE(plain == p.results(o)) << "run " << run << ": metrics changed loss, lse or dlogits";
+  }
+}
+
+fusedce::Options scaled_options() {
+  fusedce::Options o;
+  o.logit_scale = 0.5f;
+  return o;
+}
+
+// Whole rows (61081), rows halved over clusters (262144, fp32), both option kernels.
+TEST(CudaStream, MetricsLeaveLossAndGradientBits) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng = test_rng();
+  fusedce::Options capped = all_options();
+  capped.compute_metrics = false;
+  for (const Shape& sh : {Shape{555, 61081}, Shape{257, 262144}}) {
+    for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+      for (const fusedce::Options& o : {scaled_options(), capped}) expect_metrics_leave_bits(sh, d, o, rng);
+    }
+  }
+}
+
+// The smallest case that failed: 4 chunks a row, 2 to 3 rows a block, so every stage of the ring
+// turns over several times. Small enough for racecheck (scripts/gpu_check.sh).
+TEST(CudaStream, MetricsLeaveBitsWhileStagesTurnOver) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng = test_rng();
+  expect_metrics_leave_bits(Shape{300, 32003}, DType::kFloat32, scaled_options(), rng);
+}
+
 TEST(CudaDeterminism, SameBitsRunToRun) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::mt19937_64 rng = test_rng();
