@@ -244,7 +244,7 @@ TEST(CudaStream, MetricsLeaveLossAndGradientBits) {
 }
 
 // The smallest case that failed: 4 chunks a row, 2 to 3 rows a block, so every stage of the ring
-// turns over several times. Small enough for racecheck (scripts/gpu_check.sh).
+// turns over several times. Small enough for compute-sanitizer (memcheck in scripts/gpu_check.sh).
 TEST(CudaStream, MetricsLeaveBitsWhileStagesTurnOver) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::mt19937_64 rng = test_rng();
