@@ -109,6 +109,11 @@ template <typename V>
 __device__ __forceinline__ V shfl_down(V v, int delta) {
   return __shfl_down(v, static_cast<unsigned>(delta));
 }
+/// Lane (lane ^ mask)'s value (a butterfly: every lane ends with the warp's result).
+template <typename V>
+__device__ __forceinline__ V shfl_xor(V v, int mask) {
+  return __shfl_xor(v, mask);
+}
 
 /// 16 bytes as four 32-bit words: a plain struct (HIP's uint4 has a user-defined assignment, which
 /// a union member cannot have; a clang vector in the segment union costs scratch memory).
@@ -176,6 +181,11 @@ __device__ __forceinline__ Half2 max2(Half2 a, Half2 b) { return __hmax2(a, b); 
 template <typename V>
 __device__ __forceinline__ V shfl_down(V v, int delta) {
   return __shfl_down_sync(0xffffffffu, v, delta);
+}
+/// Lane (lane ^ mask)'s value (a butterfly: every lane ends with the warp's result).
+template <typename V>
+__device__ __forceinline__ V shfl_xor(V v, int mask) {
+  return __shfl_xor_sync(0xffffffffu, v, mask);
 }
 
 /// 16 bytes as four 32-bit words.

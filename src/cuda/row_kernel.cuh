@@ -25,6 +25,7 @@ namespace cuda {
 
 constexpr int kMaxThreads = 1024;
 constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exps are taken as 2^(z log2 e)
+constexpr float kLog2eLo = 1.9259629891e-8f;  // log2(e) - kLog2e: the float constant's error
 
 __device__ __forceinline__ bool argmax_better(float av, int64_t ai, float bv, int64_t bi) {
   // torch.argmax: NaN is the largest value; ties go to the lowest index.
@@ -111,6 +112,31 @@ __device__ __forceinline__ ZSlope z_and_slope(float x, const detail::LossConstan
 /// bit-identical whichever path (plain or with options) a call takes.
 __device__ __forceinline__ float exp_rel(float x, float z, float ref, const detail::LossConstants& c, bool softcap) {
   return ex2((softcap ? z - ref : fmaf(x, c.logit_scale, -ref)) * kLog2e);
+}
+
+/// The plain path's probabilities in one FMA and one EX2 per element:
+/// p = exp(x scale - lse) = 2^(x a - l) * factor, a = scale log2(e) and l = lse log2(e) rounded to
+/// float. The FMA forms x a - l exactly before its one rounding, but a and l carry rounding
+/// errors of their own: |x| a eps is 1e-3 at |x| ~ 1e4, far too much for fp32 gradients. Both
+/// are constant across the row, so they are measured once per row (the error-free residuals of
+/// the two products, plus log2(e)'s own error) and applied as one factor, evaluated at the
+/// row's significant logits (x scale ~ lse, where p is not negligible): what remains is
+/// (x scale - lse) times a's relative error, 1e-7 of an exponent that matters only while it is
+/// small. One FMUL per element less than 2^((x scale - lse) log2(e)). Shared by the stream and
+/// row kernels: backward and forward-with-gradient give the same bits.
+struct PlainGradExp {
+  float a, l, factor;
+};
+__device__ __forceinline__ PlainGradExp plain_grad_exp(float lse, const detail::LossConstants& c) {
+  const float scale = c.logit_scale;
+  const float a = __fmul_rn(scale, kLog2e);
+  const float l = __fmul_rn(lse, kLog2e);
+  // a - scale log2(e) and lse log2(e) - l, each to a few ulps of its (tiny) value.
+  const float a_err = -fmaf(scale, kLog2eLo, fmaf(scale, kLog2e, -a));
+  const float l_err = fmaf(lse, kLog2eLo, fmaf(lse, kLog2e, -l));
+  // 2^(x scale log2e - lse log2e) = 2^(x a - l) 2^(-x a_err - l_err), x taken at lse / scale.
+  const float kappa = fmaf(-__fdiv_rn(lse, scale), a_err, -l_err);
+  return PlainGradExp{a, l, isfinite(kappa) ? ex2(kappa) : 1.0f};
 }
 
 /// dL/dx of one element on the options path (soft-cap, or per-class smoothing weights):
@@ -378,8 +404,10 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
     const float g_chain = p.batch ? p.batch->g_chain : 1.0f;
     const float g = g_chain * (p.grad_loss ? p.grad_loss[p.grad_scalar ? 0 : row * p.grad_stride] : 1.0f);
     const detail::RowGrad rg = detail::row_grad(c, lse, w_t, g);
-    // Plain path: dx = (g a scale) p - (g eps/V scale), the scale folded into the constants.
-    const float ga_s = rg.g_a * c.logit_scale, gc_s = rg.g_c * c.logit_scale;
+    // Plain path: dx = (g a scale) p - (g eps/V scale), the scale folded into the constants and
+    // p's per-row factor into the first (plain_grad_exp).
+    const PlainGradExp pe = plain_grad_exp(lse, c);
+    const float ga_s = __fmul_rn(__fmul_rn(rg.g_a, c.logit_scale), pe.factor), gc_s = rg.g_c * c.logit_scale;
     const int seg_t = valid_t ? (t + off) / kVec : -1;
     const bool same_layout = doff == off;
     for (int piece = 0; piece < p.pieces; ++piece) {
@@ -402,8 +430,8 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
 #pragma unroll
           for (int i = 0; i < kVec / 2; ++i) {
             const float2 xx = seg_pair(reg[k], i);
-            set_pair(out, i, fmaf(ga_s, exp_rel(xx.x, 0.0f, lse, c, false), -gc_s),
-                     fmaf(ga_s, exp_rel(xx.y, 0.0f, lse, c, false), -gc_s));
+            set_pair(out, i, fmaf(ga_s, ex2(fmaf(xx.x, pe.a, -pe.l)), -gc_s),
+                     fmaf(ga_s, ex2(fmaf(xx.y, pe.a, -pe.l)), -gc_s));
           }
         }
         if (s == seg_t) {

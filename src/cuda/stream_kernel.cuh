@@ -63,7 +63,84 @@ struct ItemGeometry {
     }
     return seg;
   }
+  /// Whether chunk c lies wholly inside the row (every chunk but a ragged first or last one).
+  __device__ __forceinline__ bool interior(int c) const {
+    return c * kChunkSegs >= first_full && (c + 1) * kChunkSegs - 1 <= last_full;
+  }
+  /// This thread's segments of chunk c. Interior chunks (all but the row's ends) are plain
+  /// shared-memory loads, with no per-segment test of where the segment lies.
+  __device__ __forceinline__ void fetch_chunk(Segment<T> (&seg)[kSegsPerThread], const unsigned char* stage, int c,
+                                              int ctid, int V, T fill) const {
+    if (interior(c)) {
+#pragma unroll
+      for (int k = 0; k < kSegsPerThread; ++k) {
+        seg[k].raw = *reinterpret_cast<const U32x4*>(stage + (ctid + k * kStreamConsumers) * 16);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kSegsPerThread; ++k) seg[k] = fetch(stage, c, c * kChunkSegs + ctid + k * kStreamConsumers, V, fill);
+    }
+  }
 };
+
+/// A position in the ring: the stage and the parity of its current round (no division per chunk).
+struct RingPos {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void next() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+/// A warp's partial statistics folded in two passes: the warp's max, then each lane's sums scaled
+/// to it once and added. Five online merges (two exps and a compare each, on one dependent
+/// chain) cost several times more, and this runs once per row in every warp. Butterflies: every
+/// lane ends with the same bits (each level adds the same two values, and addition commutes;
+/// the argmax is a selection under a total order), the association of a tree onto lane 0.
+/// The argmax (metrics) folds in a butterfly of its own. Lanes past the partials to fold hold
+/// empty ones (m = -inf, sums 0, no argmax).
+__device__ __forceinline__ RowPartial warp_fold(RowPartial p, bool metrics) {
+  float m = p.st.m;
+#pragma unroll
+  for (int d = kWarpSize / 2; d > 0; d >>= 1) m = fmaxf(m, shfl_xor(m, d));
+  // As lse_merge: an empty state scales by 0 (a NaN sum stays NaN), all-empty keeps its sums.
+  const float f = m == -INFINITY ? 1.0f : ex2((p.st.m - m) * kLog2e);
+  float s = p.st.s * f, ez = p.st.ez * f, sm = p.smooth;
+#pragma unroll
+  for (int d = kWarpSize / 2; d > 0; d >>= 1) {
+    s += shfl_xor(s, d);
+    sm += shfl_xor(sm, d);
+    if (metrics) ez += shfl_xor(ez, d);
+  }
+  if (metrics) {
+#pragma unroll
+    for (int d = kWarpSize / 2; d > 0; d >>= 1) {
+      const float ov = shfl_xor(p.amax_v, d);
+      const int64_t oi = shfl_xor(p.amax_i, d);
+      if (argmax_better(ov, oi, p.amax_v, p.amax_i)) {
+        p.amax_v = ov;
+        p.amax_i = oi;
+      }
+    }
+  }
+  p.st = detail::LseState{m, s, ez};
+  p.smooth = sm;
+  return p;
+}
+
+__device__ __forceinline__ RowPartial empty_partial() {
+  RowPartial r;
+  r.st = detail::lse_empty();
+  r.smooth = 0.0f;
+  r.amax_v = -INFINITY;
+  r.amax_i = INT64_MAX;
+  r.z_target = 0.0f;
+  r.has_target = 0;
+  return r;
+}
 
 /// Hands a stage back to the producer once this warp's reads of it are in registers. The arrive
 /// is made to depend on the loaded words (a predicate ptxas cannot fold: always true, as V >= 1),
@@ -120,6 +197,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   const int64_t step = halves ? gridDim.x / 2 : gridDim.x;
   // The gradient is formed here only when a block (or a cluster) owns whole rows.
   const bool grad_here = kGrad && sp.splits == 1;
+  // Item w's row and split; whole rows (the common case) skip the 64-bit division.
+  auto row_of = [&](int64_t w) { return sp.splits == 1 ? w : w / sp.splits; };
+  auto split_of = [&](int64_t w) { return sp.splits == 1 ? 0 : static_cast<int>(w % sp.splits); };
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
@@ -139,26 +219,26 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   if (warp == kStreamConsumerWarps) {
     // ---- producer: one lane issues every bulk copy, kStages chunks ahead of the consumers.
     if (lane != 0) return;
-    uint32_t n = 0;  // chunks issued so far: stage n % kStages, round n / kStages
+    RingPos at;  // the next chunk's stage
     // With the gradient, the first sweep's lines should survive in L2 until the second sweep
     // re-reads them microseconds later; the second sweep's (and dlogits', stored .cs) go first.
     const uint64_t keep = make_l2_policy(grad_here ? L2Policy::kEvictLast : L2Policy::kEvictFirst);
     const uint64_t drop = make_l2_policy(L2Policy::kEvictFirst);
     // Targets are fetched one item ahead: a global load's latency under full bandwidth is about
     // a microsecond, too long to sit in every item's critical path.
-    int64_t t_next = first < items ? load_target_dev(p, first / sp.splits) : 0;
+    int64_t t_next = first < items ? load_target_dev(p, row_of(first)) : 0;
     for (int64_t w = first; w < items; w += step) {
-      const int64_t row = w / sp.splits;
+      const int64_t row = row_of(w);
       const int64_t t_cur = t_next;
-      if (w + step < items) t_next = load_target_dev(p, (w + step) / sp.splits);
+      if (w + step < items) t_next = load_target_dev(p, row_of(w + step));
       if (t_cur == p.ignore_index) continue;
-      const ItemGeometry<T> g(p, row, halves ? crank : static_cast<int>(w % sp.splits), sp.chunks_per_split);
+      const ItemGeometry<T> g(p, row, halves ? crank : split_of(w), sp.chunks_per_split);
       const char* aligned = reinterpret_cast<const char*>(g.x - g.off);
       for (int pass = 0; pass < (grad_here ? 2 : 1); ++pass) {
-        for (int i = 0; i < g.c1 - g.c0; ++i, ++n) {
+        for (int i = 0; i < g.c1 - g.c0; ++i, at.next()) {
           const int c = pass == 1 && sp.grad_backwards ? g.c1 - 1 - i : g.c0 + i;
-          const int stage = n % kStages;
-          mbar_wait(&empty[stage], ((n / kStages) & 1) ^ 1);  // consumers done with its last use
+          const int stage = at.stage;
+          mbar_wait(&empty[stage], at.phase ^ 1u);  // consumers done with its last use
           const int lo = max(c * kChunkSegs, g.first_full);
           const int hi = min((c + 1) * kChunkSegs, g.last_full + 1);
           const uint32_t bytes = hi > lo ? static_cast<uint32_t>(hi - lo) * 16u : 0u;
@@ -175,7 +255,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
 
   // ---- consumers
   const int ctid = threadIdx.x;  // 0 .. kStreamConsumers - 1
-  uint32_t n = 0;                // chunks consumed so far, in the producer's order
+  RingPos at;                    // the next chunk's stage, in the producer's order
   int parity = 0;                // which warp_part buffer this row uses (synchronous reduction)
   uint32_t seq = 0;              // items reduced so far (ignored rows are not)
   // Asynchronous reduction (forward over whole rows, opt-in): each warp posts its partial and
@@ -187,14 +267,14 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   // kStages + 1 < kReduceSlots items are in flight.
   const bool async = kAsyncReduceAllowed && !grad_here && sp.splits == 1 && sp.async_reduce;
   const bool metrics = kExtras && p.metrics;
-  int64_t t_next = first < items ? load_target_dev(p, first / sp.splits) : 0;
+  int64_t t_next = first < items ? load_target_dev(p, row_of(first)) : 0;
   const float g_chain = grad_here && p.batch ? p.batch->g_chain : 1.0f;
   uint32_t hseq = 0;  // rows exchanged with the other half (halves only)
   for (int64_t w = first; w < items; w += step) {
-    const int64_t row = w / sp.splits;
-    const int split = halves ? crank : static_cast<int>(w % sp.splits);
+    const int64_t row = row_of(w);
+    const int split = halves ? crank : split_of(w);
     const int64_t t64 = t_next;  // fetched one item ahead (see the producer)
-    if (w + step < items) t_next = load_target_dev(p, (w + step) / sp.splits);
+    if (w + step < items) t_next = load_target_dev(p, row_of(w + step));
     if (t64 == p.ignore_index) {
       if (split == 0 && ctid == 0) {
         p.row_loss[row * p.row_loss_stride] = 0.0f;
@@ -226,6 +306,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     detail::LossConstants c = p.c;
     if (weighted && p.batch) c.weight_sum = p.batch->weight_sum;
     const T fill = E::from_float(c.logit_scale > 0.0f ? -INFINITY : INFINITY);
+    const float a_log2 = __fmul_rn(c.logit_scale, kLog2e);  // exponents in base 2 (plain arithmetic)
     // The target logit, loaded by the one thread whose item holds it and only used at the end, so
     // its latency hides behind the sweep. Read before this row's barriers, hence before any of
     // its gradient stores (in place).
@@ -242,7 +323,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     mine.amax_i = INT64_MAX;
     mine.z_target = 0.0f;
     mine.has_target = 0;
-    float run_m = -INFINITY, run_s = 0.0f, run_ez = 0.0f, smooth = 0.0f;
+    // run_m: the general variant's running max in z; run_xm: the others' in raw logits.
+    float run_m = -INFINITY, run_xm = -INFINITY, run_s = 0.0f, run_ez = 0.0f, smooth = 0.0f;
     // The argmax along this thread, tracked per segment and resolved once per item
     // (common/argmax_track.h). The options variant works in raw-logit units (scale > 0 keeps the
     // order), the general one in z.
@@ -275,14 +357,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       }
       return sm[0];
     };
-    for (int ch = g.c0; ch < g.c1; ++ch, ++n) {
-      const int stage = n % kStages;
-      const unsigned char* buf = smem + size_t(stage) * kChunkBytes;
-      mbar_wait(&full[stage], (n / kStages) & 1);
+    for (int ch = g.c0; ch < g.c1; ++ch, at.next()) {
+      const unsigned char* buf = smem + size_t(at.stage) * kChunkBytes;
+      mbar_wait(&full[at.stage], at.phase);
       Segment<T> seg[kSegsPerThread];
-#pragma unroll
-      for (int k = 0; k < kSegsPerThread; ++k) seg[k] = g.fetch(buf, ch, ch * kChunkSegs + ctid + k * kStreamConsumers, V, fill);
-      release_stage(&empty[stage], seg, lane, V);
+      g.fetch_chunk(seg, buf, ch, ctid, V, fill);
+      release_stage(&empty[at.stage], seg, lane, V);
 
       if constexpr (!kGeneral) {
         // Plain arithmetic (logit_scale > 0): the max over raw logits (packed pairs for 16-bit
@@ -290,6 +370,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         // smoothing sum, the entropy term and the argmax in raw-logit units (each scaled once
         // per item below): a few more instructions per element, the same exps, so options that
         // do not change the math (metrics) leave the loss bit-identical.
+        // The exponent is x a - r in one FFMA (a = scale log2(e), r = ref a rounded), taken
+        // from the raw running max `ref`: the FFMA's exact product makes it (x - ref) a + cc,
+        // where cc = ref a - r is the product's rounding residual, exact by one more FFMA and
+        // the same for the whole chunk; the chunk's sums are multiplied by 2^-cc once. So the
+        // sum is of 2^((x - ref) a) with one rounding per exponent, as precise as forming
+        // x scale - ref first, at one FMUL per element less.
         float xmax[kSegsPerThread];
         float xm = -INFINITY;
 #pragma unroll
@@ -297,9 +383,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
           xmax[k] = seg_max(seg[k]);
           xm = fmaxf(xm, xmax[k]);
         }
-        const float new_m = fmaxf(run_m, xm * c.logit_scale);
-        const float ref = detail::lse_ref(new_m);
-        const float scale = run_m == -INFINITY ? 1.0f : ex2((run_m - ref) * kLog2e);
+        const float new_xm = fmaxf(run_xm, xm);
+        const float ref = new_xm == -INFINITY ? 0.0f : new_xm;
+        const float r = __fmul_rn(ref, a_log2);
+        const float unshift = ex2(-fmaf(ref, a_log2, -r));
+        const float scale = run_xm == -INFINITY ? 1.0f : ex2(__fmul_rn(run_xm - ref, a_log2));
         float acc[kSegsPerThread];
         float ez = 0.0f;
         const bool smooth_in_pairs = kExtras && p.smoothing && !weighted;
@@ -311,7 +399,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
 #pragma unroll
           for (int i = 0; i < kVec / 2; ++i) {
             const float2 xx = seg_pair(seg[k], i);
-            const float e0 = exp_rel(xx.x, 0.0f, ref, c, false), e1 = exp_rel(xx.y, 0.0f, ref, c, false);
+            const float e0 = ex2(fmaf(xx.x, a_log2, -r)), e1 = ex2(fmaf(xx.y, a_log2, -r));
             es[i] = e0 + e1;
             // p x, 0 (not 0 * -inf) where x = -inf (masked or not): -FLT_MAX keeps the product 0.
             if (kExtras && metrics) ez = fmaf(e1, fmaxf(xx.y, -FLT_MAX), fmaf(e0, fmaxf(xx.x, -FLT_MAX), ez));
@@ -332,9 +420,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
           }
         }
         static_assert(kSegsPerThread == 4, "the sum below pairs four segments");
-        run_s = run_s * scale + ((acc[0] + acc[1]) + (acc[2] + acc[3]));
-        if (kExtras && metrics) run_ez = run_ez * scale + ez;
-        run_m = new_m;
+        run_s = fmaf((acc[0] + acc[1]) + (acc[2] + acc[3]), unshift, __fmul_rn(run_s, scale));
+        if (kExtras && metrics) run_ez = fmaf(ez, unshift, __fmul_rn(run_ez, scale));
+        run_xm = new_xm;
         continue;
       }
       // General variant (soft-cap, or logit_scale < 0): z formed once per element and kept (the
@@ -419,7 +507,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     }
     // The options variant's sums are in raw-logit units: z = x * scale.
     const float unit = kGeneral ? 1.0f : c.logit_scale;
-    mine.st = detail::LseState{run_m, run_s, run_ez * unit};
+    mine.st = detail::LseState{kGeneral ? run_m : run_xm * c.logit_scale, run_s, run_ez * unit};
     mine.smooth = smooth * unit;
     if (metrics) {
       // The element: the first NaN at or after nan_seg (its sum can be NaN from a +inf logit
@@ -456,9 +544,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       mine.amax_i = best_i;
     }
 
-    // ---- the row's (or split's) statistics: warps, then one warp (warp 0, or the item's finalizer) over the warps
-#pragma unroll
-    for (int d = kWarpSize / 2; d > 0; d >>= 1) mine = merge_partial(mine, shfl_down_partial(mine, d, metrics, false), metrics);
+    // ---- the row's (or split's) statistics: warps, then one warp (warp 0, or the item's finalizer;
+    // with the gradient every warp) over the warps
+    mine = warp_fold(mine, metrics);
     const int slot = async ? static_cast<int>(seq % kReduceSlots) : parity;
     if (lane == 0) warp_part[slot][warp] = mine;
     if (!async) {
@@ -469,14 +557,18 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       named_barrier_arrive(2 + slot, kStreamConsumers);
     }
     ++seq;
-    if (warp == fin_warp) {
-      RowPartial b = warp_part[slot][lane < kStreamConsumerWarps ? lane : 0];
-#pragma unroll
-      for (int d = 1; d < kWarpSize; d *= 2) {
-        const RowPartial o = shfl_down_partial(b, d, metrics, false);
-        if ((lane & (2 * d - 1)) == 0 && lane + d < kStreamConsumerWarps) b = merge_partial(b, o, metrics);
-      }
-      if (lane == 0) {
+    // With the gradient on whole rows every warp folds the 16 partials itself (same inputs, same
+    // order: the same bits in every warp), so the gradient sweep starts without a second barrier
+    // and a round trip through row_part. The partials are double-buffered by row parity: a warp
+    // writes the next row's into the other buffer, and this row's buffer again only after the
+    // next row's barrier, which every warp reaches after reading this row's partials.
+    const bool every_warp = grad_here && !halves;
+    float lse_here = 0.0f;
+    if (every_warp || warp == fin_warp) {
+      RowPartial b = lane < kStreamConsumerWarps ? warp_part[slot][lane] : empty_partial();
+      b = warp_fold(b, metrics);
+      if (every_warp) lse_here = detail::lse_value(b.st);
+      if (warp == fin_warp && lane == 0) {
         if (holds_t) {
           b.z_target = transform(E::to_float(x_t), c, softcap);
           b.has_target = 1;
@@ -505,34 +597,36 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
           write_row_results(p, row, b, detail::lse_value(b.st), b.has_target ? b.z_target : NAN, c, w_t, t, weighted,
                             metrics);
         }
-        if (grad_here) row_part = b;  // the gradient sweep's lse (asynchronous: finalizers never share it)
+        if (grad_here && !every_warp) row_part = b;  // the halves' gradient sweep's lse
       }
     }
     parity ^= 1;
     if (!grad_here) continue;
-    named_barrier(1, kStreamConsumers);  // row_part visible
-    const float lse = detail::lse_value(row_part.st);
+    if (!every_warp) named_barrier(1, kStreamConsumers);  // row_part visible
+    const float lse = every_warp ? lse_here : detail::lse_value(row_part.st);
 
     // ---- gradient sweep over the re-staged chunks
     T* dx = static_cast<T*>(p.dlogits) + row * p.dlogits_stride;
     const bool same_layout = row_offset(dx) == g.off;
     const float gr = g_chain * g_up;
     const detail::RowGrad rg = detail::row_grad(c, lse, w_t, gr);
-    const float ga_s = rg.g_a * c.logit_scale, gc_s = rg.g_c * c.logit_scale;
+    // p's exponent in one FMA, its per-row factor folded into g a scale (the row kernel's
+    // backward forms the same constants: same bits).
+    const PlainGradExp pe = plain_grad_exp(lse, c);
+    const float ga_s = __fmul_rn(__fmul_rn(rg.g_a, c.logit_scale), pe.factor), gc_s = rg.g_c * c.logit_scale;
     const int seg_t = valid_t ? (t + g.off) / kVec : -1;
-    for (int i = 0; i < g.c1 - g.c0; ++i, ++n) {
+    for (int i = 0; i < g.c1 - g.c0; ++i, at.next()) {
       const int ch = sp.grad_backwards ? g.c1 - 1 - i : g.c0 + i;  // in the producer's order
-      const int stage = n % kStages;
-      const unsigned char* buf = smem + size_t(stage) * kChunkBytes;
-      mbar_wait(&full[stage], (n / kStages) & 1);
+      const unsigned char* buf = smem + size_t(at.stage) * kChunkBytes;
+      mbar_wait(&full[at.stage], at.phase);
       Segment<T> seg[kSegsPerThread];
-#pragma unroll
-      for (int k = 0; k < kSegsPerThread; ++k) seg[k] = g.fetch(buf, ch, ch * kChunkSegs + ctid + k * kStreamConsumers, V, fill);
-      release_stage(&empty[stage], seg, lane, V);
+      g.fetch_chunk(seg, buf, ch, ctid, V, fill);
+      release_stage(&empty[at.stage], seg, lane, V);
+      const bool inner = g.interior(ch);
 #pragma unroll
       for (int k = 0; k < kSegsPerThread; ++k) {
         const int s = ch * kChunkSegs + ctid + k * kStreamConsumers;
-        if (s >= g.nseg) continue;
+        if (!inner && s >= g.nseg) continue;
         const int j0 = s * kVec - g.off;
         Segment<T> out;
         if (kExtras && (softcap || (weighted && p.smoothing))) {
@@ -545,8 +639,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
 #pragma unroll
           for (int i = 0; i < kVec / 2; ++i) {
             const float2 xx = seg_pair(seg[k], i);
-            set_pair(out, i, fmaf(ga_s, exp_rel(xx.x, 0.0f, lse, c, false), -gc_s),
-                     fmaf(ga_s, exp_rel(xx.y, 0.0f, lse, c, false), -gc_s));
+            set_pair(out, i, fmaf(ga_s, ex2(fmaf(xx.x, pe.a, -pe.l)), -gc_s),
+                     fmaf(ga_s, ex2(fmaf(xx.y, pe.a, -pe.l)), -gc_s));
           }
         }
         if (s == seg_t) {
@@ -557,7 +651,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
             }
           }
         }
-        if (same_layout) {
+        if (inner && same_layout) {
+          store_streaming(reinterpret_cast<U32x4*>(dx + j0), out.raw);  // wholly inside the row
+        } else if (same_layout) {
           store_segment(dx, s, g.off, V, out);
         } else {
 #pragma unroll

@@ -60,7 +60,10 @@ __device__ __forceinline__ float seg_max(const Segment<Half>& s) {
 /// Elements 2i and 2i+1 of a segment as floats.
 __device__ __forceinline__ float2 seg_pair(const Segment<float>& s, int i) { return make_float2(s.e[2 * i], s.e[2 * i + 1]); }
 __device__ __forceinline__ float2 seg_pair(const Segment<BFloat16>& s, int i) {
-  return to_float2(reinterpret_cast<const BFloat162*>(&s.raw)[i]);
+  // bfloat16 is the top half of a float: one shift or one mask per element (the library
+  // conversion spent a PRMT and a shift on the high half).
+  const uint32_t w = i == 0 ? s.raw.x : i == 1 ? s.raw.y : i == 2 ? s.raw.z : s.raw.w;
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
 __device__ __forceinline__ float2 seg_pair(const Segment<Half>& s, int i) {
   return to_float2(reinterpret_cast<const Half2*>(&s.raw)[i]);
