@@ -48,10 +48,10 @@ constexpr int kChunkBytes = 32768;
 constexpr int kChunkSegs = kChunkBytes / 16;
 constexpr int kSegsPerThread = kChunkSegs / kStreamConsumers;
 constexpr int kStages = 6;
-// Warp-partial slots of the stream kernel's asynchronous reduction (named barriers 2 .. 9):
-// more than the kStages + 1 items that can be in flight.
+// Warp-partial slots (with an arrival counter each) of the stream kernel's asynchronous
+// reduction: more than the kStages + 1 items that can be in flight.
 constexpr int kReduceSlots = 8;
-static_assert(kReduceSlots > kStages + 1 && 2 + kReduceSlots <= 16, "slots: in-flight items, 16 named barriers");
+static_assert(kReduceSlots > kStages + 1, "slots: in-flight items");
 constexpr bool kAsyncReduceAllowed = true;
 constexpr size_t kStreamSmemBytes = size_t(kStages) * kChunkBytes + 2 * kStages * sizeof(uint64_t);
 /// Rows are split over several blocks only below this many rows (bounds the workspace).

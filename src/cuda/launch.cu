@@ -175,6 +175,15 @@ bool use_halves(int sms, int64_t row_bytes, int l2_bytes) {
   return int64_t(sms) * row_bytes > int64_t(l2_bytes);
 }
 
+/// The gradient sweep's chunk order (StreamParams::grad_backwards): backwards when the rows in
+/// flight overflow L2, unless FUSEDCE_STREAM_BACKWARDS=1 (always) or =0 (never) says otherwise
+/// (a dev knob for A/B runs).
+bool grad_backwards(bool overflow) {
+  const char* env = std::getenv("FUSEDCE_STREAM_BACKWARDS");
+  if (env != nullptr && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
+  return overflow;
+}
+
 #if FUSEDCE_PLATFORM_HIP
 // No thread-block clusters on AMD GPUs: halves are never requested there (the stream kernel is
 // sm_90 only).
@@ -482,7 +491,7 @@ Status run(const detail::CeCall& call) {
           grid = 2 * static_cast<int>(std::min<int64_t>(N, clusters));
         }
       }
-      sp.grad_backwards = int64_t(sms) * row_bytes / sp.halves > int64_t(l2_bytes);
+      sp.grad_backwards = grad_backwards(int64_t(sms) * row_bytes / sp.halves > int64_t(l2_bytes));
       if (plan.splits > 1) {
         sp.partials = base + ws.partials;
         if (grad && sp.row.lse_out == nullptr) {

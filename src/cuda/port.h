@@ -114,6 +114,11 @@ template <typename V>
 __device__ __forceinline__ V shfl_xor(V v, int mask) {
   return __shfl_xor(v, mask);
 }
+/// Lane src's value, to every lane.
+template <typename V>
+__device__ __forceinline__ V shfl_idx(V v, int src) {
+  return __shfl(v, src);
+}
 
 /// 16 bytes as four 32-bit words: a plain struct (HIP's uint4 has a user-defined assignment, which
 /// a union member cannot have; a clang vector in the segment union costs scratch memory).
@@ -186,6 +191,11 @@ __device__ __forceinline__ V shfl_down(V v, int delta) {
 template <typename V>
 __device__ __forceinline__ V shfl_xor(V v, int mask) {
   return __shfl_xor_sync(0xffffffffu, v, mask);
+}
+/// Lane src's value, to every lane.
+template <typename V>
+__device__ __forceinline__ V shfl_idx(V v, int src) {
+  return __shfl_sync(0xffffffffu, v, src);
 }
 
 /// 16 bytes as four 32-bit words.
