@@ -52,6 +52,10 @@ constexpr int kStages = 6;
 // reduction: more than the kStages + 1 items that can be in flight.
 constexpr int kReduceSlots = 8;
 static_assert(kReduceSlots > kStages + 1, "slots: in-flight items");
+// With the gradient, rows of at most this many chunks stay in the ring between the two sweeps
+// (leaving kStages - kKeepChunks stages to prefetch the next rows).
+constexpr int kKeepChunks = 4;
+static_assert(kKeepChunks < kStages, "a kept row leaves a stage to prefetch into");
 constexpr bool kAsyncReduceAllowed = true;
 constexpr size_t kStreamSmemBytes = size_t(kStages) * kChunkBytes + 2 * kStages * sizeof(uint64_t);
 /// Rows are split over several blocks only below this many rows (bounds the workspace).

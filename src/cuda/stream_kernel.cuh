@@ -202,6 +202,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   // Item w's row and split; whole rows (the common case) skip the 64-bit division.
   auto row_of = [&](int64_t w) { return sp.splits == 1 ? w : w / sp.splits; };
   auto split_of = [&](int64_t w) { return sp.splits == 1 ? 0 : static_cast<int>(w % sp.splits); };
+  // With the gradient, a row of at most kKeepChunks chunks stays in the ring between its two
+  // sweeps (its stages are released by the gradient sweep): no second copy from L2, and the
+  // stages left over prefetch the next rows. Longer rows are streamed twice.
+  auto kept = [&](const ItemGeometry<T>& g) { return grad_here && !halves && g.c1 - g.c0 <= kKeepChunks; };
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
@@ -226,6 +230,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     // With the gradient, the first sweep's lines should survive in L2 until the second sweep
     // re-reads them microseconds later; the second sweep's (and dlogits', stored .cs) go first.
     const uint64_t keep = make_l2_policy(grad_here ? L2Policy::kEvictLast : L2Policy::kEvictFirst);
+    // (rows kept in the ring are read once: their lines need not stay)
     const uint64_t drop = make_l2_policy(L2Policy::kEvictFirst);
     // Targets are fetched one item ahead: a global load's latency under full bandwidth is about
     // a microsecond, too long to sit in every item's critical path.
@@ -237,7 +242,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       if (t_cur == p.ignore_index) continue;
       const ItemGeometry<T> g(p, row, halves ? crank : split_of(w), sp.chunks_per_split);
       const char* aligned = reinterpret_cast<const char*>(g.x - g.off);
-      for (int pass = 0; pass < (grad_here ? 2 : 1); ++pass) {
+      const bool in_ring = kept(g);
+      for (int pass = 0; pass < (grad_here && !in_ring ? 2 : 1); ++pass) {
         for (int i = 0; i < g.c1 - g.c0; ++i, at.next()) {
           const int c = pass == 1 && sp.grad_backwards ? g.c1 - 1 - i : g.c0 + i;
           const int stage = at.stage;
@@ -248,7 +254,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
           mbar_arrive_expect_tx(&full[stage], bytes);
           if (bytes) {
             bulk_load_hint(smem + size_t(stage) * kChunkBytes + size_t(lo - c * kChunkSegs) * 16,
-                           aligned + size_t(lo) * 16, bytes, &full[stage], pass == 0 ? keep : drop);
+                           aligned + size_t(lo) * 16, bytes, &full[stage], pass == 0 && !in_ring ? keep : drop);
           }
         }
       }
@@ -361,12 +367,14 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       }
       return sm[0];
     };
+    const bool in_ring = kept(g);
+    const RingPos row_at = at;  // the row's first stage (a row kept in the ring is read there again)
     for (int ch = g.c0; ch < g.c1; ++ch, at.next()) {
       const unsigned char* buf = smem + size_t(at.stage) * kChunkBytes;
       mbar_wait(&full[at.stage], at.phase);
       Segment<T> seg[kSegsPerThread];
       g.fetch_chunk(seg, buf, ch, ctid, V, fill);
-      release_stage(&empty[at.stage], seg, lane, V);
+      if (!in_ring) release_stage(&empty[at.stage], seg, lane, V);
 
       if constexpr (!kGeneral) {
         // Plain arithmetic (logit_scale > 0): the max over raw logits (packed pairs for 16-bit
@@ -626,7 +634,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     if (!every_warp) named_barrier(1, kStreamConsumers);  // row_part visible
     const float lse = every_warp ? lse_here : detail::lse_value(row_part.st);
 
-    // ---- gradient sweep over the re-staged chunks
+    // ---- gradient sweep over the staged chunks (re-staged, or still in the ring)
     T* dx = static_cast<T*>(p.dlogits) + row * p.dlogits_stride;
     const bool same_layout = row_offset(dx) == g.off;
     const float gr = g_chain * g_up;
@@ -636,13 +644,15 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     const PlainGradExp pe = plain_grad_exp(lse, c);
     const float ga_s = __fmul_rn(__fmul_rn(rg.g_a, c.logit_scale), pe.factor), gc_s = rg.g_c * c.logit_scale;
     const int seg_t = valid_t ? (t + g.off) / kVec : -1;
-    for (int i = 0; i < g.c1 - g.c0; ++i, at.next()) {
-      const int ch = sp.grad_backwards ? g.c1 - 1 - i : g.c0 + i;  // in the producer's order
-      const unsigned char* buf = smem + size_t(at.stage) * kChunkBytes;
-      mbar_wait(&full[at.stage], at.phase);
+    // A row kept in the ring: its stages again, already waited for (and not released since).
+    RingPos gat = in_ring ? row_at : at;
+    for (int i = 0; i < g.c1 - g.c0; ++i, gat.next()) {
+      const int ch = in_ring || !sp.grad_backwards ? g.c0 + i : g.c1 - 1 - i;  // in the producer's order
+      const unsigned char* buf = smem + size_t(gat.stage) * kChunkBytes;
+      if (!in_ring) mbar_wait(&full[gat.stage], gat.phase);
       Segment<T> seg[kSegsPerThread];
       g.fetch_chunk(seg, buf, ch, ctid, V, fill);
-      release_stage(&empty[at.stage], seg, lane, V);
+      release_stage(&empty[gat.stage], seg, lane, V);
       const bool inner = g.interior(ch);
 #pragma unroll
       for (int k = 0; k < kSegsPerThread; ++k) {
@@ -685,6 +695,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         }
       }
     }
+    if (!in_ring) at = gat;  // past the second copy of the row
   }
 #endif
 }
