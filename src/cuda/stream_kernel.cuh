@@ -326,13 +326,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     const T x_t = holds_t ? g.x[t] : fill;
 
     // ---- statistics sweep
-    RowPartial mine;
-    mine.st = detail::lse_empty();
-    mine.smooth = 0.0f;
-    mine.amax_v = -INFINITY;
-    mine.amax_i = INT64_MAX;
-    mine.z_target = 0.0f;
-    mine.has_target = 0;
+    RowPartial mine = empty_partial();
     // run_m: the general variant's running max in z; run_xm: the others' in raw logits.
     float run_m = -INFINITY, run_xm = -INFINITY, run_s = 0.0f, run_ez = 0.0f, smooth = 0.0f;
     // The argmax along this thread, tracked per segment and resolved once per item
