@@ -567,7 +567,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         last = atomicAdd(&arrivals[slot], 1) == kStreamConsumerWarps - 1;
       }
       if (!shfl_idx(last, 0)) continue;
-      __threadfence_block();  // every other warp's partial, announced by its count
+      __threadfence_block();  // every other warp's partial, announced by its count...
+      __syncwarp();           // ...and lane 0's observation of it ordered before every lane's reads
       RowPartial b = lane < kStreamConsumerWarps ? warp_part[slot][lane] : empty_partial();
       b = warp_fold(b, metrics);
       if (lane == 0) {
