@@ -207,7 +207,10 @@ step "A/B: the stream kernel's variants against the default (fusedce_bench, same
 "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_default.csv" > "$out/bench_default.md" || status=1
 FUSEDCE_STREAM_ASYNC_REDUCE=0 "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_sync.csv" > "$out/bench_sync.md" || status=1
 FUSEDCE_STREAM_CLUSTER=2 "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_halves.csv" > "$out/bench_halves.md" || status=1
-for f in default sync halves; do echo "-- $f"; grep -E "ceilings|\| (forward|fwd\+grad) \|" "$out/bench_$f.md"; done
+# halves_kept: halves of <= 4 chunks kept in the ring between the sweeps (no L2 re-read).
+FUSEDCE_STREAM_CLUSTER=2 FUSEDCE_STREAM_KEEP_HALVES=1 "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_halves_kept.csv" \
+  > "$out/bench_halves_kept.md" || status=1
+for f in default sync halves halves_kept; do echo "-- $f"; grep -E "ceilings|\| (forward|fwd\+grad) \|" "$out/bench_$f.md"; done
 fi
 
 if want ce_profile; then

@@ -175,6 +175,12 @@ bool use_halves(int sms, int64_t row_bytes, int l2_bytes) {
   return int64_t(sms) * row_bytes > int64_t(l2_bytes);
 }
 
+/// Halves kept in the ring between the sweeps (StreamParams::keep_halves): FUSEDCE_STREAM_KEEP_HALVES=1.
+bool keep_halves_requested() {
+  const char* env = std::getenv("FUSEDCE_STREAM_KEEP_HALVES");
+  return env != nullptr && env[0] == '1';
+}
+
 /// The gradient sweep's chunk order (StreamParams::grad_backwards): backwards when the rows in
 /// flight overflow L2, unless FUSEDCE_STREAM_BACKWARDS=1 (always) or =0 (never) says otherwise
 /// (a dev knob for A/B runs).
@@ -491,6 +497,7 @@ Status run(const detail::CeCall& call) {
           grid = 2 * static_cast<int>(std::min<int64_t>(N, clusters));
         }
       }
+      sp.keep_halves = sp.halves > 1 && keep_halves_requested();
       sp.grad_backwards = grad_backwards(int64_t(sms) * row_bytes / sp.halves > int64_t(l2_bytes));
       if (plan.splits > 1) {
         sp.partials = base + ws.partials;

@@ -83,15 +83,19 @@ struct StreamParams {
   // 8192 x 128256 fp32 fwd+grad 4-5% faster in two runs; rows that fit showed no gain beyond the
   // ~5% spread between runs, so they keep the forward order.
   bool grad_backwards;
-  // Forward over whole rows: fold each row's warp partials asynchronously (one finalizing warp
-  // per row, in turn, instead of a block-wide barrier per row). Opt-in while unmeasured:
-  // FUSEDCE_STREAM_ASYNC_REDUCE=1.
+  // Forward over whole rows: fold each row's warp partials asynchronously (each warp posts its
+  // partial; the last to arrive folds them). The default; FUSEDCE_STREAM_ASYNC_REDUCE=0 turns
+  // it off.
   bool async_reduce;
   // 2: each row is shared by the two blocks of a cluster (halves of chunks_per_split chunks,
   // statistics swapped through distributed shared memory, both sweeps fused), so the rows in
-  // flight take half the L2 and the gradient sweep re-reads from it. Forward + gradient over
-  // long rows; opt-in while unmeasured: FUSEDCE_STREAM_CLUSTER=2. Else 1.
+  // flight take half the L2 and the gradient sweep re-reads from it. Forward + gradient, rows
+  // that would overflow L2 (FUSEDCE_STREAM_CLUSTER=2 always, =1 never). Else 1.
   int halves;
+  // Halves of at most kKeepChunks chunks stay in the ring between the sweeps, as whole rows that
+  // short do (no re-read at all). Dev knob, off by default and never run on a GPU yet:
+  // FUSEDCE_STREAM_KEEP_HALVES=1 (with FUSEDCE_STREAM_CLUSTER=2, e.g. 8192 x 128256 bf16: 2 x 4).
+  bool keep_halves;
 };
 
 /// dlogits[i, :] *= factor(i); rows whose factor is 1 skipped.

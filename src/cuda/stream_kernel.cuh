@@ -205,7 +205,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   // With the gradient, a row of at most kKeepChunks chunks stays in the ring between its two
   // sweeps (its stages are released by the gradient sweep): no second copy from L2, and the
   // stages left over prefetch the next rows. Longer rows are streamed twice.
-  auto kept = [&](const ItemGeometry<T>& g) { return grad_here && !halves && g.c1 - g.c0 <= kKeepChunks; };
+  auto kept = [&](const ItemGeometry<T>& g) {
+    return grad_here && (!halves || sp.keep_halves) && g.c1 - g.c0 <= kKeepChunks;
+  };
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {

@@ -378,6 +378,27 @@ TEST(CudaStream, ClusterHalvesAgreeWithCpu) {
   unsetenv("FUSEDCE_STREAM_CLUSTER");
 }
 
+// Halves kept in the ring between the two sweeps (dev knob FUSEDCE_STREAM_KEEP_HALVES=1 with
+// FUSEDCE_STREAM_CLUSTER=2; off by default): halves of 1 .. 4 chunks, ragged ends, every dtype,
+// plain and all options, ignored rows; the same agreement with the CPU backend.
+TEST(CudaStream, KeptHalvesAgreeWithCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng = test_rng();
+  setenv("FUSEDCE_STREAM_CLUSTER", "2", 1);
+  setenv("FUSEDCE_STREAM_KEEP_HALVES", "1", 1);
+  for (const DType d : {DType::kBFloat16, DType::kFloat32, DType::kFloat16}) {
+    for (const Shape sh : {Shape{150, 65537}, Shape{140, 131071}, Shape{90, 20011}}) {
+      for (const fusedce::Options& o : {fusedce::Options{}, all_options()}) {
+        SCOPED_TRACE(std::string(fusedce::dtype_name(d)) + " N=" + std::to_string(sh.N) + " V=" + std::to_string(sh.V));
+        DeviceProblem p(d, sh.N, sh.V, rng);
+        expect_gpu_agrees_with_cpu(p, o);
+      }
+    }
+  }
+  unsetenv("FUSEDCE_STREAM_KEEP_HALVES");
+  unsetenv("FUSEDCE_STREAM_CLUSTER");
+}
+
 // Fused linear cross-entropy in a CUDA graph: the chunked path (float32 grad_weight accumulator),
 // one chunk, and low_memory (vocabulary slices), each captured once with a caller's workspace and
 // replayed on new hidden states; every replay gives the bits of a direct call on those inputs.
