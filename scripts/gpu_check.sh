@@ -17,7 +17,8 @@
 # stream kernel's chunks-per-split knob, per call and per call inside a CUDA graph
 # (`fusedce_bench --sweep-splits`); "ab" runs the benchmark as is and with each variant
 # of the stream kernel (FUSEDCE_STREAM_ASYNC_REDUCE=0, FUSEDCE_STREAM_CLUSTER=2); "options"
-# times each option alone (`fusedce_bench --options`).
+# times each option alone (`fusedce_bench --options`). "ab" also runs the dev variants
+# FUSEDCE_STREAM_KEEP_HALVES=1 (with FUSEDCE_STREAM_CLUSTER=2) and FUSEDCE_STREAM_BULK_STORE=1.
 # All steps take about 20 minutes on an H200, more than one 10-minute device call: the sessions
 # so far ran two calls, STEPS="tests sanitizer bench linear" with CTEST_ARGS='-R (cuda|Cuda)'
 # (~7 min), then STEPS="python report demo" TORCH_CUDA_ARCHS=90 PYTEST_ARGS="-k cuda"
@@ -210,7 +211,9 @@ FUSEDCE_STREAM_CLUSTER=2 "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$ou
 # halves_kept: halves of <= 4 chunks kept in the ring between the sweeps (no L2 re-read).
 FUSEDCE_STREAM_CLUSTER=2 FUSEDCE_STREAM_KEEP_HALVES=1 "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_halves_kept.csv" \
   > "$out/bench_halves_kept.md" || status=1
-for f in default sync halves halves_kept; do echo "-- $f"; grep -E "ceilings|\| (forward|fwd\+grad) \|" "$out/bench_$f.md"; done
+# bulk: dlogits by bulk copies out of the staged chunks (plain fwd+grad).
+FUSEDCE_STREAM_BULK_STORE=1 "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_bulk.csv" > "$out/bench_bulk.md" || status=1
+for f in default sync halves halves_kept bulk; do echo "-- $f"; grep -E "ceilings|\| (forward|fwd\+grad) \|" "$out/bench_$f.md"; done
 fi
 
 if want ce_profile; then

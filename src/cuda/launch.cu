@@ -181,6 +181,12 @@ bool keep_halves_requested() {
   return env != nullptr && env[0] == '1';
 }
 
+/// dlogits by bulk stores from the staged chunks (kStreamPlainBulk): FUSEDCE_STREAM_BULK_STORE=1.
+bool bulk_store_requested() {
+  const char* env = std::getenv("FUSEDCE_STREAM_BULK_STORE");
+  return env != nullptr && env[0] == '1';
+}
+
 /// The gradient sweep's chunk order (StreamParams::grad_backwards): backwards when the rows in
 /// flight overflow L2, unless FUSEDCE_STREAM_BACKWARDS=1 (always) or =0 (never) says otherwise
 /// (a dev knob for A/B runs).
@@ -480,7 +486,8 @@ Status run(const detail::CeCall& call) {
       sp.splits = plan.splits;
       sp.chunks_per_split = plan.chunks_per_split;
       sp.async_reduce = async_reduce_requested();
-      const StreamOpts opts = !extras ? kStreamPlain : (p.softcap || o.logit_scale < 0.0f) ? kStreamGeneral : kStreamOptions;
+      const StreamOpts opts = !extras ? (grad && bulk_store_requested() ? kStreamPlainBulk : kStreamPlain)
+                              : (p.softcap || o.logit_scale < 0.0f) ? kStreamGeneral : kStreamOptions;
       const StreamKernel kernel = select_stream_kernel(L.dtype, grad && plan.splits == 1, opts);
       cudaError_t e = allow_stream_smem(reinterpret_cast<const void*>(kernel), call.device.index);
       if (e != cudaSuccess) return device_error(e, "raising the stream kernel's shared memory limit");

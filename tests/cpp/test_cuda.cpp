@@ -399,6 +399,50 @@ TEST(CudaStream, KeptHalvesAgreeWithCpu) {
   unsetenv("FUSEDCE_STREAM_CLUSTER");
 }
 
+// dlogits by bulk copies out of the staged chunks (dev variant FUSEDCE_STREAM_BULK_STORE=1; off by
+// default): the same bits as the default stores, out of place and in place, rows kept in the
+// ring (<= 4 chunks), streamed twice, halved over clusters, ragged ends (interior chunks take the
+// bulk path, the row's ends the per-thread stores). dlogits is poisoned first, so a run that
+// skipped a chunk cannot pass.
+TEST(CudaStream, BulkStoresGiveTheSameBits) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng = test_rng();
+  fusedce::Options none;
+  none.reduction = fusedce::Reduction::kNone;
+  for (const char* cluster : {"1", "2"}) {
+    setenv("FUSEDCE_STREAM_CLUSTER", cluster, 1);
+    for (const DType d : {DType::kBFloat16, DType::kFloat32, DType::kFloat16}) {
+      for (const Shape sh : {Shape{300, 32003}, Shape{64, 128256}, Shape{40, 262147}}) {
+        for (const fusedce::Options& o : {fusedce::Options{}, none}) {
+          SCOPED_TRACE(std::string(fusedce::dtype_name(d)) + " N=" + std::to_string(sh.N) + " V=" + std::to_string(sh.V) +
+                       " cluster " + cluster);
+          DeviceProblem p(d, sh.N, sh.V, rng);
+          p.reserve_workspace(o);
+          auto run = [&](bool bulk, bool in_place) {
+            p.upload();
+            ASSERT_CUDA(cudaMemset(p.dx, 0xff, p.host_x.size()));
+            void* dst = in_place ? p.x : p.dx;
+            if (bulk) setenv("FUSEDCE_STREAM_BULK_STORE", "1", 1);
+            const fusedce::Status st = fusedce::cross_entropy_forward_backward(
+                fusedce::Device::cuda(), fusedce::matrix(p.x, d, p.N, p.V), fusedce::vector(p.t, DType::kInt64, p.N), o,
+                p.outputs(o), {}, fusedce::matrix(dst, d, p.N, p.V), fusedce::Workspace{p.ws, p.ws_bytes});
+            unsetenv("FUSEDCE_STREAM_BULK_STORE");
+            ASSERT_OK(st);
+            if (in_place) ASSERT_CUDA(cudaMemcpy(p.dx, p.x, p.host_x.size(), cudaMemcpyDeviceToDevice));
+          };
+          for (const bool in_place : {false, true}) {
+            run(false, in_place);
+            const std::vector<uint8_t> want = p.results(o);
+            run(true, in_place);
+            EXPECT_TRUE(want == p.results(o)) << (in_place ? "in place" : "out of place");
+          }
+        }
+      }
+    }
+  }
+  unsetenv("FUSEDCE_STREAM_CLUSTER");
+}
+
 // Fused linear cross-entropy in a CUDA graph: the chunked path (float32 grad_weight accumulator),
 // one chunk, and low_memory (vocabulary slices), each captured once with a caller's workspace and
 // replayed on new hidden states; every replay gives the bits of a direct call on those inputs.
