@@ -37,9 +37,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 nvcc --version | tail -2
 
 if [ -n "${PREBUILT:-}" ]; then
-  # Binaries built elsewhere (e.g. here: -DCMAKE_CUDA_ARCHITECTURES=90 -DFUSEDCE_TESTS=ON, then
-  # tar -C build-sm90 -czf build-pack/bins.tgz tests/cpp/fusedce_*tests bench/fusedce_bench), so
-  # the call spends no device time compiling. ctest's files name the build machine's paths, so
+  # Binaries built elsewhere (scripts/pack_prebuilt.sh, on the machine without a GPU), so the
+  # call spends no device time compiling. ctest's files name the build machine's paths, so
   # the tests step runs the binaries themselves (gtest shards in parallel) instead.
   step "prebuilt binaries: $PREBUILT"
   mkdir -p "$build" && tar -C "$build" -xzf "$PREBUILT" || exit 1

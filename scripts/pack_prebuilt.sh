@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Builds the CUDA tests and the benchmark here (no GPU needed; sm_90, with -lineinfo for ncu's
+# source page) and packs them into build-pack/bins.tgz for a device call that spends no time
+# compiling:
+#   bash scripts/pack_prebuilt.sh            (about 3-5 minutes on 2 cores from scratch)
+#   device: PREBUILT=build-pack/bins.tgz STEPS="tests sanitizer bench" bash scripts/gpu_check.sh
+#           (carry build-pack; scripts/ce_stalls.sh build-gpu/bench/fusedce_bench after unpacking,
+#           or carry build-sm90/bench/fusedce_bench and pass that)
+# Both build-sm90/ and build-pack/ are ignored by git.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${BUILD_DIR:-build-sm90}
+gtest_arg=()
+[ -d .deps/googletest ] && gtest_arg=(-DFUSEDCE_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
+generator=()
+command -v ninja > /dev/null && generator=(-G Ninja)
+cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DFUSEDCE_CUDA=ON -DFUSEDCE_TESTS=ON \
+  -DFUSEDCE_BENCH=ON -DFUSEDCE_EXAMPLES=OFF -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_FLAGS=-lineinfo "${gtest_arg[@]}" > /dev/null
+cmake --build "$build" -j "$(nproc)" --target fusedce_cuda_tests fusedce_grid_tests fusedce_long_tests fusedce_tests fusedce_bench
+mkdir -p build-pack
+bins=(tests/cpp/fusedce_cuda_tests tests/cpp/fusedce_grid_tests tests/cpp/fusedce_long_tests tests/cpp/fusedce_tests bench/fusedce_bench)
+tar -C "$build" -czf build-pack/bins.tgz "${bins[@]}"
+ls -la build-pack/bins.tgz
