@@ -26,9 +26,7 @@ RowKernel select_row_kernel_f16(int items, bool forward, bool grad, bool extras)
 /// options); options on the plain arithmetic (logit_scale > 0, no soft-cap: smoothing, class
 /// weights, metrics; z-loss needs nothing per element); the general one (soft-cap or
 /// logit_scale < 0: z, whose tanh costs two MUFU ops, formed once and kept in registers).
-/// kStreamPlainBulk: the plain path whose gradient sweep writes dlogits back into the staged
-/// chunk and stores it with bulk copies (dev variant, FUSEDCE_STREAM_BULK_STORE=1; gradient only).
-enum StreamOpts : int { kStreamPlain = 0, kStreamOptions = 1, kStreamGeneral = 2, kStreamPlainBulk = 3 };
+enum StreamOpts : int { kStreamPlain = 0, kStreamOptions = 1, kStreamGeneral = 2 };
 /// The streaming kernel (sm_90 only: bulk copies and mbarriers) for forward jobs.
 StreamKernel select_stream_kernel_f32(bool grad, StreamOpts opts);
 StreamKernel select_stream_kernel_bf16(bool grad, StreamOpts opts);

@@ -175,18 +175,6 @@ bool use_halves(int sms, int64_t row_bytes, int l2_bytes) {
   return int64_t(sms) * row_bytes > int64_t(l2_bytes);
 }
 
-/// Halves kept in the ring between the sweeps (StreamParams::keep_halves): FUSEDCE_STREAM_KEEP_HALVES=1.
-bool keep_halves_requested() {
-  const char* env = std::getenv("FUSEDCE_STREAM_KEEP_HALVES");
-  return env != nullptr && env[0] == '1';
-}
-
-/// dlogits by bulk stores from the staged chunks (kStreamPlainBulk): FUSEDCE_STREAM_BULK_STORE=1.
-bool bulk_store_requested() {
-  const char* env = std::getenv("FUSEDCE_STREAM_BULK_STORE");
-  return env != nullptr && env[0] == '1';
-}
-
 /// The gradient sweep's chunk order (StreamParams::grad_backwards): backwards when the rows in
 /// flight overflow L2, unless FUSEDCE_STREAM_BACKWARDS=1 (always) or =0 (never) says otherwise
 /// (a dev knob for A/B runs).
@@ -486,7 +474,7 @@ Status run(const detail::CeCall& call) {
       sp.splits = plan.splits;
       sp.chunks_per_split = plan.chunks_per_split;
       sp.async_reduce = async_reduce_requested();
-      const StreamOpts opts = !extras ? (grad && bulk_store_requested() ? kStreamPlainBulk : kStreamPlain)
+      const StreamOpts opts = !extras ? kStreamPlain
                               : (p.softcap || o.logit_scale < 0.0f) ? kStreamGeneral : kStreamOptions;
       const StreamKernel kernel = select_stream_kernel(L.dtype, grad && plan.splits == 1, opts);
       cudaError_t e = allow_stream_smem(reinterpret_cast<const void*>(kernel), call.device.index);
@@ -504,7 +492,6 @@ Status run(const detail::CeCall& call) {
           grid = 2 * static_cast<int>(std::min<int64_t>(N, clusters));
         }
       }
-      sp.keep_halves = sp.halves > 1 && keep_halves_requested();
       sp.grad_backwards = grad_backwards(int64_t(sms) * row_bytes / sp.halves > int64_t(l2_bytes));
       if (plan.splits > 1) {
         sp.partials = base + ws.partials;

@@ -92,10 +92,6 @@ struct StreamParams {
   // flight take half the L2 and the gradient sweep re-reads from it. Forward + gradient, rows
   // that would overflow L2 (FUSEDCE_STREAM_CLUSTER=2 always, =1 never). Else 1.
   int halves;
-  // Halves of at most kKeepChunks chunks stay in the ring between the sweeps, as whole rows that
-  // short do (no re-read at all). Dev knob, off by default and never run on a GPU yet:
-  // FUSEDCE_STREAM_KEEP_HALVES=1 (with FUSEDCE_STREAM_CLUSTER=2, e.g. 8192 x 128256 bf16: 2 x 4).
-  bool keep_halves;
 };
 
 /// dlogits[i, :] *= factor(i); rows whose factor is 1 skipped.

@@ -27,7 +27,6 @@ RescaleKernel rescale_kernel_bf16() { return ce_rescale_kernel<BFloat16>; }
 StreamKernel select_stream_kernel_bf16(bool grad, StreamOpts opts) {
   switch (opts) {
     case kStreamPlain: return grad ? ce_stream_kernel<BFloat16, true, kStreamPlain> : ce_stream_kernel<BFloat16, false, kStreamPlain>;
-    case kStreamPlainBulk: return grad ? ce_stream_kernel<BFloat16, true, kStreamPlainBulk> : ce_stream_kernel<BFloat16, false, kStreamPlain>;
     case kStreamOptions: return grad ? ce_stream_kernel<BFloat16, true, kStreamOptions> : ce_stream_kernel<BFloat16, false, kStreamOptions>;
     default: return grad ? ce_stream_kernel<BFloat16, true, kStreamGeneral> : ce_stream_kernel<BFloat16, false, kStreamGeneral>;
   }

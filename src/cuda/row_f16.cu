@@ -27,7 +27,6 @@ RescaleKernel rescale_kernel_f16() { return ce_rescale_kernel<Half>; }
 StreamKernel select_stream_kernel_f16(bool grad, StreamOpts opts) {
   switch (opts) {
     case kStreamPlain: return grad ? ce_stream_kernel<Half, true, kStreamPlain> : ce_stream_kernel<Half, false, kStreamPlain>;
-    case kStreamPlainBulk: return grad ? ce_stream_kernel<Half, true, kStreamPlainBulk> : ce_stream_kernel<Half, false, kStreamPlain>;
     case kStreamOptions: return grad ? ce_stream_kernel<Half, true, kStreamOptions> : ce_stream_kernel<Half, false, kStreamOptions>;
     default: return grad ? ce_stream_kernel<Half, true, kStreamGeneral> : ce_stream_kernel<Half, false, kStreamGeneral>;
   }

@@ -27,7 +27,6 @@ RescaleKernel rescale_kernel_f32() { return ce_rescale_kernel<float>; }
 StreamKernel select_stream_kernel_f32(bool grad, StreamOpts opts) {
   switch (opts) {
     case kStreamPlain: return grad ? ce_stream_kernel<float, true, kStreamPlain> : ce_stream_kernel<float, false, kStreamPlain>;
-    case kStreamPlainBulk: return grad ? ce_stream_kernel<float, true, kStreamPlainBulk> : ce_stream_kernel<float, false, kStreamPlain>;
     case kStreamOptions: return grad ? ce_stream_kernel<float, true, kStreamOptions> : ce_stream_kernel<float, false, kStreamOptions>;
     default: return grad ? ce_stream_kernel<float, true, kStreamGeneral> : ce_stream_kernel<float, false, kStreamGeneral>;
   }

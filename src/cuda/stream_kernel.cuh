@@ -167,12 +167,8 @@ __device__ __forceinline__ void release_stage(uint64_t* empty, const Segment<T> 
 template <typename T, bool kGrad, int kOpts>
 __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const StreamParams sp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr bool kExtras = kOpts == kStreamOptions || kOpts == kStreamGeneral;
+  constexpr bool kExtras = kOpts != kStreamPlain;
   constexpr bool kGeneral = kOpts == kStreamGeneral;
-  // The gradient sweep's dlogits go back into the staged chunk and out by bulk copies (dev
-  // variant: each thread's four 16-byte global stores per chunk held their registers until the
-  // store drained, 22% of the fwd+grad kernel's stall samples at 8192 x 128256).
-  constexpr bool kBulkStore = kGrad && kOpts == kStreamPlainBulk;
   using E = Elem<T>;
   constexpr int kVec = Segment<T>::kVec;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -210,7 +206,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   // sweeps (its stages are released by the gradient sweep): no second copy from L2, and the
   // stages left over prefetch the next rows. Longer rows are streamed twice.
   auto kept = [&](const ItemGeometry<T>& g) {
-    return grad_here && (!halves || sp.keep_halves) && g.c1 - g.c0 <= kKeepChunks;
+    return grad_here && !halves && g.c1 - g.c0 <= kKeepChunks;
   };
 
   if (threadIdx.x == 0) {
@@ -287,7 +283,6 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   const bool metrics = kExtras && p.metrics;
   int64_t t_next = first < items ? load_target_dev(p, row_of(first)) : 0;
   const float g_chain = grad_here && p.batch ? p.batch->g_chain : 1.0f;
-  const uint64_t store_policy = kBulkStore ? make_l2_policy(L2Policy::kEvictFirst) : 0;  // dlogits: not read here again
   uint32_t hseq = 0;  // rows exchanged with the other half (halves only)
   for (int64_t w = first; w < items; w += step) {
     const int64_t row = row_of(w);
@@ -652,15 +647,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     RingPos gat = in_ring ? row_at : at;
     for (int i = 0; i < g.c1 - g.c0; ++i, gat.next()) {
       const int ch = in_ring || !sp.grad_backwards ? g.c0 + i : g.c1 - 1 - i;  // in the producer's order
-      unsigned char* const buf = smem + size_t(gat.stage) * kChunkBytes;
+      const unsigned char* buf = smem + size_t(gat.stage) * kChunkBytes;
       if (!in_ring) mbar_wait(&full[gat.stage], gat.phase);
       Segment<T> seg[kSegsPerThread];
       g.fetch_chunk(seg, buf, ch, ctid, V, fill);
-      if (!kBulkStore) release_stage(&empty[gat.stage], seg, lane, V);
+      release_stage(&empty[gat.stage], seg, lane, V);
       const bool inner = g.interior(ch);
-      // Bulk stores: the stage is handed back once the copies out of it have read it (below).
-      const bool bulk = kBulkStore && inner && same_layout;
-      if (kBulkStore && !bulk) release_stage(&empty[gat.stage], seg, lane, V);
 #pragma unroll
       for (int k = 0; k < kSegsPerThread; ++k) {
         const int s = ch * kChunkSegs + ctid + k * kStreamConsumers;
@@ -689,10 +681,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
             }
           }
         }
-        if (bulk) {
-          // Over this thread's own segment of the stage (read above): no other thread reads it.
-          *reinterpret_cast<U32x4*>(buf + (ctid + k * kStreamConsumers) * 16) = out.raw;
-        } else if (inner && same_layout) {
+        if (inner && same_layout) {
           store_streaming(reinterpret_cast<U32x4*>(dx + j0), out.raw);  // wholly inside the row
         } else if (same_layout) {
           store_segment(dx, s, g.off, V, out);
@@ -704,28 +693,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
           }
         }
       }
-      if (bulk) {
-        // The warp's segments of the chunk are four runs of 32 x 16 bytes: lane 0 copies them
-        // out once every lane's writes are visible to the copy engine, waits until the copies
-        // have read the stage, and hands it back.
-        fence_proxy_async_smem();
-        __syncwarp();
-        if (lane == 0) {
-#pragma unroll
-          for (int k = 0; k < kSegsPerThread; ++k) {
-            const int run = warp * kWarpSize + k * kStreamConsumers;  // first segment, in the chunk
-            bulk_store_hint(dx + ((ch * kChunkSegs + run) * kVec - g.off), buf + run * 16, kWarpSize * 16, store_policy);
-          }
-          bulk_commit();
-          bulk_wait_read<0>();
-          mbar_arrive(&empty[gat.stage]);
-        }
-        __syncwarp();
-      }
     }
     if (!in_ring) at = gat;  // past the second copy of the row
   }
-  if (kBulkStore && lane == 0) bulk_wait<0>();  // this warp's dlogits written before it exits
 #endif
 }
 

@@ -79,29 +79,6 @@ __device__ __forceinline__ void bulk_load_hint(void* smem_dst, const void* gmem_
 }
 
 /// Barrier among the first `threads` threads of the block (named barrier `id`, not 0).
-/// This thread's generic-proxy shared-memory writes made visible to the async proxy (the bulk
-/// copy engine), before a barrier and a bulk store that reads them.
-__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-/// Bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from this block's
-/// shared memory to global memory, in the thread's current bulk group, with an L2 policy.
-__device__ __forceinline__ void bulk_store_hint(void* gmem_dst, const void* smem_src, uint32_t bytes, uint64_t policy) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;" ::"l"(gmem_dst),
-               "r"(smem_addr(smem_src)), "r"(bytes), "l"(policy)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-/// Until at most N of this thread's bulk groups still read their shared-memory sources.
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-}
-/// Until at most N of this thread's bulk groups are still in flight (writes done).
-template <int N>
-__device__ __forceinline__ void bulk_wait() {
-  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
-}
-
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
