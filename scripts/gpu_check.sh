@@ -16,7 +16,7 @@
 # cross-entropy kernels of `fusedce_bench --profile`; "splits" times few-rows forwards over the
 # stream kernel's chunks-per-split knob, per call and per call inside a CUDA graph
 # (`fusedce_bench --sweep-splits`); "ab" runs the benchmark as is and with each variant
-# of the stream kernel (FUSEDCE_STREAM_ASYNC_REDUCE=0, FUSEDCE_STREAM_CLUSTER=2); "options"
+# of the stream kernel named in AB_VARIANTS (dev knobs, see the step); "options"
 # times each option alone (`fusedce_bench --options`).
 # All steps take about 20 minutes on an H200, more than one 10-minute device call: the sessions
 # so far ran two calls, STEPS="tests sanitizer bench linear" with CTEST_ARGS='-R (cuda|Cuda)'
@@ -209,13 +209,21 @@ fi
 
 if want ab; then
 step "A/B: the stream kernel's variants against the default (fusedce_bench, same binary)"
-# sync: the synchronous row reduction (the asynchronous one is the default for forwards over
-# whole rows); halves: every long row on 2-block clusters (forward + gradient; by default only
-# rows that would overflow L2).
-"$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_default.csv" > "$out/bench_default.md" || status=1
-FUSEDCE_STREAM_ASYNC_REDUCE=0 "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_sync.csv" > "$out/bench_sync.md" || status=1
-FUSEDCE_STREAM_CLUSTER=2 "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_halves.csv" > "$out/bench_halves.md" || status=1
-for f in default sync halves; do echo "-- $f"; grep -E "ceilings|\| (forward|fwd\+grad) \|" "$out/bench_$f.md"; done
+# AB_VARIANTS picks them: sync (the synchronous row reduction), halves (every long row on 2-block
+# clusters), groups2 / groups4 (consumer groups on every row), l2normal (the first sweep's loads
+# at evict_normal instead of evict_last).
+for f in ${AB_VARIANTS:-default groups2 groups4 l2normal}; do
+  case $f in
+    sync) env=(FUSEDCE_STREAM_ASYNC_REDUCE=0) ;;
+    halves) env=(FUSEDCE_STREAM_CLUSTER=2) ;;
+    groups2) env=(FUSEDCE_STREAM_GROUPS=2) ;;
+    groups4) env=(FUSEDCE_STREAM_GROUPS=4) ;;
+    l2normal) env=(FUSEDCE_STREAM_L2_LAST=0) ;;
+    *) env=() ;;
+  esac
+  env "${env[@]}" "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_$f.csv" > "$out/bench_$f.md" || status=1
+  echo "-- $f"; grep -E "ceilings|\| (forward|fwd\+grad) \|" "$out/bench_$f.md"
+done
 fi
 
 if want ce_profile; then

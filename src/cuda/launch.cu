@@ -184,6 +184,23 @@ bool grad_backwards(bool overflow) {
   return overflow;
 }
 
+/// Consumer groups for rows of `nchunks` chunks (StreamParams::groups): FUSEDCE_STREAM_GROUPS=1,
+/// 2 or 4 forces a count (dev knob for A/B runs and tests); by default 1 (not yet measured).
+int stream_groups(int nchunks) {
+  const char* env = std::getenv("FUSEDCE_STREAM_GROUPS");
+  const int forced = env ? std::atoi(env) : 0;
+  if (forced == 1 || forced == 2 || forced == 4) return forced;
+  (void)nchunks;
+  return 1;
+}
+
+/// The first sweep's L2 priority with the gradient (StreamParams::l2_evict_last): evict_last
+/// unless FUSEDCE_STREAM_L2_LAST=0.
+bool l2_evict_last_requested() {
+  const char* env = std::getenv("FUSEDCE_STREAM_L2_LAST");
+  return env == nullptr || env[0] != '0';
+}
+
 #if FUSEDCE_PLATFORM_HIP
 // No thread-block clusters on AMD GPUs: halves are never requested there (the stream kernel is
 // sm_90 only).
@@ -492,6 +509,10 @@ Status run(const detail::CeCall& call) {
           grid = 2 * static_cast<int>(std::min<int64_t>(N, clusters));
         }
       }
+      sp.groups = plan.splits == 1 && sp.halves == 1 && opts == kStreamPlain
+                      ? stream_groups(static_cast<int>((segments + kChunkSegs - 1) / kChunkSegs))
+                      : 1;
+      sp.l2_evict_last = l2_evict_last_requested();
       sp.grad_backwards = grad_backwards(int64_t(sms) * row_bytes / sp.halves > int64_t(l2_bytes));
       if (plan.splits > 1) {
         sp.partials = base + ws.partials;

@@ -67,18 +67,19 @@ struct ItemGeometry {
   __device__ __forceinline__ bool interior(int c) const {
     return c * kChunkSegs >= first_full && (c + 1) * kChunkSegs - 1 <= last_full;
   }
-  /// This thread's segments of chunk c. Interior chunks (all but the row's ends) are plain
-  /// shared-memory loads, with no per-segment test of where the segment lies.
+  /// This thread's segments of chunk c: segments base + k stride of the chunk. Interior chunks
+  /// (all but the row's ends) are plain shared-memory loads, with no per-segment test of where
+  /// the segment lies.
   __device__ __forceinline__ void fetch_chunk(Segment<T> (&seg)[kSegsPerThread], const unsigned char* stage, int c,
-                                              int ctid, int V, T fill) const {
+                                              int base, int stride, int V, T fill) const {
     if (interior(c)) {
 #pragma unroll
       for (int k = 0; k < kSegsPerThread; ++k) {
-        seg[k].raw = *reinterpret_cast<const U32x4*>(stage + (ctid + k * kStreamConsumers) * 16);
+        seg[k].raw = *reinterpret_cast<const U32x4*>(stage + (base + k * stride) * 16);
       }
     } else {
 #pragma unroll
-      for (int k = 0; k < kSegsPerThread; ++k) seg[k] = fetch(stage, c, c * kChunkSegs + ctid + k * kStreamConsumers, V, fill);
+      for (int k = 0; k < kSegsPerThread; ++k) seg[k] = fetch(stage, c, c * kChunkSegs + base + k * stride, V, fill);
     }
   }
 };
@@ -151,12 +152,16 @@ __device__ __forceinline__ RowPartial empty_partial() {
 /// each run, once the argmax resolution put a global load between the sweep and the row
 /// reduction; with the dependency, the same build passes CudaStream.MetricsLeave* and
 /// CudaAgreement run after run). The XORs cost about six instructions per chunk and thread.
+/// With consumer groups a warp reads a chunk in several passes: `token` carries the words of the
+/// earlier passes (stage_token), so the arrive waits on every load of the stage.
 template <typename T>
-__device__ __forceinline__ void release_stage(uint64_t* empty, const Segment<T> (&seg)[kSegsPerThread], int lane,
-                                              int V) {
+__device__ __forceinline__ uint32_t stage_token(const Segment<T> (&seg)[kSegsPerThread]) {
   uint32_t token = 0;
 #pragma unroll
   for (int k = 0; k < kSegsPerThread; ++k) token ^= seg[k].raw.x ^ seg[k].raw.y ^ seg[k].raw.z ^ seg[k].raw.w;
+  return token;
+}
+__device__ __forceinline__ void release_stage(uint64_t* empty, uint32_t token, int lane, int V) {
   __syncwarp();
   if (lane == 0 && ((token != 0x9E3779B9u) | (V > 0))) mbar_arrive(empty);
 }
@@ -184,7 +189,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   __shared__ RowPartial half_part[2];
   __shared__ uint64_t half_full[2];
   // Asynchronous reduction: warps that posted their partial of the item in slot i.
-  __shared__ int arrivals[kReduceSlots];
+  __shared__ int arrivals[kReduceSlots][kMaxStreamGroups];
 
   const RowParams& p = sp.row;
   const int V = static_cast<int>(p.vocab);
@@ -194,6 +199,16 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   // both sweeps), so that the rows in flight on all SMs take half the L2; items then walk
   // clusters, not blocks.
   const bool halves = sp.halves > 1;
+  // Consumer groups (short rows): `groups` groups of gwarps warps, each folding every groups-th
+  // item of the block on its own (its own ring stages, reduction slots and barrier), a chunk in
+  // `groups` passes of kSegsPerThread segments a thread. The per-row costs (item set-up, the
+  // warp and row folds) are paid by fewer warps per row: with 2 chunks a row they were about as
+  // many instructions as the row's elements. Never with halves or splits (the launcher).
+  // Plain kernels only: a runtime count in the option kernels cost them spills (bf16 general
+  // fwd+grad 136 -> 268 B).
+  const int groups = kOpts == kStreamPlain ? sp.groups : 1;
+  const int gwarps = kStreamConsumerWarps / groups;
+  const int gthreads = gwarps * kWarpSize;
   const int crank = halves ? static_cast<int>(cluster_rank()) : 0;
   const int64_t first = halves ? blockIdx.x / 2 : blockIdx.x;
   const int64_t step = halves ? gridDim.x / 2 : gridDim.x;
@@ -212,10 +227,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(&full[i], 1);                      // the producer's arrive (+ the copy's bytes)
-      mbar_init(&empty[i], kStreamConsumerWarps);  // one arrive per consumer warp
+      mbar_init(&empty[i], gwarps);  // one arrive per warp of the group that reads it
     }
     for (int i = 0; i < 2; ++i) mbar_init(&half_full[i], 1);  // the other block's remote arrive
-    for (int i = 0; i < kReduceSlots; ++i) arrivals[i] = 0;
+    for (int i = 0; i < kReduceSlots; ++i) {
+      for (int j = 0; j < kMaxStreamGroups; ++j) arrivals[i][j] = 0;
+    }
     mbar_init_fence();
   }
   // Barriers initialised before anyone (in the cluster) waits on or arrives at them.
@@ -231,7 +248,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     RingPos at;  // the next chunk's stage
     // With the gradient, the first sweep's lines should survive in L2 until the second sweep
     // re-reads them microseconds later; the second sweep's (and dlogits', stored .cs) go first.
-    const uint64_t keep = make_l2_policy(grad_here ? L2Policy::kEvictLast : L2Policy::kEvictFirst);
+    const uint64_t keep = make_l2_policy(!grad_here         ? L2Policy::kEvictFirst
+                                         : sp.l2_evict_last ? L2Policy::kEvictLast
+                                                            : L2Policy::kEvictNormal);
     // (rows kept in the ring are read once: their lines need not stay)
     const uint64_t drop = make_l2_policy(L2Policy::kEvictFirst);
     // Targets are fetched one item ahead: a global load's latency under full bandwidth is about
@@ -265,18 +284,21 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   }
 
   // ---- consumers
-  const int ctid = threadIdx.x;  // 0 .. kStreamConsumers - 1
+  const int gi = warp / gwarps;               // this thread's group
+  const int gtid = threadIdx.x - gi * gthreads;  // and its index there
+  const int gwarp0 = gi * gwarps;                // the group's first warp (folds, synchronous reduction)
+  const int pass_segs = kSegsPerThread * gthreads;  // a chunk's segments per pass
   RingPos at;                    // the next chunk's stage, in the producer's order
   int parity = 0;                // which warp_part buffer this row uses (synchronous reduction)
   uint32_t seq = 0;              // items reduced so far (ignored rows are not)
   // Asynchronous reduction (forward over whole rows; the default): each warp posts its partial
-  // and counts itself in (a shared-memory atomic); the warp that arrives last folds the 16
-  // partials and writes the row's results. No warp ever waits for another: short rows paid for
+  // and counts itself in (a shared-memory atomic); the warp of the group that arrives last folds
+  // the group's partials and writes the row's results. No warp ever waits for another: short rows paid for
   // a finalizing warp waiting at a per-item barrier (13% of all warp samples at 16384 x 32000,
   // ncu, 2026-11-29), and the last to arrive is the slowest warp anyway. Slots (partials and
-  // counters) are safe to reuse: every item has at least one chunk, and no warp can run more
-  // than kStages chunks ahead of the slowest (the ring's empty barriers), so at most
-  // kStages + 1 < kReduceSlots items are in flight; the folding warp is among the slowest.
+  // counters, one set per group) are safe to reuse: every item has at least one chunk, and no
+  // warp can run more than kStages chunks ahead of the slowest (the ring's empty barriers), so
+  // at most kStages + 1 < kReduceSlots items are in flight; the folding warp is among the slowest.
   // (Never in a gradient kernel: splits == 1 there means grad_here. Saying so at compile time
   // drops the path from those kernels: bf16 spills 160 -> 136 B (general), 72 -> 24 (options).)
   const bool async = !kGrad && kAsyncReduceAllowed && !grad_here && sp.splits == 1 && sp.async_reduce;
@@ -284,13 +306,16 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   int64_t t_next = first < items ? load_target_dev(p, row_of(first)) : 0;
   const float g_chain = grad_here && p.batch ? p.batch->g_chain : 1.0f;
   uint32_t hseq = 0;  // rows exchanged with the other half (halves only)
-  for (int64_t w = first; w < items; w += step) {
+  int turn = 0;  // the group whose item this is
+  for (int64_t w = first; w < items; w += step, turn = turn + 1 == groups ? 0 : turn + 1) {
     const int64_t row = row_of(w);
     const int split = halves ? crank : split_of(w);
     const int64_t t64 = t_next;  // fetched one item ahead (see the producer)
     if (w + step < items) t_next = load_target_dev(p, row_of(w + step));
+    const bool ours = turn == gi;
     if (t64 == p.ignore_index) {
-      if (split == 0 && ctid == 0) {
+      if (!ours) continue;
+      if (split == 0 && gtid == 0) {
         p.row_loss[row * p.row_loss_stride] = 0.0f;
         if (p.lse_out) p.lse_out[row * p.lse_stride] = 0.0f;
         if (metrics) {
@@ -304,12 +329,16 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         const int dseg = static_cast<int>(row_segments(V, doff, kVec));
         Segment<T> zero;
         zero.raw = u32x4_zero();
-        for (int s = ctid; s < dseg; s += kStreamConsumers) store_segment(dx, s, doff, V, zero);
+        for (int s = gtid; s < dseg; s += gthreads) store_segment(dx, s, doff, V, zero);
       }
       continue;
     }
     const ItemGeometry<T> g(p, row, split, sp.chunks_per_split);
-    const int fin_warp = 0;  // folds the item (synchronous reduction; asynchronous: the last to arrive)
+    if (!ours) {  // another group's item: past its stages (as many as the producer fills for it)
+      const int n = (g.c1 - g.c0) * (grad_here && !kept(g) ? 2 : 1);
+      for (int i = 0; i < n; ++i) at.next();
+      continue;
+    }
     const bool valid_t = t64 >= 0 && t64 < V;
     const int t = valid_t ? static_cast<int>(t64) : -1;
     const bool weighted = kExtras && p.class_weight != nullptr;
@@ -326,7 +355,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     // its gradient stores (in place).
     const int item_lo = g.c0 * kChunkSegs * kVec - g.off, item_hi = g.c1 * kChunkSegs * kVec - g.off;
     const bool whole = sp.splits == 1 && !halves;
-    const bool holds_t = ctid == fin_warp * kWarpSize && valid_t && (whole || (t >= item_lo && t < item_hi));
+    const bool holds_t = gtid == 0 && valid_t && (whole || (t >= item_lo && t < item_hi));
     const T x_t = holds_t ? g.x[t] : fill;
 
     // ---- statistics sweep
@@ -370,9 +399,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     for (int ch = g.c0; ch < g.c1; ++ch, at.next()) {
       const unsigned char* buf = smem + size_t(at.stage) * kChunkBytes;
       mbar_wait(&full[at.stage], at.phase);
+      uint32_t token = 0;
+      for (int q = 0; q < groups; ++q) {  // the chunk's passes (one without groups)
+      const int sb = q * pass_segs + gtid;  // this thread's first segment of the pass, in the chunk
       Segment<T> seg[kSegsPerThread];
-      g.fetch_chunk(seg, buf, ch, ctid, V, fill);
-      if (!in_ring) release_stage(&empty[at.stage], seg, lane, V);
+      g.fetch_chunk(seg, buf, ch, sb, gthreads, V, fill);
+      token ^= stage_token(seg);
+      if (!in_ring && q == groups - 1) release_stage(&empty[at.stage], token, lane, V);
 
       if constexpr (!kGeneral) {
         // Plain arithmetic (logit_scale > 0): the max over raw logits (packed pairs for 16-bit
@@ -403,7 +436,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         const bool smooth_in_pairs = kExtras && p.smoothing && !weighted;
 #pragma unroll
         for (int k = 0; k < kSegsPerThread; ++k) {
-          const int sg = ch * kChunkSegs + ctid + k * kStreamConsumers;
+          const int sg = ch * kChunkSegs + sb + k * gthreads;
           float es[kVec / 2];
           float ss = 0.0f;  // the segment's raw sum (smoothing, unweighted, inside the row)
 #pragma unroll
@@ -459,7 +492,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       }
 #pragma unroll
       for (int k = 0; k < kSegsPerThread; ++k) {
-        const int sg = ch * kChunkSegs + ctid + k * kStreamConsumers;
+        const int sg = ch * kChunkSegs + sb + k * gthreads;
         const int j0 = sg * kVec - g.off;
         if (sg < g.first_full || sg > g.last_full) {  // a ragged end (or past the row): mask
 #pragma unroll
@@ -507,13 +540,14 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         acc[k] = es[0];
         acc_ez[k] = ezs[0];
         if (metrics) {
-          const int sg = ch * kChunkSegs + ctid + k * kStreamConsumers;
+          const int sg = ch * kChunkSegs + sb + k * gthreads;
           amax.add(sg, sg < g.nseg, segmax[k], acc[k]);
         }
       }
       run_s = run_s * scale + ((acc[0] + acc[1]) + (acc[2] + acc[3]));
       if (metrics) run_ez = run_ez * scale + ((acc_ez[0] + acc_ez[1]) + (acc_ez[2] + acc_ez[3]));
       run_m = new_m;
+      }
     }
     // The options variant's sums are in raw-logit units: z = x * scale.
     const float unit = kGeneral ? 1.0f : c.logit_scale;
@@ -534,10 +568,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       float best_v = -INFINITY;
       if (amax.nan_seg >= 0) {
         for (int ch = g.c0; ch < g.c1 && best_i < 0; ++ch) {
-          for (int k = 0; k < kSegsPerThread && best_i < 0; ++k) {
-            const int sg = ch * kChunkSegs + ctid + k * kStreamConsumers;
-            if (sg < amax.nan_seg || sg >= g.nseg) continue;
-            best_i = detail::first_nan_in_segment<kVec>(sg * kVec - g.off, V, values_of(sg));
+          for (int q = 0; q < groups && best_i < 0; ++q) {
+            for (int k = 0; k < kSegsPerThread && best_i < 0; ++k) {
+              const int sg = ch * kChunkSegs + q * pass_segs + gtid + k * gthreads;
+              if (sg < amax.nan_seg || sg >= g.nseg) continue;
+              best_i = detail::first_nan_in_segment<kVec>(sg * kVec - g.off, V, values_of(sg));
+            }
           }
         }
         best_v = NAN;
@@ -568,22 +604,22 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         }
         warp_part[slot][warp] = mine;
         __threadfence_block();  // the partial is visible before the count that announces it
-        last = atomicAdd(&arrivals[slot], 1) == kStreamConsumerWarps - 1;
+        last = atomicAdd(&arrivals[slot][gi], 1) == gwarps - 1;
       }
       if (!shfl_idx(last, 0)) continue;
       __threadfence_block();  // every other warp's partial, announced by its count...
       __syncwarp();           // ...and lane 0's observation of it ordered before every lane's reads
-      RowPartial b = lane < kStreamConsumerWarps ? warp_part[slot][lane] : empty_partial();
+      RowPartial b = lane < gwarps ? warp_part[slot][gwarp0 + lane] : empty_partial();
       b = warp_fold(b, metrics);
       if (lane == 0) {
-        arrivals[slot] = 0;
+        arrivals[slot][gi] = 0;
         write_row_results(p, row, b, detail::lse_value(b.st), b.has_target ? b.z_target : NAN, c, w_t, t, weighted,
                           metrics);
       }
       continue;
     }
     if (lane == 0) warp_part[slot][warp] = mine;
-    named_barrier(1, kStreamConsumers);  // warp partials written (and the last row's row_part read)
+    named_barrier(1 + gi, gthreads);  // warp partials written (and the last row's row_part read)
     ++seq;
     // With the gradient on whole rows every warp folds the 16 partials itself (same inputs, same
     // order: the same bits in every warp), so the gradient sweep starts without a second barrier
@@ -592,11 +628,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     // next row's barrier, which every warp reaches after reading this row's partials.
     const bool every_warp = grad_here && !halves;
     float lse_here = 0.0f;
-    if (every_warp || warp == fin_warp) {
-      RowPartial b = lane < kStreamConsumerWarps ? warp_part[slot][lane] : empty_partial();
+    if (every_warp || warp == gwarp0) {
+      RowPartial b = lane < gwarps ? warp_part[slot][gwarp0 + lane] : empty_partial();
       b = warp_fold(b, metrics);
       if (every_warp) lse_here = detail::lse_value(b.st);
-      if (warp == fin_warp && lane == 0) {
+      if (warp == gwarp0 && lane == 0) {
         if (holds_t) {
           b.z_target = transform(E::to_float(x_t), c, softcap);
           b.has_target = 1;
@@ -630,7 +666,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     }
     parity ^= 1;
     if (!grad_here) continue;
-    if (!every_warp) named_barrier(1, kStreamConsumers);  // row_part visible
+    if (!every_warp) named_barrier(1 + gi, gthreads);  // row_part visible
     const float lse = every_warp ? lse_here : detail::lse_value(row_part.st);
 
     // ---- gradient sweep over the staged chunks (re-staged, or still in the ring)
@@ -649,13 +685,17 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       const int ch = in_ring || !sp.grad_backwards ? g.c0 + i : g.c1 - 1 - i;  // in the producer's order
       const unsigned char* buf = smem + size_t(gat.stage) * kChunkBytes;
       if (!in_ring) mbar_wait(&full[gat.stage], gat.phase);
-      Segment<T> seg[kSegsPerThread];
-      g.fetch_chunk(seg, buf, ch, ctid, V, fill);
-      release_stage(&empty[gat.stage], seg, lane, V);
       const bool inner = g.interior(ch);
+      uint32_t token = 0;
+      for (int q = 0; q < groups; ++q) {  // the chunk's passes (one without groups)
+      const int sb = q * pass_segs + gtid;
+      Segment<T> seg[kSegsPerThread];
+      g.fetch_chunk(seg, buf, ch, sb, gthreads, V, fill);
+      token ^= stage_token(seg);
+      if (q == groups - 1) release_stage(&empty[gat.stage], token, lane, V);
 #pragma unroll
       for (int k = 0; k < kSegsPerThread; ++k) {
-        const int s = ch * kChunkSegs + ctid + k * kStreamConsumers;
+        const int s = ch * kChunkSegs + sb + k * gthreads;
         if (!inner && s >= g.nseg) continue;
         const int j0 = s * kVec - g.off;
         Segment<T> out;
@@ -692,6 +732,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
             if (j >= 0 && j < V) dx[j] = out.e[e];
           }
         }
+      }
       }
     }
     if (!in_ring) at = gat;  // past the second copy of the row

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -376,6 +377,45 @@ TEST(CudaStream, ClusterHalvesAgreeWithCpu) {
     }
   }
   unsetenv("FUSEDCE_STREAM_CLUSTER");
+}
+
+// Consumer groups (forced here: FUSEDCE_STREAM_GROUPS=2 and 4; the plain kernels only): rows of
+// 1 to 8 chunks (kept in the ring, or streamed twice), ragged ends, ignored rows, several items
+// per group and block. fwd+grad agrees with the CPU backend; the forward alone (asynchronous
+// reduction) gives the bits of the fwd+grad call's loss and lse (synchronous reduction).
+TEST(CudaStream, ConsumerGroupsAgreeWithCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng = test_rng();
+  fusedce::Options none;
+  none.reduction = fusedce::Reduction::kNone;
+  struct Case {
+    DType d;
+    Shape sh;
+  };
+  const Case cases[] = {{DType::kBFloat16, {1500, 32000}}, {DType::kBFloat16, {2000, 7}},
+                        {DType::kBFloat16, {900, 16387}},  {DType::kBFloat16, {600, 50257}},
+                        {DType::kBFloat16, {300, 131071}}, {DType::kFloat32, {1500, 8000}},
+                        {DType::kFloat32, {700, 32003}},   {DType::kFloat16, {1000, 24001}},
+                        {DType::kBFloat16, {1, 5}}};
+  for (const char* groups : {"2", "4"}) {
+    setenv("FUSEDCE_STREAM_GROUPS", groups, 1);
+    for (const Case& k : cases) {
+      for (const fusedce::Options& o : {fusedce::Options{}, none, all_options()}) {
+        SCOPED_TRACE(std::string("groups ") + groups + " N=" + std::to_string(k.sh.N) + " V=" +
+                     std::to_string(k.sh.V) + " " + dtype_tag(k.d));
+        DeviceProblem p(k.d, k.sh.N, k.sh.V, rng);
+        expect_gpu_agrees_with_cpu(p, o);
+        const std::vector<uint8_t> fused = p.results(o);
+        ASSERT_OK(p.forward(o, nullptr));
+        const std::vector<uint8_t> fwd = p.results(o);
+        // results(): dlogits, then loss and lse, then 12 bytes of metrics.
+        const auto from = static_cast<std::ptrdiff_t>(p.host_x.size()), to = static_cast<std::ptrdiff_t>(fused.size() - 12);
+        EXPECT_TRUE(std::equal(fused.begin() + from, fused.begin() + to, fwd.begin() + from))
+            << "the forward's loss / lse differ from the fwd+grad call's";
+      }
+    }
+  }
+  unsetenv("FUSEDCE_STREAM_GROUPS");
 }
 
 // Fused linear cross-entropy in a CUDA graph: the chunked path (float32 grad_weight accumulator),
