@@ -66,7 +66,8 @@ step "tests (prebuilt gtest binaries, 4 shards each, filter ${GTEST_FILTER:-*cud
 pids=()
 for t in "$build"/tests/cpp/fusedce_*tests; do
   for i in 0 1 2 3; do
-    GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$i "$t" --gtest_filter="${GTEST_FILTER:-*cuda*:*Cuda*}" \
+    # A hung kernel must not eat the whole call: each shard gets TEST_TIMEOUT seconds.
+    GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$i timeout -k 5 "${TEST_TIMEOUT:-240}" "$t" --gtest_filter="${GTEST_FILTER:-*cuda*:*Cuda*}" \
       > "$out/gtest_$(basename "$t")_$i.log" 2>&1 &
     pids+=($!)
   done
@@ -221,7 +222,7 @@ for f in ${AB_VARIANTS:-default groups2 groups4 l2normal}; do
     l2normal) env=(FUSEDCE_STREAM_L2_LAST=0) ;;
     *) env=() ;;
   esac
-  env "${env[@]}" "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_$f.csv" > "$out/bench_$f.md" || status=1
+  env "${env[@]}" timeout -k 5 "${BENCH_TIMEOUT:-150}" "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_$f.csv" > "$out/bench_$f.md" || status=1
   echo "-- $f"; grep -E "ceilings|\| (forward|fwd\+grad) \|" "$out/bench_$f.md"
 done
 fi

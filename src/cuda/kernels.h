@@ -56,8 +56,10 @@ static_assert(kReduceSlots > kStages + 1, "slots: in-flight items");
 // (leaving kStages - kKeepChunks stages to prefetch the next rows).
 constexpr int kKeepChunks = 4;
 static_assert(kKeepChunks < kStages, "a kept row leaves a stage to prefetch into");
-// Consumer groups (StreamParams::groups): at most this many, each of 16 / groups warps.
-constexpr int kMaxStreamGroups = 4;
+// Consumer groups (StreamParams::groups): at most this many, each of 16 / groups warps with a
+// ring of kStages / groups stages.
+constexpr int kMaxStreamGroups = 2;
+static_assert(kStages % kMaxStreamGroups == 0, "a group's ring: whole stages");
 constexpr bool kAsyncReduceAllowed = true;
 constexpr size_t kStreamSmemBytes = size_t(kStages) * kChunkBytes + 2 * kStages * sizeof(uint64_t);
 /// Rows are split over several blocks only below this many rows (bounds the workspace).

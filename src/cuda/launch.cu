@@ -184,12 +184,12 @@ bool grad_backwards(bool overflow) {
   return overflow;
 }
 
-/// Consumer groups for rows of `nchunks` chunks (StreamParams::groups): FUSEDCE_STREAM_GROUPS=1,
-/// 2 or 4 forces a count (dev knob for A/B runs and tests); by default 1 (not yet measured).
+/// Consumer groups for rows of `nchunks` chunks (StreamParams::groups): FUSEDCE_STREAM_GROUPS=1
+/// or 2 forces a count (dev knob for A/B runs and tests); by default 1 (not yet measured).
 int stream_groups(int nchunks) {
   const char* env = std::getenv("FUSEDCE_STREAM_GROUPS");
   const int forced = env ? std::atoi(env) : 0;
-  if (forced == 1 || forced == 2 || forced == 4) return forced;
+  if (forced == 1 || forced == 2) return forced;
   (void)nchunks;
   return 1;
 }

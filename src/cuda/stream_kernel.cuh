@@ -84,13 +84,20 @@ struct ItemGeometry {
   }
 };
 
-/// A position in the ring: the stage and the parity of its current round (no division per chunk).
+/// A position in a ring of stages [first, end): the stage and the parity of its current round (no
+/// division per chunk). With consumer groups each group has a ring of its own (a slice of the
+/// stages): a waiter must have seen every round of the stage it waits on, or the round's parity
+/// is ambiguous (a group that skipped another group's round could pass a wait for a round that
+/// has not landed: the first try of groups over one shared ring, H200, 2026-11-30, gave wrong
+/// lse on one row in 35 and hung).
+/// (The ring's bounds are the caller's: a position is two registers, and a consumer holds three.)
 struct RingPos {
-  int stage = 0;
+  int stage;
   uint32_t phase = 0;
-  __device__ __forceinline__ void next() {
-    if (++stage == kStages) {
-      stage = 0;
+  __device__ __forceinline__ explicit RingPos(int first) : stage(first) {}
+  __device__ __forceinline__ void next(int first, int end) {
+    if (++stage == end) {
+      stage = first;
       phase ^= 1u;
     }
   }
@@ -220,8 +227,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   // With the gradient, a row of at most kKeepChunks chunks stays in the ring between its two
   // sweeps (its stages are released by the gradient sweep): no second copy from L2, and the
   // stages left over prefetch the next rows. Longer rows are streamed twice.
+  // A group's ring is kStages / groups stages: with groups, a kept row leaves one to prefetch.
+  const int ring_stages = kStages / groups;
+  const int keep_max = groups == 1 ? kKeepChunks : ring_stages - 1;
   auto kept = [&](const ItemGeometry<T>& g) {
-    return grad_here && !halves && g.c1 - g.c0 <= kKeepChunks;
+    return grad_here && !halves && g.c1 - g.c0 <= keep_max;
   };
 
   if (threadIdx.x == 0) {
@@ -245,7 +255,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   if (warp == kStreamConsumerWarps) {
     // ---- producer: one lane issues every bulk copy, kStages chunks ahead of the consumers.
     if (lane != 0) return;
-    RingPos at;  // the next chunk's stage
+    // The next chunk's stage in the ring of the group whose item is next, and in the other's
+    // (items go to the groups in turn; ignored rows too, though they load nothing).
+    RingPos at(0), other(ring_stages);
+    int ring0 = 0;  // the first stage of `at`'s ring
     // With the gradient, the first sweep's lines should survive in L2 until the second sweep
     // re-reads them microseconds later; the second sweep's (and dlogits', stored .cs) go first.
     const uint64_t keep = make_l2_policy(!grad_here         ? L2Policy::kEvictFirst
@@ -257,6 +270,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     // a microsecond, too long to sit in every item's critical path.
     int64_t t_next = first < items ? load_target_dev(p, row_of(first)) : 0;
     for (int64_t w = first; w < items; w += step) {
+      if (groups > 1 && w != first) {
+        const RingPos swap = at;
+        at = other;
+        other = swap;
+        ring0 = ring_stages - ring0;
+      }
       const int64_t row = row_of(w);
       const int64_t t_cur = t_next;
       if (w + step < items) t_next = load_target_dev(p, row_of(w + step));
@@ -265,7 +284,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       const char* aligned = reinterpret_cast<const char*>(g.x - g.off);
       const bool in_ring = kept(g);
       for (int pass = 0; pass < (grad_here && !in_ring ? 2 : 1); ++pass) {
-        for (int i = 0; i < g.c1 - g.c0; ++i, at.next()) {
+        for (int i = 0; i < g.c1 - g.c0; ++i, at.next(ring0, ring0 + ring_stages)) {
           const int c = pass == 1 && sp.grad_backwards ? g.c1 - 1 - i : g.c0 + i;
           const int stage = at.stage;
           mbar_wait(&empty[stage], at.phase ^ 1u);  // consumers done with its last use
@@ -288,7 +307,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   const int gtid = threadIdx.x - gi * gthreads;  // and its index there
   const int gwarp0 = gi * gwarps;                // the group's first warp (folds, synchronous reduction)
   const int pass_segs = kSegsPerThread * gthreads;  // a chunk's segments per pass
-  RingPos at;                    // the next chunk's stage, in the producer's order
+  const int ring0 = gi * ring_stages, ring1 = ring0 + ring_stages;  // this group's ring
+  RingPos at(ring0);  // the next chunk's stage there
   int parity = 0;                // which warp_part buffer this row uses (synchronous reduction)
   uint32_t seq = 0;              // items reduced so far (ignored rows are not)
   // Asynchronous reduction (forward over whole rows; the default): each warp posts its partial
@@ -334,11 +354,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       continue;
     }
     const ItemGeometry<T> g(p, row, split, sp.chunks_per_split);
-    if (!ours) {  // another group's item: past its stages (as many as the producer fills for it)
-      const int n = (g.c1 - g.c0) * (grad_here && !kept(g) ? 2 : 1);
-      for (int i = 0; i < n; ++i) at.next();
-      continue;
-    }
+    if (!ours) continue;  // another group's item (in its own ring)
     const bool valid_t = t64 >= 0 && t64 < V;
     const int t = valid_t ? static_cast<int>(t64) : -1;
     const bool weighted = kExtras && p.class_weight != nullptr;
@@ -396,7 +412,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     };
     const bool in_ring = kept(g);
     const RingPos row_at = at;  // the row's first stage (a row kept in the ring is read there again)
-    for (int ch = g.c0; ch < g.c1; ++ch, at.next()) {
+    for (int ch = g.c0; ch < g.c1; ++ch, at.next(ring0, ring1)) {
       const unsigned char* buf = smem + size_t(at.stage) * kChunkBytes;
       mbar_wait(&full[at.stage], at.phase);
       uint32_t token = 0;
@@ -681,7 +697,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     const int seg_t = valid_t ? (t + g.off) / kVec : -1;
     // A row kept in the ring: its stages again, already waited for (and not released since).
     RingPos gat = in_ring ? row_at : at;
-    for (int i = 0; i < g.c1 - g.c0; ++i, gat.next()) {
+    for (int i = 0; i < g.c1 - g.c0; ++i, gat.next(ring0, ring1)) {
       const int ch = in_ring || !sp.grad_backwards ? g.c0 + i : g.c1 - 1 - i;  // in the producer's order
       const unsigned char* buf = smem + size_t(gat.stage) * kChunkBytes;
       if (!in_ring) mbar_wait(&full[gat.stage], gat.phase);
