@@ -211,15 +211,13 @@ fi
 if want ab; then
 step "A/B: the stream kernel's variants against the default (fusedce_bench, same binary)"
 # AB_VARIANTS picks them: sync (the synchronous row reduction), halves (every long row on 2-block
-# clusters), groups2 / groups4 (consumer groups on every row), l2normal (the first sweep's loads
-# at evict_normal instead of evict_last).
-for f in ${AB_VARIANTS:-default groups2 groups4 l2normal}; do
+# clusters), groups1 / groups2 (one or two consumer groups in every forward over whole rows).
+for f in ${AB_VARIANTS:-default groups1 groups2}; do
   case $f in
     sync) env=(FUSEDCE_STREAM_ASYNC_REDUCE=0) ;;
     halves) env=(FUSEDCE_STREAM_CLUSTER=2) ;;
+    groups1) env=(FUSEDCE_STREAM_GROUPS=1) ;;
     groups2) env=(FUSEDCE_STREAM_GROUPS=2) ;;
-    groups4) env=(FUSEDCE_STREAM_GROUPS=4) ;;
-    l2normal) env=(FUSEDCE_STREAM_L2_LAST=0) ;;
     *) env=() ;;
   esac
   env "${env[@]}" timeout -k 5 "${BENCH_TIMEOUT:-150}" "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_$f.csv" > "$out/bench_$f.md" || status=1

@@ -28,9 +28,9 @@ RowKernel select_row_kernel_f16(int items, bool forward, bool grad, bool extras)
 /// logit_scale < 0: z, whose tanh costs two MUFU ops, formed once and kept in registers).
 enum StreamOpts : int { kStreamPlain = 0, kStreamOptions = 1, kStreamGeneral = 2 };
 /// The streaming kernel (sm_90 only: bulk copies and mbarriers) for forward jobs.
-StreamKernel select_stream_kernel_f32(bool grad, StreamOpts opts);
-StreamKernel select_stream_kernel_bf16(bool grad, StreamOpts opts);
-StreamKernel select_stream_kernel_f16(bool grad, StreamOpts opts);
+StreamKernel select_stream_kernel_f32(bool grad, StreamOpts opts, int groups);
+StreamKernel select_stream_kernel_bf16(bool grad, StreamOpts opts, int groups);
+StreamKernel select_stream_kernel_f16(bool grad, StreamOpts opts, int groups);
 RescaleKernel rescale_kernel_f32();
 RescaleKernel rescale_kernel_bf16();
 RescaleKernel rescale_kernel_f16();

@@ -92,13 +92,6 @@ struct StreamParams {
   // flight take half the L2 and the gradient sweep re-reads from it. Forward + gradient, rows
   // that would overflow L2 (FUSEDCE_STREAM_CLUSTER=2 always, =1 never). Else 1.
   int halves;
-  // Consumer groups: 1 or 2 groups of 16 / groups warps, each folding every groups-th item of the
-  // block from a ring of its own (short rows: the per-row costs shared by fewer warps). 1 with
-  // halves or splits, and in the option kernels.
-  int groups;
-  // The first sweep's L2 priority with the gradient: evict_last (the default, so the second
-  // sweep's re-read hits), or evict_normal (FUSEDCE_STREAM_L2_LAST=0, a dev knob for A/B runs).
-  bool l2_evict_last;
 };
 
 /// dlogits[i, :] *= factor(i); rows whose factor is 1 skipped.

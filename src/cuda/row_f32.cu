@@ -24,10 +24,17 @@ RowKernel select_row_kernel_f32(int items, bool forward, bool grad, bool extras)
 
 RescaleKernel rescale_kernel_f32() { return ce_rescale_kernel<float>; }
 
-StreamKernel select_stream_kernel_f32(bool grad, StreamOpts opts) {
+StreamKernel select_stream_kernel_f32(bool grad, StreamOpts opts, int groups) {
+  // Consumer groups: forward kernels of the plain and options sets (kept alike so that metrics
+  // leave the loss bits unchanged).
+  const bool two = groups == 2 && !grad && opts != kStreamGeneral;
   switch (opts) {
-    case kStreamPlain: return grad ? ce_stream_kernel<float, true, kStreamPlain> : ce_stream_kernel<float, false, kStreamPlain>;
-    case kStreamOptions: return grad ? ce_stream_kernel<float, true, kStreamOptions> : ce_stream_kernel<float, false, kStreamOptions>;
+    case kStreamPlain:
+      return grad ? ce_stream_kernel<float, true, kStreamPlain>
+                  : two ? ce_stream_kernel<float, false, kStreamPlain, 2> : ce_stream_kernel<float, false, kStreamPlain>;
+    case kStreamOptions:
+      return grad ? ce_stream_kernel<float, true, kStreamOptions>
+                  : two ? ce_stream_kernel<float, false, kStreamOptions, 2> : ce_stream_kernel<float, false, kStreamOptions>;
     default: return grad ? ce_stream_kernel<float, true, kStreamGeneral> : ce_stream_kernel<float, false, kStreamGeneral>;
   }
 }
