@@ -187,14 +187,15 @@ bool grad_backwards(bool overflow) {
 /// Consumer groups of the forward stream kernel (two groups of 8 warps, each folding its own
 /// rows) for rows of `nchunks` chunks over whole rows: by default for rows of at most 2 chunks
 /// (H200, 2026-11-30, 16384 x 32000 bf16 forward 0.332 -> 0.298 ms; 8192 x 128256 unchanged,
-/// bandwidth-bound). FUSEDCE_STREAM_GROUPS=1 or 2 forces a count (dev knob for A/B runs and
-/// tests). Kernels with the gradient keep one group: with rows kept in the ring, two groups
-/// measured the same (0.703 vs 0.708 ms) and compile to more spills.
-int stream_groups(int nchunks) {
+/// bandwidth-bound). FUSEDCE_STREAM_GROUPS=1 or 2 forces a count, also with the gradient (dev
+/// knob for A/B runs and tests). With the gradient one group by default until measured: two
+/// groups there ran only as a runtime count (16384 x 32000: 0.703 ms against 0.869 for one group
+/// in that slowed build and 0.708 in the compiled one), never as compiled kernels.
+int stream_groups(int nchunks, bool grad) {
   const char* env = std::getenv("FUSEDCE_STREAM_GROUPS");
   const int forced = env ? std::atoi(env) : 0;
   if (forced == 1 || forced == 2) return forced;
-  return nchunks <= 2 ? 2 : 1;
+  return !grad && nchunks <= 2 ? 2 : 1;
 }
 
 #if FUSEDCE_PLATFORM_HIP
@@ -489,17 +490,19 @@ Status run(const detail::CeCall& call) {
       sp.async_reduce = async_reduce_requested();
       const StreamOpts opts = !extras ? kStreamPlain
                               : (p.softcap || o.logit_scale < 0.0f) ? kStreamGeneral : kStreamOptions;
-      // Groups fold whole rows, in forward kernels only (never with halves: those have the gradient).
-      const int groups = plan.splits == 1 ? stream_groups(plan.chunks_per_split) : 1;
-      const StreamKernel kernel = select_stream_kernel(L.dtype, grad && plan.splits == 1, opts, groups);
-      cudaError_t e = allow_stream_smem(reinterpret_cast<const void*>(kernel), call.device.index);
-      if (e != cudaSuccess) return device_error(e, "raising the stream kernel's shared memory limit");
       int l2_bytes = 0;
       (void)cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, call.device.index);
       const int64_t row_bytes = V * static_cast<int64_t>(dtype_size(L.dtype));
+      const bool want_halves =
+          grad && plan.splits == 1 && plan.chunks_per_split >= 2 && use_halves(sms, row_bytes, l2_bytes);
+      // Groups fold whole rows of one block: no splits, no halves.
+      const int groups = plan.splits == 1 && !want_halves ? stream_groups(plan.chunks_per_split, grad) : 1;
+      const StreamKernel kernel = select_stream_kernel(L.dtype, grad && plan.splits == 1, opts, groups);
+      cudaError_t e = allow_stream_smem(reinterpret_cast<const void*>(kernel), call.device.index);
+      if (e != cudaSuccess) return device_error(e, "raising the stream kernel's shared memory limit");
       sp.halves = 1;
       int grid = plan.grid;
-      if (grad && plan.splits == 1 && plan.chunks_per_split >= 2 && use_halves(sms, row_bytes, l2_bytes)) {
+      if (want_halves) {
         const int clusters = clusters_of_two(kernel, call.device.index);
         if (clusters > 0) {
           sp.halves = 2;

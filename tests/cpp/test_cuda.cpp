@@ -420,36 +420,57 @@ void expect_forward_agrees_with_cpu(DeviceProblem& p, const fusedce::Options& o)
   metrics.report();
 }
 
-// Consumer groups (two groups of 8 warps, each on a ring of its own, in the forward kernels of
-// the plain and options sets; by default for rows of <= 2 chunks, forced here on every row with
-// FUSEDCE_STREAM_GROUPS=2): rows of 1 to 8 chunks, ragged ends, ignored rows, several items per
-// group and block, each option set, each reduction; then the same with one group forced.
-TEST(CudaStream, ConsumerGroupsAgreeWithCpu) {
+// Consumer groups: two groups of 8 warps, each on a ring of its own (kernels of the plain and
+// options sets). By default in forwards over rows of <= 2 chunks; forced here on every row with
+// FUSEDCE_STREAM_GROUPS=2, then one group forced: rows of 1 to 8 chunks (kept in the ring, or
+// streamed twice with the gradient), ragged ends, ignored rows, several items per group and
+// block, each option set, each reduction, and rows long enough for halves (which take one group).
+struct GroupsCase {
+  DType d;
+  Shape sh;
+};
+const GroupsCase kGroupsCases[] = {{DType::kBFloat16, {1100, 32000}}, {DType::kBFloat16, {2000, 7}},
+                                   {DType::kBFloat16, {1100, 16387}}, {DType::kBFloat16, {1200, 50257}},
+                                   {DType::kBFloat16, {1100, 131071}}, {DType::kFloat32, {1500, 8000}},
+                                   {DType::kFloat32, {1100, 32003}},  {DType::kFloat16, {1100, 24001}},
+                                   {DType::kFloat32, {300, 131071}},  {DType::kBFloat16, {1, 5}}};
+
+TEST(CudaStream, ConsumerGroupsForwardAgreesWithCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::mt19937_64 rng = test_rng();
-  fusedce::Options none, metrics, summed;
+  fusedce::Options none, metrics;
   none.reduction = fusedce::Reduction::kNone;
   metrics.compute_metrics = true;
   metrics.label_smoothing = 0.05f;
-  summed.reduction = fusedce::Reduction::kSum;
-  struct Case {
-    DType d;
-    Shape sh;
-  };
-  const Case cases[] = {{DType::kBFloat16, {1500, 32000}}, {DType::kBFloat16, {2000, 7}},
-                        {DType::kBFloat16, {1100, 16387}}, {DType::kBFloat16, {1200, 50257}},
-                        {DType::kBFloat16, {1100, 131071}}, {DType::kFloat32, {1500, 8000}},
-                        {DType::kFloat32, {1100, 32003}},  {DType::kFloat16, {1100, 24001}},
-                        {DType::kBFloat16, {1, 5}}};
   for (const char* groups : {"2", "1"}) {
     setenv("FUSEDCE_STREAM_GROUPS", groups, 1);
-    for (const Case& k : cases) {
-      for (const fusedce::Options& o : {fusedce::Options{}, none, metrics, summed, all_options()}) {
+    for (const GroupsCase& k : kGroupsCases) {
+      for (const fusedce::Options& o : {fusedce::Options{}, none, metrics, all_options()}) {
         SCOPED_TRACE(std::string("groups ") + groups + " N=" + std::to_string(k.sh.N) + " V=" +
                      std::to_string(k.sh.V) + " " + dtype_tag(k.d));
         DeviceProblem p(k.d, k.sh.N, k.sh.V, rng);
         expect_forward_agrees_with_cpu(p, o);
       }
+    }
+  }
+  unsetenv("FUSEDCE_STREAM_GROUPS");
+}
+
+// With the gradient two groups run only when forced (dev knob): loss, lse, metrics and dlogits
+// against the CPU backend.
+TEST(CudaStream, ConsumerGroupsGradientAgreesWithCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng = test_rng();
+  fusedce::Options metrics;
+  metrics.compute_metrics = true;
+  metrics.label_smoothing = 0.05f;
+  metrics.reduction = fusedce::Reduction::kSum;
+  setenv("FUSEDCE_STREAM_GROUPS", "2", 1);
+  for (const GroupsCase& k : kGroupsCases) {
+    for (const fusedce::Options& o : {fusedce::Options{}, metrics}) {
+      SCOPED_TRACE("N=" + std::to_string(k.sh.N) + " V=" + std::to_string(k.sh.V) + " " + dtype_tag(k.d));
+      DeviceProblem p(k.d, k.sh.N, k.sh.V, rng);
+      expect_gpu_agrees_with_cpu(p, o);
     }
   }
   unsetenv("FUSEDCE_STREAM_GROUPS");
