@@ -11,7 +11,8 @@
 // "median ms" waits for each call before the next (an isolated call: the host's launch latency
 // counts where the GPU work is shorter); "queued ms" enqueues all calls back to back with their
 // events and waits once (the GPU time per call in a stream kept busy, as in training).
-// Usage: fusedce_bench [--quick] [--csv FILE] [--sweep (launch shapes, for the dev notes)]
+// Usage: fusedce_bench [--quick] [--csv FILE] [--shapes NxV[:f32|bf16|f16],... (instead of the
+//        issue's shapes: cheaper A/B runs)] [--sweep (launch shapes, for the dev notes)]
 //        [--sweep-splits (few rows: chunks per split)] [--options (each option alone, fwd+grad)]
 //        [--profile (for ncu)]
 #include <cuda_bf16.h>
@@ -168,6 +169,28 @@ struct Shape {
   int64_t N, V;
   DType dtype;
 };
+
+/// "NxV[:dtype],..." (dtype f32, bf16 or f16; bf16 when left out) into `out`; false on a bad list.
+bool parse_shapes(const char* arg, std::vector<Shape>& out) {
+  std::vector<Shape> parsed;
+  std::string list(arg);
+  size_t at = 0;
+  while (at <= list.size()) {
+    const size_t end = std::min(list.find(',', at), list.size());
+    const std::string item = list.substr(at, end - at);
+    long long n = 0, v = 0;
+    char dt[8] = "bf16";
+    const int got = std::sscanf(item.c_str(), "%lldx%lld:%7s", &n, &v, dt);
+    if (got < 2 || n < 1 || v < 1) return false;
+    const std::string d(dt);
+    if (d != "f32" && d != "bf16" && d != "f16") return false;
+    parsed.push_back({n, v, d == "f32" ? DType::kFloat32 : d == "f16" ? DType::kFloat16 : DType::kBFloat16});
+    at = end + 1;
+  }
+  if (parsed.empty()) return false;
+  out = parsed;
+  return true;
+}
 
 enum class JobKind { kForward, kForwardGrad, kForwardGradInplace, kBackward, kForwardGradAllOptions };
 
@@ -345,7 +368,9 @@ int bench_options(int iters, const cudaDeviceProp& prop) {
 int main(int argc, char** argv) {
   bool quick = false, sweep = false, profile = false, sweep_splits = false, options = false;
   const char* csv_path = nullptr;
+  const char* shapes_arg = nullptr;
   for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--shapes") && i + 1 < argc) shapes_arg = argv[++i];
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--sweep")) sweep = true;
     if (!std::strcmp(argv[i], "--profile")) profile = true;
@@ -552,10 +577,14 @@ int main(int argc, char** argv) {
   FILE* csv = csv_path ? std::fopen(csv_path, "w") : nullptr;
   if (csv) std::fprintf(csv, "gpu,N,V,dtype,job,median_ms,min_ms,max_ms,gbs,frac_copy,frac_read,copy_gbs,read_gbs,queued_ms\n");
 
-  const std::vector<Shape> shapes = {
+  std::vector<Shape> shapes = {
       {16384, 32000, DType::kBFloat16}, {8192, 128256, DType::kBFloat16}, {4096, 262144, DType::kBFloat16},
       {64, 262144, DType::kBFloat16},   {8192, 151936, DType::kBFloat16}, {8192, 128256, DType::kFloat32},
   };
+  if (shapes_arg != nullptr && !parse_shapes(shapes_arg, shapes)) {
+    std::fprintf(stderr, "fusedce_bench: --shapes takes NxV[:f32|bf16|f16],... (got \"%s\")\n", shapes_arg);
+    return 2;
+  }
   for (const Shape& sh : shapes) {
     const size_t elem = elem_size(sh.dtype);
     const size_t bytes = size_t(sh.N) * sh.V * elem;

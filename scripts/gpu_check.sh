@@ -211,7 +211,9 @@ fi
 if want ab; then
 step "A/B: the stream kernel's variants against the default (fusedce_bench, same binary)"
 # AB_VARIANTS picks them: sync (the synchronous row reduction), halves (every long row on 2-block
-# clusters), groups1 / groups2 (one or two consumer groups in every forward over whole rows).
+# clusters), groups1 / groups2 (one or two consumer groups over whole rows, forced; groups2 also
+# with the gradient). BENCH_ARGS="--shapes 16384x32000,16384x50257,8192x128256" narrows each run
+# to a few shapes (a fraction of the device time).
 for f in ${AB_VARIANTS:-default groups1 groups2}; do
   case $f in
     sync) env=(FUSEDCE_STREAM_ASYNC_REDUCE=0) ;;
