@@ -5,7 +5,8 @@
 // pass folds after this kernel). A producer warp has the copy engine stream each item's 32 KB chunks
 // into a ring of shared-memory stages (cp.async.bulk + mbarrier), kStages chunks ahead, across
 // row boundaries; 16 consumer warps fold each chunk into per-thread online (max, sum of exps)
-// states, then reduce the row. With the gradient, the row is streamed a second time (from L2: the
+// states, then reduce the row (short rows: two groups of 8 warps, each with its own rows and its
+// own half of the ring). With the gradient, the row is streamed a second time (from L2: the
 // block read it microseconds before) and dlogits is written from the staged chunks. Nothing of
 // size N x V is stored besides dlogits, and device memory sees each logit read once.
 //
@@ -84,8 +85,8 @@ struct ItemGeometry {
   }
 };
 
-/// A position in a ring of stages [first, end): the stage and the parity of its current round (no
-/// division per chunk). With consumer groups each group has a ring of its own (a slice of the
+/// A position in a ring of stages: the stage and the parity of its current round (no division
+/// per chunk). With consumer groups each group has a ring of its own (a slice of the
 /// stages): a waiter must have seen every round of the stage it waits on, or the round's parity
 /// is ambiguous (a group that skipped another group's round could pass a wait for a round that
 /// has not landed: the first try of groups over one shared ring, H200, 2026-11-30, gave wrong
@@ -313,9 +314,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   uint32_t seq = 0;              // items reduced so far (ignored rows are not)
   // Asynchronous reduction (forward over whole rows; the default): each warp posts its partial
   // and counts itself in (a shared-memory atomic); the warp of the group that arrives last folds
-  // the group's partials and writes the row's results. No warp ever waits for another: short rows paid for
-  // a finalizing warp waiting at a per-item barrier (13% of all warp samples at 16384 x 32000,
-  // ncu, 2026-11-29), and the last to arrive is the slowest warp anyway. Slots (partials and
+  // the group's partials and writes the row's results. No warp ever waits for another: short
+  // rows paid for a finalizing warp waiting at a per-item barrier (13% of all warp samples at
+  // 16384 x 32000, ncu, 2026-11-29), and the last to arrive is the slowest warp anyway. Slots (partials and
   // counters, one set per group) are safe to reuse: every item has at least one chunk, and no
   // warp can run more than kStages chunks ahead of the slowest (the ring's empty barriers), so
   // at most kStages + 1 < kReduceSlots items are in flight; the folding warp is among the slowest.
@@ -417,152 +418,152 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       mbar_wait(&full[at.stage], at.phase);
       uint32_t token = 0;
       for (int q = 0; q < groups; ++q) {  // the chunk's passes (one without groups)
-      const int sb = q * pass_segs + gtid;  // this thread's first segment of the pass, in the chunk
-      Segment<T> seg[kSegsPerThread];
-      g.fetch_chunk(seg, buf, ch, sb, gthreads, V, fill);
-      token ^= stage_token(seg);
-      if (!in_ring && q == groups - 1) release_stage(&empty[at.stage], token, lane, V);
+        const int sb = q * pass_segs + gtid;  // this thread's first segment of the pass, in the chunk
+        Segment<T> seg[kSegsPerThread];
+        g.fetch_chunk(seg, buf, ch, sb, gthreads, V, fill);
+        token ^= stage_token(seg);
+        if (!in_ring && q == groups - 1) release_stage(&empty[at.stage], token, lane, V);
 
-      if constexpr (!kGeneral) {
-        // Plain arithmetic (logit_scale > 0): the max over raw logits (packed pairs for 16-bit
-        // types), then one FFMA + one EX2 + one add per element. The options variant adds the
-        // smoothing sum, the entropy term and the argmax in raw-logit units (each scaled once
-        // per item below): a few more instructions per element, the same exps, so options that
-        // do not change the math (metrics) leave the loss bit-identical.
-        // The exponent is x a - r in one FFMA (a = scale log2(e), r = ref a rounded), taken
-        // from the raw running max `ref`: the FFMA's exact product makes it (x - ref) a + cc,
-        // where cc = ref a - r is the product's rounding residual, exact by one more FFMA and
-        // the same for the whole chunk; the chunk's sums are multiplied by 2^-cc once. So the
-        // sum is of 2^((x - ref) a) with one rounding per exponent, as precise as forming
-        // x scale - ref first, at one FMUL per element less.
-        float xmax[kSegsPerThread];
-        float xm = -INFINITY;
+        if constexpr (!kGeneral) {
+          // Plain arithmetic (logit_scale > 0): the max over raw logits (packed pairs for 16-bit
+          // types), then one FFMA + one EX2 + one add per element. The options variant adds the
+          // smoothing sum, the entropy term and the argmax in raw-logit units (each scaled once
+          // per item below): a few more instructions per element, the same exps, so options that
+          // do not change the math (metrics) leave the loss bit-identical.
+          // The exponent is x a - r in one FFMA (a = scale log2(e), r = ref a rounded), taken
+          // from the raw running max `ref`: the FFMA's exact product makes it (x - ref) a + cc,
+          // where cc = ref a - r is the product's rounding residual, exact by one more FFMA and
+          // the same for the whole chunk; the chunk's sums are multiplied by 2^-cc once. So the
+          // sum is of 2^((x - ref) a) with one rounding per exponent, as precise as forming
+          // x scale - ref first, at one FMUL per element less.
+          float xmax[kSegsPerThread];
+          float xm = -INFINITY;
 #pragma unroll
-        for (int k = 0; k < kSegsPerThread; ++k) {
-          xmax[k] = seg_max(seg[k]);
-          xm = fmaxf(xm, xmax[k]);
+          for (int k = 0; k < kSegsPerThread; ++k) {
+            xmax[k] = seg_max(seg[k]);
+            xm = fmaxf(xm, xmax[k]);
+          }
+          const float new_xm = fmaxf(run_xm, xm);
+          const float ref = new_xm == -INFINITY ? 0.0f : new_xm;
+          const float r = __fmul_rn(ref, a_log2);
+          const float unshift = ex2(-fmaf(ref, a_log2, -r));
+          const float scale = run_xm == -INFINITY ? 1.0f : ex2(__fmul_rn(run_xm - ref, a_log2));
+          float acc[kSegsPerThread];
+          float ez = 0.0f;
+          const bool smooth_in_pairs = kExtras && p.smoothing && !weighted;
+#pragma unroll
+          for (int k = 0; k < kSegsPerThread; ++k) {
+            const int sg = ch * kChunkSegs + sb + k * gthreads;
+            float es[kVec / 2];
+            float ss = 0.0f;  // the segment's raw sum (smoothing, unweighted, inside the row)
+#pragma unroll
+            for (int i = 0; i < kVec / 2; ++i) {
+              const float2 xx = seg_pair(seg[k], i);
+              const float e0 = ex2(fmaf(xx.x, a_log2, -r)), e1 = ex2(fmaf(xx.y, a_log2, -r));
+              es[i] = e0 + e1;
+              // p x, 0 (not 0 * -inf) where x = -inf (masked or not): -FLT_MAX keeps the product 0.
+              if (kExtras && metrics) ez = fmaf(e1, fmaxf(xx.y, -FLT_MAX), fmaf(e0, fmaxf(xx.x, -FLT_MAX), ez));
+              if (kExtras && smooth_in_pairs) ss += xx.x + xx.y;
+            }
+#pragma unroll
+            for (int wdt = kVec / 4; wdt > 0; wdt /= 2) {
+#pragma unroll
+              for (int i = 0; i < wdt; ++i) es[i] += es[i + wdt];
+            }
+            acc[k] = es[0];
+            if constexpr (kExtras) {
+              if (p.smoothing) {
+                const bool interior = sg >= g.first_full && sg <= g.last_full;
+                smooth += !weighted && interior ? ss : smooth_of(sg, [&](int e) { return E::to_float(seg[k].e[e]); });
+              }
+              if (metrics) amax.add(sg, sg < g.nseg, xmax[k], acc[k]);
+            }
+          }
+          static_assert(kSegsPerThread == 4, "the sum below pairs four segments");
+          run_s = fmaf((acc[0] + acc[1]) + (acc[2] + acc[3]), unshift, __fmul_rn(run_s, scale));
+          if (kExtras && metrics) run_ez = fmaf(ez, unshift, __fmul_rn(run_ez, scale));
+          run_xm = new_xm;
+          continue;
         }
-        const float new_xm = fmaxf(run_xm, xm);
-        const float ref = new_xm == -INFINITY ? 0.0f : new_xm;
-        const float r = __fmul_rn(ref, a_log2);
-        const float unshift = ex2(-fmaf(ref, a_log2, -r));
-        const float scale = run_xm == -INFINITY ? 1.0f : ex2(__fmul_rn(run_xm - ref, a_log2));
-        float acc[kSegsPerThread];
-        float ez = 0.0f;
-        const bool smooth_in_pairs = kExtras && p.smoothing && !weighted;
+        // General variant (soft-cap, or logit_scale < 0): z formed once per element and kept (the
+        // soft-cap's tanh costs two MUFU ops), -inf outside the row; only the row's ragged end
+        // segments check indices per element.
+        // Branches are uniform and outside the element loops: per-element conditions around the
+        // tanh made the compiler branch per element (SASS: BSSY/BSYNC pairs, ~20 instructions
+        // per element).
+        float zc[kSegsPerThread][kVec];
+        float segmax[kSegsPerThread];
+        float cm = -INFINITY;
+        if (softcap) {
+#pragma unroll
+          for (int k = 0; k < kSegsPerThread; ++k) {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) zc[k][e] = transform(E::to_float(seg[k].e[e]), c, true);
+          }
+        } else {
+#pragma unroll
+          for (int k = 0; k < kSegsPerThread; ++k) {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) zc[k][e] = transform(E::to_float(seg[k].e[e]), c, false);
+          }
+        }
 #pragma unroll
         for (int k = 0; k < kSegsPerThread; ++k) {
           const int sg = ch * kChunkSegs + sb + k * gthreads;
-          float es[kVec / 2];
-          float ss = 0.0f;  // the segment's raw sum (smoothing, unweighted, inside the row)
+          const int j0 = sg * kVec - g.off;
+          if (sg < g.first_full || sg > g.last_full) {  // a ragged end (or past the row): mask
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+              if (j0 + e < 0 || j0 + e >= V) zc[k][e] = -INFINITY;
+            }
+          }
+          if (p.smoothing) smooth += smooth_of(sg, [&](int e) { return zc[k][e]; });
+          float mx[kVec];
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) mx[e] = zc[k][e];
+#pragma unroll
+          for (int wdt = kVec / 2; wdt > 0; wdt /= 2) {
+#pragma unroll
+            for (int e = 0; e < wdt; ++e) mx[e] = fmaxf(mx[e], mx[e + wdt]);
+          }
+          segmax[k] = mx[0];
+          cm = fmaxf(cm, mx[0]);
+        }
+        const float new_m = fmaxf(run_m, cm);
+        const float ref = detail::lse_ref(new_m);
+        const float scale = run_m == -INFINITY ? 1.0f : ex2((run_m - ref) * kLog2e);
+        float acc[kSegsPerThread], acc_ez[kSegsPerThread];
+#pragma unroll
+        for (int k = 0; k < kSegsPerThread; ++k) {
+          float es[kVec], ezs[kVec];
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            es[e] = exp_rel(0.0f, zc[k][e], ref, c, true);  // exp(z - ref), 0 outside the row
+            ezs[e] = metrics && es[e] > 0.0f ? es[e] * zc[k][e] : 0.0f;  // 0, not 0 * -inf
+          }
 #pragma unroll
           for (int i = 0; i < kVec / 2; ++i) {
-            const float2 xx = seg_pair(seg[k], i);
-            const float e0 = ex2(fmaf(xx.x, a_log2, -r)), e1 = ex2(fmaf(xx.y, a_log2, -r));
-            es[i] = e0 + e1;
-            // p x, 0 (not 0 * -inf) where x = -inf (masked or not): -FLT_MAX keeps the product 0.
-            if (kExtras && metrics) ez = fmaf(e1, fmaxf(xx.y, -FLT_MAX), fmaf(e0, fmaxf(xx.x, -FLT_MAX), ez));
-            if (kExtras && smooth_in_pairs) ss += xx.x + xx.y;
+            es[i] = es[2 * i] + es[2 * i + 1];
+            ezs[i] = ezs[2 * i] + ezs[2 * i + 1];
           }
 #pragma unroll
           for (int wdt = kVec / 4; wdt > 0; wdt /= 2) {
 #pragma unroll
-            for (int i = 0; i < wdt; ++i) es[i] += es[i + wdt];
+            for (int i = 0; i < wdt; ++i) {
+              es[i] += es[i + wdt];
+              ezs[i] += ezs[i + wdt];
+            }
           }
           acc[k] = es[0];
-          if constexpr (kExtras) {
-            if (p.smoothing) {
-              const bool interior = sg >= g.first_full && sg <= g.last_full;
-              smooth += !weighted && interior ? ss : smooth_of(sg, [&](int e) { return E::to_float(seg[k].e[e]); });
-            }
-            if (metrics) amax.add(sg, sg < g.nseg, xmax[k], acc[k]);
+          acc_ez[k] = ezs[0];
+          if (metrics) {
+            const int sg = ch * kChunkSegs + sb + k * gthreads;
+            amax.add(sg, sg < g.nseg, segmax[k], acc[k]);
           }
         }
-        static_assert(kSegsPerThread == 4, "the sum below pairs four segments");
-        run_s = fmaf((acc[0] + acc[1]) + (acc[2] + acc[3]), unshift, __fmul_rn(run_s, scale));
-        if (kExtras && metrics) run_ez = fmaf(ez, unshift, __fmul_rn(run_ez, scale));
-        run_xm = new_xm;
-        continue;
-      }
-      // General variant (soft-cap, or logit_scale < 0): z formed once per element and kept (the
-      // soft-cap's tanh costs two MUFU ops), -inf outside the row; only the row's ragged end
-      // segments check indices per element.
-      // Branches are uniform and outside the element loops: per-element conditions around the
-      // tanh made the compiler branch per element (SASS: BSSY/BSYNC pairs, ~20 instructions
-      // per element).
-      float zc[kSegsPerThread][kVec];
-      float segmax[kSegsPerThread];
-      float cm = -INFINITY;
-      if (softcap) {
-#pragma unroll
-        for (int k = 0; k < kSegsPerThread; ++k) {
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) zc[k][e] = transform(E::to_float(seg[k].e[e]), c, true);
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < kSegsPerThread; ++k) {
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) zc[k][e] = transform(E::to_float(seg[k].e[e]), c, false);
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kSegsPerThread; ++k) {
-        const int sg = ch * kChunkSegs + sb + k * gthreads;
-        const int j0 = sg * kVec - g.off;
-        if (sg < g.first_full || sg > g.last_full) {  // a ragged end (or past the row): mask
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            if (j0 + e < 0 || j0 + e >= V) zc[k][e] = -INFINITY;
-          }
-        }
-        if (p.smoothing) smooth += smooth_of(sg, [&](int e) { return zc[k][e]; });
-        float mx[kVec];
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) mx[e] = zc[k][e];
-#pragma unroll
-        for (int wdt = kVec / 2; wdt > 0; wdt /= 2) {
-#pragma unroll
-          for (int e = 0; e < wdt; ++e) mx[e] = fmaxf(mx[e], mx[e + wdt]);
-        }
-        segmax[k] = mx[0];
-        cm = fmaxf(cm, mx[0]);
-      }
-      const float new_m = fmaxf(run_m, cm);
-      const float ref = detail::lse_ref(new_m);
-      const float scale = run_m == -INFINITY ? 1.0f : ex2((run_m - ref) * kLog2e);
-      float acc[kSegsPerThread], acc_ez[kSegsPerThread];
-#pragma unroll
-      for (int k = 0; k < kSegsPerThread; ++k) {
-        float es[kVec], ezs[kVec];
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          es[e] = exp_rel(0.0f, zc[k][e], ref, c, true);  // exp(z - ref), 0 outside the row
-          ezs[e] = metrics && es[e] > 0.0f ? es[e] * zc[k][e] : 0.0f;  // 0, not 0 * -inf
-        }
-#pragma unroll
-        for (int i = 0; i < kVec / 2; ++i) {
-          es[i] = es[2 * i] + es[2 * i + 1];
-          ezs[i] = ezs[2 * i] + ezs[2 * i + 1];
-        }
-#pragma unroll
-        for (int wdt = kVec / 4; wdt > 0; wdt /= 2) {
-#pragma unroll
-          for (int i = 0; i < wdt; ++i) {
-            es[i] += es[i + wdt];
-            ezs[i] += ezs[i + wdt];
-          }
-        }
-        acc[k] = es[0];
-        acc_ez[k] = ezs[0];
-        if (metrics) {
-          const int sg = ch * kChunkSegs + sb + k * gthreads;
-          amax.add(sg, sg < g.nseg, segmax[k], acc[k]);
-        }
-      }
-      run_s = run_s * scale + ((acc[0] + acc[1]) + (acc[2] + acc[3]));
-      if (metrics) run_ez = run_ez * scale + ((acc_ez[0] + acc_ez[1]) + (acc_ez[2] + acc_ez[3]));
-      run_m = new_m;
+        run_s = run_s * scale + ((acc[0] + acc[1]) + (acc[2] + acc[3]));
+        if (metrics) run_ez = run_ez * scale + ((acc_ez[0] + acc_ez[1]) + (acc_ez[2] + acc_ez[3]));
+        run_m = new_m;
       }
     }
     // The options variant's sums are in raw-logit units: z = x * scale.
@@ -637,7 +638,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     if (lane == 0) warp_part[slot][warp] = mine;
     named_barrier(1 + gi, gthreads);  // warp partials written (and the last row's row_part read)
     ++seq;
-    // With the gradient on whole rows every warp folds the 16 partials itself (same inputs, same
+    // With the gradient on whole rows every warp folds its group's partials itself (same inputs, same
     // order: the same bits in every warp), so the gradient sweep starts without a second barrier
     // and a round trip through row_part. The partials are double-buffered by row parity: a warp
     // writes the next row's into the other buffer, and this row's buffer again only after the
@@ -704,51 +705,51 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       const bool inner = g.interior(ch);
       uint32_t token = 0;
       for (int q = 0; q < groups; ++q) {  // the chunk's passes (one without groups)
-      const int sb = q * pass_segs + gtid;
-      Segment<T> seg[kSegsPerThread];
-      g.fetch_chunk(seg, buf, ch, sb, gthreads, V, fill);
-      token ^= stage_token(seg);
-      if (q == groups - 1) release_stage(&empty[gat.stage], token, lane, V);
+        const int sb = q * pass_segs + gtid;
+        Segment<T> seg[kSegsPerThread];
+        g.fetch_chunk(seg, buf, ch, sb, gthreads, V, fill);
+        token ^= stage_token(seg);
+        if (q == groups - 1) release_stage(&empty[gat.stage], token, lane, V);
 #pragma unroll
-      for (int k = 0; k < kSegsPerThread; ++k) {
-        const int s = ch * kChunkSegs + sb + k * gthreads;
-        if (!inner && s >= g.nseg) continue;
-        const int j0 = s * kVec - g.off;
-        Segment<T> out;
-        if (kExtras && (softcap || (weighted && p.smoothing))) {
-          // Per-element dz/dx (soft-cap) or per-class smoothing weight; class weights alone only
-          // scale the row (through g_a, g_bt) and take the plain arithmetic below.
-          out = options_grad_segment(seg[k], j0, p, lse, rg, c, softcap, weighted && p.smoothing);
-        } else {
-          // dx = g a scale p - g eps/V scale, p = exp(x scale - lse): the same arithmetic on the
-          // plain path and with options that leave dz/dx = scale (smoothing, z-loss, metrics).
+        for (int k = 0; k < kSegsPerThread; ++k) {
+          const int s = ch * kChunkSegs + sb + k * gthreads;
+          if (!inner && s >= g.nseg) continue;
+          const int j0 = s * kVec - g.off;
+          Segment<T> out;
+          if (kExtras && (softcap || (weighted && p.smoothing))) {
+            // Per-element dz/dx (soft-cap) or per-class smoothing weight; class weights alone only
+            // scale the row (through g_a, g_bt) and take the plain arithmetic below.
+            out = options_grad_segment(seg[k], j0, p, lse, rg, c, softcap, weighted && p.smoothing);
+          } else {
+            // dx = g a scale p - g eps/V scale, p = exp(x scale - lse): the same arithmetic on the
+            // plain path and with options that leave dz/dx = scale (smoothing, z-loss, metrics).
 #pragma unroll
-          for (int i = 0; i < kVec / 2; ++i) {
-            const float2 xx = seg_pair(seg[k], i);
-            set_pair(out, i, fmaf(ga_s, ex2(fmaf(xx.x, pe.a, -pe.l)), -gc_s),
-                     fmaf(ga_s, ex2(fmaf(xx.y, pe.a, -pe.l)), -gc_s));
+            for (int i = 0; i < kVec / 2; ++i) {
+              const float2 xx = seg_pair(seg[k], i);
+              set_pair(out, i, fmaf(ga_s, ex2(fmaf(xx.x, pe.a, -pe.l)), -gc_s),
+                       fmaf(ga_s, ex2(fmaf(xx.y, pe.a, -pe.l)), -gc_s));
+            }
           }
-        }
-        if (s == seg_t) {
+          if (s == seg_t) {
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            if (j0 + e == t) {
-              out.e[e] = E::from_float(grad_elem(E::to_float(seg[k].e[e]), lse, rg, w_t, rg.g_bt, c, softcap));
+            for (int e = 0; e < kVec; ++e) {
+              if (j0 + e == t) {
+                out.e[e] = E::from_float(grad_elem(E::to_float(seg[k].e[e]), lse, rg, w_t, rg.g_bt, c, softcap));
+              }
+            }
+          }
+          if (inner && same_layout) {
+            store_streaming(reinterpret_cast<U32x4*>(dx + j0), out.raw);  // wholly inside the row
+          } else if (same_layout) {
+            store_segment(dx, s, g.off, V, out);
+          } else {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+              const int j = j0 + e;
+              if (j >= 0 && j < V) dx[j] = out.e[e];
             }
           }
         }
-        if (inner && same_layout) {
-          store_streaming(reinterpret_cast<U32x4*>(dx + j0), out.raw);  // wholly inside the row
-        } else if (same_layout) {
-          store_segment(dx, s, g.off, V, out);
-        } else {
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            const int j = j0 + e;
-            if (j >= 0 && j < V) dx[j] = out.e[e];
-          }
-        }
-      }
       }
     }
     if (!in_ring) at = gat;  // past the second copy of the row
