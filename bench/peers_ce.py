@@ -7,7 +7,10 @@ Peers: PyTorch eager (`F.cross_entropy(logits.float(), ...)`, as transformers ca
 under torch.compile, Liger-Kernel when importable, the fusedce Python front end, and
 flash-attn's Triton cross-entropy loaded from the file named by $FUSEDCE_PEER_FLASH_ATTN_CE (its
 module imports only torch and triton; the wheel's CUDA extension is not needed). A missing or
-failing peer is reported as such. Usage: python3 bench/peers_ce.py [--quick]
+failing peer is reported as such. "median ms" waits for each call before the next (an isolated
+call); "queued ms" enqueues every call with its events and waits once (GPU time per call with
+the host ahead), as ce_bench.cu does. Usage: python3 bench/peers_ce.py [--quick]
+[--shapes NxV[:f32|bf16|f16],...]
 """
 import importlib.util
 import os
@@ -34,6 +37,30 @@ def median_ms(fn, iters):
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def queued_ms(fn, iters):
+    """Events around each call, all enqueued before one wait: per-call GPU time, the host ahead."""
+    for _ in range(3):
+        fn(0)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for i, (start, end) in enumerate(events):
+        start.record()
+        fn(i)
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def parse_shapes(arg):
+    """"NxV[:dtype],..." (dtype f32, bf16 or f16; bf16 when left out)."""
+    dtypes = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+    shapes = []
+    for item in arg.split(","):
+        dims, _, dt = item.partition(":")
+        n, v = (int(x) for x in dims.split("x"))
+        shapes.append((n, v, dtypes[dt or "bf16"]))
+    return shapes
 
 
 def ceilings(iters):
@@ -77,14 +104,17 @@ def peers():
 
 def main():
     quick = "--quick" in sys.argv
+    shapes = SHAPES
+    if "--shapes" in sys.argv:
+        shapes = parse_shapes(sys.argv[sys.argv.index("--shapes") + 1])
     iters = 10 if quick else 30
     copy_gbs, read_gbs = ceilings(iters)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"# ceilings: device-to-device copy {copy_gbs:.0f} GB/s (read + write), streaming read {read_gbs:.0f} GB/s\n")
-    print("| N x V | dtype | peer | job | median ms | GB/s | of copy | of read |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| N x V | dtype | peer | job | median ms | GB/s | of copy | of read | queued ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    for n, v, dt in SHAPES:
+    for n, v, dt in shapes:
         elem = torch.tensor([], dtype=dt).element_size()
         copies = max(1, -(-3 * l2 // (n * v * elem)))
         xs = [(torch.randn(n, v, device="cuda") * 2).to(dt) for _ in range(copies)]
@@ -104,11 +134,12 @@ def main():
                             leaf.grad = None
                             fn(leaf, t).backward()
                     ms = median_ms(run, iters)
+                    queued = queued_ms(run, iters)
                     gbs = (1 if job == "forward" else 2) * n * v * elem / ms / 1e6
                     print(f"| {n} x {v} | {str(dt)[6:]} | {name} | {job} | {ms:.4f} | {gbs:.0f} | "
-                          f"{100 * gbs / copy_gbs:.1f}% | {100 * gbs / read_gbs:.1f}% |", flush=True)
+                          f"{100 * gbs / copy_gbs:.1f}% | {100 * gbs / read_gbs:.1f}% | {queued:.4f} |", flush=True)
                 except Exception as e:
-                    print(f"| {n} x {v} | {str(dt)[6:]} | {name} | {job} | failed: {type(e).__name__} | | | |", flush=True)
+                    print(f"| {n} x {v} | {str(dt)[6:]} | {name} | {job} | failed: {type(e).__name__} | | | | |", flush=True)
                 torch.cuda.empty_cache()
         del xs
 
