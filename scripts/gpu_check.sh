@@ -119,6 +119,17 @@ for tool in memcheck racecheck; do
   echo "$tool: exit $rc; $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|tests? ran|PASSED|FAILED' "$out"/sanitizer_${tool}_*.log | tr '\n' ' ')"
   [ $rc -eq 0 ] || status=1
 done
+# Two consumer groups forced everywhere (with the gradient too, where they are a dev knob): the
+# grid's small sweep under memcheck and racecheck (synchronous reduction, as above).
+rc=0
+FUSEDCE_STREAM_GROUPS=2 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/fusedce_grid_tests" \
+  --gtest_filter="${GRID_FILTER:-*cuda_*_V7_N3_*:*cuda_*_V127_N257_*:*cuda_bfloat16_V1024_N257_*:*cuda_*_V1_N1_*}" \
+  > "$out/sanitizer_memcheck_groups.log" 2>&1 || rc=$?
+FUSEDCE_STREAM_GROUPS=2 FUSEDCE_STREAM_ASYNC_REDUCE=0 compute-sanitizer --tool racecheck --error-exitcode 9 \
+  "$bin/fusedce_grid_tests" --gtest_filter="${GRID_FILTER:-*cuda_*_V7_N3_*:*cuda_*_V127_N257_*:*cuda_bfloat16_V1024_N257_*:*cuda_*_V1_N1_*}" \
+  > "$out/sanitizer_racecheck_groups.log" 2>&1 || rc=$?
+echo "two groups forced: exit $rc; $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$out"/sanitizer_*_groups.log | tr '\n' ' ')"
+[ $rc -eq 0 ] || status=1
 # Informational: racecheck over the default (asynchronous) reduction on one small sweep.
 compute-sanitizer --tool racecheck --print-limit 2 "$bin/fusedce_grid_tests" --gtest_filter='*cuda_bfloat16_V1024_N257_*' \
   > "$out/sanitizer_racecheck_async.log" 2>&1
