@@ -491,79 +491,92 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         // Branches are uniform and outside the element loops: per-element conditions around the
         // tanh made the compiler branch per element (SASS: BSSY/BSYNC pairs, ~20 instructions
         // per element).
-        float zc[kSegsPerThread][kVec];
-        float segmax[kSegsPerThread];
-        float cm = -INFINITY;
-        if (softcap) {
+        // 16-bit logits: the thread's segments in two halves, an online update each, so that only
+        // half of z is live at once (the bf16 gradient kernel spilled 136 bytes with all of it).
+        constexpr int kHalves = sizeof(T) == 2 ? 2 : 1;
+        constexpr int kPer = kSegsPerThread / kHalves;
 #pragma unroll
-          for (int k = 0; k < kSegsPerThread; ++k) {
+        for (int h = 0; h < kHalves; ++h) {
+          float zc[kPer][kVec];
+          float segmax[kPer];
+          float cm = -INFINITY;
+          if (softcap) {
 #pragma unroll
-            for (int e = 0; e < kVec; ++e) zc[k][e] = transform(E::to_float(seg[k].e[e]), c, true);
+            for (int k = 0; k < kPer; ++k) {
+#pragma unroll
+              for (int e = 0; e < kVec; ++e) zc[k][e] = transform(E::to_float(seg[h * kPer + k].e[e]), c, true);
+            }
+          } else {
+#pragma unroll
+            for (int k = 0; k < kPer; ++k) {
+#pragma unroll
+              for (int e = 0; e < kVec; ++e) zc[k][e] = transform(E::to_float(seg[h * kPer + k].e[e]), c, false);
+            }
           }
-        } else {
 #pragma unroll
-          for (int k = 0; k < kSegsPerThread; ++k) {
+          for (int k = 0; k < kPer; ++k) {
+            const int sg = ch * kChunkSegs + sb + (h * kPer + k) * gthreads;
+            const int j0 = sg * kVec - g.off;
+            if (sg < g.first_full || sg > g.last_full) {  // a ragged end (or past the row): mask
 #pragma unroll
-            for (int e = 0; e < kVec; ++e) zc[k][e] = transform(E::to_float(seg[k].e[e]), c, false);
+              for (int e = 0; e < kVec; ++e) {
+                if (j0 + e < 0 || j0 + e >= V) zc[k][e] = -INFINITY;
+              }
+            }
+            if (p.smoothing) smooth += smooth_of(sg, [&](int e) { return zc[k][e]; });
+            float mx[kVec];
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) mx[e] = zc[k][e];
+#pragma unroll
+            for (int wdt = kVec / 2; wdt > 0; wdt /= 2) {
+#pragma unroll
+              for (int e = 0; e < wdt; ++e) mx[e] = fmaxf(mx[e], mx[e + wdt]);
+            }
+            segmax[k] = mx[0];
+            cm = fmaxf(cm, mx[0]);
           }
-        }
+          const float new_m = fmaxf(run_m, cm);
+          const float ref = detail::lse_ref(new_m);
+          const float scale = run_m == -INFINITY ? 1.0f : ex2((run_m - ref) * kLog2e);
+          float acc[kPer], acc_ez[kPer];
 #pragma unroll
-        for (int k = 0; k < kSegsPerThread; ++k) {
-          const int sg = ch * kChunkSegs + sb + k * gthreads;
-          const int j0 = sg * kVec - g.off;
-          if (sg < g.first_full || sg > g.last_full) {  // a ragged end (or past the row): mask
+          for (int k = 0; k < kPer; ++k) {
+            float es[kVec], ezs[kVec];
 #pragma unroll
             for (int e = 0; e < kVec; ++e) {
-              if (j0 + e < 0 || j0 + e >= V) zc[k][e] = -INFINITY;
+              es[e] = exp_rel(0.0f, zc[k][e], ref, c, true);  // exp(z - ref), 0 outside the row
+              ezs[e] = metrics && es[e] > 0.0f ? es[e] * zc[k][e] : 0.0f;  // 0, not 0 * -inf
+            }
+#pragma unroll
+            for (int i = 0; i < kVec / 2; ++i) {
+              es[i] = es[2 * i] + es[2 * i + 1];
+              ezs[i] = ezs[2 * i] + ezs[2 * i + 1];
+            }
+#pragma unroll
+            for (int wdt = kVec / 4; wdt > 0; wdt /= 2) {
+#pragma unroll
+              for (int i = 0; i < wdt; ++i) {
+                es[i] += es[i + wdt];
+                ezs[i] += ezs[i + wdt];
+              }
+            }
+            acc[k] = es[0];
+            acc_ez[k] = ezs[0];
+            if (metrics) {
+              const int sg = ch * kChunkSegs + sb + (h * kPer + k) * gthreads;
+              amax.add(sg, sg < g.nseg, segmax[k], acc[k]);
             }
           }
-          if (p.smoothing) smooth += smooth_of(sg, [&](int e) { return zc[k][e]; });
-          float mx[kVec];
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) mx[e] = zc[k][e];
-#pragma unroll
-          for (int wdt = kVec / 2; wdt > 0; wdt /= 2) {
-#pragma unroll
-            for (int e = 0; e < wdt; ++e) mx[e] = fmaxf(mx[e], mx[e + wdt]);
+          static_assert(kPer == 4 || kPer == 2, "the sums below pair two or four segments");
+          if constexpr (kPer == 4) {
+            run_s = run_s * scale + ((acc[0] + acc[1]) + (acc[2] + acc[3]));
+            if (metrics) run_ez = run_ez * scale + ((acc_ez[0] + acc_ez[1]) + (acc_ez[2] + acc_ez[3]));
+          } else {
+            run_s = run_s * scale + (acc[0] + acc[1]);
+            if (metrics) run_ez = run_ez * scale + (acc_ez[0] + acc_ez[1]);
           }
-          segmax[k] = mx[0];
-          cm = fmaxf(cm, mx[0]);
+          run_m = new_m;
         }
-        const float new_m = fmaxf(run_m, cm);
-        const float ref = detail::lse_ref(new_m);
-        const float scale = run_m == -INFINITY ? 1.0f : ex2((run_m - ref) * kLog2e);
-        float acc[kSegsPerThread], acc_ez[kSegsPerThread];
-#pragma unroll
-        for (int k = 0; k < kSegsPerThread; ++k) {
-          float es[kVec], ezs[kVec];
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            es[e] = exp_rel(0.0f, zc[k][e], ref, c, true);  // exp(z - ref), 0 outside the row
-            ezs[e] = metrics && es[e] > 0.0f ? es[e] * zc[k][e] : 0.0f;  // 0, not 0 * -inf
-          }
-#pragma unroll
-          for (int i = 0; i < kVec / 2; ++i) {
-            es[i] = es[2 * i] + es[2 * i + 1];
-            ezs[i] = ezs[2 * i] + ezs[2 * i + 1];
-          }
-#pragma unroll
-          for (int wdt = kVec / 4; wdt > 0; wdt /= 2) {
-#pragma unroll
-            for (int i = 0; i < wdt; ++i) {
-              es[i] += es[i + wdt];
-              ezs[i] += ezs[i + wdt];
-            }
-          }
-          acc[k] = es[0];
-          acc_ez[k] = ezs[0];
-          if (metrics) {
-            const int sg = ch * kChunkSegs + sb + k * gthreads;
-            amax.add(sg, sg < g.nseg, segmax[k], acc[k]);
-          }
-        }
-        run_s = run_s * scale + ((acc[0] + acc[1]) + (acc[2] + acc[3]));
-        if (metrics) run_ez = run_ez * scale + ((acc_ez[0] + acc_ez[1]) + (acc_ez[2] + acc_ez[3]));
-        run_m = new_m;
       }
     }
     // The options variant's sums are in raw-logit units: z = x * scale.
