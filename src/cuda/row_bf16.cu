@@ -25,18 +25,7 @@ RowKernel select_row_kernel_bf16(int items, bool forward, bool grad, bool extras
 RescaleKernel rescale_kernel_bf16() { return ce_rescale_kernel<BFloat16>; }
 
 StreamKernel select_stream_kernel_bf16(bool grad, StreamOpts opts, int groups) {
-  // Consumer groups: kernels of the plain and options sets (kept alike so that metrics leave
-  // the loss bits unchanged); the general set keeps one group (its z array would spill more).
-  const bool two = groups == 2 && opts != kStreamGeneral;
-  switch (opts) {
-    case kStreamPlain:
-      if (two) return grad ? ce_stream_kernel<BFloat16, true, kStreamPlain, 2> : ce_stream_kernel<BFloat16, false, kStreamPlain, 2>;
-      return grad ? ce_stream_kernel<BFloat16, true, kStreamPlain> : ce_stream_kernel<BFloat16, false, kStreamPlain>;
-    case kStreamOptions:
-      if (two) return grad ? ce_stream_kernel<BFloat16, true, kStreamOptions, 2> : ce_stream_kernel<BFloat16, false, kStreamOptions, 2>;
-      return grad ? ce_stream_kernel<BFloat16, true, kStreamOptions> : ce_stream_kernel<BFloat16, false, kStreamOptions>;
-    default: return grad ? ce_stream_kernel<BFloat16, true, kStreamGeneral> : ce_stream_kernel<BFloat16, false, kStreamGeneral>;
-  }
+  return pick_stream_kernel<BFloat16>(grad, opts, groups);
 }
 
 }  // namespace cuda

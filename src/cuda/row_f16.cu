@@ -25,18 +25,7 @@ RowKernel select_row_kernel_f16(int items, bool forward, bool grad, bool extras)
 RescaleKernel rescale_kernel_f16() { return ce_rescale_kernel<Half>; }
 
 StreamKernel select_stream_kernel_f16(bool grad, StreamOpts opts, int groups) {
-  // Consumer groups: kernels of the plain and options sets (kept alike so that metrics leave
-  // the loss bits unchanged); the general set keeps one group (its z array would spill more).
-  const bool two = groups == 2 && opts != kStreamGeneral;
-  switch (opts) {
-    case kStreamPlain:
-      if (two) return grad ? ce_stream_kernel<Half, true, kStreamPlain, 2> : ce_stream_kernel<Half, false, kStreamPlain, 2>;
-      return grad ? ce_stream_kernel<Half, true, kStreamPlain> : ce_stream_kernel<Half, false, kStreamPlain>;
-    case kStreamOptions:
-      if (two) return grad ? ce_stream_kernel<Half, true, kStreamOptions, 2> : ce_stream_kernel<Half, false, kStreamOptions, 2>;
-      return grad ? ce_stream_kernel<Half, true, kStreamOptions> : ce_stream_kernel<Half, false, kStreamOptions>;
-    default: return grad ? ce_stream_kernel<Half, true, kStreamGeneral> : ce_stream_kernel<Half, false, kStreamGeneral>;
-  }
+  return pick_stream_kernel<Half>(grad, opts, groups);
 }
 
 }  // namespace cuda

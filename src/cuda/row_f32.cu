@@ -25,18 +25,7 @@ RowKernel select_row_kernel_f32(int items, bool forward, bool grad, bool extras)
 RescaleKernel rescale_kernel_f32() { return ce_rescale_kernel<float>; }
 
 StreamKernel select_stream_kernel_f32(bool grad, StreamOpts opts, int groups) {
-  // Consumer groups: kernels of the plain and options sets (kept alike so that metrics leave
-  // the loss bits unchanged); the general set keeps one group (its z array would spill more).
-  const bool two = groups == 2 && opts != kStreamGeneral;
-  switch (opts) {
-    case kStreamPlain:
-      if (two) return grad ? ce_stream_kernel<float, true, kStreamPlain, 2> : ce_stream_kernel<float, false, kStreamPlain, 2>;
-      return grad ? ce_stream_kernel<float, true, kStreamPlain> : ce_stream_kernel<float, false, kStreamPlain>;
-    case kStreamOptions:
-      if (two) return grad ? ce_stream_kernel<float, true, kStreamOptions, 2> : ce_stream_kernel<float, false, kStreamOptions, 2>;
-      return grad ? ce_stream_kernel<float, true, kStreamOptions> : ce_stream_kernel<float, false, kStreamOptions>;
-    default: return grad ? ce_stream_kernel<float, true, kStreamGeneral> : ce_stream_kernel<float, false, kStreamGeneral>;
-  }
+  return pick_stream_kernel<float>(grad, opts, groups);
 }
 
 }  // namespace cuda

@@ -770,5 +770,22 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
 #endif
 }
 
+/// The stream kernel for one dtype (each row_<dtype>.cu instantiates it). Consumer groups exist
+/// in the plain and options sets (kept alike so that metrics leave the loss bits unchanged); the
+/// general set keeps one group (its z array would spill more).
+template <typename T>
+StreamKernel pick_stream_kernel(bool grad, StreamOpts opts, int groups) {
+  const bool two = groups == 2 && opts != kStreamGeneral;
+  switch (opts) {
+    case kStreamPlain:
+      if (two) return grad ? ce_stream_kernel<T, true, kStreamPlain, 2> : ce_stream_kernel<T, false, kStreamPlain, 2>;
+      return grad ? ce_stream_kernel<T, true, kStreamPlain> : ce_stream_kernel<T, false, kStreamPlain>;
+    case kStreamOptions:
+      if (two) return grad ? ce_stream_kernel<T, true, kStreamOptions, 2> : ce_stream_kernel<T, false, kStreamOptions, 2>;
+      return grad ? ce_stream_kernel<T, true, kStreamOptions> : ce_stream_kernel<T, false, kStreamOptions>;
+    default: return grad ? ce_stream_kernel<T, true, kStreamGeneral> : ce_stream_kernel<T, false, kStreamGeneral>;
+  }
+}
+
 }  // namespace cuda
 }  // namespace fusedce

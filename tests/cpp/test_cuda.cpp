@@ -271,13 +271,14 @@ TEST(CudaDeterminism, SameBitsRunToRun) {
   }
 }
 
-/// p's forward+backward on the GPU and on the CPU backend: loss, lse, metrics and gradients
-/// within the per-dtype tolerance of each other.
-void expect_gpu_agrees_with_cpu(DeviceProblem& p, const fusedce::Options& o) {
+/// p's forward+backward (or, with_grad false, its forward alone: the forward kernels differ from
+/// the fwd+grad ones, by consumer groups, the asynchronous reduction, splits) on the GPU and on
+/// the CPU backend: loss, lse, metrics and gradients within the per-dtype tolerance of each other.
+void expect_gpu_agrees_with_cpu(DeviceProblem& p, const fusedce::Options& o, bool with_grad = true) {
   const DType d = p.dtype;
   const int64_t N = p.N, V = p.V;
   p.reserve_workspace(o);
-  ASSERT_OK(p.forward_backward(o, nullptr));
+  ASSERT_OK(with_grad ? p.forward_backward(o, nullptr) : p.forward(o, nullptr));
   const size_t loss_n = o.reduction == fusedce::Reduction::kNone ? N : 1;
   std::vector<float> g_loss(loss_n), g_lse(N), c_loss(loss_n), c_lse(N);
   std::vector<uint8_t> g_dx(p.host_x.size()), c_dx(p.host_x.size());
@@ -286,7 +287,7 @@ void expect_gpu_agrees_with_cpu(DeviceProblem& p, const fusedce::Options& o) {
   ASSERT_CUDA(cudaDeviceSynchronize());
   cudaMemcpy(g_loss.data(), p.loss, loss_n * 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(g_lse.data(), p.lse, N * 4, cudaMemcpyDeviceToHost);
-  cudaMemcpy(g_dx.data(), p.dx, g_dx.size(), cudaMemcpyDeviceToHost);
+  if (with_grad) cudaMemcpy(g_dx.data(), p.dx, g_dx.size(), cudaMemcpyDeviceToHost);
   cudaMemcpy(&g_ent, p.entropy, 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(&g_cor, p.correct, 8, cudaMemcpyDeviceToHost);
   fusedce::ForwardOutputs out;
@@ -314,7 +315,7 @@ void expect_gpu_agrees_with_cpu(DeviceProblem& p, const fusedce::Options& o) {
   }
   int64_t valid = 0;
   for (int64_t i = 0; i < N; ++i) valid += p.host_t[i] != -100;
-  for (int64_t i = 0; i < N; ++i) {
+  for (int64_t i = 0; with_grad && i < N; ++i) {
     // The magnitude of the terms that cancel in row i's gradient (as the reference's scale):
     // |g| (|a| + b_t + eps/V) max dz/dx, a = 1 + 2 z_loss lse; at least the largest entry.
     const double g = o.reduction == fusedce::Reduction::kMean ? 1.0 / std::max<int64_t>(valid, 1) : 1.0;
@@ -379,47 +380,6 @@ TEST(CudaStream, ClusterHalvesAgreeWithCpu) {
   unsetenv("FUSEDCE_STREAM_CLUSTER");
 }
 
-// The forward alone against the CPU backend: loss, lse and metrics within the per-dtype
-// tolerance (the forward kernels differ from the fwd+grad ones: consumer groups, the asynchronous
-// reduction, splits).
-void expect_forward_agrees_with_cpu(DeviceProblem& p, const fusedce::Options& o) {
-  const DType d = p.dtype;
-  const int64_t N = p.N, V = p.V;
-  p.reserve_workspace(o);
-  ASSERT_OK(p.forward(o, nullptr));
-  const size_t loss_n = o.reduction == fusedce::Reduction::kNone ? N : 1;
-  std::vector<float> g_loss(loss_n), g_lse(N), c_loss(loss_n), c_lse(N);
-  float g_ent = 0, c_ent = 0;
-  int64_t g_cor = 0, c_cor = 0;
-  ASSERT_CUDA(cudaDeviceSynchronize());
-  cudaMemcpy(g_loss.data(), p.loss, loss_n * 4, cudaMemcpyDeviceToHost);
-  cudaMemcpy(g_lse.data(), p.lse, N * 4, cudaMemcpyDeviceToHost);
-  cudaMemcpy(&g_ent, p.entropy, 4, cudaMemcpyDeviceToHost);
-  cudaMemcpy(&g_cor, p.correct, 8, cudaMemcpyDeviceToHost);
-  fusedce::ForwardOutputs out;
-  out.loss = fusedce::vector(c_loss.data(), DType::kFloat32, loss_n);
-  out.lse = fusedce::vector(c_lse.data(), DType::kFloat32, N);
-  if (o.compute_metrics) {
-    out.num_correct = fusedce::vector(&c_cor, DType::kInt64, 1);
-    out.entropy_sum = fusedce::vector(&c_ent, DType::kFloat32, 1);
-  }
-  ASSERT_OK(fusedce::cross_entropy_forward(fusedce::Device::cpu(), fusedce::matrix(p.host_x.data(), d, N, V),
-                                           fusedce::vector(p.host_t.data(), DType::kInt64, N), o, out));
-  const Tolerance lt = tolerance(d, Quantity::kLoss);
-  Mismatches loss("loss"), lse("lse"), metrics("metrics");
-  for (size_t i = 0; i < loss_n; ++i) loss.check(g_loss[i], c_loss[i], std::fabs(c_loss[i]) + 1.0, lt, i);
-  for (int64_t i = 0; i < N; ++i) lse.check(g_lse[i], c_lse[i], std::fabs(c_lse[i]) + 1.0, lt, i);
-  if (o.compute_metrics) {
-    double ent_scale = 1.0;
-    for (int64_t i = 0; i < N; ++i) ent_scale += std::fabs(c_lse[i]) + 1.0;
-    metrics.check(g_ent, c_ent, ent_scale, lt, 0);
-    if (std::llabs(g_cor - c_cor) > 1 + N / 100) metrics.add("num_correct " + std::to_string(g_cor) + " vs " + std::to_string(c_cor));
-  }
-  loss.report();
-  lse.report();
-  metrics.report();
-}
-
 // Consumer groups: two groups of 8 warps, each on a ring of its own (kernels of the plain and
 // options sets). By default in forwards over rows of <= 2 chunks; forced here on every row with
 // FUSEDCE_STREAM_GROUPS=2, then one group forced: rows of 1 to 8 chunks (kept in the ring, or
@@ -449,7 +409,7 @@ TEST(CudaStream, ConsumerGroupsForwardAgreesWithCpu) {
         SCOPED_TRACE(std::string("groups ") + groups + " N=" + std::to_string(k.sh.N) + " V=" +
                      std::to_string(k.sh.V) + " " + dtype_tag(k.d));
         DeviceProblem p(k.d, k.sh.N, k.sh.V, rng);
-        expect_forward_agrees_with_cpu(p, o);
+        expect_gpu_agrees_with_cpu(p, o, /*with_grad=*/false);
       }
     }
   }
