@@ -112,9 +112,11 @@ for tool in memcheck racecheck; do
   # never wraps there). memcheck only: racecheck flags every wrap of an mbarrier ring, even the
   # probe's ring of plain shared stores (bench/race_probe.cu `generic`, H200 2026-11-29), so its
   # count says nothing here; the ring's order is checked by results (CudaStream.MetricsLeave*).
+  # With it the stream kernel's own finish over split rows (stale workspace, counters).
   if [ $tool = memcheck ]; then
     compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/fusedce_cuda_tests" \
-      --gtest_filter='CudaStream.MetricsLeaveBitsWhileStagesTurnOver' > "$out/sanitizer_${tool}_stages.log" 2>&1 || rc=$?
+      --gtest_filter='CudaStream.MetricsLeaveBitsWhileStagesTurnOver:CudaStream.OneLaunchFinishMatchesSeparatePasses' \
+      > "$out/sanitizer_${tool}_stages.log" 2>&1 || rc=$?
   fi
   echo "$tool: exit $rc; $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|tests? ran|PASSED|FAILED' "$out"/sanitizer_${tool}_*.log | tr '\n' ' ')"
   [ $rc -eq 0 ] || status=1
@@ -223,7 +225,8 @@ if want ab; then
 step "A/B: the stream kernel's variants against the default (fusedce_bench, same binary)"
 # AB_VARIANTS picks them: sync (the synchronous row reduction), halves (every long row on 2-block
 # clusters), groups1 / groups2 (one or two consumer groups over whole rows, forced; groups2 also
-# with the gradient). BENCH_ARGS="--shapes 16384x32000,16384x50257,8192x128256" narrows each run
+# with the gradient), separate (the prepare / split-merge / finalize passes instead of the stream
+# kernel's own finish: FUSEDCE_STREAM_FINISH=0). BENCH_ARGS="--shapes 16384x32000,16384x50257,8192x128256" narrows each run
 # to a few shapes (a fraction of the device time).
 for f in ${AB_VARIANTS:-default groups1 groups2}; do
   case $f in
@@ -231,6 +234,7 @@ for f in ${AB_VARIANTS:-default groups1 groups2}; do
     halves) env=(FUSEDCE_STREAM_CLUSTER=2) ;;
     groups1) env=(FUSEDCE_STREAM_GROUPS=1) ;;
     groups2) env=(FUSEDCE_STREAM_GROUPS=2) ;;
+    separate) env=(FUSEDCE_STREAM_FINISH=0) ;;
     *) env=() ;;
   esac
   env "${env[@]}" timeout -k 5 "${BENCH_TIMEOUT:-150}" "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_$f.csv" > "$out/bench_$f.md" || status=1

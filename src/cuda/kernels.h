@@ -65,6 +65,11 @@ constexpr size_t kStreamSmemBytes = size_t(kStages) * kChunkBytes + 2 * kStages 
 /// Rows are split over several blocks only below this many rows (bounds the workspace).
 constexpr int64_t kSplitRowsMax = 1024;
 constexpr int kMaxSplits = 64;
+/// The stream kernel finishes a call itself (finish.cuh) when its grid has at most this many
+/// blocks (one per SM: every GPU so far), and counts the mean's denominator itself with the
+/// gradient for at most this many rows (each block reads every target: 64 loads a thread here).
+constexpr int kMaxFinishBlocks = 1024;
+constexpr int64_t kCountDenRowsMax = 32768;
 
 /// Segments per thread in the rescale kernel, and its block size.
 constexpr int kRescaleItems = 4;

@@ -4,6 +4,7 @@
 #include "cuda/port.h"  // first: the platform's runtime header
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
@@ -27,7 +28,8 @@ namespace {
 
 /// Where each piece of the workspace lives (byte offsets; size 0 = not needed).
 struct WorkspaceLayout {
-  size_t batch = 0, row_loss = 0, row_entropy = 0, row_correct = 0, row_lse = 0, partials = 0, total = 0;
+  size_t batch = 0, row_loss = 0, row_entropy = 0, row_correct = 0, row_lse = 0, partials = 0, counters = 0,
+         block_sums = 0, total = 0;
 };
 
 WorkspaceLayout plan_workspace(Job job, int64_t rows, const Options& o) {
@@ -58,6 +60,11 @@ WorkspaceLayout plan_workspace(Job job, int64_t rows, const Options& o) {
     const size_t split_rows = static_cast<size_t>(std::min<int64_t>(rows, kSplitRowsMax));
     w.partials = at;
     at += align_up(split_rows * kMaxSplits * sizeof(RowPartial));
+    // The stream kernel's own finish (finish.cuh): its counters and per-block sums.
+    w.counters = at;
+    at += align_up((split_rows + 1) * sizeof(unsigned long long));
+    w.block_sums = at;
+    at += align_up(kMaxFinishBlocks * sizeof(BatchSums));
   }
   w.total = job == Job::kRescale ? 0 : at;
   return w;
@@ -184,18 +191,38 @@ bool grad_backwards(bool overflow) {
   return overflow;
 }
 
-/// Consumer groups of the forward stream kernel (two groups of 8 warps, each folding its own
-/// rows) for rows of `nchunks` chunks over whole rows: by default for rows of at most 2 chunks
-/// (H200, 2026-11-30, 16384 x 32000 bf16 forward 0.332 -> 0.298 ms; 8192 x 128256 unchanged,
-/// bandwidth-bound). FUSEDCE_STREAM_GROUPS=1 or 2 forces a count, also with the gradient (dev
-/// knob for A/B runs and tests). With the gradient one group by default until measured: two
-/// groups there ran only as a runtime count (16384 x 32000: 0.703 ms against 0.869 for one group
-/// in that slowed build and 0.708 in the compiled one), never as compiled kernels.
-int stream_groups(int nchunks, bool grad) {
+/// Consumer groups of the stream kernel (two groups of 8 warps, each folding its own rows) for
+/// rows of `nchunks` chunks over whole rows: by default for rows of at most 2 chunks (H200,
+/// 2026-11-30, 16384 x 32000 bf16 forward 0.332 -> 0.298 ms, fwd+grad 0.705 -> 0.682 ms, same
+/// binary; long rows are bandwidth-bound, and with the gradient two groups lost there: 8192 x
+/// 128256 fwd+grad 1.168 -> 1.454 ms). FUSEDCE_STREAM_GROUPS=1 or 2 forces a count (dev knob
+/// for A/B runs and tests).
+int stream_groups(int nchunks, bool /*grad*/) {
   const char* env = std::getenv("FUSEDCE_STREAM_GROUPS");
   const int forced = env ? std::atoi(env) : 0;
   if (forced == 1 || forced == 2) return forced;
-  return !grad && nchunks <= 2 ? 2 : 1;
+  return nchunks <= 2 ? 2 : 1;
+}
+
+/// Whether the stream kernel finishes a call itself (finish.cuh: split rows merged, batch sums
+/// formed, the gradient's denominator counted): on unless FUSEDCE_STREAM_FINISH=0 (dev knob for
+/// A/B runs: the prepare, split-merge and finalize passes instead).
+bool stream_finish_requested() {
+  const char* env = std::getenv("FUSEDCE_STREAM_FINISH");
+  return env == nullptr || env[0] != '0';
+}
+
+/// A tag for one call's counters in the workspace (finish.cuh, arrive_tagged): 40 bits of a
+/// 64-bit mix (splitmix64) of a per-process count, so that stale words (earlier calls, other
+/// tensors) match one with odds of 2^-40; never 0, the cleared value.
+unsigned long long next_call_tag() {
+  static std::atomic<unsigned long long> calls{0};
+  unsigned long long x = calls.fetch_add(1, std::memory_order_relaxed) + 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  x ^= x >> 31;
+  x &= (1ull << 40) - 1;
+  return x != 0 ? x : 1;
 }
 
 #if FUSEDCE_PLATFORM_HIP
@@ -408,10 +435,31 @@ Status run(const detail::CeCall& call) {
   bp.mean = o.reduction == Reduction::kMean;
   bp.batch = batch;
 
+  // The stream kernel (sm_90, forward jobs) and its work split, planned first: whether it
+  // finishes the call itself decides which one-block passes run around it.
+  const int vec = vec_of(L.dtype);
+  // Plan for the worst row alignment, so one shape serves every row.
+  const int64_t segments = row_segments(V, vec - 1, vec);
+  const int cc_major = N > 0 ? device_cc_major(call.device.index) : 0;
+  const bool use_stream =
+      N > 0 && kHopperFeatures && forward && cc_major >= 9 && std::getenv("FUSEDCE_NO_STREAM") == nullptr;
+  int sms = 0;
+  StreamPlan plan = {1, 0, 0};
+  if (use_stream) {
+    (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, call.device.index);
+    plan = plan_stream(N, segments, sms, grad);
+  }
+  // Its grid never has more blocks than the SMs (with or without halves).
+  const bool finish_here = use_stream && sms <= kMaxFinishBlocks && stream_finish_requested();
+  // The mean's 1 / denominator counted by every block of a stream kernel that forms the
+  // gradient, for a batch small enough (no prepare pass).
+  const bool count_den = finish_here && grad && bp.mean && plan.splits == 1 && bp.class_weight == nullptr &&
+                         !o.check_targets && N <= kCountDenRowsMax;
+
   // The prepare pass: for class weights, the target check, and the gradient's 1 / denominator.
   // A forward's mean counts its rows in the finalize pass instead (one launch less).
-  const bool need_batch = (bp.mean && grad) || bp.class_weight != nullptr || o.check_targets;
-  bp.count_rows = bp.mean && !need_batch;
+  const bool need_batch = (bp.mean && grad && !count_den) || bp.class_weight != nullptr || o.check_targets;
+  bp.count_rows = bp.mean && !need_batch && !count_den;
   if (need_batch) {
     launch_prepare(bp, stream);
     cudaError_t e = cudaGetLastError();
@@ -471,18 +519,11 @@ Status run(const detail::CeCall& call) {
   p.grad_stride = call.grad_loss.stride;
   p.grad_scalar = o.reduction != Reduction::kNone;
 
-  bool finalized = false;  // the split-merge pass ran the batch sums
+  bool finalized = false;  // the batch sums were formed (by the stream kernel or split-merge pass)
   if (N > 0) {
-    const int vec = vec_of(L.dtype);
-    // Plan for the worst row alignment, so one shape serves every row.
-    const int64_t segments = row_segments(V, vec - 1, vec);
-    const int cc_major = device_cc_major(call.device.index);
     // The plain kernels assume logit_scale > 0 (they take the max over raw logits).
     const bool extras = p.softcap || p.smoothing || p.metrics || p.class_weight != nullptr || o.logit_scale < 0.0f;
-    if (kHopperFeatures && forward && cc_major >= 9 && std::getenv("FUSEDCE_NO_STREAM") == nullptr) {
-      int sms = 0;
-      (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, call.device.index);
-      const StreamPlan plan = plan_stream(N, segments, sms, grad);
+    if (use_stream) {
       StreamParams sp = {};
       sp.row = p;
       sp.splits = plan.splits;
@@ -511,6 +552,15 @@ Status run(const detail::CeCall& call) {
         }
       }
       sp.grad_backwards = grad_backwards(int64_t(sms) * row_bytes / sp.halves > int64_t(l2_bytes));
+      if (finish_here) {
+        sp.finish = true;
+        if (forward && (o.reduction != Reduction::kNone || o.compute_metrics)) fill_finalize(bp, p, call, o);
+        sp.fin = bp;
+        sp.counters = reinterpret_cast<unsigned long long*>(base + ws.counters);
+        sp.block_sums = reinterpret_cast<BatchSums*>(base + ws.block_sums);
+        sp.tag = next_call_tag();
+        sp.count_den = count_den;
+      }
       if (plan.splits > 1) {
         sp.partials = base + ws.partials;
         if (grad && sp.row.lse_out == nullptr) {
@@ -525,14 +575,14 @@ Status run(const detail::CeCall& call) {
         e = cudaGetLastError();
       }
       if (e != cudaSuccess) return device_error(e, "the stream kernel launch");
-      if (plan.splits > 1) {
+      if (plan.splits > 1 && !finish_here) {
         // The rows' partials folded into their results (and the batch sums: no finalize below).
         fill_finalize(bp, p, call, o);
         launch_split_merge(bp, sp.row, sp.partials, plan.splits, stream);
         e = cudaGetLastError();
         if (e != cudaSuccess) return device_error(e, "the split-merge kernel launch");
-        finalized = true;
       }
+      finalized = finish_here || plan.splits > 1;
       if (grad && plan.splits > 1) {
         // Few rows, each split over blocks: the gradient in a second pass from the merged lse
         // (the rows are small enough to be re-read from L2).

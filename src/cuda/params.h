@@ -70,44 +70,15 @@ struct RowPartial {
   int has_target;
 };
 
-/// The streaming (sm_90) pass: persistent blocks walk work items (row, split); the copy engine
-/// streams each item's chunks into a ring of shared-memory stages.
-struct StreamParams {
-  RowParams row;
-  int splits;            // blocks sharing one row; > 1 only for few rows (then no gradient here)
-  int chunks_per_split;  // chunks of kChunkSegs segments per split
-  void* partials;        // (N, splits) RowPartial, splits > 1 only (merged by the split-merge pass)
-  // The gradient sweep walks each row backwards. When the rows in flight on all SMs outgrow the
-  // L2, a forward re-scan misses on every chunk (LRU evicts each row's start first); backwards,
-  // the chunks loaded last, still in L2, come first. Measured on the H200: 4096 x 262144 bf16 and
-  // 8192 x 128256 fp32 fwd+grad 4-5% faster in two runs; rows that fit showed no gain beyond the
-  // ~5% spread between runs, so they keep the forward order.
-  bool grad_backwards;
-  // Forward over whole rows: fold each row's warp partials asynchronously (each warp posts its
-  // partial; the last to arrive folds them). The default; FUSEDCE_STREAM_ASYNC_REDUCE=0 turns
-  // it off.
-  bool async_reduce;
-  // 2: each row is shared by the two blocks of a cluster (halves of chunks_per_split chunks,
-  // statistics swapped through distributed shared memory, both sweeps fused), so the rows in
-  // flight take half the L2 and the gradient sweep re-reads from it. Forward + gradient, rows
-  // that would overflow L2 (FUSEDCE_STREAM_CLUSTER=2 always, =1 never). Else 1.
-  int halves;
-};
-
-/// dlogits[i, :] *= factor(i); rows whose factor is 1 skipped.
-struct RescaleParams {
-  void* dlogits;
-  int64_t stride;
-  int64_t rows;
-  int64_t vocab;
-  const float* grad_loss;
-  int64_t grad_stride;
-  bool grad_scalar;
-  int chunks_per_row;  // blocks per row
+/// Sums over rows for the batch results (finalize): loss, entropy, correct rows, and the mean's
+/// denominator when the rows are counted there.
+struct BatchSums {
+  double loss, entropy, correct, den;
 };
 
 /// One-block passes over the batch: the prepare pass (targets, weights) and the finalize pass
-/// (per-row results summed in a fixed order).
+/// (per-row results summed in a fixed order); the stream kernel finishes a call from the same
+/// inputs itself (StreamParams::fin).
 struct BatchParams {
   const void* target;
   int64_t target_stride;
@@ -129,6 +100,55 @@ struct BatchParams {
   float* loss_out;           // (1,)
   int64_t* num_correct_out;  // (1,) or nullptr
   float* entropy_out;        // (1,) or nullptr
+};
+
+/// The streaming (sm_90) pass: persistent blocks walk work items (row, split); the copy engine
+/// streams each item's chunks into a ring of shared-memory stages.
+struct StreamParams {
+  RowParams row;
+  int splits;            // blocks sharing one row; > 1 only for few rows (then no gradient here)
+  int chunks_per_split;  // chunks of kChunkSegs segments per split
+  void* partials;        // (N, splits) RowPartial, splits > 1 only (merged by the last split, or the split-merge pass)
+  // The gradient sweep walks each row backwards. When the rows in flight on all SMs outgrow the
+  // L2, a forward re-scan misses on every chunk (LRU evicts each row's start first); backwards,
+  // the chunks loaded last, still in L2, come first. Measured on the H200: 4096 x 262144 bf16 and
+  // 8192 x 128256 fp32 fwd+grad 4-5% faster in two runs; rows that fit showed no gain beyond the
+  // ~5% spread between runs, so they keep the forward order.
+  bool grad_backwards;
+  // Forward over whole rows: fold each row's warp partials asynchronously (each warp posts its
+  // partial; the last to arrive folds them). The default; FUSEDCE_STREAM_ASYNC_REDUCE=0 turns
+  // it off.
+  bool async_reduce;
+  // 2: each row is shared by the two blocks of a cluster (halves of chunks_per_split chunks,
+  // statistics swapped through distributed shared memory, both sweeps fused), so the rows in
+  // flight take half the L2 and the gradient sweep re-reads from it. Forward + gradient, rows
+  // that would overflow L2 (FUSEDCE_STREAM_CLUSTER=2 always, =1 never). Else 1.
+  int halves;
+  // One launch per call (finish.cuh): with `finish`, each split row's partials are merged by its
+  // last split (no split-merge pass), and the batch sums, when `fin` asks for any, are formed by
+  // the block that finishes last (each block's sums of its own rows in block_sums first; no
+  // finalize pass). counters: [0] blocks done, [1 + row] a split row's splits done, tagged with
+  // `tag` (arrive_tagged).
+  bool finish;
+  BatchParams fin;
+  unsigned long long* counters;
+  unsigned long long tag;
+  BatchSums* block_sums;  // (gridDim.x)
+  // Mean with the gradient and no prepare pass: every block counts the valid targets itself
+  // (BatchParams target fields of `fin`) for 1 / denominator.
+  bool count_den;
+};
+
+/// dlogits[i, :] *= factor(i); rows whose factor is 1 skipped.
+struct RescaleParams {
+  void* dlogits;
+  int64_t stride;
+  int64_t rows;
+  int64_t vocab;
+  const float* grad_loss;
+  int64_t grad_stride;
+  bool grad_scalar;
+  int chunks_per_row;  // blocks per row
 };
 
 }  // namespace cuda

@@ -1,8 +1,9 @@
 // The streaming cross-entropy pass for Hopper: forward statistics, and with them the gradient.
 //
 // What it fuses: persistent blocks (one per SM) walk the work items (a row, or a split of a row
-// when there are few rows: each split publishes its partial statistics, which the split-merge
-// pass folds after this kernel). A producer warp has the copy engine stream each item's 32 KB chunks
+// when there are few rows: each split publishes its partial statistics, and the last split of
+// the row to finish folds them), and the block that finishes last forms the batch sums
+// (finish.cuh): one launch per call. A producer warp has the copy engine stream each item's 32 KB chunks
 // into a ring of shared-memory stages (cp.async.bulk + mbarrier), kStages chunks ahead, across
 // row boundaries; 16 consumer warps fold each chunk into per-thread online (max, sum of exps)
 // states, then reduce the row (short rows: two groups of 8 warps, each with its own rows and its
@@ -20,6 +21,7 @@
 #include "cuda/port.h"
 #include "cuda/row_kernel.cuh"
 #if !FUSEDCE_PLATFORM_HIP
+#include "cuda/finish.cuh"
 #include "cuda/tma.cuh"
 #endif
 
@@ -151,6 +153,58 @@ __device__ __forceinline__ RowPartial empty_partial() {
   return r;
 }
 
+/// The consumers' named barrier for the call's finish (groups use 1 and 2).
+constexpr int kFinishBarrier = 3;
+
+/// The batch sums at the end of the stream kernel (consumer threads, after their last item):
+/// each block sums the whole rows it owned (items first, first + step, ...; none for the second
+/// block of a halves cluster, whose partner wrote the results) into block_sums, and the block
+/// that arrives last sums those in block order, or with splits the rows themselves (merged by
+/// their last splits, all finished once every block has arrived), and writes the outputs.
+__device__ inline void finish_batch(const StreamParams& sp, const unsigned int* den_count,
+                                    BatchSums (*scratch)[kStreamConsumerWarps]) {
+  // The block's items again (recomputed, not kept live across the item loop: that cost the
+  // gradient kernels spills).
+  const bool halves = sp.halves > 1;
+  const int64_t items = sp.row.rows * sp.splits;
+  const int64_t first = halves ? blockIdx.x / 2 : blockIdx.x;
+  const int64_t step = halves ? gridDim.x / 2 : gridDim.x;
+  const bool no_rows = halves && cluster_rank() != 0;  // the other half wrote the results
+  const int tid = threadIdx.x;
+  __threadfence();  // this thread's row results, before the block's arrival announces them
+  named_barrier(kFinishBarrier, kStreamConsumers);
+  BatchSums s = {0.0, 0.0, 0.0, 0.0};
+  if (sp.splits == 1 && !no_rows && first < items) {
+    s = sum_rows(sp.fin, first, step, (items - first + step - 1) / step, tid, kStreamConsumers);
+  }
+  s = team_sum(s, scratch[0], tid, kStreamConsumers, kFinishBarrier);
+  bool last = false;
+  if (tid == 0) {
+    sp.block_sums[blockIdx.x] = s;
+    __threadfence();  // the block's sums (and, before the barrier, its rows) before its arrival
+    last = arrive_tagged(&sp.counters[0], sp.tag) == gridDim.x;
+  }
+  if (!named_barrier_or(kFinishBarrier, kStreamConsumers, last)) return;
+  __threadfence();  // every block's writes, announced by the count
+  BatchSums total = {0.0, 0.0, 0.0, 0.0};
+  if (sp.splits == 1) {
+    for (int b = tid; b < static_cast<int>(gridDim.x); b += kStreamConsumers) {
+      const double* q = reinterpret_cast<const double*>(sp.block_sums + b);
+      total.loss += __ldcg(q);
+      total.entropy += __ldcg(q + 1);
+      total.correct += __ldcg(q + 2);
+      total.den += __ldcg(q + 3);
+    }
+  } else {
+    total = sum_rows(sp.fin, 0, 1, sp.fin.rows, tid, kStreamConsumers);
+  }
+  total = team_sum(total, scratch[1], tid, kStreamConsumers, kFinishBarrier);  // (the other buffer)
+  if (tid == 0) {
+    clear_tagged(&sp.counters[0]);
+    write_batch_results(sp.fin, total, sp.count_den ? static_cast<double>(*den_count) : -1.0);
+  }
+}
+
 /// Hands a stage back to the producer once this warp's reads of it are in registers. The arrive
 /// is made to depend on the loaded words (a predicate ptxas cannot fold: always true, as V >= 1),
 /// so it issues only after the shared-memory loads have returned. Without the dependency ptxas
@@ -200,6 +254,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   __shared__ uint64_t half_full[2];
   // Asynchronous reduction: warps that posted their partial of the item in slot i.
   __shared__ int arrivals[kReduceSlots][kMaxStreamGroups];
+  // The call's finish (finish.cuh): per-warp sums (one buffer per team sum), the count of valid
+  // targets.
+  __shared__ BatchSums finish_scratch[2][kStreamConsumerWarps];
+  __shared__ unsigned int den_count;
 
   const RowParams& p = sp.row;
   const int V = static_cast<int>(p.vocab);
@@ -245,6 +303,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     for (int i = 0; i < kReduceSlots; ++i) {
       for (int j = 0; j < kMaxStreamGroups; ++j) arrivals[i][j] = 0;
     }
+    den_count = 0;
     mbar_init_fence();
   }
   // Barriers initialised before anyone (in the cluster) waits on or arrives at them.
@@ -325,7 +384,14 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   const bool async = !kGrad && kAsyncReduceAllowed && !grad_here && sp.splits == 1 && sp.async_reduce;
   const bool metrics = kExtras && p.metrics;
   int64_t t_next = first < items ? load_target_dev(p, row_of(first)) : 0;
-  const float g_chain = grad_here && p.batch ? p.batch->g_chain : 1.0f;
+  // The gradient's 1 / denominator: from the prepare pass, or (mean, no prepare pass) counted
+  // here by every block, while the producer fills the ring: the same integer in each.
+  // (The count stays in shared memory for the finish: a live double here cost the gradient
+  // kernels spills.)
+  float g_chain = grad_here && p.batch ? p.batch->g_chain : 1.0f;
+  if (kGrad && sp.count_den) {
+    g_chain = static_cast<float>(1.0 / count_valid_targets(sp.fin, threadIdx.x, kStreamConsumers, &den_count, kFinishBarrier));
+  }
   uint32_t hseq = 0;  // rows exchanged with the other half (halves only)
   int turn = 0;  // the group whose item this is
   for (int64_t w = first; w < items; w += step, turn = turn + 1 == groups ? 0 : turn + 1) {
@@ -377,6 +443,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
 
     // ---- statistics sweep
     RowPartial mine = empty_partial();
+    int split_last = 0;  // this split finished its row last (splits with finish)
     // run_m: the general variant's running max in z; run_xm: the others' in raw logits.
     float run_m = -INFINITY, run_xm = -INFINITY, run_s = 0.0f, run_ez = 0.0f, smooth = 0.0f;
     // The argmax along this thread, tracked per segment and resolved once per item
@@ -684,14 +751,31 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
           b = crank == 0 ? merge_partial(b, o, metrics) : merge_partial(o, b, metrics);
         }
         if (sp.splits > 1) {
-          // Publish this split's partial and move on: the split-merge pass (after this kernel)
-          // folds a row's partials, so no block waits on another's arrival here.
+          // Publish this split's partial and move on: the row's last split to finish folds the
+          // partials (below; or the split-merge pass after this kernel), so no block waits on
+          // another's arrival.
           static_cast<RowPartial*>(sp.partials)[row * sp.splits + split] = b;
+          if (sp.finish) {
+            __threadfence();  // the partial is visible before the count that announces it
+            split_last = arrive_tagged(&sp.counters[1 + row], sp.tag) == static_cast<uint32_t>(sp.splits);
+          }
         } else if (crank == 0) {  // one half writes the row's results
           write_row_results(p, row, b, detail::lse_value(b.st), b.has_target ? b.z_target : NAN, c, w_t, t, weighted,
                             metrics);
         }
         if (grad_here && !every_warp) row_part = b;  // the halves' gradient sweep's lse
+      }
+      if (!kGrad && sp.splits > 1 && warp == gwarp0 && shfl_idx(split_last, 0)) {
+        // The row's last split: every partial is in (their counts announced them).
+        __threadfence();
+        __syncwarp();
+        const RowPartial a =
+            fold_split_partials(static_cast<const RowPartial*>(sp.partials) + row * sp.splits, sp.splits, lane, metrics);
+        if (lane == 0) {
+          clear_tagged(&sp.counters[1 + row]);
+          write_row_results(p, row, a, detail::lse_value(a.st), a.has_target ? a.z_target : NAN, c, w_t, t, weighted,
+                            metrics);
+        }
       }
     }
     parity ^= 1;
@@ -767,6 +851,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     }
     if (!in_ring) at = gat;  // past the second copy of the row
   }
+  if (sp.finish && (sp.fin.loss_out || sp.fin.num_correct_out)) finish_batch(sp, &den_count, finish_scratch);
 #endif
 }
 

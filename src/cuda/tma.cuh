@@ -83,6 +83,18 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+/// Barrier `id` among `threads` threads that also ORs a predicate over them: true in every thread
+/// when any passed true (no shared-memory flag, so no write-then-read across the barrier).
+__device__ __forceinline__ bool named_barrier_or(int id, int threads, bool v) {
+  uint32_t r;
+  asm volatile(
+      "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, %1, 0;\n\tbar.red.or.pred q, %2, %3, p;\n\tselp.u32 %0, 1, 0, q;\n\t}"
+      : "=r"(r)
+      : "r"(static_cast<uint32_t>(v)), "r"(id), "r"(threads)
+      : "memory");
+  return r != 0;
+}
+
 /// Arrive at a named barrier without waiting (the producer side of a bar.arrive / bar.sync
 /// pair: the memory accesses before it are visible to the threads that bar.sync on it).
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {

@@ -381,7 +381,7 @@ TEST(CudaStream, ClusterHalvesAgreeWithCpu) {
 }
 
 // Consumer groups: two groups of 8 warps, each on a ring of its own (kernels of the plain and
-// options sets). By default in forwards over rows of <= 2 chunks; forced here on every row with
+// options sets). By default over rows of <= 2 chunks; forced here on every row with
 // FUSEDCE_STREAM_GROUPS=2, then one group forced: rows of 1 to 8 chunks (kept in the ring, or
 // streamed twice with the gradient), ragged ends, ignored rows, several items per group and
 // block, each option set, each reduction, and rows long enough for halves (which take one group).
@@ -416,8 +416,8 @@ TEST(CudaStream, ConsumerGroupsForwardAgreesWithCpu) {
   unsetenv("FUSEDCE_STREAM_GROUPS");
 }
 
-// With the gradient two groups run only when forced (dev knob): loss, lse, metrics and dlogits
-// against the CPU backend.
+// With the gradient (two groups by default on rows of <= 2 chunks; forced here on every row):
+// loss, lse, metrics and dlogits against the CPU backend.
 TEST(CudaStream, ConsumerGroupsGradientAgreesWithCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::mt19937_64 rng = test_rng();
@@ -434,6 +434,72 @@ TEST(CudaStream, ConsumerGroupsGradientAgreesWithCpu) {
     }
   }
   unsetenv("FUSEDCE_STREAM_GROUPS");
+}
+
+// The stream kernel finishes a call itself (finish.cuh: a split row's partials merged by its last
+// split, the batch sums by the block that finishes last, the mean's 1 / denominator counted in
+// every block with the gradient). Against the separate passes it replaces
+// (FUSEDCE_STREAM_FINISH=0): the row results and dlogits are the same bits, the batch sums
+// agree to rounding (another summation order). Its counters live in a workspace nobody clears:
+// the same results whatever the workspace held (all ones, random bytes), and a second call on
+// the workspace the first one left gives the first one's bits.
+TEST(CudaStream, OneLaunchFinishMatchesSeparatePasses) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng = test_rng();
+  fusedce::Options sum_metrics = all_options(), none, smooth;
+  sum_metrics.reduction = fusedce::Reduction::kSum;
+  none.reduction = fusedce::Reduction::kNone;
+  smooth.label_smoothing = 0.1f;
+  const Shape shapes[] = {{3, 262147}, {40, 131071}, {700, 32003}, {2000, 7}, {1, 5}};
+  for (const Shape& sh : shapes) {
+    for (DType d : {DType::kBFloat16, DType::kFloat32}) {
+      for (const fusedce::Options& o : {fusedce::Options{}, sum_metrics, none, smooth}) {
+        for (bool grad : {false, true}) {
+          SCOPED_TRACE("N=" + std::to_string(sh.N) + " V=" + std::to_string(sh.V) + " " + dtype_tag(d) +
+                       (grad ? " fwd+grad" : " forward") + " reduction " + std::to_string(int(o.reduction)));
+          DeviceProblem p(d, sh.N, sh.V, rng);
+          p.reserve_workspace(o);
+          auto call = [&] { return grad ? p.forward_backward(o, nullptr) : p.forward(o, nullptr); };
+          setenv("FUSEDCE_STREAM_FINISH", "0", 1);
+          const fusedce::Status s0 = call();
+          unsetenv("FUSEDCE_STREAM_FINISH");
+          ASSERT_OK(s0);
+          const std::vector<uint8_t> ref = p.results(o);
+          const size_t loss_n = o.reduction == fusedce::Reduction::kNone ? sh.N : 1;
+          const size_t dx_bytes = p.host_x.size(), loss_at = dx_bytes, lse_at = loss_at + loss_n * 4;
+          const size_t ent_at = lse_at + sh.N * 4;
+          auto f32 = [](const std::vector<uint8_t>& r, size_t at) {
+            float v;
+            std::memcpy(&v, r.data() + at, 4);
+            return v;
+          };
+          for (int fill = 0; fill < 2; ++fill) {
+            std::vector<uint8_t> stale(p.ws_bytes, 0xFF);
+            if (fill == 1) {
+              for (auto& b : stale) b = static_cast<uint8_t>(rng());
+            }
+            ASSERT_CUDA(cudaMemcpy(p.ws, stale.data(), p.ws_bytes, cudaMemcpyHostToDevice));
+            ASSERT_OK(call());
+            const std::vector<uint8_t> got = p.results(o);
+            EXPECT_TRUE(std::equal(ref.begin(), ref.begin() + dx_bytes, got.begin())) << "dlogits bits";
+            EXPECT_TRUE(std::equal(ref.begin() + lse_at, ref.begin() + ent_at, got.begin() + lse_at)) << "lse bits";
+            if (loss_n > 1) {
+              EXPECT_TRUE(std::equal(ref.begin() + loss_at, ref.begin() + lse_at, got.begin() + loss_at)) << "row losses";
+            } else {
+              const float a = f32(ref, loss_at), b = f32(got, loss_at);
+              EXPECT_TRUE((std::isnan(a) && std::isnan(b)) || std::fabs(a - b) <= 1e-6f * std::fabs(a)) << a << " vs " << b;
+            }
+            if (o.compute_metrics) {
+              EXPECT_NEAR(f32(got, ent_at), f32(ref, ent_at), 1e-6f * std::fabs(f32(ref, ent_at)) + 1e-6f) << "entropy";
+              EXPECT_TRUE(std::equal(ref.begin() + ent_at + 4, ref.end(), got.begin() + ent_at + 4)) << "num_correct";
+            }
+            ASSERT_OK(call());  // on the workspace the first call left
+            EXPECT_TRUE(got == p.results(o)) << "a second call on the same workspace";
+          }
+        }
+      }
+    }
+  }
 }
 
 // Fused linear cross-entropy in a CUDA graph: the chunked path (float32 grad_weight accumulator),
