@@ -74,6 +74,7 @@ constexpr int64_t kCountDenRowsMax = 32768;
 /// Segments per thread in the rescale kernel, and its block size.
 constexpr int kRescaleItems = 4;
 constexpr int kRescaleThreads = 256;
+constexpr int kRescaleBlocksPerSm = 8;  // 2048 threads: a full SM
 
 void launch_prepare(const BatchParams& p, cudaStream_t stream);
 void launch_finalize(const BatchParams& p, cudaStream_t stream);

@@ -362,7 +362,12 @@ Status run_rescale(const detail::CeCall& call, cudaStream_t stream) {
   RescaleKernel k = d.dtype == DType::kFloat32    ? rescale_kernel_f32()
                     : d.dtype == DType::kBFloat16 ? rescale_kernel_bf16()
                                                   : rescale_kernel_f16();
-  k<<<static_cast<unsigned>(p.rows * p.chunks_per_row), kRescaleThreads, 0, stream>>>(p);
+  // Persistent blocks (kRescaleBlocksPerSm an SM) over the (row, chunk) items.
+  int sms = 0;
+  (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, call.device.index);
+  const int64_t items = p.rows * p.chunks_per_row;
+  const int64_t grid = std::min<int64_t>(items, int64_t(std::max(sms, 1)) * kRescaleBlocksPerSm);
+  k<<<static_cast<unsigned>(grid), kRescaleThreads, 0, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? Status::Ok() : device_error(e, "the rescale kernel launch");
 }

@@ -502,6 +502,59 @@ TEST(CudaStream, OneLaunchFinishMatchesSeparatePasses) {
   }
 }
 
+// The upstream-gradient rescale on persistent blocks (a grid of a few blocks per SM walking the
+// (row, chunk) items): with many more items than blocks every row is scaled by its own factor
+// (rows of factor 1 keep their bits), a scalar factor scales every row, and a scalar of 1
+// leaves the gradient alone. Reference: the float product rounded to the dtype (fp32: exact).
+TEST(CudaRescale, PersistentBlocksScaleEveryRow) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng = test_rng();
+  const int64_t N = 3001, V = 50003;
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    SCOPED_TRACE(dtype_tag(d));
+    const size_t es = elem_size(d);
+    std::vector<uint8_t> host(N * V * es);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (int64_t i = 0; i < N * V; ++i) store_value(host.data(), d, i, normal(rng));
+    std::uniform_real_distribution<float> uf(-3.0f, 3.0f);
+    std::vector<float> per_row(N);
+    for (int64_t i = 0; i < N; ++i) per_row[i] = i % 3 == 0 ? 1.0f : uf(rng);
+    void *x = nullptr, *g = nullptr;
+    ASSERT_CUDA(cudaMalloc(&x, host.size()));
+    ASSERT_CUDA(cudaMalloc(&g, N * sizeof(float)));
+    // One unit in the last place (fp32: exact), and for float16 the subnormal spacing 2^-24
+    // (products under 6.1e-5 round to it: ~1 element in 40000 here).
+    const double rel = d == DType::kFloat32 ? 0.0 : d == DType::kBFloat16 ? 1.0 / 128 : 1.0 / 1024;
+    const double abs_tol = d == DType::kFloat16 ? std::ldexp(1.0, -24) : 0.0;
+    for (const std::vector<float>& factors : {per_row, std::vector<float>{0.37f}, std::vector<float>{1.0f}}) {
+      SCOPED_TRACE(factors.size() == 1 ? "scalar " + std::to_string(factors[0]) : std::string("per row"));
+      ASSERT_CUDA(cudaMemcpy(x, host.data(), host.size(), cudaMemcpyHostToDevice));
+      ASSERT_CUDA(cudaMemcpy(g, factors.data(), factors.size() * sizeof(float), cudaMemcpyHostToDevice));
+      ASSERT_OK(fusedce::cross_entropy_rescale_grad(
+          fusedce::Device::cuda(), fusedce::vector(g, DType::kFloat32, static_cast<int64_t>(factors.size())),
+          fusedce::matrix(x, d, N, V), fusedce::Workspace{}));
+      std::vector<uint8_t> got(host.size());
+      ASSERT_CUDA(cudaMemcpy(got.data(), x, got.size(), cudaMemcpyDeviceToHost));
+      int64_t bad = 0;
+      for (int64_t i = 0; i < N; ++i) {
+        const float f = factors.size() == 1 ? factors[0] : factors[i];
+        if (f == 1.0f) {
+          bad += std::memcmp(got.data() + i * V * es, host.data() + i * V * es, V * es) != 0;
+          continue;
+        }
+        for (int64_t j = 0; j < V; ++j) {
+          const double want = static_cast<double>(static_cast<float>(load_value(host.data(), d, i * V + j)) * f);
+          const double have = load_value(got.data(), d, i * V + j);
+          if (std::fabs(have - want) > rel * std::fabs(want) + abs_tol) ++bad;
+        }
+      }
+      EXPECT_EQ(bad, 0) << "elements (or factor-1 rows) off";
+    }
+    cudaFree(x);
+    cudaFree(g);
+  }
+}
+
 // Fused linear cross-entropy in a CUDA graph: the chunked path (float32 grad_weight accumulator),
 // one chunk, and low_memory (vocabulary slices), each captured once with a caller's workspace and
 // replayed on new hidden states; every replay gives the bits of a direct call on those inputs.
