@@ -1,6 +1,6 @@
 // The end of a call inside the stream kernel: the pieces that let one launch do what the
-// split-merge and finalize passes did after it (a one-block launch each, 6-9 us of GPU time on the
-// H200 for a few-rows forward, ncu 2026-11-30: more than the rows' own read time).
+// split-merge and finalize passes did after it (one-block launches; H200, 2026-11-30: a few-rows
+// forward, 64 x 262144 bf16, 0.0277 -> 0.0254 ms per call with them folded in).
 //
 // - A split row's partials are merged by its last split to finish (a counter per row).
 // - The batch sums (reduction and metrics) are formed by the block that finishes last (a counter

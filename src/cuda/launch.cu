@@ -1,6 +1,7 @@
 // The CUDA backend's host side: workspace layout, launch shapes, and the sequence of passes of
-// each job (prepare -> row kernel -> finalize), all enqueued on the caller's stream with no host
-// synchronisation (except the opt-in target check, which must read a result back).
+// each job (prepare -> row kernel -> finalize; on sm_90 the stream kernel, which finishes the call
+// itself: usually one launch), all enqueued on the caller's stream with no host synchronisation
+// (except the opt-in target check, which must read a result back).
 #include "cuda/port.h"  // first: the platform's runtime header
 
 #include <algorithm>
