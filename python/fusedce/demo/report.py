@@ -6,20 +6,29 @@ import json
 import math
 import textwrap
 
-# Largest |difference| allowed between the two loss curves (nats), by compute dtype. The runs
-# start from the same weights and see the same batches, so the curves differ only by rounding,
-# which training carries forward but hardly amplifies: in float32 the CPU default run's curves
-# stay within 3e-6 of each other over 200 steps. A wrong loss shows at the first step; a wrong
-# gradient changes what the model learns (Adam ignores a uniform scale of a gradient, not a
-# wrong direction): lm_head.weight's gradient taken from half the rows, or the hidden states'
-# gradient missing for 1/16 of the rows, moved the curves apart by more than 1e-3 within two
-# steps and by 0.037 to 0.13 within 100 (tests/python/test_demo.py plants the first).
-# bfloat16: the baseline rounds its logits to bfloat16 before the upcast and fusedce does not,
-# so the runs differ by that rounding from the first step on: within 5.2e-3 over the 200 steps of
-# the CPU default under bfloat16 autocast (1e-5 at the first step). The tolerance leaves 10x
-# that for GPU runs, whose attention backward adds atomics' non-determinism to both runs; the
-# float32 check above is the sharp one.
-TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}
+# How far the two loss curves may drift apart (nats), by compute dtype. The runs start from the
+# same weights and see the same batches, so the curves differ only by rounding, which training
+# carries forward: little while the learning rate is low, a lot near its peak. Measured:
+# - float32, the CPU default run: within 3e-6 over 200 steps. On the H200 (300 steps; attention's
+#   backward adds atomics' non-determinism to both runs): 1.8e-5 over the warm-up, 4.1e-3 at
+#   worst later, 4.7e-4 on average.
+# - bfloat16 (the baseline rounds its logits to bfloat16 before the upcast, fusedce does not, so
+#   the runs differ from the first step on): 5.2e-3 over the 200 steps of the CPU default; on the
+#   H200 (2026-11-30) 8.2e-4 over the first 20 steps, then, from step 21 as the warm-up reached
+#   its peak learning rate, 0.09 at step 30 and 0.029 on average over 300 steps (seed 0; seed 1:
+#   1.1e-2 at worst; 150 steps: 1.0e-3). A rounding difference near the peak sends the runs down
+#   visibly different (equally good) paths; a pointwise bound over the whole run cannot tell that
+#   from a bug.
+# A wrong loss shows at the first step; a wrong gradient changes what the model learns at once
+# (Adam ignores a uniform scale of a gradient, not a wrong direction): lm_head.weight's gradient
+# taken from half the rows, or the hidden states' gradient missing for 1/16 of the rows, moved
+# the float32 curves apart by more than 1e-3 within two steps and by 0.037 to 0.13 within 100
+# (tests/python/test_demo.py plants the first). So the sharp check is the early steps' largest
+# difference (EARLY_TOLERANCE over the first early_steps(n)), and the whole run's mean difference
+# gets a loose bound (RUN_TOLERANCE) that only a run going wrong later would break.
+EARLY_TOLERANCE = {"float32": 1e-3, "bfloat16": 1e-2}
+RUN_TOLERANCE = {"float32": 1e-2, "bfloat16": 1e-1}
+TOLERANCE = EARLY_TOLERANCE  # the bound plotted beside the differences
 
 LABELS = {
     "torch": "torch: lm_head + F.cross_entropy (float32 logits)",
@@ -27,20 +36,34 @@ LABELS = {
 }
 
 
+def early_steps(n):
+    """The steps the sharp check covers: the first 5% of the run (half the learning-rate
+    warm-up), at least 5 (or all of a shorter run)."""
+    return min(n, max(5, n // 20))
+
+
 def compare_curves(a, b, dtype):
-    """max |a - b| over the steps (and where), the first step's difference, and whether the
-    curves agree within TOLERANCE[dtype] (any non-finite loss: they do not)."""
+    """Where and how far the curves differ: the early steps' largest |a - b| (against
+    EARLY_TOLERANCE[dtype]), the whole run's mean and largest |a - b| (the mean against
+    RUN_TOLERANCE[dtype]), the first step's; and whether they agree (any non-finite loss or a
+    length mismatch: they do not)."""
     diffs = [abs(x - y) for x, y in zip(a, b)]
     finite = all(math.isfinite(x) for x in a + b) and len(a) == len(b) and len(a) > 0
+    nan = float("nan")
     worst = max(range(len(diffs)), key=diffs.__getitem__) if diffs else 0
-    tol = TOLERANCE[dtype]
-    max_diff = diffs[worst] if diffs and finite else float("nan")
+    k = early_steps(len(diffs))
+    early = max(diffs[:k]) if finite else nan
+    mean = sum(diffs) / len(diffs) if finite else nan
     return {
-        "max_abs_diff": max_diff,
+        "max_abs_diff": diffs[worst] if finite else nan,
         "at_step": worst,
-        "first_step_abs_diff": diffs[0] if diffs else float("nan"),
-        "tolerance": tol,
-        "agree": finite and max_diff <= tol,
+        "first_step_abs_diff": diffs[0] if diffs else nan,
+        "early_steps": k,
+        "early_max_abs_diff": early,
+        "mean_abs_diff": mean,
+        "tolerance": EARLY_TOLERANCE[dtype],
+        "run_tolerance": RUN_TOLERANCE[dtype],
+        "agree": finite and early <= EARLY_TOLERANCE[dtype] and mean <= RUN_TOLERANCE[dtype],
     }
 
 
@@ -66,9 +89,12 @@ def summary_lines(setup, runs, agreement):
                      f"({100 * abs(saved) / t['peak_memory_bytes']:.0f}%), "
                      f"{f['tokens_per_s'] / t['tokens_per_s']:.2f}x the tokens/s")
     verdict = "agree" if agreement["agree"] else "DIVERGE"
-    lines.append(f"loss curves: max |diff| {agreement['max_abs_diff']:.2e} at step {agreement['at_step']} "
-                 f"(first step {agreement['first_step_abs_diff']:.2e}); "
-                 f"tolerance {agreement['tolerance']:.0e}: {verdict}")
+    lines.append(f"loss curves: max |diff| {agreement['early_max_abs_diff']:.2e} over the first "
+                 f"{agreement['early_steps']} steps (tolerance {agreement['tolerance']:.0e}), mean |diff| "
+                 f"{agreement['mean_abs_diff']:.2e} over all {len(t['losses'])} (tolerance "
+                 f"{agreement['run_tolerance']:.0e}): {verdict}")
+    lines.append(f"             largest |diff| {agreement['max_abs_diff']:.2e} at step {agreement['at_step']}, "
+                 f"first step {agreement['first_step_abs_diff']:.2e}")
     return lines
 
 
@@ -99,7 +125,7 @@ def plot_curves(path, runs, agreement, title):
     diff = [(step, abs(a - b)) for step, (a, b) in enumerate(pairs, 1) if a != b]
     bottom.semilogy([s for s, _ in diff], [d for _, d in diff], ".", color="black", ms=3,
                     label="|difference| (steps with identical losses not shown)")
-    bottom.axhline(agreement["tolerance"], color="tab:red", lw=0.8, ls=":", label="tolerance")
+    bottom.axhline(agreement["tolerance"], color="tab:red", lw=0.8, ls=":", label=f"tolerance (first {agreement['early_steps']} steps)")
     bottom.set_xlabel("step")
     bottom.set_ylabel("|torch - fusedce|")
     bottom.legend(fontsize=8)
