@@ -14,7 +14,9 @@
 // Usage: fusedce_bench [--quick] [--csv FILE] [--shapes NxV[:f32|bf16|f16],... (instead of the
 //        issue's shapes: cheaper A/B runs)] [--sweep (launch shapes, for the dev notes)]
 //        [--sweep-splits (few rows: chunks per split)] [--options (each option alone, fwd+grad)]
-//        [--profile (for ncu)]
+//        [--profile (for ncu)] [--l2-persist-kb KB|max (the L2 set-aside for persisting lines,
+//        cudaLimitPersistingL2CacheSize, set before timing: the first sweep's evict_last lines
+//        live there; a dev experiment)]
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -367,6 +369,7 @@ int bench_options(int iters, const cudaDeviceProp& prop) {
 
 int main(int argc, char** argv) {
   bool quick = false, sweep = false, profile = false, sweep_splits = false, options = false;
+  const char* l2_persist = nullptr;
   const char* csv_path = nullptr;
   const char* shapes_arg = nullptr;
   for (int i = 1; i < argc; ++i) {
@@ -376,11 +379,28 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--profile")) profile = true;
     if (!std::strcmp(argv[i], "--sweep-splits")) sweep_splits = true;
     if (!std::strcmp(argv[i], "--options")) options = true;
+    if (!std::strcmp(argv[i], "--l2-persist-kb") && i + 1 < argc) l2_persist = argv[++i];
     if (!std::strcmp(argv[i], "--csv") && i + 1 < argc) csv_path = argv[++i];
   }
   const int iters = quick ? 10 : 50;
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  {
+    size_t persist = 0;
+    CHECK_CUDA(cudaDeviceGetLimit(&persist, cudaLimitPersistingL2CacheSize));
+    if (l2_persist) {
+      const size_t want = !std::strcmp(l2_persist, "max") ? size_t(prop.persistingL2CacheMaxSize)
+                                                          : size_t(std::atoll(l2_persist)) << 10;
+      CHECK_CUDA(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, want));
+      size_t now = 0;
+      CHECK_CUDA(cudaDeviceGetLimit(&now, cudaLimitPersistingL2CacheSize));
+      std::printf("# L2 set-aside for persisting lines: %zu KB by default, %zu KB now (largest %d KB)\n",
+                  persist >> 10, now >> 10, prop.persistingL2CacheMaxSize >> 10);
+    } else {
+      std::printf("# L2 set-aside for persisting lines: %zu KB (largest %d KB)\n", persist >> 10,
+                  prop.persistingL2CacheMaxSize >> 10);
+    }
+  }
   if (options) return bench_options(iters, prop);
   if (sweep_splits) {
     // Few rows, forward, bf16: the stream kernel's work split (chunks of 32 KB per split, the knob

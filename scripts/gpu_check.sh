@@ -226,19 +226,27 @@ step "A/B: the stream kernel's variants against the default (fusedce_bench, same
 # AB_VARIANTS picks them: sync (the synchronous row reduction), halves (every long row on 2-block
 # clusters), groups1 / groups2 (one or two consumer groups over whole rows, forced; groups2 also
 # with the gradient), separate (the prepare / split-merge / finalize passes instead of the stream
-# kernel's own finish: FUSEDCE_STREAM_FINISH=0). BENCH_ARGS="--shapes 16384x32000,16384x50257,8192x128256" narrows each run
+# kernel's own finish: FUSEDCE_STREAM_FINISH=0), l2normal (the first sweep's lines evict_normal,
+# not evict_last), backwards (every gradient sweep backwards), persist0* (the L2's persisting
+# set-aside set to 0 before timing, alone or with one of those). BENCH_ARGS="--shapes 16384x32000,16384x50257,8192x128256" narrows each run
 # to a few shapes (a fraction of the device time).
 for f in ${AB_VARIANTS:-default groups1 groups2}; do
+  env=(); args=()
   case $f in
     sync) env=(FUSEDCE_STREAM_ASYNC_REDUCE=0) ;;
     halves) env=(FUSEDCE_STREAM_CLUSTER=2) ;;
     groups1) env=(FUSEDCE_STREAM_GROUPS=1) ;;
     groups2) env=(FUSEDCE_STREAM_GROUPS=2) ;;
     separate) env=(FUSEDCE_STREAM_FINISH=0) ;;
-    *) env=() ;;
+    l2normal) env=(FUSEDCE_STREAM_L2_KEEP=normal) ;;
+    backwards) env=(FUSEDCE_STREAM_BACKWARDS=1) ;;
+    persist0) args=(--l2-persist-kb 0) ;;
+    persist0normal) env=(FUSEDCE_STREAM_L2_KEEP=normal); args=(--l2-persist-kb 0) ;;
+    persist0backwards) env=(FUSEDCE_STREAM_BACKWARDS=1); args=(--l2-persist-kb 0) ;;
+    *) ;;
   esac
-  env "${env[@]}" timeout -k 5 "${BENCH_TIMEOUT:-150}" "$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench_$f.csv" > "$out/bench_$f.md" || status=1
-  echo "-- $f"; grep -E "ceilings|\| (forward|fwd\+grad) \|" "$out/bench_$f.md"
+  env "${env[@]}" timeout -k 5 "${BENCH_TIMEOUT:-150}" "$build/bench/fusedce_bench" ${BENCH_ARGS:-} "${args[@]}" --csv "$out/bench_$f.csv" > "$out/bench_$f.md" || status=1
+  echo "-- $f"; grep -E "persisting|ceilings|\| (forward|fwd\+grad) \|" "$out/bench_$f.md"
 done
 fi
 

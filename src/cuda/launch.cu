@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
+#include <cstring>
 #include <sstream>
 #include <mutex>
 #include <string>
@@ -190,6 +191,13 @@ bool grad_backwards(bool overflow) {
   const char* env = std::getenv("FUSEDCE_STREAM_BACKWARDS");
   if (env != nullptr && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
   return overflow;
+}
+
+/// The first sweep's L2 policy with the gradient (StreamParams::keep_policy): evict_last unless
+/// FUSEDCE_STREAM_L2_KEEP=normal (a dev knob for A/B runs).
+int keep_policy_requested() {
+  const char* env = std::getenv("FUSEDCE_STREAM_L2_KEEP");
+  return env != nullptr && std::strcmp(env, "normal") == 0 ? 1 : 0;
 }
 
 /// Consumer groups of the stream kernel (two groups of 8 warps, each folding its own rows) for
@@ -557,6 +565,7 @@ Status run(const detail::CeCall& call) {
           grid = 2 * static_cast<int>(std::min<int64_t>(N, clusters));
         }
       }
+      sp.keep_policy = keep_policy_requested();
       sp.grad_backwards = grad_backwards(int64_t(sms) * row_bytes / sp.halves > int64_t(l2_bytes));
       if (finish_here) {
         sp.finish = true;

@@ -115,6 +115,9 @@ struct StreamParams {
   // 8192 x 128256 fp32 fwd+grad 4-5% faster in two runs; rows that fit showed no gain beyond the
   // ~5% spread between runs, so they keep the forward order.
   bool grad_backwards;
+  // The first sweep's L2 policy with the gradient (0 evict_last, the default; 1 evict_normal;
+  // a dev knob, FUSEDCE_STREAM_L2_KEEP, for A/B runs against the L2's persisting set-aside).
+  int keep_policy;
   // Forward over whole rows: fold each row's warp partials asynchronously (each warp posts its
   // partial; the last to arrive folds them). The default; FUSEDCE_STREAM_ASYNC_REDUCE=0 turns
   // it off.

@@ -323,7 +323,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     // With the gradient, the first sweep's lines should survive in L2 until the second sweep
     // re-reads them microseconds later; the second sweep's (and dlogits', stored .cs) go first.
     // (evict_normal instead measured the same: H200, 2026-11-30, 8192 x 128256 bf16 fwd+grad.)
-    const uint64_t keep = make_l2_policy(grad_here ? L2Policy::kEvictLast : L2Policy::kEvictFirst);
+    const uint64_t keep = make_l2_policy(!grad_here         ? L2Policy::kEvictFirst
+                                         : sp.keep_policy ? L2Policy::kEvictNormal
+                                                          : L2Policy::kEvictLast);
     // (rows kept in the ring are read once: their lines need not stay)
     const uint64_t drop = make_l2_policy(L2Policy::kEvictFirst);
     // Targets are fetched one item ahead: a global load's latency under full bandwidth is about

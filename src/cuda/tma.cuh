@@ -55,15 +55,17 @@ __device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, 
 }
 
 /// An L2 policy for bulk loads: kEvictLast keeps lines for a re-read soon after (the gradient
-/// sweep), kEvictFirst lets them go first.
-enum class L2Policy { kEvictLast, kEvictFirst };
+/// sweep), kEvictFirst lets them go first, kEvictNormal is the plain one.
+enum class L2Policy { kEvictLast, kEvictFirst, kEvictNormal };
 
 __device__ __forceinline__ uint64_t make_l2_policy(L2Policy which) {
   uint64_t policy;
   if (which == L2Policy::kEvictLast) {
     asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  } else {
+  } else if (which == L2Policy::kEvictFirst) {
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  } else {
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
   }
   return policy;
 }
