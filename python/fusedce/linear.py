@@ -10,7 +10,7 @@ import torch
 
 from . import _library
 from .functional import _REDUCTIONS, _rows
-from .linear_ops import FusedLinearCrossEntropy, ops
+from .linear_ops import FusedLinearCrossEntropy, call_below_autograd, ops
 
 _NAME = "fusedce.linear_cross_entropy"
 
@@ -165,7 +165,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
     if any(needs):
         loss, lse, num_correct, entropy_sum = FusedLinearCrossEntropy.apply(*args, *needs)
     else:
-        loss, lse, num_correct, entropy_sum = ops.lce_fwd(*args)
+        loss, lse, num_correct, entropy_sum = call_below_autograd(ops.lce_fwd.default, *args)
 
     if reduction == "none":
         loss = loss.view(target.shape)

@@ -17,7 +17,7 @@ low_memory, skip_ignored.
 
 import torch
 
-from .ops import _graph_is_kept, _upstream, ops
+from .ops import _graph_is_kept, _upstream, call_below_autograd, ops
 
 # hidden, weight, bias, target, class_weight and the nine options.
 _NUM_LEADING = 15
@@ -180,13 +180,13 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         ctx.needs = (need_grad_hidden, need_grad_weight, need_grad_bias)
         ctx.fused = gradients_factor(reduction, need_grad_weight, need_grad_bias)
         if ctx.fused:
-            loss, lse, num_correct, entropy_sum, grad_h, grad_w, grad_b = ops.lce_fwd_bwd(
-                hidden, weight, bias, target, class_weight, *options, None, compute_metrics,
-                need_grad_hidden, need_grad_weight, need_grad_bias)
+            loss, lse, num_correct, entropy_sum, grad_h, grad_w, grad_b = call_below_autograd(
+                ops.lce_fwd_bwd.default, hidden, weight, bias, target, class_weight, *options, None,
+                compute_metrics, need_grad_hidden, need_grad_weight, need_grad_bias)
             ctx.save_for_backward(grad_h, grad_w, grad_b)
         else:
-            loss, lse, num_correct, entropy_sum = ops.lce_fwd(
-                hidden, weight, bias, target, class_weight, *options, compute_metrics)
+            loss, lse, num_correct, entropy_sum = call_below_autograd(
+                ops.lce_fwd.default, hidden, weight, bias, target, class_weight, *options, compute_metrics)
             ctx.save_for_backward(hidden, weight, bias, target, class_weight)
             ctx.options = options
         ctx.mark_non_differentiable(lse, num_correct, entropy_sum)

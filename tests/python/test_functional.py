@@ -308,3 +308,23 @@ def test_module(device):
     loss, m = fusedce.CrossEntropyLoss(reduction="none", return_metrics=True, z_loss=1e-4)(x, t)
     assert loss.shape == t.shape and "num_correct" in m
     assert "z_loss=0.0001" in repr(fusedce.CrossEntropyLoss(z_loss=1e-4))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_calls_without_a_graph_skip_autograd_and_match_the_op(device):
+    """Where no graph is built (nothing requires grad, or under no_grad) fusedce.cross_entropy
+    calls the op past autograd's Python kernel (host time per call) and returns what the op
+    returns; with grad on, the loss has a grad_fn and the same value."""
+    from fusedce.ops import ops
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(6, 37, generator=gen) * 2).to(device)
+    t = torch.randint(0, 37, (6,), generator=gen).to(device)
+    ref = ops.ce_fwd(x, t, None, -100, "mean", 0.0, 1.0, 0.0, 0.0, False)[0]
+    loss = fusedce.cross_entropy(x, t)
+    assert loss.grad_fn is None and torch.equal(loss, ref)
+    xg = x.clone().requires_grad_()
+    with torch.no_grad():
+        assert not fusedce.cross_entropy(xg, t).requires_grad
+    loss_g = fusedce.cross_entropy(xg, t)
+    assert loss_g.grad_fn is not None  # (the gradient kernel may sum in another order)
+    torch.testing.assert_close(loss_g.detach(), ref, rtol=1e-6, atol=0)
