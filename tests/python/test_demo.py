@@ -152,7 +152,6 @@ def test_compare_curves_judges_the_early_steps_sharply_and_the_run_on_average():
     assert ok["early_steps"] == 15 and ok["early_max_abs_diff"] == pytest.approx(1e-4)
     assert ok["at_step"] == 30 and ok["max_abs_diff"] == pytest.approx(0.09) and ok["agree"]
     early_bug = [x + (2e-3 if i >= 3 else 0.0) for i, x in enumerate(ref)]
-    assert report.compare_curves(ref, drift, "bfloat16")["agree"]
     assert not report.compare_curves(ref, early_bug, "float32")["agree"]
     assert not report.compare_curves(ref, [x + 0.02 for x in ref], "bfloat16")["agree"]
     late = [x + (0.0 if i < 100 else 0.2) for i, x in enumerate(ref)]
