@@ -2,12 +2,13 @@
 # The test command of README.md, C++ then Python:
 #   1. configure (CUDA on where nvcc is found), build, run every C++ test with ctest;
 #   2. build and install the Python package from this tree into the Python environment
-#      (.venv when it exists, else $FUSEDCE_PYTHON or python3, which must have torch,
-#      transformers, accelerate, pytest, scikit-build-core and ninja: see .ci/run), then run
+#      ($FUSEDCE_PYTHON, else .venv when it exists, else python3; it must have torch,
+#      transformers, accelerate, pytest, scikit-build-core and ninja: see README.md), then run
 #      every Python test with pytest (no test collected counts as a failure).
 # GPU tests skip themselves on a machine without a GPU. Both parts run; the exit status is
 # non-zero if either failed.
 # Usage: scripts/test.sh [build-dir]   (FUSEDCE_CMAKE_ARGS adds C++ configure arguments;
+#        FUSEDCE_PY_BUILD_DIR moves the Python package's build tree from build-py/;
 #        FUSEDCE_SKIP_CPP=1 or FUSEDCE_SKIP_PYTHON=1 runs one part only)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +33,9 @@ if [ "${FUSEDCE_SKIP_PYTHON:-0}" != 1 ]; then
   [ -z "${FUSEDCE_PYTHON:-}" ] && [ -x .venv/bin/python ] && python=.venv/bin/python
   # Built against the torch of that environment (hence no build isolation); the build tree
   # build-py/ is kept, so a rebuild compiles only what changed.
-  if "$python" -m pip install --no-build-isolation --no-deps -q .; then
+  py_build=()
+  [ -n "${FUSEDCE_PY_BUILD_DIR:-}" ] && py_build=(--config-settings=build-dir="$FUSEDCE_PY_BUILD_DIR")
+  if "$python" -m pip install --no-build-isolation --no-deps -q "${py_build[@]}" .; then
     rc=0
     "$python" -m pytest tests/python -q -rs || rc=$?
     if [ $rc -eq 5 ]; then

@@ -262,8 +262,14 @@ def test_bfloat16_model(spy):
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
-def _train(tmp_path, steps=3):
-    from transformers import Trainer, TrainingArguments
+def _train(tmp_path, steps=3, plant=None):
+    """Trainer on a tiny Llama for `steps` steps of plain SGD (no momentum, no weight decay),
+    recording every parameter's gradient as the optimizer receives it (after accumulation and
+    clipping). Comparing those judges the training signal itself; comparing the parameters after
+    Adam steps would judge Adam's amplification of rounding noise in near-zero gradient entries
+    (and so the library versions). `plant(model)` may plant a bug before training. Returns the
+    logged losses and the per-step gradients."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     class Tokens(torch.utils.data.Dataset):
         def __init__(self):
@@ -276,16 +282,38 @@ def _train(tmp_path, steps=3):
             ids, labels = self.items[i]
             return {"input_ids": ids[0], "labels": labels[0]}
 
+    grads = []
+
+    class RecordGradients(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+
     model = tiny_llama(seed=9)
+    if plant is not None:
+        plant(model)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2,
-                             gradient_accumulation_steps=2, max_steps=steps, learning_rate=1e-3,
-                             logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
-                             seed=0, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+                             gradient_accumulation_steps=2, max_steps=steps, learning_rate=0.1,
+                             optim="sgd", weight_decay=0.0, logging_steps=1, report_to=[],
+                             use_cpu=True, save_strategy="no", seed=0, dataloader_num_workers=0,
+                             disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[RecordGradients()])
     assert trainer.model_accepts_loss_kwargs and trainer._loss_shifts_labels
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, grads
+
+
+def assert_same_updates(ours, theirs, steps=3):
+    """The logged losses agree to float32 rounding, and so does every parameter's gradient at
+    every step, each against its own scale (as assert_same_training_signal judges them)."""
+    assert len(ours[0]) == len(theirs[0]) == steps and len(ours[1]) == len(theirs[1]) == steps
+    torch.testing.assert_close(torch.tensor(ours[0]), torch.tensor(theirs[0]), rtol=1e-5, atol=1e-6)
+    for step, (a, b) in enumerate(zip(ours[1], theirs[1])):
+        assert a.keys() == b.keys()
+        for name, grad in b.items():
+            assert grad.abs().max() > 0, f"{name} has no gradient at step {step}"
+            torch.testing.assert_close(a[name], grad, rtol=2e-5, atol=1e-5 * grad.abs().max().item(),
+                                       msg=lambda m: f"step {step}, {name}: {m}")
 
 
 @pytest.mark.parametrize("fused_linear", [True, False], ids=["fused_linear", "logits"])
@@ -296,8 +324,17 @@ def test_trainer(tmp_path, spy, fused_linear):
     finally:
         fct.revert()
     assert spy == expected_calls(fused_linear, n=3 * 2)  # every micro-batch's loss from fusedce
-    theirs = _train(tmp_path / "transformers")
-    assert len(ours[0]) == 3
-    torch.testing.assert_close(torch.tensor(ours[0]), torch.tensor(theirs[0]), rtol=1e-5, atol=1e-6)
-    for name in ours[1]:
-        torch.testing.assert_close(ours[1][name], theirs[1][name], rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_updates(ours, _train(tmp_path / "transformers"))
+
+
+def test_trainer_comparison_fails_a_one_percent_gradient_error(tmp_path):
+    """The comparison above can fail: lm_head.weight's gradient 1% too large, nothing else
+    changed, is caught at the first step (through the clipping, which rescales every gradient
+    by the global norm, the first mismatch can show in another parameter)."""
+    def plant(model):
+        model.lm_head.weight.register_hook(lambda g: g * 1.01)
+
+    reference = _train(tmp_path / "reference")
+    planted = _train(tmp_path / "planted", plant=plant)
+    with pytest.raises(AssertionError, match="step 0"):
+        assert_same_updates(planted, reference)
