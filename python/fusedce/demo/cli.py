@@ -1,6 +1,8 @@
 """python -m fusedce.demo: the command line, and the two runs side by side."""
 
 import argparse
+import dataclasses
+import json
 import multiprocessing
 import os
 import sys
@@ -47,10 +49,19 @@ def parse_args(argv):
     p.add_argument("--sample-tokens", type=int, default=200, help="tokens of generated text to write")
     p.add_argument("--prompt", default="ROMEO:\n", help="start of the generated sample")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="K >= 2: a seed study of K pairs of runs (seeds --seed .. --seed + K - 1); "
+                   "reports each pair's final losses and the mean signed difference with its "
+                   "standard error, and exits with status 1 when fusedce ends worse beyond noise")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at once in a seed study (default 1; on a large GPU several small "
+                   "runs share it; their tokens/s then mean nothing)")
     a = p.parse_args(argv)
     for name in ("steps", "vocab", "batch_size", "seq_len"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    if a.seeds < 1 or a.jobs < 1:
+        p.error("--seeds and --jobs must be positive")
     for name in ("sample_tokens", "threads"):
         if getattr(a, name) < 0:
             p.error(f"--{name.replace('_', '-')} must not be negative")
@@ -79,6 +90,42 @@ def run_isolated(cfg, tokens, merges, loss_name):
     of its own (an allocator keeps pages from one run that would hide the next run's growth)."""
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as ex:
         return ex.submit(train_run, cfg, tokens, merges, loss_name).result()
+
+
+def run_pairs(cfg, tokens, merges, seeds, jobs):
+    """Both losses' runs for each seed, `jobs` at a time, each in a fresh process; returns
+    {seed: {loss_name: run}}."""
+    configs = {s: dataclasses.replace(cfg, seed=s, sample_tokens=0) for s in seeds}
+    if jobs == 1:
+        return {s: {name: run_isolated(c, tokens, merges, name) for name in LOSSES}
+                for s, c in configs.items()}
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                             max_tasks_per_child=1) as ex:
+        futures = {(s, name): ex.submit(train_run, c, tokens, merges, name)
+                   for s, c in configs.items() for name in LOSSES}
+        return {s: {name: futures[s, name].result() for name in LOSSES} for s in seeds}
+
+
+def seed_study(a, cfg, tokens, merges):
+    """--seeds K: K pairs of runs; prints the paired differences of the final losses and writes
+    seeds.json into --out; returns the exit status (1: fusedce ends worse beyond noise)."""
+    seeds = list(range(a.seed, a.seed + a.seeds))
+    runs = run_pairs(cfg, tokens, merges, seeds, a.jobs)
+    torch_finals = [report.final_loss(runs[s]["torch"]["losses"]) for s in seeds]
+    fused_finals = [report.final_loss(runs[s]["fusedce"]["losses"]) for s in seeds]
+    verdict = report.compare_seeds(torch_finals, fused_finals, cfg.dtype)
+    first = runs[seeds[0]]["torch"]
+    setup = describe(cfg, first["params"], where_it_ran(first))
+    lines = report.seed_lines(setup, seeds, torch_finals, fused_finals, verdict)
+    os.makedirs(a.out, exist_ok=True)
+    curves = {s: {name: r["losses"] for name, r in pair.items()} for s, pair in runs.items()}
+    with open(os.path.join(a.out, "seeds.json"), "w") as f:
+        json.dump({"config": cfg.to_dict(), "versions": {"fusedce": fusedce_version(), "torch": torch.__version__},
+                   "seeds": seeds, "torch_final": torch_finals, "fusedce_final": fused_finals,
+                   "verdict": verdict, "losses": curves}, f, indent=1)
+    lines.append(f"numbers: {os.path.join(a.out, 'seeds.json')}")
+    print("\n".join(lines))
+    return 1 if verdict["fusedce_worse"] else 0
 
 
 def describe(cfg, params, where):
@@ -143,8 +190,8 @@ def write_report(out, cfg, corpus, runs):
 
 
 def main(argv=None):
-    """Runs the demo; returns the exit status (0: the curves agree, 1: they diverge, 2: the
-    demo cannot run as asked)."""
+    """Runs the demo; returns the exit status (0: the curves agree, 1: they diverge or, in a
+    seed study, fusedce ends worse beyond noise, 2: the demo cannot run as asked)."""
     a = parse_args(argv)
     cfg = run_config(a)
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
@@ -155,6 +202,11 @@ def main(argv=None):
     except ValueError as e:
         print(f"fusedce.demo: {e}", file=sys.stderr)
         return 2
+    if a.seeds > 1:
+        status = seed_study(a, cfg, tokens, tok.merges)
+        if status:
+            print("fusedce.demo: fusedce's final loss is higher than torch's beyond noise", file=sys.stderr)
+        return status
     runs = {name: run_isolated(cfg, tokens, tok.merges, name) for name in LOSSES}
     if not write_report(a.out, cfg, corpus, runs):
         print("fusedce.demo: the loss curves diverge beyond the tolerance", file=sys.stderr)

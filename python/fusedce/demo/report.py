@@ -4,6 +4,7 @@ matplotlib is installed."""
 
 import json
 import math
+import statistics
 import textwrap
 
 # How far the two loss curves may drift apart (nats), by compute dtype. The runs start from the
@@ -65,6 +66,59 @@ def compare_curves(a, b, dtype):
         "run_tolerance": RUN_TOLERANCE[dtype],
         "agree": finite and early <= EARLY_TOLERANCE[dtype] and mean <= RUN_TOLERANCE[dtype],
     }
+
+
+# The seed study (--seeds K): K pairs of runs, each pair from its own seed. Two bfloat16 runs that
+# differ only by rounding drift apart with either sign; a biased gradient makes one loss end
+# higher in every pair. Each run's final loss is the mean over its last FINAL_FRACTION of steps
+# (less batch noise than the last step alone; both runs of a pair see the same batches). fusedce
+# is worse beyond noise when the mean signed difference (fusedce - torch) exceeds both twice its
+# standard error and BIAS_FLOOR: in float32 the pairs agree to ~1e-6, so a standard error alone
+# would flag differences far below anything training notices.
+FINAL_FRACTION = 0.1
+BIAS_FLOOR = {"float32": 1e-4, "bfloat16": 2e-3}
+
+
+def final_loss(losses):
+    """The mean loss over the last FINAL_FRACTION of the steps (at least one step)."""
+    k = max(1, int(len(losses) * FINAL_FRACTION))
+    return sum(losses[-k:]) / k
+
+
+def compare_seeds(torch_finals, fused_finals, dtype):
+    """The paired differences of K runs' final losses (fusedce - torch): their mean, standard
+    error and sign count, and whether fusedce ends worse beyond noise (K >= 2)."""
+    if len(torch_finals) != len(fused_finals) or len(torch_finals) < 2:
+        raise ValueError("compare_seeds needs two or more pairs of final losses")
+    diffs = [f - t for t, f in zip(torch_finals, fused_finals)]
+    k = len(diffs)
+    mean = sum(diffs) / k
+    finite = all(math.isfinite(d) for d in diffs)
+    se = statistics.stdev(diffs) / math.sqrt(k) if finite else float("nan")
+    return {
+        "diffs": diffs,
+        "mean_diff": mean,
+        "stderr": se,
+        "positive": sum(d > 0 for d in diffs),
+        "pairs": k,
+        "floor": BIAS_FLOOR[dtype],
+        "fusedce_worse": (not finite) or (mean > 2 * se and mean > BIAS_FLOOR[dtype]),
+    }
+
+
+def seed_lines(setup, seeds, torch_finals, fused_finals, verdict):
+    """The seed study's printed report, as lines of text."""
+    lines = [setup, "",
+             f"final loss = mean over the last {FINAL_FRACTION:.0%} of the steps",
+             "seed | torch    | fusedce  | fusedce - torch",
+             "-----|----------|----------|----------------"]
+    for s, t, f, d in zip(seeds, torch_finals, fused_finals, verdict["diffs"]):
+        lines.append(f"{s:4d} | {t:8.4f} | {f:8.4f} | {d:+.4e}")
+    worse = "fusedce WORSE beyond noise" if verdict["fusedce_worse"] else "no systematic gap"
+    lines.append(f"mean difference {verdict['mean_diff']:+.4e} +- {verdict['stderr']:.2e} (standard "
+                 f"error, {verdict['pairs']} pairs; {verdict['positive']} of {verdict['pairs']} "
+                 f"positive; floor {verdict['floor']:.0e}): {worse}")
+    return lines
 
 
 def _mib(n):
