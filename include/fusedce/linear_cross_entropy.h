@@ -15,7 +15,11 @@ struct LinearOptions {
   /// last row of each sequence (i % shift_seq_len == shift_seq_len - 1) is ignored. hidden and
   /// target keep their (N, ...) shapes: nothing is copied. 0 = no shift.
   int64_t shift_seq_len = 0;
-  /// Scratch for logit tiles and their gradients (bytes); 0 = the backend's default.
+  /// Scratch for logit tiles and their gradients (bytes); 0 = the backend's default. On CUDA the
+  /// default is the larger of 448 MiB and a float32 copy of the weight (less 64 MiB for the
+  /// rest of the workspace): the extra memory stays within the larger of 512 MiB and that copy,
+  /// plus the float32 grad_weight accumulator for a 16-bit weight. A smaller budget caps it at
+  /// the price of more token chunks (each reads and writes that accumulator once).
   size_t chunk_budget_bytes = 0;
   /// Bound the extra memory (including any float32 grad_weight accumulator) at 512 MiB, even at
   /// the cost of recomputation.

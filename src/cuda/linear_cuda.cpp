@@ -38,9 +38,23 @@ namespace {
 
 size_t elem_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
-/// Default bytes of logits per chunk: with the cuBLASLt workspace and the per-row vectors the
-/// extra memory stays within 512 MiB plus the float32 grad_weight accumulator.
+/// Least default bytes of logits per chunk: with the cuBLASLt workspace and the per-row vectors
+/// the extra memory stays within 512 MiB plus the float32 grad_weight accumulator.
 constexpr size_t kDefaultChunkBudget = size_t(448) << 20;
+/// What the cuBLASLt workspace, the per-row vectors and the logits kernel's workspace may take
+/// beside the logit buffer.
+constexpr size_t kChunkOverheadBytes = size_t(64) << 20;
+
+/// The default logit budget: the larger of kDefaultChunkBudget and a float32 copy of the weight
+/// (less the overhead), so the extra memory stays within the larger of 512 MiB and that copy,
+/// plus the float32 grad_weight accumulator when the weight is 16-bit. Each token chunk reads
+/// and writes that accumulator once: a budget that grows with the weight keeps the number of
+/// chunks, and so the accumulator's traffic, from growing with V * H (at 16384 x 2304 x 256000,
+/// 4 chunks instead of 19).
+size_t default_chunk_budget(int64_t V, int64_t H) {
+  const size_t weight_f32 = size_t(V) * size_t(H) * 4;
+  return std::max(kDefaultChunkBudget, weight_f32 > kChunkOverheadBytes ? weight_f32 - kChunkOverheadBytes : 0);
+}
 /// low_memory: the logit buffer's default (the smaller one when the second pass needs a slice
 /// accumulator), and the most that float32 accumulator may take; with the cuBLASLt workspace
 /// and the per-row vectors the whole call stays under 512 MiB.
@@ -169,14 +183,14 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
     p.slice_acc_bytes = std::max(kSliceAccBytes, size_t(128) * H * 4);
     set_chunks(kLowMemoryChunkBudget);
     if (dtype != DType::kFloat32 && plan_slices(p, N).acc) set_chunks(kLowMemorySmallChunkBudget);
-  } else if (acc16 && size_t(std::max<int64_t>(N, 1)) * row_bytes <= kDefaultChunkBudget + acc_bytes) {
+  } else if (acc16 && size_t(std::max<int64_t>(N, 1)) * row_bytes <= default_chunk_budget(V, H) + acc_bytes) {
     // Every row's logits fit in the default budget plus the float32 accumulator's bytes: one
     // chunk, in that room instead. The products then run at full size, grad_weight is one
     // product over all rows (float32 accumulation inside it, rounded once) and nothing is read
     // back: the same memory bound, less time.
     set_chunks(size_t(std::max<int64_t>(N, 1)) * row_bytes);
   } else {
-    set_chunks(kDefaultChunkBudget);
+    set_chunks(default_chunk_budget(V, H));
   }
   // 16-bit grad_weight over several chunks sums them in a float32 accumulator.
   p.gw_via_acc = acc16 && p.max_chunks > 1;
