@@ -1,4 +1,6 @@
-// Cross-entropy kernel benchmark: the ceilings first, then each job at the issue's shapes.
+// Cross-entropy kernel benchmark: the ceilings first, then each job at language-model shapes
+// (the `shapes` list in main: vocabularies of 32000 to 262144 in bfloat16, one float32 case, and
+// 64 x 262144 for few rows).
 //
 // Ceilings, measured in the same run: device-to-device copy (cudaMemcpyAsync; bytes = read +
 // written) and a streaming read (a plain reduction kernel of our own; bytes = read).
@@ -12,7 +14,7 @@
 // counts where the GPU work is shorter); "queued ms" enqueues all calls back to back with their
 // events and waits once (the GPU time per call in a stream kept busy, as in training).
 // Usage: fusedce_bench [--quick] [--csv FILE] [--shapes NxV[:f32|bf16|f16],... (instead of the
-//        issue's shapes: cheaper A/B runs)] [--sweep (launch shapes, for the dev notes)]
+//        default shapes: cheaper A/B runs)] [--sweep (launch shapes, for the dev notes)]
 //        [--sweep-splits (few rows: chunks per split)] [--options (each option alone, fwd+grad)]
 //        [--profile (for ncu)] [--l2-persist-kb KB|max (the L2 set-aside for persisting lines,
 //        cudaLimitPersistingL2CacheSize, set before timing: the first sweep's evict_last lines

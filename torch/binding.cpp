@@ -7,7 +7,7 @@
 // the ones autograd and torch.compile see.
 //
 // Shared arguments: ignore_index, reduction ('none' | 'sum' | 'mean'), label_smoothing,
-// logit_scale, softcap (0 = off), z_loss, as in SPEC.md. logits are 2-D (N, V) with unit
+// logit_scale, softcap (0 = off), z_loss, as in docs/contract.md. logits are 2-D (N, V) with unit
 // stride along V (rows may be strided); target is (N,) int64 / int32; weight is float32 (V,).
 // loss is float32, (N,) for 'none' and 0-D otherwise; lse is float32 (N,); num_correct
 // (int64) and entropy_sum (float32) are 0-D, and are written only when both are given (out

@@ -7,7 +7,7 @@
 // logits (N, V_local) with unit stride along V; target (N,) int64 / int32 of *global* class
 // indices; weight the local slice (V_local,) of the class weights, float32; then vocab_start
 // (global index of the local first column) and vocab_total (V of the full vocabulary), and the
-// options of SPEC.md as in binding.cpp.
+// options (docs/contract.md, "Options") as in binding.cpp.
 //
 //   ce_shard_stats -> stats (N + 1, 9) float32: per-row partial statistics of the shard
 //   ce_shard_merge(gathered = every rank's stats, concatenated in rank order)

@@ -1,4 +1,4 @@
-// fusedce: cross-entropy over logits (SPEC.md). Every entry point validates its arguments
+// fusedce: cross-entropy over logits (docs/contract.md). Every entry point validates its arguments
 // once, returns a Status naming any bad argument, and runs on the device the handle names
 // (CPU threads, or a CUDA stream with no host synchronisation).
 #pragma once

@@ -1,4 +1,4 @@
-// fusedce: fused linear cross-entropy (SPEC.md, "linear CE"): the loss of
+// fusedce: fused linear cross-entropy (docs/contract.md, "Fused linear cross-entropy"): the loss of
 // logits = hidden @ weight.T (+ bias) without ever storing the (N, V) logits, and its gradients
 // for hidden, weight and bias. Same conventions as cross_entropy.h: one validating entry point
 // per job, a Status naming any bad argument, the device handle choosing the backend.

@@ -17,7 +17,7 @@ size_t dtype_size(DType dtype);
 /// Readable name ("float32", "bfloat16", ...).
 const char* dtype_name(DType dtype);
 
-/// How per-row losses are combined (SPEC.md, "Reductions").
+/// How per-row losses are combined (docs/contract.md, "Reductions").
 enum class Reduction : int32_t { kNone = 0, kSum = 1, kMean = 2 };
 const char* reduction_name(Reduction reduction);
 
@@ -78,7 +78,7 @@ struct Workspace {
   size_t bytes = 0;
 };
 
-/// The options of SPEC.md. Defaults reproduce plain `F.cross_entropy`.
+/// The options of docs/contract.md ("Options"). Defaults reproduce plain `F.cross_entropy`.
 struct Options {
   int64_t ignore_index = -100;   ///< rows with this target contribute nothing
   float label_smoothing = 0.0f;  ///< eps in [0, 1]

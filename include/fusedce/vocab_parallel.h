@@ -1,6 +1,7 @@
-// fusedce: cross-entropy over a vocabulary split across ranks (SPEC.md, "Vocabulary-parallel
-// form"). Each rank holds logits[:, vocab_start : vocab_start + V_local]. Three steps, with the
-// communication between them left to the caller (torch.distributed in the Python front end):
+// fusedce: cross-entropy over a vocabulary split across ranks (docs/contract.md,
+// "Vocabulary-parallel form"). Each rank holds logits[:, vocab_start : vocab_start + V_local].
+// Three steps, with the communication between them left to the caller (torch.distributed in the
+// Python front end):
 //   1. cross_entropy_shard_stats: per-row partial statistics of the local shard, (N + 1, 9) floats;
 //   2. the caller all-gathers them (only per-row scalars cross ranks), and every rank calls
 //      cross_entropy_shard_merge on the gathered block, in rank order: the loss, lse and metrics,

@@ -1,7 +1,7 @@
-"""Vocabulary-parallel cross-entropy over ``torch.distributed`` (SPEC.md, "Vocabulary-parallel
-form"): the model's head is split across the ranks of a process group by vocabulary (tensor
-parallelism), each rank holds a contiguous block of classes, and the loss is computed on the
-shards, exchanging only per-row scalars.
+"""Vocabulary-parallel cross-entropy over ``torch.distributed`` (docs/contract.md,
+"Vocabulary-parallel form"): the model's head is split across the ranks of a process group by
+vocabulary (tensor parallelism), each rank holds a contiguous block of classes, and the loss is
+computed on the shards, exchanging only per-row scalars.
 
 Two forms:
 

@@ -7,7 +7,7 @@ distributed.py call ``ce_shard_bwd`` in their backward, because a gradient needs
 statistics of every rank, which no single op sees.
 
 Arguments shared by the three: target (N,) of global class indices, weight (V_local,) or None,
-vocab_start, vocab_total, then the options of SPEC.md as in ops.py.
+vocab_start, vocab_total, then the options (docs/contract.md, "Options") as in ops.py.
 """
 
 import torch

@@ -19,8 +19,8 @@ struct CeCall {
   Workspace workspace;
 };
 
-/// Checks every argument of the call (SPEC.md "Bad input"); the message names the argument.
-/// Target values are not read here (they may live on a device): see check_targets_host.
+/// Checks every argument of the call (docs/contract.md, "Bad input"); the message names the
+/// argument. Target values are not read here (they may live on a device): see check_targets_host.
 Status validate_call(const CeCall& call);
 
 /// Reads host-resident targets and reports the first one outside [0, V) that is not
@@ -62,7 +62,8 @@ struct LinearCall {
 
 Status validate_linear_call(const LinearCall& call);
 
-/// The effective target of row i (SPEC: causal shift inside sequences when asked).
+/// The effective target of row i: with shift_seq_len, the causal shift inside sequences
+/// (docs/contract.md, "Fused linear cross-entropy").
 inline int64_t linear_target(const LinearCall& c, int64_t i) {
   const VectorView& t = c.target;
   const int64_t L = c.linear.shift_seq_len;

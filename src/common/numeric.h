@@ -1,5 +1,5 @@
 // Scalar building blocks shared by host and device code: 16-bit float conversions, the online
-// log-sum-exp state and its merge, and the per-row loss / gradient formulas of SPEC.md.
+// log-sum-exp state and its merge, and the per-row loss / gradient formulas of docs/contract.md.
 // Everything here is __host__ __device__ so the CPU backend, the CUDA kernels and the
 // vocabulary-parallel merge all use one definition.
 #pragma once
@@ -108,7 +108,7 @@ FUSEDCE_HD float lse_ref(float m) { return m == -INFINITY ? 0.0f : m; }
 
 FUSEDCE_HD float lse_value(const LseState& st) { return st.m + logf(st.s); }
 
-/// Host-precomputed per-call constants of the loss (SPEC.md).
+/// Host-precomputed per-call constants of the loss (docs/contract.md, "Per-row loss").
 struct LossConstants {
   float one_minus_eps;  // 1 - label_smoothing
   float eps;            // label_smoothing
@@ -133,7 +133,8 @@ FUSEDCE_HD float dz_dx(float z, const LossConstants& c, bool softcap) {
   return c.logit_scale * (1.0f - t * t);
 }
 
-/// Per-row loss (SPEC.md): (1-eps) * w_t * (lse - z_t) + smoothing + z_loss * lse^2.
+/// Per-row loss (docs/contract.md, "Per-row loss"): (1-eps) * w_t * (lse - z_t) + smoothing +
+/// z_loss * lse^2.
 /// `smooth_sum` is sum_j z_j (unweighted) or sum_j w_j z_j (weighted). Terms whose factor is 0
 /// are left out, so an infinite lse does not turn them into NaN.
 FUSEDCE_HD float row_loss(const LossConstants& c, float lse, float z_t, float w_t,

@@ -1,4 +1,5 @@
-// The CUDA backend of fused linear cross-entropy, first design (DESIGN.md): token chunks, each
+// The CUDA backend of fused linear cross-entropy, first design (docs/architecture.md, "GPU
+// backend"): token chunks, each
 //   1. logits chunk (rows, V) = hidden_chunk . weight^T (+ bias), cuBLASLt, in the input dtype;
 //   2. the cross-entropy kernel of the logits (reduction none, every option) turns it into the
 //      rows' loss, lse, metrics and, in place, dlogits scaled by each row's upstream gradient;

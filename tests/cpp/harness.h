@@ -28,13 +28,13 @@ struct Tolerance {
   double floor;
 };
 
-/// The one tolerance helper (STYLE.md). Losses, lse and metrics are formed in float32 from
-/// inputs the reference sees exactly, in every dtype: 1e-5 relative, plus 2e-6 (about 16 float32
-/// ulps) of the magnitude of the cancelling terms. Gradients are formed in float32 and rounded
-/// to the output dtype: 2e-6 of the row's term magnitude, plus 1e-5 relative for float32, or one
-/// ulp of the dtype relative for bfloat16 and float16 (2^-7 and 2^-10, i.e. 8e-3 and 1e-3), and
-/// for float16 one step of its subnormal grid (2^-24) for the tiny probabilities that land
-/// there.
+/// The one tolerance helper: every comparison takes its tolerance from here, per dtype. Losses, lse
+/// and metrics are formed in float32 from inputs the reference sees exactly, in every dtype: 1e-5
+/// relative, plus 2e-6 (about 16 float32 ulps) of the magnitude of the cancelling terms. Gradients
+/// are formed in float32 and rounded to the output dtype: 2e-6 of the row's term magnitude, plus
+/// 1e-5 relative for float32, or one ulp of the dtype relative for bfloat16 and float16 (2^-7 and
+/// 2^-10, i.e. 8e-3 and 1e-3), and for float16 one step of its subnormal grid (2^-24) for the tiny
+/// probabilities that land there.
 Tolerance tolerance(fusedce::DType dtype, Quantity quantity);
 
 /// Whether `got` matches `ref` (NaN / inf masks included); *bound receives the allowed error.

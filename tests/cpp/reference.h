@@ -1,7 +1,7 @@
-// An independent float64 reference of SPEC.md, written from the spec and not from the library:
-// z, lse, the per-row loss with label smoothing, class weights (weighted as PyTorch weights them)
-// and z-loss, the reductions, the metrics, and dL/dx. Inputs are the already rounded values the
-// library sees, widened to double.
+// An independent float64 reference of docs/contract.md, written from the contract and not from the
+// library: z, lse, the per-row loss with label smoothing, class weights (weighted as PyTorch
+// weights them) and z-loss, the reductions, the metrics, and dL/dx. Inputs are the already rounded
+// values the library sees, widened to double.
 #pragma once
 
 #include <cstdint>

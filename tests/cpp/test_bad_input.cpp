@@ -1,6 +1,6 @@
-// SPEC "Bad input": each malformed call returns kInvalidArgument with a message naming the
-// argument, before any work (outputs keep their contents); a target outside [0, V) that is not
-// ignore_index returns kTargetOutOfRange naming the first bad row and its value.
+// docs/contract.md, "Bad input": each malformed call returns kInvalidArgument with a message
+// naming the argument, before any work (outputs keep their contents); a target outside [0, V)
+// that is not ignore_index returns kTargetOutOfRange naming the first bad row and its value.
 #include <algorithm>
 #include <cstring>
 #include <functional>

@@ -61,7 +61,7 @@ TEST_P(Equivalence, InplaceGradientEqualsOutOfPlace) {
   EXPECT_TRUE(out_of_place.grad.same_bits(inplace.grad, &diff)) << diff;
 }
 
-// compute_metrics leaves loss, lse and gradient bit-identical (SPEC "Metrics").
+// compute_metrics leaves loss, lse and gradient bit-identical (docs/contract.md, "Metrics").
 TEST_P(Equivalence, MetricsLeaveResultsBitIdentical) {
   std::mt19937_64 rng = test_rng();
   const Problem p = make(GetParam(), set(), 23, 2500, 0, rng);

@@ -1,6 +1,7 @@
-// Fused linear cross-entropy (CPU backend) against a float64 reference built here from the SPEC
-// formulas: logits = hidden . weight^T + bias in double, then the cross-entropy terms, then
-// grad_hidden = dX . W, grad_weight = dX^T . hidden, grad_bias = colsum(dX).
+// Fused linear cross-entropy (CPU backend) against a float64 reference built here from the
+// formulas of docs/contract.md: logits = hidden . weight^T + bias in double, then the
+// cross-entropy terms, then grad_hidden = dX . W, grad_weight = dX^T . hidden,
+// grad_bias = colsum(dX).
 #include <gtest/gtest.h>
 
 #include <array>
@@ -209,7 +210,8 @@ LinRun run(Backend& backend, const LinCase& lc, DType d, const std::vector<uint8
 
 std::vector<LinCase> cases() {
   std::vector<LinCase> v;
-  // N=3, H=67, V=1001: odd everything (the shape); smaller shapes carry the option grid.
+  // N=3, H=67, V=1001: odd everything (no vector width divides H or V); smaller shapes carry the
+  // option grid.
   for (auto shape : {std::array<int64_t, 3>{3, 67, 1001}, std::array<int64_t, 3>{37, 19, 300}}) {
     auto add = [&](std::string name, auto tweak) {
       LinCase c;
@@ -469,9 +471,10 @@ TEST_P(LinearContract, DeterministicWorkspaceAndEmptyBatch) {
   p.expect_empty_batch_results(o, lo);
 }
 
-// low_memory's promise: the whole workspace of the shapes stays under 512 MiB (the
-// default path needs the float32 (V, H) accumulator on top), and a low_memory call is the same
-// bits run to run and gives the empty-batch results.
+// low_memory's promise: the whole workspace stays under 512 MiB at language-model shapes (H up
+// to 8192, V up to 262144, up to 262144 rows; the default path needs the float32 (V, H)
+// accumulator on top), and a low_memory call is the same bits run to run and gives the
+// empty-batch results.
 TEST_P(LinearContract, LowMemoryStaysUnder512MiB) {
   std::string why;
   Backend* backend = find_backend(GetParam(), &why);

@@ -43,9 +43,10 @@ def make_weight(vocab, device="cpu", seed=1):
 def torch_cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="mean",
                         label_smoothing=0.0, logit_scale=1.0, softcap=None, z_loss=0.0,
                         compute_dtype=None):
-    """SPEC.md written with PyTorch ops, in `compute_dtype` (default: the logits' dtype). In
-    float64 this is the reference; in the logits' dtype it is what PyTorch itself gets, whose
-    error sets the budget. Where PyTorch has the option, F.cross_entropy is the judge."""
+    """docs/contract.md written with PyTorch ops, in `compute_dtype` (default: the logits'
+    dtype). In float64 this is the reference; in the logits' dtype it is what PyTorch itself
+    gets, whose error sets the budget. Where PyTorch has the option, F.cross_entropy is the
+    judge."""
     dt = compute_dtype or logits.dtype
     vocab = logits.shape[-1]
     z = logits.reshape(-1, vocab).to(dt) * logit_scale

@@ -1,8 +1,8 @@
 """Vocabulary-parallel cross-entropy (fusedce.distributed) over torch.distributed.
 
 Multi-process groups of 2 and 3 ranks on gloo, spawned once per world size: every rank runs every
-case (each option of SPEC.md, even and uneven shards, every shard-layout rule) against the full,
-unsharded problem built from the same seed, and writes what it found to a file; the
+case (each option of docs/contract.md, even and uneven shards, every shard-layout rule) against
+the full, unsharded problem built from the same seed, and writes what it found to a file; the
 parametrized tests below read one case each. Judged as the single-device tests are: the float64
 reference (F.cross_entropy in float64, and F.linear for the linear form), with an error budget
 set by PyTorch's own error in the same dtype; metrics exactly (num_correct) or within rounding;

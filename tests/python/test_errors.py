@@ -123,7 +123,7 @@ def test_device_mismatch_cuda():
 @requires_cuda
 def test_target_out_of_range_cuda_gives_nan_row():
     # On the GPU targets are not checked (that would need a device sync): the row's loss is NaN
-    # and nothing outside the tensors is touched (SPEC.md, "Bad input").
+    # and nothing outside the tensors is touched (docs/contract.md, "Bad input").
     x, t = _ok("cuda")
     t[1] = 1000
     loss = fusedce.cross_entropy(x, t, reduction="none")

@@ -1,5 +1,5 @@
 """fusedce.linear_cross_entropy against a float64 reference built from F.linear and
-F.cross_entropy (with SPEC's formulas for scale, softcap and z-loss, conftest's
+F.cross_entropy (with the contract's formulas for scale, softcap and z-loss, conftest's
 torch_cross_entropy): every option alone and together, the three dtypes, odd shapes, 30 %
 ignored targets, bias, the causal shift, every reduction, metrics, gradients only where they are
 required, and bad input. The error budget is PyTorch's own error in the same dtype (F.linear and
@@ -28,7 +28,7 @@ OPTIONS = {
                    "z_loss": 1e-2, "ignore_index": 3},
 }
 
-# (rows, H, V): the issue's odd shape (no vector width divides H or V); a language model's
+# (rows, H, V): an odd shape (no vector width divides H or V); a language model's
 # (B, S) rows over more than one vocabulary tile; enough rows for several row chunks.
 SHAPES = [((3,), 67, 1001), ((2, 9), 32, 300), ((70,), 24, 129)]
 
@@ -61,8 +61,9 @@ def shifted(target, ignore_index=-100):
 
 def reference(hidden, weight, target, bias=None, *, class_weight=None, shift=False,
               compute_dtype=None, ignore_index=-100, **opts):
-    """SPEC's linear CE written with PyTorch ops, in `compute_dtype` (float64: the reference;
-    the inputs' dtype: PyTorch's own result, whose error sets the budget)."""
+    """Linear CE as docs/contract.md defines it, written with PyTorch ops, in `compute_dtype`
+    (float64: the reference; the inputs' dtype: PyTorch's own result, whose error sets the
+    budget)."""
     dt = compute_dtype or hidden.dtype
     logits = F.linear(hidden.to(dt), weight.to(dt), None if bias is None else bias.to(dt))
     if shift:
@@ -560,8 +561,8 @@ def test_bad_arguments(device, case, exc, match):
 
 @requires_cuda
 def test_target_out_of_range_cuda_gives_nan_row():
-    # SPEC.md "Bad input": unchecked on the GPU, the row's loss is NaN and nothing outside the
-    # tensors is touched; the other rows are unaffected.
+    # docs/contract.md, "Bad input": unchecked on the GPU, the row's loss is NaN and nothing
+    # outside the tensors is touched; the other rows are unaffected.
     h, w, b, t = make_linear_problem((6,), 10, 30, device="cuda", bias=True)
     t[:] = torch.arange(6, device="cuda")
     t[3] = 30
