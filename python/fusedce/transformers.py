@@ -34,9 +34,13 @@ transformers module already imported; modules imported later pick the replacemen
 a hand-written loop.
 """
 
+import ast
 import inspect
 import math
 import sys
+import textwrap
+import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -145,25 +149,105 @@ def _unwrap_call(cls):
     _original_call = None
 
 
+class _Decline(Exception):
+    """Raised inside an armed model call when the model does something with lm_head's output
+    that the fused loss does not follow; _model_call then runs the call again unarmed."""
+
+
+# Models whose armed call was declined once: they stay on the logits path (model -> reason).
+_declined = weakref.WeakKeyDictionary()
+_warned = set()
+
+
 def _model_call(self, *args, **kwargs):
     """PreTrainedModel.__call__ while fused_linear is on: arm lm_head for a training call with
-    labels, run the model, disarm."""
+    labels, run the model, disarm. If the model declines the fused loss (_Decline, or lm_head's
+    output never reached the loss function), the call runs again unarmed from the same random
+    state, so the caller gets exactly what the model computes without the fused loss."""
+    if torch.compiler.is_compiling():
+        # The marker is a tensor subclass with Python-side bookkeeping, which dynamo cannot
+        # trace; under compile the loss comes from the logits path (causal_lm_loss).
+        return torch.nn.Module.__call__(self, *args, **kwargs)
     pending = _arm(self, args, kwargs)
     if pending is None:
         return torch.nn.Module.__call__(self, *args, **kwargs)
+    rng = _rng_state()
     head = pending.head
     head.forward = lambda hidden: _fused_head_forward(head, pending, hidden)
+    reason = None
     try:
         out = torch.nn.Module.__call__(self, *args, **kwargs)
+        if pending.head_called and not pending.consumed:
+            reason = "never passes lm_head's output to its loss function"
+    except _Decline as e:
+        reason = str(e)
     finally:
         del head.forward
         pending.closed = True
-    if pending.head_called and not pending.consumed:
-        raise RuntimeError(
-            f"fusedce.transformers (fused_linear=True): {type(self).__name__} called lm_head "
-            "but its loss function never received lm_head's output; use "
-            "fusedce.transformers.apply(fused_linear=False) for this model")
-    return out
+    if reason is None:
+        return out
+    _declined[self] = reason
+    name = type(self).__name__
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"fusedce.transformers: {name} {reason}; its loss is computed from the "
+                      "logits instead of the fused linear loss", stacklevel=2)
+    _set_rng_state(rng)
+    return torch.nn.Module.__call__(self, *args, **kwargs)
+
+
+def _rng_state():
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state):
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+_loss_calls = {}  # model class -> whether its forward calls self.loss_function
+
+
+def _calls_loss_function(cls):
+    """Whether `cls.forward`'s own source calls ``self.loss_function(...)``. A model that computes
+    its loss otherwise (its own CrossEntropyLoss: T5, Bart, TrOCR, ...) must never be armed: it
+    would receive the empty marker as its logits."""
+    if cls not in _loss_calls:
+        found = False
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+            found = any(isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "loss_function"
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+                        for node in ast.walk(tree))
+        except (OSError, TypeError, SyntaxError):
+            pass
+        _loss_calls[cls] = found
+    return _loss_calls[cls]
+
+
+def _fusable_head(model):
+    head = model.get_output_embeddings()
+    return (isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
+            and "forward" not in head.__dict__)
+
+
+def serving(model):
+    """How fusedce serves `model`'s training loss under the current apply(): "fused_linear"
+    (the loss from lm_head's input and weight, no logits), "logits" (fusedce.cross_entropy over
+    the logits the model makes), or "untouched" (the model computes its loss itself, exactly as
+    without fusedce). Under torch.compile a "fused_linear" model is served through the logits.
+    Read from the model's class and state; a model whose forward reaches the loss function only
+    through a helper is reported "untouched" although the logits path serves it."""
+    if not is_applied() or getattr(model, "loss_function", None) is not causal_lm_loss \
+            or not _calls_loss_function(type(model)):
+        return "untouched"
+    if _fused_linear and model not in _declined and _fusable_head(model):
+        return "fused_linear"
+    return "logits"
 
 
 _label_positions = {}  # model class -> position of `labels` among forward's positional args
@@ -189,13 +273,10 @@ def _arm(model, args, kwargs):
     labels = _labels_of(model, args, kwargs)
     if labels is None:
         return None
-    if getattr(model, "loss_function", None) is not causal_lm_loss:
+    if getattr(model, "loss_function", None) is not causal_lm_loss or model in _declined \
+            or not _calls_loss_function(type(model)) or not _fusable_head(model):
         return None
-    head = model.get_output_embeddings()
-    if (not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward
-            or "forward" in head.__dict__):
-        return None
-    return _Pending(model, head, labels, kwargs)
+    return _Pending(model, model.get_output_embeddings(), labels, kwargs)
 
 
 def _logit_transform(config):
@@ -229,10 +310,7 @@ class _Pending:
         self.head_called = self.consumed = self.closed = False
 
     def fail(self, what):
-        raise RuntimeError(
-            f"fusedce.transformers (fused_linear=True): {self.model_name} {what}, which the fused "
-            "loss does not follow; use fusedce.transformers.apply(fused_linear=False) for this "
-            "model")
+        raise _Decline(what)
 
     def record(self, func, args, kwargs, source):
         """Note an operation on the marker `source`; only a chain of scalings, tanh and dtype
@@ -251,6 +329,8 @@ class _Pending:
         elif name in ("float", "to", "type_as") and all(isinstance(r, torch.dtype) or _is_float_tensor(r)
                                                         for r in rest):
             pass  # a cast: the fused loss computes in float32 whatever the logits' dtype
+        elif name == "contiguous" and not rest:
+            pass  # the same values
         else:
             self.fail(f"applies {name} to its logits")
 
@@ -269,6 +349,7 @@ class _Pending:
                       f"logit_scale={self.logit_scale:g}, softcap={self.softcap}")
 
 
+_HARMLESS_ATTRIBUTES = {"device", "dtype", "requires_grad", "is_cuda", "layout"}
 _SCALE_OPS = {"__mul__", "__rmul__", "mul", "__truediv__", "div", "true_divide"}
 _DIVIDE_OPS = {"__truediv__", "div", "true_divide"}
 
@@ -328,10 +409,23 @@ class _PendingLogits(torch.Tensor):
         if source is None:
             source = next((a for a in kwargs.values() if isinstance(a, _PendingLogits)), None)
         pending = getattr(source, "_pending", None)
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        if pending is None or pending.closed or pending.consumed or not isinstance(out, torch.Tensor):
-            return out
+        if pending is None or pending.closed or pending.consumed:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        name = getattr(func, "__name__", repr(func))
+        if name == "__get__":
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+            if name in _HARMLESS_ATTRIBUTES:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs)
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+        except Exception as e:
+            raise _Decline(f"applies {name} to its logits") from e
+        if not isinstance(out, torch.Tensor):
+            # shape, size, numel, item, ...: the marker's answer is not the logits'
+            pending.fail(f"reads {name} of its logits")
         pending.record(func, args, kwargs, source)
         marker = out.as_subclass(cls)
         marker._pending = pending
@@ -344,7 +438,7 @@ class _PendingLogits(torch.Tensor):
         pending = getattr(self, "_pending", None)
         if pending is None or pending.closed or pending.consumed:
             raise RuntimeError("fusedce.transformers: logits from an earlier fused_linear call "
-                               "were passed to a loss function")
+                               "were passed to a loss function")  # no call to fall back to
         if self is not pending.latest:
             pending.fail("passes an earlier version of its logits to its loss")
         if labels is not pending.labels or shift_labels is not pending.shift_labels \

@@ -99,7 +99,9 @@ def loss_and_grads(model, micro_batches, num_items_in_batch=None, **extra):
         loss = model(input_ids=ids, labels=labels, **kw, **extra).loss
         loss.backward()
         losses.append(loss.detach())
-    return torch.stack(losses), {n: p.grad.clone() for n, p in model.named_parameters()}
+    # a compiled model names its parameters "_orig_mod.<name>"
+    return torch.stack(losses), {n.removeprefix("_orig_mod."): p.grad.clone()
+                                 for n, p in model.named_parameters()}
 
 
 def assert_same_training_signal(a, b, rtol=2e-5, atol=1e-7, scale_atol=1e-5):
@@ -212,19 +214,85 @@ def test_fused_linear_never_makes_the_logits(spy):
         fct.revert()
 
 
-def test_fused_linear_refuses_an_undeclared_logit_transform():
-    # A model whose logits are transformed otherwise than its config says gets an error that
-    # names the mismatch, never a different loss.
+def test_an_undeclared_logit_transform_falls_back_to_the_logits(spy):
+    # A model whose logits are transformed otherwise than its config says declines the fused
+    # loss: the call runs again over the logits from the same random state (attention dropout
+    # on, so a different state would give another loss), with a warning, and gives exactly
+    # transformers' loss and gradients; later calls go straight to the logits.
     model = tiny_model("cohere")
     model.config.logit_scale = 0.25  # the model keeps multiplying by 0.5
-    ids, labels = batch(1, 6, seed=1)
+    model.config.attention_dropout = 0.3
+    model.train()
+    data = [batch(2, 8, seed=1, pad_from=[8, 5])]
     fct.apply()
     try:
-        with pytest.raises(RuntimeError, match=r"transforms its logits by \[scale 0.5\].*logit_scale=0.25"):
-            model(input_ids=ids, labels=labels)
+        torch.manual_seed(0)
+        with pytest.warns(UserWarning, match=r"transforms its logits by \[scale 0.5\].*logit_scale=0.25"):
+            first = loss_and_grads(model, data)
         assert "forward" not in model.lm_head.__dict__
+        assert fct.serving(model) == "logits"
+        assert spy == [("linear", torch.float32), torch.float32]
+        torch.manual_seed(0)
+        second = loss_and_grads(model, data)
+        assert spy[2:] == [torch.float32]
     finally:
         fct.revert()
+    torch.manual_seed(0)
+    theirs = loss_and_grads(model, data)
+    assert_same_training_signal(first, theirs)
+    assert_same_training_signal(second, theirs)
+
+
+# Models that compute their own cross-entropy (never self.loss_function), causal and
+# encoder-decoder: apply() must leave them exactly as they are.
+OWN_LOSS = ["T5ForConditionalGeneration", "BartForConditionalGeneration", "BartForCausalLM",
+            "TrOCRForCausalLM", "WhisperForCausalLM", "PLBartForCausalLM"]
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused_linear", "logits"])
+@pytest.mark.parametrize("name", OWN_LOSS)
+def test_models_with_their_own_loss_are_untouched(name, fused_linear):
+    import transformers_coverage as cov
+
+    outcome, detail = cov.check_class(getattr(transformers, name), fused_linear=fused_linear)
+    assert (outcome, detail) == ("untouched", "")
+
+
+def test_model_that_passes_other_logits_to_its_loss_falls_back(spy):
+    # lm_head's output is not what reaches the loss (a bias added on the way, as Bart's
+    # final_logits_bias): the fused loss is declined and the model's own loss is the answer.
+    model = tiny_llama(seed=6)
+    bias = torch.randn(VOCAB) * 0.1
+    model.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
+    data = [batch(2, 8, seed=2, pad_from=[8, 3])]
+    fct.apply()
+    try:
+        with pytest.warns(UserWarning, match="applies"):
+            ours = loss_and_grads(model, data)
+        assert fct.serving(model) == "logits"
+    finally:
+        fct.revert()
+    assert_same_training_signal(ours, loss_and_grads(model, data))
+
+
+@pytest.mark.parametrize("fused_linear", [True, False], ids=["fused_linear", "logits"])
+def test_compiled_model(spy, fused_linear):
+    # torch.compile of a model under apply(): the loss comes from fusedce (over the logits:
+    # the marker of the fused path is not traceable), with transformers' loss and gradients.
+    torch._dynamo.reset()
+    model = tiny_llama(seed=7)
+    compiled = torch.compile(model, backend="aot_eager")
+    micro = [batch(2, 12, seed=5, pad_from=[12, 4]), batch(2, 12, seed=6, pad_from=[7, 10])]
+    num_items = sum((labels[..., 1:] != -100).sum() for _, labels in micro)
+    fct.apply(fused_linear=fused_linear)
+    try:
+        ours = loss_and_grads(compiled, micro, num_items_in_batch=num_items)
+    finally:
+        fct.revert()
+    assert torch.float32 in spy
+    theirs = loss_and_grads(model, micro, num_items_in_batch=num_items)
+    assert_same_training_signal(ours, theirs)
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("num_items", [None, 9, "tensor"])

@@ -1,0 +1,54 @@
+"""fusedce.transformers.apply() over every class of the installed transformers' causal-LM and
+seq2seq-LM auto mappings (transformers_coverage.py): no class fails, and the fused linear loss
+serves at least 90% of the causal LMs whose loss is transformers' causal-LM loss. The table is
+printed (pytest -s) and kept in docs/transformers.md."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+import fusedce.transformers as fct  # noqa: E402
+import transformers_coverage as cov  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def rows():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads cost more than they give
+    try:
+        return cov.run(out=None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_no_class_fails(rows):
+    print("\n" + cov.summary(rows))
+    failing = [f"{name}: {detail}" for name, _, outcome, detail, _ in rows if outcome == "failing"]
+    assert not failing, "\n\n".join(failing)
+
+
+def test_fused_serves_the_causal_lms(rows):
+    causal = [r for r in rows if r[1] == "causal"]
+    fused = sum(r[2] == "fused_linear" for r in causal)
+    served = sum(r[2] in ("fused_linear", "logits") for r in causal)
+    assert served >= 100, "the mapping is far smaller than transformers 5's, or few classes build"
+    assert fused >= 0.9 * served, [r[0] for r in causal if r[2] == "logits"]
+    # The models the issue named: the encoder-decoder models and the decoders with their own
+    # cross-entropy run as without fusedce.
+    outcome = {r[0]: r[2] for r in rows}
+    for name in ("T5ForConditionalGeneration", "BartForConditionalGeneration", "BartForCausalLM",
+                 "TrOCRForCausalLM", "WhisperForCausalLM", "PLBartForCausalLM"):
+        assert outcome[name] == "untouched", name
+    assert outcome["LlamaForCausalLM"] == "fused_linear"
+
+
+def test_the_check_can_fail(monkeypatch):
+    # Planted bugs are caught: T5 armed although it computes its own loss, and a fused loss
+    # 0.1% too large.
+    monkeypatch.setattr(fct, "_calls_loss_function", lambda cls: True)
+    assert cov.check_class(cov.resolve("T5ForConditionalGeneration"))[0] == "failing"
+    monkeypatch.undo()
+    real = fct.linear_cross_entropy
+    monkeypatch.setattr(fct, "linear_cross_entropy", lambda *a, **k: real(*a, **k) * 1.001)
+    outcome, detail = cov.check_class(cov.resolve("LlamaForCausalLM"))
+    assert outcome == "failing" and detail.startswith("differs"), detail
