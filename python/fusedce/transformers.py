@@ -9,19 +9,28 @@ states and ``lm_head.weight``, computed inside ``lm_head``'s own call, so that t
 gather a sharded weight around that call (FSDP, DeepSpeed ZeRO-3) fire as usual. How it works,
 generically (no model's forward is copied):
 
-- ``PreTrainedModel.__call__`` is wrapped. A call with ``labels`` whose loss function is the
-  causal-LM loss below arms the model's ``lm_head`` for that one call: its forward (an instance
-  attribute set for the call and removed after it) computes the loss and returns a marker, an
-  empty ``(..., 0)`` tensor, in place of the logits.
+- ``PreTrainedModel.__call__`` is wrapped. A call with ``labels`` of a model whose forward calls
+  ``self.loss_function`` and whose loss function is the causal-LM loss below arms the model's
+  ``lm_head`` for that one call: its forward (an instance attribute set for the call and
+  removed after it) computes the loss and returns a marker, an empty ``(..., 0)`` tensor, in
+  place of the logits. Models that compute their own cross-entropy (T5, Bart, TrOCR, Whisper's
+  decoder, ...) are never armed; they run exactly as without fusedce.
 - The model's forward carries the marker on to its loss function, which returns the loss. Any
   logit transform a model applies between ``lm_head`` and the loss must be the one the config
   declares (``final_logit_softcapping``: Gemma 2 and 3; ``logit_scale``: Cohere;
   ``logits_scaling``: Granite), and the fused loss applies it; the marker records every
   operation on it and the loss function checks them against that transform on sample values.
-  A model that does anything else with its logits gets a clear error naming the operation
-  (never a silently different loss); ``apply(fused_linear=False)`` is the fallback.
+- A model that does anything else with the marker (another operation, reading its shape,
+  passing it elsewhere than to its loss) declines the fused loss: the call is run again unarmed
+  from the same random state, with a warning, and that model stays on the logits path. Never a
+  different loss, never an error that the model would not raise without fusedce.
 - The returned output's ``logits`` is that empty tensor. Calls without labels, or without
-  gradients (evaluation, generation), produce the logits as usual.
+  gradients (evaluation, generation), produce the logits as usual. Under ``torch.compile`` the
+  marker is not used and the loss comes from the logits path.
+
+:func:`serving` tells how a model is served: ``"fused_linear"``, ``"logits"`` or
+``"untouched"``. ``docs/transformers.md`` has the table over every causal-LM and seq2seq-LM
+class of transformers.
 
 transformers looks a model's loss up by its ``loss_type`` in
 ``transformers.loss.loss_utils.LOSS_MAPPING`` every time the model computes a loss; causal LMs
@@ -288,7 +297,7 @@ def _logit_transform(config):
     scaling = getattr(text, "logits_scaling", None)  # Granite divides by it
     if scaling is not None:
         scale /= float(scaling)
-    softcap = getattr(text, "final_logit_softcapping", None)
+    softcap = getattr(text, "final_logit_softcapping", None) or getattr(text, "logits_soft_cap", None)
     return scale, (float(softcap) if softcap else None)
 
 
