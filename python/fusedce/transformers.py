@@ -41,6 +41,16 @@ shifted labels), so the name ``ForCausalLMLoss`` is replaced too, in ``loss_util
 transformers module already imported; modules imported later pick the replacement up from
 ``loss_utils``. Works with models created before or after ``apply()``, with ``Trainer`` and with
 a hand-written loop.
+
+``apply(metrics=True)`` also has every loss fusedce computes with gradients enabled return its
+token metrics (the fused call makes them in the same sweep: argmax hits and softmax entropy over
+the non-ignored targets) and adds them, with the count of those targets, to device-side sums:
+per model (the outermost ``PreTrainedModel`` whose call computed the loss), or unowned for a loss
+computed outside any model call (or under torch.compile, or in a DataParallel replica).
+:func:`token_metrics` reads them; :class:`MetricsCallback` (or
+:func:`add_metrics_callback`) puts ``token_accuracy`` and ``entropy`` into ``Trainer``'s training
+logs, summed over every micro-batch since the previous log. The loss and gradients are
+bit-identical with and without metrics.
 """
 
 import ast
@@ -48,6 +58,7 @@ import inspect
 import math
 import sys
 import textwrap
+import threading
 import warnings
 import weakref
 
@@ -59,6 +70,7 @@ from .linear import linear_cross_entropy
 
 _original = None  # transformers' ForCausalLMLoss while applied
 _fused_linear = False  # apply(fused_linear=...)
+_metrics = False  # apply(metrics=...)
 _unset = object()
 _original_call = None  # while wrapped: PreTrainedModel.__dict__'s own __call__, or _unset
 
@@ -78,7 +90,12 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
     logits = logits.reshape(-1, vocab_size)
     shift_labels = shift_labels.reshape(-1).to(logits.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction=reduction)
+    collect = _metrics and torch.is_grad_enabled()
+    loss = cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction=reduction,
+                         return_metrics=collect)
+    if collect:
+        loss, metrics = loss
+        _collect(metrics, (shift_labels != ignore_index).sum())
     if reduction == "sum":
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -100,12 +117,14 @@ def _swap(old, new):
                 setattr(module, "ForCausalLMLoss", new)
 
 
-def apply(fused_linear=True):
+def apply(fused_linear=True, metrics=False):
     """Route every causal-LM training loss of transformers through fusedce (idempotent; calling
-    it again with another ``fused_linear`` switches). With ``fused_linear`` the loss of a call
-    with labels and gradients comes from fused linear cross-entropy and the logits are never
-    made (module docstring); without it, from fusedce.cross_entropy over the logits."""
-    global _original, _fused_linear
+    it again with other arguments switches). With ``fused_linear`` the loss of a call with
+    labels and gradients comes from fused linear cross-entropy and the logits are never made
+    (module docstring); without it, from fusedce.cross_entropy over the logits. With
+    ``metrics``, every such loss computed with gradients enabled also adds its token metrics to
+    the sums that :func:`token_metrics` and :class:`MetricsCallback` read."""
+    global _original, _fused_linear, _metrics
     from transformers import PreTrainedModel
     from transformers.loss import loss_utils
 
@@ -113,7 +132,10 @@ def apply(fused_linear=True):
         _original = loss_utils.ForCausalLMLoss
         _swap(_original, causal_lm_loss)
     _fused_linear = bool(fused_linear)
-    if _fused_linear:
+    _metrics = bool(metrics)
+    # The wrapped call arms lm_head (fused_linear) and tells whose call a loss belongs to
+    # (metrics); with neither, PreTrainedModel stays as transformers defines it.
+    if _fused_linear or _metrics:
         _wrap_call(PreTrainedModel)
     else:
         _unwrap_call(PreTrainedModel)
@@ -121,14 +143,16 @@ def apply(fused_linear=True):
 
 def revert():
     """Restore transformers' own loss, also in modules imported since apply(), and
-    PreTrainedModel.__call__."""
-    global _original, _fused_linear
+    PreTrainedModel.__call__. Metrics stop being collected; the sums collected so far stay
+    readable (token_metrics)."""
+    global _original, _fused_linear, _metrics
     if _original is None:
         return
     from transformers import PreTrainedModel
 
     _unwrap_call(PreTrainedModel)
     _fused_linear = False
+    _metrics = False
     _swap(causal_lm_loss, _original)
     _original = None
 
@@ -169,14 +193,30 @@ _warned = set()
 
 
 def _model_call(self, *args, **kwargs):
-    """PreTrainedModel.__call__ while fused_linear is on: arm lm_head for a training call with
-    labels, run the model, disarm. If the model declines the fused loss (_Decline, or lm_head's
-    output never reached the loss function), the call runs again unarmed from the same random
-    state, so the caller gets exactly what the model computes without the fused loss."""
+    """PreTrainedModel.__call__ while fused_linear or metrics is on. With metrics, the model is
+    pushed on this thread's stack of model calls for the call's duration, so that a loss knows
+    the outermost model it belongs to."""
     if torch.compiler.is_compiling():
         # The marker is a tensor subclass with Python-side bookkeeping, which dynamo cannot
-        # trace; under compile the loss comes from the logits path (causal_lm_loss).
+        # trace; under compile the loss comes from the logits path (causal_lm_loss), and its
+        # metrics are unowned (the stack is Python state that a compiled graph would not
+        # replay).
         return torch.nn.Module.__call__(self, *args, **kwargs)
+    if not _metrics:
+        return _armed_call(self, args, kwargs)
+    stack = _model_calls()
+    stack.append(self)
+    try:
+        return _armed_call(self, args, kwargs)
+    finally:
+        stack.pop()
+
+
+def _armed_call(self, args, kwargs):
+    """Arm lm_head for a training call with labels (fused_linear), run the model, disarm. If
+    the model declines the fused loss (_Decline, or lm_head's output never reached the loss
+    function), the call runs again unarmed from the same random state, so the caller gets
+    exactly what the model computes without the fused loss."""
     pending = _arm(self, args, kwargs)
     if pending is None:
         return torch.nn.Module.__call__(self, *args, **kwargs)
@@ -200,7 +240,7 @@ def _model_call(self, *args, **kwargs):
     if name not in _warned:
         _warned.add(name)
         warnings.warn(f"fusedce.transformers: {name} {reason}; its loss is computed from the "
-                      "logits instead of the fused linear loss", stacklevel=2)
+                      "logits instead of the fused linear loss", stacklevel=3)
     _set_rng_state(rng)
     return torch.nn.Module.__call__(self, *args, **kwargs)
 
@@ -316,6 +356,7 @@ class _Pending:
         self.steps = []  # ("scale", c) or ("tanh",) in order
         self.latest = None  # the newest marker
         self.loss = None
+        self.metrics = None  # (metrics, token count) of the loss, with apply(metrics=True)
         self.head_called = self.consumed = self.closed = False
 
     def fail(self, what):
@@ -393,7 +434,11 @@ def _fused_head_forward(head, pending, hidden):
     loss = linear_cross_entropy(hidden, weight, target, bias, ignore_index=pending.ignore_index,
                                 reduction="mean" if num_items is None else "sum",
                                 logit_scale=pending.logit_scale, softcap=pending.softcap,
-                                shift=shift)
+                                shift=shift, return_metrics=_metrics)
+    if _metrics:
+        loss, metrics = loss
+        scored = target[..., 1:] if shift else target  # shift: the first label predicts nothing
+        pending.metrics = (metrics, (scored != pending.ignore_index).sum())
     if num_items is not None:
         if torch.is_tensor(num_items):
             num_items = num_items.to(loss.device)
@@ -458,4 +503,197 @@ class _PendingLogits(torch.Tensor):
                          f"{pending.head.weight.shape[0]}")
         pending.check_steps()
         pending.consumed = True
+        # Collected only now: a call that declines before this point is run again over the
+        # logits, whose loss collects its own metrics, so each loss counts once.
+        if pending.metrics is not None:
+            _collect(*pending.metrics)
         return pending.loss
+
+
+# ---- metrics: token accuracy and entropy from the fused call ------------------------------------
+
+
+class TokenSums:
+    """Sums over the scored (non-ignored) targets of the losses of one owner: argmax hits
+    (int64), softmax entropy in nats (float64, so that sums over many steps do not drift), and
+    the number of targets (int64). 0-D tensors on the device of the first loss added, so that
+    adding a micro-batch is three device-side additions and never waits for the device."""
+
+    __slots__ = ("num_correct", "entropy_sum", "tokens")
+
+    def __init__(self):
+        self.num_correct = self.entropy_sum = self.tokens = None
+
+    def add(self, num_correct, entropy_sum, tokens):
+        if self.tokens is None:
+            device = tokens.device
+            self.num_correct = torch.zeros((), dtype=torch.int64, device=device)
+            self.entropy_sum = torch.zeros((), dtype=torch.float64, device=device)
+            self.tokens = torch.zeros((), dtype=torch.int64, device=device)
+        device = self.tokens.device  # a model split over devices sends its sums to the first one
+        self.num_correct += num_correct.detach().to(device)
+        self.entropy_sum += entropy_sum.detach().to(device, torch.float64)
+        self.tokens += tokens.detach().to(device)
+
+    def reset(self):
+        self.num_correct = self.entropy_sum = self.tokens = None
+
+    def values(self, device=None):
+        """(num_correct, entropy_sum, tokens) as one float64 (3,) tensor on `device` (the sums'
+        own by default); zeros when nothing was added. float64 holds the counts exactly below
+        2**53."""
+        if self.tokens is None:
+            return torch.zeros(3, dtype=torch.float64, device=device)
+        out = torch.stack([self.num_correct.double(), self.entropy_sum, self.tokens.double()])
+        return out if device is None else out.to(device)
+
+
+_sums = weakref.WeakKeyDictionary()  # model -> TokenSums of the losses computed in its calls
+_unowned = TokenSums()  # losses computed outside any model call, under torch.compile, or in a
+                        # DataParallel replica (a new module object every step)
+_calls = threading.local()  # .stack: the PreTrainedModel calls in progress in this thread
+_adding = threading.Lock()  # DataParallel's replicas run their losses in concurrent threads
+
+
+def _model_calls():
+    stack = getattr(_calls, "stack", None)
+    if stack is None:
+        stack = _calls.stack = []
+    return stack
+
+
+@torch.compiler.disable
+def _collect(metrics, tokens):
+    """Add one loss's metrics to the sums of the outermost model whose call is in progress.
+    Outside dynamo's graph (a compiled model's loss breaks the graph here), so that the sums
+    are ordinary tensors updated in place."""
+    stack = getattr(_calls, "stack", None)
+    owner = stack[0] if stack and not getattr(stack[0], "_is_replica", False) else None
+    with _adding:
+        if owner is None:
+            sums = _unowned
+        else:
+            sums = _sums.get(owner)
+            if sums is None:
+                sums = _sums[owner] = TokenSums()
+        sums.add(metrics["num_correct"], metrics["entropy_sum"], tokens)
+
+
+def _owned_by(model):
+    """The TokenSums that `model`'s metrics are made of: those of `model` and of every module
+    inside it (a wrapper such as a PEFT model, DDP or an OptimizedModule holds the
+    PreTrainedModel whose calls collected them), and the unowned ones; every one for None."""
+    if model is None:
+        return [*_sums.values(), _unowned]
+    modules = model.modules() if isinstance(model, torch.nn.Module) else (model,)
+    return [s for s in (_sums.get(m) for m in modules) if s is not None] + [_unowned]
+
+
+def _summed(model, device=None):
+    """(num_correct, entropy_sum, tokens) summed over _owned_by(model), float64 (3,) on
+    `device` (by default the device of the first sums that hold any)."""
+    owned = _owned_by(model)
+    if device is None:
+        device = next((s.tokens.device for s in owned if s.tokens is not None), "cpu")
+    return torch.stack([s.values(device) for s in owned]).sum(0)
+
+
+def _as_metrics(values):
+    """{"token_accuracy", "entropy", "tokens"} from summed (num_correct, entropy_sum, tokens);
+    the means are NaN when no token was scored."""
+    correct, entropy, tokens = values.tolist()  # the one host synchronisation
+    mean = (lambda x: x / tokens) if tokens else (lambda x: math.nan)
+    return {"token_accuracy": mean(correct), "entropy": mean(entropy), "tokens": int(tokens)}
+
+
+def token_metrics(model=None, reset=False):
+    """The token metrics collected under ``apply(metrics=True)`` since the last reset:
+    ``{"token_accuracy": hits / tokens, "entropy": mean softmax entropy in nats, "tokens": the
+    number of scored (non-ignored) targets}``, summed over every loss computed with gradients
+    enabled in calls of `model` (or of a PreTrainedModel inside it), plus the unowned ones
+    (computed outside any model call, under torch.compile or in a DataParallel replica);
+    `model=None`: every loss. The means are NaN when no token was scored. Reads the device
+    once; ``reset`` then zeroes those sums."""
+    values = _summed(model)
+    if reset:
+        reset_token_metrics(model)
+    return _as_metrics(values)
+
+
+def reset_token_metrics(model=None):
+    """Zero the sums that token_metrics(model) reads."""
+    for sums in _owned_by(model):
+        sums.reset()
+
+
+def _make_metrics_callback():
+    from transformers import TrainerCallback
+    from transformers.training_args import ParallelMode
+
+    class MetricsCallback(TrainerCallback):
+        """Adds ``token_accuracy`` and ``entropy`` (mean per-token softmax entropy, nats) to
+        every training log of a ``Trainer`` (a log with ``loss``), from the sums that
+        ``apply(metrics=True)`` collects: over every micro-batch of every step since the
+        previous log, and over every rank under DDP (summed there, as the counts are, before
+        dividing). The sums are reset at every training log and when training begins.
+
+        Trainer calls callbacks in order, and the report_to integrations (wandb, TensorBoard,
+        ...) come before callbacks passed to Trainer; :func:`add_metrics_callback` puts this one
+        first so that they see the metrics. Wherever it is, it also writes them into the entry
+        of ``trainer.state.log_history`` that Trainer made for the log (Trainer appends a copy
+        of the logs there before calling on_log)."""
+
+        def __init__(self):
+            self._warned = False
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            reset_token_metrics(model)
+
+        def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+            if logs is None or "loss" not in logs:
+                return  # evaluation, or the end-of-training summary
+            values = _summed(model, args.device)
+            reset_token_metrics(model)
+            if args.parallel_mode == ParallelMode.DISTRIBUTED and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(values)
+            metrics = _as_metrics(values)
+            if metrics["tokens"] == 0:
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn("fusedce.transformers.MetricsCallback: no token metrics were "
+                                  "collected since the previous log (call "
+                                  "fusedce.transformers.apply(metrics=True) before training; "
+                                  "models that compute their own loss have none)", stacklevel=2)
+                return
+            new = {"token_accuracy": metrics["token_accuracy"], "entropy": metrics["entropy"]}
+            logs.update(new)
+            # Trainer.log appends a copy of `logs` to the history just before on_log.
+            last = state.log_history[-1] if state.log_history else None
+            if last is not None and last.get("step") == state.global_step \
+                    and last.get("loss") == logs["loss"]:
+                last.update(new)
+
+    return MetricsCallback
+
+
+def add_metrics_callback(trainer):
+    """Insert a MetricsCallback ahead of `trainer`'s other callbacks (so that the report_to
+    integrations log the metrics too) and return it."""
+    callback = _metrics_callback_class()()
+    trainer.callback_handler.callbacks.insert(0, callback)
+    return callback
+
+
+def _metrics_callback_class():
+    # MetricsCallback subclasses transformers' TrainerCallback: made on first use (one class
+    # for the process), so that importing fusedce does not import transformers.
+    cls = globals().get("MetricsCallback")
+    if cls is None:
+        cls = globals()["MetricsCallback"] = _make_metrics_callback()
+    return cls
+
+
+def __getattr__(name):
+    if name == "MetricsCallback":
+        return _metrics_callback_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,8 @@ softcap, Cohere with its logit scale, Phi with a biased lm_head; built from conf
 downloaded) train with the same loss and gradients as with transformers' own loss, in a
 hand-written loop with gradient accumulation (num_items_in_batch), with precomputed shift_labels
 and under Trainer; both with fused_linear (the loss from lm_head's call, no logits) and over
-the logits (fused_linear=False)."""
+the logits (fused_linear=False). apply(metrics=True): bit-identical loss and gradients, and the
+token accuracy and entropy that Trainer logs against float64 values from the micro-batches."""
 
 import copy
 
@@ -406,3 +407,282 @@ def test_trainer_comparison_fails_a_one_percent_gradient_error(tmp_path):
     planted = _train(tmp_path / "planted", plant=plant)
     with pytest.raises(AssertionError, match="step 0"):
         assert_same_updates(planted, reference)
+
+
+# ---- apply(metrics=True): token accuracy and entropy ------------------------------------------
+
+
+def repeating_batch(b, s, seed, pad_from=None):
+    """input_ids and labels (B, S) where each token repeats the previous one with probability
+    1/2, as batch() pads them. With predictive_head() about half the targets are hit, so the
+    accuracy differs from micro-batch to micro-batch (a tiny random model hits 1 in VOCAB)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (b, s), generator=g)
+    for t in range(1, s):
+        ids[:, t] = torch.where(torch.rand(b, generator=g) < 0.5, ids[:, t - 1], ids[:, t])
+    labels = ids.clone()
+    for i, p in enumerate(pad_from or []):
+        labels[i, p:] = -100
+    return ids, labels
+
+
+def predictive_head(model, scale=10.0):
+    """lm_head := scale * the input embedding (untied): the last hidden state of a tiny model
+    is mostly its token's embedding, so the argmax predicts the current token again."""
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight * scale)
+    return model
+
+
+def reference_sums(hidden, weight, labels, scale=1.0, softcap=None):
+    """(hits, entropy sum, tokens) of the causal-LM targets in float64 from lm_head's input
+    and weight: the metrics computed independently of fusedce."""
+    z = hidden.double() @ weight.double().T * scale
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    z, target = z[:, :-1], labels[:, 1:]
+    scored = target != -100
+    logp = torch.log_softmax(z, -1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    hits = (z.argmax(-1) == target) & scored
+    return torch.tensor([hits.sum().item(), entropy[scored].sum().item(), scored.sum().item()],
+                        dtype=torch.float64)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_metrics_leave_loss_and_gradients_bit_identical(applied, family):
+    # The same loss and gradients, to the bit, with and without metrics; the metrics are those
+    # of the model's own logits (Gemma2's soft-capped ones) over the non-ignored targets.
+    model = predictive_head(tiny_model(family, seed=3))
+    micro = [repeating_batch(2, 12, seed=5, pad_from=[12, 4]),
+             repeating_batch(2, 12, seed=6, pad_from=[7, 10])]
+    num_items = sum((labels[..., 1:] != -100).sum() for _, labels in micro)
+    without = loss_and_grads(model, micro, num_items_in_batch=num_items)
+    fct.apply(fused_linear=applied, metrics=True)
+    fct.reset_token_metrics()
+    with_metrics = loss_and_grads(model, micro, num_items_in_batch=num_items)
+    assert torch.equal(with_metrics[0], without[0])
+    for name, grad in without[1].items():
+        assert torch.equal(with_metrics[1][name], grad), name
+    got = fct.token_metrics(model)
+
+    fct.revert()
+    expected = torch.zeros(3, dtype=torch.float64)
+    with torch.no_grad():
+        for ids, labels in micro:
+            logits = model(input_ids=ids).logits  # transformers' own, soft-capped for Gemma2
+            expected += reference_sums(logits, torch.eye(VOCAB), labels)
+    hits, entropy, tokens = expected.tolist()
+    assert got["tokens"] == tokens == num_items
+    assert 0.2 < got["token_accuracy"] == hits / tokens < 0.8
+    assert got["entropy"] == pytest.approx(entropy / tokens, rel=1e-5)
+    assert fct.token_metrics() == got  # the only model that collected anything
+
+
+def test_metrics_collection_rules():
+    # Collected from losses computed with gradients: not under no_grad (evaluation); owned by
+    # the outermost model call; zeroed by reset; gone with revert(), which leaves the sums.
+    model = predictive_head(tiny_llama(seed=2))
+    other = tiny_llama(seed=4)
+    ids, labels = repeating_batch(2, 10, seed=1, pad_from=[10, 6])
+    tokens = (labels[:, 1:] != -100).sum().item()
+    fct.apply(fused_linear=False)
+    assert "__call__" not in PreTrainedModel.__dict__
+    fct.apply(fused_linear=False, metrics=True)  # metrics need the call wrapper for ownership
+    try:
+        assert PreTrainedModel.__dict__["__call__"] is fct._model_call
+        fct.reset_token_metrics()
+        model(input_ids=ids, labels=labels).loss.backward()
+        with torch.no_grad():
+            model(input_ids=ids, labels=labels)
+        other(input_ids=ids, labels=labels)
+        assert fct.token_metrics(model)["tokens"] == tokens
+        assert fct.token_metrics(other)["tokens"] == tokens
+        assert fct.token_metrics()["tokens"] == 2 * tokens
+        # a loss computed outside any model call counts for every model
+        fct.causal_lm_loss(torch.randn(2, 10, 7, requires_grad=True), torch.randint(0, 7, (2, 10)), 7)
+        assert fct.token_metrics(model, reset=True)["tokens"] == tokens + 18
+        assert fct.token_metrics(model)["tokens"] == 0
+        assert fct.token_metrics(other)["tokens"] == tokens
+    finally:
+        fct.revert()
+    assert "__call__" not in PreTrainedModel.__dict__
+    model(input_ids=ids, labels=labels).loss.backward()
+    assert fct.token_metrics(other)["tokens"] == tokens
+    assert fct.token_metrics(model)["tokens"] == 0
+    fct.reset_token_metrics()
+
+
+def _train_with_metrics(tmp_path, fused_linear, first=True, plant=None):
+    """Trainer on a tiny Llama with a predictive head, 3 steps of 2 accumulated micro-batches
+    of 2 sequences with different numbers of scored tokens, logging every step and evaluating
+    after every step, with a MetricsCallback: first among the callbacks (add_metrics_callback),
+    or, not `first`, last (Trainer's callbacks argument). Returns the training logs
+    and, for each log, the metrics computed in float64 from lm_head's input and weight of that
+    step's training micro-batches, captured by hooks."""
+    from transformers import Trainer, TrainingArguments
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self, n, seed):
+            self.items = [repeating_batch(1, 12, seed=seed + i, pad_from=[12 - (3 * i) % 10])
+                          for i in range(n)]
+
+        def __len__(self):
+            return len(self.items)
+
+        def __getitem__(self, i):
+            ids, labels = self.items[i]
+            return {"input_ids": ids[0], "labels": labels[0]}
+
+    model = predictive_head(tiny_llama(seed=9))
+    captured = []  # per training micro-batch: [labels, hidden, weight]
+
+    def take_labels(module, args, kwargs):
+        if torch.is_grad_enabled():
+            captured.append([kwargs["labels"]])
+
+    def take_hidden(module, args):
+        if torch.is_grad_enabled():
+            captured[-1] += [args[0].detach().clone(), module.weight.detach().clone()]
+
+    model.register_forward_pre_hook(take_labels, with_kwargs=True)
+    model.lm_head.register_forward_pre_hook(take_hidden)
+    if plant is not None:
+        plant()
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                             per_device_eval_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=3, learning_rate=0.1, optim="sgd", weight_decay=0.0,
+                             logging_steps=1, eval_strategy="steps", eval_steps=1, report_to=[],
+                             use_cpu=True, save_strategy="no", seed=0, dataloader_num_workers=0,
+                             disable_tqdm=True)
+    fct.apply(fused_linear=fused_linear, metrics=True)
+    try:
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(16, 100),
+                          eval_dataset=Tokens(4, 200),
+                          callbacks=None if first else [fct.MetricsCallback()])
+        if first:
+            callback = fct.add_metrics_callback(trainer)
+            assert trainer.callback_handler.callbacks[0] is callback
+            assert isinstance(callback, fct.MetricsCallback)
+        else:
+            # after the report_to integrations (none here)
+            assert any(isinstance(c, fct.MetricsCallback) for c in trainer.callback_handler.callbacks)
+        trainer.train()
+    finally:
+        fct.revert()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(captured) == 6 and all(len(c) == 3 for c in captured)
+    expected = []
+    for step in range(3):
+        sums = sum(reference_sums(h, w, labels) for labels, h, w in captured[2 * step:2 * step + 2])
+        hits, entropy, tokens = sums.tolist()
+        expected.append({"token_accuracy": hits / tokens, "entropy": entropy / tokens})
+    return logs, expected
+
+
+def assert_logged_metrics(logs, expected):
+    assert len(logs) == len(expected) == 3
+    for step, (log, want) in enumerate(zip(logs, expected)):
+        assert log["token_accuracy"] == want["token_accuracy"], f"step {step}"
+        assert log["entropy"] == pytest.approx(want["entropy"], rel=1e-5), f"step {step}"
+
+
+@pytest.mark.parametrize("fused_linear,first", [(True, True), (False, False)],
+                         ids=["fused_linear-first", "logits-last"])
+def test_trainer_logs_token_metrics(tmp_path, fused_linear, first):
+    # token_accuracy and entropy of each log are sums over both micro-batches of the step
+    # divided by their token count (evaluation in between adds nothing), equal to those
+    # computed from the captured hidden states in float64; in trainer.state.log_history
+    # wherever the callback is.
+    logs, expected = _train_with_metrics(tmp_path, fused_linear, first)
+    assert_logged_metrics(logs, expected)
+    assert len({log["token_accuracy"] for log in logs}) == 3
+
+
+def test_trainer_metrics_comparison_fails_per_micro_batch_means(tmp_path, monkeypatch):
+    """The comparison above can fail: averaging each micro-batch's accuracy and entropy (a
+    mean of means, not weighted by their token counts) is caught."""
+    def mean_of_means(self, num_correct, entropy_sum, tokens):
+        if self.tokens is None:
+            self.num_correct, self.entropy_sum, self.tokens = torch.zeros(3, dtype=torch.float64)
+        self.num_correct = self.num_correct + num_correct / tokens
+        self.entropy_sum = self.entropy_sum + entropy_sum / tokens
+        self.tokens = self.tokens + 1
+
+    logs, expected = _train_with_metrics(
+        tmp_path, True, plant=lambda: monkeypatch.setattr(fct.TokenSums, "add", mean_of_means))
+    with pytest.raises(AssertionError, match="step 0"):
+        assert_logged_metrics(logs, expected)
+
+
+def test_compiled_model_metrics():
+    # Under torch.compile the loss comes from the logits path and its metrics are unowned
+    # (token_metrics of any model includes them): the same values as the model's own logits
+    # give, and the loss and gradients of the eager model without metrics.
+    torch._dynamo.reset()
+    model = predictive_head(tiny_llama(seed=7))
+    compiled = torch.compile(model, backend="aot_eager")
+    micro = [repeating_batch(2, 12, seed=5, pad_from=[12, 4]),
+             repeating_batch(2, 12, seed=6, pad_from=[7, 10])]
+    num_items = sum((labels[..., 1:] != -100).sum() for _, labels in micro)
+    fct.apply(metrics=True)
+    try:
+        fct.reset_token_metrics()
+        ours = loss_and_grads(compiled, micro, num_items_in_batch=num_items)
+        got = fct.token_metrics(compiled)
+    finally:
+        fct.revert()
+        torch._dynamo.reset()
+    assert_same_training_signal(ours, loss_and_grads(model, micro, num_items_in_batch=num_items))
+    with torch.no_grad():
+        hits, entropy, tokens = sum(reference_sums(model(input_ids=ids).logits, torch.eye(VOCAB), labels)
+                                    for ids, labels in micro).tolist()
+    assert got["tokens"] == tokens == num_items
+    assert got["token_accuracy"] == hits / tokens
+    assert got["entropy"] == pytest.approx(entropy / tokens, rel=1e-5)
+
+
+def test_metrics_callback_sums_over_ranks(monkeypatch):
+    # Under DDP every rank logs the sums over all ranks, divided once. Here this rank scored 4
+    # tokens, 3 right, entropy sum 1.5, and the other rank's all_reduce contribution is 8
+    # tokens, 4 right, entropy sum 3: 7 / 12 and 4.5 / 12 (not the mean of 3/4 and 4/8).
+    import types
+
+    from transformers import TrainerControl, TrainerState
+    from transformers.training_args import ParallelMode
+
+    reduced = []
+
+    def all_reduce(tensor):
+        reduced.append(tensor.clone())
+        tensor += torch.tensor([4.0, 3.0, 8.0], dtype=tensor.dtype)
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    fct.reset_token_metrics()
+    fct._unowned.add(torch.tensor(3), torch.tensor(1.5), torch.tensor(4))
+    args = types.SimpleNamespace(parallel_mode=ParallelMode.DISTRIBUTED, device=torch.device("cpu"))
+    state = TrainerState(global_step=1, log_history=[{"loss": 1.0, "step": 1}])
+    logs = {"loss": 1.0}
+    fct.MetricsCallback().on_log(args, state, TrainerControl(), logs=logs, model=torch.nn.Linear(1, 1))
+    assert len(reduced) == 1 and reduced[0].tolist() == [3.0, 1.5, 4.0]
+    want = {"loss": 1.0, "token_accuracy": 7 / 12, "entropy": 4.5 / 12}
+    assert logs == want and state.log_history[-1] == {**want, "step": 1}
+    assert fct.token_metrics()["tokens"] == 0
+
+
+def test_metrics_callback_without_metrics_warns_once_and_adds_nothing():
+    import types
+
+    from transformers import TrainerControl, TrainerState
+    from transformers.training_args import ParallelMode
+
+    fct.reset_token_metrics()
+    callback = fct.MetricsCallback()
+    args = types.SimpleNamespace(parallel_mode=ParallelMode.NOT_PARALLEL, device=torch.device("cpu"))
+    state = TrainerState(global_step=1, log_history=[{"loss": 1.0, "step": 1}])
+    logs = {"loss": 1.0}
+    with pytest.warns(UserWarning, match=r"apply\(metrics=True\)"):
+        callback.on_log(args, state, TrainerControl(), logs=logs, model=torch.nn.Linear(1, 1))
+    callback.on_log(args, state, TrainerControl(), logs=logs, model=torch.nn.Linear(1, 1))
+    assert logs == {"loss": 1.0} and state.log_history == [{"loss": 1.0, "step": 1}]
