@@ -58,7 +58,11 @@ def _check(device, dtype, shape, vocab, opts, reduction, grad_scale=1.0):
     assert ours[1].dtype == dtype
     label = f"{dtype} {shape}x{vocab} {opts} {reduction}"
     loss_scale, grad_scale = error_scales(x, t, **kw, grad_out=grad_out)
-    assert_within_budget(ours[0], theirs[0], ref[0], what=f"loss {label}", scale=loss_scale)
+    # The loss is float32, computed in float32 whatever the logits' dtype: it is judged against
+    # float64 of the same (rounded) logits with float32's tolerance alone, not by PyTorch's own
+    # error in a 16-bit dtype, which is hundreds of times larger. The gradient is rounded to the
+    # logits' dtype, so PyTorch's error in that dtype is its budget.
+    assert_within_budget(ours[0], None, ref[0], what=f"loss {label}", scale=loss_scale)
     assert_within_budget(ours[1], theirs[1], ref[1], what=f"grad {label}", scale=grad_scale,
                          out_dtype=dtype)
 
@@ -187,7 +191,7 @@ def test_bsv_and_strided_rows_without_copy(device, dtype):
     ref = loss_and_grad(lambda a: torch_cross_entropy(a[..., :250], t, compute_dtype=torch.float64), big)
     theirs = loss_and_grad(lambda a: torch_cross_entropy(a[..., :250], t), big)
     loss_scale, grad_scale = error_scales(x[..., :250], t)
-    assert_within_budget(ours[0], theirs[0], ref[0], what="loss", scale=loss_scale)
+    assert_within_budget(ours[0], None, ref[0], what="loss", scale=loss_scale)
     assert_within_budget(ours[1], theirs[1], ref[1], what="grad", out_dtype=dtype, scale=grad_scale)
 
     leaf = big.detach().clone().requires_grad_(True)
