@@ -482,7 +482,7 @@ def test_process_group_hands_every_option_to_distributed(monkeypatch):
     group = object()
     kw = dict(class_weight=cw, ignore_index=2, reduction="sum", label_smoothing=0.1,
               logit_scale=0.5, softcap=3.0, z_loss=1e-3, shift=True, return_metrics=True,
-              chunk_budget_bytes=1 << 20, low_memory=True)
+              chunk_budget_bytes=1 << 20, low_memory=True, check_targets=True)
     out = fusedce.linear_cross_entropy(h, w, t, b, process_group=group, vocab_start=16, **kw)
     assert out == "vp-result"
     assert seen.pop("process_group") is group and seen.pop("vocab_start") == 16
