@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from . import _library
+from ._checks import check_target_values, scalar_options
 from .ops import _upstream, ops
 
 _REDUCTIONS = ("none", "sum", "mean")
@@ -213,12 +214,15 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def cross_entropy_rows(x, target, weight, options, compute_metrics, *, process_group, vocab_start,
-                       vocab_total):
+                       vocab_total, check_targets=False):
     """The vocabulary-parallel path of fusedce.cross_entropy, after its argument checks: x is
     (N, V_local) with unit stride along V, target (N,). Returns loss, lse, num_correct,
-    entropy_sum as the single-device ops do."""
+    entropy_sum as the single-device ops do. check_targets: targets are checked against the
+    full vocabulary, [0, vocab_total)."""
     shard = shard_layout(x.shape[1], process_group, vocab_start, vocab_total, device=x.device,
                          where="fusedce.cross_entropy")
+    if check_targets:
+        check_target_values(target, shard[1], options[0], "fusedce.cross_entropy")
     if torch.is_grad_enabled() and x.requires_grad:
         return VocabParallelCrossEntropy.apply(x, target, weight, process_group, shard, options,
                                                compute_metrics)
@@ -229,7 +233,7 @@ def cross_entropy_rows(x, target, weight, options, compute_metrics, *, process_g
 def vocab_parallel_cross_entropy(logits, target, weight=None, *, process_group, vocab_start=None,
                                  vocab_total=None, ignore_index=-100, reduction="mean",
                                  label_smoothing=0.0, logit_scale=1.0, softcap=None, z_loss=0.0,
-                                 return_metrics=False):
+                                 return_metrics=False, check_targets=False):
     """Cross-entropy of logits split by vocabulary across the ranks of ``process_group``: this
     rank holds ``logits[..., v0:v1]`` of the full ``(..., V)`` logits, and the result is that of
     ``fusedce.cross_entropy`` on the full logits, up to float32 rounding.
@@ -249,6 +253,8 @@ def vocab_parallel_cross_entropy(logits, target, weight=None, *, process_group, 
         ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss, return_metrics:
             as in ``fusedce.cross_entropy``, over the full vocabulary (label smoothing spreads
             ``eps / V`` over all V classes, as PyTorch defines it).
+        check_targets: check the target values against [0, V) first (one device
+            synchronisation on a GPU), as ``fusedce.cross_entropy`` does.
 
     Returns:
         The float32 loss, the same on every rank, or ``(loss, metrics)`` with
@@ -267,8 +273,9 @@ def vocab_parallel_cross_entropy(logits, target, weight=None, *, process_group, 
                          "(use fusedce.cross_entropy for logits that are not split)")
     return cross_entropy(logits, target, weight, ignore_index=ignore_index, reduction=reduction,
                          label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap,
-                         z_loss=z_loss, return_metrics=return_metrics, process_group=process_group,
-                         vocab_start=vocab_start, vocab_total=vocab_total)
+                         z_loss=z_loss, return_metrics=return_metrics, check_targets=check_targets,
+                         process_group=process_group, vocab_start=vocab_start,
+                         vocab_total=vocab_total)
 
 
 # ---- linear cross-entropy over weight shards ----------------------------------------------------
@@ -471,7 +478,7 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, *, pr
                                         reduction="mean", label_smoothing=0.0, logit_scale=1.0,
                                         softcap=None, z_loss=0.0, shift=False,
                                         return_metrics=False, chunk_budget_bytes=None,
-                                        low_memory=False, vocab_total=None):
+                                        low_memory=False, vocab_total=None, check_targets=False):
     """Cross-entropy of ``hidden @ weight.T + bias`` with the head split by vocabulary across the
     ranks of ``process_group``: this rank holds ``weight[v0:v1]`` (V_local, H) and
     ``bias[v0:v1]``; ``hidden`` (..., H) and ``target`` (...) are the same on every rank. The
@@ -520,6 +527,9 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, *, pr
             ``fusedce.cross_entropy`` does.
         chunk_budget_bytes: bound on one chunk's float32 logits and their gradient.
         low_memory: bound the float32 grad_weight accumulator (see Memory).
+        check_targets: check the target values against [0, V) first, as
+            ``fusedce.cross_entropy`` does (one device synchronisation on a GPU); with ``shift``
+            the entries no row reads (the first of each sequence) are not checked.
 
     Returns:
         The float32 loss (target's shape with ``reduction='none'``), the same on every rank, or
@@ -531,14 +541,18 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, *, pr
         raise ValueError(f"{where}: process_group is required")
     if class_weight is not None:
         class_weight = class_weight.to(torch.float32)
+    ignore_index, label_smoothing, logit_scale, softcap, z_loss = scalar_options(
+        where, ignore_index, label_smoothing, logit_scale, softcap, z_loss)
     local_vocab, hidden_size = weight.shape
     shard = shard_layout(local_vocab, process_group, vocab_start, vocab_total, device=hidden.device,
                          where=where)
-    t = _shifted_target(target, int(ignore_index)) if shift else target
+    if check_targets:
+        seq = target.shape[-1] if shift and target.dim() > 0 else 0
+        check_target_values(target, shard[1], ignore_index, where, shift_seq_len=seq)
+    t = _shifted_target(target, ignore_index) if shift else target
     h = hidden.reshape(-1, hidden_size)
     t = t.reshape(-1)
-    options = (int(ignore_index), reduction, float(label_smoothing), float(logit_scale),
-               float(softcap or 0.0), float(z_loss))
+    options = (ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss)
     plan = _LinearPlan(h.shape[0], local_vocab, hidden_size, chunk_budget_bytes, low_memory)
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (hidden, weight, bias))

@@ -1,58 +1,122 @@
-"""fusedce.cross_entropy: a drop-in for torch.nn.functional.cross_entropy over (..., V) logits.
+"""fusedce.cross_entropy: a drop-in for torch.nn.functional.cross_entropy.
 
-This layer flattens leading dimensions (without a copy where the strides allow), checks what it
-must to give clear errors, and picks the op; every number comes from the core.
+This layer finds the class dimension (fusedce's (..., V), or PyTorch's (N, C, d1, ...)), flattens
+to (N, V) rows (without a copy where the strides allow), checks what it must to give clear
+errors, and picks the op; every number comes from the core. What the core does not compute
+(class-probability targets, float64 logits) goes to PyTorch's own implementation instead.
 """
 
 import torch
+import torch.nn.functional as F
 
 from . import _library, distributed
-from .ops import FusedCrossEntropy, call_below_autograd, ops
+from ._checks import check_target_values, scalar_options, unit_stride_vector
+from .ops import FusedCrossEntropy, InplaceWrite, Overwritten, call_below_autograd, ops
 
 _REDUCTIONS = ("none", "sum", "mean")
+_NAME = "fusedce.cross_entropy"
 
 
 def _rows(logits, vocab):
-    """logits as (N, V) with unit stride along V; a view of `logits` whenever the leading
-    dimensions collapse to one row stride (a copy only otherwise)."""
+    """logits as (N, V) with unit stride along V and rows that do not overlap, as the core takes
+    them: a view of `logits` whenever the leading dimensions collapse to one row stride of at
+    least V, a copy otherwise (a last dimension that is not contiguous; rows that share memory,
+    such as an expanded (1, V) row of stride 0, which F.cross_entropy takes and whose gradient
+    rows must be distinct)."""
     x = logits if logits.dim() == 2 else logits.reshape(-1, vocab)  # (a reshape costs ~3 us of host time)
-    if x.shape[0] > 1 and vocab > 1 and x.stride(1) != 1:
-        x = x.contiguous()
+    if x.shape[0] > 1 and ((vocab > 1 and x.stride(1) != 1) or x.stride(0) < vocab):
+        x = x.clone(memory_format=torch.contiguous_format)
     return x
+
+
+def _class_dim(logits, target):
+    """Where the classes are, from the target's shape and dtype, as F.cross_entropy reads them:
+    -1 for class indices of shape logits.shape[:-1] ((..., V), and PyTorch's (C,) and (N, C)); 1
+    for class indices of shape (N, d1, ...) against (N, C, d1, ...) logits; None for class
+    probabilities of logits' own shape (PyTorch's layout throughout). Raises ValueError when the
+    shapes fit neither, or fit both ways (C == d1 == ... == dk), where only the caller knows."""
+    if target.is_floating_point():
+        if target.shape == logits.shape:
+            return None
+        raise ValueError(f"{_NAME}: target must be int64 or int32 class indices, or class "
+                         f"probabilities of logits' shape {tuple(logits.shape)}; got {target.dtype} "
+                         f"of shape {tuple(target.shape)}")
+    last = target.shape == logits.shape[:-1]
+    dim1 = logits.dim() >= 3 and target.shape == (logits.shape[0], *logits.shape[2:])
+    if last and dim1:
+        raise ValueError(
+            f"{_NAME}: logits {tuple(logits.shape)} with target {tuple(target.shape)} fit both "
+            "layouts, classes last (..., V) and F.cross_entropy's (N, C, d1, ...); flatten them to "
+            "(rows, classes) and (rows,) to say which")
+    if last:
+        return -1
+    if dim1:
+        return 1
+    expected = f"logits.shape[:-1] = {tuple(logits.shape[:-1])}"
+    if logits.dim() >= 3:
+        expected += f" or (N, d1, ...) = {(logits.shape[0], *logits.shape[2:])}"
+    raise ValueError(f"{_NAME}: target must have shape {expected}, got {tuple(target.shape)}")
 
 
 def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="mean",
                   label_smoothing=0.0, logit_scale=1.0, softcap=None, z_loss=0.0,
-                  inplace_backward=False, return_metrics=False, process_group=None,
-                  vocab_start=None, vocab_total=None):
-    """Cross-entropy of ``logits`` (..., V) against class indices ``target`` (...), as
-    ``F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), ...)`` computes it, fused: the
-    loss and its gradient come from one read of the logits, and the logits are never copied or
-    upcast.
+                  inplace_backward=False, return_metrics=False, check_targets=False, strict=False,
+                  process_group=None, vocab_start=None, vocab_total=None):
+    """Cross-entropy of ``logits`` against ``target``, as ``F.cross_entropy`` computes it, fused:
+    the loss and its gradient come from one read of the logits, and the logits are never upcast.
+
+    Layouts (the target's shape and dtype say which, as for ``F.cross_entropy``):
+
+    * ``(..., V)`` logits with class indices of shape ``(...)``: the fused path, without a copy
+      where the rows can be viewed as ``(N, V)``. This covers PyTorch's ``(C,)`` and ``(N, C)``.
+    * ``(N, C, d1, ..., dk)`` logits with class indices ``(N, d1, ..., dk)`` (PyTorch's
+      K-dimensional layout): the fused path with the classes moved last (a copy).
+      Where the shapes fit both layouts (``C == d1 == ... == dk``) the call raises ValueError:
+      flatten to ``(rows, C)`` and ``(rows,)`` to say which is meant.
+    * What the kernels do not compute goes to PyTorch (``F.cross_entropy``, with logit_scale,
+      softcap and z_loss applied around it by the same formulas): class-probability targets
+      (a float target of logits' shape, PyTorch's layout) and float64 logits. That result is
+      PyTorch's, in its dtype, with PyTorch's gradients; ``inplace_backward`` has no effect there,
+      ``return_metrics`` needs class indices, and ``process_group`` is not available. Pass
+      ``strict=True`` to get a ValueError instead of this fallback.
 
     Args:
-        logits: float32, bfloat16 or float16, shape (..., V); the last dimension must be
-            contiguous for a copy-free call (rows may be strided, e.g. a slice of a larger buffer).
-        target: int64 or int32, shape logits.shape[:-1]; values in [0, V) or ``ignore_index``.
+        logits: float32, bfloat16 or float16 for the fused path (float64 through PyTorch).
+            Rows may be strided (a slice of a larger buffer) and are read in place; rows that
+            overlap (an expanded tensor) and a last dimension that is not contiguous are copied.
+        target: int64 or int32 class indices, values in [0, V) or ``ignore_index``; or class
+            probabilities (see Layouts).
         weight: per-class weights (V,), as ``F.cross_entropy``'s ``weight`` (used in float32).
-        ignore_index: rows with this target add nothing to the loss, gradients or the mean.
+        ignore_index: an integer (not bool); rows with this target add nothing to the loss,
+            gradients or the mean.
         reduction: 'none' (loss of target's shape), 'sum' or 'mean' (over non-ignored rows,
             weighted by ``weight[target]`` when weights are given; NaN if every row is ignored).
-        label_smoothing: in [0, 1], as in PyTorch.
+        label_smoothing: in [0, 1], as in PyTorch (and, as there, used in float32 by a float32
+            computation).
         logit_scale: the logits are multiplied by this before anything else.
         softcap: if given (> 0), logits become ``softcap * tanh(logits / softcap)`` (after
             scaling), as in Gemma 2.
         z_loss: adds ``z_loss * logsumexp(logits)**2`` per non-ignored row (PaLM's z-loss).
+            logit_scale, softcap and z_loss are held in float32 by the kernels: a non-zero value
+            outside float32's normal range (or a ratio logit_scale / softcap outside it) raises
+            ValueError rather than becoming 0 or inf.
         inplace_backward: overwrite ``logits`` with their gradient during the forward (no
-            second (N, V) buffer). The logits' values are gone after the call, so nothing else
-            may need them; autograd's version check reports it if something does. (Logits whose
-            rows cannot be viewed as (N, V) without a copy are copied, and the copy is
-            overwritten.) In eager mode
-            only: under torch.compile the call falls back to the out-of-place path, because an op
-            that mutates its differentiable input cannot be differentiated in a compiled graph.
+            second (N, V) buffer). Autograd is told (as for any in-place op): a gradient that
+            later flows through the overwritten logits raises, and so does a backward that needs
+            their old values; logits that are a leaf requiring grad, or a view of one, are
+            refused before any work, as PyTorch refuses in-place ops on them. Logits the call
+            copies (see ``logits``) leave the caller's tensor untouched. In eager mode only:
+            under torch.compile the call takes the out-of-place path, because an op that mutates
+            its differentiable input cannot be differentiated in a compiled graph.
         return_metrics: also return ``{"num_correct": int64 0-D tensor, "entropy_sum": float32
             0-D tensor, "lse": float32 (N,) tensor}`` (counts and sums over non-ignored rows, not
             means; lse is 0 at ignored rows). These are not differentiable.
+        check_targets: check the target values before any work and raise ValueError naming the
+            first entry that is neither in [0, V) nor ignore_index. On a GPU this costs one
+            device synchronisation (and a graph break under torch.compile); off (default), the
+            GPU path never synchronises and such a row's loss and gradient are NaN. The CPU
+            always checks.
+        strict: raise ValueError instead of falling back to PyTorch (see Layouts).
         process_group: a ``torch.distributed`` group whose ranks split the vocabulary: this rank's
             ``logits`` are columns ``[vocab_start, vocab_start + V_local)`` of the full logits,
             ``weight`` is its slice of the class weights, ``target`` holds global indices; the
@@ -62,58 +126,81 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
             scalars). ``inplace_backward`` is not available there.
 
     Returns:
-        The float32 loss, or ``(loss, metrics)`` with ``return_metrics=True``.
+        The float32 loss (the fallback: PyTorch's), or ``(loss, metrics)`` with
+        ``return_metrics=True``.
 
     The gradient is formed in the forward sweep (for an upstream gradient of 1) whenever the
     logits require grad, and the backward only scales it by the upstream gradient (no work at
     all when that is 1). When the logits do not require grad, only the forward runs.
     """
     if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"fusedce.cross_entropy: logits must be a tensor, got {type(logits).__name__}")
+        raise TypeError(f"{_NAME}: logits must be a tensor, got {type(logits).__name__}")
     if not isinstance(target, torch.Tensor):
-        raise TypeError(f"fusedce.cross_entropy: target must be a tensor, got {type(target).__name__}")
+        raise TypeError(f"{_NAME}: target must be a tensor, got {type(target).__name__}")
     if reduction not in _REDUCTIONS:
-        raise ValueError(f"fusedce.cross_entropy: reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
+        raise ValueError(f"{_NAME}: reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
     if logits.dim() < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"fusedce.cross_entropy: logits must have shape (..., V) with V >= 1, "
+        raise ValueError(f"{_NAME}: logits must have shape (..., V) with V >= 1, "
                          f"got {tuple(logits.shape)}")
-    if target.shape != logits.shape[:-1]:
-        raise ValueError(f"fusedce.cross_entropy: target must have shape logits.shape[:-1] = "
-                         f"{tuple(logits.shape[:-1])}, got {tuple(target.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"{_NAME}: logits must be float32, bfloat16 or float16 (float64 through "
+                         f"PyTorch), got {logits.dtype}")
     if target.device != logits.device:
-        raise ValueError(f"fusedce.cross_entropy: target is on {target.device} but logits are on "
-                         f"{logits.device}")
+        raise ValueError(f"{_NAME}: target is on {target.device} but logits are on {logits.device}")
     if logits.is_cuda and not _library.with_cuda:
-        raise RuntimeError("fusedce.cross_entropy: logits are on a CUDA device but this build of "
-                           "fusedce has no CUDA kernels (it was built without nvcc or with a "
-                           "CPU-only torch)")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"fusedce.cross_entropy: softcap must be None (off) or > 0, got {softcap}")
-    vocab = logits.shape[-1]
+        raise RuntimeError(f"{_NAME}: logits are on a CUDA device but this build of fusedce has no "
+                           "CUDA kernels (it was built without nvcc or with a CPU-only torch)")
+    options = scalar_options(_NAME, ignore_index, label_smoothing, logit_scale, softcap, z_loss)
+    class_dim = _class_dim(logits, target)
+    vocab = logits.shape[1 if class_dim == 1 or (class_dim is None and logits.dim() > 1) else -1]
+    if vocab < 1:
+        raise ValueError(f"{_NAME}: logits must have shape (..., V) with V >= 1, "
+                         f"got {tuple(logits.shape)}")
     if weight is not None:
         if not isinstance(weight, torch.Tensor) or weight.shape != (vocab,):
-            raise ValueError(f"fusedce.cross_entropy: weight must be a tensor of shape ({vocab},), "
+            raise ValueError(f"{_NAME}: weight must be a tensor of shape ({vocab},), "
                              f"got {getattr(weight, 'shape', type(weight).__name__)}")
         if weight.device != logits.device:
-            raise ValueError(f"fusedce.cross_entropy: weight is on {weight.device} but logits are on "
+            raise ValueError(f"{_NAME}: weight is on {weight.device} but logits are on "
                              f"{logits.device}")
-        weight = weight.to(torch.float32)
 
-    x = _rows(logits, vocab)
-    t = target if target.dim() == 1 else target.reshape(-1)
-    args = (x, t, weight, int(ignore_index), reduction, float(label_smoothing),
-            float(logit_scale), float(softcap or 0.0), float(z_loss), bool(return_metrics))
+    fallback = ("class-probability targets" if class_dim is None
+                else "float64 logits" if logits.dtype == torch.float64 else None)
+    if fallback is not None:
+        if strict:
+            raise ValueError(f"{_NAME}: {fallback} are not computed by the fused kernels (they take "
+                             "float32, bfloat16 or float16 logits and class indices), and "
+                             "strict=True forbids the fallback to PyTorch")
+        if process_group is not None:
+            raise ValueError(f"{_NAME}: process_group is not available for {fallback}")
+        if check_targets and class_dim is not None:
+            check_target_values(target, vocab, options[0], _NAME)
+        return _pytorch_cross_entropy(logits, target, weight, class_dim, options, reduction,
+                                      bool(return_metrics))
+
+    if weight is not None:
+        weight = unit_stride_vector(weight.to(torch.float32))
+    x = _rows(logits if class_dim == -1 else logits.movedim(1, -1), vocab)
+    t = unit_stride_vector(target if target.dim() == 1 else target.reshape(-1))
+    if check_targets and process_group is None:
+        check_target_values(t, vocab, options[0], _NAME)
+    args = (x, t, weight, options[0], reduction, *options[1:], bool(return_metrics))
 
     if process_group is not None:
         if inplace_backward:
-            raise ValueError("fusedce.cross_entropy: inplace_backward is not available with "
-                             "process_group")
+            raise ValueError(f"{_NAME}: inplace_backward is not available with process_group")
         loss, lse, num_correct, entropy_sum = distributed.cross_entropy_rows(
             x, t, weight, args[3:9], args[9], process_group=process_group, vocab_start=vocab_start,
-            vocab_total=vocab_total)
+            vocab_total=vocab_total, check_targets=bool(check_targets))
     elif torch.is_grad_enabled() and logits.requires_grad:
-        inplace = bool(inplace_backward) and not torch.compiler.is_compiling()
-        loss, lse, num_correct, entropy_sum = FusedCrossEntropy.apply(*args, inplace)
+        write = None
+        if inplace_backward and not torch.compiler.is_compiling():
+            Overwritten.check(x, _NAME)
+            write = InplaceWrite()
+        loss, lse, num_correct, entropy_sum = FusedCrossEntropy.apply(*args, write)
+        if write is not None:
+            Overwritten.apply(x)
+            write.version = x._version
     else:
         loss, lse, num_correct, entropy_sum = call_below_autograd(ops.ce_fwd.default, *args)
 
@@ -122,3 +209,56 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
     if return_metrics:
         return loss, {"num_correct": num_correct, "entropy_sum": entropy_sum, "lse": lse}
     return loss
+
+
+def _pytorch_cross_entropy(logits, target, weight, class_dim, options, reduction, return_metrics):
+    """The fallback: F.cross_entropy itself on what the kernels do not take (class_dim None:
+    class probabilities; else float64 logits with class indices), with fusedce's own options
+    applied around it by the contract's formulas (docs/contract.md, "Per-row loss") in the
+    logits' dtype. With only PyTorch's options the result is F.cross_entropy's, bit for bit."""
+    ignore_index, label_smoothing, logit_scale, softcap, z_loss = options
+    probabilities = class_dim is None
+    if return_metrics and probabilities:
+        raise ValueError(f"{_NAME}: return_metrics needs class-index targets")
+    z = logits * logit_scale if logit_scale != 1.0 else logits
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    vocab = logits.shape[-1] if class_dim == -1 else logits.shape[1 if logits.dim() > 1 else 0]
+    # F.cross_entropy's classes are at dim 1 (dim 0 for 1-D logits): rows of classes-last logits
+    # of 3 or more dimensions are flattened for it.
+    flat = class_dim == -1 and z.dim() > 2
+    zf = z.reshape(-1, vocab) if flat else z
+    tf = target.reshape(-1) if flat else target
+    w = None if weight is None else weight.to(logits.dtype)
+    loss = F.cross_entropy(zf, tf, w, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
+    if z_loss:
+        lse = torch.logsumexp(zf, dim=1 if zf.dim() > 1 else 0)
+        if probabilities:
+            terms, denom = z_loss * lse ** 2, lse.numel()
+        else:
+            keep = tf != ignore_index
+            terms = torch.where(keep, z_loss * lse ** 2, 0.0)
+            denom = w[tf[keep]].sum() if w is not None else keep.sum()
+        if reduction == "none":
+            loss = loss + terms
+        elif reduction == "sum":
+            loss = loss + terms.sum()
+        else:
+            loss = loss + terms.sum() / denom
+    if reduction == "none" and flat:
+        loss = loss.view(target.shape)
+    if not return_metrics:
+        return loss
+    with torch.no_grad():
+        rows = (z if class_dim == -1 else z.movedim(1, -1)).reshape(-1, vocab)
+        t = target.reshape(-1)
+        keep = t != ignore_index
+        lse = torch.logsumexp(rows, -1)
+        entropy = lse - (torch.softmax(rows, -1) * rows).sum(-1)
+        metrics = {
+            "num_correct": ((rows.argmax(-1) == t) & keep).sum(),
+            "entropy_sum": torch.where(keep, entropy, 0.0).sum().to(torch.float32),
+            "lse": torch.where(keep, lse, 0.0).to(torch.float32),
+        }
+    return loss, metrics

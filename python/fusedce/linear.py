@@ -9,6 +9,7 @@ picks the op; every number comes from the core (linear_cross_entropy.h).
 import torch
 
 from . import _library
+from ._checks import check_target_values, scalar_options, unit_stride_vector
 from .functional import _REDUCTIONS, _rows
 from .linear_ops import FusedLinearCrossEntropy, call_below_autograd, ops
 
@@ -80,8 +81,8 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
                          ignore_index=-100, reduction="mean", label_smoothing=0.0,
                          logit_scale=1.0, softcap=None, z_loss=0.0, shift=False,
                          return_metrics=False, chunk_budget_bytes=None, low_memory=False,
-                         skip_ignored=False, process_group=None, vocab_start=None,
-                         vocab_total=None):
+                         skip_ignored=False, check_targets=False, process_group=None,
+                         vocab_start=None, vocab_total=None):
     """Cross-entropy of the logits ``hidden @ weight.T + bias`` against class indices ``target``,
     as ``fusedce.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` computes it, but
     without ever storing the (N, V) logits: the core forms them tile by tile, folds each tile
@@ -118,6 +119,10 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
             cannot be captured in a CUDA graph. Off (default), nothing synchronises and ignored
             rows cost their share of the products (their gradient is zero). The CPU backend
             always skips them.
+        check_targets: check the target values before any work and raise ValueError naming the
+            first entry that is neither in [0, V) nor ignore_index (with ``shift``, the entries a
+            row reads), as :func:`fusedce.cross_entropy` does: one device synchronisation on a
+            GPU. The CPU always checks.
         process_group, vocab_start, vocab_total: with a process group, ``weight`` (and
             ``bias``, ``class_weight``) hold the vocabulary rows [vocab_start, vocab_start + V)
             of this rank, out of vocab_total, and the call is
@@ -131,8 +136,8 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
     forward pass for an upstream gradient of 1, and the backward only scales them (no work at
     all when the factor is 1); with 'none' and weight or bias requiring grad, the backward
     recomputes them with the per-row upstream gradient. No host synchronisation (unless
-    ``skip_ignored``): the core reads the targets where it runs; the Python side never looks at
-    tensor values.
+    ``skip_ignored`` or ``check_targets``): the core reads the targets where it runs; the Python
+    side never looks at tensor values otherwise.
     """
     if process_group is not None:
         from .distributed import vocab_parallel_linear_cross_entropy
@@ -142,21 +147,26 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
             class_weight=class_weight, ignore_index=ignore_index, reduction=reduction,
             label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap,
             z_loss=z_loss, shift=shift, return_metrics=return_metrics,
-            chunk_budget_bytes=chunk_budget_bytes, low_memory=low_memory, vocab_total=vocab_total)
+            chunk_budget_bytes=chunk_budget_bytes, low_memory=low_memory, vocab_total=vocab_total,
+            check_targets=check_targets)
     if vocab_start is not None or vocab_total is not None:
         _fail("vocab_start and vocab_total are only used with a process_group (vocabulary-parallel weight)")
     _check_arguments(hidden, weight, target, bias, class_weight, reduction, softcap,
                      chunk_budget_bytes)
+    ignore_index, label_smoothing, logit_scale, softcap, z_loss = scalar_options(
+        _NAME, ignore_index, label_smoothing, logit_scale, softcap, z_loss)
     if class_weight is not None:
-        class_weight = class_weight.to(torch.float32)
+        class_weight = unit_stride_vector(class_weight.to(torch.float32))
 
     hidden_size = hidden.shape[-1]
     h = _rows(hidden, hidden_size)
     w = _rows(weight, hidden_size)
-    t = target.reshape(-1)
+    t = unit_stride_vector(target.reshape(-1))
     shift_seq_len = _sequence_length(hidden) if shift else 0
-    args = (h, w, bias, t, class_weight, int(ignore_index), reduction, float(label_smoothing),
-            float(logit_scale), float(softcap or 0.0), float(z_loss), int(shift_seq_len),
+    if check_targets:
+        check_target_values(t, weight.shape[0], ignore_index, _NAME, shift_seq_len=shift_seq_len)
+    args = (h, w, unit_stride_vector(bias), t, class_weight, ignore_index, reduction,
+            label_smoothing, logit_scale, softcap, z_loss, int(shift_seq_len),
             int(chunk_budget_bytes or 0), bool(low_memory), bool(skip_ignored), bool(return_metrics))
 
     grad_on = torch.is_grad_enabled()

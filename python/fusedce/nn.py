@@ -17,12 +17,12 @@ class CrossEntropyLoss(_WeightedLoss):
     :mod:`fusedce.distributed`)."""
 
     __constants__ = ["ignore_index", "reduction", "label_smoothing", "logit_scale", "softcap",
-                     "z_loss", "inplace_backward", "return_metrics"]
+                     "z_loss", "inplace_backward", "return_metrics", "check_targets", "strict"]
 
     def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None,
                  reduction="mean", label_smoothing=0.0, *, logit_scale=1.0, softcap=None,
-                 z_loss=0.0, inplace_backward=False, return_metrics=False, process_group=None,
-                 vocab_start=None, vocab_total=None):
+                 z_loss=0.0, inplace_backward=False, return_metrics=False, check_targets=False,
+                 strict=False, process_group=None, vocab_start=None, vocab_total=None):
         super().__init__(weight, size_average, reduce, reduction)
         self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing
@@ -31,6 +31,8 @@ class CrossEntropyLoss(_WeightedLoss):
         self.z_loss = z_loss
         self.inplace_backward = inplace_backward
         self.return_metrics = return_metrics
+        self.check_targets = check_targets
+        self.strict = strict
         self.process_group = process_group
         self.vocab_start = vocab_start
         self.vocab_total = vocab_total
@@ -41,6 +43,7 @@ class CrossEntropyLoss(_WeightedLoss):
                              logit_scale=self.logit_scale, softcap=self.softcap,
                              z_loss=self.z_loss, inplace_backward=self.inplace_backward,
                              return_metrics=self.return_metrics,
+                             check_targets=self.check_targets, strict=self.strict,
                              process_group=self.process_group, vocab_start=self.vocab_start,
                              vocab_total=self.vocab_total)
 
@@ -48,7 +51,8 @@ class CrossEntropyLoss(_WeightedLoss):
         parts = [f"reduction={self.reduction!r}", f"ignore_index={self.ignore_index}"]
         for name, default in (("label_smoothing", 0.0), ("logit_scale", 1.0), ("softcap", None),
                               ("z_loss", 0.0), ("inplace_backward", False),
-                              ("return_metrics", False), ("vocab_start", None),
+                              ("return_metrics", False), ("check_targets", False),
+                              ("strict", False), ("vocab_start", None),
                               ("vocab_total", None)):
             value = getattr(self, name)
             if value != default:
@@ -65,11 +69,13 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     (..., H) and its head's ``weight`` (V, H) (and ``bias``), never forming the logits."""
 
     __constants__ = ["ignore_index", "reduction", "label_smoothing", "logit_scale", "softcap",
-                     "z_loss", "shift", "return_metrics", "chunk_budget_bytes", "low_memory"]
+                     "z_loss", "shift", "return_metrics", "chunk_budget_bytes", "low_memory",
+                     "check_targets"]
 
     def __init__(self, class_weight=None, *, ignore_index=-100, reduction="mean",
                  label_smoothing=0.0, logit_scale=1.0, softcap=None, z_loss=0.0, shift=False,
-                 return_metrics=False, chunk_budget_bytes=None, low_memory=False):
+                 return_metrics=False, chunk_budget_bytes=None, low_memory=False,
+                 check_targets=False):
         super().__init__()
         self.register_buffer("class_weight", class_weight)
         self.ignore_index = ignore_index
@@ -82,6 +88,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         self.return_metrics = return_metrics
         self.chunk_budget_bytes = chunk_budget_bytes
         self.low_memory = low_memory
+        self.check_targets = check_targets
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: torch.Tensor = None):
@@ -91,13 +98,14 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             label_smoothing=self.label_smoothing, logit_scale=self.logit_scale,
             softcap=self.softcap, z_loss=self.z_loss, shift=self.shift,
             return_metrics=self.return_metrics, chunk_budget_bytes=self.chunk_budget_bytes,
-            low_memory=self.low_memory)
+            low_memory=self.low_memory, check_targets=self.check_targets)
 
     def extra_repr(self):
         parts = [f"reduction={self.reduction!r}", f"ignore_index={self.ignore_index}"]
         for name, default in (("label_smoothing", 0.0), ("logit_scale", 1.0), ("softcap", None),
                               ("z_loss", 0.0), ("shift", False), ("return_metrics", False),
-                              ("chunk_budget_bytes", None), ("low_memory", False)):
+                              ("chunk_budget_bytes", None), ("low_memory", False),
+                              ("check_targets", False)):
             value = getattr(self, name)
             if value != default:
                 parts.append(f"{name}={value}")

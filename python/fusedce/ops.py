@@ -173,35 +173,56 @@ def _backward_ce_fwd(ctx, grad_loss, *unused):
 torch.library.register_autograd("fusedce::ce_fwd", _backward_ce_fwd, setup_context=_setup_ce_fwd)
 
 
+class InplaceWrite:
+    """What ``FusedCrossEntropy`` (inplace) and ``Overwritten`` share about logits overwritten
+    with their gradient: their version counter once autograd has been told of the write
+    (``mark_dirty`` bumps it), which the loss's backward expects to find unchanged."""
+
+    __slots__ = ("version",)
+
+    def __init__(self):
+        self.version = None
+
+
 class FusedCrossEntropy(torch.autograd.Function):
     """The training path of fusedce.cross_entropy: one sweep forms the loss and dlogits for an
     upstream gradient of 1 (``ce_fwd_bwd``, or ``ce_fwd_bwd_inplace`` over the logits themselves
-    with ``inplace=True``); dlogits never leaves this function, so the backward scales it in
+    with ``inplace`` given); dlogits never leaves this function, so the backward scales it in
     place by the upstream gradient (``ce_rescale_``: rows whose factor is 1 are not touched) and
     hands it on. Only when the graph is kept for another backward is a copy scaled instead.
 
     Under torch.compile the in-place scaling of the saved dlogits is functionalised, and inductor
-    writes it back into the same buffer. ``inplace=True`` mutates a differentiable input, which a
+    writes it back into the same buffer. ``inplace`` mutates a differentiable input, which a
     compiled graph cannot differentiate; fusedce.cross_entropy uses it in eager mode only.
 
-    Arguments: logits, target, weight, the six options, compute_metrics, inplace. Returns loss,
-    lse, num_correct, entropy_sum (only the loss is differentiable).
+    In place, the caller follows this function with ``Overwritten.apply(logits)`` so that
+    autograd knows of the mutation: this function cannot mark the logits dirty itself, because a
+    function that mutates a view (the usual case: (B, S, V) logits viewed as (N, V)) may return
+    only one tensor. Marking them dirty bumps their version, so the logits are kept on ctx rather
+    than through save_for_backward, and the backward checks their version against the one
+    recorded in ``inplace`` (an InplaceWrite) after the marking: any later in-place change of
+    the gradient they hold is refused as autograd refuses it for saved tensors.
+
+    Arguments: logits, target, weight, the six options, compute_metrics, inplace (None, or an
+    InplaceWrite to write over the logits). Returns loss, lse, num_correct, entropy_sum (only the
+    loss is differentiable).
     """
 
     @staticmethod
     def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing,
                 logit_scale, softcap, z_loss, compute_metrics, inplace):
         options = (ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss)
-        if inplace:
+        ctx.inplace = inplace
+        if inplace is not None:
             loss, lse, num_correct, entropy_sum = _empty_outputs(logits, reduction, compute_metrics)
             ops.ce_fwd_bwd_inplace(logits, target, weight, *options, loss, lse,
                                    num_correct if compute_metrics else None,
                                    entropy_sum if compute_metrics else None)
-            dlogits = logits  # now holds the gradient
+            ctx.dlogits = logits  # now holds the gradient
         else:
             loss, lse, num_correct, entropy_sum, dlogits = call_below_autograd(
                 ops.ce_fwd_bwd.default, logits, target, weight, *options, compute_metrics)
-        ctx.save_for_backward(dlogits)
+            ctx.save_for_backward(dlogits)
         ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
         ctx.set_materialize_grads(False)
         return loss, lse, num_correct, entropy_sum
@@ -210,9 +231,59 @@ class FusedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, *unused):
         grads = [None] * (_NUM_ARGS_FWD + 1)
         if grad_loss is not None and ctx.needs_input_grad[0]:
-            (dlogits,) = ctx.saved_tensors
-            if _graph_is_kept():
+            kept = _graph_is_kept()
+            if ctx.inplace is not None:
+                dlogits = ctx.dlogits
+                if dlogits is None:
+                    raise RuntimeError("fusedce.cross_entropy: trying to backward through the graph "
+                                       "a second time; specify retain_graph=True the first time")
+                if dlogits._version != ctx.inplace.version:
+                    raise RuntimeError(
+                        "one of the variables needed for gradient computation has been modified "
+                        f"by an inplace operation: the {list(dlogits.shape)} logits that "
+                        "fusedce.cross_entropy(inplace_backward=True) overwrote with their "
+                        f"gradient are at version {dlogits._version}; expected version "
+                        f"{ctx.inplace.version} instead")
+                if not kept:
+                    ctx.dlogits = None  # as save_for_backward frees a saved tensor
+            else:
+                (dlogits,) = ctx.saved_tensors
+            if kept:
                 dlogits = dlogits.clone()
             ops.ce_rescale_(_upstream(grad_loss), dlogits)
             grads[0] = dlogits
         return tuple(grads)
+
+
+class Overwritten(torch.autograd.Function):
+    """Marks logits that ``FusedCrossEntropy`` (in place) has just overwritten with their
+    gradient as modified in place (``ctx.mark_dirty``), so that autograd treats them as any
+    in-place op's output: their history becomes this function, whose backward raises, because
+    the values they now hold (the gradient of the loss) are not differentiable here; a view's
+    base is rebased as for any in-place op on a view. Nothing is computed. The caller records
+    the version the logits have after this (``InplaceWrite.version``) for the loss's backward."""
+
+    @staticmethod
+    def check(logits, where):
+        """Refuse, before any work, what autograd would refuse after the overwrite: an in-place
+        change of a leaf that requires grad, or of a view of one."""
+        base = logits._base if logits._is_view() else None
+        if (logits.is_leaf and logits.requires_grad) or (
+                base is not None and base.is_leaf and base.requires_grad):
+            raise ValueError(
+                f"{where}: inplace_backward=True would overwrite a leaf tensor that requires grad"
+                f"{' (through a view of it)' if base is not None else ''}, which autograd forbids "
+                "for in-place operations; pass inplace_backward=False, or logits computed from "
+                "the leaf")
+
+    @staticmethod
+    def forward(ctx, logits):
+        ctx.mark_dirty(logits)
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            "fusedce.cross_entropy: a gradient reached logits that inplace_backward=True "
+            "overwrote with the loss's gradient; what they hold now cannot be differentiated. "
+            "Pass inplace_backward=False when the logits are used after the loss")

@@ -621,6 +621,34 @@ def test_bad_layout_and_arguments_are_named(group_of_one):
         linear(h, wt.double(), t, process_group=pg)
 
 
+def test_check_targets_and_option_checks_with_process_group(group_of_one, monkeypatch):
+    # check_targets=True checks against the full vocabulary before the shard ops run (the ops
+    # are made to fail here: it is the Python check, the one a GPU gets, that names the entry);
+    # the options are checked as on one device.
+    x, t = make_problem((6,), 20)
+    pg = group_of_one
+    bad = t.clone()
+    bad[1], bad[4] = 24, 30  # 24 < vocab_total
+    monkeypatch.setattr(fdist.ops, "ce_shard_stats", None, raising=False)
+    with pytest.raises(ValueError, match=r"target\[4\] = 30 is out of range \[0, 25\)"):
+        fusedce.cross_entropy(x, bad, process_group=pg, vocab_start=0, vocab_total=25,
+                              check_targets=True)
+    h, wt = torch.randn(2, 3, 4), torch.randn(20, 4)
+    bad = torch.randint(0, 20, (2, 3))
+    bad[0, 0], bad[1, 1] = 99, 21
+    with pytest.raises(ValueError, match=r"target\[4\] = 21 is out of range \[0, 20\)"):
+        fusedce.linear_cross_entropy(h, wt, bad, shift=True, check_targets=True, process_group=pg)
+    monkeypatch.undo()
+    bad[1, 1] = 3  # only the entry no row reads (the first of a sequence) is out of range
+    fusedce.linear_cross_entropy(h, wt, bad, shift=True, check_targets=True, process_group=pg)
+    for kw, exc in (({"softcap": 1e-50}, ValueError), ({"ignore_index": 3.7}, TypeError),
+                    ({"z_loss": 1e-45}, ValueError)):
+        with pytest.raises(exc, match=next(iter(kw))):
+            fusedce.cross_entropy(x, t, process_group=pg, **kw)
+        with pytest.raises(exc, match=next(iter(kw))):
+            fusedce.vocab_parallel_linear_cross_entropy(h, wt, bad, process_group=pg, **kw)
+
+
 # ---- the ops ----------------------------------------------------------------------------------
 
 

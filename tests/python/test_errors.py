@@ -1,8 +1,10 @@
 """Bad input gives a ValueError / RuntimeError (TypeError for a non-tensor) whose message names
 the argument, before any work; never a crash or a silently wrong number."""
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fusedce
 from conftest import DEVICES, requires_cuda
@@ -16,7 +18,8 @@ def _ok(device="cpu", n=6, vocab=11):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case,exc,match", [
-    ("logits_float64", ValueError, "logits must be float32, bfloat16 or float16"),
+    ("logits_float64_strict", ValueError, "float64 logits are not computed by the fused kernels"),
+    ("probabilities_strict", ValueError, "class-probability targets are not computed"),
     ("logits_int", ValueError, "logits"),
     ("target_float", ValueError, "target must be int64 or int32"),
     ("target_shape", ValueError, "target must have shape"),
@@ -36,8 +39,12 @@ def _ok(device="cpu", n=6, vocab=11):
 def test_bad_arguments(device, case, exc, match):
     x, t = _ok(device)
     kw = {}
-    if case == "logits_float64":
+    if case == "logits_float64_strict":  # without strict=True: PyTorch computes it
         x = x.double()
+        kw["strict"] = True
+    elif case == "probabilities_strict":
+        t = torch.softmax(torch.randn_like(x), -1)
+        kw["strict"] = True
     elif case == "logits_int":
         x = x.long()
     elif case == "target_float":
@@ -79,6 +86,169 @@ def test_bad_arguments(device, case, exc, match):
             fusedce.cross_entropy(x.requires_grad_(True), t, **kw)
 
 
+# Values the kernels' float32 cannot hold: 0 instead of a tiny number would turn an option off,
+# a subnormal keeps a few digits, inf is refused by the core with a message about inf.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw,match", [
+    ({"softcap": 1e-50}, r"softcap=1e-50 cannot be represented in float32.*become 0\.0"),
+    ({"softcap": 1e-40}, r"softcap=1e-40 cannot be represented in float32"),  # subnormal
+    ({"softcap": 1e39}, r"softcap=1e\+39 cannot be represented in float32.*become inf"),
+    ({"softcap": float("inf")}, r"softcap must be None \(off\) or finite and > 0"),
+    ({"logit_scale": 1e-50}, r"logit_scale=1e-50 cannot be represented"),
+    ({"logit_scale": -1e39}, r"logit_scale=-1e\+39 cannot be represented"),
+    ({"z_loss": 1e-50}, r"z_loss=1e-50 cannot be represented.*become 0\.0"),
+    ({"z_loss": 1e-39}, r"z_loss=1e-39 cannot be represented"),
+    ({"z_loss": 1e39}, r"z_loss=1e\+39 cannot be represented"),
+    # the kernels take tanh(x * (logit_scale / softcap)) with the ratio in float32
+    ({"softcap": 1e-30, "logit_scale": 1e10}, r"logit_scale / softcap=.* cannot be represented"),
+    ({"softcap": 1e30, "logit_scale": 1e-20}, r"logit_scale / softcap=.* cannot be represented"),
+], ids=lambda v: str(v))
+def test_options_float32_cannot_hold(device, kw, match):
+    x, t = _ok(device)
+    for fn in (lambda: fusedce.cross_entropy(x, t, **kw),
+               lambda: fusedce.cross_entropy(x.requires_grad_(True), t, **kw),
+               lambda: fusedce.linear_cross_entropy(x, torch.randn(5, 11, device=device),
+                                                    t.clamp(max=4), **kw)):
+        with pytest.raises(ValueError, match=match):
+            fn()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_options_at_float32s_edges_are_computed(device):
+    # The smallest normal float32 values are taken and give the contract's numbers (float64
+    # reference); label_smoothing is narrowed to float32 as PyTorch's own float32 kernels
+    # narrow it, so a value float32 rounds to 0 is taken and gives PyTorch's result.
+    x, t = _ok(device)
+    x64 = x.double()
+    for kw in ({"softcap": 2e-38}, {"z_loss": 2e-38}, {"logit_scale": 2e-38},
+               {"softcap": 1e30, "logit_scale": 1e-7}):
+        ours = fusedce.cross_entropy(x, t, **kw)
+        z = x64 * kw.get("logit_scale", 1.0)
+        if "softcap" in kw:
+            z = kw["softcap"] * torch.tanh(z / kw["softcap"])
+        ref = F.cross_entropy(z, t) + kw.get("z_loss", 0.0) * (torch.logsumexp(z, -1) ** 2).mean()
+        torch.testing.assert_close(ours.double(), ref, rtol=1e-6, atol=1e-6, msg=str(kw))
+    torch.testing.assert_close(fusedce.cross_entropy(x, t, label_smoothing=1e-50),
+                               F.cross_entropy(x, t, label_smoothing=1e-50), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("value,exc,match", [
+    (3.7, TypeError, r"ignore_index must be an integer, got 3.7 \(float\)"),  # int() truncated it
+    (3.0, TypeError, "ignore_index must be an integer"),  # F.cross_entropy refuses floats too
+    (True, TypeError, "ignore_index must be an integer, got the bool True"),
+    ("3", TypeError, "ignore_index must be an integer"),
+    (2 ** 70, ValueError, "ignore_index must fit in int64"),
+], ids=str)
+def test_ignore_index_must_be_an_integer(device, value, exc, match):
+    x, t = _ok(device)
+    for fn in (lambda: fusedce.cross_entropy(x, t, ignore_index=value),
+               lambda: fusedce.cross_entropy(x.requires_grad_(True), t, ignore_index=value),
+               lambda: fusedce.linear_cross_entropy(x, torch.randn(11, 11, device=device), t,
+                                                    ignore_index=value)):
+        with pytest.raises(exc, match=match):
+            fn()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ignore_index_takes_what_f_cross_entropy_takes(device):
+    # Integers: int, a numpy integer, a one-element integer tensor; any int64 value.
+    x, t = _ok(device)
+    t[2] = t[4] = 3
+    ref = F.cross_entropy(x, t, ignore_index=3)
+    for value in (3, np.int64(3), np.int32(3), torch.tensor(3)):
+        torch.testing.assert_close(fusedce.cross_entropy(x, t, ignore_index=value), ref)
+    for value in (2 ** 40, -(2 ** 63)):
+        torch.testing.assert_close(fusedce.cross_entropy(x, t, ignore_index=value),
+                                   F.cross_entropy(x, t, ignore_index=value))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_check_targets_names_the_first_bad_entry(device, monkeypatch):
+    # check_targets=True runs in Python on the target's device before any op: the same check
+    # the GPU gets (one synchronisation). The ops are made to fail here to show that it is
+    # this check, not the CPU core's, that reports the entry.
+    import fusedce.functional as functional
+    import fusedce.linear as linear
+
+    def no_op(*args, **kwargs):
+        raise AssertionError("an op ran although the targets are bad")
+
+    x = torch.randn(2, 5, 11, device=device)
+    t = torch.randint(0, 11, (2, 5), device=device)
+    t[0, 1] = -100  # ignore_index: fine
+    t[1, 2], t[1, 4] = 11, -3
+    h, w = torch.randn(2, 5, 8, device=device), torch.randn(11, 8, device=device)
+    monkeypatch.setattr(functional, "call_below_autograd", no_op)
+    monkeypatch.setattr(functional.FusedCrossEntropy, "apply", no_op)
+    monkeypatch.setattr(linear, "call_below_autograd", no_op)
+    monkeypatch.setattr(linear.FusedLinearCrossEntropy, "apply", no_op)
+    message = r"target\[7\] = 11 is out of range \[0, 11\) and is not ignore_index \(-100\)"
+    with pytest.raises(ValueError, match=message):
+        fusedce.cross_entropy(x, t, check_targets=True)
+    y = (x.clone().requires_grad_(True) * 1.0)
+    y0 = y.detach().clone()
+    with pytest.raises(ValueError, match=message):
+        fusedce.cross_entropy(y, t, check_targets=True, inplace_backward=True)
+    assert torch.equal(y.detach(), y0)
+    with pytest.raises(ValueError, match=message):
+        fusedce.cross_entropy(x.movedim(-1, 1), t, check_targets=True)  # (N, C, d) layout
+    with pytest.raises(ValueError, match=message):
+        fusedce.cross_entropy(x.double(), t, check_targets=True)  # the fallback to PyTorch
+    with pytest.raises(ValueError, match=r"target\[1\] = -100 is out of range \[0, 11\) and is "
+                                         r"not ignore_index \(5\)"):
+        fusedce.cross_entropy(x, t, check_targets=True, ignore_index=5)
+    with pytest.raises(ValueError, match=message):
+        fusedce.CrossEntropyLoss(check_targets=True)(x, t)
+    with pytest.raises(ValueError, match=message.replace("cross_entropy", "linear_cross_entropy")):
+        fusedce.linear_cross_entropy(h, w, t, check_targets=True)
+    # shift: the first entry of each sequence is no row's target and is not checked
+    t2 = torch.randint(0, 11, (2, 5), device=device)
+    t2[0, 0] = t2[1, 0] = 99
+    t2[1, 3] = 12
+    with pytest.raises(ValueError, match=r"target\[8\] = 12 is out of range"):
+        fusedce.linear_cross_entropy(h, w, t2, shift=True, check_targets=True)
+    with pytest.raises(ValueError, match=r"target\[8\] = 12 is out of range"):
+        fusedce.LinearCrossEntropyLoss(shift=True, check_targets=True)(h, w, t2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_check_targets_passes_good_targets(device):
+    x, t = _ok(device)
+    t[0] = -100
+    ref = fusedce.cross_entropy(x, t)
+    assert torch.equal(fusedce.cross_entropy(x, t, check_targets=True), ref)
+    assert torch.equal(fusedce.cross_entropy(x, t.int(), check_targets=True), ref)
+    empty = fusedce.cross_entropy(x[:0], t[:0], check_targets=True, reduction="sum")
+    assert empty.item() == 0.0
+    t2 = t.clone()
+    t2[0] = 11
+    with pytest.raises(ValueError, match=r"target\[0\] = 11"):  # the first entry
+        fusedce.cross_entropy(x, t2, check_targets=True)
+    t2[0] = 2 ** 40  # beyond int32: compared as int64
+    with pytest.raises(ValueError, match=rf"target\[0\] = {2 ** 40}"):
+        fusedce.cross_entropy(x, t2, check_targets=True)
+
+
+@requires_cuda
+def test_check_targets_cuda():
+    # Off (default): no host synchronisation, the bad row is NaN. On: the row is named.
+    x, t = _ok("cuda")
+    t[4] = 1000
+    torch.cuda.set_sync_debug_mode("error")  # a synchronising torch op raises
+    try:
+        loss = fusedce.cross_entropy(x, t, reduction="none")
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            fusedce.cross_entropy(x, t, check_targets=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isnan(loss[4]) and torch.isfinite(loss[:4]).all()
+    with pytest.raises(ValueError, match=r"target\[4\] = 1000 is out of range \[0, 11\)"):
+        fusedce.cross_entropy(x, t, check_targets=True)
+    with pytest.raises(ValueError, match=r"target\[4\] = 1000 is out of range \[0, 11\)"):
+        fusedce.linear_cross_entropy(x, torch.randn(11, 11, device="cuda"), t, check_targets=True)
+
+
 def test_target_out_of_range_names_row_and_value():
     x, t = _ok()
     t[3] = 11
@@ -95,9 +265,10 @@ def test_target_out_of_range_inplace_leaves_logits():
     x, t = _ok()
     t[2] = 50
     x0 = x.clone()
+    y = x.requires_grad_(True) * 1.0
     with pytest.raises(ValueError, match=r"target\[2\] = 50"):
-        fusedce.cross_entropy(x.requires_grad_(True), t, inplace_backward=True)
-    assert torch.equal(x.detach(), x0)
+        fusedce.cross_entropy(y, t, inplace_backward=True)
+    assert torch.equal(y.detach(), x0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

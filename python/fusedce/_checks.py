@@ -1,0 +1,129 @@
+"""Checks shared by the Python front ends: the scalar options as the kernels will hold them, the
+optional device-side check of target values, and the layout fixes the core cannot take (rows or
+vectors with stride 0)."""
+
+import operator
+import struct
+
+import torch
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+# Magnitudes that round to a normal float32 (round to nearest, ties to even): at least halfway
+# between the largest subnormal and the smallest normal (2^-126), below halfway between the
+# largest finite float32 and 2^128 (inf). Plain comparisons, which torch.compile traces.
+_NORMAL_FROM = 2.0 ** -126 - 2.0 ** -150
+_INF_FROM = 2.0 ** 128 - 2.0 ** 103
+_INF = float("inf")
+
+
+def _float32(value):
+    """`value` rounded to float32 as the C++ core's Options fields hold it; inf beyond range."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return _INF if value > 0 else -_INF
+
+
+def _real(value, name, where):
+    if isinstance(value, (str, bytes)) or (isinstance(value, torch.Tensor) and value.numel() != 1):
+        raise TypeError(f"{where}: {name} must be a real number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{where}: {name} must be a real number, got {value!r}") from None
+
+
+def _representable(value, name, where, what):
+    """A non-zero finite `value` must round to a normal float32: the kernels hold it as a
+    float32, and outside that range it would become 0 (an option silently off), inf, or a
+    subnormal that keeps only a few of its digits."""
+    if value != 0.0 and not _NORMAL_FROM <= abs(value) < _INF_FROM:
+        became = ""
+        if not torch.compiler.is_compiling():
+            f32 = _float32(value)
+            became = f" (it would become {'the subnormal ' if f32 != 0.0 and abs(f32) < 1 else ''}{f32!r})"
+        raise ValueError(f"{where}: {name}={value!r} cannot be represented in float32, the kernels' "
+                         f"type{became}; {what}")
+    return value
+
+
+def ignore_index_of(value, where):
+    """`value` as the int64 the core compares targets with. Integers only (anything with
+    __index__: int, a numpy integer, a one-element integer tensor), as F.cross_entropy takes them;
+    not bool, and not a float, which int() would truncate."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{where}: ignore_index must be an integer, got the bool {value!r}")
+    try:
+        index = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{where}: ignore_index must be an integer, got {value!r} "
+                        f"({type(value).__name__})") from None
+    if not _INT64_MIN <= index <= _INT64_MAX:
+        raise ValueError(f"{where}: ignore_index must fit in int64, got {index}")
+    return index
+
+
+def scalar_options(where, ignore_index, label_smoothing, logit_scale, softcap, z_loss):
+    """(ignore_index, label_smoothing, logit_scale, softcap, z_loss) as the ops take them (softcap
+    0 = off), after checking that each means, once in the kernels' float32, what was asked for.
+
+    label_smoothing is narrowed to float32 without a check beyond its range, as PyTorch's own
+    kernels narrow it (a float32 loss scales its smoothing term by the float32 value); the other
+    three are fusedce's own options, and a value that float32 cannot hold to its precision is
+    refused rather than turned into a different option (a softcap of 1e-50 would become 0, off)."""
+    ignore_index = ignore_index_of(ignore_index, where)
+    label_smoothing = _real(label_smoothing, "label_smoothing", where)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{where}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    logit_scale = _real(logit_scale, "logit_scale", where)
+    if not (-_INF < logit_scale < _INF and logit_scale != 0.0):
+        raise ValueError(f"{where}: logit_scale must be finite and non-zero, got {logit_scale!r}")
+    _representable(logit_scale, "logit_scale", where, "use a magnitude in [1.2e-38, 3.4e38]")
+    if softcap is None:
+        softcap = 0.0
+    else:
+        softcap = _real(softcap, "softcap", where)
+        if not 0.0 < softcap < _INF:
+            raise ValueError(f"{where}: softcap must be None (off) or finite and > 0, got {softcap!r}")
+        _representable(softcap, "softcap", where, "use a value in [1.2e-38, 3.4e38], or None (off)")
+        # The kernels evaluate tanh(x * (logit_scale / softcap)) with that ratio in float32 (taken
+        # here in double: the same up to float32's rounding of the two).
+        _representable(logit_scale / softcap, "logit_scale / softcap", where,
+                       f"logit_scale={logit_scale!r} and softcap={softcap!r} are too far apart")
+    z_loss = _real(z_loss, "z_loss", where)
+    if not 0.0 <= z_loss < _INF:
+        raise ValueError(f"{where}: z_loss must be finite and >= 0, got {z_loss!r}")
+    _representable(z_loss, "z_loss", where, "use 0 (off) or a value in [1.2e-38, 3.4e38]")
+    return ignore_index, label_smoothing, logit_scale, softcap, z_loss
+
+
+def check_target_values(target, vocab, ignore_index, where, *, shift_seq_len=0):
+    """Raise ValueError naming the first entry of `target` (flattened) that is neither in
+    [0, vocab) nor ignore_index, as the CPU core reports it. The test runs where the target is
+    (on a GPU: a few (N,) kernels) and its outcome reaches the host in one copy, the call's
+    only synchronisation. With shift_seq_len = S > 0 the first entry of each sequence of S is no
+    row's target and is not checked. Under torch.compile the host read is a graph break."""
+    t = target.reshape(-1)
+    if t.numel() == 0:
+        return
+    t = t.to(torch.int64)
+    bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
+    if shift_seq_len > 0:
+        bad = bad.view(-1, shift_seq_len)
+        bad[:, 0] = False
+        bad = bad.view(-1)
+    # argmax gives the first maximum: the first bad entry, if any. Tensor indices throughout, so
+    # that the one read on the host is the .tolist() below.
+    first = torch.argmax(bad.to(torch.uint8)).view(1)
+    found, row, value = torch.cat([bad.index_select(0, first).to(torch.int64), first,
+                                   t.index_select(0, first)]).tolist()
+    if found:
+        raise ValueError(f"{where}: target[{row}] = {value} is out of range [0, {vocab}) and is "
+                         f"not ignore_index ({ignore_index})")
+
+
+def unit_stride_vector(v):
+    """A 1-D tensor the core can read: stride >= 1 (an expanded vector, stride 0, is copied)."""
+    if v is not None and v.dim() == 1 and v.stride(0) < 1:
+        return v.clone(memory_format=torch.contiguous_format)
+    return v
