@@ -375,7 +375,7 @@ _MEMORY_VARIANTS = [{"chunk_budget_bytes": 4096}, {"skip_ignored": True}, {"low_
 
 
 @requires_cuda
-def test_memory_options_leave_results_unchanged():
+def test_memory_options_leave_results_unchanged_cuda():
     # chunk_budget_bytes, low_memory and skip_ignored change how the CUDA backend does the work
     # (here: 4096 bytes hold 2 of the 30 rows' logits, so the call runs 15 chunks; low_memory
     # forms grad_weight in a second pass from recomputed logits; skip_ignored compacts the ~30 %
@@ -398,7 +398,7 @@ def test_cpu_backend_ignores_memory_options():
     # The CPU backend forms float32 tiles of its own size and always drops ignored rows
     # (docs/contract.md, "Fused linear cross-entropy"): the options are accepted and leave every
     # bit unchanged. This is all the CPU can check; what the options do is tested on a GPU
-    # (test_memory_options_leave_results_unchanged).
+    # (test_memory_options_leave_results_unchanged_cuda).
     h, w, b, t = make_linear_problem((30,), 16, 400, bias=True)
     ref = loss_and_grads(lambda *a: fusedce.linear_cross_entropy(a[0], a[1], t, a[2]), (h, w, b))
     for kw in _MEMORY_VARIANTS:
