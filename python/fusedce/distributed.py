@@ -62,12 +62,15 @@ Targets are global class indices in ``[0, V)`` (or ``ignore_index``) on every ra
 """
 
 
+import threading
+
 import torch
 import torch.distributed as dist
 
 from . import _library
 from ._checks import check_target_values, scalar_options
 from .ops import _upstream, ops
+from .vp_ops import STATS_WIDTH as _STATS_WIDTH
 
 _REDUCTIONS = ("none", "sum", "mean")
 
@@ -108,14 +111,34 @@ def _as_int(value, name, where):
     return value
 
 
-def _summed_local_sizes(local_vocab, process_group, device):
-    """V as the sum of every rank's V_local: one all-reduce of one integer, read on the host."""
+def _summed_local_sizes(local_vocab, process_group, device, where, error=0):
+    """V as the sum of every rank's V_local: one all-reduce of a (2, R) int64 block (row 0: each
+    rank's V_local in its own column, row 1: its error code), read on the host. A rank whose
+    argument check failed takes part with error != 0, and then every rank raises: the ranks that
+    reach this all-reduce do exactly this one collective of the call before raising, so none is
+    left waiting and none goes on to a gather the others never join."""
     if torch.compiler.is_compiling():
         raise ValueError("fusedce: vocab_total is required under torch.compile when vocab_start "
                          "is given (deriving it needs a host-visible collective)")
-    size = torch.tensor([local_vocab], dtype=torch.int64, device=device)
-    dist.all_reduce(size, group=process_group)
-    return int(size.item())
+    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    block = torch.zeros((2, world), dtype=torch.int64, device=device)
+    block[0, rank], block[1, rank] = local_vocab, error
+    _mark_collective("reduced")
+    dist.all_reduce(block, group=process_group)
+    sizes, errors = block.tolist()
+    _raise_if_failed(errors, where, world)
+    return sum(sizes)
+
+
+def _layout_rule(vocab_start, vocab_total):
+    """Which row of the layout table applies (index into _RULES); any values, checked or not."""
+    if vocab_start is None:
+        return 0 if vocab_total is None else 1
+    return 2 if vocab_total is not None else 3
+
+
+_RULES = ("equal shards (no vocab_start, no vocab_total)", "torch.chunk's layout (vocab_total only)",
+          "vocab_start and vocab_total as given", "vocab_start given, vocab_total summed")
 
 
 def shard_layout(local_vocab, process_group, vocab_start=None, vocab_total=None, *, device="cpu",
@@ -142,7 +165,7 @@ def shard_layout(local_vocab, process_group, vocab_start=None, vocab_total=None,
         return start, vocab_total
     vocab_start = _as_int(vocab_start, "vocab_start", where)
     if vocab_total is None:
-        vocab_total = _summed_local_sizes(local_vocab, process_group, device)
+        vocab_total = _summed_local_sizes(local_vocab, process_group, device, where)
     if vocab_start < 0 or vocab_start + local_vocab > vocab_total:
         raise ValueError(f"{where}: vocab_start ({vocab_start}) + the {local_vocab} local columns must "
                          f"lie within vocab_total ({vocab_total})")
@@ -173,11 +196,166 @@ def _all_reduce_sum(tensor, process_group):
     return _waited(funcol.all_reduce(tensor.contiguous(), "sum", process_group))
 
 
-def _merge_shards(stats, target, weight, shard, options, compute_metrics, process_group):
-    """Step 2 of the core: the one all-gather of the shard statistics, then the rank-order merge
-    (the same bits on every rank). Returns loss, lse, num_correct, entropy_sum, row_weight, batch."""
+# Row N of a rank's statistics carries the class-weight sum in column 0 and nothing else for the
+# core's merge (fusedce/vocab_parallel.h); columns 1..8 carry this rank's part of the call's
+# agreement, so it travels in the one all-gather that already happens:
+#   1: error code (0: arguments accepted; else _ERROR_KINDS' index, the rest of the block is 0)
+#   2, 3 / 4, 5 / 6, 7: vocab_start / V_local / vocab_total, each as (hi, lo) = divmod(v, 2**20),
+#      exact in float32 (both parts < 2**24) for any value below 2**44
+#   8: the layout rule (_RULES' index)
+_LAYOUT_BASE = 1 << 20
+_ERROR_KINDS = (None, ValueError, TypeError, RuntimeError)
+
+
+def _error_code(exc):
+    for code, kind in enumerate(_ERROR_KINDS):
+        if code and type(exc) is kind:
+            return code
+    return len(_ERROR_KINDS) - 1
+
+
+def _raise_if_failed(errors, where, world):
+    """The error every rank raises when some rank rejected its arguments (errors: each rank's
+    code, in rank order). The rejecting rank raises its own, more specific error instead."""
+    bad = [(r, int(c)) for r, c in enumerate(errors) if c]
+    if not bad:
+        return
+    kinds = ", ".join(f"rank {r} ({_ERROR_KINDS[c].__name__ if c < len(_ERROR_KINDS) else 'error'})"
+                      for r, c in bad)
+    raise _AgreedError(
+        f"{where}: {kinds} of {world} rejected its arguments (see that rank's error); every rank "
+        "raises, and no rank uses statistics of this call")
+
+
+class _AgreedError(ValueError):
+    """An error every rank of the group raises for the same call, agreed through its collective."""
+
+
+def _with_layout_row(stats, layout):
+    """stats with columns 1..8 of row N set to this rank's layout record (see above)."""
+    vocab_start, local_vocab, vocab_total, rule = layout
+    values = (0, *divmod(vocab_start, _LAYOUT_BASE), *divmod(local_vocab, _LAYOUT_BASE),
+              *divmod(vocab_total, _LAYOUT_BASE), rule)
+    for col, v in enumerate(values, start=1):
+        stats[-1, col].fill_(float(v))  # a scalar fill, no host-to-device copy
+    return stats
+
+
+def _check_tiling(records, where):
+    """Raise the same error on every rank unless the shards tile [0, V) in rank order. records:
+    each rank's (error, vocab_start, V_local, vocab_total, rule), from the gathered block."""
+    world = len(records)
+    _raise_if_failed([r[0] for r in records], where, world)
+    totals = {r[3] for r in records}
+    end = 0
+    ok = len(totals) == 1
+    for _, start, count, _, _ in records:
+        ok = ok and start == end
+        end = start + count
+    ok = ok and end == records[0][3]
+    if ok:
+        return
+    claims = ", ".join(f"rank {r} holds [{start}, {start + count}) of V={total}"
+                       for r, (_, start, count, total, _) in enumerate(records))
+    rules = sorted({rec[4] for rec in records})
+    hint = ""
+    if 0 in rules:
+        hint = ("; without vocab_start and vocab_total every rank must hold the same number of "
+                "columns: for uneven shards pass vocab_start and vocab_total (or vocab_total alone "
+                "for torch.chunk's layout)")
+    raise _AgreedError(
+        f"{where}: the shards do not tile the vocabulary [0, V) in rank order: {claims} (layout "
+        f"rule{'s' if len(rules) > 1 else ''}: {'; '.join(_RULES[k] for k in rules)}){hint}")
+
+
+def _decode_layout(gathered, world, n):
+    """Each rank's record from the gathered block: one small device-to-host read."""
+    rows = gathered.view(world, n + 1, gathered.shape[1])[:, n, 1:].tolist()
+    b = _LAYOUT_BASE
+    return [(int(r[0]), int(r[1]) * b + int(r[2]), int(r[3]) * b + int(r[4]),
+             int(r[5]) * b + int(r[6]), int(r[7])) for r in rows]
+
+
+def _merge_shards(stats, target, weight, shard, options, compute_metrics, process_group,
+                  where="fusedce", local_vocab=None, rule=0):
+    """Step 2 of the core: the one all-gather of the shard statistics (with this rank's layout
+    record in row N), the check that every rank accepted its arguments and that the shards tile
+    [0, V) in rank order (the same error on every rank otherwise), then the rank-order merge
+    (the same bits on every rank). Returns loss, lse, num_correct, entropy_sum, row_weight, batch.
+
+    The check reads the gathered records on the host (one device synchronisation per call under
+    NCCL); it is skipped under torch.compile, where the layout and arguments must be right."""
+    if local_vocab is not None:
+        stats = _with_layout_row(stats, (shard[0], local_vocab, shard[1], rule))
+    _mark_collective("gathered")
     gathered = _all_gather_rows(stats, process_group)
+    world = dist.get_world_size(process_group)
+    if local_vocab is not None and world == 1:
+        _check_tiling([(0, shard[0], local_vocab, shard[1], rule)], where)  # local, no read
+    elif local_vocab is not None and not torch.compiler.is_compiling():
+        _check_tiling(_decode_layout(gathered, world, target.shape[0]), where)
     return ops.ce_shard_merge(gathered, target, weight, *shard, *options, compute_metrics)
+
+
+# ---- one agreed outcome per call ------------------------------------------------------------------
+
+# The call in progress on this thread: whether it has entered its first collective. A rank whose
+# checks fail before that point joins the collective the other ranks are in with an error code
+# instead of raising alone (which would leave them waiting under NCCL, or let them run on into
+# the collectives of the next call under gloo).
+_CALL = threading.local()
+
+
+def _mark_collective(kind):
+    if getattr(_CALL, "state", None) is not None:
+        _CALL.state[kind] = True
+
+
+def in_agreed_call():
+    return getattr(_CALL, "state", None) is not None
+
+
+def agreed_call(where, process_group, target, device, vocab_start, vocab_total, body):
+    """Run body() (the whole call, from its argument checks on) so that its outcome is agreed by
+    the group: when body raises before its first collective, this rank joins that collective
+    with the error's code (the gather of the statistics, or the all-reduce of the sizes when
+    its layout rule needs one) and re-raises, and every other rank raises too.
+
+    Needs what every rank must agree on anyway: the process group and the target's number of
+    entries (the rows of the gather); a rank that cannot even name those raises alone."""
+    if torch.compiler.is_compiling():
+        return body()
+    outer = getattr(_CALL, "state", None)
+    _CALL.state = {"reduced": False, "gathered": False}
+    try:
+        return body()
+    except Exception as exc:
+        state = _CALL.state
+        if state["gathered"] or isinstance(exc, _AgreedError):
+            raise
+        try:
+            _rank, world = _group_rank_and_size(process_group, where)
+        except Exception:
+            raise exc from None
+        if world == 1 or not isinstance(target, torch.Tensor):
+            raise
+        code = _error_code(exc)
+        dev = device if isinstance(device, torch.device) else target.device
+        try:
+            # The all-reduce of the sizes, when this rank's rule needs one and it has not run
+            # (when it has, every rank passed it and is now on its way to the gather).
+            if _layout_rule(vocab_start, vocab_total) == 3 and not state["reduced"]:
+                _summed_local_sizes(0, process_group, dev, where, error=code)
+            else:
+                block = torch.zeros((target.numel() + 1, _STATS_WIDTH), dtype=torch.float32,
+                                    device=dev)
+                block[-1, 1] = code
+                _all_gather_rows(block, process_group)
+        except _AgreedError:
+            pass
+        raise
+    finally:
+        _CALL.state = outer
 
 
 # ---- cross-entropy over logit shards ----------------------------------------------------------
@@ -193,10 +371,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, weight, process_group, shard, options, compute_metrics):
+    def forward(ctx, logits, target, weight, process_group, shard, options, compute_metrics, layout):
         stats = ops.ce_shard_stats(logits, target, weight, *shard, *options, compute_metrics)
         loss, lse, num_correct, entropy_sum, row_weight, batch = _merge_shards(
-            stats, target, weight, shard, options, compute_metrics, process_group)
+            stats, target, weight, shard, options, compute_metrics, process_group, *layout)
         ctx.save_for_backward(logits, target, weight, lse, row_weight, batch)
         ctx.shard, ctx.options = shard, options
         ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
@@ -205,7 +383,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        grads = [None] * 7
+        grads = [None] * 8
         if grad_loss is not None and ctx.needs_input_grad[0]:
             logits, target, weight, lse, row_weight, batch = ctx.saved_tensors
             grads[0] = ops.ce_shard_bwd(logits, target, weight, lse, row_weight, batch,
@@ -223,11 +401,13 @@ def cross_entropy_rows(x, target, weight, options, compute_metrics, *, process_g
                          where="fusedce.cross_entropy")
     if check_targets:
         check_target_values(target, shard[1], options[0], "fusedce.cross_entropy")
+    layout = ("fusedce.cross_entropy", x.shape[1], _layout_rule(vocab_start, vocab_total))
     if torch.is_grad_enabled() and x.requires_grad:
         return VocabParallelCrossEntropy.apply(x, target, weight, process_group, shard, options,
-                                               compute_metrics)
+                                               compute_metrics, layout)
     stats = ops.ce_shard_stats(x, target, weight, *shard, *options, compute_metrics)
-    return _merge_shards(stats, target, weight, shard, options, compute_metrics, process_group)[:4]
+    return _merge_shards(stats, target, weight, shard, options, compute_metrics, process_group,
+                         *layout)[:4]
 
 
 def vocab_parallel_cross_entropy(logits, target, weight=None, *, process_group, vocab_start=None,
@@ -399,11 +579,11 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, process_group, shard, options,
-                compute_metrics, plan):
+                compute_metrics, plan, layout):
         stats = _linear_stats(hidden, weight, bias, target, class_weight, shard, options,
                               compute_metrics, plan)
         loss, lse, num_correct, entropy_sum, row_weight, batch = _merge_shards(
-            stats, target, class_weight, shard, options, compute_metrics, process_group)
+            stats, target, class_weight, shard, options, compute_metrics, process_group, *layout)
         ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse, row_weight, batch)
         ctx.process_group, ctx.shard, ctx.options, ctx.plan = process_group, shard, options, plan
         ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
@@ -412,7 +592,7 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        grads = [None] * 10
+        grads = [None] * 11
         needs = tuple(ctx.needs_input_grad[:3])
         if grad_loss is None or not any(needs):
             return tuple(grads)
@@ -536,6 +716,17 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, *, pr
         ``(loss, metrics)``.
     """
     where = "fusedce.vocab_parallel_linear_cross_entropy"
+    if process_group is not None and not torch.compiler.is_compiling() and not in_agreed_call():
+        # Every check below may fail on one rank only: the outcome is agreed by the group.
+        return agreed_call(
+            where, process_group, target, getattr(hidden, "device", None), vocab_start, vocab_total,
+            lambda: vocab_parallel_linear_cross_entropy(
+                hidden, weight, target, bias, process_group=process_group, vocab_start=vocab_start,
+                class_weight=class_weight, ignore_index=ignore_index, reduction=reduction,
+                label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap,
+                z_loss=z_loss, shift=shift, return_metrics=return_metrics,
+                chunk_budget_bytes=chunk_budget_bytes, low_memory=low_memory,
+                vocab_total=vocab_total, check_targets=check_targets))
     _check_linear_args(hidden, weight, target, bias, class_weight, reduction, softcap, where)
     if process_group is None:
         raise ValueError(f"{where}: process_group is required")
@@ -554,16 +745,18 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, *, pr
     t = t.reshape(-1)
     options = (ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss)
     plan = _LinearPlan(h.shape[0], local_vocab, hidden_size, chunk_budget_bytes, low_memory)
+    layout = (where, local_vocab, _layout_rule(vocab_start, vocab_total))
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (hidden, weight, bias))
     if needs_grad:
         loss, lse, num_correct, entropy_sum = VocabParallelLinearCrossEntropy.apply(
-            h, weight, bias, t, class_weight, process_group, shard, options, bool(return_metrics), plan)
+            h, weight, bias, t, class_weight, process_group, shard, options, bool(return_metrics), plan,
+            layout)
     else:
         stats = _linear_stats(h, weight, bias, t, class_weight, shard, options,
                               bool(return_metrics), plan)
         loss, lse, num_correct, entropy_sum = _merge_shards(
-            stats, t, class_weight, shard, options, bool(return_metrics), process_group)[:4]
+            stats, t, class_weight, shard, options, bool(return_metrics), process_group, *layout)[:4]
     if reduction == "none":
         loss = loss.view(target.shape)
     if return_metrics:

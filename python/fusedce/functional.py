@@ -133,6 +133,18 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
     logits require grad, and the backward only scales it by the upstream gradient (no work at
     all when that is 1). When the logits do not require grad, only the forward runs.
     """
+    if (process_group is not None and not torch.compiler.is_compiling()
+            and not distributed.in_agreed_call()):
+        # Every check below may fail on one rank only: the call's outcome is agreed by the group
+        # (distributed.agreed_call), so that every rank raises and none waits or runs on.
+        return distributed.agreed_call(
+            _NAME, process_group, target, getattr(logits, "device", None), vocab_start, vocab_total,
+            lambda: cross_entropy(
+                logits, target, weight, ignore_index=ignore_index, reduction=reduction,
+                label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap,
+                z_loss=z_loss, inplace_backward=inplace_backward, return_metrics=return_metrics,
+                check_targets=check_targets, strict=strict, process_group=process_group,
+                vocab_start=vocab_start, vocab_total=vocab_total))
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"{_NAME}: logits must be a tensor, got {type(logits).__name__}")
     if not isinstance(target, torch.Tensor):

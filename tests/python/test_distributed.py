@@ -14,6 +14,7 @@ DEVICES: it must equal the plain op. The ops themselves get opcheck."""
 import datetime
 import json
 import os
+import time
 import traceback
 import warnings
 
@@ -532,7 +533,8 @@ def _count_collectives(monkeypatch):
 def test_communication_pattern(group_of_one, monkeypatch):
     # Per call: one all-gather of (N + 1, 9) statistics in the forward; nothing in the backward of
     # the logits form; one all-reduce of the (N, H) grad_hidden in the backward of the linear
-    # form; one more of a single integer only for vocab_start without vocab_total.
+    # form; one more, of (2, R) integers (sizes and error codes), only for vocab_start without
+    # vocab_total.
     calls = _count_collectives(monkeypatch)
     x, t = make_problem((4, 5), 50)
     x.requires_grad_()
@@ -542,7 +544,7 @@ def test_communication_pattern(group_of_one, monkeypatch):
     assert calls == [("all_gather", (21, 9))]
     calls.clear()
     fusedce.cross_entropy(x, t, process_group=group_of_one, vocab_start=0)
-    assert calls == [("host_all_reduce", (1,)), ("all_gather", (21, 9))]
+    assert calls == [("host_all_reduce", (2, 1)), ("all_gather", (21, 9))]
     calls.clear()
     h, wt = torch.randn(20, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
     loss = fusedce.vocab_parallel_linear_cross_entropy(h, wt, t.reshape(-1), process_group=group_of_one,
@@ -695,3 +697,116 @@ def test_merge_names_a_bad_gathered_block():
         ops.ce_shard_merge(stats[:-1], t, w, *shard, *opts, False)
     with pytest.raises(ValueError, match="gathered"):
         ops.ce_shard_merge(stats.double(), t, w, *shard, *opts, False)
+
+
+# ---- agreement: the shards tile the vocabulary, and one rank's error is every rank's --------------
+
+# 131 columns split unevenly; "overlap" / "missing" move the last rank's start by -5 / +4.
+_AGREE_SIZES = {2: (66, 65), 3: (45, 44, 42)}
+_AGREE_KEYS = ("uneven_default/ce", "uneven_default/linear", "overlap/ce", "missing/linear",
+               "error_one_rank/ce", "error_one_rank/linear", "error_summed_rule/ce",
+               "error_after_summed/linear")
+
+
+def _agree_problem(world, rank, seed=11):
+    sizes = _AGREE_SIZES[world]
+    vocab = sum(sizes)
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(N_ROWS, vocab, generator=g)
+    t = torch.randint(0, vocab, (N_ROWS,), generator=g)
+    h = torch.randn(N_ROWS, HIDDEN, generator=g)
+    w = torch.randn(vocab, HIDDEN, generator=g) / 4
+    lo, hi = _split(sizes)[rank]
+    return sizes, vocab, z, t, h, w, lo, hi
+
+
+def _run_agree_case(key, world, rank, group):
+    """Every rank must raise (the expected error on each), then a correct call must give the
+    true loss: no rank went on with another call's statistics."""
+    sizes, vocab, z, t, h, w, lo, hi = _agree_problem(world, rank)
+    name, form = key.split("/")
+    last = rank == world - 1
+    ce = lambda **kw: fusedce.cross_entropy(z[:, lo:hi], t, process_group=group, **kw)  # noqa: E731
+    lin = lambda **kw: fusedce.vocab_parallel_linear_cross_entropy(  # noqa: E731
+        h, w[lo:hi], t, process_group=group, **kw)
+    run = ce if form == "ce" else lin
+    agreed = r"rank 1 \((ValueError|TypeError)\) of %d rejected its arguments" % world
+    if name == "uneven_default":
+        # Either the tiling error, or (a rank's targets beyond its assumed V) the agreed one.
+        with pytest.raises(ValueError, match=r"do not tile.*rank 0 holds \[0, %d\).*same number|"
+                           r"rejected its arguments|out of range" % sizes[0]):
+            run()
+    elif name in ("overlap", "missing"):
+        shift = -5 if name == "overlap" else 4
+        last_start = _split(sizes)[-1][0] + shift
+        with pytest.raises(ValueError, match=r"do not tile.*rank %d holds \[%d, "
+                           % (world - 1, last_start)):
+            run(vocab_start=lo + shift * last, vocab_total=vocab + max(shift, 0))
+    elif name == "error_one_rank":
+        bad = {"weight": torch.ones(hi - lo + 1)} if form == "ce" else {
+            "class_weight": torch.ones(hi - lo + 1)}
+        with pytest.raises(ValueError, match="weight" if rank == 1 else agreed):
+            if form == "ce":
+                fusedce.cross_entropy(z[:, lo:hi], t, process_group=group, vocab_start=lo,
+                                      vocab_total=vocab, **(bad if rank == 1 else {}))
+            else:
+                lin(vocab_start=lo, vocab_total=vocab, **(bad if rank == 1 else {}))
+    elif name == "error_summed_rule":  # vocab_total summed by an all-reduce before the gather
+        with pytest.raises(TypeError if rank == 1 else ValueError,
+                           match="ignore_index" if rank == 1 else agreed):
+            run(vocab_start=lo, ignore_index=3.5 if rank == 1 else -100)
+    elif name == "error_after_summed":  # rank 1's start is only found wrong once V is known
+        with pytest.raises(ValueError, match="vocab_start" if rank == 1 else agreed):
+            run(vocab_start=vocab if rank == 1 else lo)
+    # The next call of the group is right on every rank.
+    got = run(vocab_start=lo, vocab_total=vocab)
+    logits = z if form == "ce" else h @ w.t()
+    want = torch.nn.functional.cross_entropy(logits.double(), t).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _agree_worker(rank, world, store_path, out_dir):
+    torch.set_num_threads(1)
+    # A short collective timeout: a rank left waiting fails the case instead of hanging.
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
+    results = {}
+    try:
+        for key in _AGREE_KEYS:
+            try:
+                _run_agree_case(key, world, rank, dist.group.WORLD)
+                results[key] = None
+            except BaseException:  # noqa: B036 -- pytest's failures are BaseExceptions
+                results[key] = traceback.format_exc()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+_AGREE_RESULTS = {}
+
+
+def _agree_results(world, tmp_path_factory, deadline_s=150):
+    if world not in _AGREE_RESULTS:
+        out = tmp_path_factory.mktemp(f"agree{world}")
+        ctx = mp.spawn(_agree_worker, args=(world, str(out / "store"), str(out)), nprocs=world,
+                       join=False)
+        start = time.monotonic()
+        while not ctx.join(timeout=1):
+            if time.monotonic() - start > deadline_s:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail(f"the group of {world} did not finish in {deadline_s} s (a hang)")
+        _AGREE_RESULTS[world] = [json.loads((out / f"rank{r}.json").read_text())
+                                 for r in range(world)]
+    return _AGREE_RESULTS[world]
+
+
+@pytest.mark.parametrize("world,key", [(w, k) for w in _AGREE_SIZES for k in _AGREE_KEYS],
+                         ids=lambda v: str(v))
+def test_group_agrees(world, key, tmp_path_factory):
+    results = _agree_results(world, tmp_path_factory)
+    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(results)
+                if res.get(key, "missing") is not None]
+    assert not failures, "\n".join(failures)
