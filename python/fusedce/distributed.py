@@ -28,8 +28,18 @@ Per call, a constant number of collectives, none of them of size ``(N, V)``:
   grad. ``grad_weight`` and ``grad_bias`` are the local slices and never leave the rank.
 
 The collectives are torch's functional collectives (``torch.distributed._functional_collectives``),
-which torch.compile traces into the graph; there is no host synchronisation (except in the one
-case of the shard layout rules below that says so).
+which torch.compile traces into the graph.
+
+Agreement: the gathered block carries, in the spare floats of each rank's last row, that rank's
+error code, column start, column count, ``vocab_total`` and layout rule. After the gather every
+rank checks that the shards tile ``[0, V)`` in rank order and otherwise raises the same
+``ValueError`` naming every rank's range; a rank whose own arguments fail its checks still joins
+the call's first collective with its error code, and then every rank raises. So no rank waits
+for a collective another rank never reaches, and none goes on with another call's data. The
+check reads the gathered layout rows on the host: with more than one rank that is one small
+device-to-host read per forward (a synchronisation under NCCL). Under torch.compile the check
+is left out. A rank whose ``target`` is not a tensor or whose row count differs cannot join the
+collective and raises alone.
 
 Every rank must call the function with the same ``target``, options and rows, and run the
 backward (the all-reduce of the linear form is a collective).
@@ -50,8 +60,10 @@ None                ``V``               ``torch.chunk(weight, R)``'s layout: blo
                                         ``V_local`` is checked against it
 ``v0``              ``V``               as given                                      none
 ``v0``              None                ``V`` = the sum of every rank's ``V_local``   one all-reduce
-                                                                                      of one integer,
-                                                                                      read on the host
+                                                                                      of each rank's
+                                                                                      size and error
+                                                                                      code, read on
+                                                                                      the host
 ==================  ==================  ============================================  ==============
 
 The last rule costs a host-visible collective on every call (a device synchronisation under
