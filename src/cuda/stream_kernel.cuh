@@ -322,8 +322,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     int ring0 = 0;  // the first stage of `at`'s ring
     // With the gradient, the first sweep's lines should survive in L2 until the second sweep
     // re-reads them microseconds later; the second sweep's (and dlogits', stored .cs) go first.
-    // (evict_normal instead: 2-5% slower, and the L2's persisting set-aside made no difference:
-    // H200, 2026-11-30, tenth session, FUSEDCE_STREAM_L2_KEEP=normal, bench --l2-persist-kb 0.)
+    // (Measured on an H200: evict_normal here is 2-5% slower, and the L2's persisting set-aside
+    // makes no difference; bench/RESULTS.md has the A/B.)
     const uint64_t keep = make_l2_policy(!grad_here         ? L2Policy::kEvictFirst
                                          : sp.keep_policy ? L2Policy::kEvictNormal
                                                           : L2Policy::kEvictLast);

@@ -373,22 +373,29 @@ def _run_key(key, world, rank, group):
     return run(name, layout, LAYOUTS[world][layout], rank, group)
 
 
-def _worker(rank, world, store_path, out_dir):
+def _run_cases(keys, run_case, rank, world, store_path, out_dir, timeout_s):
+    """One rank of a gloo group: runs `run_case(key, world, rank, group)` for every key in
+    order, records each one's traceback (None when it passed) so the group goes on, and writes
+    them to out_dir/rank{rank}.json."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=timeout_s))
     results = {}
     try:
-        for key in _all_case_keys(world):
+        for key in keys:
             try:
-                _run_key(key, world, rank, dist.group.WORLD)
+                run_case(key, world, rank, dist.group.WORLD)
                 results[key] = None
-            except Exception:  # recorded for the test of this case; the group goes on
+            except BaseException:  # noqa: B036 -- pytest's failures are BaseExceptions
                 results[key] = traceback.format_exc()
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
         dist.destroy_process_group()
+
+
+def _worker(rank, world, store_path, out_dir):
+    _run_cases(_all_case_keys(world), _run_key, rank, world, store_path, out_dir, timeout_s=120)
 
 
 _GROUP_RESULTS = {}
@@ -766,22 +773,8 @@ def _run_agree_case(key, world, rank, group):
 
 
 def _agree_worker(rank, world, store_path, out_dir):
-    torch.set_num_threads(1)
     # A short collective timeout: a rank left waiting fails the case instead of hanging.
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=20))
-    results = {}
-    try:
-        for key in _AGREE_KEYS:
-            try:
-                _run_agree_case(key, world, rank, dist.group.WORLD)
-                results[key] = None
-            except BaseException:  # noqa: B036 -- pytest's failures are BaseExceptions
-                results[key] = traceback.format_exc()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+    _run_cases(_AGREE_KEYS, _run_agree_case, rank, world, store_path, out_dir, timeout_s=20)
 
 
 _AGREE_RESULTS = {}
