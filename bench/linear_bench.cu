@@ -163,11 +163,29 @@ void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory) {
   CK(cudaFree(gw32));
 
   // Modes: 0 default, 1 skip_ignored (half-ignored shapes only), 2 low_memory, 3 the logits
-  // capped at 448 MiB a chunk (all extra memory within 512 MiB plus the float32 accumulator).
-  for (int mode : {0, 1, 2, 3}) {
+  // capped at 448 MiB a chunk (all extra memory within 512 MiB plus the float32 accumulator),
+  // 4 every option at once (bias and its gradient, label smoothing, z-loss, logit scale,
+  // soft-cap, metrics).
+  bf16 *bias, *gb;
+  CK(cudaMalloc(&bias, V * 2));
+  CK(cudaMalloc(&gb, V * 2));
+  fill_random<<<64, 256>>>(bias, V, 0.5f, 3);
+  int64_t* correct;
+  float* entropy;
+  CK(cudaMalloc(&correct, 8));
+  CK(cudaMalloc(&entropy, 4));
+  for (int mode : {0, 1, 2, 3, 4}) {
     if ((mode == 1 && !s.half_ignored) || (mode >= 2 && (s.half_ignored || !with_low_memory))) continue;
     const bool skip = mode == 1;
-    const fusedce::Options o;
+    const bool all = mode == 4;
+    fusedce::Options o;
+    if (all) {
+      o.label_smoothing = 0.1f;
+      o.z_loss = 1e-4f;
+      o.logit_scale = 0.9f;
+      o.softcap = 30.0f;
+      o.compute_metrics = true;
+    }
     fusedce::LinearOptions lo;
     lo.skip_ignored = skip;
     lo.low_memory = mode == 2;
@@ -175,6 +193,7 @@ void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory) {
     fusedce::LinearGrads g;
     g.grad_hidden = fusedce::matrix(gh, DType::kBFloat16, N, H);
     g.grad_weight = fusedce::matrix(gw, DType::kBFloat16, V, H);
+    if (all) g.grad_bias = fusedce::vector(gb, DType::kBFloat16, V);
     const fusedce::Device dev = fusedce::Device::cuda(0, nullptr);
     const size_t ws_bytes = fusedce::linear_cross_entropy_workspace_size(fusedce::Job::kForwardBackward, dev, N, H, V,
                                                                          DType::kBFloat16, o, lo, g);
@@ -183,20 +202,28 @@ void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory) {
     fusedce::ForwardOutputs out;
     out.loss = fusedce::vector(loss, DType::kFloat32, 1);
     out.lse = fusedce::vector(lse, DType::kFloat32, N);
+    if (all) {
+      out.num_correct = fusedce::vector(correct, DType::kInt64, 1);
+      out.entropy_sum = fusedce::vector(entropy, DType::kFloat32, 1);
+    }
     const double t_fused = median_ms([&] {
       ok(fusedce::linear_cross_entropy_forward_backward(dev, fusedce::matrix(hid, DType::kBFloat16, N, H),
-                                                        fusedce::matrix(w, DType::kBFloat16, V, H), {},
+                                                        fusedce::matrix(w, DType::kBFloat16, V, H),
+                                                        all ? fusedce::vector(bias, DType::kBFloat16, V) : fusedce::VectorView{},
                                                         fusedce::vector(dt, DType::kInt64, N), o, lo, out, {}, g,
                                                         fusedce::Workspace{ws, ws_bytes}));
     }, iters);
     std::printf("| %lld x %lld x %lld%s | %.2f ms | %.0f | %.2f ms (%.0f TFLOP/s) | %.3f | %.0f MiB |\n",
                 (long long)N, (long long)H, (long long)V,
-                lo.low_memory ? " low_memory" : mode == 3 ? " 448 MiB chunks" : s.half_ignored ? (skip ? " half ignored, skip_ignored" : " half ignored") : "", t_fused,
+                lo.low_memory ? " low_memory" : mode == 3 ? " 448 MiB chunks" : all ? " all options" : s.half_ignored ? (skip ? " half ignored, skip_ignored" : " half ignored") : "", t_fused,
                 flops / t_fused / 1e9, t_floor, flops / t_floor / 1e9, t_fused / t_floor, ws_bytes / 1048576.0);
     std::fflush(stdout);
     CK(cudaFree(ws));
   }
-  for (void* p : {(void*)hid, (void*)w, (void*)gh, (void*)gw, (void*)dt, (void*)loss, (void*)lse}) CK(cudaFree(p));
+  for (void* p : {(void*)hid, (void*)w, (void*)gh, (void*)gw, (void*)dt, (void*)loss, (void*)lse, (void*)bias, (void*)gb,
+                  (void*)correct, (void*)entropy}) {
+    CK(cudaFree(p));
+  }
 }
 
 }  // namespace

@@ -219,7 +219,10 @@ __global__ void __launch_bounds__(kSliceThreads) linear_slice_grad_kernel(const 
       for (int h = 0; h < 2; ++h) {
         const int64_t j = s * kVec + e + h;
         float x = Elem<T>::to_float(seg.e[e + h]);
-        if (p.bias && j < p.cols) x = with_bias(x, static_cast<const T*>(p.bias)[p.v0 + j]);
+        // Rounded to T as add_bias_kernel rounded the first pass's logits: the lse saved there
+        // belongs to exactly these values (one 16-bit unit on a dominant logit moves its
+        // probability by percents).
+        if (p.bias && j < p.cols) x = Elem<T>::to_float(Elem<T>::from_float(with_bias(x, static_cast<const T*>(p.bias)[p.v0 + j])));
         const float z = detail::transform_logit(x, c, p.softcap);
         const float pj = expf(z - lse);
         const float wj = weighted && j < p.cols ? p.class_weight[(p.v0 + j) * p.weight_stride] : 1.0f;
