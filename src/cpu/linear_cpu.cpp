@@ -92,7 +92,7 @@ void form_z(const Problem& p, const float* hid, const float* wt, int64_t rc, int
 }
 
 struct RowState {
-  detail::LseState st = detail::lse_empty();
+  detail::LseAccum st = detail::lse_accum_empty();  // tiles fold in double: no compounding over V
   double smooth = 0.0;
   float z_target = NAN;
   float best = -INFINITY;
@@ -114,7 +114,7 @@ void fold_tile(const Problem& p, const float* z, int64_t rc, int64_t v0, int64_t
       sum += e;
       if (p.metrics && e > 0.0f) ez += e * zr[v];
     }
-    s.st = detail::lse_merge(s.st, detail::LseState{m, sum, ez});
+    detail::lse_accum_add(s.st, detail::LseState{m, sum, ez});
     if (tg[r] >= v0 && tg[r] < v0 + vt) s.z_target = zr[tg[r] - v0];
     if (p.smoothing) {
       for (int64_t v = 0; v < vt; ++v) s.smooth += p.weight.empty() ? zr[v] : p.weight[v0 + v] * zr[v];
@@ -206,11 +206,11 @@ Status run_linear(const detail::LinearCall& call) {
       }
       for (int64_t r = 0; r < rc; ++r) {
         const int64_t i = i0 + r, t = p.targets[i];
-        const float l = detail::lse_value(rs[r].st);
+        const float l = detail::lse_accum_value(rs[r].st);
         const float w_t = p.weight.empty() ? 1.0f : p.weight[t];
         lse[i] = l;
         loss_row[i] = detail::row_loss(p.c, l, rs[r].z_target, w_t, static_cast<float>(rs[r].smooth), !p.weight.empty());
-        entropy[i] = l - rs[r].st.ez / rs[r].st.s;
+        entropy[i] = detail::lse_accum_entropy(rs[r].st);
         correct[i] = rs[r].argmax == t;
       }
     }
