@@ -52,4 +52,6 @@ TORCH_LIBRARY_IMPL(fusedce, CUDA, m) {
   m.impl("ce_shard_stats", &fusedce_torch::ce_shard_stats<Ctx>);
   m.impl("ce_shard_merge", &fusedce_torch::ce_shard_merge<Ctx>);
   m.impl("ce_shard_bwd", &fusedce_torch::ce_shard_bwd<Ctx>);
+  m.impl("lce_shard_stats", &fusedce_torch::lce_shard_stats<Ctx>);
+  m.impl("lce_shard_bwd", &fusedce_torch::lce_shard_bwd<Ctx>);
 }

@@ -14,6 +14,12 @@
 //                  -> loss, lse, num_correct, entropy_sum (as ce_fwd returns them),
 //                     row_weight (N,), batch (2,): what ce_shard_bwd needs
 //   ce_shard_bwd   -> dlogits (N, V_local) in the logits' dtype
+//
+// The linear form (hidden (N, H), weight (V_local, H) this rank's rows of the head, bias
+// (V_local,) or None, class_weight the local slice; then the shard and options as above and the
+// linear options chunk_budget_bytes, low_memory, skip_ignored of the lce_* ops):
+//   lce_shard_stats -> stats (N + 1, 9) float32, as ce_shard_stats of hidden @ weight.T + bias
+//   lce_shard_bwd   -> grad_hidden (N, H) float32 (this rank's part), grad_weight, grad_bias
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -42,6 +48,12 @@ TORCH_LIBRARY_FRAGMENT(fusedce, m) {
         "Tensor row_weight, Tensor batch)");
   m.def("ce_shard_bwd(Tensor logits, Tensor target, Tensor? weight, Tensor lse, Tensor row_weight, "
         "Tensor batch, Tensor grad_loss, " FUSEDCE_VP_ARGS ") -> Tensor");
+  m.def("lce_shard_stats(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, "
+        FUSEDCE_VP_ARGS ", int chunk_budget_bytes, bool low_memory, bool skip_ignored, bool compute_metrics) -> Tensor");
+  m.def("lce_shard_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, "
+        "Tensor lse, Tensor row_weight, Tensor batch, Tensor grad_loss, " FUSEDCE_VP_ARGS
+        ", int chunk_budget_bytes, bool low_memory, bool skip_ignored, bool need_grad_hidden, "
+        "bool need_grad_weight, bool need_grad_bias) -> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
 }
 
 TORCH_LIBRARY_IMPL(fusedce, CPU, m) {
@@ -49,4 +61,6 @@ TORCH_LIBRARY_IMPL(fusedce, CPU, m) {
   m.impl("ce_shard_stats", &fusedce_torch::ce_shard_stats<Ctx>);
   m.impl("ce_shard_merge", &fusedce_torch::ce_shard_merge<Ctx>);
   m.impl("ce_shard_bwd", &fusedce_torch::ce_shard_bwd<Ctx>);
+  m.impl("lce_shard_stats", &fusedce_torch::lce_shard_stats<Ctx>);
+  m.impl("lce_shard_bwd", &fusedce_torch::lce_shard_bwd<Ctx>);
 }

@@ -14,6 +14,7 @@
 #include <string>
 #include <tuple>
 
+#include "linear_ops.h"
 #include "ops.h"
 
 namespace fusedce_torch {
@@ -118,6 +119,86 @@ Tensor ce_shard_bwd(const Tensor& logits, const Tensor& target, const OptTensor&
                    vector_of(grad_loss, "grad_loss"), matrix_of(dlogits, "dlogits")),
                "ce_shard_bwd");
   return dlogits;
+}
+
+// ---- the linear form: steps 1 and 3 over this rank's rows of the head ------------------------
+
+// Step 1 of the linear form: the statistics of hidden @ weight.T (+ bias) over this rank's
+// V_local rows of the head, as ce_shard_stats gives them for those logits (which are never
+// stored beyond one chunk). target: the effective (already shifted) global targets.
+template <class Ctx>
+Tensor lce_shard_stats(const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
+                       const OptTensor& class_weight, int64_t vocab_start, int64_t vocab_total, int64_t ignore_index,
+                       c10::string_view reduction, double label_smoothing, double logit_scale, double softcap,
+                       double z_loss, int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored,
+                       bool compute_metrics) {
+  Ctx ctx(hidden, "hidden");
+  check_hidden_2d(hidden);
+  const fusedce::MatrixView h = linear_matrix_of(hidden, "hidden", "(N, H)");
+  check_linear_inputs(hidden, weight, bias, target);
+  const fusedce::MatrixView w = linear_matrix_of(weight, "weight", "(V_local, H)");
+  fusedce::Options o = linear_options_of(hidden, class_weight, ignore_index, reduction, label_smoothing,
+                                         logit_scale, softcap, z_loss);
+  o.compute_metrics = compute_metrics;
+  const fusedce::LinearOptions lo = linear_only_options(0, chunk_budget_bytes, low_memory, skip_ignored);
+  Tensor stats = at::empty({hidden.size(0) + 1, fusedce::kShardStatsWidth}, hidden.options().dtype(at::kFloat));
+  const size_t bytes = fusedce::linear_cross_entropy_shard_workspace_size(1, ctx.device(), h.rows, h.cols, w.rows,
+                                                                          h.dtype, o, lo, {});
+  const Tensor ws = at::empty({static_cast<int64_t>(bytes)}, hidden.options().dtype(at::kByte));
+  const Tensor bias_c = contiguous_bias(bias);
+  check_status(fusedce::linear_cross_entropy_shard_stats(
+                   ctx.device(), h, w, bias_c.defined() ? vector_of(bias_c, "bias") : fusedce::VectorView{},
+                   vector_of(target, "target"), shard_of(vocab_start, vocab_total), o, lo,
+                   fusedce::matrix(stats.data_ptr(), fusedce::DType::kFloat32, stats.size(0), fusedce::kShardStatsWidth),
+                   workspace_of(ws)),
+               "lce_shard_stats");
+  return stats;
+}
+
+// Step 3 of the linear form: this rank's part of grad_hidden (float32 (N, H): the sum over ranks
+// is the gradient), and its slices of grad_weight (V_local, H) and grad_bias (V_local,) in the
+// weight's dtype, from ce_shard_merge's lse, row_weight and batch and the upstream grad_loss.
+// Gradients not asked for come back as empty (0,) tensors.
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor> lce_shard_bwd(
+    const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
+    const OptTensor& class_weight, const Tensor& lse, const Tensor& row_weight, const Tensor& batch,
+    const Tensor& grad_loss, int64_t vocab_start, int64_t vocab_total, int64_t ignore_index,
+    c10::string_view reduction, double label_smoothing, double logit_scale, double softcap, double z_loss,
+    int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored, bool need_grad_hidden, bool need_grad_weight,
+    bool need_grad_bias) {
+  Ctx ctx(hidden, "hidden");
+  check_hidden_2d(hidden);
+  const fusedce::MatrixView h = linear_matrix_of(hidden, "hidden", "(N, H)");
+  check_linear_inputs(hidden, weight, bias, target);
+  const fusedce::MatrixView w = linear_matrix_of(weight, "weight", "(V_local, H)");
+  TORCH_CHECK_VALUE(!need_grad_bias || bias.has_value(), "fusedce: need_grad_bias is set but bias is not given");
+  const fusedce::Options o = linear_options_of(hidden, class_weight, ignore_index, reduction, label_smoothing,
+                                               logit_scale, softcap, z_loss);
+  check_same_device(lse, "lse", hidden, "hidden");
+  check_same_device(row_weight, "row_weight", hidden, "hidden");
+  check_same_device(batch, "batch", hidden, "hidden");
+  check_same_device(grad_loss, "grad_loss", hidden, "hidden");
+  const fusedce::LinearOptions lo = linear_only_options(0, chunk_budget_bytes, low_memory, skip_ignored);
+  auto none = [&] { return at::empty({0}, hidden.options()); };
+  Tensor grad_hidden = need_grad_hidden ? at::empty(hidden.sizes(), hidden.options().dtype(at::kFloat)) : none();
+  Tensor grad_weight = need_grad_weight ? at::empty(weight.sizes(), weight.options()) : none();
+  Tensor grad_bias = need_grad_bias ? at::empty(bias->sizes(), bias->options()) : none();
+  fusedce::LinearGrads grads;
+  if (need_grad_hidden) grads.grad_hidden = matrix_of(grad_hidden, "grad_hidden");
+  if (need_grad_weight) grads.grad_weight = matrix_of(grad_weight, "grad_weight");
+  if (need_grad_bias) grads.grad_bias = vector_of(grad_bias, "grad_bias");
+  const size_t bytes = fusedce::linear_cross_entropy_shard_workspace_size(3, ctx.device(), h.rows, h.cols, w.rows,
+                                                                          h.dtype, o, lo, grads);
+  const Tensor ws = at::empty({static_cast<int64_t>(bytes)}, hidden.options().dtype(at::kByte));
+  const Tensor bias_c = contiguous_bias(bias);
+  check_status(fusedce::linear_cross_entropy_shard_backward(
+                   ctx.device(), h, w, bias_c.defined() ? vector_of(bias_c, "bias") : fusedce::VectorView{},
+                   vector_of(target, "target"), shard_of(vocab_start, vocab_total), o, lo, vector_of(lse, "lse"),
+                   vector_of(row_weight, "row_weight"), vector_of(batch, "batch"), vector_of(grad_loss, "grad_loss"),
+                   grads, workspace_of(ws)),
+               "lce_shard_bwd");
+  return {grad_hidden, grad_weight, grad_bias};
 }
 
 }  // namespace fusedce_torch

@@ -7,9 +7,18 @@
 //      cross_entropy_shard_merge on the gathered block, in rank order: the loss, lse and metrics,
 //      bit-identical on every rank;
 //   3. cross_entropy_shard_backward: each rank's slice of dlogits from the merged lse.
+// The linear form (each rank holds rows [vocab_start, vocab_start + V_local) of the head's
+// weight, hidden is the same on every rank) has its own steps 1 and 3, run by the linear
+// cross-entropy backends, which never store the (N, V_local) logits beyond one chunk; step 2 is
+// the same merge:
+//   1. linear_cross_entropy_shard_stats: the statistics of hidden @ weight.T (+ bias), as step 1
+//      gives them for those logits;
+//   3. linear_cross_entropy_shard_backward: this rank's part of grad_hidden (float32; the sum
+//      over ranks is the gradient) and its slices of grad_weight and grad_bias.
 #pragma once
 
 #include "fusedce/cross_entropy.h"
+#include "fusedce/linear_cross_entropy.h"
 #include "fusedce/types.h"
 
 namespace fusedce {
@@ -44,5 +53,33 @@ Status cross_entropy_shard_backward(const Device& device, const MatrixView& logi
                                     const ShardSpec& shard, const Options& options, const VectorView& lse,
                                     const VectorView& row_weight, const VectorView& batch,
                                     const VectorView& grad_loss, const MatrixView& dlogits);
+
+/// Linear step 1. hidden (N, H), weight (V_local, H) this rank's rows of the head, bias
+/// (V_local,) or empty, target (N,) the effective global targets (linear.shift_seq_len must be 0:
+/// the merge needs the same targets, so the caller shifts them); options.class_weight the local
+/// slice. linear.chunk_budget_bytes, low_memory and skip_ignored mean what they mean for
+/// linear_cross_entropy_forward on this backend. stats as for cross_entropy_shard_stats.
+Status linear_cross_entropy_shard_stats(const Device& device, const MatrixView& hidden, const MatrixView& weight,
+                                        const VectorView& bias, const VectorView& target, const ShardSpec& shard,
+                                        const Options& options, const LinearOptions& linear,
+                                        const MatrixView& stats, Workspace workspace = {});
+
+/// Linear step 3. The gradients of this shard from step 2's lse, row_weight and batch and the
+/// upstream grad_loss ((1,) for sum / mean, (N,) for none). grads.grad_hidden, if asked for, is
+/// float32 (N, H): this rank's part, summed over ranks by the caller; grad_weight (V_local, H)
+/// and grad_bias (V_local,) have hidden's dtype and are this rank's slices.
+Status linear_cross_entropy_shard_backward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
+                                           const VectorView& bias, const VectorView& target, const ShardSpec& shard,
+                                           const Options& options, const LinearOptions& linear,
+                                           const VectorView& lse, const VectorView& row_weight,
+                                           const VectorView& batch, const VectorView& grad_loss,
+                                           const LinearGrads& grads, Workspace workspace = {});
+
+/// Bytes of device workspace a linear step needs (0 on the CPU): `step` 1 or 3, `grads` says
+/// which gradients step 3 forms (pointers not read). Without a workspace the CUDA backend takes
+/// stream-ordered scratch.
+size_t linear_cross_entropy_shard_workspace_size(int step, const Device& device, int64_t rows, int64_t hidden_size,
+                                                 int64_t local_vocab, DType dtype, const Options& options,
+                                                 const LinearOptions& linear, const LinearGrads& grads);
 
 }  // namespace fusedce

@@ -24,10 +24,9 @@ from . import linear_ops  # noqa: E402
 from . import vp_ops  # noqa: E402  (fake kernels of the vocabulary-parallel ops)
 from . import distributed  # noqa: E402
 from . import transformers  # noqa: E402
-from .functional import cross_entropy  # noqa: E402
-from .linear import linear_cross_entropy  # noqa: E402
+from .functional import cross_entropy, vocab_parallel_cross_entropy  # noqa: E402
+from .linear import linear_cross_entropy, vocab_parallel_linear_cross_entropy  # noqa: E402
 from .nn import CrossEntropyLoss, LinearCrossEntropyLoss  # noqa: E402
-from .distributed import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy  # noqa: E402
 
 __version__ = "0.1.0"
 with_cuda = _library.with_cuda

@@ -3,13 +3,18 @@
 vocabulary (tensor parallelism), each rank holds a contiguous block of classes, and the loss is
 computed on the shards, exchanging only per-row scalars.
 
-Two forms:
+Two forms, each the single-device call with ``process_group=``; this module is the machinery
+below them (the shard layout, the collectives, the agreement of the ranks), and it imports
+neither front end:
 
-* :func:`vocab_parallel_cross_entropy` (also ``fusedce.cross_entropy(..., process_group=pg)``):
+* ``fusedce.cross_entropy(..., process_group=pg)`` (also ``fusedce.vocab_parallel_cross_entropy``):
   each rank holds ``logits[..., v0:v1]`` of the full vocabulary.
-* :func:`vocab_parallel_linear_cross_entropy`: each rank holds ``weight[v0:v1]`` (and
-  ``bias[v0:v1]``) of the head; ``hidden`` is the same on every rank; the logits are formed in
-  bounded chunks and never stored whole.
+* ``fusedce.linear_cross_entropy(..., process_group=pg)`` (also
+  ``fusedce.vocab_parallel_linear_cross_entropy``): each rank holds ``weight[v0:v1]`` (and
+  ``bias[v0:v1]``) of the head; ``hidden`` is the same on every rank. Each rank runs the core's
+  linear cross-entropy over its rows of the head (``lce_shard_stats``, ``lce_shard_bwd``: the
+  logits formed chunk by chunk, never stored whole), with the options of the single-device call
+  and their meaning there (``chunk_budget_bytes``, ``low_memory``, ``skip_ignored``).
 
 What crosses ranks
 ------------------
@@ -24,8 +29,9 @@ Per call, a constant number of collectives, none of them of size ``(N, V)``:
 * backward of the logits form: nothing; each rank forms its own ``(N, V_local)`` gradient slice
   from the merged ``lse`` (``cross_entropy_shard_backward``).
 * backward of the linear form: ONE all-reduce (sum) of the ``(N, H)`` float32 gradient of
-  ``hidden`` (each rank's part is ``dlogits_local @ weight_local``), only when ``hidden`` requires
-  grad. ``grad_weight`` and ``grad_bias`` are the local slices and never leave the rank.
+  ``hidden`` (each rank's part, formed by the core from its shard), only when ``hidden``
+  requires grad. ``grad_weight`` and ``grad_bias`` are the local slices and never leave the
+  rank.
 
 The collectives are torch's functional collectives (``torch.distributed._functional_collectives``),
 which torch.compile traces into the graph.
@@ -79,20 +85,11 @@ import threading
 import torch
 import torch.distributed as dist
 
-from . import _library
-from ._checks import check_target_values, scalar_options
+from ._checks import check_target_values
 from .ops import _upstream, ops
 from .vp_ops import STATS_WIDTH as _STATS_WIDTH
 
 _REDUCTIONS = ("none", "sum", "mean")
-
-# Default bound on one chunk of the linear form: its float32 logits and their gradient.
-DEFAULT_CHUNK_BUDGET_BYTES = 256 << 20
-# low_memory=True: bound on the float32 grad_weight accumulator of one vocabulary block.
-LOW_MEMORY_ACCUMULATOR_BYTES = 256 << 20
-
-# torch.mm(..., out_dtype=torch.float32) for half-precision inputs (CUDA, torch >= 2.8).
-_MM_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 
 
 # ---- the process group and the shard layout -----------------------------------------------
@@ -422,182 +419,33 @@ def cross_entropy_rows(x, target, weight, options, compute_metrics, *, process_g
                          *layout)[:4]
 
 
-def vocab_parallel_cross_entropy(logits, target, weight=None, *, process_group, vocab_start=None,
-                                 vocab_total=None, ignore_index=-100, reduction="mean",
-                                 label_smoothing=0.0, logit_scale=1.0, softcap=None, z_loss=0.0,
-                                 return_metrics=False, check_targets=False):
-    """Cross-entropy of logits split by vocabulary across the ranks of ``process_group``: this
-    rank holds ``logits[..., v0:v1]`` of the full ``(..., V)`` logits, and the result is that of
-    ``fusedce.cross_entropy`` on the full logits, up to float32 rounding.
-
-    The same as ``fusedce.cross_entropy(logits, target, weight, process_group=..., ...)``; see the
-    module's docstring for the shard layout (``vocab_start``, ``vocab_total``) and what crosses
-    ranks (one all-gather of ``(N + 1, 9)`` float32 statistics per rank in the forward, nothing
-    in the backward).
-
-    Args:
-        logits: this rank's shard (..., V_local): float32, bfloat16 or float16.
-        target: (...) global class indices in [0, V) or ``ignore_index``, the same on every rank.
-        weight: this rank's slice (V_local,) of the class weights, or None.
-        process_group: the ranks that share the vocabulary (``torch.distributed.group.WORLD``
-            for all of them).
-        vocab_start, vocab_total: where the shard sits in the full vocabulary (module docstring).
-        ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss, return_metrics:
-            as in ``fusedce.cross_entropy``, over the full vocabulary (label smoothing spreads
-            ``eps / V`` over all V classes, as PyTorch defines it).
-        check_targets: check the target values against [0, V) first (one device
-            synchronisation on a GPU), as ``fusedce.cross_entropy`` does.
-
-    Returns:
-        The float32 loss, the same on every rank, or ``(loss, metrics)`` with
-        ``return_metrics=True`` (``num_correct``: argmax over the full vocabulary, ties to the
-        lowest global index; ``entropy_sum``; ``lse`` (N,)). The gradient of this rank's logits
-        is its slice of the full gradient.
-
-    Memory: the (N + 1, 9) statistics per rank (gathered: R times that) and a few (N,) vectors;
-    the gradient, (N, V_local) in the logits' dtype, is formed in the backward (one more read of
-    the logits, which are kept for it).
-    """
-    from .functional import cross_entropy
-
-    if process_group is None:
-        raise ValueError("fusedce.vocab_parallel_cross_entropy: process_group is required "
-                         "(use fusedce.cross_entropy for logits that are not split)")
-    return cross_entropy(logits, target, weight, ignore_index=ignore_index, reduction=reduction,
-                         label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap,
-                         z_loss=z_loss, return_metrics=return_metrics, check_targets=check_targets,
-                         process_group=process_group, vocab_start=vocab_start,
-                         vocab_total=vocab_total)
 
 
 # ---- linear cross-entropy over weight shards ----------------------------------------------------
 
 
-def _matmul_operand(weight):
-    """The weight as the chunk products take it: as it is on a GPU or in float32 (products in
-    float32 accumulation with a float32 result); widened to float32 once per call elsewhere,
-    where half-precision products with a float32 result are not available."""
-    if weight.dtype == torch.float32 or (weight.is_cuda and _MM_HAS_OUT_DTYPE):
-        return weight
-    return weight.float()
-
-
-def _matmul_f32(a, b):
-    """a @ b accumulated in float32 with a float32 result, without widening `b` when both are
-    half precision on a GPU (tensor cores with out_dtype)."""
-    if a.dtype == b.dtype == torch.float32:
-        return a @ b
-    if a.dtype == b.dtype and a.is_cuda and _MM_HAS_OUT_DTYPE:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
-
-
-def _chunk_logits(hidden, weight_op, bias32, rows, cols):
-    """float32 logits of hidden[rows] against weight rows `cols`: (len(rows), len(cols))."""
-    z = _matmul_f32(hidden[rows], weight_op[cols].t())
-    if bias32 is not None:
-        z = z + bias32[cols]
-    return z
-
-
-def _spans(total, step):
-    return [slice(i, min(i + step, total)) for i in range(0, total, step)]
-
-
-class _LinearPlan:
-    """How the linear form is chunked: rows per token chunk (its float32 logits and their
-    gradient within chunk_budget_bytes) and rows of the weight per vocabulary block of the
-    backward (the whole shard, or with low_memory a block whose float32 grad_weight accumulator
-    is at most LOW_MEMORY_ACCUMULATOR_BYTES)."""
-
-    def __init__(self, n, local_vocab, hidden_size, chunk_budget_bytes, low_memory):
-        budget = DEFAULT_CHUNK_BUDGET_BYTES if chunk_budget_bytes is None else int(chunk_budget_bytes)
-        self.token_chunks = _spans(n, max(1, budget // (8 * local_vocab)))
-        block = local_vocab
-        if low_memory:
-            block = max(1, min(local_vocab, LOW_MEMORY_ACCUMULATOR_BYTES // (4 * max(1, hidden_size))))
-        self.vocab_blocks = _spans(local_vocab, block)
-
-
-def _linear_stats(hidden, weight, bias, target, class_weight, shard, options, compute_metrics, plan):
-    """Pass 1: each token chunk's logits (float32) and their shard statistics; only the
-    statistics are kept. Returns (N + 1, 9) float32 as ce_shard_stats does for the whole shard."""
-    weight_op = _matmul_operand(weight)
-    bias32 = bias.float() if bias is not None else None
-    cols = slice(0, weight.shape[0])
-    parts = []
-    for rows in plan.token_chunks or [slice(0, 0)]:
-        z = _chunk_logits(hidden, weight_op, bias32, rows, cols)
-        s = ops.ce_shard_stats(z, target[rows], class_weight, *shard, *options, compute_metrics)
-        parts.append(s[:-1])
-    parts.append(s[-1:])  # the shard's class-weight sum, the same for every chunk
-    return torch.cat(parts)
-
-
-def _accumulator(grad, cols):
-    """float32 zeros for grad[cols]: the slice itself when grad is float32, else a new buffer."""
-    if grad.dtype == torch.float32:
-        return grad[cols].zero_()
-    return grad.new_zeros(grad[cols].shape, dtype=torch.float32)
-
-
-def _linear_grads(hidden, weight, bias, target, class_weight, lse, row_weight, batch, grad_loss,
-                  shard, options, plan, needs):
-    """Pass 2: per vocabulary block and token chunk, the logits again, their gradient (the core's
-    shard backward, float32), and its products into grad_hidden (float32, this rank's part),
-    grad_weight (float32 accumulator per block, rounded once) and grad_bias."""
-    need_h, need_w, need_b = needs
-    n, hidden_size = hidden.shape
-    weight_op = _matmul_operand(weight)
-    bias32 = bias.float() if bias is not None else None
-    per_row = grad_loss.dim() == 1 and options[1] == "none"
-    # On a GPU the products take the gradient in the inputs' half precision (tensor cores), as
-    # the unfused backward of a half-precision linear layer does; elsewhere it stays float32.
-    low = hidden.dtype if hidden.dtype == weight_op.dtype else torch.float32
-    grad_h = hidden.new_zeros((n, hidden_size), dtype=torch.float32) if need_h else None
-    grad_w = torch.empty_like(weight) if need_w else None
-    grad_b = torch.empty_like(bias) if need_b else None
-    vocab_start, vocab_total = shard
-    for cols in plan.vocab_blocks:
-        acc_w = _accumulator(grad_w, cols) if need_w else None
-        acc_b = _accumulator(grad_b, cols) if need_b else None
-        cw = class_weight[cols] if class_weight is not None else None
-        block_shard = (vocab_start + cols.start, vocab_total)
-        for rows in plan.token_chunks:
-            z = _chunk_logits(hidden, weight_op, bias32, rows, cols)
-            g = grad_loss[rows] if per_row else grad_loss
-            d = ops.ce_shard_bwd(z, target[rows], cw, lse[rows], row_weight[rows], batch, g,
-                                 *block_shard, *options)
-            if need_h:
-                grad_h[rows] += _matmul_f32(d.to(low), weight_op[cols])
-            if need_w:
-                acc_w += _matmul_f32(d.t().to(low), hidden[rows])
-            if need_b:
-                acc_b += d.sum(0)
-        for grad, acc in ((grad_w, acc_w), (grad_b, acc_b)):
-            if acc is not None and acc.dtype != grad.dtype:
-                grad[cols] = acc  # rounded once
-    return grad_h, grad_w, grad_b
-
-
 class VocabParallelLinearCrossEntropy(torch.autograd.Function):
-    """Forward: pass 1 over token chunks (statistics only), one all-gather, merge. Backward:
-    pass 2 (logits recomputed chunk by chunk), one all-reduce of grad_hidden.
+    """Forward: the core's linear shard statistics (lce_shard_stats: the logits of this rank's
+    rows of the head formed chunk by chunk and folded at once), one all-gather, merge.
+    Backward: the core's linear shard gradients (lce_shard_bwd: the logits formed again, their
+    gradient from the merged lse, its products into grad_hidden, grad_weight, grad_bias), then
+    one all-reduce (sum) of the float32 grad_hidden.
 
     Arguments: hidden (N, H), weight (V_local, H), bias (V_local,) or None, target (N,) global
     indices (already shifted), class_weight (V_local,) or None, the process group, shard, the six
-    options, compute_metrics, plan. Returns loss, lse, num_correct, entropy_sum.
+    options, compute_metrics, linear = (chunk_budget_bytes, low_memory, skip_ignored), layout.
+    Returns loss, lse, num_correct, entropy_sum.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, process_group, shard, options,
-                compute_metrics, plan, layout):
-        stats = _linear_stats(hidden, weight, bias, target, class_weight, shard, options,
-                              compute_metrics, plan)
+                compute_metrics, linear, layout):
+        stats = ops.lce_shard_stats(hidden, weight, bias, target, class_weight, *shard, *options,
+                                    *linear, compute_metrics)
         loss, lse, num_correct, entropy_sum, row_weight, batch = _merge_shards(
             stats, target, class_weight, shard, options, compute_metrics, process_group, *layout)
         ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse, row_weight, batch)
-        ctx.process_group, ctx.shard, ctx.options, ctx.plan = process_group, shard, options, plan
+        ctx.process_group, ctx.shard, ctx.options, ctx.linear = process_group, shard, options, linear
         ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
         ctx.set_materialize_grads(False)
         return loss, lse, num_correct, entropy_sum
@@ -605,172 +453,48 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *unused):
         grads = [None] * 11
-        needs = tuple(ctx.needs_input_grad[:3])
-        if grad_loss is None or not any(needs):
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if grad_loss is None or not (need_h or need_w or need_b):
             return tuple(grads)
         hidden, weight, bias, target, class_weight, lse, row_weight, batch = ctx.saved_tensors
-        grad_h, grad_w, grad_b = _linear_grads(hidden, weight, bias, target, class_weight, lse,
-                                               row_weight, batch, _upstream(grad_loss), ctx.shard,
-                                               ctx.options, ctx.plan, needs)
-        if grad_h is not None:
-            grad_h = _all_reduce_sum(grad_h, ctx.process_group).to(hidden.dtype)
-        grads[0], grads[1], grads[2] = grad_h, grad_w, grad_b
+        grad_h, grad_w, grad_b = ops.lce_shard_bwd(
+            hidden, weight, bias, target, class_weight, lse, row_weight, batch, _upstream(grad_loss),
+            *ctx.shard, *ctx.options, *ctx.linear, need_h, need_w, need_b)
+        if need_h:
+            # The sum over ranks of every rank's part, in float32, rounded once.
+            grads[0] = _all_reduce_sum(grad_h, ctx.process_group).to(hidden.dtype)
+        grads[1] = grad_w if need_w else None
+        grads[2] = grad_b if need_b else None
         return tuple(grads)
 
 
-def _shifted_target(target, ignore_index):
-    """Causal shift within sequences along target's last dimension: position i takes target
-    i + 1, the last position of each sequence is ignored. A cheap (N,) op; hidden is untouched."""
-    if target.dim() == 0 or target.shape[-1] == 0:
+def _shifted(target, seq_len, ignore_index):
+    """The causal shift within sequences of seq_len entries of the flat target: entry i takes
+    entry i + 1, the last entry of each sequence is ignored (an (N,) op; hidden is untouched)."""
+    if seq_len <= 0 or target.numel() == 0:
         return target
-    pad = torch.full_like(target[..., :1], ignore_index)
-    return torch.cat([target[..., 1:], pad], dim=-1)
+    t = target.view(-1, seq_len)
+    return torch.cat([t[:, 1:], torch.full_like(t[:, :1], ignore_index)], dim=1).reshape(-1)
 
 
-def _check_linear_args(hidden, weight, target, bias, class_weight, reduction, softcap, where):
-    for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"{where}: reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
-    if hidden.dim() < 1:
-        raise ValueError(f"{where}: hidden must have shape (..., H), got {tuple(hidden.shape)}")
-    if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"{where}: hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"{where}: weight must be (V_local, H) with H = hidden.shape[-1] = "
-                         f"{hidden.shape[-1]}, got {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"{where}: weight has dtype {weight.dtype} but hidden has {hidden.dtype}")
-    if target.shape != hidden.shape[:-1]:
-        raise ValueError(f"{where}: target must have shape hidden.shape[:-1] = "
-                         f"{tuple(hidden.shape[:-1])}, got {tuple(target.shape)}")
-    if target.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"{where}: target must be int64 or int32 class indices, got {target.dtype}")
-    for name, t in (("weight", weight), ("target", target), ("bias", bias),
-                    ("class_weight", class_weight)):
-        if t is not None and t.device != hidden.device:
-            raise ValueError(f"{where}: {name} is on {t.device} but hidden is on {hidden.device}")
-    local_vocab = weight.shape[0]
-    if bias is not None and (bias.shape != (local_vocab,) or bias.dtype != hidden.dtype):
-        raise ValueError(f"{where}: bias must be ({local_vocab},) {hidden.dtype}, got "
-                         f"{tuple(bias.shape)} {bias.dtype}")
-    if class_weight is not None and class_weight.shape != (local_vocab,):
-        raise ValueError(f"{where}: class_weight must be this rank's slice ({local_vocab},), got "
-                         f"{tuple(class_weight.shape)}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"{where}: softcap must be None (off) or > 0, got {softcap}")
-    if hidden.device.type == "cuda" and not _library.with_cuda:
-        raise RuntimeError(f"{where}: hidden is on a CUDA device but this build of fusedce has no "
-                           "CUDA kernels")
-
-
-def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, *, process_group,
-                                        vocab_start=None, class_weight=None, ignore_index=-100,
-                                        reduction="mean", label_smoothing=0.0, logit_scale=1.0,
-                                        softcap=None, z_loss=0.0, shift=False,
-                                        return_metrics=False, chunk_budget_bytes=None,
-                                        low_memory=False, vocab_total=None, check_targets=False):
-    """Cross-entropy of ``hidden @ weight.T + bias`` with the head split by vocabulary across the
-    ranks of ``process_group``: this rank holds ``weight[v0:v1]`` (V_local, H) and
-    ``bias[v0:v1]``; ``hidden`` (..., H) and ``target`` (...) are the same on every rank. The
-    result is that of the unsplit head up to float32 rounding; the (N, V) logits are never
-    stored, on any rank.
-
-    How it runs (R ranks, N rows, H hidden size):
-
-    1. pass 1, per chunk of rows: the chunk's logits against the local weight, float32
-       (products accumulated in float32; half-precision inputs stay half on a GPU), reduced at
-       once to the shard statistics of the chunk; the logits are dropped.
-    2. ONE all-gather of the statistics ((N + 1, 9) float32 per rank) and the rank-order merge:
-       loss, lse, metrics, the same bits on every rank.
-    3. backward (only when a gradient is required), per chunk again: the logits recomputed,
-       their gradient from the merged lse, accumulated into this rank's part of grad_hidden
-       (float32), grad_weight (a float32 accumulator, rounded once to weight's dtype) and
-       grad_bias; then ONE all-reduce (sum) of grad_hidden, (N, H) float32. grad_weight and
-       grad_bias are this rank's slices and are not communicated.
-
-    Ignored rows still enter the products (dropping them would need their count on the host);
-    they contribute nothing.
-
-    Memory beyond the inputs and the gradients: one chunk's float32 logits and their gradient,
-    at most ``chunk_budget_bytes`` (default 256 MiB; rows per chunk = budget / (8 V_local)); the
-    (N + 1, 9) statistics (R times that once gathered); in the backward the (N, H) float32
-    grad_hidden and the float32 grad_weight accumulator: (V_local, H), or with
-    ``low_memory=True`` a block of the vocabulary at a time, at most 256 MiB (the logits of each
-    chunk are then computed once per block: no extra arithmetic, smaller products). On the CPU,
-    half-precision weights are also widened to float32 once per pass.
-
-    Args:
-        hidden: (..., H) float32, bfloat16 or float16, identical on every rank.
-        weight: this rank's rows (V_local, H) of the head, hidden's dtype.
-        target: hidden.shape[:-1] global class indices in [0, V) or ``ignore_index``.
-        bias: this rank's slice (V_local,) of the head's bias, or None.
-        process_group, vocab_start, vocab_total: the group and the shard layout (module
-            docstring); ``vocab_total`` (not in ``fusedce.linear_cross_entropy``'s keyword set)
-            avoids the host-visible collective when ``vocab_start`` is given.
-        class_weight: this rank's slice (V_local,) of the class weights (PyTorch's ``weight=``).
-        ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss: as in
-            ``fusedce.cross_entropy``, over the full vocabulary.
-        shift: causal shift: position i of each sequence (the last dimension of ``target``)
-            predicts target i + 1 and the last position is ignored, as a causal LM's loss; done
-            on the target (an (N,) op), hidden is never copied.
-        return_metrics: also return ``{"num_correct", "entropy_sum", "lse"}`` as
-            ``fusedce.cross_entropy`` does.
-        chunk_budget_bytes: bound on one chunk's float32 logits and their gradient.
-        low_memory: bound the float32 grad_weight accumulator (see Memory).
-        check_targets: check the target values against [0, V) first, as
-            ``fusedce.cross_entropy`` does (one device synchronisation on a GPU); with ``shift``
-            the entries no row reads (the first of each sequence) are not checked.
-
-    Returns:
-        The float32 loss (target's shape with ``reduction='none'``), the same on every rank, or
-        ``(loss, metrics)``.
-    """
-    where = "fusedce.vocab_parallel_linear_cross_entropy"
-    if process_group is not None and not torch.compiler.is_compiling() and not in_agreed_call():
-        # Every check below may fail on one rank only: the outcome is agreed by the group.
-        return agreed_call(
-            where, process_group, target, getattr(hidden, "device", None), vocab_start, vocab_total,
-            lambda: vocab_parallel_linear_cross_entropy(
-                hidden, weight, target, bias, process_group=process_group, vocab_start=vocab_start,
-                class_weight=class_weight, ignore_index=ignore_index, reduction=reduction,
-                label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap,
-                z_loss=z_loss, shift=shift, return_metrics=return_metrics,
-                chunk_budget_bytes=chunk_budget_bytes, low_memory=low_memory,
-                vocab_total=vocab_total, check_targets=check_targets))
-    _check_linear_args(hidden, weight, target, bias, class_weight, reduction, softcap, where)
-    if process_group is None:
-        raise ValueError(f"{where}: process_group is required")
-    if class_weight is not None:
-        class_weight = class_weight.to(torch.float32)
-    ignore_index, label_smoothing, logit_scale, softcap, z_loss = scalar_options(
-        where, ignore_index, label_smoothing, logit_scale, softcap, z_loss)
-    local_vocab, hidden_size = weight.shape
-    shard = shard_layout(local_vocab, process_group, vocab_start, vocab_total, device=hidden.device,
+def linear_cross_entropy_rows(h, w, bias, target, class_weight, options, compute_metrics, linear, *,
+                              process_group, vocab_start, vocab_total, shift_seq_len=0,
+                              check_targets=False, where="fusedce.linear_cross_entropy"):
+    """The vocabulary-parallel path of fusedce.linear_cross_entropy, after its argument checks:
+    h (N, H), w this rank's rows (V_local, H) of the head, bias (V_local,) or None, target (N,)
+    unshifted, class_weight (V_local,) float32 or None, the six options, linear =
+    (chunk_budget_bytes, low_memory, skip_ignored) as the single-device ops take them. Returns
+    loss, lse, num_correct, entropy_sum over the full vocabulary."""
+    shard = shard_layout(w.shape[0], process_group, vocab_start, vocab_total, device=h.device,
                          where=where)
     if check_targets:
-        seq = target.shape[-1] if shift and target.dim() > 0 else 0
-        check_target_values(target, shard[1], ignore_index, where, shift_seq_len=seq)
-    t = _shifted_target(target, ignore_index) if shift else target
-    h = hidden.reshape(-1, hidden_size)
-    t = t.reshape(-1)
-    options = (ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss)
-    plan = _LinearPlan(h.shape[0], local_vocab, hidden_size, chunk_budget_bytes, low_memory)
-    layout = (where, local_vocab, _layout_rule(vocab_start, vocab_total))
-    needs_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (hidden, weight, bias))
-    if needs_grad:
-        loss, lse, num_correct, entropy_sum = VocabParallelLinearCrossEntropy.apply(
-            h, weight, bias, t, class_weight, process_group, shard, options, bool(return_metrics), plan,
-            layout)
-    else:
-        stats = _linear_stats(h, weight, bias, t, class_weight, shard, options,
-                              bool(return_metrics), plan)
-        loss, lse, num_correct, entropy_sum = _merge_shards(
-            stats, t, class_weight, shard, options, bool(return_metrics), process_group, *layout)[:4]
-    if reduction == "none":
-        loss = loss.view(target.shape)
-    if return_metrics:
-        return loss, {"num_correct": num_correct, "entropy_sum": entropy_sum, "lse": lse}
-    return loss
+        check_target_values(target, shard[1], options[0], where, shift_seq_len=shift_seq_len)
+    t = _shifted(target, shift_seq_len, options[0])
+    layout = (where, w.shape[0], _layout_rule(vocab_start, vocab_total))
+    grad_on = torch.is_grad_enabled()
+    if grad_on and any(x is not None and x.requires_grad for x in (h, w, bias)):
+        return VocabParallelLinearCrossEntropy.apply(h, w, bias, t, class_weight, process_group, shard,
+                                                     options, compute_metrics, linear, layout)
+    stats = ops.lce_shard_stats(h, w, bias, t, class_weight, *shard, *options, *linear, compute_metrics)
+    return _merge_shards(stats, t, class_weight, shard, options, compute_metrics, process_group,
+                         *layout)[:4]

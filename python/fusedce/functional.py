@@ -274,3 +274,50 @@ def _pytorch_cross_entropy(logits, target, weight, class_dim, options, reduction
             "lse": torch.where(keep, lse, 0.0).to(torch.float32),
         }
     return loss, metrics
+
+
+def vocab_parallel_cross_entropy(logits, target, weight=None, *, process_group, vocab_start=None,
+                                 vocab_total=None, ignore_index=-100, reduction="mean",
+                                 label_smoothing=0.0, logit_scale=1.0, softcap=None, z_loss=0.0,
+                                 return_metrics=False, check_targets=False):
+    """Cross-entropy of logits split by vocabulary across the ranks of ``process_group``: this
+    rank holds ``logits[..., v0:v1]`` of the full ``(..., V)`` logits, and the result is that of
+    ``fusedce.cross_entropy`` on the full logits, up to float32 rounding (the machinery is
+    fusedce.distributed's).
+
+    The same as ``fusedce.cross_entropy(logits, target, weight, process_group=..., ...)``; see the
+    docstring of fusedce.distributed for the shard layout (``vocab_start``, ``vocab_total``) and what crosses
+    ranks (one all-gather of ``(N + 1, 9)`` float32 statistics per rank in the forward, nothing
+    in the backward).
+
+    Args:
+        logits: this rank's shard (..., V_local): float32, bfloat16 or float16.
+        target: (...) global class indices in [0, V) or ``ignore_index``, the same on every rank.
+        weight: this rank's slice (V_local,) of the class weights, or None.
+        process_group: the ranks that share the vocabulary (``torch.distributed.group.WORLD``
+            for all of them).
+        vocab_start, vocab_total: where the shard sits in the full vocabulary (module docstring).
+        ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss, return_metrics:
+            as in ``fusedce.cross_entropy``, over the full vocabulary (label smoothing spreads
+            ``eps / V`` over all V classes, as PyTorch defines it).
+        check_targets: check the target values against [0, V) first (one device
+            synchronisation on a GPU), as ``fusedce.cross_entropy`` does.
+
+    Returns:
+        The float32 loss, the same on every rank, or ``(loss, metrics)`` with
+        ``return_metrics=True`` (``num_correct``: argmax over the full vocabulary, ties to the
+        lowest global index; ``entropy_sum``; ``lse`` (N,)). The gradient of this rank's logits
+        is its slice of the full gradient.
+
+    Memory: the (N + 1, 9) statistics per rank (gathered: R times that) and a few (N,) vectors;
+    the gradient, (N, V_local) in the logits' dtype, is formed in the backward (one more read of
+    the logits, which are kept for it).
+    """
+    if process_group is None:
+        raise ValueError("fusedce.vocab_parallel_cross_entropy: process_group is required "
+                         "(use fusedce.cross_entropy for logits that are not split)")
+    return cross_entropy(logits, target, weight, ignore_index=ignore_index, reduction=reduction,
+                         label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap,
+                         z_loss=z_loss, return_metrics=return_metrics, check_targets=check_targets,
+                         process_group=process_group, vocab_start=vocab_start,
+                         vocab_total=vocab_total)

@@ -8,7 +8,7 @@ picks the op; every number comes from the core (linear_cross_entropy.h).
 
 import torch
 
-from . import _library
+from . import _library, distributed
 from ._checks import check_target_values, scalar_options, unit_stride_vector
 from .functional import _REDUCTIONS, _rows
 from .linear_ops import FusedLinearCrossEntropy, call_below_autograd, ops
@@ -124,9 +124,14 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
             row reads), as :func:`fusedce.cross_entropy` does: one device synchronisation on a
             GPU. The CPU always checks.
         process_group, vocab_start, vocab_total: with a process group, ``weight`` (and
-            ``bias``, ``class_weight``) hold the vocabulary rows [vocab_start, vocab_start + V)
-            of this rank, out of vocab_total, and the call is
-            :func:`fusedce.distributed.vocab_parallel_linear_cross_entropy`.
+            ``bias``, ``class_weight``) hold this rank's rows [vocab_start, vocab_start + V) of
+            the head, out of vocab_total (layout rules: fusedce.distributed's docstring); the
+            loss, metrics and gradients are those of the whole head. Each rank runs the same
+            core per shard with the same options (chunk_budget_bytes, low_memory and
+            skip_ignored mean what they mean here, for its V rows); the ranks exchange one
+            all-gather of (N + 1, 9) float32 statistics in the forward and one all-reduce of
+            the (N, H) float32 grad_hidden in the backward. hidden and target must be the same
+            on every rank.
 
     Returns:
         The float32 loss, or ``(loss, metrics)`` with ``return_metrics=True``.
@@ -139,17 +144,20 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
     ``skip_ignored`` or ``check_targets``): the core reads the targets where it runs; the Python
     side never looks at tensor values otherwise.
     """
-    if process_group is not None:
-        from .distributed import vocab_parallel_linear_cross_entropy
-
-        return vocab_parallel_linear_cross_entropy(
-            hidden, weight, target, bias, process_group=process_group, vocab_start=vocab_start,
-            class_weight=class_weight, ignore_index=ignore_index, reduction=reduction,
-            label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap,
-            z_loss=z_loss, shift=shift, return_metrics=return_metrics,
-            chunk_budget_bytes=chunk_budget_bytes, low_memory=low_memory, vocab_total=vocab_total,
-            check_targets=check_targets)
-    if vocab_start is not None or vocab_total is not None:
+    if (process_group is not None and not torch.compiler.is_compiling()
+            and not distributed.in_agreed_call()):
+        # Every check below may fail on one rank only: the outcome is agreed by the group
+        # (distributed.agreed_call), so that every rank raises and none waits or runs on.
+        return distributed.agreed_call(
+            _NAME, process_group, target, getattr(hidden, "device", None), vocab_start, vocab_total,
+            lambda: linear_cross_entropy(
+                hidden, weight, target, bias, class_weight=class_weight, ignore_index=ignore_index,
+                reduction=reduction, label_smoothing=label_smoothing, logit_scale=logit_scale,
+                softcap=softcap, z_loss=z_loss, shift=shift, return_metrics=return_metrics,
+                chunk_budget_bytes=chunk_budget_bytes, low_memory=low_memory,
+                skip_ignored=skip_ignored, check_targets=check_targets, process_group=process_group,
+                vocab_start=vocab_start, vocab_total=vocab_total))
+    if process_group is None and (vocab_start is not None or vocab_total is not None):
         _fail("vocab_start and vocab_total are only used with a process_group (vocabulary-parallel weight)")
     _check_arguments(hidden, weight, target, bias, class_weight, reduction, softcap,
                      chunk_budget_bytes)
@@ -163,22 +171,44 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
     w = _rows(weight, hidden_size)
     t = unit_stride_vector(target.reshape(-1))
     shift_seq_len = _sequence_length(hidden) if shift else 0
-    if check_targets:
-        check_target_values(t, weight.shape[0], ignore_index, _NAME, shift_seq_len=shift_seq_len)
-    args = (h, w, unit_stride_vector(bias), t, class_weight, ignore_index, reduction,
-            label_smoothing, logit_scale, softcap, z_loss, int(shift_seq_len),
-            int(chunk_budget_bytes or 0), bool(low_memory), bool(skip_ignored), bool(return_metrics))
-
-    grad_on = torch.is_grad_enabled()
-    needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
-             grad_on and bias is not None and bias.requires_grad)
-    if any(needs):
-        loss, lse, num_correct, entropy_sum = FusedLinearCrossEntropy.apply(*args, *needs)
+    linear = (int(chunk_budget_bytes or 0), bool(low_memory), bool(skip_ignored))
+    options = (ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss)
+    if process_group is not None:
+        # The same core, per shard: its linear shard statistics and gradients, with the merge
+        # and the collectives of fusedce.distributed between them.
+        loss, lse, num_correct, entropy_sum = distributed.linear_cross_entropy_rows(
+            h, w, unit_stride_vector(bias), t, class_weight, options, bool(return_metrics), linear,
+            process_group=process_group, vocab_start=vocab_start, vocab_total=vocab_total,
+            shift_seq_len=int(shift_seq_len), check_targets=check_targets, where=_NAME)
     else:
-        loss, lse, num_correct, entropy_sum = call_below_autograd(ops.lce_fwd.default, *args)
+        if check_targets:
+            check_target_values(t, weight.shape[0], ignore_index, _NAME, shift_seq_len=shift_seq_len)
+        args = (h, w, unit_stride_vector(bias), t, class_weight, *options, int(shift_seq_len), *linear,
+                bool(return_metrics))
+        grad_on = torch.is_grad_enabled()
+        needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+                 grad_on and bias is not None and bias.requires_grad)
+        if any(needs):
+            loss, lse, num_correct, entropy_sum = FusedLinearCrossEntropy.apply(*args, *needs)
+        else:
+            loss, lse, num_correct, entropy_sum = call_below_autograd(ops.lce_fwd.default, *args)
 
     if reduction == "none":
         loss = loss.view(target.shape)
     if return_metrics:
         return loss, {"num_correct": num_correct, "entropy_sum": entropy_sum, "lse": lse}
     return loss
+
+
+def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, *, process_group,
+                                        vocab_start=None, vocab_total=None, **options):
+    """``fusedce.linear_cross_entropy(hidden, weight, target, bias, process_group=...)`` with the
+    process group required: this rank holds ``weight[v0:v1]`` (V_local, H) of the head (and
+    ``bias[v0:v1]``, ``class_weight[v0:v1]``); ``hidden`` and ``target`` are the same on every
+    rank. Every keyword of :func:`linear_cross_entropy` is accepted; the layout rules of
+    ``vocab_start`` / ``vocab_total`` are in fusedce.distributed's docstring."""
+    if process_group is None:
+        raise ValueError("fusedce.vocab_parallel_linear_cross_entropy: process_group is required "
+                         "(use fusedce.linear_cross_entropy for a head that is not split)")
+    return linear_cross_entropy(hidden, weight, target, bias, process_group=process_group,
+                                vocab_start=vocab_start, vocab_total=vocab_total, **options)

@@ -1,8 +1,8 @@
 """Fake (meta) kernels of the vocabulary-parallel ops of torch/vp_binding.cpp.
 
-The ops (``ce_shard_stats``, ``ce_shard_merge``, ``ce_shard_bwd``) are the three steps of
-fusedce/vocab_parallel.h; python/fusedce/distributed.py strings them together with the
-collectives between them. They have no autograd formula: the autograd.Functions of
+The ops (``ce_shard_stats``, ``ce_shard_merge``, ``ce_shard_bwd``, and the linear form's
+``lce_shard_stats`` and ``lce_shard_bwd``) are the steps of fusedce/vocab_parallel.h;
+python/fusedce/distributed.py strings them together with the collectives between them. They have no autograd formula: the autograd.Functions of
 distributed.py call ``ce_shard_bwd`` in their backward, because a gradient needs the merged
 statistics of every rank, which no single op sees.
 
@@ -57,3 +57,34 @@ def _ce_shard_bwd_fake(logits, target, weight, lse, row_weight, batch, grad_loss
                        z_loss):
     _check_rows(logits, target)
     return logits.new_empty(logits.shape)
+
+
+def _check_linear_rows(hidden, weight, target):
+    torch._check(hidden.dim() == 2, lambda: f"fusedce: hidden must be 2-D (N, H), got {hidden.dim()}-D")
+    torch._check(weight.dim() == 2, lambda: f"fusedce: weight must be 2-D (V_local, H), got {weight.dim()}-D")
+    torch._check(
+        target.dim() == 1 and target.shape[0] == hidden.shape[0],
+        lambda: f"fusedce: target must be 1-D with one entry per row of hidden ({hidden.shape[0]})",
+    )
+
+
+@torch.library.register_fake("fusedce::lce_shard_stats")
+def _lce_shard_stats_fake(hidden, weight, bias, target, class_weight, vocab_start, vocab_total,
+                          ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss,
+                          chunk_budget_bytes, low_memory, skip_ignored, compute_metrics):
+    _check_linear_rows(hidden, weight, target)
+    return hidden.new_empty((hidden.shape[0] + 1, STATS_WIDTH), dtype=torch.float32)
+
+
+@torch.library.register_fake("fusedce::lce_shard_bwd")
+def _lce_shard_bwd_fake(hidden, weight, bias, target, class_weight, lse, row_weight, batch, grad_loss,
+                        vocab_start, vocab_total, ignore_index, reduction, label_smoothing, logit_scale,
+                        softcap, z_loss, chunk_budget_bytes, low_memory, skip_ignored, need_grad_hidden,
+                        need_grad_weight, need_grad_bias):
+    _check_linear_rows(hidden, weight, target)
+    none = hidden.new_empty((0,))
+    return (
+        hidden.new_empty(hidden.shape, dtype=torch.float32) if need_grad_hidden else none,
+        weight.new_empty(weight.shape) if need_grad_weight else hidden.new_empty((0,)),
+        bias.new_empty(bias.shape) if need_grad_bias else hidden.new_empty((0,)),
+    )

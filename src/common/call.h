@@ -42,11 +42,13 @@ size_t workspace_size(Job job, int64_t rows, int64_t vocab, const Options& optio
 }  // namespace fusedce
 
 #include "fusedce/linear_cross_entropy.h"
+#include "fusedce/vocab_parallel.h"
 
 namespace fusedce {
 namespace detail {
 
-/// One validated call of a linear cross-entropy entry point.
+/// One validated call of a linear cross-entropy entry point: the whole vocabulary, or one step
+/// of the vocabulary-parallel form over a shard of the weight (vocab_parallel.h).
 struct LinearCall {
   Job job;  // kForward or kForwardBackward
   Device device;
@@ -58,6 +60,13 @@ struct LinearCall {
   VectorView grad_loss;
   LinearGrads grads;
   Workspace workspace;
+  // Vocabulary-parallel steps: 0 = the whole vocabulary; 1 = the shard's statistics into
+  // `stats` (job kForward); 3 = the shard's gradients from the merged lse, row_weight and batch
+  // (job kForwardBackward; grad_hidden is float32, this rank's part of the sum over ranks).
+  int shard_step = 0;
+  ShardSpec shard;
+  MatrixView stats;
+  VectorView lse_in, row_weight, batch;
 };
 
 Status validate_linear_call(const LinearCall& call);
@@ -84,6 +93,10 @@ Status run_linear(const detail::LinearCall& call);
 namespace cuda {
 /// Present in every build; without the CUDA backend it returns kUnsupported.
 Status run_linear(const detail::LinearCall& call);
+/// The vocabulary-parallel steps of the linear form (call.shard_step 1 or 3); kUnsupported
+/// without the CUDA backend.
+Status run_linear_shard(const detail::LinearCall& call);
+size_t linear_shard_workspace_size(const detail::LinearCall& call);
 size_t linear_workspace_size(Job job, const Device& device, int64_t rows, int64_t hidden_size, int64_t vocab,
                              DType dtype, const Options& options, const LinearOptions& linear,
                              const LinearGrads& grads);

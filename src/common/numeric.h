@@ -102,6 +102,52 @@ FUSEDCE_HD LseState lse_merge(const LseState& a, const LseState& b) {
   return LseState{m, a.s * fa + b.s * fb, a.ez * fa + b.ez * fb};
 }
 
+/// A running LseState for folding many partials one after another (a row's chunks in order):
+/// the sums are held in double and the rescale factor is taken in double, so a fold of K
+/// partials adds no float32 rounding per step. In float32 each step rounds the running sum, and
+/// a max that grows partial after partial rescales it by a float factor each time: the errors
+/// compound with K (relative 1e-6 at a few thousand steps, growing with V). Here the result
+/// carries its partials' own rounding (float32 level) whatever K is. Cost: a few double
+/// operations per partial (the max rarely changes: the exp runs only when it does).
+struct LseAccum {
+  float m;
+  double s;
+  double ez;
+};
+
+FUSEDCE_HD LseAccum lse_accum_empty() { return LseAccum{-INFINITY, 0.0, 0.0}; }
+
+/// Fold partial b into a; the same semantics as lse_merge (NaN stays NaN, empty stays empty).
+FUSEDCE_HD void lse_accum_add(LseAccum& a, const LseState& b) {
+  const float m = a.m > b.m ? a.m : b.m;
+  if (m == -INFINITY) {
+    a.s += b.s;
+    a.ez += b.ez;
+    return;
+  }
+  // exp(-inf) == 0: an empty side is scaled by 0 (a NaN sum stays NaN).
+  const double fa = a.m == m ? 1.0 : exp(static_cast<double>(a.m) - static_cast<double>(m));
+  const double fb = b.m == m ? 1.0 : exp(static_cast<double>(b.m) - static_cast<double>(m));
+  a.m = m;
+  a.s = a.s * fa + static_cast<double>(b.s) * fb;
+  a.ez = a.ez * fa + static_cast<double>(b.ez) * fb;
+}
+
+/// The folded state rounded to float32 (for merging with other states, or storing).
+FUSEDCE_HD LseState lse_accum_state(const LseAccum& a) {
+  return LseState{a.m, static_cast<float>(a.s), static_cast<float>(a.ez)};
+}
+
+/// log-sum-exp of the fold, rounded once.
+FUSEDCE_HD float lse_accum_value(const LseAccum& a) {
+  return static_cast<float>(static_cast<double>(a.m) + log(a.s));
+}
+
+/// Entropy of the fold's distribution, lse - E[z], rounded once.
+FUSEDCE_HD float lse_accum_entropy(const LseAccum& a) {
+  return static_cast<float>(static_cast<double>(a.m) + log(a.s) - a.ez / a.s);
+}
+
 /// The reference a chunk's exps are taken against: its max, or 0 when that is -inf (then
 /// exp(z - 0) is 0 for -inf entries and NaN for NaN ones, as wanted).
 FUSEDCE_HD float lse_ref(float m) { return m == -INFINITY ? 0.0f : m; }

@@ -226,6 +226,66 @@ Status validate_call(const CeCall& c) {
   return Status::Ok();
 }
 
+namespace {
+
+/// The parts of a vocabulary-parallel linear step that differ from a whole-vocabulary call (the
+/// inputs were checked by validate_linear_call, V being the shard's rows).
+Status validate_linear_shard(const LinearCall& c) {
+  std::ostringstream os;
+  const int64_t N = c.hidden.rows, H = c.hidden.cols, V = c.weight.rows;
+  if (c.linear.shift_seq_len != 0) {
+    return invalid("shift_seq_len must be 0 in a vocabulary-parallel step: pass the shifted targets (the merge needs them)");
+  }
+  if (c.shard.vocab_total < 1) return invalid("shard.vocab_total must be >= 1");
+  if (c.shard.vocab_start < 0 || c.shard.vocab_start + V > c.shard.vocab_total) {
+    os << "shard.vocab_start (" << c.shard.vocab_start << ") + the shard's " << V
+       << " rows of weight must lie within shard.vocab_total (" << c.shard.vocab_total << ")";
+    return invalid(os.str());
+  }
+  if (c.shard_step == 1) {
+    const MatrixView& m = c.stats;
+    if (m.dtype != DType::kFloat32 || m.rows != N + 1 || m.cols != kShardStatsWidth ||
+        (m.rows > 1 && m.row_stride != kShardStatsWidth) || m.data == nullptr) {
+      os << "stats must be a contiguous float32 (" << N + 1 << ", " << kShardStatsWidth << ") matrix";
+      return invalid(os.str());
+    }
+    return Status::Ok();
+  }
+  if (c.shard_step != 3) return invalid("shard_step must be 1 or 3");
+  Status s = check_vector("lse", c.lse_in, DType::kFloat32, N);
+  if (!s.ok()) return s;
+  s = check_vector("row_weight", c.row_weight, DType::kFloat32, N);
+  if (!s.ok()) return s;
+  s = check_vector("batch", c.batch, DType::kFloat32, 2);
+  if (!s.ok()) return s;
+  s = check_grad_loss(c.grad_loss, c.options.reduction, N);
+  if (!s.ok()) return s;
+  const struct {
+    const char* name;
+    const MatrixView& m;
+    int64_t rows;
+    DType dtype;
+  } mats[] = {{"grad_hidden", c.grads.grad_hidden, N, DType::kFloat32},
+              {"grad_weight", c.grads.grad_weight, V, c.hidden.dtype}};
+  for (const auto& g : mats) {
+    if (g.m.empty() && g.m.rows == 0) continue;
+    s = check_matrix(g.name, g.m);
+    if (!s.ok()) return s;
+    if (g.m.dtype != g.dtype || g.m.rows != g.rows || g.m.cols != H) {
+      os << g.name << " must be " << g.rows << " x " << H << " " << dtype_name(g.dtype) << ", got " << g.m.rows
+         << " x " << g.m.cols << " " << dtype_name(g.m.dtype);
+      return invalid(os.str());
+    }
+  }
+  if (!c.grads.grad_bias.empty() || c.grads.grad_bias.size != 0) {
+    s = check_vector("grad_bias", c.grads.grad_bias, c.hidden.dtype, V);
+    if (!s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status validate_linear_call(const LinearCall& c) {
   if (c.device.type != DeviceType::kCPU && c.device.type != DeviceType::kCUDA) {
     return invalid("device.type must be kCPU or kCUDA");
@@ -257,6 +317,7 @@ Status validate_linear_call(const LinearCall& c) {
     os << "shift_seq_len must be 0 (no shift) or divide the " << N << " rows, got " << c.linear.shift_seq_len;
     return invalid(os.str());
   }
+  if (c.shard_step != 0) return validate_linear_shard(c);
   CeCall as_ce{};
   as_ce.job = c.job;
   as_ce.logits = MatrixView{c.hidden.data, c.hidden.dtype, N, V, V};

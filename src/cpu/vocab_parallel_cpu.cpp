@@ -1,6 +1,6 @@
 // The CPU side of the vocabulary-parallel steps: shard statistics and shard gradients through the
 // same row kernels as the whole-vocabulary path (a shard is a row with a column offset), and the
-// merge of the gathered statistics, in rank order, with the same lse_merge as every other path.
+// merge of the gathered statistics, in rank order, folded as every row fold is (detail::LseAccum).
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -103,13 +103,13 @@ Status merge(const detail::ShardCall& c) {
       at<float>(c.row_weight, i) = 0.0f;
       continue;
     }
-    detail::LseState st = detail::lse_empty();
+    detail::LseAccum st = detail::lse_accum_empty();
     double smooth = 0.0;
     float z_t = NAN, w_t = NAN, best = 0.0f;
     int64_t arg = INT64_MAX;
     for (int64_t r = 0; r < R; ++r) {
       const float* p = row(r, i);
-      st = detail::lse_merge(st, detail::LseState{p[0], p[1], p[2]});
+      detail::lse_accum_add(st, detail::LseState{p[0], p[1], p[2]});
       smooth += p[5];
       if (p[4] != 0.0f) {
         z_t = p[3];
@@ -123,14 +123,14 @@ Status merge(const detail::ShardCall& c) {
       }
     }
     if (!weighted) w_t = 1.0f;
-    const float lse = detail::lse_value(st);
+    const float lse = detail::lse_accum_value(st);
     const float loss = detail::row_loss(k, lse, z_t, w_t, static_cast<float>(smooth), weighted);
     if (o.reduction == Reduction::kNone) at<float>(c.out.loss, i) = loss;
     at<float>(c.out.lse, i) = lse;
     at<float>(c.row_weight, i) = w_t;
     total += loss;
     den += w_t;
-    entropy += lse - st.ez / st.s;
+    entropy += detail::lse_accum_entropy(st);
     correct += arg == t;
   }
   if (o.reduction != Reduction::kNone) {

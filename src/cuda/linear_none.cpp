@@ -16,5 +16,9 @@ Status run_linear(const detail::LinearCall&) {
                 "(configure with FUSEDCE_CUDA=ON where nvcc and cuBLASLt are available)");
 }
 
+size_t linear_shard_workspace_size(const detail::LinearCall&) { return 0; }
+
+Status run_linear_shard(const detail::LinearCall& call) { return run_linear(call); }
+
 }  // namespace cuda
 }  // namespace fusedce

@@ -283,7 +283,8 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
   if (kForward) {
     const bool metrics = kExtras && p.metrics;
     RowPartial mine;
-    mine.st = detail::lse_empty();
+    // The pieces fold in double (detail::LseAccum): a long row has thousands of pieces.
+    detail::LseAccum run = detail::lse_accum_empty();
     mine.smooth = 0.0f;
     mine.amax_v = -INFINITY;
     mine.amax_i = INT64_MAX;
@@ -346,13 +347,14 @@ __global__ void __launch_bounds__(max_row_threads(kItems)) ce_row_kernel(const R
         s += es[0];
         if (metrics) ez += ezs[0];
       }
-      mine.st = detail::lse_merge(mine.st, detail::LseState{m, s, ez});
+      detail::lse_accum_add(run, detail::LseState{m, s, ez});
       if (metrics && argmax_better(amax_v, amax_i, mine.amax_v, mine.amax_i)) {
         mine.amax_v = amax_v;
         mine.amax_i = amax_i;
       }
     }
 
+    mine.st = detail::lse_accum_state(run);
     // Block reduction in a fixed order: warp shuffles, then warp 0 over the warps.
 #pragma unroll
     for (int d = kWarpSize / 2; d > 0; d >>= 1) mine = merge_partial(mine, shfl_down_partial(mine, d, metrics, true), metrics);

@@ -1,6 +1,6 @@
 // The vocabulary-parallel steps on CUDA (vocab_parallel.h): a shard's per-row statistics, the
 // merge of the gathered statistics in rank order, and a shard's gradient. Same formulas as the
-// CPU backend (common/numeric.h: lse_merge, row_loss, row_grad); every reduction in a fixed
+// CPU backend (common/numeric.h: lse_merge, LseAccum, row_loss, row_grad); every reduction in a fixed
 // order, so results are the same bits run to run and on every rank. No host synchronisation:
 // the batch scalars (mean denominator, class-weight sum) stay in device memory.
 //
@@ -119,15 +119,18 @@ __global__ void __launch_bounds__(kThreads) shard_stats_kernel(const ShardParams
     }
   }
   const float ref = detail::lse_ref(m);
-  float s = 0.0f, ez = 0.0f, smooth = 0.0f;
+  // A thread's sums run over V_local / kThreads columns: in double, so their rounding does not
+  // grow with the shard (float32 sums of 2^16 terms lose about 1e-5).
+  double s = 0.0, ez = 0.0, smooth = 0.0;
   for (int64_t j = tid; j < V; j += kThreads) {
     const float z = detail::transform_logit(Elem<T>::to_float(x[j]), p.c, p.softcap);
     const float e = expf(z - ref);
     s += e;
-    if (e > 0.0f) ez += e * z;  // 0, not 0 * -inf
-    smooth += p.class_weight ? p.class_weight[j * p.weight_stride] * z : z;
+    if (e > 0.0f) ez += static_cast<double>(e) * z;  // 0, not 0 * -inf
+    smooth += p.class_weight ? static_cast<double>(p.class_weight[j * p.weight_stride]) * z : z;
   }
-  part[tid] = Partial{detail::LseState{m, s, ez}, smooth, best, arg};
+  part[tid] = Partial{detail::LseState{m, static_cast<float>(s), static_cast<float>(ez)}, static_cast<float>(smooth),
+                      best, arg};
   __syncthreads();
   for (int k = kThreads / 2; k > 0; k >>= 1) {
     if (tid < k) part[tid] = combine(part[tid], part[tid + k]);
@@ -200,13 +203,13 @@ __global__ void __launch_bounds__(kMergeThreads) shard_merge_kernel(const MergeP
       p.row_weight[i * p.row_weight_stride] = 0.0f;
       continue;
     }
-    detail::LseState st = detail::lse_empty();
+    detail::LseAccum st = detail::lse_accum_empty();
     double smooth = 0.0;
     float z_t = NAN, w_t = NAN, best = 0.0f;
     int64_t arg = INT64_MAX;
     for (int64_t r = 0; r < p.world; ++r) {
       const float* q = row(r, i);
-      st = detail::lse_merge(st, detail::LseState{q[0], q[1], q[2]});
+      detail::lse_accum_add(st, detail::LseState{q[0], q[1], q[2]});
       smooth += q[5];
       if (q[4] != 0.0f) {
         z_t = q[3];
@@ -220,14 +223,14 @@ __global__ void __launch_bounds__(kMergeThreads) shard_merge_kernel(const MergeP
       }
     }
     if (!p.weighted) w_t = 1.0f;
-    const float lse = detail::lse_value(st);
+    const float lse = detail::lse_accum_value(st);
     const float loss = detail::row_loss(c, lse, z_t, w_t, static_cast<float>(smooth), p.weighted);
     if (p.reduction == static_cast<int>(Reduction::kNone)) p.loss[i * p.loss_stride] = loss;
     p.lse[i * p.lse_stride] = lse;
     p.row_weight[i * p.row_weight_stride] = w_t;
     total += loss;
     den += w_t;
-    ent += lse - st.ez / st.s;
+    ent += detail::lse_accum_entropy(st);
     cor += arg == t;
   }
   s_total[tid] = total;

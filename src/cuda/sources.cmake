@@ -10,4 +10,5 @@ set(FUSEDCE_CUDA_SOURCES
 set(FUSEDCE_CUDA_LINEAR_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/linear_kernels.cu
   ${CMAKE_CURRENT_LIST_DIR}/linear_cuda.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/linear_shard_cuda.cpp
   ${CMAKE_CURRENT_LIST_DIR}/gemm.cpp)

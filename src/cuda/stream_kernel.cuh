@@ -30,6 +30,15 @@ namespace cuda {
 
 #if !FUSEDCE_PLATFORM_HIP  // sm_90 only: on HIP just the kernel's empty shell below, never launched
 
+/// The factor that moves a running sum from the running max `old_m` to the new reference `ref`
+/// (exponents in base 2, scaled by `a`): 1 where the max did not move (no exp: the common
+/// case), else 2^((old_m - ref) a) in double. A float factor rounded at every move of the max
+/// compounds over a row whose max keeps growing (one rounding per chunk, thousands of chunks).
+__device__ __forceinline__ double rescale_factor(float old_m, float ref, float a) {
+  if (old_m == -INFINITY || old_m == ref) return 1.0;
+  return exp2((double(old_m) - double(ref)) * double(a));
+}
+
 /// Where one work item's bytes are: its row, alignment and chunk range.
 template <typename T>
 struct ItemGeometry {
@@ -447,8 +456,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     // ---- statistics sweep
     RowPartial mine = empty_partial();
     int split_last = 0;  // this split finished its row last (splits with finish)
-    // run_m: the general variant's running max in z; run_xm: the others' in raw logits.
-    float run_m = -INFINITY, run_xm = -INFINITY, run_s = 0.0f, run_ez = 0.0f, smooth = 0.0f;
+    // run_m: the general variant's running max in z; run_xm: the others' in raw logits. The
+    // running sums fold the item's chunks in double (rescale_factor): a split of 2^30 logits
+    // folds 2048 chunks per thread.
+    float run_m = -INFINITY, run_xm = -INFINITY, smooth = 0.0f;
+    double run_s = 0.0, run_ez = 0.0;
     // The argmax along this thread, tracked per segment and resolved once per item
     // (common/argmax_track.h). The options variant works in raw-logit units (scale > 0 keeps the
     // order), the general one in z.
@@ -517,7 +529,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
           const float ref = new_xm == -INFINITY ? 0.0f : new_xm;
           const float r = __fmul_rn(ref, a_log2);
           const float unshift = ex2(-fmaf(ref, a_log2, -r));
-          const float scale = run_xm == -INFINITY ? 1.0f : ex2(__fmul_rn(run_xm - ref, a_log2));
+          const double scale = rescale_factor(run_xm, ref, a_log2);
           float acc[kSegsPerThread];
           float ez = 0.0f;
           const bool smooth_in_pairs = kExtras && p.smoothing && !weighted;
@@ -550,8 +562,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
             }
           }
           static_assert(kSegsPerThread == 4, "the sum below pairs four segments");
-          run_s = fmaf((acc[0] + acc[1]) + (acc[2] + acc[3]), unshift, __fmul_rn(run_s, scale));
-          if (kExtras && metrics) run_ez = fmaf(ez, unshift, __fmul_rn(run_ez, scale));
+          run_s = fma(double((acc[0] + acc[1]) + (acc[2] + acc[3])), double(unshift), run_s * scale);
+          if (kExtras && metrics) run_ez = fma(double(ez), double(unshift), run_ez * scale);
           run_xm = new_xm;
           continue;
         }
@@ -607,7 +619,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
           }
           const float new_m = fmaxf(run_m, cm);
           const float ref = detail::lse_ref(new_m);
-          const float scale = run_m == -INFINITY ? 1.0f : ex2((run_m - ref) * kLog2e);
+          const double scale = rescale_factor(run_m, ref, kLog2e);
           float acc[kPer], acc_ez[kPer];
 #pragma unroll
           for (int k = 0; k < kPer; ++k) {
@@ -639,11 +651,11 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
           }
           static_assert(kPer == 4 || kPer == 2, "the sums below pair two or four segments");
           if constexpr (kPer == 4) {
-            run_s = run_s * scale + ((acc[0] + acc[1]) + (acc[2] + acc[3]));
-            if (metrics) run_ez = run_ez * scale + ((acc_ez[0] + acc_ez[1]) + (acc_ez[2] + acc_ez[3]));
+            run_s = run_s * scale + double((acc[0] + acc[1]) + (acc[2] + acc[3]));
+            if (metrics) run_ez = run_ez * scale + double((acc_ez[0] + acc_ez[1]) + (acc_ez[2] + acc_ez[3]));
           } else {
-            run_s = run_s * scale + (acc[0] + acc[1]);
-            if (metrics) run_ez = run_ez * scale + (acc_ez[0] + acc_ez[1]);
+            run_s = run_s * scale + double(acc[0] + acc[1]);
+            if (metrics) run_ez = run_ez * scale + double(acc_ez[0] + acc_ez[1]);
           }
           run_m = new_m;
         }
@@ -651,7 +663,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     }
     // The options variant's sums are in raw-logit units: z = x * scale.
     const float unit = kGeneral ? 1.0f : c.logit_scale;
-    mine.st = detail::LseState{kGeneral ? run_m : run_xm * c.logit_scale, run_s, run_ez * unit};
+    mine.st = detail::LseState{kGeneral ? run_m : run_xm * c.logit_scale, float(run_s), float(run_ez * unit)};
     mine.smooth = smooth * unit;
     if (metrics) {
       // The element: the first NaN at or after nan_seg (its sum can be NaN from a +inf logit

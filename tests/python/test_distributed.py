@@ -64,9 +64,9 @@ CE_CASES = {
     "forward_only": {"special": "no_grad", "label_smoothing": 0.1},
 }
 
-# Linear cases: options of vocab_parallel_linear_cross_entropy plus test flags (bias; weight:
-# class weights; dtype; shape; needs: which inputs require grad; accumulator: patched
-# LOW_MEMORY_ACCUMULATOR_BYTES in rows of the weight, to get several vocabulary blocks).
+# Linear cases: options of fusedce.linear_cross_entropy plus test flags (bias; weight: class
+# weights; dtype; shape; needs: which inputs require grad; chunk_rows: a chunk budget of about
+# that many rows of this rank's logits, for the backends that chunk).
 LINEAR_CASES = {
     "plain": {},
     "everything_shift": {"bias": True, "weight": True, "label_smoothing": 0.1, "softcap": 6.0,
@@ -74,7 +74,9 @@ LINEAR_CASES = {
                          "reduction": "none", "grad": "rows"},
     "bf16_bias": {"dtype": torch.bfloat16, "bias": True, "label_smoothing": 0.1},
     "chunks_low_memory": {"bias": True, "reduction": "sum", "chunk_rows": 5, "low_memory": True,
-                          "accumulator": 16, "grad": 0.6},
+                          "grad": 0.6},
+    "fp16_skip_ignored": {"dtype": torch.float16, "weight": True, "z_loss": 1e-3, "skip_ignored": True,
+                          "reduction": "sum", "needs": ("hidden", "weight")},
     "frozen_head": {"needs": ("hidden",)},
     "forward_only": {"needs": ()},
 }
@@ -261,21 +263,16 @@ def _run_linear_case(name, layout, sizes, rank, group):
     needs = case.get("needs", ("hidden", "weight", "bias"))
     local = sizes[rank]
     kw = dict(opts, shift=case.get("shift", False), low_memory=case.get("low_memory", False),
+              skip_ignored=case.get("skip_ignored", False),
               class_weight=cw[v0:v1] if cw is not None else None,
               **_layout_kwargs(layout, sizes, rank))
     if "chunk_rows" in case:
-        kw["chunk_budget_bytes"] = 8 * local * case["chunk_rows"]
-    saved = fdist.LOW_MEMORY_ACCUMULATOR_BYTES
-    if "accumulator" in case:
-        fdist.LOW_MEMORY_ACCUMULATOR_BYTES = 4 * HIDDEN * case["accumulator"]
-    try:
-        (loss, metrics), (gh, gw, gb) = _linear_loss_and_grads(
-            lambda hh, ww, bb: fusedce.vocab_parallel_linear_cross_entropy(
-                hh, ww[v0:v1], t, None if bb is None else bb[v0:v1], process_group=group,
-                return_metrics=True, **kw),
-            (h, wt, b), needs, grad)
-    finally:
-        fdist.LOW_MEMORY_ACCUMULATOR_BYTES = saved
+        kw["chunk_budget_bytes"] = h.element_size() * local * case["chunk_rows"]
+    (loss, metrics), (gh, gw, gb) = _linear_loss_and_grads(
+        lambda hh, ww, bb: fusedce.linear_cross_entropy(
+            hh, ww[v0:v1], t, None if bb is None else bb[v0:v1], process_group=group,
+            return_metrics=True, **kw),
+        (h, wt, b), needs, grad)
     what = f"linear {name} on {layout} shards {sizes}, rank {rank}"
     _same_on_every_rank([loss, metrics["num_correct"], metrics["entropy_sum"]] +
                         ([gh] if gh is not None else []), what)
@@ -616,7 +613,7 @@ def test_bad_layout_and_arguments_are_named(group_of_one):
         fusedce.vocab_parallel_cross_entropy(x, t, process_group=None)
     h, wt = torch.randn(6, 4), torch.randn(20, 4)
     linear = fusedce.vocab_parallel_linear_cross_entropy
-    with pytest.raises(ValueError, match="weight must be"):
+    with pytest.raises(ValueError, match="weight must have shape"):
         linear(h, torch.randn(20, 5), t, process_group=pg)
     with pytest.raises(ValueError, match="bias"):
         linear(h, wt, t, torch.randn(19), process_group=pg)
@@ -626,7 +623,7 @@ def test_bad_layout_and_arguments_are_named(group_of_one):
         linear(h, wt, t[:5], process_group=pg)
     with pytest.raises(ValueError, match="reduction"):
         linear(h, wt, t, process_group=pg, reduction="avg")
-    with pytest.raises(ValueError, match="weight has dtype"):
+    with pytest.raises(ValueError, match="weight must have hidden's dtype"):
         linear(h, wt.double(), t, process_group=pg)
 
 

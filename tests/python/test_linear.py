@@ -5,8 +5,6 @@ ignored targets, bias, the causal shift, every reduction, metrics, gradients onl
 required, and bad input. The error budget is PyTorch's own error in the same dtype (F.linear and
 F.cross_entropy in that dtype) times a small factor."""
 
-import sys
-import types
 
 import pytest
 import torch
@@ -468,29 +466,35 @@ def test_budget_catches_a_wrong_gradient(dtype, factor):
 
 
 def test_process_group_hands_every_option_to_distributed(monkeypatch):
-    # With a process group the call is fusedce.distributed's, every option passed by keyword.
+    # With a process group the call runs fusedce.distributed's linear rows with every option:
+    # the six loss options, the linear ones as the single-device op takes them, the layout.
+    import fusedce.distributed as fdist
+
     seen = {}
 
-    def fake(hidden, weight, target, bias, **kwargs):
-        seen.update(kwargs, hidden=hidden, weight=weight, target=target, bias=bias)
-        return "vp-result"
+    def fake(h, w, bias, target, class_weight, options, compute_metrics, linear, **kwargs):
+        seen.update(kwargs, h=h, w=w, bias=bias, target=target, class_weight=class_weight,
+                    options=options, compute_metrics=compute_metrics, linear=linear)
+        n = h.shape[0]
+        return torch.zeros(()), torch.zeros(n), torch.zeros((), dtype=torch.int64), torch.zeros(())
 
-    monkeypatch.setitem(sys.modules, "fusedce.distributed",
-                        types.SimpleNamespace(vocab_parallel_linear_cross_entropy=fake))
-    h, w, b, t = make_linear_problem((4,), 8, 16, bias=True)
+    monkeypatch.setattr(fdist, "in_agreed_call", lambda: True)  # as inside the agreed call
+    monkeypatch.setattr(fdist, "linear_cross_entropy_rows", fake)
+    h, w, b, t = make_linear_problem((2, 4), 8, 16, bias=True)
     cw = make_weight(16)
     group = object()
     kw = dict(class_weight=cw, ignore_index=2, reduction="sum", label_smoothing=0.1,
               logit_scale=0.5, softcap=3.0, z_loss=1e-3, shift=True, return_metrics=True,
-              chunk_budget_bytes=1 << 20, low_memory=True, check_targets=True)
-    out = fusedce.linear_cross_entropy(h, w, t, b, process_group=group, vocab_start=16, **kw)
-    assert out == "vp-result"
-    assert seen.pop("process_group") is group and seen.pop("vocab_start") == 16
-    assert seen.pop("hidden") is h and seen.pop("weight") is w and seen.pop("target") is t
-    assert seen.pop("bias") is b
-    assert seen.pop("class_weight") is cw
-    assert seen.pop("vocab_total") is None
-    assert seen == {k: v for k, v in kw.items() if k != "class_weight"}
+              chunk_budget_bytes=1 << 20, low_memory=True, skip_ignored=True, check_targets=True)
+    fusedce.linear_cross_entropy(h, w, t, b, process_group=group, vocab_start=16, vocab_total=48, **kw)
+    assert seen["process_group"] is group and seen["vocab_start"] == 16 and seen["vocab_total"] == 48
+    assert seen["h"].shape == (8, 8) and seen["w"] is w and seen["bias"] is b
+    assert torch.equal(seen["target"], t.reshape(-1))
+    assert torch.equal(seen["class_weight"], cw)
+    assert seen["options"] == (2, "sum", 0.1, 0.5, 3.0, 1e-3)
+    assert seen["compute_metrics"] is True
+    assert seen["linear"] == (1 << 20, True, True)
+    assert seen["shift_seq_len"] == 4 and seen["check_targets"] is True
 
 
 # ---- bad input ------------------------------------------------------------------------------
