@@ -1,9 +1,7 @@
-// CUTLASS kernels for the linear cross-entropy's three products (cutlass_products.h), sm_90a.
-// Each product is one GemmUniversal of CUTLASS's collective builders: TMA loads into a
-// multi-stage shared-memory ring, WGMMA with float32 accumulation, a warp-specialized persistent
-// kernel, and a TMA epilogue that adds the float32 C (the grad_weight accumulator) before the one
-// rounding to D's type. Tile shapes per product are those measured fastest on an H200 at the
-// benchmark's shapes (bench/RESULTS.md, "CUTLASS products").
+// The CUTLASS kernel of cutlass_products.h, sm_90a: one GemmUniversal of CUTLASS's collective
+// builders: TMA loads into a multi-stage shared-memory ring, WGMMA with float32 accumulation, a
+// warp-specialized persistent kernel, and a TMA epilogue that adds the float32 C (the grad_weight
+// accumulator) before the one rounding to D's type.
 #include "cuda/cutlass_products.h"
 
 #include <cuda_runtime.h>
@@ -37,14 +35,19 @@ Stride stride_with_ld(int64_t ld) {
   return s;
 }
 
+int sm_count_of(int device) {
+  int n = 0;
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+  return n;
+}
+
 /// One kernel: D (M x N, row-major) = A (M x K) . B (K x N) (+ C), bf16 operands, float32
 /// accumulation. LayoutA / LayoutB in CUTLASS's tags (RowMajor A: K contiguous; RowMajor B: N
 /// contiguous; ColumnMajor B: K contiguous).
 template <class LayoutA, class LayoutB, class ElementC, class ElementD, class Tile, class Cluster, class Schedule,
           class EpilogueSchedule>
 struct Kernel {
-  // ElementC void: no C operand (D = product).
-  static constexpr int kAlignC = 16 / sizeof(std::conditional_t<std::is_void_v<ElementC>, ElementD, ElementC>);
+  static constexpr int kAlignC = 16 / sizeof(ElementC);
   static constexpr int kAlignD = 16 / sizeof(ElementD);
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster, cutlass::epilogue::collective::EpilogueTileAuto,
@@ -58,8 +61,11 @@ struct Kernel {
 
   /// beta multiplies C (0: C is not read, though it must be a valid address of C's shape).
   static Status run(int M, int N, int K, const void* a, int64_t lda, const void* b, int64_t ldb, const void* c,
-                    int64_t ldc, float beta, void* d, int64_t ldd, int sm_count, cudaStream_t stream) {
+                    int64_t ldc, float beta, void* d, int64_t ldd, int device, cudaStream_t stream) {
     using GK = GemmKernel;
+    cutlass::KernelHardwareInfo hw;
+    hw.device_id = device;
+    hw.sm_count = sm_count_of(device);
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {M, N, K, 1},
@@ -67,7 +73,7 @@ struct Kernel {
          stride_with_ld<typename GK::StrideB>(ldb)},
         {{1.0f, beta}, static_cast<const ElementC*>(c), stride_with_ld<typename GK::StrideC>(ldc), static_cast<ElementD*>(d),
          stride_with_ld<typename GK::StrideD>(ldd)},
-        cutlass::KernelHardwareInfo{0, sm_count}};
+        hw};
     Gemm gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
       return Status(StatusCode::kUnsupported, "CUTLASS cannot run this product");
@@ -89,44 +95,29 @@ struct Kernel {
 
 // Cooperative: two consumer warp groups share each 128 x 256 tile (64 x 256 float32 accumulators
 // each, which fit their registers), a cluster of two CTAs along M sharing B's tiles by multicast.
-// On an H200 at the benchmark's shapes it runs each of the three products at 800-860 TFLOP/s,
-// 1-5% ahead of cuBLASLt (dev/cutlass_probe); pingpong tiles of 128 x 256 do not fit the
-// registers (the WGMMAs serialize) and 256 x 128 cooperative tiles ran behind.
+// On an H200 with random bf16 data it ran the rounded grad_weight product within 2% of
+// cuBLASLt's float32-output product at the benchmark's shapes (dev/cutlass_probe), so the
+// rounding pass it replaces is a saving; pingpong 128 x 256 tiles serialize their WGMMAs for
+// want of registers.
 using Cooperative = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using EpiCooperative = cutlass::epilogue::TmaWarpSpecializedCooperative;
 using Tile = Shape<_128, _256, _64>;
 using Cluster = Shape<_2, _1, _1>;
-template <class LayoutA, class LayoutB, class ElementC, class ElementD>
-using ProductKernel = Kernel<LayoutA, LayoutB, ElementC, ElementD, Tile, Cluster, Cooperative, EpiCooperative>;
 
-// logits: A = hidden (K = H contiguous), B = weight (V x H): K contiguous.
-using LogitsKernel = ProductKernel<RowMajor, ColumnMajor, void, bf16>;
-// grad_hidden: A = dlogits (K = V contiguous), B = weight (V x H): N = H contiguous.
-using GradHiddenKernel = ProductKernel<RowMajor, RowMajor, void, bf16>;
-// grad_weight: A = dlogits^T (M = V contiguous), B = hidden (rows x H): N = H contiguous; into the
-// float32 accumulator, or rounded to bf16 from accumulator + product, or rounded directly.
-using GradWeightAccKernel = ProductKernel<ColumnMajor, RowMajor, float, float>;
-using GradWeightOutKernel = ProductKernel<ColumnMajor, RowMajor, float, bf16>;
-using GradWeightDirectKernel = ProductKernel<ColumnMajor, RowMajor, void, bf16>;
+// D (V x H) = A (V x rows) . B (rows x H) + C: A = dlogits^T (M = V contiguous), B = hidden
+// (N = H contiguous), C the float32 accumulator, D the bf16 grad_weight.
+using RoundedWeightKernel = Kernel<ColumnMajor, RowMajor, float, bf16, Tile, Cluster, Cooperative, EpiCooperative>;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 /// TMA needs 16-byte aligned bases and row strides that are multiples of 16 bytes, and CUTLASS
 /// asks the same of every contiguous extent: V and H (the rows may be any number); int sizes.
-bool addressable(const Product& p) {
+bool addressable(const RoundedWeightProduct& p) {
   const int64_t big = (int64_t(1) << 31) - 1;
   if (p.rows <= 0 || p.V <= 0 || p.H <= 0 || p.rows > big || p.V > big || p.H > big) return false;
   if (p.V % 8 || p.H % 8) return false;
-  const size_t d_el = p.d_dtype == DType::kFloat32 ? 4 : 2;
-  if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d) || (p.c && !aligned16(p.c))) return false;
-  if (p.lda % 8 || p.ldb % 8 || (p.ldd * int64_t(d_el)) % 16 || (p.c && p.ldc % 4)) return false;
-  return true;
-}
-
-int sm_count_of(int device) {
-  int n = 0;
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
-  return n;
+  if (!aligned16(p.dlogits) || !aligned16(p.hidden) || !aligned16(p.acc) || !aligned16(p.grad_weight)) return false;
+  return p.ld_dlogits % 8 == 0 && p.ld_hidden % 8 == 0 && p.ld_acc % 4 == 0 && p.ld_grad_weight % 8 == 0;
 }
 
 }  // namespace
@@ -141,32 +132,11 @@ bool cutlass_products_available(int device) {
   return major == 9 && minor == 0;
 }
 
-Status run_product(const Product& p) {
+Status run_rounded_weight_product(const RoundedWeightProduct& p) {
   if (!addressable(p)) return Status(StatusCode::kUnsupported, "operands TMA cannot address");
-  const int sms = sm_count_of(p.device);
-  const int rows = static_cast<int>(p.rows), V = static_cast<int>(p.V), H = static_cast<int>(p.H);
-  switch (p.kind) {
-    case ProductKind::kLogits:
-      if (p.d_dtype != DType::kBFloat16 || p.c) break;
-      return LogitsKernel::run(rows, V, H, p.a, p.lda, p.b, p.ldb, nullptr, p.ldd, 0.0f, p.d, p.ldd, sms, p.stream);
-    case ProductKind::kGradHidden:
-      if (p.d_dtype != DType::kBFloat16 || p.c) break;
-      return GradHiddenKernel::run(rows, H, V, p.a, p.lda, p.b, p.ldb, nullptr, p.ldd, 0.0f, p.d, p.ldd, sms, p.stream);
-    case ProductKind::kGradWeight:
-      if (p.d_dtype == DType::kFloat32) {
-        // The first chunk (no C) names D as C, unread at beta 0.
-        return GradWeightAccKernel::run(V, H, rows, p.a, p.lda, p.b, p.ldb, p.c ? p.c : p.d, p.c ? p.ldc : p.ldd,
-                                        p.c ? 1.0f : 0.0f, p.d, p.ldd, sms, p.stream);
-      }
-      if (p.d_dtype == DType::kBFloat16 && p.c == nullptr) {
-        return GradWeightDirectKernel::run(V, H, rows, p.a, p.lda, p.b, p.ldb, nullptr, p.ldd, 0.0f, p.d, p.ldd, sms, p.stream);
-      }
-      if (p.d_dtype == DType::kBFloat16) {
-        return GradWeightOutKernel::run(V, H, rows, p.a, p.lda, p.b, p.ldb, p.c, p.ldc, 1.0f, p.d, p.ldd, sms, p.stream);
-      }
-      break;
-  }
-  return Status(StatusCode::kUnsupported, "no CUTLASS kernel for this product's types");
+  return RoundedWeightKernel::run(static_cast<int>(p.V), static_cast<int>(p.H), static_cast<int>(p.rows), p.dlogits,
+                                  p.ld_dlogits, p.hidden, p.ld_hidden, p.acc, p.ld_acc, 1.0f, p.grad_weight,
+                                  p.ld_grad_weight, p.device, p.stream);
 }
 
 }  // namespace cuda

@@ -1,13 +1,15 @@
-// The linear cross-entropy's matrix products as CUTLASS kernels for Hopper (TMA loads, WGMMA,
-// warp-specialized and persistent), beside the cuBLASLt ones of gemm.h. Host interface only: the
-// kernels live in cutlass_products.cu, compiled for sm_90a alone; a build without them, another
-// GPU, 16-bit types other than bfloat16 or operands TMA cannot address answer kUnsupported, and
-// the caller takes cuBLASLt.
+// The linear cross-entropy's CUTLASS kernel for Hopper (TMA loads, WGMMA, warp-specialized and
+// persistent): the last token chunk's grad_weight product, which adds the float32 accumulator of
+// the earlier chunks and rounds to bfloat16 in its epilogue, so that no rounding pass reads the
+// accumulator again. The other products stay with cuBLASLt (gemm.h), which ran them faster on
+// an H200 with random bf16 data than the CUTLASS tile shapes measured (dev/cutlass_probe).
+// Host interface only: the kernel lives in cutlass_products.cu, compiled for sm_90a alone; a
+// build without it, another GPU, or operands TMA cannot address answer kUnsupported, and the
+// caller takes cuBLASLt and the rounding pass.
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include <cstddef>
 #include <cstdint>
 
 #include "fusedce/types.h"
@@ -15,39 +17,29 @@
 namespace fusedce {
 namespace cuda {
 
-/// Which of the three products, each row-major over (rows = tokens, V, H):
-///   kLogits:     D (rows x V)  = hidden (rows x H) . weight^T           (A = hidden, B = weight)
-///   kGradHidden: D (rows x H)  = dlogits (rows x V) . weight            (A = dlogits, B = weight)
-///   kGradWeight: D (V x H)     = dlogits^T . hidden (+ C, float32)      (A = dlogits, B = hidden)
-enum class ProductKind { kLogits, kGradHidden, kGradWeight };
-
-/// One product. Every matrix is row-major with the given row stride in elements; `a` and `b`
-/// are bfloat16; D is bfloat16, or float32 for kGradWeight's accumulator. `c` (kGradWeight only,
-/// float32, row stride ldc, or null): D = product + C, accumulated in float32, then rounded to
-/// D's type once (so the last token chunk writes the 16-bit grad_weight straight from the
-/// float32 accumulator).
-struct Product {
-  ProductKind kind;
+/// grad_weight (V x H, bf16) = round(acc (V x H, float32) + dlogits^T . hidden), where dlogits is
+/// (rows x V) and hidden (rows x H), both bf16; every matrix row-major with the given row stride
+/// in elements. Accumulation in float32, one rounding.
+struct RoundedWeightProduct {
   int64_t rows, V, H;
-  const void* a;
-  int64_t lda;
-  const void* b;
-  int64_t ldb;
-  const float* c;
-  int64_t ldc;
-  void* d;
-  DType d_dtype;
-  int64_t ldd;
+  const void* dlogits;
+  int64_t ld_dlogits;
+  const void* hidden;
+  int64_t ld_hidden;
+  const float* acc;
+  int64_t ld_acc;
+  void* grad_weight;
+  int64_t ld_grad_weight;
   cudaStream_t stream;
   int device;
 };
 
-/// True when this build has the kernels and `device` runs them (compute capability 9.0).
+/// True when this build has the kernel and `device` runs it (compute capability 9.0).
 bool cutlass_products_available(int device);
 
-/// Runs the product, or answers kUnsupported (nothing launched) when it cannot: the caller then
-/// uses cuBLASLt. Other errors are device errors.
-Status run_product(const Product& p);
+/// Runs the product, or answers kUnsupported (nothing launched) when it cannot; other errors
+/// are device errors.
+Status run_rounded_weight_product(const RoundedWeightProduct& p);
 
 }  // namespace cuda
 }  // namespace fusedce

@@ -1,5 +1,5 @@
-// A CUDA build without the CUTLASS products (FUSEDCE_CUTLASS=OFF): every product goes through
-// cuBLASLt.
+// A CUDA build without the CUTLASS kernel (FUSEDCE_CUTLASS=OFF): the last grad_weight product goes
+// through cuBLASLt and a rounding pass.
 #include "cuda/cutlass_products.h"
 
 namespace fusedce {
@@ -7,7 +7,7 @@ namespace cuda {
 
 bool cutlass_products_available(int) { return false; }
 
-Status run_product(const Product&) {
+Status run_rounded_weight_product(const RoundedWeightProduct&) {
   return Status(StatusCode::kUnsupported, "built without the CUTLASS products (FUSEDCE_CUTLASS=OFF)");
 }
 

@@ -5,10 +5,11 @@
 //      rows' loss, lse, metrics and, in place, dlogits scaled by each row's upstream gradient;
 //   3. grad_hidden_chunk = dlogits . weight; grad_weight += dlogits^T . hidden_chunk into a
 //      float32 accumulator (the output itself for float32; the last chunk's product writes the
-//      16-bit grad_weight straight from the accumulator where the CUTLASS kernels run); grad_bias
+//      16-bit grad_weight straight from the accumulator where the CUTLASS kernel runs); grad_bias
 //      += column sums (a product with a ones vector) into a float32 accumulator.
-// The products run as CUTLASS kernels on Hopper for bfloat16 (cutlass_products.h), else, and
-// whenever those answer kUnsupported, through cuBLASLt (gemm.h).
+// The products run through cuBLASLt (gemm.h); on Hopper the last chunk's bfloat16 grad_weight
+// product is a CUTLASS kernel (cutlass_products.h) that also rounds, else cuBLASLt and a rounding
+// pass.
 // low_memory (with grad_weight): the float32 (V, H) accumulator would break the 512 MiB bound, so
 // step 3 leaves grad_weight out and a second pass forms it slice by slice of the vocabulary: for
 // each slice, the logits of every position over the slice's columns are recomputed (a product),
@@ -349,41 +350,31 @@ class LinearRun {
     return Status(StatusCode::kTargetOutOfRange, os.str());
   }
 
-  /// The product through CUTLASS where it runs, else (kUnsupported) `fallback` through cuBLASLt.
-  Status product(const Product& p, const GemmCall& fallback) {
+  /// The last chunk's grad_weight product with a float32 accumulator: where the CUTLASS kernel
+  /// runs, accumulator + product rounded once straight into the 16-bit grad_weight (finish then
+  /// has no rounding pass to run); else `into_acc` (cuBLASLt) as every other chunk.
+  Status last_weight_product(const GemmCall& into_acc, const void* hidden, int64_t ld_hidden, int64_t rows) {
     if (cutlass_) {
-      Status s = run_product(p);
-      if (s.code() != StatusCode::kUnsupported) return s;
-    }
-    return gemm(fallback);
-  }
-
-  Product base_product(ProductKind kind, int64_t rows) const {
-    Product q{};
-    q.kind = kind;
-    q.rows = rows;
-    q.V = p_.V;
-    q.H = p_.H;
-    q.stream = stream_;
-    q.device = c_.device.index;
-    return q;
-  }
-
-  /// The last chunk's grad_weight product with a float32 accumulator: where CUTLASS runs it,
-  /// accumulator + product rounded once straight into the 16-bit grad_weight (finish then has no
-  /// rounding pass to run); else into the accumulator as every other chunk.
-  Status last_weight_product(const Product& into_acc, const GemmCall& fallback) {
-    if (cutlass_) {
-      Product out = into_acc;
       const MatrixView& gw = c_.grads.grad_weight;
-      out.d = gw.data;
-      out.d_dtype = p_.dtype;
-      out.ldd = gw.row_stride;
-      Status s = run_product(out);
+      RoundedWeightProduct q{};
+      q.rows = rows;
+      q.V = p_.V;
+      q.H = p_.H;
+      q.dlogits = at(p_.logits);
+      q.ld_dlogits = p_.ld_logits;
+      q.hidden = hidden;
+      q.ld_hidden = ld_hidden;
+      q.acc = at_as<float>(p_.gw_acc);
+      q.ld_acc = p_.H;
+      q.grad_weight = gw.data;
+      q.ld_grad_weight = gw.row_stride;
+      q.stream = stream_;
+      q.device = c_.device.index;
+      Status s = run_rounded_weight_product(q);
       if (s.ok()) gw_rounded_ = true;
       if (s.code() != StatusCode::kUnsupported) return s;
     }
-    return product(into_acc, fallback);
+    return gemm(into_acc);
   }
 
   GemmCall base_gemm() const {
@@ -440,19 +431,7 @@ class LinearRun {
     // logit would move that class's probability by up to 6%).
     g.bias = p_.low_memory ? nullptr : c_.bias.data;
     g.bias_dtype = d;
-    if (g.bias == nullptr) {
-      Product q = base_product(ProductKind::kLogits, nc);
-      q.a = hc;
-      q.lda = ldh;
-      q.b = c_.weight.data;
-      q.ldb = c_.weight.row_stride;
-      q.d = logits;
-      q.d_dtype = d;
-      q.ldd = p_.ld_logits;
-      FUSEDCE_TRY(product(q, g));
-    } else {
-      FUSEDCE_TRY(gemm(g));
-    }
+    FUSEDCE_TRY(gemm(g));
     if (p_.low_memory && c_.bias.data) {
       launch_add_bias(logits, p_.ld_logits, nc, p_.V, c_.bias.data, d, stream_);
       FUSEDCE_TRY(last_error("adding the bias"));
@@ -488,15 +467,7 @@ class LinearRun {
       h.m = p_.H;
       h.n = nc;
       h.ld_d = p_.compact ? p_.H : gh.row_stride;
-      Product q = base_product(ProductKind::kGradHidden, nc);
-      q.a = logits;
-      q.lda = p_.ld_logits;
-      q.b = c_.weight.data;
-      q.ldb = c_.weight.row_stride;
-      q.d = h.d;
-      q.d_dtype = d;
-      q.ldd = h.ld_d;
-      FUSEDCE_TRY(product(q, h));
+      FUSEDCE_TRY(gemm(h));
     }
     if (p_.grad_weight && !p_.low_memory) {
       // grad_weight^T (H x V) (+)= hidden_c (H x nc) . dlogits (nc x V)
@@ -512,17 +483,11 @@ class LinearRun {
       w.n = p_.V;
       w.ld_d = direct ? gw.row_stride : p_.H;
       w.beta = chunk == 0 ? 0.0f : 1.0f;
-      Product q = base_product(ProductKind::kGradWeight, nc);
-      q.a = logits;
-      q.lda = p_.ld_logits;
-      q.b = hc;
-      q.ldb = ldh;
-      q.c = chunk == 0 ? nullptr : at_as<float>(p_.gw_acc);
-      q.ldc = p_.H;
-      q.d = w.d;
-      q.d_dtype = w.d_dtype;
-      q.ldd = w.ld_d;
-      FUSEDCE_TRY(last && chunk > 0 && p_.gw_via_acc ? last_weight_product(q, w) : product(q, w));
+      if (last && chunk > 0 && p_.gw_via_acc) {
+        FUSEDCE_TRY(last_weight_product(w, hc, ldh, nc));
+      } else {
+        FUSEDCE_TRY(gemm(w));
+      }
     }
     if (p_.grad_bias) {
       // grad_bias (V x 1) (+)= dlogits^T (V x nc) . ones (nc x 1)
@@ -589,16 +554,7 @@ class LinearRun {
         g.m = vs;
         g.n = nr;
         g.ld_d = sp.ld;
-        Product lq = base_product(ProductKind::kLogits, nr);  // the bias: by the slice kernel, as the first pass
-        lq.V = vs;
-        lq.a = hc;
-        lq.lda = ldh;
-        lq.b = wslice;
-        lq.ldb = c_.weight.row_stride;
-        lq.d = logits;
-        lq.d_dtype = d;
-        lq.ldd = sp.ld;
-        FUSEDCE_TRY(product(lq, g));
+        FUSEDCE_TRY(gemm(g));  // the bias is added by the slice kernel, as the first pass did
 
         LinearSliceGradParams q{};
         q.logits = logits;
@@ -640,18 +596,7 @@ class LinearRun {
           w.d_dtype = d;
           w.ld_d = gw.row_stride;
         }
-        Product wq = base_product(ProductKind::kGradWeight, nr);
-        wq.V = vs;
-        wq.a = logits;
-        wq.lda = sp.ld;
-        wq.b = hc;
-        wq.ldb = ldh;
-        wq.c = q0 == 0 ? nullptr : static_cast<const float*>(w.d);
-        wq.ldc = w.ld_d;
-        wq.d = w.d;
-        wq.d_dtype = w.d_dtype;
-        wq.ldd = w.ld_d;
-        FUSEDCE_TRY(product(wq, w));
+        FUSEDCE_TRY(gemm(w));
       }
       if (via_acc) {
         char* dst = static_cast<char*>(gw.data) + size_t(v0) * gw.row_stride * el;
@@ -732,7 +677,7 @@ class LinearRun {
   const LinearPlan& p_;
   char* ws_;
   cudaStream_t stream_;
-  const bool cutlass_;       // bfloat16 on a GPU the CUTLASS products run on
+  const bool cutlass_;       // bfloat16 on a GPU the CUTLASS product runs on
   bool gw_rounded_ = false;  // the last product wrote the 16-bit grad_weight itself
 };
 
