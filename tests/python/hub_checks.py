@@ -82,7 +82,8 @@ def scales(h, w, t, b, logit_scale, softcap, reduction):
 
 
 def check_linear(kernel, device, dtype, bias, options, reduction, failures):
-    h, w, b, t = make_problem(53, 64, 515, dtype, device, bias=bias, seed=DTYPES.index(dtype) * 4 + 2 * bias + (reduction == "sum"))
+    seed = DTYPES.index(dtype) * 4 + 2 * bias + (reduction == "sum")
+    h, w, b, t = make_problem(53, 64, 515, dtype, device, bias=bias, seed=seed)
     label = f"fused_linear_cross_entropy {dtype} bias={bias} {options} {reduction}"
     tensors = (h, w, b)
     _, ours, ours_g = loss_and_grads(
