@@ -16,6 +16,7 @@ out=$(realpath -m "${1:-build-hub/kernel}")
 python=${FUSEDCE_PYTHON:-python3}
 [ -z "${FUSEDCE_PYTHON:-}" ] && [ -x .venv/bin/python ] && python=.venv/bin/python
 python=$(command -v "$python")
+export PATH="$(dirname "$python"):$PATH"  # ninja, when it came with the environment's packages
 jobs=${JOBS:-$(nproc 2>/dev/null || echo 2)}
 build=build-hub-$backend
 cuda_args=(-DFUSEDCE_CUDA=OFF)

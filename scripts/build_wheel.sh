@@ -14,7 +14,6 @@ cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-dist}")
 python=${FUSEDCE_PYTHON:-python3}
 [ -z "${FUSEDCE_PYTHON:-}" ] && [ -x .venv/bin/python ] && python=.venv/bin/python
-command -v nvcc > /dev/null || [ ! -x /usr/local/cuda/bin/nvcc ] || export PATH=/usr/local/cuda/bin:$PATH
 mkdir -p "$out"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
