@@ -3,7 +3,7 @@
 #   1. configure (CUDA on where nvcc is found), build, run every C++ test with ctest;
 #   2. build and install the Python package from this tree into the Python environment
 #      ($FUSEDCE_PYTHON, else .venv when it exists, else python3; it must have torch,
-#      transformers, accelerate, pytest, scikit-build-core and ninja: see README.md), then run
+#      transformers, accelerate, pytest, scikit-build-core, ninja and kernels: see README.md), then run
 #      every Python test with pytest (no test collected counts as a failure).
 # GPU tests skip themselves on a machine without a GPU. Both parts run; the exit status is
 # non-zero if either failed.

@@ -18,6 +18,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "ops_namespace.h"
+
 #include "linear_ops.h"
 #include "ops.h"
 
@@ -61,7 +63,7 @@ void bump_versions_of_written(const c10::OperatorHandle& op, c10::DispatchKeySet
   "Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, " FUSEDCE_CE_ARGS \
   ", int shift_seq_len, int chunk_budget_bytes, bool low_memory, bool skip_ignored"
 
-TORCH_LIBRARY(fusedce, m) {
+FUSEDCE_TORCH_LIBRARY(m) {
   m.def("ce_fwd_out(Tensor logits, Tensor target, Tensor? weight, " FUSEDCE_CE_ARGS
         ", Tensor(a!) loss, Tensor(b!) lse, Tensor(c!)? num_correct, Tensor(d!)? entropy_sum) -> ()");
   m.def("ce_fwd_bwd_out(Tensor logits, Tensor target, Tensor? weight, " FUSEDCE_CE_ARGS
@@ -94,7 +96,7 @@ TORCH_LIBRARY(fusedce, m) {
         "Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
 }
 
-TORCH_LIBRARY_IMPL(fusedce, CPU, m) {
+FUSEDCE_TORCH_LIBRARY_IMPL(CPU, m) {
   using Ctx = fusedce_torch::CpuContext;
   m.impl("ce_fwd_out", &fusedce_torch::ce_fwd_out<Ctx>);
   m.impl("ce_fwd_bwd_out", &fusedce_torch::ce_fwd_bwd_out<Ctx>);
@@ -110,7 +112,7 @@ TORCH_LIBRARY_IMPL(fusedce, CPU, m) {
   m.impl("lce_fwd_bwd", &fusedce_torch::lce_fwd_bwd<Ctx>);
 }
 
-TORCH_LIBRARY_IMPL(fusedce, ADInplaceOrView, m) {
+FUSEDCE_TORCH_LIBRARY_IMPL(ADInplaceOrView, m) {
   for (const char* op : {"ce_fwd_out", "ce_fwd_bwd_out", "ce_fwd_bwd_inplace", "ce_bwd_out", "ce_rescale_",
                          "lce_fwd_out", "lce_fwd_bwd_out"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&fusedce_torch::bump_versions_of_written>());

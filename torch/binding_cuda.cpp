@@ -5,6 +5,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "ops_namespace.h"
+
 #include "linear_ops.h"
 #include "ops.h"
 #include "vp_ops.h"
@@ -35,7 +37,7 @@ class CudaContext {
 }  // namespace
 }  // namespace fusedce_torch
 
-TORCH_LIBRARY_IMPL(fusedce, CUDA, m) {
+FUSEDCE_TORCH_LIBRARY_IMPL(CUDA, m) {
   using Ctx = fusedce_torch::CudaContext;
   m.impl("ce_fwd_out", &fusedce_torch::ce_fwd_out<Ctx>);
   m.impl("ce_fwd_bwd_out", &fusedce_torch::ce_fwd_bwd_out<Ctx>);

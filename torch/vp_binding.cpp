@@ -23,6 +23,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops_namespace.h"
+
 #include "vp_ops.h"
 
 namespace fusedce_torch {
@@ -40,7 +42,7 @@ struct VpCpuContext {
   "int vocab_start, int vocab_total, int ignore_index, str reduction, float label_smoothing, " \
   "float logit_scale, float softcap, float z_loss"
 
-TORCH_LIBRARY_FRAGMENT(fusedce, m) {
+FUSEDCE_TORCH_LIBRARY_FRAGMENT(m) {
   m.def("ce_shard_stats(Tensor logits, Tensor target, Tensor? weight, " FUSEDCE_VP_ARGS
         ", bool compute_metrics) -> Tensor");
   m.def("ce_shard_merge(Tensor gathered, Tensor target, Tensor? weight, " FUSEDCE_VP_ARGS
@@ -56,7 +58,7 @@ TORCH_LIBRARY_FRAGMENT(fusedce, m) {
         "bool need_grad_weight, bool need_grad_bias) -> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)");
 }
 
-TORCH_LIBRARY_IMPL(fusedce, CPU, m) {
+FUSEDCE_TORCH_LIBRARY_IMPL(CPU, m) {
   using Ctx = fusedce_torch::VpCpuContext;
   m.impl("ce_shard_stats", &fusedce_torch::ce_shard_stats<Ctx>);
   m.impl("ce_shard_merge", &fusedce_torch::ce_shard_merge<Ctx>);

@@ -12,7 +12,8 @@ import os as _os
 
 # A CMake build tree (-DFUSEDCE_TORCH=ON) used without installing: FUSEDCE_BUILD_DIR=<build dir>
 # with PYTHONPATH=<repo>/python takes the extension and its build facts from <build dir>/torch.
-if _os.environ.get("FUSEDCE_BUILD_DIR"):
+# Only the package named fusedce: the Kernels Hub package's copy always uses its own library.
+if __name__ == "fusedce" and _os.environ.get("FUSEDCE_BUILD_DIR"):
     __path__.insert(0, _os.path.join(_os.path.abspath(_os.environ["FUSEDCE_BUILD_DIR"]), "torch"))
 
 from . import _library  # noqa: E402

@@ -3,6 +3,7 @@ the facts of its build (_build_info.py, written by torch/CMakeLists.txt beside t
 
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -10,12 +11,12 @@ import torch
 def _locate():
     """The first directory of the package's search path that holds a build: the installed
     package, the install of an editable checkout, or $FUSEDCE_BUILD_DIR/torch (put first)."""
-    import fusedce
+    package = sys.modules[__name__.rpartition(".")[0]]  # fusedce, or the Kernels Hub's copy
 
-    for directory in fusedce.__path__:
+    for directory in package.__path__:
         path = os.path.join(directory, "_build_info.py")
         if os.path.exists(path):
-            spec = importlib.util.spec_from_file_location("fusedce._build_info", path)
+            spec = importlib.util.spec_from_file_location(package.__name__ + "._build_info", path)
             info = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(info)
             return info, os.path.join(directory, info.library)
@@ -32,6 +33,19 @@ with_cuda = _info.with_cuda
 
 built_with_torch = _info.torch_version
 """The torch version the extension was compiled against."""
+
+namespace = getattr(_info, "namespace", "fusedce")
+"""The ops' namespace: torch.ops.<namespace> (torch/ops_namespace.h)."""
+
+
+def qualified(name):
+    """An op's qualified name, "<namespace>::<name>", as torch.library takes it."""
+    return f"{namespace}::{name}"
+
+
+def ops():
+    """torch.ops.<namespace>, once load() has run."""
+    return getattr(torch.ops, namespace)
 
 
 def _major_minor(version):

@@ -17,6 +17,8 @@ low_memory, skip_ignored.
 
 import torch
 
+from . import _library
+
 from .ops import _graph_is_kept, _upstream, call_below_autograd, ops
 
 # hidden, weight, bias, target, class_weight and the nine options.
@@ -50,7 +52,7 @@ def _check_fake_inputs(hidden, weight, target):
 # ---- fake kernels: shapes and dtypes only --------------------------------------------------
 
 
-@torch.library.register_fake("fusedce::lce_fwd")
+@torch.library.register_fake(_library.qualified("lce_fwd"))
 def _lce_fwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
                   label_smoothing, logit_scale, softcap, z_loss, shift_seq_len, chunk_budget_bytes,
                   low_memory, skip_ignored, compute_metrics):
@@ -58,7 +60,7 @@ def _lce_fwd_fake(hidden, weight, bias, target, class_weight, ignore_index, redu
     return _forward_outputs(hidden, reduction, compute_metrics)
 
 
-@torch.library.register_fake("fusedce::lce_fwd_bwd")
+@torch.library.register_fake(_library.qualified("lce_fwd_bwd"))
 def _lce_fwd_bwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
                       label_smoothing, logit_scale, softcap, z_loss, shift_seq_len,
                       chunk_budget_bytes, low_memory, skip_ignored, grad_loss, compute_metrics,
@@ -74,14 +76,14 @@ def _lce_fwd_bwd_fake(hidden, weight, bias, target, class_weight, ignore_index, 
     return (*_forward_outputs(hidden, reduction, compute_metrics), *grads)
 
 
-@torch.library.register_fake("fusedce::lce_fwd_out")
+@torch.library.register_fake(_library.qualified("lce_fwd_out"))
 def _lce_fwd_out_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
                       label_smoothing, logit_scale, softcap, z_loss, shift_seq_len,
                       chunk_budget_bytes, low_memory, skip_ignored, loss, lse, num_correct, entropy_sum):
     _check_fake_inputs(hidden, weight, target)
 
 
-@torch.library.register_fake("fusedce::lce_fwd_bwd_out")
+@torch.library.register_fake(_library.qualified("lce_fwd_bwd_out"))
 def _lce_fwd_bwd_out_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
                           label_smoothing, logit_scale, softcap, z_loss, shift_seq_len,
                           chunk_budget_bytes, low_memory, skip_ignored, grad_loss, loss, lse, num_correct,
@@ -131,8 +133,8 @@ def _backward_lce_fwd_bwd(ctx, grad_loss, *unused):
     return tuple(grads)
 
 
-torch.library.register_autograd("fusedce::lce_fwd", _backward_lce_fwd, setup_context=_setup_lce)
-torch.library.register_autograd("fusedce::lce_fwd_bwd", _backward_lce_fwd_bwd, setup_context=_setup_lce)
+torch.library.register_autograd(_library.qualified("lce_fwd"), _backward_lce_fwd, setup_context=_setup_lce)
+torch.library.register_autograd(_library.qualified("lce_fwd_bwd"), _backward_lce_fwd_bwd, setup_context=_setup_lce)
 
 
 # ---- the training path of fusedce.linear_cross_entropy -------------------------------------

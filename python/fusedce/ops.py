@@ -12,7 +12,9 @@ None, ignore_index, reduction, label_smoothing, logit_scale, softcap (0 = off), 
 
 import torch
 
-ops = torch.ops.fusedce
+from . import _library
+
+ops = _library.ops()
 
 # Arguments of ce_fwd / ce_fwd_bwd: logits, target, weight, 6 options, compute_metrics.
 _NUM_ARGS_FWD = 10
@@ -60,53 +62,53 @@ def _check_fake_inputs(logits, target):
 # ---- fake kernels: shapes and dtypes only --------------------------------------------------
 
 
-@torch.library.register_fake("fusedce::ce_fwd")
+@torch.library.register_fake(_library.qualified("ce_fwd"))
 def _ce_fwd_fake(logits, target, weight, ignore_index, reduction, label_smoothing, logit_scale,
                  softcap, z_loss, compute_metrics):
     _check_fake_inputs(logits, target)
     return _empty_outputs(logits, reduction, compute_metrics)
 
 
-@torch.library.register_fake("fusedce::ce_fwd_bwd")
+@torch.library.register_fake(_library.qualified("ce_fwd_bwd"))
 def _ce_fwd_bwd_fake(logits, target, weight, ignore_index, reduction, label_smoothing,
                      logit_scale, softcap, z_loss, compute_metrics):
     _check_fake_inputs(logits, target)
     return (*_empty_outputs(logits, reduction, compute_metrics), logits.new_empty(logits.shape))
 
 
-@torch.library.register_fake("fusedce::ce_bwd")
+@torch.library.register_fake(_library.qualified("ce_bwd"))
 def _ce_bwd_fake(logits, target, weight, lse, grad_loss, ignore_index, reduction,
                  label_smoothing, logit_scale, softcap, z_loss):
     _check_fake_inputs(logits, target)
     return logits.new_empty(logits.shape)
 
 
-@torch.library.register_fake("fusedce::ce_fwd_out")
+@torch.library.register_fake(_library.qualified("ce_fwd_out"))
 def _ce_fwd_out_fake(logits, target, weight, ignore_index, reduction, label_smoothing,
                      logit_scale, softcap, z_loss, loss, lse, num_correct, entropy_sum):
     _check_fake_inputs(logits, target)
 
 
-@torch.library.register_fake("fusedce::ce_fwd_bwd_out")
+@torch.library.register_fake(_library.qualified("ce_fwd_bwd_out"))
 def _ce_fwd_bwd_out_fake(logits, target, weight, ignore_index, reduction, label_smoothing,
                          logit_scale, softcap, z_loss, loss, lse, num_correct, entropy_sum,
                          dlogits):
     _check_fake_inputs(logits, target)
 
 
-@torch.library.register_fake("fusedce::ce_fwd_bwd_inplace")
+@torch.library.register_fake(_library.qualified("ce_fwd_bwd_inplace"))
 def _ce_fwd_bwd_inplace_fake(logits, target, weight, ignore_index, reduction, label_smoothing,
                              logit_scale, softcap, z_loss, loss, lse, num_correct, entropy_sum):
     _check_fake_inputs(logits, target)
 
 
-@torch.library.register_fake("fusedce::ce_bwd_out")
+@torch.library.register_fake(_library.qualified("ce_bwd_out"))
 def _ce_bwd_out_fake(logits, target, weight, lse, grad_loss, ignore_index, reduction,
                      label_smoothing, logit_scale, softcap, z_loss, dlogits):
     _check_fake_inputs(logits, target)
 
 
-@torch.library.register_fake("fusedce::ce_rescale_")
+@torch.library.register_fake(_library.qualified("ce_rescale_"))
 def _ce_rescale_fake(grad_loss, dlogits):
     torch._check(dlogits.dim() == 2, lambda: "fusedce: dlogits must be 2-D (rows, V)")
 
@@ -149,7 +151,7 @@ def _backward_ce_fwd_bwd(ctx, grad_loss, *unused):
     return tuple(grads)
 
 
-torch.library.register_autograd("fusedce::ce_fwd_bwd", _backward_ce_fwd_bwd,
+torch.library.register_autograd(_library.qualified("ce_fwd_bwd"), _backward_ce_fwd_bwd,
                                 setup_context=_setup_ce_fwd_bwd)
 
 
@@ -170,7 +172,7 @@ def _backward_ce_fwd(ctx, grad_loss, *unused):
     return tuple(grads)
 
 
-torch.library.register_autograd("fusedce::ce_fwd", _backward_ce_fwd, setup_context=_setup_ce_fwd)
+torch.library.register_autograd(_library.qualified("ce_fwd"), _backward_ce_fwd, setup_context=_setup_ce_fwd)
 
 
 class InplaceWrite:

@@ -12,6 +12,8 @@ vocab_start, vocab_total, then the options (docs/contract.md, "Options") as in o
 
 import torch
 
+from . import _library
+
 # Floats per row of shard statistics (fusedce::kShardStatsWidth in fusedce/vocab_parallel.h).
 STATS_WIDTH = 9
 
@@ -24,14 +26,14 @@ def _check_rows(logits, target):
     )
 
 
-@torch.library.register_fake("fusedce::ce_shard_stats")
+@torch.library.register_fake(_library.qualified("ce_shard_stats"))
 def _ce_shard_stats_fake(logits, target, weight, vocab_start, vocab_total, ignore_index, reduction,
                          label_smoothing, logit_scale, softcap, z_loss, compute_metrics):
     _check_rows(logits, target)
     return logits.new_empty((logits.shape[0] + 1, STATS_WIDTH), dtype=torch.float32)
 
 
-@torch.library.register_fake("fusedce::ce_shard_merge")
+@torch.library.register_fake(_library.qualified("ce_shard_merge"))
 def _ce_shard_merge_fake(gathered, target, weight, vocab_start, vocab_total, ignore_index,
                          reduction, label_smoothing, logit_scale, softcap, z_loss, compute_metrics):
     n = target.shape[0]
@@ -51,7 +53,7 @@ def _ce_shard_merge_fake(gathered, target, weight, vocab_start, vocab_total, ign
     )
 
 
-@torch.library.register_fake("fusedce::ce_shard_bwd")
+@torch.library.register_fake(_library.qualified("ce_shard_bwd"))
 def _ce_shard_bwd_fake(logits, target, weight, lse, row_weight, batch, grad_loss, vocab_start,
                        vocab_total, ignore_index, reduction, label_smoothing, logit_scale, softcap,
                        z_loss):

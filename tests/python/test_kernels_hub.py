@@ -1,0 +1,76 @@
+"""The Kernels Hub package: scripts/build_kernels_hub.sh builds the CPU variant with the
+project's CMake build (or FUSEDCE_HUB_REPO names a kernel repository already built), the kernels
+package parses its build.toml and metadata, selects the variant by its name and loads it with
+get_local_kernel, beside the installed fusedce; then hub_checks.py's checks of
+fused_linear_cross_entropy and cross_entropy against float64."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fusedce
+import hub_checks
+
+kernels = pytest.importorskip("kernels")
+from kernels._rust import Backend, Build, Metadata  # noqa: E402
+from kernels.variants import get_variants_local, resolve_variant  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def hub_repo():
+    given = os.environ.get("FUSEDCE_HUB_REPO")
+    if given:
+        return Path(given).resolve()
+    out = ROOT / "build-hub" / "kernel"
+    env = dict(os.environ, FUSEDCE_PYTHON=sys.executable)
+    env.pop("FUSEDCE_BUILD_DIR", None)
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "build_kernels_hub.sh"), str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def hub(hub_repo):
+    return kernels.get_local_kernel(hub_repo, backend="cpu")
+
+
+def test_build_toml_is_valid_for_kernels():
+    build = Build.open(ROOT)
+    assert build.general.backends == [Backend.CPU, Backend.CUDA]
+
+
+def test_variant_is_named_for_this_torch_and_selected(hub_repo):
+    major, minor = torch.__version__.split(".")[:2]
+    abi = "cxx11" if torch.compiled_with_cxx11_abi() else "cxx98"
+    import platform
+
+    name = f"torch{major}{minor}-{abi}-cpu-{platform.machine()}-linux"
+    variant, trace = resolve_variant(get_variants_local(hub_repo / "build"), "cpu")
+    assert variant is not None and variant.variant_str == name, trace
+    metadata = Metadata.read_from_file(hub_repo / "build" / name / "metadata.json")
+    assert str(metadata.name) == "fusedce" and metadata.backend.backend_type == Backend.CPU
+    assert metadata.id.startswith("_fusedce_cpu_")
+
+
+def test_loads_beside_the_installed_fusedce(hub):
+    namespace = hub._fusedce._library.namespace
+    assert namespace != fusedce._library.namespace
+    assert hub.ops is getattr(torch.ops, namespace)
+    assert hub.add_op_namespace_prefix("lce_fwd") == f"{namespace}::lce_fwd"
+    h = torch.randn(9, 16)
+    w = torch.randn(40, 16)
+    t = torch.randint(0, 40, (9,))
+    assert torch.equal(hub.fused_linear_cross_entropy(h, w, t), fusedce.linear_cross_entropy(h, w, t))
+
+
+def test_matches_float64(hub):
+    count, failed, failures = hub_checks.run(hub, "cpu")
+    assert failed == 0, "\n".join(failures)
+    assert count > 20
