@@ -70,7 +70,7 @@ def _check_linear_rows(hidden, weight, target):
     )
 
 
-@torch.library.register_fake("fusedce::lce_shard_stats")
+@torch.library.register_fake(_library.qualified("lce_shard_stats"))
 def _lce_shard_stats_fake(hidden, weight, bias, target, class_weight, vocab_start, vocab_total,
                           ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss,
                           chunk_budget_bytes, low_memory, skip_ignored, compute_metrics):
@@ -78,7 +78,7 @@ def _lce_shard_stats_fake(hidden, weight, bias, target, class_weight, vocab_star
     return hidden.new_empty((hidden.shape[0] + 1, STATS_WIDTH), dtype=torch.float32)
 
 
-@torch.library.register_fake("fusedce::lce_shard_bwd")
+@torch.library.register_fake(_library.qualified("lce_shard_bwd"))
 def _lce_shard_bwd_fake(hidden, weight, bias, target, class_weight, lse, row_weight, batch, grad_loss,
                         vocab_start, vocab_total, ignore_index, reduction, label_smoothing, logit_scale,
                         softcap, z_loss, chunk_budget_bytes, low_memory, skip_ignored, need_grad_hidden,
