@@ -35,7 +35,8 @@ SHRINK = {
     "vocab_size": VOCAB, "hidden_size": 64, "d_model": 64, "n_embd": 64, "embed_dim": 64,
     "word_embed_proj_dim": 64, "intermediate_size": 128, "ffn_dim": 128, "d_ff": 128,
     "n_inner": 128, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32, "expert_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32, "shared_experts_intermediate_size": 32,
+    "expert_intermediate_size": 32, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 4,
     "num_hidden_layers": 2, "num_layers": 2, "n_layer": 2, "n_layers": 2, "encoder_layers": 2,
     "decoder_layers": 2, "num_decoder_layers": 2, "num_encoder_layers": 2,
     "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
@@ -50,20 +51,132 @@ SHRINK = {
 LEVELS = [{}, {"num_hidden_layers": 4, "num_layers": 4, "n_layer": 4, "decoder_layers": 4}]
 
 
+_LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers")
+
+# Config class name -> keyword arguments (or a function of the shrunk ones returning some) for the
+# families whose configs the generic shrinking leaves inconsistent.
+SUB_CONFIG_ERRORS = []  # (config, sub-config, error) of the sub-configs left unshrunk
+
+FAMILY = {
+    # Hybrids: keep an attention layer among the shrunk ones (their caches need one).
+    "BambaConfig": {"attn_layer_indices": [1]},
+    "JambaConfig": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+              "expert_layer_offset": 1},
+    "GraniteMoeHybridConfig": {"layer_types": ["linear_attention", "attention"]},
+    "Lfm2MoeConfig": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "ZambaConfig": {"num_hidden_layers": 5, "attn_layer_period": 2, "attn_layer_offset": 1,
+              "layers_block_type": None, "attention_hidden_size": 128, "attention_head_dim": 32,
+              "mamba_dt_rank": 8},
+    "DoryConfig": {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1,
+             "n_output_layers": 1, "layer_types": ["sliding_attention", "full_attention",
+                                                   "sliding_attention"]},
+    # Sizes tied to others by the config's validation.
+    "Mamba2Config": {"num_heads": 8, "head_dim": 16, "n_groups": 1, "state_size": 16,
+               "time_step_rank": 8, "chunk_size": 8},
+    "ZayaConfig": {"num_experts_per_tok": 1},
+    "xLSTMConfig": {"embedding_dim": 64, "num_blocks": 2, "chunk_size": 4},
+    "DbrxConfig": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "CohereCompassTextConfig": {"rope_parameters": {"full_attention": {"rope_type": "default",
+                                                                   "rope_theta": 10000.0}}},
+    "ReformerConfig": {"is_decoder": True, "axial_pos_shape": [3, 4], "axial_pos_embds_dim": [32, 32],
+                 "attention_head_size": 16, "attn_layers": ["local", "lsh"],
+                 "local_attn_chunk_length": 4, "lsh_attn_chunk_length": 4, "num_buckets": 2,
+                 "feed_forward_size": 128},
+    "Qwen4ExpTextConfig": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+                       "indexer_budget": 4, "indexer_compress_ratio": 2, "hc_lowrank": 8,
+                       "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                       "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                       "ple_embed_dim": 32},
+    "Gemma3nTextConfig": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": VOCAB,
+                     "hidden_size_per_layer_input": 16, "laurel_rank": 8},
+    "Gemma4TextConfig": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16,
+                    "global_head_dim": 32},
+    "BltConfig": {"encoder_hash_byte_group_vocab": 64},
+    "BltLocalEncoderConfig": {"hidden_size_global": 64},
+    "BltLocalDecoderConfig": {"hidden_size_global": 64},
+    "MusicgenDecoderConfig": {"num_codebooks": 1},
+    "MusicgenMelodyDecoderConfig": {"num_codebooks": 1},
+    "Dots3NoteTextConfig": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 4,
+                            "swa_q_lora_rank": 16, "swa_kv_lora_rank": 16, "swa_head_dim": 16,
+                            "swa_qk_nope_head_dim": 8, "swa_v_head_dim": 16},
+    "VibeVoiceAcousticTokenizerEncoderConfig": {"num_filters": 4, "depths": [1] * 7},
+    "Nemotron3DiarizationHeadConfig": {"audio_hidden_size": 64},
+}
+
+
+def _held(config):
+    """The attributes a config holds, by their own names and by the aliases of its
+    attribute_map (read without triggering a heterogeneous config's per-layer check)."""
+    return set(vars(config)) | set(getattr(type(config), "attribute_map", {}) or {})
+
+
+def _layer_lists(default, layers):
+    """The per-layer lists of `default` (one entry per layer: layer_types, mlp_layer_types,
+    ...) cut to `layers` entries that keep, in order, the first layer of every kind the full
+    list has (a hybrid model keeps an attention layer), and more if there are more kinds."""
+    full = next((vars(default)[k] for k in _LAYER_COUNTS if isinstance(vars(default).get(k), int)), None)
+    out = {}
+    for key, value in vars(default).items():
+        if not (full and isinstance(value, list) and len(value) == full):
+            continue
+        if not all(isinstance(v, (str, int, float, bool)) or v is None for v in value):
+            continue
+        firsts = sorted({v: i for i, v in reversed(list(enumerate(value)))}.values())
+        extra = [i for i in range(full) if i not in firsts][:max(0, layers - len(firsts))]
+        out[key] = [value[i] for i in sorted(firsts + extra)]
+    return out
+
+
 def _shrunk_kwargs(config_class, level):
-    """Keyword arguments that shrink `config_class`'s defaults, sub-configs included (read-only
-    properties, such as a head_dim derived from the others, are left to be derived)."""
+    """Keyword arguments that shrink `config_class`'s defaults: the sizes of SHRINK (and
+    `level`), every sub-config (nested text, vision and audio configs: shrunk the same way),
+    per-layer lists cut to the new layer count, then the family's own FAMILY entries. Read-only
+    properties (a head_dim derived from the others) are left to be derived."""
+    from transformers import PreTrainedConfig
+
     default = config_class()
+    held = _held(default)
     shrink = {**SHRINK, **level}
     kwargs = {k: v for k, v in shrink.items()
-              if hasattr(default, k) and not isinstance(getattr(config_class, k, None), property)}
-    for name, sub_class in (getattr(config_class, "sub_configs", None) or {}).items():
-        if isinstance(sub_class, type) and getattr(default, name, None) is not None:
+              if k in held and not isinstance(getattr(config_class, k, None), property)}
+    layers = next((kwargs[k] for k in _LAYER_COUNTS if k in kwargs), None)
+    if layers is not None:
+        for key, value in _layer_lists(default, layers).items():
+            # A per-layer size (Gemma 3n's intermediate_size) takes the shrunk size.
+            kwargs[key] = [kwargs[key]] * len(value) if key in kwargs else value
+            for k in _LAYER_COUNTS:
+                if k in kwargs:
+                    kwargs[k] = max(kwargs[k], len(value))
+    for name, value in vars(default).items():
+        if isinstance(value, PreTrainedConfig):
             try:
-                kwargs[name] = sub_class(**_shrunk_kwargs(sub_class, level)).to_dict()
-            except Exception:  # noqa: BLE001  the parent's own defaults stay
-                pass
+                kwargs[name] = _tiny(type(value), level)
+            except Exception as e:  # noqa: BLE001  the parent's own default stays
+                SUB_CONFIG_ERRORS.append((config_class.__name__, name, f"{type(e).__name__}: {e}"))
+    if "vocab_size" in kwargs:  # special token ids validated against the vocabulary
+        free = iter(range(kwargs["vocab_size"] - 1, 0, -1))
+        for key, value in vars(default).items():
+            if _special(key) and isinstance(value, int) and value >= kwargs["vocab_size"] - 32:
+                kwargs[key] = next(free)
+    if vars(default).get("per_layer_config"):
+        kwargs["per_layer_config"] = {}  # per-layer overrides are of the full sizes
+    if "qk_rope_head_dim" in kwargs:
+        # Multi-head latent attention: as many key/value heads as query heads, and head_dim
+        # is the rotary part's (the rotary embedding is sized by it).
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)
+        if "head_dim" in kwargs:
+            kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
+    fix = FAMILY.get(config_class.__name__, {})
+    kwargs.update(fix(kwargs) if callable(fix) else fix)
     return kwargs
+
+
+def _tiny(config_class, level):
+    return config_class(**_shrunk_kwargs(config_class, level))
+
+
+def _special(key):
+    return key.endswith("token_id") or key.endswith("token_ids") or key.endswith("token_index")
 
 
 def _fix_token_ids(config, seen=None):
@@ -73,10 +186,10 @@ def _fix_token_ids(config, seen=None):
     if id(config) in seen:
         return
     seen.add(id(config))
-    vocab = getattr(config, "vocab_size", None) or VOCAB
+    vocab = vars(config).get("vocab_size") or VOCAB
     free = iter(range(vocab - 1, vocab - 32, -1))
     for key, value in list(vars(config).items()):
-        special = key.endswith("token_id") or key.endswith("token_ids") or key.endswith("token_index")
+        special = _special(key)
         if special and isinstance(value, int) and value >= vocab - 32:
             setattr(config, key, next(free))
         elif special and isinstance(value, list) and all(isinstance(v, int) for v in value):
@@ -86,8 +199,7 @@ def _fix_token_ids(config, seen=None):
 
 
 def tiny_config(model_class, level=None):
-    config_class = model_class.config_class
-    config = config_class(**_shrunk_kwargs(config_class, level or {}))
+    config = _tiny(model_class.config_class, level or {})
     _fix_token_ids(config)
     for key in ("pad_token_id", "decoder_start_token_id"):
         if getattr(config, key, None) is None:
