@@ -337,7 +337,8 @@ def _logit_transform(config):
     scaling = getattr(text, "logits_scaling", None)  # Granite divides by it
     if scaling is not None:
         scale /= float(scaling)
-    softcap = getattr(text, "final_logit_softcapping", None) or getattr(text, "logits_soft_cap", None)
+    softcap = getattr(text, "final_logit_softcapping", None) or getattr(text, "logits_soft_cap", None) \
+        or getattr(text, "output_logit_soft_cap", None)  # xLSTM
     return scale, (float(softcap) if softcap else None)
 
 
@@ -430,6 +431,11 @@ def _fused_head_forward(head, pending, hidden):
         target, shift = pending.shift_labels.to(hidden.device), False
     else:
         target, shift = pending.labels.to(hidden.device), True
+    if target.shape != hidden.shape[:-1]:
+        # lm_head sees other positions than the labels name (Git prepends its image tokens
+        # and slices them off the logits before its loss).
+        pending.fail(f"calls lm_head on {tuple(hidden.shape[:-1])} positions while its labels "
+                     f"are {tuple(target.shape)}")
     num_items = pending.num_items_in_batch
     loss = linear_cross_entropy(hidden, weight, target, bias, ignore_index=pending.ignore_index,
                                 reduction="mean" if num_items is None else "sum",
