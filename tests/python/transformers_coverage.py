@@ -9,9 +9,15 @@ Each class ends in one row:
 - fused_linear: the loss came from fusedce.linear_cross_entropy (no logits);
 - logits: from fusedce.cross_entropy over the model's logits;
 - untouched: fusedce computed nothing; the model's own loss ran, as without apply();
-- not buildable: no tiny config could be built, or the model fails one step without apply()
-  (the reason is in the row); these say nothing about fusedce;
+- not buildable: no tiny config could be built, the model fails one step without apply(), or
+  it cannot take a step on its own (NO_STEP; the reason is in the row); these say nothing about
+  fusedce;
 - failing: with apply() the step raised, or its loss or a gradient differs.
+
+The tiny configs come from a generic shrinker (sizes of the config and of every sub-config,
+per-layer lists, multi-head latent attention, special token ids) and, where a config's own
+validation ties values together, the few per-family values of FAMILY; INPUTS holds the inputs of
+the models that take more than token ids and labels.
 
 Run as a script for the table: ``python tests/python/transformers_coverage.py [Class ...]``.
 """
