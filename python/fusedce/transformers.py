@@ -18,10 +18,12 @@ generically (no model's forward is copied):
 - The model's forward carries the marker on to its loss function, which returns the loss. Any
   logit transform a model applies between ``lm_head`` and the loss must be the one the config
   declares (``final_logit_softcapping``: Gemma 2 and 3; ``logit_scale``: Cohere;
-  ``logits_scaling``: Granite), and the fused loss applies it; the marker records every
+  ``logits_scaling``: Granite; ``output_logit_soft_cap``: xLSTM), and the fused loss applies it;
+  the marker records every
   operation on it and the loss function checks them against that transform on sample values.
 - A model that does anything else with the marker (another operation, reading its shape,
-  passing it elsewhere than to its loss) declines the fused loss: the call is run again unarmed
+  passing it elsewhere than to its loss), or whose ``lm_head`` sees other positions than its
+  labels name (Git's image tokens), declines the fused loss: the call is run again unarmed
   from the same random state, with a warning, and that model stays on the logits path. Never a
   different loss, never an error that the model would not raise without fusedce.
 - The returned output's ``logits`` is that empty tensor. Calls without labels, or without
@@ -337,7 +339,8 @@ def _logit_transform(config):
     scaling = getattr(text, "logits_scaling", None)  # Granite divides by it
     if scaling is not None:
         scale /= float(scaling)
-    softcap = getattr(text, "final_logit_softcapping", None) or getattr(text, "logits_soft_cap", None)
+    softcap = getattr(text, "final_logit_softcapping", None) or getattr(text, "logits_soft_cap", None) \
+        or getattr(text, "output_logit_soft_cap", None)  # xLSTM
     return scale, (float(softcap) if softcap else None)
 
 
@@ -430,6 +433,11 @@ def _fused_head_forward(head, pending, hidden):
         target, shift = pending.shift_labels.to(hidden.device), False
     else:
         target, shift = pending.labels.to(hidden.device), True
+    if target.shape != hidden.shape[:-1]:
+        # lm_head sees other positions than the labels name (Git prepends its image tokens
+        # and slices them off the logits before its loss).
+        pending.fail(f"calls lm_head on {tuple(hidden.shape[:-1])} positions while its labels "
+                     f"are {tuple(target.shape)}")
     num_items = pending.num_items_in_batch
     loss = linear_cross_entropy(hidden, weight, target, bias, ignore_index=pending.ignore_index,
                                 reduction="mean" if num_items is None else "sum",

@@ -40,6 +40,16 @@ def test_fused_serves_the_causal_lms(rows):
                  "TrOCRForCausalLM", "WhisperForCausalLM", "PLBartForCausalLM"):
         assert outcome[name] == "untouched", name
     assert outcome["LlamaForCausalLM"] == "fused_linear"
+    # Git calls lm_head on its image tokens too and slices them off before its loss: the fused
+    # loss declines (its labels do not cover lm_head's positions) and the logits serve it.
+    assert outcome["GitForCausalLM"] == "logits"
+    # xLSTM's soft-cap is its config's output_logit_soft_cap.
+    assert outcome["xLSTMForCausalLM"] == "fused_linear"
+    # Every class builds but those that cannot take a step on their own (Gemma 4's draft
+    # models) or need a package outside the pinned set (timm).
+    unbuilt = sorted(r[0] for r in rows if r[2] == "not buildable")
+    assert unbuilt == ["Gemma3nForConditionalGeneration", "Gemma4AssistantForCausalLM",
+                       "Gemma4UnifiedAssistantForCausalLM"], unbuilt
 
 
 def test_the_check_can_fail(monkeypatch):
