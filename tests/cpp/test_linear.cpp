@@ -342,6 +342,10 @@ TEST_P(LinearGrid, MatchesFloat64Reference) {
   // slices, one token chunk each) and one byte (a one-row buffer: several token chunks per slice,
   // summed in the float32 slice accumulator when V is small enough); with and without
   // skip_ignored.
+  // With a bias in 16 bits, low_memory rounds each logit twice (the product, then the bias added
+  // in a pass of its own, so that its second pass can form the very same logits again: see
+  // src/cuda/linear_cuda.cpp): twice the gradient error budget of one rounding.
+  const Tol gt_lm = cuda16 && lc.bias ? Tol{2 * gt.rtol, 2 * gt.atol} : gt;
   const std::vector<size_t> budgets =
       backend->kind() == BackendKind::kCuda ? std::vector<size_t>{size_t(7) * V * elem_size(d) + 3, 1} : std::vector<size_t>{0};
   for (size_t budget : budgets) {
@@ -352,9 +356,9 @@ TEST_P(LinearGrid, MatchesFloat64Reference) {
       std::vector<double> ml(lm.loss.begin(), lm.loss.end()), mlse(lm.lse.begin(), lm.lse.end());
       expect_close("loss" + tag, ml, lc.o.reduction == Reduction::kNone ? ref.loss_rows : std::vector<double>{ref.loss}, lt);
       expect_close("lse" + tag, mlse, ref.lse, lt);
-      expect_close("grad_hidden" + tag, widen(lm.gh, N * H), ref.gh, gt);
-      expect_close("grad_weight" + tag, widen(lm.gw, V * H), ref.gw, gt);
-      if (lc.bias) expect_close("grad_bias" + tag, widen(lm.gb, V), ref.gb, gt);
+      expect_close("grad_hidden" + tag, widen(lm.gh, N * H), ref.gh, gt_lm);
+      expect_close("grad_weight" + tag, widen(lm.gw, V * H), ref.gw, gt_lm);
+      if (lc.bias) expect_close("grad_bias" + tag, widen(lm.gb, V), ref.gb, gt_lm);
     }
   }
 }
