@@ -108,7 +108,7 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
             copies (see ``logits``) leave the caller's tensor untouched. In eager mode only:
             under torch.compile the call takes the out-of-place path, because an op that mutates
             its differentiable input cannot be differentiated in a compiled graph.
-        return_metrics: also return ``{"num_correct": int64 0-D tensor, "entropy_sum": float32
+        return_metrics: also return ``{"num_correct_tokens": int64 0-D tensor, "entropy_sum": float32
             0-D tensor, "lse": float32 (N,) tensor}`` (counts and sums over non-ignored rows, not
             means; lse is 0 at ignored rows). These are not differentiable.
         check_targets: check the target values before any work and raise ValueError naming the
@@ -219,7 +219,7 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
     if reduction == "none":
         loss = loss.view(target.shape)
     if return_metrics:
-        return loss, {"num_correct": num_correct, "entropy_sum": entropy_sum, "lse": lse}
+        return loss, {"num_correct_tokens": num_correct, "entropy_sum": entropy_sum, "lse": lse}
     return loss
 
 
@@ -269,7 +269,7 @@ def _pytorch_cross_entropy(logits, target, weight, class_dim, options, reduction
         lse = torch.logsumexp(rows, -1)
         entropy = lse - (torch.softmax(rows, -1) * rows).sum(-1)
         metrics = {
-            "num_correct": ((rows.argmax(-1) == t) & keep).sum(),
+            "num_correct_tokens": ((rows.argmax(-1) == t) & keep).sum(),
             "entropy_sum": torch.where(keep, entropy, 0.0).sum().to(torch.float32),
             "lse": torch.where(keep, lse, 0.0).to(torch.float32),
         }

@@ -104,7 +104,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
             target i + 1, and the last row of each sequence predicts nothing. For hidden
             (..., S, H) a sequence is S rows; for 2-D hidden, all N rows are one sequence.
             target is given unshifted (the labels as they are).
-        return_metrics: also return ``{"num_correct": int64 0-D tensor, "entropy_sum": float32
+        return_metrics: also return ``{"num_correct_tokens": int64 0-D tensor, "entropy_sum": float32
             0-D tensor, "lse": float32 (N,) tensor}`` (sums over non-ignored rows; lse is 0 at
             ignored rows), as :func:`fusedce.cross_entropy` does. The loss and gradients are
             bit-identical with and without.
@@ -196,7 +196,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
     if reduction == "none":
         loss = loss.view(target.shape)
     if return_metrics:
-        return loss, {"num_correct": num_correct, "entropy_sum": entropy_sum, "lse": lse}
+        return loss, {"num_correct_tokens": num_correct, "entropy_sum": entropy_sum, "lse": lse}
     return loss
 
 

@@ -584,7 +584,7 @@ def _collect(metrics, tokens):
             sums = _sums.get(owner)
             if sums is None:
                 sums = _sums[owner] = TokenSums()
-        sums.add(metrics["num_correct"], metrics["entropy_sum"], tokens)
+        sums.add(metrics["num_correct_tokens"], metrics["entropy_sum"], tokens)
 
 
 def _owned_by(model):

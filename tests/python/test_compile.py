@@ -74,7 +74,7 @@ def test_compile_dynamic_shapes_metrics_and_inplace_fallback(device):
     def fn(x, t):
         loss, m = fusedce.cross_entropy(x, t, reduction="none", return_metrics=True,
                                         inplace_backward=True)
-        return loss.sum() * 0.5, m["num_correct"], m["entropy_sum"], m["lse"]
+        return loss.sum() * 0.5, m["num_correct_tokens"], m["entropy_sum"], m["lse"]
 
     compiled = torch.compile(fn, fullgraph=True, dynamic=True)
     for n in (7, 19):
@@ -171,7 +171,7 @@ def test_compile_linear_dynamic_shapes_and_metrics(device):
 
     def fn(h, w, t):
         loss, m = fusedce.linear_cross_entropy(h, w, t, return_metrics=True, shift=True)
-        return loss, m["num_correct"], m["entropy_sum"], m["lse"]
+        return loss, m["num_correct_tokens"], m["entropy_sum"], m["lse"]
 
     compiled = torch.compile(fn, fullgraph=True, dynamic=True)
     for s in (7, 12):

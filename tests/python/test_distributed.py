@@ -163,7 +163,7 @@ def _reference_metrics(z, t, ignore_index):
 
 def _check_metrics(m, z, t, opts, what):
     correct, entropy, lse = _reference_metrics(z, t, opts.get("ignore_index", -100))
-    assert m["num_correct"].item() == correct.item(), f"{what}: num_correct"
+    assert m["num_correct_tokens"].item() == correct.item(), f"{what}: num_correct"
     keep = t.reshape(-1) != opts.get("ignore_index", -100)
     rows = (z.abs().max(-1).values + lse.abs() + 1)[keep]
     scale = rows.sum().item()
@@ -198,7 +198,7 @@ def _run_ce_case(name, layout, sizes, rank, group):
 
     (loss, metrics), dx = _loss_and_grad(ours_fn, x, grad, requires_grad)
     what = f"{name} on {layout} shards {sizes}, rank {rank}"
-    _same_on_every_rank([loss, metrics["num_correct"], metrics["entropy_sum"], metrics["lse"]], what)
+    _same_on_every_rank([loss, metrics["num_correct_tokens"], metrics["entropy_sum"], metrics["lse"]], what)
 
     ref_grad = None if grad is None else grad.double()
     ref, ref_dx = _loss_and_grad(
@@ -274,7 +274,7 @@ def _run_linear_case(name, layout, sizes, rank, group):
             return_metrics=True, **kw),
         (h, wt, b), needs, grad)
     what = f"linear {name} on {layout} shards {sizes}, rank {rank}"
-    _same_on_every_rank([loss, metrics["num_correct"], metrics["entropy_sum"]] +
+    _same_on_every_rank([loss, metrics["num_correct_tokens"], metrics["entropy_sum"]] +
                         ([gh] if gh is not None else []), what)
 
     tt = _shift(t) if case.get("shift") else t
@@ -468,7 +468,7 @@ def test_group_of_one_equals_plain_op(device, dtype, name, group_of_one):
         lambda a: fusedce.cross_entropy(a, t, w, return_metrics=True, **opts), x, grad)
     torch.testing.assert_close(loss, ref, rtol=2e-6, atol=1e-6)
     torch.testing.assert_close(dx, ref_dx, rtol=2e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
-    assert m["num_correct"].item() == ref_m["num_correct"].item()
+    assert m["num_correct_tokens"].item() == ref_m["num_correct_tokens"].item()
     torch.testing.assert_close(m["entropy_sum"], ref_m["entropy_sum"], rtol=2e-6, atol=1e-5)
     torch.testing.assert_close(m["lse"], ref_m["lse"], rtol=2e-6, atol=1e-6)
 

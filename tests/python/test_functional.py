@@ -158,12 +158,12 @@ def test_special_values(device):
 def test_metrics(device, dtype):
     x, t = make_problem((3, 40), 700, dtype, device)
     loss, m = fusedce.cross_entropy(x, t, reduction="sum", return_metrics=True)
-    assert set(m) == {"num_correct", "entropy_sum", "lse"}
+    assert set(m) == {"num_correct_tokens", "entropy_sum", "lse"}
     x64 = x.double().reshape(-1, 700)
     t1 = t.reshape(-1)
     keep = t1 != -100
-    assert m["num_correct"].dtype == torch.int64 and m["num_correct"].shape == ()
-    assert m["num_correct"].item() == (x64.argmax(-1) == t1)[keep].sum().item()
+    assert m["num_correct_tokens"].dtype == torch.int64 and m["num_correct_tokens"].shape == ()
+    assert m["num_correct_tokens"].item() == (x64.argmax(-1) == t1)[keep].sum().item()
     lse = torch.logsumexp(x64, -1)
     p = torch.softmax(x64, -1)
     entropy = (lse - (p * x64).sum(-1))[keep].sum()
@@ -312,7 +312,7 @@ def test_module(device):
         legacy = fusedce.CrossEntropyLoss(size_average=False)
     assert legacy.reduction == "sum"
     loss, m = fusedce.CrossEntropyLoss(reduction="none", return_metrics=True, z_loss=1e-4)(x, t)
-    assert loss.shape == t.shape and "num_correct" in m
+    assert loss.shape == t.shape and "num_correct_tokens" in m
     assert "z_loss=0.0001" in repr(fusedce.CrossEntropyLoss(z_loss=1e-4))
 
 
@@ -540,7 +540,7 @@ def test_float64_logits_are_pytorchs(device):
         torch.testing.assert_close(ours[1], ref[1], rtol=1e-12, atol=1e-12)
     loss, m = fusedce.cross_entropy(x, t, ignore_index=7, return_metrics=True)
     _, m32 = fusedce.cross_entropy(x.float(), t, ignore_index=7, return_metrics=True)
-    assert m["num_correct"].item() == m32["num_correct"].item()
+    assert m["num_correct_tokens"].item() == m32["num_correct_tokens"].item()
     torch.testing.assert_close(m["entropy_sum"], m32["entropy_sum"])
     torch.testing.assert_close(m["lse"], m32["lse"])
     with pytest.raises(ValueError, match="float64 logits are not computed by the fused kernels"):

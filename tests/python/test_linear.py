@@ -212,13 +212,13 @@ def test_metrics(device, dtype):
     h, w, b, t = make_linear_problem((4, 9), 30, 257, dtype, device, bias=True)
     kw = dict(label_smoothing=0.1, softcap=5.0, z_loss=1e-3, reduction="sum", shift=True)
     loss, m = fusedce.linear_cross_entropy(h, w, t, b, return_metrics=True, **kw)
-    assert set(m) == {"num_correct", "entropy_sum", "lse"}
+    assert set(m) == {"num_correct_tokens", "entropy_sum", "lse"}
     z = F.linear(h.double(), w.double(), b.double()).reshape(-1, 257)
     z = 5.0 * torch.tanh(z / 5.0)
     t1 = shifted(t).reshape(-1)
     keep = t1 != -100
-    assert m["num_correct"].dtype == torch.int64 and m["num_correct"].shape == ()
-    assert m["num_correct"].item() == (z.argmax(-1) == t1)[keep].sum().item()
+    assert m["num_correct_tokens"].dtype == torch.int64 and m["num_correct_tokens"].shape == ()
+    assert m["num_correct_tokens"].item() == (z.argmax(-1) == t1)[keep].sum().item()
     lse = torch.logsumexp(z, -1)
     entropy = (lse - (torch.softmax(z, -1) * z).sum(-1))[keep].sum()
     # On a GPU 16-bit logits are held in their dtype (as PyTorch's matmul makes them): lse and
@@ -365,7 +365,7 @@ def test_module(device):
     assert torch.equal(module(h, w, t, b), fn)
     assert "shift=True" in repr(module) and "z_loss=0.0001" in repr(module)
     loss, m = fusedce.LinearCrossEntropyLoss(reduction="none", return_metrics=True)(h, w, t)
-    assert loss.shape == t.shape and set(m) == {"num_correct", "entropy_sum", "lse"}
+    assert loss.shape == t.shape and set(m) == {"num_correct_tokens", "entropy_sum", "lse"}
 
 
 _MEMORY_VARIANTS = [{"chunk_budget_bytes": 4096}, {"skip_ignored": True}, {"low_memory": True},

@@ -14,7 +14,7 @@ from ._ops import add_op_namespace_prefix, ops
 
 def _hub_metrics(metrics):
     """fusedce's metrics under the Hub API's names: sums over the non-ignored positions."""
-    return {"num_correct_tokens": metrics["num_correct"], "entropy_sum": metrics["entropy_sum"]}
+    return {"num_correct_tokens": metrics["num_correct_tokens"], "entropy_sum": metrics["entropy_sum"]}
 
 
 def fused_linear_cross_entropy(hidden, weight, targets, bias=None, ignore_index=-100,
