@@ -693,6 +693,39 @@ def test_opcheck(device, weighted, reduction, metrics):
                           (x, t, w, lse, row_weight, batch, grad, *shard, *opts))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("metrics", [False, True])
+def test_lce_opcheck(device, with_bias, metrics):
+    """The linear form's ops: lce_shard_stats on each of two shards of a head, their merge, then
+    lce_shard_bwd, each through torch.library.opcheck (schema, fake kernel, autograd registration)."""
+    _needs_vp_kernels(device)
+    g = torch.Generator().manual_seed(9)
+    n, h, sizes = 13, 16, (40, 27)
+    vocab = sum(sizes)
+    hidden = torch.randn(n, h, generator=g).to(device)
+    weight = (torch.randn(vocab, h, generator=g) * 0.3).to(device)
+    bias = torch.randn(vocab, generator=g).to(device) if with_bias else None
+    t = torch.randint(0, vocab, (n,), generator=g).to(device)
+    t[3] = -100
+    opts = (-100, "mean", 0.1, 1.1, 9.0, 1e-3)
+    linear = (0, False, False)  # chunk_budget_bytes (0: the default), low_memory, skip_ignored
+    stats, parts = [], []
+    for v0, v1 in _split(list(sizes)):
+        args = (hidden, weight[v0:v1].contiguous(), bias[v0:v1].contiguous() if with_bias else None, t, None,
+                v0, vocab, *opts, *linear, metrics)
+        torch.library.opcheck(ops.lce_shard_stats.default, args)
+        stats.append(ops.lce_shard_stats(*args))
+        parts.append(args)
+    merged = ops.ce_shard_merge(torch.cat(stats), t, None, 0, vocab, *opts, metrics)
+    lse, row_weight, batch = merged[1], merged[4], merged[5]
+    grad = torch.tensor(1.5, device=device)
+    hid, w, b, *_ = parts[1]
+    torch.library.opcheck(ops.lce_shard_bwd.default,
+                          (hid, w, b, t, None, lse, row_weight, batch, grad, sizes[0], vocab, *opts, *linear,
+                           True, True, with_bias))
+
+
 def test_merge_names_a_bad_gathered_block():
     shards, t, opts = _shard_op_args("cpu", False, "mean")
     x, w, shard = shards[0]
