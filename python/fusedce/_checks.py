@@ -25,7 +25,8 @@ def _float32(value):
 
 
 def _real(value, name, where):
-    if isinstance(value, (str, bytes)) or (isinstance(value, torch.Tensor) and value.numel() != 1):
+    # A bool is an int to Python, but softcap=True is a slip, not a cap of 1.
+    if isinstance(value, (str, bytes, bool)) or (isinstance(value, torch.Tensor) and value.numel() != 1):
         raise TypeError(f"{where}: {name} must be a real number, got {value!r}")
     try:
         return float(value)

@@ -151,6 +151,9 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
         raise TypeError(f"{_NAME}: target must be a tensor, got {type(target).__name__}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{_NAME}: reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
+    if process_group is None and (vocab_start is not None or vocab_total is not None):
+        raise ValueError(f"{_NAME}: vocab_start and vocab_total are only used with a process_group "
+                         "(vocabulary-parallel logits)")
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"{_NAME}: logits must have shape (..., V) with V >= 1, "
                          f"got {tuple(logits.shape)}")

@@ -68,8 +68,11 @@ def _check_arguments(hidden, weight, target, bias, class_weight, reduction, soft
                            "CUDA kernels (it was built without nvcc or with a CPU-only torch)")
     if softcap is not None and not softcap > 0:
         _fail(f"softcap must be None (off) or > 0, got {softcap}")
-    if chunk_budget_bytes is not None and not (isinstance(chunk_budget_bytes, int) and chunk_budget_bytes > 0):
-        _fail(f"chunk_budget_bytes must be None (the default) or a positive int, got {chunk_budget_bytes!r}")
+    if chunk_budget_bytes is not None and not (isinstance(chunk_budget_bytes, int)
+                                               and not isinstance(chunk_budget_bytes, bool)
+                                               and 0 < chunk_budget_bytes < 2**63):
+        _fail("chunk_budget_bytes must be None (the default) or a positive int below 2**63, "
+              f"got {chunk_budget_bytes!r}")
 
 
 def _sequence_length(hidden):

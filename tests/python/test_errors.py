@@ -328,3 +328,22 @@ def test_ops_check_their_arguments():
         ops.ce_rescale_(torch.ones((), dtype=torch.float64), x)
     with pytest.raises(ValueError, match="grad_loss must have 6 elements"):
         ops.ce_rescale_(torch.ones(5), x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slips_the_survey_found(device):
+    """dev/bad_inputs.py's findings: a vocabulary range without a group, a bool as a number, a
+    budget beyond int64 (which reached the dispatcher's own confusing message)."""
+    x, t = _ok(device)
+    with pytest.raises(ValueError, match="vocab_start and vocab_total are only used with a process_group"):
+        fusedce.cross_entropy(x, t, vocab_start=3)
+    with pytest.raises(ValueError, match="vocab_start and vocab_total are only used with a process_group"):
+        fusedce.cross_entropy(x, t, vocab_total=11)
+    with pytest.raises(TypeError, match="softcap must be a real number"):
+        fusedce.cross_entropy(x, t, softcap=True)
+    h = torch.randn(4, 8, device=device)
+    w = torch.randn(11, 8, device=device)
+    tt = torch.randint(0, 11, (4,), device=device)
+    for bad in (True, 2**70):
+        with pytest.raises(ValueError, match="chunk_budget_bytes must be None"):
+            fusedce.linear_cross_entropy(h, w, tt, chunk_budget_bytes=bad)
