@@ -14,7 +14,7 @@ generically (no model's forward is copied):
   ``lm_head`` for that one call: its forward (an instance attribute set for the call and
   removed after it) computes the loss and returns a marker, an empty ``(..., 0)`` tensor, in
   place of the logits. Models that compute their own cross-entropy (T5, Bart, TrOCR, Whisper's
-  decoder, ...) are never armed; they run exactly as without fusedce.
+  decoder, ...) are never armed (see below for how their loss is served).
 - The model's forward carries the marker on to its loss function, which returns the loss. Any
   logit transform a model applies between ``lm_head`` and the loss must be the one the config
   declares (``final_logit_softcapping``: Gemma 2 and 3; ``logit_scale``: Cohere;
@@ -29,6 +29,15 @@ generically (no model's forward is copied):
 - The returned output's ``logits`` is that empty tensor. Calls without labels, or without
   gradients (evaluation, generation), produce the logits as usual. Under ``torch.compile`` the
   marker is not used and the loss comes from the logits path.
+
+Models that compute their own cross-entropy build ``CrossEntropyLoss()`` in their forward, from
+the name their transformers module imported from ``torch.nn``. apply() rebinds that name, in
+every transformers module, to :class:`TokenCrossEntropyLoss`: a subclass of torch's whose
+standard calls ((N, V) float32 / bfloat16 / float16 logits, (N,) int64 targets, no class
+weights) fusedce.cross_entropy computes, and whose every other call is torch's own forward.
+Modules that transformers imports after apply() get it when a model of theirs is built (the
+wrapped ``PreTrainedModel.__init__``). Models that call ``nn.CrossEntropyLoss`` or
+``F.cross_entropy`` through ``torch.nn`` itself stay untouched.
 
 :func:`serving` tells how a model is served: ``"fused_linear"``, ``"logits"`` or
 ``"untouched"``. ``docs/transformers.md`` has the table over every causal-LM and seq2seq-LM
@@ -56,6 +65,7 @@ bit-identical with and without metrics.
 """
 
 import ast
+import functools
 import inspect
 import math
 import sys
@@ -67,6 +77,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from . import _library
 from .functional import cross_entropy
 from .linear import linear_cross_entropy
 
@@ -75,6 +86,7 @@ _fused_linear = False  # apply(fused_linear=...)
 _metrics = False  # apply(metrics=...)
 _unset = object()
 _original_call = None  # while wrapped: PreTrainedModel.__dict__'s own __call__, or _unset
+_original_init = None  # while applied: PreTrainedModel.__dict__'s own __init__
 
 
 def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
@@ -123,7 +135,8 @@ def apply(fused_linear=True, metrics=False):
     """Route every causal-LM training loss of transformers through fusedce (idempotent; calling
     it again with other arguments switches). With ``fused_linear`` the loss of a call with
     labels and gradients comes from fused linear cross-entropy and the logits are never made
-    (module docstring); without it, from fusedce.cross_entropy over the logits. With
+    (module docstring); without it, from fusedce.cross_entropy over the logits. Models that
+    compute their own cross-entropy get TokenCrossEntropyLoss in either case. With
     ``metrics``, every such loss computed with gradients enabled also adds its token metrics to
     the sums that :func:`token_metrics` and :class:`MetricsCallback` read."""
     global _original, _fused_linear, _metrics
@@ -133,6 +146,7 @@ def apply(fused_linear=True, metrics=False):
     if _original is None:
         _original = loss_utils.ForCausalLMLoss
         _swap(_original, causal_lm_loss)
+        _serve_own_cross_entropy(PreTrainedModel)
     _fused_linear = bool(fused_linear)
     _metrics = bool(metrics)
     # The wrapped call arms lm_head (fused_linear) and tells whose call a loss belongs to
@@ -144,8 +158,8 @@ def apply(fused_linear=True, metrics=False):
 
 
 def revert():
-    """Restore transformers' own loss, also in modules imported since apply(), and
-    PreTrainedModel.__call__. Metrics stop being collected; the sums collected so far stay
+    """Restore transformers' own loss, also in modules imported since apply(), torch's
+    CrossEntropyLoss in transformers' modules, and PreTrainedModel.__call__ and __init__. Metrics stop being collected; the sums collected so far stay
     readable (token_metrics)."""
     global _original, _fused_linear, _metrics
     if _original is None:
@@ -153,6 +167,7 @@ def revert():
     from transformers import PreTrainedModel
 
     _unwrap_call(PreTrainedModel)
+    _leave_own_cross_entropy(PreTrainedModel)
     _fused_linear = False
     _metrics = False
     _swap(causal_lm_loss, _original)
@@ -161,6 +176,130 @@ def revert():
 
 def is_applied():
     return _original is not None
+
+
+# ---- models that compute their own cross-entropy: their CrossEntropyLoss over the logits -------
+
+
+_SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SERVED_REDUCTIONS = ("mean", "sum", "none")
+
+
+class TokenCrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """``torch.nn.CrossEntropyLoss`` whose standard calls are computed by fusedce.cross_entropy.
+
+    While apply() is in effect it stands in for the name ``CrossEntropyLoss`` in transformers'
+    modules (the models that compute their own loss: T5, Bart, TrOCR, Whisper's decoder, ...,
+    and their classification heads, which are the same call). A call is standard when the
+    logits are a plain (N, V) float32, bfloat16 or float16 tensor on a device fusedce computes
+    on, the target an (N,) int64 tensor of class indices on the same device, with no class
+    weights, a reduction of 'mean', 'sum' or 'none', an integer ignore_index and a label
+    smoothing in [0, 1]: fusedce computes exactly that function (the contract of
+    fusedce.cross_entropy), and the loss is returned in the logits' dtype as torch returns it.
+    Every other call (class weights, K-dimensional or class-probability targets, float64, an
+    empty batch, tensor subclasses, ...) is torch's own forward, unchanged."""
+
+    def forward(self, input, target):
+        if not _is_standard_call(self, input, target):
+            return super().forward(input, target)
+        collect = _metrics and torch.is_grad_enabled()
+        loss = cross_entropy(input, target, ignore_index=self.ignore_index,
+                             reduction=self.reduction, label_smoothing=self.label_smoothing,
+                             return_metrics=collect)
+        if collect:
+            loss, metrics = loss
+            _collect(metrics, (target != self.ignore_index).sum())
+        return loss.to(input.dtype)
+
+
+def _is_standard_call(loss, input, target):
+    """Whether fusedce.cross_entropy computes `loss`(input, target) as torch does (see
+    TokenCrossEntropyLoss)."""
+    if type(input) is not torch.Tensor or type(target) is not torch.Tensor:
+        return False  # parameters, DTensor and other subclasses: torch's own dispatch
+    if input.dim() != 2 or target.dim() != 1 or target.shape[0] != input.shape[0] \
+            or input.shape[0] == 0 or input.shape[1] == 0:
+        return False
+    if input.dtype not in _SERVED_DTYPES or target.dtype != torch.int64:
+        return False
+    if target.device != input.device or not (
+            input.device.type == "cpu" or (input.is_cuda and _library.with_cuda)):
+        return False
+    smoothing = loss.label_smoothing
+    return (loss.weight is None and loss.reduction in _SERVED_REDUCTIONS
+            and type(loss.ignore_index) is int
+            and type(smoothing) in (int, float) and 0.0 <= smoothing <= 1.0)
+
+
+def _swap_cross_entropy_loss(module, old, new):
+    if module is not None and module.__dict__.get("CrossEntropyLoss") is old:
+        setattr(module, "CrossEntropyLoss", new)
+
+
+def _is_transformers_module(name):
+    return name == "transformers" or name.startswith("transformers.")
+
+
+def _serve_classes(cls):
+    """TokenCrossEntropyLoss in the modules of `cls` and its bases (those of transformers)."""
+    for c in cls.__mro__:
+        if _is_transformers_module(c.__module__):
+            _swap_cross_entropy_loss(sys.modules.get(c.__module__), torch.nn.CrossEntropyLoss,
+                                     TokenCrossEntropyLoss)
+
+
+def _serve_own_cross_entropy(cls):
+    """Put TokenCrossEntropyLoss in place of torch's CrossEntropyLoss in every transformers
+    module imported so far, and wrap `cls.__init__` (PreTrainedModel's) so that a model's own
+    modules get it when the model is built: transformers imports its modeling modules lazily,
+    and a module imported after apply() binds torch's class, but every model of it is built
+    after apply() too."""
+    global _original_init
+    for name, module in list(sys.modules.items()):
+        if _is_transformers_module(name):
+            _swap_cross_entropy_loss(module, torch.nn.CrossEntropyLoss, TokenCrossEntropyLoss)
+    if _original_init is None:
+        _original_init = cls.__dict__["__init__"]
+        original = _original_init
+
+        @functools.wraps(original)
+        def __init__(self, *args, **kwargs):
+            _serve_classes(type(self))
+            original(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+
+
+def _leave_own_cross_entropy(cls):
+    global _original_init
+    if _original_init is not None:
+        cls.__init__ = _original_init
+        _original_init = None
+    for name, module in list(sys.modules.items()):
+        if _is_transformers_module(name):
+            _swap_cross_entropy_loss(module, TokenCrossEntropyLoss, torch.nn.CrossEntropyLoss)
+
+
+_own_loss_calls = {}  # forward function -> whether it calls CrossEntropyLoss(...)
+
+
+def _computes_own_cross_entropy(cls):
+    """Whether `cls.forward`'s own source builds a ``CrossEntropyLoss(...)`` that its module now
+    names TokenCrossEntropyLoss (the model's standard calls of it are served over the logits)."""
+    forward = cls.forward
+    module = sys.modules.get(getattr(forward, "__module__", None) or "")
+    if module is None or module.__dict__.get("CrossEntropyLoss") is not TokenCrossEntropyLoss:
+        return False
+    if forward not in _own_loss_calls:
+        found = False
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+            found = any(isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                        and node.func.id == "CrossEntropyLoss" for node in ast.walk(tree))
+        except (OSError, TypeError, SyntaxError):
+            pass
+        _own_loss_calls[forward] = found
+    return _own_loss_calls[forward]
 
 
 # ---- fused_linear: the loss from lm_head's call ---------------------------------------------
@@ -289,13 +428,18 @@ def _fusable_head(model):
 def serving(model):
     """How fusedce serves `model`'s training loss under the current apply(): "fused_linear"
     (the loss from lm_head's input and weight, no logits), "logits" (fusedce.cross_entropy over
-    the logits the model makes), or "untouched" (the model computes its loss itself, exactly as
-    without fusedce). Under torch.compile a "fused_linear" model is served through the logits.
-    Read from the model's class and state; a model whose forward reaches the loss function only
-    through a helper is reported "untouched" although the logits path serves it."""
-    if not is_applied() or getattr(model, "loss_function", None) is not causal_lm_loss \
-            or not _calls_loss_function(type(model)):
+    the logits the model makes: through the causal-LM loss function, or through the
+    TokenCrossEntropyLoss that a model computing its own cross-entropy builds), or "untouched"
+    (the model computes its loss itself, exactly as without fusedce). Under torch.compile a
+    "fused_linear" model is served through the logits. Read from the model's class and state; a
+    model whose forward reaches the loss function or its CrossEntropyLoss only through a helper
+    is reported "untouched" although the logits path serves it, and a call that is not standard
+    (TokenCrossEntropyLoss) runs torch's own loss although the model is reported "logits"."""
+    if not is_applied():
         return "untouched"
+    if getattr(model, "loss_function", None) is not causal_lm_loss \
+            or not _calls_loss_function(type(model)):
+        return "logits" if _computes_own_cross_entropy(type(model)) else "untouched"
     if _fused_linear and model not in _declined and _fusable_head(model):
         return "fused_linear"
     return "logits"
