@@ -410,6 +410,25 @@ def test_classification_heads_keep_their_loss(spy, name, inputs):
     assert_same_training_signal(ours, run(), atol=1e-6)
 
 
+def test_compiled_model_with_its_own_cross_entropy(spy):
+    # torch.compile traces TokenCrossEntropyLoss's choice of path and fusedce's loss.
+    import transformers_coverage as cov
+
+    torch._dynamo.reset()
+    model = cov.build(transformers.BartForCausalLM).eval()  # no dropout: compiled RNG differs
+    compiled = torch.compile(model, backend="aot_eager")
+    micro = cov.micro_batches()
+    fct.apply()
+    try:
+        loss, grads = cov.step(compiled, micro, extras=False)
+    finally:
+        fct.revert()
+    assert spy and all(dtype == torch.float32 for dtype in spy)
+    ours = loss, {name.removeprefix("_orig_mod."): grad for name, grad in grads.items()}
+    assert_same_training_signal(ours, cov.step(model, micro, extras=False))
+    torch._dynamo.reset()
+
+
 def test_own_cross_entropy_metrics():
     # A model computing its own cross-entropy adds its token metrics too (Bart's causal LM does
     # not shift its labels: every non-ignored label is scored).
