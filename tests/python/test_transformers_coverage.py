@@ -63,12 +63,17 @@ def test_fused_serves_the_causal_lms(rows):
                        "Gemma4UnifiedAssistantForCausalLM"], unbuilt
 
 
-def test_the_check_can_fail(monkeypatch):
-    # Planted bugs are caught: T5 armed although it computes its own loss, a fused loss 0.1%
-    # too large, and TokenCrossEntropyLoss summing where the model asked for the mean.
+def test_arming_a_model_with_its_own_loss_is_declined(monkeypatch):
+    # T5 armed although it computes its own loss: it reads its logits' size, the fused loss is
+    # declined, and the call run again unarmed is served by TokenCrossEntropyLoss, with T5's
+    # loss and gradients.
     monkeypatch.setattr(fct, "_calls_loss_function", lambda cls: True)
-    assert cov.check_class(cov.resolve("T5ForConditionalGeneration"))[0] == "failing"
-    monkeypatch.undo()
+    assert cov.check_class(cov.resolve("T5ForConditionalGeneration"))[0] == "logits"
+
+
+def test_the_check_can_fail(monkeypatch):
+    # Planted bugs are caught: a fused loss 0.1% too large, TokenCrossEntropyLoss summing where
+    # the model asked for the mean, and TokenCrossEntropyLoss losing the model's ignore_index.
     real = fct.linear_cross_entropy
     monkeypatch.setattr(fct, "linear_cross_entropy", lambda *a, **k: real(*a, **k) * 1.001)
     outcome, detail = cov.check_class(cov.resolve("LlamaForCausalLM"))
@@ -78,3 +83,7 @@ def test_the_check_can_fail(monkeypatch):
     monkeypatch.setattr(fct, "cross_entropy", lambda *a, **k: real_ce(*a, **{**k, "reduction": "sum"}))
     outcome, detail = cov.check_class(cov.resolve("BartForCausalLM"))
     assert outcome == "failing" and detail.startswith("differs"), detail
+    monkeypatch.undo()
+    monkeypatch.setattr(fct, "cross_entropy", lambda *a, **k: real_ce(*a, **{**k, "ignore_index": -1}))
+    outcome, detail = cov.check_class(cov.resolve("T5ForConditionalGeneration"))
+    assert outcome == "failing" and "ValueError" in detail, detail
