@@ -285,9 +285,9 @@ def test_a_module_imported_after_apply_is_served_when_its_model_is_built(monkeyp
     # CrossEntropyLoss, and gets TokenCrossEntropyLoss when a model of it is built.
     module = types.ModuleType("transformers.models.late.modeling_late")
     module.CrossEntropyLoss = torch.nn.CrossEntropyLoss
-    monkeypatch.setitem(sys.modules, module.__name__, module)
     fct.apply(fused_linear=False)
     try:
+        monkeypatch.setitem(sys.modules, module.__name__, module)  # imported now
         late = type("LateForCausalLM", (LlamaForCausalLM,), {"__module__": module.__name__})
         assert module.CrossEntropyLoss is torch.nn.CrossEntropyLoss
         late(tiny_llama().config)
