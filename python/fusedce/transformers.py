@@ -53,15 +53,17 @@ transformers module already imported; modules imported later pick the replacemen
 ``loss_utils``. Works with models created before or after ``apply()``, with ``Trainer`` and with
 a hand-written loop.
 
-``apply(metrics=True)`` also has every loss fusedce computes with gradients enabled return its
-token metrics (the fused call makes them in the same sweep: argmax hits and softmax entropy over
-the non-ignored targets) and adds them, with the count of those targets, to device-side sums:
+``apply(metrics=True)`` also has every loss fusedce computes return its token metrics (the fused
+call makes them in the same sweep: argmax hits and softmax entropy over the non-ignored targets)
+and adds them, with the count of those targets, to device-side sums (those of losses computed
+with gradients enabled, training's, apart from those computed without, evaluation's):
 per model (the outermost ``PreTrainedModel`` whose call computed the loss), or unowned for a loss
 computed outside any model call (or under torch.compile, or in a DataParallel replica).
 :func:`token_metrics` reads them; :class:`MetricsCallback` (or
 :func:`add_metrics_callback`) puts ``token_accuracy`` and ``entropy`` into ``Trainer``'s training
-logs, summed over every micro-batch since the previous log. The loss and gradients are
-bit-identical with and without metrics.
+logs, summed over every micro-batch since the previous log, and ``eval_token_accuracy`` and
+``eval_entropy`` into its evaluation logs. The loss and gradients are bit-identical with and
+without metrics.
 """
 
 import ast
@@ -104,12 +106,11 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
     logits = logits.reshape(-1, vocab_size)
     shift_labels = shift_labels.reshape(-1).to(logits.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    collect = _metrics and torch.is_grad_enabled()
     loss = cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction=reduction,
-                         return_metrics=collect)
-    if collect:
+                         return_metrics=_metrics)
+    if _metrics:
         loss, metrics = loss
-        _collect(metrics, (shift_labels != ignore_index).sum())
+        _collect(metrics, (shift_labels != ignore_index).sum(), torch.is_grad_enabled())
     if reduction == "sum":
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -159,8 +160,8 @@ def apply(fused_linear=True, metrics=False):
 
 def revert():
     """Restore transformers' own loss, also in modules imported since apply(), torch's
-    CrossEntropyLoss in transformers' modules, and PreTrainedModel.__call__ and __init__. Metrics stop being collected; the sums collected so far stay
-    readable (token_metrics)."""
+    CrossEntropyLoss in transformers' modules, and PreTrainedModel.__call__ and __init__.
+    Metrics stop being collected; the sums collected so far stay readable (token_metrics)."""
     global _original, _fused_linear, _metrics
     if _original is None:
         return
@@ -202,13 +203,12 @@ class TokenCrossEntropyLoss(torch.nn.CrossEntropyLoss):
     def forward(self, input, target):
         if not _is_standard_call(self, input, target):
             return super().forward(input, target)
-        collect = _metrics and torch.is_grad_enabled()
         loss = cross_entropy(input, target, ignore_index=self.ignore_index,
                              reduction=self.reduction, label_smoothing=self.label_smoothing,
-                             return_metrics=collect)
-        if collect:
+                             return_metrics=_metrics)
+        if _metrics:
             loss, metrics = loss
-            _collect(metrics, (target != self.ignore_index).sum())
+            _collect(metrics, (target != self.ignore_index).sum(), torch.is_grad_enabled())
         return loss.to(input.dtype)
 
 
@@ -658,7 +658,7 @@ class _PendingLogits(torch.Tensor):
         # Collected only now: a call that declines before this point is run again over the
         # logits, whose loss collects its own metrics, so each loss counts once.
         if pending.metrics is not None:
-            _collect(*pending.metrics)
+            _collect(*pending.metrics, True)  # armed only with gradients enabled
         return pending.loss
 
 
@@ -703,6 +703,9 @@ class TokenSums:
 _sums = weakref.WeakKeyDictionary()  # model -> TokenSums of the losses computed in its calls
 _unowned = TokenSums()  # losses computed outside any model call, under torch.compile, or in a
                         # DataParallel replica (a new module object every step)
+# The same for the losses computed without gradients (evaluation), kept apart from training's.
+_eval_sums = weakref.WeakKeyDictionary()
+_eval_unowned = TokenSums()
 _calls = threading.local()  # .stack: the PreTrainedModel calls in progress in this thread
 _adding = threading.Lock()  # DataParallel's replicas run their losses in concurrent threads
 
@@ -714,37 +717,46 @@ def _model_calls():
     return stack
 
 
+def _store(evaluation):
+    """(per-model sums, unowned sums) of training's losses or, `evaluation`, of those computed
+    without gradients."""
+    return (_eval_sums, _eval_unowned) if evaluation else (_sums, _unowned)
+
+
 @torch.compiler.disable
-def _collect(metrics, tokens):
-    """Add one loss's metrics to the sums of the outermost model whose call is in progress.
-    Outside dynamo's graph (a compiled model's loss breaks the graph here), so that the sums
-    are ordinary tensors updated in place."""
+def _collect(metrics, tokens, training):
+    """Add one loss's metrics to the sums of the outermost model whose call is in progress:
+    training's sums for a loss computed with gradients enabled (`training`), evaluation's
+    otherwise. Outside dynamo's graph (a compiled model's loss breaks the graph here), so that
+    the sums are ordinary tensors updated in place."""
     stack = getattr(_calls, "stack", None)
     owner = stack[0] if stack and not getattr(stack[0], "_is_replica", False) else None
+    per_model, unowned = _store(not training)
     with _adding:
         if owner is None:
-            sums = _unowned
+            sums = unowned
         else:
-            sums = _sums.get(owner)
+            sums = per_model.get(owner)
             if sums is None:
-                sums = _sums[owner] = TokenSums()
+                sums = per_model[owner] = TokenSums()
         sums.add(metrics["num_correct_tokens"], metrics["entropy_sum"], tokens)
 
 
-def _owned_by(model):
+def _owned_by(model, evaluation=False):
     """The TokenSums that `model`'s metrics are made of: those of `model` and of every module
     inside it (a wrapper such as a PEFT model, DDP or an OptimizedModule holds the
     PreTrainedModel whose calls collected them), and the unowned ones; every one for None."""
+    per_model, unowned = _store(evaluation)
     if model is None:
-        return [*_sums.values(), _unowned]
+        return [*per_model.values(), unowned]
     modules = model.modules() if isinstance(model, torch.nn.Module) else (model,)
-    return [s for s in (_sums.get(m) for m in modules) if s is not None] + [_unowned]
+    return [s for s in (per_model.get(m) for m in modules) if s is not None] + [unowned]
 
 
-def _summed(model, device=None):
-    """(num_correct, entropy_sum, tokens) summed over _owned_by(model), float64 (3,) on
-    `device` (by default the device of the first sums that hold any)."""
-    owned = _owned_by(model)
+def _summed(model, device=None, evaluation=False):
+    """(num_correct, entropy_sum, tokens) summed over _owned_by(model, evaluation), float64
+    (3,) on `device` (by default the device of the first sums that hold any)."""
+    owned = _owned_by(model, evaluation)
     if device is None:
         device = next((s.tokens.device for s in owned if s.tokens is not None), "cpu")
     return torch.stack([s.values(device) for s in owned]).sum(0)
@@ -758,23 +770,24 @@ def _as_metrics(values):
     return {"token_accuracy": mean(correct), "entropy": mean(entropy), "tokens": int(tokens)}
 
 
-def token_metrics(model=None, reset=False):
+def token_metrics(model=None, reset=False, evaluation=False):
     """The token metrics collected under ``apply(metrics=True)`` since the last reset:
     ``{"token_accuracy": hits / tokens, "entropy": mean softmax entropy in nats, "tokens": the
     number of scored (non-ignored) targets}``, summed over every loss computed with gradients
-    enabled in calls of `model` (or of a PreTrainedModel inside it), plus the unowned ones
-    (computed outside any model call, under torch.compile or in a DataParallel replica);
+    enabled (with `evaluation`: without gradients, as Trainer.evaluate computes them; the two
+    are kept apart) in calls of `model` (or of a PreTrainedModel inside it), plus the unowned
+    ones (computed outside any model call, under torch.compile or in a DataParallel replica);
     `model=None`: every loss. The means are NaN when no token was scored. Reads the device
     once; ``reset`` then zeroes those sums."""
-    values = _summed(model)
+    values = _summed(model, evaluation=evaluation)
     if reset:
-        reset_token_metrics(model)
+        reset_token_metrics(model, evaluation)
     return _as_metrics(values)
 
 
-def reset_token_metrics(model=None):
-    """Zero the sums that token_metrics(model) reads."""
-    for sums in _owned_by(model):
+def reset_token_metrics(model=None, evaluation=False):
+    """Zero the sums that token_metrics(model, evaluation=evaluation) reads."""
+    for sums in _owned_by(model, evaluation):
         sums.reset()
 
 
@@ -788,6 +801,9 @@ def _make_metrics_callback():
         ``apply(metrics=True)`` collects: over every micro-batch of every step since the
         previous log, and over every rank under DDP (summed there, as the counts are, before
         dividing). The sums are reset at every training log and when training begins.
+        Likewise ``eval_token_accuracy`` and ``eval_entropy`` (``<prefix>_...`` for
+        Trainer.evaluate's metric_key_prefix) in every evaluation log, from the sums of the
+        losses computed without gradients since the previous evaluation log (or prediction).
 
         Trainer calls callbacks in order, and the report_to integrations (wandb, TensorBoard,
         ...) come before callbacks passed to Trainer; :func:`add_metrics_callback` puts this one
@@ -800,15 +816,48 @@ def _make_metrics_callback():
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             reset_token_metrics(model)
+            reset_token_metrics(model, evaluation=True)
 
-        def on_log(self, args, state, control, logs=None, model=None, **kwargs):
-            if logs is None or "loss" not in logs:
-                return  # evaluation, or the end-of-training summary
-            values = _summed(model, args.device)
-            reset_token_metrics(model)
+        def on_predict(self, args, state, control, model=None, **kwargs):
+            # Trainer.predict logs nothing: its losses must not count in the next evaluation.
+            reset_token_metrics(model, evaluation=True)
+
+        def _read(self, args, model, evaluation):
+            values = _summed(model, args.device, evaluation)
+            reset_token_metrics(model, evaluation)
             if args.parallel_mode == ParallelMode.DISTRIBUTED and torch.distributed.is_initialized():
                 torch.distributed.all_reduce(values)
-            metrics = _as_metrics(values)
+            return _as_metrics(values)
+
+        @staticmethod
+        def _write(state, logs, key, new):
+            logs.update(new)
+            # Trainer.log appends a copy of `logs` to the history just before on_log.
+            last = state.log_history[-1] if state.log_history else None
+            if last is not None and last.get("step") == state.global_step \
+                    and last.get(key) == logs[key]:
+                last.update(new)
+
+        def _on_evaluation_log(self, args, state, logs, model):
+            """``<prefix>_token_accuracy`` and ``<prefix>_entropy`` next to an evaluation's
+            ``<prefix>_loss`` (Trainer.evaluate's metric_key_prefix, "eval" by default)."""
+            prefix = next((k[:-len("_runtime")] for k in logs
+                           if k.endswith("_runtime") and k[:-len("_runtime")] + "_loss" in logs),
+                          None)
+            if prefix is None:
+                return  # the end-of-training summary, or a log of the user's
+            metrics = self._read(args, model, evaluation=True)
+            if metrics["tokens"]:
+                self._write(state, logs, prefix + "_loss",
+                            {prefix + "_token_accuracy": metrics["token_accuracy"],
+                             prefix + "_entropy": metrics["entropy"]})
+
+        def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+            if logs is None:
+                return
+            if "loss" not in logs:
+                return self._on_evaluation_log(args, state, logs, model)
+            metrics = self._read(args, model, evaluation=False)
             if metrics["tokens"] == 0:
                 if not self._warned:
                     self._warned = True
@@ -817,13 +866,8 @@ def _make_metrics_callback():
                                   "fusedce.transformers.apply(metrics=True) before training; "
                                   "models that compute their own loss have none)", stacklevel=2)
                 return
-            new = {"token_accuracy": metrics["token_accuracy"], "entropy": metrics["entropy"]}
-            logs.update(new)
-            # Trainer.log appends a copy of `logs` to the history just before on_log.
-            last = state.log_history[-1] if state.log_history else None
-            if last is not None and last.get("step") == state.global_step \
-                    and last.get("loss") == logs["loss"]:
-                last.update(new)
+            self._write(state, logs, "loss", {"token_accuracy": metrics["token_accuracy"],
+                                              "entropy": metrics["entropy"]})
 
     return MetricsCallback
 

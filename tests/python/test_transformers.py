@@ -675,8 +675,9 @@ def test_metrics_leave_loss_and_gradients_bit_identical(applied, family):
 
 
 def test_metrics_collection_rules():
-    # Collected from losses computed with gradients: not under no_grad (evaluation); owned by
-    # the outermost model call; zeroed by reset; gone with revert(), which leaves the sums.
+    # Losses computed with gradients go to training's sums, under no_grad to evaluation's;
+    # owned by the outermost model call; zeroed by reset; gone with revert(), which leaves the
+    # sums.
     model = predictive_head(tiny_llama(seed=2))
     other = tiny_llama(seed=4)
     ids, labels = repeating_batch(2, 10, seed=1, pad_from=[10, 6])
@@ -692,6 +693,10 @@ def test_metrics_collection_rules():
             model(input_ids=ids, labels=labels)
         other(input_ids=ids, labels=labels)
         assert fct.token_metrics(model)["tokens"] == tokens
+        assert fct.token_metrics(model, evaluation=True)["tokens"] == tokens
+        assert fct.token_metrics(other, evaluation=True)["tokens"] == 0
+        fct.reset_token_metrics(evaluation=True)
+        assert fct.token_metrics(model, evaluation=True)["tokens"] == 0
         assert fct.token_metrics(other)["tokens"] == tokens
         assert fct.token_metrics()["tokens"] == 2 * tokens
         # a loss computed outside any model call counts for every model
@@ -731,14 +736,14 @@ def _train_with_metrics(tmp_path, fused_linear, first=True, plant=None):
 
     model = predictive_head(tiny_llama(seed=9))
     captured = []  # per training micro-batch: [labels, hidden, weight]
+    evaluated = []  # the same per evaluation micro-batch
 
     def take_labels(module, args, kwargs):
-        if torch.is_grad_enabled():
-            captured.append([kwargs["labels"]])
+        (captured if torch.is_grad_enabled() else evaluated).append([kwargs["labels"]])
 
     def take_hidden(module, args):
-        if torch.is_grad_enabled():
-            captured[-1] += [args[0].detach().clone(), module.weight.detach().clone()]
+        (captured if torch.is_grad_enabled() else evaluated)[-1] += [
+            args[0].detach().clone(), module.weight.detach().clone()]
 
     model.register_forward_pre_hook(take_labels, with_kwargs=True)
     model.lm_head.register_forward_pre_hook(take_hidden)
@@ -772,26 +777,39 @@ def _train_with_metrics(tmp_path, fused_linear, first=True, plant=None):
         sums = sum(reference_sums(h, w, labels) for labels, h, w in captured[2 * step:2 * step + 2])
         hits, entropy, tokens = sums.tolist()
         expected.append({"token_accuracy": hits / tokens, "entropy": entropy / tokens})
+    # evaluation after every step: 4 sequences in 2 micro-batches
+    eval_logs = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert len(evaluated) == 6 and all(len(c) == 3 for c in evaluated)
+    for step, log in enumerate(eval_logs):
+        sums = sum(reference_sums(h, w, labels) for labels, h, w in evaluated[2 * step:2 * step + 2])
+        hits, entropy, tokens = sums.tolist()
+        logs.append(log)
+        expected.append({"eval_token_accuracy": hits / tokens, "eval_entropy": entropy / tokens})
     return logs, expected
 
 
 def assert_logged_metrics(logs, expected):
-    assert len(logs) == len(expected) == 3
-    for step, (log, want) in enumerate(zip(logs, expected)):
-        assert log["token_accuracy"] == want["token_accuracy"], f"step {step}"
-        assert log["entropy"] == pytest.approx(want["entropy"], rel=1e-5), f"step {step}"
+    """Training logs then evaluation logs, 3 of each."""
+    assert len(logs) == len(expected) == 6
+    for i, (log, want) in enumerate(zip(logs, expected)):
+        prefix, step = ("", i) if i < 3 else ("eval_", i - 3)
+        assert log[prefix + "token_accuracy"] == want[prefix + "token_accuracy"], f"step {step}"
+        assert log[prefix + "entropy"] == pytest.approx(want[prefix + "entropy"], rel=1e-5), \
+            f"step {step}"
 
 
 @pytest.mark.parametrize("fused_linear,first", [(True, True), (False, False)],
                          ids=["fused_linear-first", "logits-last"])
 def test_trainer_logs_token_metrics(tmp_path, fused_linear, first):
     # token_accuracy and entropy of each log are sums over both micro-batches of the step
-    # divided by their token count (evaluation in between adds nothing), equal to those
-    # computed from the captured hidden states in float64; in trainer.state.log_history
-    # wherever the callback is.
+    # divided by their token count (evaluation in between adds to its own sums), equal to
+    # those computed from the captured hidden states in float64, and eval_token_accuracy and
+    # eval_entropy of each evaluation those of its two micro-batches; in
+    # trainer.state.log_history wherever the callback is.
     logs, expected = _train_with_metrics(tmp_path, fused_linear, first)
     assert_logged_metrics(logs, expected)
-    assert len({log["token_accuracy"] for log in logs}) == 3
+    assert len({log["token_accuracy"] for log in logs[:3]}) == 3
+    assert len({log["eval_entropy"] for log in logs[3:]}) == 3
 
 
 def test_trainer_metrics_comparison_fails_per_micro_batch_means(tmp_path, monkeypatch):
