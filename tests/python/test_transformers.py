@@ -16,6 +16,7 @@ import torch
 
 import fusedce
 import fusedce.transformers as fct
+from conftest import DEVICES
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel  # noqa: E402
@@ -304,10 +305,12 @@ STANDARD_CALLS = [  # (logits dtype, CrossEntropyLoss keyword arguments)
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,options", STANDARD_CALLS)
-def test_token_cross_entropy_loss_serves_standard_calls(spy, dtype, options):
+def test_token_cross_entropy_loss_serves_standard_calls(spy, dtype, options, device):
     x, t = fusedce_problem(dtype)
     t[t == -100] = options.get("ignore_index", -100)
+    x, t = x.to(device), t.to(device)
     ours, our_grad = loss_and_grad(fct.TokenCrossEntropyLoss(**options), x, t)
     theirs, their_grad = loss_and_grad(torch.nn.CrossEntropyLoss(**options), x, t)
     assert spy == [dtype]
