@@ -14,7 +14,7 @@ generically (no model's forward is copied):
   ``lm_head`` for that one call: its forward (an instance attribute set for the call and
   removed after it) computes the loss and returns a marker, an empty ``(..., 0)`` tensor, in
   place of the logits. Models that compute their own cross-entropy (T5, Bart, TrOCR, Whisper's
-  decoder, ...) are never armed; they run exactly as without fusedce.
+  decoder, ...) are never armed (see below for how their loss is served).
 - The model's forward carries the marker on to its loss function, which returns the loss. Any
   logit transform a model applies between ``lm_head`` and the loss must be the one the config
   declares (``final_logit_softcapping``: Gemma 2 and 3; ``logit_scale``: Cohere;
@@ -30,6 +30,15 @@ generically (no model's forward is copied):
   gradients (evaluation, generation), produce the logits as usual. Under ``torch.compile`` the
   marker is not used and the loss comes from the logits path.
 
+Models that compute their own cross-entropy build ``CrossEntropyLoss()`` in their forward, from
+the name their transformers module imported from ``torch.nn``. apply() rebinds that name, in
+every transformers module, to :class:`TokenCrossEntropyLoss`: a subclass of torch's whose
+standard calls ((N, V) float32 / bfloat16 / float16 logits, (N,) int64 targets, no class
+weights) fusedce.cross_entropy computes, and whose every other call is torch's own forward.
+Modules that transformers imports after apply() get it when a model of theirs is built (the
+wrapped ``PreTrainedModel.__init__``). Models that call ``nn.CrossEntropyLoss`` or
+``F.cross_entropy`` through ``torch.nn`` itself stay untouched.
+
 :func:`serving` tells how a model is served: ``"fused_linear"``, ``"logits"`` or
 ``"untouched"``. ``docs/transformers.md`` has the table over every causal-LM and seq2seq-LM
 class of transformers.
@@ -44,18 +53,21 @@ transformers module already imported; modules imported later pick the replacemen
 ``loss_utils``. Works with models created before or after ``apply()``, with ``Trainer`` and with
 a hand-written loop.
 
-``apply(metrics=True)`` also has every loss fusedce computes with gradients enabled return its
-token metrics (the fused call makes them in the same sweep: argmax hits and softmax entropy over
-the non-ignored targets) and adds them, with the count of those targets, to device-side sums:
+``apply(metrics=True)`` also has every loss fusedce computes return its token metrics (the fused
+call makes them in the same sweep: argmax hits and softmax entropy over the non-ignored targets)
+and adds them, with the count of those targets, to device-side sums (those of losses computed
+with gradients enabled, training's, apart from those computed without, evaluation's):
 per model (the outermost ``PreTrainedModel`` whose call computed the loss), or unowned for a loss
 computed outside any model call (or under torch.compile, or in a DataParallel replica).
 :func:`token_metrics` reads them; :class:`MetricsCallback` (or
 :func:`add_metrics_callback`) puts ``token_accuracy`` and ``entropy`` into ``Trainer``'s training
-logs, summed over every micro-batch since the previous log. The loss and gradients are
-bit-identical with and without metrics.
+logs, summed over every micro-batch since the previous log, and ``eval_token_accuracy`` and
+``eval_entropy`` into its evaluation logs. The loss and gradients are bit-identical with and
+without metrics.
 """
 
 import ast
+import functools
 import inspect
 import math
 import sys
@@ -67,6 +79,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from . import _library
 from .functional import cross_entropy
 from .linear import linear_cross_entropy
 
@@ -75,6 +88,7 @@ _fused_linear = False  # apply(fused_linear=...)
 _metrics = False  # apply(metrics=...)
 _unset = object()
 _original_call = None  # while wrapped: PreTrainedModel.__dict__'s own __call__, or _unset
+_original_init = None  # while applied: PreTrainedModel.__dict__'s own __init__
 
 
 def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
@@ -92,12 +106,11 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
     logits = logits.reshape(-1, vocab_size)
     shift_labels = shift_labels.reshape(-1).to(logits.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    collect = _metrics and torch.is_grad_enabled()
     loss = cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction=reduction,
-                         return_metrics=collect)
-    if collect:
+                         return_metrics=_metrics)
+    if _metrics:
         loss, metrics = loss
-        _collect(metrics, (shift_labels != ignore_index).sum())
+        _collect(metrics, (shift_labels != ignore_index).sum(), torch.is_grad_enabled())
     if reduction == "sum":
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -123,7 +136,8 @@ def apply(fused_linear=True, metrics=False):
     """Route every causal-LM training loss of transformers through fusedce (idempotent; calling
     it again with other arguments switches). With ``fused_linear`` the loss of a call with
     labels and gradients comes from fused linear cross-entropy and the logits are never made
-    (module docstring); without it, from fusedce.cross_entropy over the logits. With
+    (module docstring); without it, from fusedce.cross_entropy over the logits. Models that
+    compute their own cross-entropy get TokenCrossEntropyLoss in either case. With
     ``metrics``, every such loss computed with gradients enabled also adds its token metrics to
     the sums that :func:`token_metrics` and :class:`MetricsCallback` read."""
     global _original, _fused_linear, _metrics
@@ -133,6 +147,7 @@ def apply(fused_linear=True, metrics=False):
     if _original is None:
         _original = loss_utils.ForCausalLMLoss
         _swap(_original, causal_lm_loss)
+        _serve_own_cross_entropy(PreTrainedModel)
     _fused_linear = bool(fused_linear)
     _metrics = bool(metrics)
     # The wrapped call arms lm_head (fused_linear) and tells whose call a loss belongs to
@@ -144,15 +159,16 @@ def apply(fused_linear=True, metrics=False):
 
 
 def revert():
-    """Restore transformers' own loss, also in modules imported since apply(), and
-    PreTrainedModel.__call__. Metrics stop being collected; the sums collected so far stay
-    readable (token_metrics)."""
+    """Restore transformers' own loss, also in modules imported since apply(), torch's
+    CrossEntropyLoss in transformers' modules, and PreTrainedModel.__call__ and __init__.
+    Metrics stop being collected; the sums collected so far stay readable (token_metrics)."""
     global _original, _fused_linear, _metrics
     if _original is None:
         return
     from transformers import PreTrainedModel
 
     _unwrap_call(PreTrainedModel)
+    _leave_own_cross_entropy(PreTrainedModel)
     _fused_linear = False
     _metrics = False
     _swap(causal_lm_loss, _original)
@@ -161,6 +177,129 @@ def revert():
 
 def is_applied():
     return _original is not None
+
+
+# ---- models that compute their own cross-entropy: their CrossEntropyLoss over the logits -------
+
+
+_SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SERVED_REDUCTIONS = ("mean", "sum", "none")
+
+
+class TokenCrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """``torch.nn.CrossEntropyLoss`` whose standard calls are computed by fusedce.cross_entropy.
+
+    While apply() is in effect it stands in for the name ``CrossEntropyLoss`` in transformers'
+    modules (the models that compute their own loss: T5, Bart, TrOCR, Whisper's decoder, ...,
+    and their classification heads, which are the same call). A call is standard when the
+    logits are a plain (N, V) float32, bfloat16 or float16 tensor on a device fusedce computes
+    on, the target an (N,) int64 tensor of class indices on the same device, with no class
+    weights, a reduction of 'mean', 'sum' or 'none', an integer ignore_index and a label
+    smoothing in [0, 1]: fusedce computes exactly that function (the contract of
+    fusedce.cross_entropy), and the loss is returned in the logits' dtype as torch returns it.
+    Every other call (class weights, K-dimensional or class-probability targets, float64, an
+    empty batch, tensor subclasses, ...) is torch's own forward, unchanged."""
+
+    def forward(self, input, target):
+        if not _is_standard_call(self, input, target):
+            return super().forward(input, target)
+        loss = cross_entropy(input, target, ignore_index=self.ignore_index,
+                             reduction=self.reduction, label_smoothing=self.label_smoothing,
+                             return_metrics=_metrics)
+        if _metrics:
+            loss, metrics = loss
+            _collect(metrics, (target != self.ignore_index).sum(), torch.is_grad_enabled())
+        return loss.to(input.dtype)
+
+
+def _is_standard_call(loss, input, target):
+    """Whether fusedce.cross_entropy computes `loss`(input, target) as torch does (see
+    TokenCrossEntropyLoss)."""
+    if type(input) is not torch.Tensor or type(target) is not torch.Tensor:
+        return False  # parameters, DTensor and other subclasses: torch's own dispatch
+    if input.dim() != 2 or target.dim() != 1 or target.shape[0] != input.shape[0] \
+            or input.shape[0] == 0 or input.shape[1] == 0:
+        return False
+    if input.dtype not in _SERVED_DTYPES or target.dtype != torch.int64:
+        return False
+    if target.device != input.device or not (
+            input.device.type == "cpu" or (input.is_cuda and _library.with_cuda)):
+        return False
+    smoothing = loss.label_smoothing
+    return (loss.weight is None and loss.reduction in _SERVED_REDUCTIONS
+            and type(loss.ignore_index) is int
+            and type(smoothing) in (int, float) and 0.0 <= smoothing <= 1.0)
+
+
+def _swap_cross_entropy_loss(module, old, new):
+    if module is not None and module.__dict__.get("CrossEntropyLoss") is old:
+        setattr(module, "CrossEntropyLoss", new)
+
+
+def _is_transformers_module(name):
+    return name == "transformers" or name.startswith("transformers.")
+
+
+def _serve_classes(cls):
+    """TokenCrossEntropyLoss in the modules of `cls` and its bases (those of transformers)."""
+    for c in cls.__mro__:
+        if _is_transformers_module(c.__module__):
+            _swap_cross_entropy_loss(sys.modules.get(c.__module__), torch.nn.CrossEntropyLoss,
+                                     TokenCrossEntropyLoss)
+
+
+def _serve_own_cross_entropy(cls):
+    """Put TokenCrossEntropyLoss in place of torch's CrossEntropyLoss in every transformers
+    module imported so far, and wrap `cls.__init__` (PreTrainedModel's) so that a model's own
+    modules get it when the model is built: transformers imports its modeling modules lazily,
+    and a module imported after apply() binds torch's class, but every model of it is built
+    after apply() too."""
+    global _original_init
+    for name, module in list(sys.modules.items()):
+        if _is_transformers_module(name):
+            _swap_cross_entropy_loss(module, torch.nn.CrossEntropyLoss, TokenCrossEntropyLoss)
+    if _original_init is None:
+        _original_init = cls.__dict__["__init__"]
+        original = _original_init
+
+        @functools.wraps(original)
+        def __init__(self, *args, **kwargs):
+            _serve_classes(type(self))
+            original(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+
+
+def _leave_own_cross_entropy(cls):
+    global _original_init
+    if _original_init is not None:
+        cls.__init__ = _original_init
+        _original_init = None
+    for name, module in list(sys.modules.items()):
+        if _is_transformers_module(name):
+            _swap_cross_entropy_loss(module, TokenCrossEntropyLoss, torch.nn.CrossEntropyLoss)
+
+
+_own_loss_calls = {}  # forward function -> whether it calls CrossEntropyLoss(...)
+
+
+def _computes_own_cross_entropy(cls):
+    """Whether `cls.forward`'s own source builds a ``CrossEntropyLoss(...)`` that its module now
+    names TokenCrossEntropyLoss (the model's standard calls of it are served over the logits)."""
+    forward = cls.forward
+    module = sys.modules.get(getattr(forward, "__module__", None) or "")
+    if module is None or module.__dict__.get("CrossEntropyLoss") is not TokenCrossEntropyLoss:
+        return False
+    if forward not in _own_loss_calls:
+        found = False
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+            found = any(isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                        and node.func.id == "CrossEntropyLoss" for node in ast.walk(tree))
+        except (OSError, TypeError, SyntaxError):
+            pass
+        _own_loss_calls[forward] = found
+    return _own_loss_calls[forward]
 
 
 # ---- fused_linear: the loss from lm_head's call ---------------------------------------------
@@ -289,13 +428,18 @@ def _fusable_head(model):
 def serving(model):
     """How fusedce serves `model`'s training loss under the current apply(): "fused_linear"
     (the loss from lm_head's input and weight, no logits), "logits" (fusedce.cross_entropy over
-    the logits the model makes), or "untouched" (the model computes its loss itself, exactly as
-    without fusedce). Under torch.compile a "fused_linear" model is served through the logits.
-    Read from the model's class and state; a model whose forward reaches the loss function only
-    through a helper is reported "untouched" although the logits path serves it."""
-    if not is_applied() or getattr(model, "loss_function", None) is not causal_lm_loss \
-            or not _calls_loss_function(type(model)):
+    the logits the model makes: through the causal-LM loss function, or through the
+    TokenCrossEntropyLoss that a model computing its own cross-entropy builds), or "untouched"
+    (the model computes its loss itself, exactly as without fusedce). Under torch.compile a
+    "fused_linear" model is served through the logits. Read from the model's class and state; a
+    model whose forward reaches the loss function or its CrossEntropyLoss only through a helper
+    is reported "untouched" although the logits path serves it, and a call that is not standard
+    (TokenCrossEntropyLoss) runs torch's own loss although the model is reported "logits"."""
+    if not is_applied():
         return "untouched"
+    if getattr(model, "loss_function", None) is not causal_lm_loss \
+            or not _calls_loss_function(type(model)):
+        return "logits" if _computes_own_cross_entropy(type(model)) else "untouched"
     if _fused_linear and model not in _declined and _fusable_head(model):
         return "fused_linear"
     return "logits"
@@ -514,7 +658,7 @@ class _PendingLogits(torch.Tensor):
         # Collected only now: a call that declines before this point is run again over the
         # logits, whose loss collects its own metrics, so each loss counts once.
         if pending.metrics is not None:
-            _collect(*pending.metrics)
+            _collect(*pending.metrics, True)  # armed only with gradients enabled
         return pending.loss
 
 
@@ -559,6 +703,9 @@ class TokenSums:
 _sums = weakref.WeakKeyDictionary()  # model -> TokenSums of the losses computed in its calls
 _unowned = TokenSums()  # losses computed outside any model call, under torch.compile, or in a
                         # DataParallel replica (a new module object every step)
+# The same for the losses computed without gradients (evaluation), kept apart from training's.
+_eval_sums = weakref.WeakKeyDictionary()
+_eval_unowned = TokenSums()
 _calls = threading.local()  # .stack: the PreTrainedModel calls in progress in this thread
 _adding = threading.Lock()  # DataParallel's replicas run their losses in concurrent threads
 
@@ -570,37 +717,46 @@ def _model_calls():
     return stack
 
 
+def _store(evaluation):
+    """(per-model sums, unowned sums) of training's losses or, `evaluation`, of those computed
+    without gradients."""
+    return (_eval_sums, _eval_unowned) if evaluation else (_sums, _unowned)
+
+
 @torch.compiler.disable
-def _collect(metrics, tokens):
-    """Add one loss's metrics to the sums of the outermost model whose call is in progress.
-    Outside dynamo's graph (a compiled model's loss breaks the graph here), so that the sums
-    are ordinary tensors updated in place."""
+def _collect(metrics, tokens, training):
+    """Add one loss's metrics to the sums of the outermost model whose call is in progress:
+    training's sums for a loss computed with gradients enabled (`training`), evaluation's
+    otherwise. Outside dynamo's graph (a compiled model's loss breaks the graph here), so that
+    the sums are ordinary tensors updated in place."""
     stack = getattr(_calls, "stack", None)
     owner = stack[0] if stack and not getattr(stack[0], "_is_replica", False) else None
+    per_model, unowned = _store(not training)
     with _adding:
         if owner is None:
-            sums = _unowned
+            sums = unowned
         else:
-            sums = _sums.get(owner)
+            sums = per_model.get(owner)
             if sums is None:
-                sums = _sums[owner] = TokenSums()
+                sums = per_model[owner] = TokenSums()
         sums.add(metrics["num_correct_tokens"], metrics["entropy_sum"], tokens)
 
 
-def _owned_by(model):
+def _owned_by(model, evaluation=False):
     """The TokenSums that `model`'s metrics are made of: those of `model` and of every module
     inside it (a wrapper such as a PEFT model, DDP or an OptimizedModule holds the
     PreTrainedModel whose calls collected them), and the unowned ones; every one for None."""
+    per_model, unowned = _store(evaluation)
     if model is None:
-        return [*_sums.values(), _unowned]
+        return [*per_model.values(), unowned]
     modules = model.modules() if isinstance(model, torch.nn.Module) else (model,)
-    return [s for s in (_sums.get(m) for m in modules) if s is not None] + [_unowned]
+    return [s for s in (per_model.get(m) for m in modules) if s is not None] + [unowned]
 
 
-def _summed(model, device=None):
-    """(num_correct, entropy_sum, tokens) summed over _owned_by(model), float64 (3,) on
-    `device` (by default the device of the first sums that hold any)."""
-    owned = _owned_by(model)
+def _summed(model, device=None, evaluation=False):
+    """(num_correct, entropy_sum, tokens) summed over _owned_by(model, evaluation), float64
+    (3,) on `device` (by default the device of the first sums that hold any)."""
+    owned = _owned_by(model, evaluation)
     if device is None:
         device = next((s.tokens.device for s in owned if s.tokens is not None), "cpu")
     return torch.stack([s.values(device) for s in owned]).sum(0)
@@ -614,23 +770,24 @@ def _as_metrics(values):
     return {"token_accuracy": mean(correct), "entropy": mean(entropy), "tokens": int(tokens)}
 
 
-def token_metrics(model=None, reset=False):
+def token_metrics(model=None, reset=False, evaluation=False):
     """The token metrics collected under ``apply(metrics=True)`` since the last reset:
     ``{"token_accuracy": hits / tokens, "entropy": mean softmax entropy in nats, "tokens": the
     number of scored (non-ignored) targets}``, summed over every loss computed with gradients
-    enabled in calls of `model` (or of a PreTrainedModel inside it), plus the unowned ones
-    (computed outside any model call, under torch.compile or in a DataParallel replica);
+    enabled (with `evaluation`: without gradients, as Trainer.evaluate computes them; the two
+    are kept apart) in calls of `model` (or of a PreTrainedModel inside it), plus the unowned
+    ones (computed outside any model call, under torch.compile or in a DataParallel replica);
     `model=None`: every loss. The means are NaN when no token was scored. Reads the device
     once; ``reset`` then zeroes those sums."""
-    values = _summed(model)
+    values = _summed(model, evaluation=evaluation)
     if reset:
-        reset_token_metrics(model)
+        reset_token_metrics(model, evaluation)
     return _as_metrics(values)
 
 
-def reset_token_metrics(model=None):
-    """Zero the sums that token_metrics(model) reads."""
-    for sums in _owned_by(model):
+def reset_token_metrics(model=None, evaluation=False):
+    """Zero the sums that token_metrics(model, evaluation=evaluation) reads."""
+    for sums in _owned_by(model, evaluation):
         sums.reset()
 
 
@@ -644,6 +801,9 @@ def _make_metrics_callback():
         ``apply(metrics=True)`` collects: over every micro-batch of every step since the
         previous log, and over every rank under DDP (summed there, as the counts are, before
         dividing). The sums are reset at every training log and when training begins.
+        Likewise ``eval_token_accuracy`` and ``eval_entropy`` (``<prefix>_...`` for
+        Trainer.evaluate's metric_key_prefix) in every evaluation log, from the sums of the
+        losses computed without gradients since the previous evaluation log (or prediction).
 
         Trainer calls callbacks in order, and the report_to integrations (wandb, TensorBoard,
         ...) come before callbacks passed to Trainer; :func:`add_metrics_callback` puts this one
@@ -656,15 +816,48 @@ def _make_metrics_callback():
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             reset_token_metrics(model)
+            reset_token_metrics(model, evaluation=True)
 
-        def on_log(self, args, state, control, logs=None, model=None, **kwargs):
-            if logs is None or "loss" not in logs:
-                return  # evaluation, or the end-of-training summary
-            values = _summed(model, args.device)
-            reset_token_metrics(model)
+        def on_predict(self, args, state, control, model=None, **kwargs):
+            # Trainer.predict logs nothing: its losses must not count in the next evaluation.
+            reset_token_metrics(model, evaluation=True)
+
+        def _read(self, args, model, evaluation):
+            values = _summed(model, args.device, evaluation)
+            reset_token_metrics(model, evaluation)
             if args.parallel_mode == ParallelMode.DISTRIBUTED and torch.distributed.is_initialized():
                 torch.distributed.all_reduce(values)
-            metrics = _as_metrics(values)
+            return _as_metrics(values)
+
+        @staticmethod
+        def _write(state, logs, key, new):
+            logs.update(new)
+            # Trainer.log appends a copy of `logs` to the history just before on_log.
+            last = state.log_history[-1] if state.log_history else None
+            if last is not None and last.get("step") == state.global_step \
+                    and last.get(key) == logs[key]:
+                last.update(new)
+
+        def _on_evaluation_log(self, args, state, logs, model):
+            """``<prefix>_token_accuracy`` and ``<prefix>_entropy`` next to an evaluation's
+            ``<prefix>_loss`` (Trainer.evaluate's metric_key_prefix, "eval" by default)."""
+            prefix = next((k[:-len("_runtime")] for k in logs
+                           if k.endswith("_runtime") and k[:-len("_runtime")] + "_loss" in logs),
+                          None)
+            if prefix is None:
+                return  # the end-of-training summary, or a log of the user's
+            metrics = self._read(args, model, evaluation=True)
+            if metrics["tokens"]:
+                self._write(state, logs, prefix + "_loss",
+                            {prefix + "_token_accuracy": metrics["token_accuracy"],
+                             prefix + "_entropy": metrics["entropy"]})
+
+        def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+            if logs is None:
+                return
+            if "loss" not in logs:
+                return self._on_evaluation_log(args, state, logs, model)
+            metrics = self._read(args, model, evaluation=False)
             if metrics["tokens"] == 0:
                 if not self._warned:
                     self._warned = True
@@ -673,13 +866,8 @@ def _make_metrics_callback():
                                   "fusedce.transformers.apply(metrics=True) before training; "
                                   "models that compute their own loss have none)", stacklevel=2)
                 return
-            new = {"token_accuracy": metrics["token_accuracy"], "entropy": metrics["entropy"]}
-            logs.update(new)
-            # Trainer.log appends a copy of `logs` to the history just before on_log.
-            last = state.log_history[-1] if state.log_history else None
-            if last is not None and last.get("step") == state.global_step \
-                    and last.get("loss") == logs["loss"]:
-                last.update(new)
+            self._write(state, logs, "loss", {"token_accuracy": metrics["token_accuracy"],
+                                              "entropy": metrics["entropy"]})
 
     return MetricsCallback
 

@@ -7,12 +7,16 @@ the logits (fused_linear=False). apply(metrics=True): bit-identical loss and gra
 token accuracy and entropy that Trainer logs against float64 values from the micro-batches."""
 
 import copy
+import inspect
+import sys
+import types
 
 import pytest
 import torch
 
 import fusedce
 import fusedce.transformers as fct
+from conftest import DEVICES
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel  # noqa: E402
@@ -245,18 +249,212 @@ def test_an_undeclared_logit_transform_falls_back_to_the_logits(spy):
 
 
 # Models that compute their own cross-entropy (never self.loss_function), causal and
-# encoder-decoder: apply() must leave them exactly as they are.
+# encoder-decoder: apply() serves their CrossEntropyLoss over the logits (TokenCrossEntropyLoss),
+# with the loss and gradients they compute without it.
 OWN_LOSS = ["T5ForConditionalGeneration", "BartForConditionalGeneration", "BartForCausalLM",
             "TrOCRForCausalLM", "WhisperForCausalLM", "PLBartForCausalLM"]
 
 
 @pytest.mark.parametrize("fused_linear", [True, False], ids=["fused_linear", "logits"])
 @pytest.mark.parametrize("name", OWN_LOSS)
-def test_models_with_their_own_loss_are_untouched(name, fused_linear):
+def test_models_with_their_own_loss_are_served_over_the_logits(name, fused_linear):
     import transformers_coverage as cov
 
     outcome, detail = cov.check_class(getattr(transformers, name), fused_linear=fused_linear)
-    assert (outcome, detail) == ("untouched", "")
+    assert (outcome, detail) == ("logits", "its own CrossEntropyLoss, served by "
+                                           "TokenCrossEntropyLoss")
+
+
+def test_own_cross_entropy_is_swapped_and_restored():
+    from transformers.models.bart import modeling_bart
+
+    assert modeling_bart.CrossEntropyLoss is torch.nn.CrossEntropyLoss
+    original_init = PreTrainedModel.__dict__["__init__"]
+    fct.apply()
+    try:
+        assert modeling_bart.CrossEntropyLoss is fct.TokenCrossEntropyLoss
+        assert modeling_bart.BCEWithLogitsLoss is torch.nn.BCEWithLogitsLoss
+        assert inspect.signature(PreTrainedModel.__init__) == inspect.signature(original_init)
+    finally:
+        fct.revert()
+    assert modeling_bart.CrossEntropyLoss is torch.nn.CrossEntropyLoss
+    assert PreTrainedModel.__dict__["__init__"] is original_init
+
+
+def test_a_module_imported_after_apply_is_served_when_its_model_is_built(monkeypatch):
+    # transformers imports its modeling modules lazily: one imported after apply() binds torch's
+    # CrossEntropyLoss, and gets TokenCrossEntropyLoss when a model of it is built.
+    module = types.ModuleType("transformers.models.late.modeling_late")
+    module.CrossEntropyLoss = torch.nn.CrossEntropyLoss
+    fct.apply(fused_linear=False)
+    try:
+        monkeypatch.setitem(sys.modules, module.__name__, module)  # imported now
+        late = type("LateForCausalLM", (LlamaForCausalLM,), {"__module__": module.__name__})
+        assert module.CrossEntropyLoss is torch.nn.CrossEntropyLoss
+        late(tiny_llama().config)
+        assert module.CrossEntropyLoss is fct.TokenCrossEntropyLoss
+    finally:
+        fct.revert()
+    assert module.CrossEntropyLoss is torch.nn.CrossEntropyLoss
+
+
+STANDARD_CALLS = [  # (logits dtype, CrossEntropyLoss keyword arguments)
+    (torch.float32, {}), (torch.float32, {"reduction": "sum"}),
+    (torch.float32, {"reduction": "none"}), (torch.float32, {"ignore_index": 3}),
+    (torch.float32, {"label_smoothing": 0.1}), (torch.bfloat16, {}), (torch.float16, {}),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,options", STANDARD_CALLS)
+def test_token_cross_entropy_loss_serves_standard_calls(spy, dtype, options, device):
+    x, t = fusedce_problem(dtype)
+    t[t == -100] = options.get("ignore_index", -100)
+    x, t = x.to(device), t.to(device)
+    ours, our_grad = loss_and_grad(fct.TokenCrossEntropyLoss(**options), x, t)
+    theirs, their_grad = loss_and_grad(torch.nn.CrossEntropyLoss(**options), x, t)
+    assert spy == [dtype]
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    tol = {"rtol": 2e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(ours.float(), theirs.float(), **tol)
+    torch.testing.assert_close(our_grad.float(), their_grad.float(), **tol)
+
+
+def _probabilities(x, t):
+    return x, torch.softmax(torch.randn(x.shape), -1).to(x.dtype)
+
+
+OTHER_CALLS = {  # name -> (CrossEntropyLoss keyword arguments, (logits, target) -> call's inputs)
+    "class weights": ({"weight": torch.rand(VOCAB) + 0.5}, None),
+    "float64": ({}, lambda x, t: (x.double(), t)),
+    "(N, C, d) logits": ({}, lambda x, t: (x.reshape(4, 6, VOCAB).transpose(1, 2), t.reshape(4, 6))),
+    # torch reads (B, T, V) logits as (N, C, d1): T classes at VOCAB positions
+    "unflattened (B, T, V)": ({}, lambda x, t: (x.reshape(1, 24, VOCAB),
+                                                torch.arange(VOCAB)[None] % 24)),
+    "class probabilities": ({}, _probabilities),
+    "int32 target": ({}, lambda x, t: (x, t.int())),
+    "empty batch": ({}, lambda x, t: (x[:0], t[:0])),
+    "a single row (C,)": ({}, lambda x, t: (x[0], t[0])),
+}
+
+
+@pytest.mark.parametrize("name", OTHER_CALLS)
+def test_token_cross_entropy_loss_leaves_other_calls_to_torch(spy, name):
+    options, inputs = OTHER_CALLS[name]
+    x, t = fusedce_problem(torch.float32)
+    if inputs is not None:
+        x, t = inputs(x, t)
+
+    def outcome(loss):
+        try:
+            return loss_and_grad(loss, x, t)
+        except Exception as e:  # noqa: BLE001  the same error as torch's
+            return type(e), str(e)
+
+    ours = outcome(fct.TokenCrossEntropyLoss(**options))
+    theirs = outcome(torch.nn.CrossEntropyLoss(**options))
+    assert spy == []
+    if isinstance(theirs[0], type):
+        assert ours == theirs
+    else:  # bit-identical: torch's own forward (NaN where every target is ignored)
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def fusedce_problem(dtype, n=24, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, VOCAB, generator=g) * 3).to(dtype)
+    t = torch.randint(0, VOCAB, (n,), generator=g)
+    t[::5] = -100
+    t[1] = 3
+    return x, t
+
+
+def loss_and_grad(loss_module, x, t):
+    x = x.detach().clone().requires_grad_(True)
+    loss = loss_module(x, t)
+    loss.sum().backward()
+    return loss.detach(), x.grad
+
+
+@pytest.mark.parametrize("name,inputs", [
+    ("BartForSequenceClassification", lambda ids: {"labels": ids[:, 0] % 2}),
+    ("T5ForQuestionAnswering", lambda ids: {"start_positions": ids[:, 0] % 10,
+                                            "end_positions": ids[:, 1] % 14}),
+])
+def test_classification_heads_keep_their_loss(spy, name, inputs):
+    # The classification heads of the same modules make the same standard call: served, with
+    # the loss and gradients they compute without apply() (T5's answer positions past the
+    # sequence are clamped to its ignore_index, 12 here). The span heads' bias gradients are 0
+    # up to rounding (each row's softmax minus one-hot sums to 0): an absolute tolerance.
+    import transformers_coverage as cov
+
+    model = cov.build(getattr(transformers, name))
+    ids = batch(2, 12, seed=9)[0] % (cov.VOCAB - 32) + 3
+    ids[:, -1] = model.config.eos_token_id  # Bart classifies at its last <eos>
+    kwargs = {"input_ids": ids, **inputs(ids)}
+    if name.startswith("T5"):
+        kwargs["decoder_input_ids"] = ids
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        loss = model(**kwargs).loss
+        loss.backward()
+        return loss.detach()[None], {n: p.grad.clone() for n, p in model.named_parameters()
+                                     if p.grad is not None}
+
+    fct.apply()
+    try:
+        ours = run()
+    finally:
+        fct.revert()
+    assert spy and all(dtype == torch.float32 for dtype in spy)
+    assert_same_training_signal(ours, run(), atol=1e-6)
+
+
+def test_compiled_model_with_its_own_cross_entropy(spy):
+    # torch.compile traces TokenCrossEntropyLoss's choice of path and fusedce's loss.
+    import transformers_coverage as cov
+
+    torch._dynamo.reset()
+    model = cov.build(transformers.BartForCausalLM).eval()  # no dropout: compiled RNG differs
+    compiled = torch.compile(model, backend="aot_eager")
+    micro = cov.micro_batches()
+    fct.apply()
+    try:
+        loss, grads = cov.step(compiled, micro, extras=False)
+    finally:
+        fct.revert()
+    assert spy and all(dtype == torch.float32 for dtype in spy)
+    ours = loss, {name.removeprefix("_orig_mod."): grad for name, grad in grads.items()}
+    assert_same_training_signal(ours, cov.step(model, micro, extras=False))
+    torch._dynamo.reset()
+
+
+def test_own_cross_entropy_metrics():
+    # A model computing its own cross-entropy adds its token metrics too (Bart's causal LM does
+    # not shift its labels: every non-ignored label is scored).
+    import transformers_coverage as cov
+
+    model = cov.build(transformers.BartForCausalLM)
+    ids, labels = cov.micro_batches()[0]
+    fct.apply(metrics=True)
+    try:
+        fct.reset_token_metrics()
+        out = model(input_ids=ids, labels=labels)
+        metrics = fct.token_metrics(model, reset=True)
+    finally:
+        fct.revert()
+    logits = out.logits.detach().double().reshape(-1, out.logits.shape[-1])
+    flat = labels.reshape(-1)
+    kept = flat != -100
+    probs = torch.softmax(logits[kept], -1)
+    assert metrics["tokens"] == int(kept.sum())
+    assert metrics["token_accuracy"] == pytest.approx(
+        (logits[kept].argmax(-1) == flat[kept]).double().mean().item())
+    assert metrics["entropy"] == pytest.approx(
+        -(probs * probs.log()).sum(-1).mean().item(), rel=1e-5)
 
 
 def test_model_that_passes_other_logits_to_its_loss_falls_back(spy):
@@ -480,8 +678,9 @@ def test_metrics_leave_loss_and_gradients_bit_identical(applied, family):
 
 
 def test_metrics_collection_rules():
-    # Collected from losses computed with gradients: not under no_grad (evaluation); owned by
-    # the outermost model call; zeroed by reset; gone with revert(), which leaves the sums.
+    # Losses computed with gradients go to training's sums, under no_grad to evaluation's;
+    # owned by the outermost model call; zeroed by reset; gone with revert(), which leaves the
+    # sums.
     model = predictive_head(tiny_llama(seed=2))
     other = tiny_llama(seed=4)
     ids, labels = repeating_batch(2, 10, seed=1, pad_from=[10, 6])
@@ -497,6 +696,10 @@ def test_metrics_collection_rules():
             model(input_ids=ids, labels=labels)
         other(input_ids=ids, labels=labels)
         assert fct.token_metrics(model)["tokens"] == tokens
+        assert fct.token_metrics(model, evaluation=True)["tokens"] == tokens
+        assert fct.token_metrics(other, evaluation=True)["tokens"] == 0
+        fct.reset_token_metrics(evaluation=True)
+        assert fct.token_metrics(model, evaluation=True)["tokens"] == 0
         assert fct.token_metrics(other)["tokens"] == tokens
         assert fct.token_metrics()["tokens"] == 2 * tokens
         # a loss computed outside any model call counts for every model
@@ -536,14 +739,14 @@ def _train_with_metrics(tmp_path, fused_linear, first=True, plant=None):
 
     model = predictive_head(tiny_llama(seed=9))
     captured = []  # per training micro-batch: [labels, hidden, weight]
+    evaluated = []  # the same per evaluation micro-batch
 
     def take_labels(module, args, kwargs):
-        if torch.is_grad_enabled():
-            captured.append([kwargs["labels"]])
+        (captured if torch.is_grad_enabled() else evaluated).append([kwargs["labels"]])
 
     def take_hidden(module, args):
-        if torch.is_grad_enabled():
-            captured[-1] += [args[0].detach().clone(), module.weight.detach().clone()]
+        (captured if torch.is_grad_enabled() else evaluated)[-1] += [
+            args[0].detach().clone(), module.weight.detach().clone()]
 
     model.register_forward_pre_hook(take_labels, with_kwargs=True)
     model.lm_head.register_forward_pre_hook(take_hidden)
@@ -577,26 +780,39 @@ def _train_with_metrics(tmp_path, fused_linear, first=True, plant=None):
         sums = sum(reference_sums(h, w, labels) for labels, h, w in captured[2 * step:2 * step + 2])
         hits, entropy, tokens = sums.tolist()
         expected.append({"token_accuracy": hits / tokens, "entropy": entropy / tokens})
+    # evaluation after every step: 4 sequences in 2 micro-batches
+    eval_logs = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert len(evaluated) == 6 and all(len(c) == 3 for c in evaluated)
+    for step, log in enumerate(eval_logs):
+        sums = sum(reference_sums(h, w, labels) for labels, h, w in evaluated[2 * step:2 * step + 2])
+        hits, entropy, tokens = sums.tolist()
+        logs.append(log)
+        expected.append({"eval_token_accuracy": hits / tokens, "eval_entropy": entropy / tokens})
     return logs, expected
 
 
 def assert_logged_metrics(logs, expected):
-    assert len(logs) == len(expected) == 3
-    for step, (log, want) in enumerate(zip(logs, expected)):
-        assert log["token_accuracy"] == want["token_accuracy"], f"step {step}"
-        assert log["entropy"] == pytest.approx(want["entropy"], rel=1e-5), f"step {step}"
+    """Training logs then evaluation logs, 3 of each."""
+    assert len(logs) == len(expected) == 6
+    for i, (log, want) in enumerate(zip(logs, expected)):
+        prefix, step = ("", i) if i < 3 else ("eval_", i - 3)
+        assert log[prefix + "token_accuracy"] == want[prefix + "token_accuracy"], f"step {step}"
+        assert log[prefix + "entropy"] == pytest.approx(want[prefix + "entropy"], rel=1e-5), \
+            f"step {step}"
 
 
 @pytest.mark.parametrize("fused_linear,first", [(True, True), (False, False)],
                          ids=["fused_linear-first", "logits-last"])
 def test_trainer_logs_token_metrics(tmp_path, fused_linear, first):
     # token_accuracy and entropy of each log are sums over both micro-batches of the step
-    # divided by their token count (evaluation in between adds nothing), equal to those
-    # computed from the captured hidden states in float64; in trainer.state.log_history
-    # wherever the callback is.
+    # divided by their token count (evaluation in between adds to its own sums), equal to
+    # those computed from the captured hidden states in float64, and eval_token_accuracy and
+    # eval_entropy of each evaluation those of its two micro-batches; in
+    # trainer.state.log_history wherever the callback is.
     logs, expected = _train_with_metrics(tmp_path, fused_linear, first)
     assert_logged_metrics(logs, expected)
-    assert len({log["token_accuracy"] for log in logs}) == 3
+    assert len({log["token_accuracy"] for log in logs[:3]}) == 3
+    assert len({log["eval_entropy"] for log in logs[3:]}) == 3
 
 
 def test_trainer_metrics_comparison_fails_per_micro_batch_means(tmp_path, monkeypatch):

@@ -27,18 +27,29 @@ def test_no_class_fails(rows):
     assert not failing, "\n\n".join(failing)
 
 
+OWN = "its own CrossEntropyLoss"
+
+
 def test_fused_serves_the_causal_lms(rows):
     causal = [r for r in rows if r[1] == "causal"]
     fused = sum(r[2] == "fused_linear" for r in causal)
-    served = sum(r[2] in ("fused_linear", "logits") for r in causal)
+    # the causal LMs whose loss is transformers' causal-LM loss (not their own cross-entropy)
+    served = sum(r[2] in ("fused_linear", "logits") and not r[3].startswith(OWN) for r in causal)
     assert served >= 100, "the mapping is far smaller than transformers 5's, or few classes build"
     assert fused >= 0.9 * served, [r[0] for r in causal if r[2] == "logits"]
     # The models the issue named: the encoder-decoder models and the decoders with their own
-    # cross-entropy run as without fusedce.
-    outcome = {r[0]: r[2] for r in rows}
+    # cross-entropy are served over their logits by TokenCrossEntropyLoss.
+    outcome = {r[0]: r[2:4] for r in rows}
     for name in ("T5ForConditionalGeneration", "BartForConditionalGeneration", "BartForCausalLM",
-                 "TrOCRForCausalLM", "WhisperForCausalLM", "PLBartForCausalLM"):
-        assert outcome[name] == "untouched", name
+                 "TrOCRForCausalLM", "WhisperForCausalLM", "PLBartForCausalLM",
+                 "EncoderDecoderModel", "MusicgenForCausalLM", "XLNetLMHeadModel"):
+        assert outcome[name][0] == "logits" and outcome[name][1].startswith(OWN), name
+    # Those whose own loss does not go through the name CrossEntropyLoss of their module
+    # (F.nll_loss, nn.functional.cross_entropy, nn.CrossEntropyLoss) stay as they are.
+    for name in ("ProphetNetForCausalLM", "XLMWithLMHeadModel",
+                 "GraniteSpeechForConditionalGeneration", "Qwen2AudioForConditionalGeneration"):
+        assert outcome[name][0] == "untouched", name
+    outcome = {name: value[0] for name, value in outcome.items()}
     assert outcome["LlamaForCausalLM"] == "fused_linear"
     # Git calls lm_head on its image tokens too and slices them off before its loss: the fused
     # loss declines (its labels do not cover lm_head's positions) and the logits serve it.
@@ -52,13 +63,27 @@ def test_fused_serves_the_causal_lms(rows):
                        "Gemma4UnifiedAssistantForCausalLM"], unbuilt
 
 
-def test_the_check_can_fail(monkeypatch):
-    # Planted bugs are caught: T5 armed although it computes its own loss, and a fused loss
-    # 0.1% too large.
+def test_arming_a_model_with_its_own_loss_is_declined(monkeypatch):
+    # T5 armed although it computes its own loss: it reads its logits' size, the fused loss is
+    # declined, and the call run again unarmed is served by TokenCrossEntropyLoss, with T5's
+    # loss and gradients.
     monkeypatch.setattr(fct, "_calls_loss_function", lambda cls: True)
-    assert cov.check_class(cov.resolve("T5ForConditionalGeneration"))[0] == "failing"
-    monkeypatch.undo()
+    assert cov.check_class(cov.resolve("T5ForConditionalGeneration"))[0] == "logits"
+
+
+def test_the_check_can_fail(monkeypatch):
+    # Planted bugs are caught: a fused loss 0.1% too large, TokenCrossEntropyLoss summing where
+    # the model asked for the mean, and TokenCrossEntropyLoss losing the model's ignore_index.
     real = fct.linear_cross_entropy
     monkeypatch.setattr(fct, "linear_cross_entropy", lambda *a, **k: real(*a, **k) * 1.001)
     outcome, detail = cov.check_class(cov.resolve("LlamaForCausalLM"))
     assert outcome == "failing" and detail.startswith("differs"), detail
+    monkeypatch.undo()
+    real_ce = fct.cross_entropy
+    monkeypatch.setattr(fct, "cross_entropy", lambda *a, **k: real_ce(*a, **{**k, "reduction": "sum"}))
+    outcome, detail = cov.check_class(cov.resolve("BartForCausalLM"))
+    assert outcome == "failing" and detail.startswith("differs"), detail
+    monkeypatch.undo()
+    monkeypatch.setattr(fct, "cross_entropy", lambda *a, **k: real_ce(*a, **{**k, "ignore_index": -1}))
+    outcome, detail = cov.check_class(cov.resolve("T5ForConditionalGeneration"))
+    assert outcome == "failing" and "ValueError" in detail, detail

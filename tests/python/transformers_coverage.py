@@ -7,7 +7,8 @@ with and without apply(), and the losses and every parameter gradient are compar
 Each class ends in one row:
 
 - fused_linear: the loss came from fusedce.linear_cross_entropy (no logits);
-- logits: from fusedce.cross_entropy over the model's logits;
+- logits: from fusedce.cross_entropy over the model's logits (through the causal-LM loss
+  function, or through the TokenCrossEntropyLoss of a model computing its own cross-entropy);
 - untouched: fusedce computed nothing; the model's own loss ran, as without apply();
 - not buildable: no tiny config could be built, the model fails one step without apply(), or
   it cannot take a step on its own (NO_STEP; the reason is in the row); these say nothing about
@@ -361,12 +362,14 @@ class _Spy:
 
 
 def _applied_step(fct, model, batches, extras, fused_linear):
-    """step() under apply(): (losses and gradients, serving(model), the spy's counts)."""
+    """step() under apply(): (losses and gradients, serving(model), the spy's counts and whether
+    the model computes its own CrossEntropyLoss)."""
     fct.apply(fused_linear=fused_linear)
     try:
         with _Spy(fct) as spy, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ours = step(model, batches, extras)
+        spy.own_cross_entropy = fct._computes_own_cross_entropy(type(model))
         return ours, fct.serving(model), spy
     finally:
         fct.revert()
@@ -436,7 +439,9 @@ def check_class(model_class, fused_linear=True):
     if outcome != how and not (outcome == "logits" and how == "untouched"):
         return "failing", f"served {outcome} while serving() says {how}"
     detail = "" if extras else "without num_items_in_batch/shift_labels (forward takes no **kwargs)"
-    if outcome == "logits" and model in fct._declined:
+    if outcome == "logits" and spy.own_cross_entropy:
+        detail = "its own CrossEntropyLoss, served by TokenCrossEntropyLoss"
+    elif outcome == "logits" and model in fct._declined:
         detail = f"declined the fused loss: {fct._declined[model]}"
     elif outcome == "logits" and not fct._fusable_head(model):
         detail = f"its output embedding is a {type(model.get_output_embeddings()).__name__}, " \
