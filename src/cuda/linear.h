@@ -129,5 +129,9 @@ void launch_fill_ones(void* dst, int64_t n, DType dtype, cudaStream_t stream);
 /// Clears a strided (n,) float vector (the lse of rows that the compacted products skip).
 void launch_zero_strided(float* dst, int64_t n, int64_t stride, cudaStream_t stream);
 
+/// The default logit-buffer bytes of a linear call with a (V, H) weight (this rank's part of it
+/// for a shard); defined in linear_cuda.cpp, used by its plan and the shard plan.
+size_t default_chunk_budget(int64_t V, int64_t H);
+
 }  // namespace cuda
 }  // namespace fusedce

@@ -40,9 +40,6 @@
 
 namespace fusedce {
 namespace cuda {
-namespace {
-
-size_t elem_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
 /// Least default bytes of logits per chunk: with the cuBLASLt workspace and the per-row vectors
 /// the extra memory stays within 512 MiB plus the float32 grad_weight accumulator.
@@ -61,6 +58,11 @@ size_t default_chunk_budget(int64_t V, int64_t H) {
   const size_t weight_f32 = size_t(V) * size_t(H) * 4;
   return std::max(kDefaultChunkBudget, weight_f32 > kChunkOverheadBytes ? weight_f32 - kChunkOverheadBytes : 0);
 }
+
+namespace {
+
+size_t elem_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
+
 /// low_memory: the logit buffer's default (the smaller one when the second pass needs a slice
 /// accumulator), and the most that float32 accumulator may take; with the cuBLASLt workspace
 /// and the per-row vectors the whole call stays under 512 MiB.

@@ -32,13 +32,6 @@ namespace {
 size_t elem_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 int64_t round_up(int64_t n, int64_t q) { return (n + q - 1) / q * q; }
 
-/// The logit buffer's default, as linear_cuda.cpp's: the larger of 448 MiB and a float32 copy
-/// of the (local) weight less 64 MiB of overhead.
-size_t default_budget(int64_t V, int64_t H) {
-  const size_t least = size_t(448) << 20, overhead = size_t(64) << 20;
-  const size_t weight_f32 = size_t(V) * size_t(H) * 4;
-  return std::max(least, weight_f32 > overhead ? weight_f32 - overhead : 0);
-}
 /// low_memory: the logit buffer and the largest float32 grad_weight slice accumulator.
 constexpr size_t kLowMemoryBudget = size_t(256) << 20;
 constexpr size_t kSliceAccBytes = size_t(128) << 20;
@@ -67,7 +60,7 @@ ShardPlan plan_shard(const detail::LinearCall& c) {
   const bool low = c.linear.low_memory;
   size_t budget = c.linear.chunk_budget_bytes > 0 ? c.linear.chunk_budget_bytes
                   : low                           ? kLowMemoryBudget
-                                                  : default_budget(p.V, p.H);
+                                                  : default_chunk_budget(p.V, p.H);
   p.slice = p.V;
   if (backward && low && want_gw) {
     p.slice = std::max<int64_t>(1, std::min<int64_t>(p.V, static_cast<int64_t>(kSliceAccBytes / (size_t(p.H) * 4))));
