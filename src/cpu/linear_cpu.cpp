@@ -13,7 +13,8 @@
 // add into grad_weight in row order, so results do not depend on the thread count.
 // Extra memory: the chunk's logits (the budget), its hidden rows and grad_hidden in float32, and
 // for 16-bit inputs a float32 copy of the weight and a float32 grad_weight accumulator. The
-// vocabulary-parallel steps take the tiled path (linear_cpu_tiled.cpp).
+// vocabulary-parallel steps, and a low_memory call with a 16-bit weight, take the tiled path
+// (linear_cpu_tiled.cpp) instead, which needs neither.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -171,7 +172,9 @@ int64_t chunk_rows(const detail::LinearCall& call, int64_t V, int64_t M) {
 Status run_linear_tiled(const detail::LinearCall& call);  // linear_cpu_tiled.cpp
 
 Status run_linear(const detail::LinearCall& call) {
-  if (call.shard_step != 0) return run_linear_tiled(call);
+  if (call.shard_step != 0 || (call.linear.low_memory && call.weight.dtype != DType::kFloat32)) {
+    return run_linear_tiled(call);
+  }
   const Options& o = call.options;
   const int64_t N = call.hidden.rows, H = call.hidden.cols, V = call.weight.rows;
   const int threads = call.device.num_threads;

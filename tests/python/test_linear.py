@@ -623,3 +623,29 @@ def test_op_errors_name_the_argument():
         lce_fwd(h, w, None, t, None, *opts[:6], 4, 0, False, False, False)
     with pytest.raises(ValueError, match="need_grad_bias"):
         torch.ops.fusedce.lce_fwd_bwd(h, w, None, t, None, *opts, None, False, True, True, True)
+
+
+# ---- the CPU products' library ---------------------------------------------------------------
+
+_BLAS_SYMBOLS = ("sgemm_", "sgemm", "cblas_sgemm", "openblas_set_num_threads", "openblas_get_corename")
+
+
+def test_cpu_blas_is_private_to_the_extension():
+    """fusedce.cpu_blas names the CPU linear path's products, and the extension takes no BLAS
+    symbol from the process: torch's libtorch_cpu exports MKL's sgemm_, and an extension that
+    left its products undefined would run those instead of the library its build names."""
+    import os
+    import shutil
+    import subprocess
+
+    from fusedce import _library
+
+    assert fusedce.cpu_blas in ("OpenBLAS", "none")
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm to read the extension's symbol table")
+    out = subprocess.run([nm, "-D", "--undefined-only", _library._path], capture_output=True, text=True,
+                         check=True).stdout
+    undefined = {line.split()[-1].split("@")[0] for line in out.splitlines() if line.strip()}
+    assert os.path.exists(_library._path)
+    assert not undefined & set(_BLAS_SYMBOLS), f"undefined BLAS symbols: {sorted(undefined & set(_BLAS_SYMBOLS))}"
