@@ -92,7 +92,7 @@ void tn(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const floa
 
 }  // namespace
 
-GemmOps builtin_gemm() { return GemmOps{nt, nn, tn, "none"}; }
+GemmOps builtin_gemm() { return GemmOps{nt, nn, tn, "none", "tiles"}; }
 
 const char* blas_name() { return gemm().blas; }
 

@@ -24,6 +24,8 @@ struct GemmOps {
              int64_t ldc, bool accumulate);
   /// "OpenBLAS", or "none" for the core's own tile products.
   const char* blas;
+  /// The kernels behind them: OpenBLAS's core type (e.g. "SkylakeX", "Haswell"), or "tiles".
+  const char* kernels;
 };
 
 /// The products this build uses: OpenBLAS when it was linked, else builtin_gemm().

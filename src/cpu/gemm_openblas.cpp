@@ -15,11 +15,15 @@
 // Kernels: a DYNAMIC_ARCH OpenBLAS picks its kernels by CPU model, and a release older than the
 // CPU (Debian 12's 0.3.21 on Emerald Rapids, model 0xCF) falls back to its SSE3 "Prescott"
 // kernels, 4-5x slower than its AVX-512 ones. For the private (static) copy only, a fallback
-// below what the CPU's instruction set allows is corrected once, before the first product,
-// through OpenBLAS's own OPENBLAS_CORETYPE re-initialisation (the variable is set for that call
-// and removed again; a value the user set is left alone).
+// below what the CPU's instruction set allows is corrected once, before the first product, by
+// OpenBLAS's own re-initialisation with a forced core type. The process environment is never
+// written: the build gives the private copy's two environment reads to
+// fusedce_openblas_getenv (objcopy --redefine-sym getenv=..., CMakeLists.txt), which answers
+// OPENBLAS_CORETYPE with the forced core and passes every other name to getenv. A value the user
+// set is left alone.
 #include <dlfcn.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -67,6 +71,11 @@ const char* better_core(const char* current) {
   return nullptr;
 }
 
+#if defined(FUSEDCE_OPENBLAS_PRIVATE)
+/// The core type the private OpenBLAS is told at its next initialisation (nullptr: its own pick).
+std::atomic<const char*> forced_core{nullptr};
+#endif
+
 void setup_once() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -74,10 +83,9 @@ void setup_once() {
 #if defined(FUSEDCE_OPENBLAS_PRIVATE)
     const char* better = better_core(openblas_get_corename());
     if (better != nullptr && std::getenv("OPENBLAS_CORETYPE") == nullptr) {
-      setenv("OPENBLAS_CORETYPE", better, 0);
+      forced_core.store(better);
       gotoblas_dynamic_quit();
       gotoblas_dynamic_init();
-      unsetenv("OPENBLAS_CORETYPE");
     }
 #endif
   });
@@ -126,8 +134,18 @@ const char* bound_library() {
 GemmOps gemm() {
   setup_once();
   static const char* const name = bound_library();
-  return GemmOps{nt, nn, tn, name};
+  return GemmOps{nt, nn, tn, name, openblas_get_corename()};
 }
 
 }  // namespace cpu
 }  // namespace fusedce
+
+#if defined(FUSEDCE_OPENBLAS_PRIVATE)
+/// The private OpenBLAS's getenv (its references renamed to this at build time): the forced core
+/// for OPENBLAS_CORETYPE unless the user set one, the environment for every other name.
+extern "C" char* fusedce_openblas_getenv(const char* name) {
+  char* value = std::getenv(name);
+  if (value != nullptr || std::strcmp(name, "OPENBLAS_CORETYPE") != 0) return value;
+  return const_cast<char*>(fusedce::cpu::forced_core.load());
+}
+#endif

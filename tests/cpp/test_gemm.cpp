@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -115,6 +116,28 @@ TEST(CpuGemm, BuiltinProductsMatchFloat64) { check_all(fusedce::cpu::builtin_gem
 TEST(CpuGemm, BuildNamesItsBlas) {
   EXPECT_STREQ(fusedce::cpu_blas(), FUSEDCE_TEST_EXPECT_CPU_BLAS);
   EXPECT_STREQ(fusedce::cpu::gemm().blas, FUSEDCE_TEST_EXPECT_CPU_BLAS);
+}
+
+// OpenBLAS runs kernels of the instruction set the CPU has, not a generic fallback (a release
+// older than the CPU falls back to its SSE3 kernels; the core then re-picks them), and the
+// process environment is left as it was: the core type reaches OpenBLAS without setenv.
+TEST(CpuGemm, OpenBlasUsesTheCpusVectorKernels) {
+  const fusedce::cpu::GemmOps ops = fusedce::cpu::gemm();
+  if (std::strcmp(ops.blas, "OpenBLAS") != 0) GTEST_SKIP() << "built without OpenBLAS";
+  // Never set by the core: present only when the user chose the core type (then it rules).
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) GTEST_SKIP() << "OPENBLAS_CORETYPE set by the user";
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    for (const char* generic : {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Sandybridge", "Katmai",
+                                "Coppermine", "Northwood", "Banias", "Atom"}) {
+      EXPECT_STRCASENE(ops.kernels, generic) << "OpenBLAS kernels below the CPU's AVX2";
+    }
+  }
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vl")) {
+    EXPECT_STRCASENE(ops.kernels, "Haswell") << "OpenBLAS kernels below the CPU's AVX-512";
+  }
+#endif
 }
 
 }  // namespace
