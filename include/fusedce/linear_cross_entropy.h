@@ -19,7 +19,9 @@ struct LinearOptions {
   /// default is the larger of 448 MiB and a float32 copy of the weight (less 64 MiB for the
   /// rest of the workspace): the extra memory stays within the larger of 512 MiB and that copy,
   /// plus the float32 grad_weight accumulator for a 16-bit weight. A smaller budget caps it at
-  /// the price of more token chunks (each reads and writes that accumulator once).
+  /// the price of more token chunks (each reads and writes that accumulator once). On the CPU
+  /// it bounds one chunk's float32 logits; the default is 128 MiB (256 MiB at most with
+  /// low_memory).
   size_t chunk_budget_bytes = 0;
   /// Bound the extra memory (including any float32 grad_weight accumulator) at 512 MiB, even at
   /// the cost of recomputation.

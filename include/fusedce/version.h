@@ -10,4 +10,7 @@ namespace fusedce {
 const char* version();
 /// True when this build of the library contains the CUDA backend.
 bool built_with_cuda();
+/// The library doing the CPU linear path's matrix products: "OpenBLAS", or "none" when the
+/// build found no OpenBLAS and uses the core's own tile products.
+const char* cpu_blas();
 }  // namespace fusedce

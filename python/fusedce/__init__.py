@@ -31,7 +31,8 @@ from .nn import CrossEntropyLoss, LinearCrossEntropyLoss  # noqa: E402
 
 __version__ = "0.1.0"
 with_cuda = _library.with_cuda
+cpu_blas = _library.cpu_blas
 
 __all__ = ["cross_entropy", "CrossEntropyLoss", "linear_cross_entropy", "LinearCrossEntropyLoss",
-           "transformers", "ops", "with_cuda", "distributed", "vocab_parallel_cross_entropy",
+           "transformers", "ops", "with_cuda", "cpu_blas", "distributed", "vocab_parallel_cross_entropy",
            "vocab_parallel_linear_cross_entropy"]

@@ -31,6 +31,10 @@ _info, _path = _locate()
 with_cuda = _info.with_cuda
 """True when the extension has CUDA kernels (nvcc was found and torch had CUDA at build time)."""
 
+cpu_blas = getattr(_info, "cpu_blas", "none")
+"""The library behind the CPU linear path's matrix products: "OpenBLAS", or "none" (the core's
+own tile products, when the build found no OpenBLAS)."""
+
 built_with_torch = _info.torch_version
 """The torch version the extension was compiled against."""
 

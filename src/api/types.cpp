@@ -1,6 +1,8 @@
 #include "fusedce/types.h"
 #include "fusedce/version.h"
 
+#include "cpu/gemm.h"
+
 namespace fusedce {
 
 size_t dtype_size(DType dtype) {
@@ -49,5 +51,7 @@ bool built_with_cuda() {
   return false;
 #endif
 }
+
+const char* cpu_blas() { return cpu::blas_name(); }
 
 }  // namespace fusedce

@@ -1,5 +1,5 @@
 // The CPU backend's row kernels: the interface between the host entry point (cross_entropy_cpu.cpp)
-// and the per-ISA translation units (kernels_avx2.cpp, kernels_generic.cpp) that compile the same
+// and the per-ISA translation units (kernels_avx512.cpp, kernels_avx2.cpp, kernels_generic.cpp) that compile the same
 // code (kernels_impl.h) with different instruction sets.
 #pragma once
 
@@ -78,6 +78,10 @@ namespace avx2 {
 void process_rows(const RowArgs& args, int64_t row_begin, int64_t row_end);
 void rescale_rows(const RescaleArgs& args, int64_t row_begin, int64_t row_end);
 }  // namespace avx2
+namespace avx512 {
+void process_rows(const RowArgs& args, int64_t row_begin, int64_t row_end);
+void rescale_rows(const RescaleArgs& args, int64_t row_begin, int64_t row_end);
+}  // namespace avx512
 
 /// process_rows of the best instruction set this CPU has, over rows [0, n) on the thread pool.
 void run_rows(const RowArgs& args, int64_t n, int max_threads);
@@ -111,6 +115,9 @@ TileKernels tile_kernels();
 namespace avx2 {
 TileKernels tile_kernels();
 }  // namespace avx2
+namespace avx512 {
+TileKernels tile_kernels();
+}  // namespace avx512
 
 }  // namespace cpu
 }  // namespace fusedce

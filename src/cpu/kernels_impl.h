@@ -8,10 +8,11 @@
 // sweep re-reads the row (from cache for rows up to a few hundred KB) and writes dlogits once.
 // Nothing of size N x V is stored besides dlogits itself.
 //
-// Summation error: within a chunk, 8 lanes each add kChunk / 8 = 256 terms in float32; the row's
-// chunks fold into a double accumulator (detail::LseAccum), so the error stays that of one
-// chunk's float32 sums whatever V is (a float32 fold of 2^17 chunks at V = 2^28 compounds to a
-// relative 5e-6 in the loss of an ascending row).
+// Summation error: within a chunk, kLanes lanes (8, or 16 for AVX-512) each add kChunk / kLanes
+// terms (256 or 128) in float32; the row's chunks fold into a double accumulator
+// (detail::LseAccum), so the error stays that of one chunk's float32 sums whatever V is (a
+// float32 fold of 2^17 chunks at V = 2^28 compounds to a relative 5e-6 in the loss of an
+// ascending row).
 #ifndef FUSEDCE_CPU_ISA
 #error "define FUSEDCE_CPU_ISA before including kernels_impl.h"
 #endif
@@ -39,7 +40,14 @@ using detail::LseState;
 using detail::RowGrad;
 
 typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
+
+// The row kernels' vector: FUSEDCE_CPU_LANES floats (8 unless the including file says 16).
+#ifndef FUSEDCE_CPU_LANES
+#define FUSEDCE_CPU_LANES 8
+#endif
+constexpr int kLanes = FUSEDCE_CPU_LANES;
+typedef float vf __attribute__((vector_size(4 * FUSEDCE_CPU_LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * FUSEDCE_CPU_LANES)));
 
 constexpr int64_t kChunk = 2048;  // floats staged per chunk: 8 KB, stays in L1
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -58,45 +66,64 @@ inline float hsum(v8f v) {
   const float b = (v[1] + v[5]) + (v[3] + v[7]);
   return a + b;
 }
-inline float hmax(v8f v) {
+
+inline vf loadv(const float* p) {
+  vf v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void storev(float* p, vf v) { memcpy(p, &v, sizeof(v)); }
+inline vf splatv(float x) {
+  vf v;
+  for (int k = 0; k < kLanes; ++k) v[k] = x;
+  return v;
+}
+
+// hsum of the row kernels' vector: 16 lanes fold to 8 first, then the 8-lane tree.
+inline float hsumv(vf v) {
+  v8f h;
+  for (int k = 0; k < 8; ++k) h[k] = kLanes == 16 ? v[k] + v[(k + 8) % kLanes] : v[k];
+  return hsum(h);
+}
+inline float hmaxv(vf v) {
   float m = v[0];
-  for (int k = 1; k < 8; ++k) m = v[k] > m ? v[k] : m;
+  for (int k = 1; k < kLanes; ++k) m = v[k] > m ? v[k] : m;
   return m;
 }
 
-// exp(x) for 8 lanes: x = k ln2 + r, |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial
+// exp(x) lane by lane: x = k ln2 + r, |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial
 // (truncation < 6e-9), 2^k built in the exponent bits. Below -87.3 (float's smallest normal)
 // the result is 0, -inf gives 0, NaN stays NaN. Written with vector extensions so it compiles
 // to whatever width the instruction set has, and gives the same bits on all of them.
-inline v8f vexp(v8f x) {
-  const v8f lo = splat(-87.33654f), hi = splat(88.37626f);
-  v8f xc = x < lo ? lo : x;
+inline vf vexp(vf x) {
+  const vf lo = splatv(-87.33654f), hi = splatv(88.37626f);
+  vf xc = x < lo ? lo : x;
   xc = xc > hi ? hi : xc;
-  const v8f shifter = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const v8f kf = (xc * splat(1.44269504f) + shifter) - shifter;
-  v8f r = xc - kf * splat(0.693145752f);
-  r = r - kf * splat(1.42860677e-6f);
-  v8f p = splat(1.0f / 5040.0f);
-  p = p * r + splat(1.0f / 720.0f);
-  p = p * r + splat(1.0f / 120.0f);
-  p = p * r + splat(1.0f / 24.0f);
-  p = p * r + splat(1.0f / 6.0f);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.0f);
-  p = p * r + splat(1.0f);
-  const v8i ki = __builtin_convertvector(kf, v8i);
-  const v8i bits = (ki + 127) << 23;
-  v8f scale;
+  const vf shifter = splatv(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf kf = (xc * splatv(1.44269504f) + shifter) - shifter;
+  vf r = xc - kf * splatv(0.693145752f);
+  r = r - kf * splatv(1.42860677e-6f);
+  vf p = splatv(1.0f / 5040.0f);
+  p = p * r + splatv(1.0f / 720.0f);
+  p = p * r + splatv(1.0f / 120.0f);
+  p = p * r + splatv(1.0f / 24.0f);
+  p = p * r + splatv(1.0f / 6.0f);
+  p = p * r + splatv(0.5f);
+  p = p * r + splatv(1.0f);
+  p = p * r + splatv(1.0f);
+  const vi ki = __builtin_convertvector(kf, vi);
+  const vi bits = (ki + 127) << 23;
+  vf scale;
   memcpy(&scale, &bits, sizeof(scale));
-  v8f res = p * scale;
-  res = x < lo ? splat(0.0f) : res;
+  vf res = p * scale;
+  res = x < lo ? splatv(0.0f) : res;
   res = x != x ? x : res;
   return res;
 }
 
 // tanh(y) = 1 - 2 / (exp(2y) + 1): saturates cleanly at +-1 and keeps NaN; absolute error about
 // 1e-7, i.e. at the rounding level of the capped logit it produces.
-inline v8f vtanh(v8f y) { return splat(1.0f) - splat(2.0f) / (vexp(y + y) + splat(1.0f)); }
+inline vf vtanh(vf y) { return splatv(1.0f) - splatv(2.0f) / (vexp(y + y) + splatv(1.0f)); }
 
 // ---- staging a chunk of one row as float32 --------------------------------------------------
 
@@ -133,57 +160,58 @@ inline void store_chunk(const float* buf, int64_t n, fp16_t* y) {
   for (; k < n; ++k) y[k].bits = detail::float_to_fp16(buf[k]);
 }
 
-inline int64_t round_up8(int64_t n) { return (n + 7) & ~int64_t(7); }
+inline int64_t round_up_lanes(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
-// x -> z in place over the first n8 entries (n8 a multiple of 8; the buffer has room).
+// x -> z in place over the first n8 entries (n8 a multiple of kLanes; the buffer has room).
 template <bool kSoftcap>
 inline void transform_chunk(float* buf, int64_t n8, const LossConstants& c) {
   if (kSoftcap) {
-    for (int64_t k = 0; k < n8; k += 8) {
-      store8(buf + k, splat(c.softcap) * vtanh(load8(buf + k) * splat(c.inv_softcap)));
+    for (int64_t k = 0; k < n8; k += kLanes) {
+      storev(buf + k, splatv(c.softcap) * vtanh(loadv(buf + k) * splatv(c.inv_softcap)));
     }
   } else if (c.logit_scale != 1.0f) {
-    for (int64_t k = 0; k < n8; k += 8) store8(buf + k, load8(buf + k) * splat(c.logit_scale));
+    for (int64_t k = 0; k < n8; k += kLanes) storev(buf + k, loadv(buf + k) * splatv(c.logit_scale));
   }
 }
 
 // Sum (or weighted sum with w) of the first n entries; the tail is padded into a vector so the
 // order of additions is fixed.
 inline float chunk_sum(const float* buf, const float* w, int64_t n) {
-  v8f acc = splat(0.0f);
+  vf acc = splatv(0.0f);
   int64_t k = 0;
-  for (; k + 8 <= n; k += 8) acc += w ? load8(buf + k) * load8(w + k) : load8(buf + k);
+  for (; k + kLanes <= n; k += kLanes) acc += w ? loadv(buf + k) * loadv(w + k) : loadv(buf + k);
   if (k < n) {
-    float z[8] = {0, 0, 0, 0, 0, 0, 0, 0}, ww[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    float z[kLanes] = {}, ww[kLanes];
+    for (float& x : ww) x = 1.0f;
     memcpy(z, buf + k, (n - k) * sizeof(float));
     if (w) memcpy(ww, w + k, (n - k) * sizeof(float));
-    acc += load8(z) * load8(ww);
+    acc += loadv(z) * loadv(ww);
   }
-  return hsum(acc);
+  return hsumv(acc);
 }
 
 inline float chunk_max(const float* buf, int64_t n8) {
-  v8f m = splat(-kInf);
-  for (int64_t k = 0; k < n8; k += 8) {
-    const v8f v = load8(buf + k);
+  vf m = splatv(-kInf);
+  for (int64_t k = 0; k < n8; k += kLanes) {
+    const vf v = loadv(buf + k);
     m = v > m ? v : m;
   }
-  return hmax(m);
+  return hmaxv(m);
 }
 
 // The chunk's partial state against reference ref: s = sum exp(z - ref), ez = sum exp(z - ref) z.
 template <bool kEntropy>
 inline LseState chunk_state(const float* buf, int64_t n8, float max) {
   const float ref = detail::lse_ref(max);
-  v8f s = splat(0.0f), ez = splat(0.0f);
-  for (int64_t k = 0; k < n8; k += 8) {
-    const v8f z = load8(buf + k);
-    const v8f e = vexp(z - splat(ref));
+  vf s = splatv(0.0f), ez = splatv(0.0f);
+  for (int64_t k = 0; k < n8; k += kLanes) {
+    const vf z = loadv(buf + k);
+    const vf e = vexp(z - splatv(ref));
     s += e;
     // e == 0 at z == -inf: the term is 0, not 0 * -inf.
-    if (kEntropy) ez += e > splat(0.0f) ? e * z : splat(0.0f);
+    if (kEntropy) ez += e > splatv(0.0f) ? e * z : splatv(0.0f);
   }
-  return LseState{max, hsum(s), kEntropy ? hsum(ez) : 0.0f};
+  return LseState{max, hsumv(s), kEntropy ? hsumv(ez) : 0.0f};
 }
 
 struct RowStats {
@@ -203,7 +231,7 @@ RowStats row_forward(const RowArgs& a, const T* x, int64_t t, float* buf) {
   float z_target = 0.0f, best = -kInf;
   int64_t argmax = 0;
   for (int64_t j0 = 0; j0 < V; j0 += kChunk) {
-    const int64_t n = std::min(kChunk, V - j0), n8 = round_up8(n);
+    const int64_t n = std::min(kChunk, V - j0), n8 = round_up_lanes(n);
     load_chunk(x + j0, n, buf);
     transform_chunk<kSoftcap>(buf, n8, a.c);
     if (t >= j0 && t < j0 + n) z_target = buf[t - j0];
@@ -225,7 +253,7 @@ RowStats row_forward(const RowArgs& a, const T* x, int64_t t, float* buf) {
     for (int64_t j0 = 0; j0 < V; j0 += kChunk) {
       const int64_t n = std::min(kChunk, V - j0);
       load_chunk(x + j0, n, buf);
-      transform_chunk<kSoftcap>(buf, round_up8(n), a.c);
+      transform_chunk<kSoftcap>(buf, round_up_lanes(n), a.c);
       const float* nan = std::find_if(buf, buf + n, [](float v) { return v != v; });
       if (nan != buf + n) {
         argmax = j0 + (nan - buf);
@@ -244,36 +272,36 @@ void row_gradient(const RowArgs& a, const T* x, T* dx, int64_t t, float lse, con
   const int64_t V = a.vocab;
   const LossConstants& c = a.c;
   for (int64_t j0 = 0; j0 < V; j0 += kChunk) {
-    const int64_t n = std::min(kChunk, V - j0), n8 = round_up8(n);
+    const int64_t n = std::min(kChunk, V - j0), n8 = round_up_lanes(n);
     load_chunk(x + j0, n, buf);
     for (int64_t k = n; k < n8; ++k) buf[k] = 0.0f;
     transform_chunk<kSoftcap>(buf, n8, c);
     const bool has_target = t >= j0 && t < j0 + n;
     const float z_t = has_target ? buf[t - j0] : 0.0f;
-    for (int64_t k = 0; k < n8; k += 8) {
-      const v8f z = load8(buf + k);
-      v8f w = splat(1.0f);
+    for (int64_t k = 0; k < n8; k += kLanes) {
+      const vf z = loadv(buf + k);
+      vf w = splatv(1.0f);
       if (a.class_weight) {
-        if (k + 8 <= n) {
-          w = load8(a.class_weight + j0 + k);
+        if (k + kLanes <= n) {
+          w = loadv(a.class_weight + j0 + k);
         } else {
-          float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+          float tail[kLanes] = {};
           memcpy(tail, a.class_weight + j0 + k, (n - k) * sizeof(float));
-          w = load8(tail);
+          w = loadv(tail);
         }
       }
-      v8f d = splat(rg.g_a) * vexp(z - splat(lse)) - splat(rg.g_c) * w;
+      vf d = splatv(rg.g_a) * vexp(z - splatv(lse)) - splatv(rg.g_c) * w;
       if (kSoftcap) {
-        const v8f u = z * splat(1.0f / c.softcap);
-        d *= splat(c.logit_scale) * (splat(1.0f) - u * u);
+        const vf u = z * splatv(1.0f / c.softcap);
+        d *= splatv(c.logit_scale) * (splatv(1.0f) - u * u);
       } else {
-        d *= splat(c.logit_scale);
+        d *= splatv(c.logit_scale);
       }
-      store8(buf + k, d);
+      storev(buf + k, d);
     }
     if (has_target) {
       const float w_t = a.class_weight ? a.class_weight[t] : 1.0f;
-      const float p_t = vexp(splat(z_t - lse))[0];
+      const float p_t = vexp(splatv(z_t - lse))[0];
       buf[t - j0] = (rg.g_a * p_t - rg.g_bt - rg.g_c * w_t) * detail::dz_dx(z_t, c, kSoftcap);
     }
     store_chunk(buf, n, dx + j0);
@@ -287,7 +315,7 @@ void zero_row(T* dx, int64_t V) {
 
 template <typename T, bool kSoftcap>
 void process_rows_t(const RowArgs& a, int64_t row_begin, int64_t row_end) {
-  alignas(64) float buf[kChunk + 8];
+  alignas(64) float buf[kChunk + kLanes];
   const T* logits = reinterpret_cast<const T*>(a.logits);
   T* dlogits = reinterpret_cast<T*>(a.dlogits);
   for (int64_t i = row_begin; i < row_end; ++i) {
@@ -363,7 +391,7 @@ void process_rows_dtype(const RowArgs& a, int64_t row_begin, int64_t row_end) {
 
 template <typename T>
 void rescale_rows_t(const RescaleArgs& a, int64_t row_begin, int64_t row_end) {
-  alignas(64) float buf[kChunk + 8];
+  alignas(64) float buf[kChunk + kLanes];
   T* base = reinterpret_cast<T*>(a.dlogits);
   for (int64_t i = row_begin; i < row_end; ++i) {
     const float f = a.grad_loss[a.grad_scalar ? 0 : i * a.grad_stride];

@@ -148,24 +148,41 @@ struct LinRun {
   std::vector<uint8_t> gh, gw, gb;
 };
 
+/// Rows of `cols` elements of `el` bytes, contiguous, spread to a row stride of cols + pad
+/// (the gaps hold poison), or gathered back.
+std::vector<uint8_t> spread_rows(const std::vector<uint8_t>& v, int64_t cols, int64_t pad, size_t el) {
+  if (pad == 0) return v;
+  const int64_t rows = static_cast<int64_t>(v.size() / (cols * el));
+  std::vector<uint8_t> out(rows * (cols + pad) * el, 0xCD);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(&out[r * (cols + pad) * el], &v[r * cols * el], cols * el);
+  return out;
+}
+std::vector<uint8_t> gather_rows(const std::vector<uint8_t>& v, int64_t rows, int64_t cols, int64_t pad, size_t el) {
+  std::vector<uint8_t> out(rows * cols * el);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(&out[r * cols * el], &v[r * (cols + pad) * el], cols * el);
+  return out;
+}
+
 /// One forward_backward on `backend` (inputs copied to its memory, results copied back).
+/// `pad` > 0: hidden, weight, grad_hidden and grad_weight with rows strided by H + pad.
 LinRun run(Backend& backend, const LinCase& lc, DType d, const std::vector<uint8_t>& hid, const std::vector<uint8_t>& w,
            const std::vector<uint8_t>& b, const std::vector<int64_t>& tgt, const std::vector<float>& cw,
            const std::vector<float>& up, bool metrics, fusedce::Status* status, bool skip_ignored = false,
-           bool low_memory = false, size_t budget = 0) {
+           bool low_memory = false, size_t budget = 0, int64_t pad = 0) {
   LinRun r;
-  const int64_t N = lc.N, H = lc.H, V = lc.V;
+  const int64_t N = lc.N, H = lc.H, V = lc.V, ld = H + pad;
   const size_t el = elem_size(d);
   fusedce::Options o = lc.o;
   o.compute_metrics = metrics;
-  DeviceBuffer d_hid = DeviceBuffer::from_vector(backend, hid), d_w = DeviceBuffer::from_vector(backend, w),
+  DeviceBuffer d_hid = DeviceBuffer::from_vector(backend, spread_rows(hid, H, pad, el)),
+               d_w = DeviceBuffer::from_vector(backend, spread_rows(w, H, pad, el)),
                d_b = DeviceBuffer::from_vector(backend, b), d_t = DeviceBuffer::from_vector(backend, tgt),
                d_cw = DeviceBuffer::from_vector(backend, cw), d_up = DeviceBuffer::from_vector(backend, up);
   if (!cw.empty()) o.class_weight = fusedce::vector(d_cw.data(), DType::kFloat32, V);
   const int64_t loss_n = o.reduction == Reduction::kNone ? N : 1;
   // Outputs start as poison: whatever the call does not write shows up as a mismatch.
   DeviceBuffer d_loss(backend, loss_n * 4), d_lse(backend, N * 4), d_ent(backend, 4), d_cor(backend, 8),
-      d_gh(backend, N * H * el), d_gw(backend, V * H * el), d_gb(backend, V * el);
+      d_gh(backend, N * ld * el), d_gw(backend, V * ld * el), d_gb(backend, V * el);
   for (DeviceBuffer* buf : {&d_loss, &d_lse, &d_ent, &d_cor, &d_gh, &d_gw, &d_gb}) buf->fill(0xCD);
   fusedce::ForwardOutputs out;
   out.loss = fusedce::vector(d_loss.data(), DType::kFloat32, loss_n);
@@ -178,14 +195,16 @@ LinRun run(Backend& backend, const LinCase& lc, DType d, const std::vector<uint8
   lo.shift_seq_len = lc.shift;
   lo.skip_ignored = skip_ignored;
   lo.low_memory = low_memory;
-  // A small chunk budget on the GPU, so that several chunks (and a ragged last one) run.
+  // A small chunk budget on the GPU, so that several chunks (and a ragged last one) run; the CPU
+  // takes the budget given (0: its default, one chunk at these sizes).
   if (backend.kind() == BackendKind::kCuda) lo.chunk_budget_bytes = budget ? budget : size_t(7) * V * el + 3;
+  if (backend.kind() == BackendKind::kCpu) lo.chunk_budget_bytes = budget;
   fusedce::LinearGrads g;
-  g.grad_hidden = fusedce::matrix(d_gh.data(), d, N, H);
-  g.grad_weight = fusedce::matrix(d_gw.data(), d, V, H);
+  g.grad_hidden = fusedce::matrix(d_gh.data(), d, N, H, ld);
+  g.grad_weight = fusedce::matrix(d_gw.data(), d, V, H, ld);
   if (lc.bias) g.grad_bias = fusedce::vector(d_gb.data(), d, V);
   *status = fusedce::linear_cross_entropy_forward_backward(
-      backend.device(), fusedce::matrix(d_hid.data(), d, N, H), fusedce::matrix(d_w.data(), d, V, H),
+      backend.device(), fusedce::matrix(d_hid.data(), d, N, H, ld), fusedce::matrix(d_w.data(), d, V, H, ld),
       lc.bias ? fusedce::vector(d_b.data(), d, V) : fusedce::VectorView{},
       fusedce::vector(d_t.data(), DType::kInt64, N), o, lo, out,
       up.empty() ? fusedce::VectorView{} : fusedce::vector(d_up.data(), DType::kFloat32, up.size()), g);
@@ -198,10 +217,8 @@ LinRun run(Backend& backend, const LinCase& lc, DType d, const std::vector<uint8
     d_ent.download(&r.entropy, 4);
     d_cor.download(&r.correct, 8);
   }
-  r.gh = d_gh.to_host();
-  r.gh.resize(N * H * el);
-  r.gw = d_gw.to_host();
-  r.gw.resize(V * H * el);
+  r.gh = gather_rows(d_gh.to_host(), N, H, pad, el);
+  r.gw = gather_rows(d_gw.to_host(), V, H, pad, el);
   r.gb = d_gb.to_host();
   r.gb.resize(V * el);
   if (!lc.bias) r.gb.assign(V * el, 0);
@@ -359,6 +376,28 @@ TEST_P(LinearGrid, MatchesFloat64Reference) {
       expect_close("grad_hidden" + tag, widen(lm.gh, N * H), ref.gh, gt_lm);
       expect_close("grad_weight" + tag, widen(lm.gw, V * H), ref.gw, gt_lm);
       if (lc.bias) expect_close("grad_bias" + tag, widen(lm.gb, V), ref.gb, gt_lm);
+    }
+  }
+
+  // CPU: chunk budgets that split the rows (several chunks with a ragged last one; one row per
+  // chunk), so that grad_weight and grad_bias add over chunks, each with rows of hidden, weight,
+  // grad_hidden and grad_weight strided past H (the products' leading dimensions).
+  if (backend->kind() == BackendKind::kCpu) {
+    for (size_t budget : {size_t(0), size_t(7) * V * 4 + 3, size_t(1)}) {
+      for (int64_t pad : {int64_t(0), int64_t(5)}) {
+        if (budget == 0 && pad == 0) continue;  // the default run above
+        const std::string tag = " (budget " + std::to_string(budget) + ", row stride H + " + std::to_string(pad) + ")";
+        const LinRun cr = run(*backend, lc, d, hid, w, b, tgt, cw, up, true, &st, false, false, budget, pad);
+        ASSERT_TRUE(st.ok()) << st.message();
+        std::vector<double> cl(cr.loss.begin(), cr.loss.end()), clse(cr.lse.begin(), cr.lse.end());
+        expect_close("loss" + tag, cl, lc.o.reduction == Reduction::kNone ? ref.loss_rows : std::vector<double>{ref.loss}, lt);
+        expect_close("lse" + tag, clse, ref.lse, lt);
+        EXPECT_NEAR(cr.entropy, ref.entropy, 2e-5 * (std::fabs(ref.entropy) + N)) << tag;
+        EXPECT_EQ(cr.correct, ref.correct) << tag;
+        expect_close("grad_hidden" + tag, widen(cr.gh, N * H), ref.gh, gt);
+        expect_close("grad_weight" + tag, widen(cr.gw, V * H), ref.gw, gt);
+        if (lc.bias) expect_close("grad_bias" + tag, widen(cr.gb, V), ref.gb, gt);
+      }
     }
   }
 }

@@ -107,6 +107,14 @@ def test_failing_missing_and_wrong_peers_get_rows():
     assert by[("fusedce", "fwd+bwd")].correct
     assert not any(peer == "wrong" for (_, _, peer) in report.speedups(rows))
     assert "WRONG" in report.summary(rows)
+    # The compact same-run table: ms of the implementations that ran, fusedce's speed-up over
+    # the others (the failed one has neither).
+    compact = report.versus(rows).splitlines()
+    assert compact[1] == "| case | dtype | fusedce | wrong | vs wrong |"
+    cells = [c.strip() for c in compact[3].split("|")[1:-1]]
+    assert cells[:2] == ["37 x 1001 masked", "float32"]
+    speedup = by[("wrong", "fwd+bwd")].median_ms / by[("fusedce", "fwd+bwd")].median_ms
+    assert cells[4] == f"{speedup:.2f}x"
     meta = {"device_name": "cpu", "torch_version": "x", "fusedce_version": "y", "fusedce_commit": "z",
             "ceiling_text": ["copy 10 GB/s"]}
     text = report.table(rows, meta)

@@ -377,8 +377,7 @@ def test_memory_options_leave_results_unchanged_cuda():
     # chunk_budget_bytes, low_memory and skip_ignored change how the CUDA backend does the work
     # (here: 4096 bytes hold 2 of the 30 rows' logits, so the call runs 15 chunks; low_memory
     # forms grad_weight in a second pass from recomputed logits; skip_ignored compacts the ~30 %
-    # ignored rows), not the result. Only a GPU can show it: the CPU backend has none of these
-    # paths (test_cpu_backend_ignores_memory_options).
+    # ignored rows), not the result (the CPU's own chunks: test_memory_options_leave_results_unchanged_cpu).
     h, w, b, t = make_linear_problem((30,), 16, 400, device="cuda", bias=True)
     ref = loss_and_grads(lambda *a: fusedce.linear_cross_entropy(a[0], a[1], t, a[2]), (h, w, b))
     for kw in _MEMORY_VARIANTS:
@@ -392,17 +391,22 @@ def test_memory_options_leave_results_unchanged_cuda():
             torch.testing.assert_close(a, r, **tol)
 
 
-def test_cpu_backend_ignores_memory_options():
-    # The CPU backend forms float32 tiles of its own size and always drops ignored rows
-    # (docs/contract.md, "Fused linear cross-entropy"): the options are accepted and leave every
-    # bit unchanged. This is all the CPU can check; what the options do is tested on a GPU
-    # (test_memory_options_leave_results_unchanged_cuda).
+def test_memory_options_leave_results_unchanged_cpu():
+    # The CPU backend takes the rows in chunks whose float32 logits fit chunk_budget_bytes (4096
+    # bytes: 2 of the 30 rows, 15 chunks adding into grad_weight), and always drops ignored rows:
+    # the budget changes the rounding, not the result; skip_ignored, and low_memory with a
+    # float32 weight (the same chunks under its cap), leave every bit unchanged.
     h, w, b, t = make_linear_problem((30,), 16, 400, bias=True)
     ref = loss_and_grads(lambda *a: fusedce.linear_cross_entropy(a[0], a[1], t, a[2]), (h, w, b))
     for kw in _MEMORY_VARIANTS:
         out = loss_and_grads(lambda *a: fusedce.linear_cross_entropy(a[0], a[1], t, a[2], **kw), (h, w, b))
-        assert torch.equal(out[0], ref[0]), kw
-        assert all(torch.equal(a, r) for a, r in zip(out[1], ref[1])), kw
+        if "chunk_budget_bytes" in kw:
+            torch.testing.assert_close(out[0], ref[0], rtol=1e-6, atol=1e-7)
+            for a, r in zip(out[1], ref[1]):
+                torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(out[0], ref[0]), kw
+            assert all(torch.equal(a, r) for a, r in zip(out[1], ref[1])), kw
 
 
 @requires_cuda
@@ -623,3 +627,29 @@ def test_op_errors_name_the_argument():
         lce_fwd(h, w, None, t, None, *opts[:6], 4, 0, False, False, False)
     with pytest.raises(ValueError, match="need_grad_bias"):
         torch.ops.fusedce.lce_fwd_bwd(h, w, None, t, None, *opts, None, False, True, True, True)
+
+
+# ---- the CPU products' library ---------------------------------------------------------------
+
+_BLAS_SYMBOLS = ("sgemm_", "sgemm", "cblas_sgemm", "openblas_set_num_threads", "openblas_get_corename")
+
+
+def test_cpu_blas_is_private_to_the_extension():
+    """fusedce.cpu_blas names the CPU linear path's products, and the extension takes no BLAS
+    symbol from the process: torch's libtorch_cpu exports MKL's sgemm_, and an extension that
+    left its products undefined would run those instead of the library its build names."""
+    import os
+    import shutil
+    import subprocess
+
+    from fusedce import _library
+
+    assert fusedce.cpu_blas in ("OpenBLAS", "none")
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm to read the extension's symbol table")
+    out = subprocess.run([nm, "-D", "--undefined-only", _library._path], capture_output=True, text=True,
+                         check=True).stdout
+    undefined = {line.split()[-1].split("@")[0] for line in out.splitlines() if line.strip()}
+    assert os.path.exists(_library._path)
+    assert not undefined & set(_BLAS_SYMBOLS), f"undefined BLAS symbols: {sorted(undefined & set(_BLAS_SYMBOLS))}"

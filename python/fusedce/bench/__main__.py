@@ -140,7 +140,8 @@ def main(argv=None):
     finally:
         progress.close()
 
-    text = report.table(rows, meta) + "\n\n" + report.summary(rows)
+    compact = report.versus(rows)
+    text = report.table(rows, meta) + "\n\n" + (compact + "\n\n" if compact else "") + report.summary(rows)
     print(text)
     if a.out:
         os.makedirs(a.out, exist_ok=True)

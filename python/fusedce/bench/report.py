@@ -83,6 +83,27 @@ def speedups(rows):
     return {k: (statistics.geometric_mean(v), len(v)) for k, v in ratios.items()}
 
 
+def versus(rows, job="fwd+bwd"):
+    """A compact table of one job: per case, each implementation's median ms, then fusedce's
+    speed-up over each implementation that is not one of its own variants (their median over
+    fusedce's: above 1, fusedce is faster), from the same run."""
+    done = [r for r in rows if r.job == job and r.status == "ok"]
+    peers = list(dict.fromkeys(r.peer for r in done))
+    others = [p for p in peers if not p.startswith(FUSEDCE)]
+    if FUSEDCE not in peers or not others:
+        return ""
+    lines = [f"{job}, median ms (fusedce's speed-up):",
+             "| case | dtype | " + " | ".join(peers) + " | " + " | ".join(f"vs {p}" for p in others) + " |",
+             "|---|---|" + "---|" * (len(peers) + len(others))]
+    for key in dict.fromkeys((r.kind, r.case, r.dtype) for r in done):
+        at = {r.peer: r for r in done if (r.kind, r.case, r.dtype) == key}
+        ours = at.get(FUSEDCE)
+        ms = [_num(at[p].median_ms, ".1f") if p in at else "" for p in peers]
+        xs = [f"{at[p].median_ms / ours.median_ms:.2f}x" if ours is not None and p in at else "" for p in others]
+        lines.append(f"| {key[1]} | {key[2]} | " + " | ".join(ms) + " | " + " | ".join(xs) + " |")
+    return "\n".join(lines)
+
+
 def summary(rows):
     lines = []
     for (kind, job, peer), (x, n) in sorted(speedups(rows).items()):

@@ -1,0 +1,41 @@
+// The CPU linear path's matrix products: row-major float32, run on the calling thread (the
+// caller spreads disjoint output blocks over its pool, so no product starts threads of its own).
+// One build does them through OpenBLAS (gemm_openblas.cpp) or through the core's own tile
+// products (gemm.cpp); CMake decides, and blas_name() says which.
+//
+// The sum behind each output element runs over k in an order fixed by the shapes alone, so a
+// block's results do not depend on which thread computes it or how many threads there are.
+#pragma once
+
+#include <cstdint>
+
+namespace fusedce {
+namespace cpu {
+
+struct GemmOps {
+  /// C (m x n) = A (m x k) . B^T, B (n x k). Leading dimensions in elements.
+  void (*nt)(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+             int64_t ldc);
+  /// C (m x n) = A (m x k) . B (k x n).
+  void (*nn)(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+             int64_t ldc);
+  /// C (m x n) = A^T . B (+ C when accumulate), A (k x m), B (k x n).
+  void (*tn)(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+             int64_t ldc, bool accumulate);
+  /// "OpenBLAS", or "none" for the core's own tile products.
+  const char* blas;
+  /// The kernels behind them: OpenBLAS's core type (e.g. "SkylakeX", "Haswell"), or "tiles".
+  const char* kernels;
+};
+
+/// The products this build uses: OpenBLAS when it was linked, else builtin_gemm().
+GemmOps gemm();
+
+/// The core's own tile products (AVX2 when the CPU has it), in every build.
+GemmOps builtin_gemm();
+
+/// gemm().blas: the library behind the CPU linear path's products.
+const char* blas_name();
+
+}  // namespace cpu
+}  // namespace fusedce
