@@ -352,3 +352,147 @@ def test_dtensor_group(world, key, tmp_path_factory):
     failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(_RESULTS[world])
                 if res.get(key, "missing") is not None]
     assert not failures, "\n".join(failures)
+
+
+# ---- models: a tensor-parallel lm_head and FSDP2 under fusedce.transformers.apply() ---------------
+
+MODEL_KEYS = ("tp/fused_linear", "tp/logits", "tp/direct_call", "tp/declined_scale",
+              "fsdp/fused_linear", "fsdp/logits")
+
+
+def _tiny_causal_lm(family="llama", seed=0):
+    """A two-layer model of a 131-token vocabulary with an untied lm_head (Cohere: a logit scale
+    of 0.5, applied to the DTensor logits by the model)."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                  attn_implementation="eager", tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    if family == "cohere":
+        return tf.CohereForCausalLM(tf.CohereConfig(logit_scale=0.5, bos_token_id=1, eos_token_id=2,
+                                                    pad_token_id=0, **common))
+    return tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+
+
+def _model_batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=g)
+    labels = ids.clone()
+    labels[0, 6:] = -100
+    return ids, labels
+
+
+def _sgd_steps(model, steps, loss_of, lr=0.5):
+    """`steps` steps of plain SGD; returns the losses."""
+    losses = []
+    for step in range(steps):
+        loss = loss_of(model, *_model_batch(step))
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+                p.grad = None
+        losses.append(loss.detach().double())
+    return losses
+
+
+def _transformers_loss(model, ids, labels):
+    return model(input_ids=ids, labels=labels).loss
+
+
+def _compare_models(model, ref, losses, ref_losses, what, rtol=2e-4, atol=2e-5):
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=rtol, atol=atol,
+                               msg=lambda m: f"{what}: losses: {m}")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(_full(p.detach()).double(), q.detach(), rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{what}: {name}: {m}")
+
+
+def _run_model_case(key, mesh, rank, world):
+    import copy
+    import warnings
+
+    import fusedce.transformers as fct
+
+    kind, mode = key.split("/")
+    family = "cohere" if mode == "declined_scale" else "llama"
+    model = _tiny_causal_lm(family)
+    ref = copy.deepcopy(model).double()
+    steps = 2
+    ref_losses = _sgd_steps(ref, steps, _transformers_loss)  # transformers' own loss, float64
+    what = f"{key}, world {world}, rank {rank}"
+    if kind == "tp":
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        parallelize_module(model, mesh, {"lm_head": ColwiseParallel(use_local_output=False)})
+        assert tuple(model.lm_head.weight.placements)[0].is_shard(0), what
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model.lm_head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert tuple(model.lm_head.weight.placements)[0].is_shard(0), what
+    seen = []
+
+    def loss_of(m, ids, labels):
+        if mode == "direct_call":  # the head's DTensor weight passed by hand
+            hidden = m.model(input_ids=ids).last_hidden_state
+            return fusedce.linear_cross_entropy(hidden, m.lm_head.weight, labels, shift=True)
+        out = m(input_ids=ids, labels=labels)
+        seen.append((fct.serving(m), out.logits.shape[-1]))
+        return out.loss
+
+    fct.apply(fused_linear=mode not in ("logits",))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses = _sgd_steps(model, steps, loss_of)
+    finally:
+        fct.revert()
+    if mode in ("fused_linear",):
+        assert seen == [("fused_linear", 0)] * steps, f"{what}: not the fused path: {seen}"
+    elif mode == "logits":
+        assert seen == [("logits", VOCAB)] * steps, f"{what}: not the logits path: {seen}"
+    elif mode == "declined_scale":
+        # The model scales the DTensor logits: the fused loss declines, the logits path serves.
+        assert seen == [("logits", VOCAB)] * steps, f"{what}: {seen}"
+        assert any("applies an operation to the DTensor logits" in str(w.message) for w in caught), \
+            f"{what}: no warning of the decline"
+    _compare_models(model, ref, losses, ref_losses, what)
+
+
+def _model_worker(rank, world, store_path, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    results = {}
+    try:
+        mesh = _mesh()
+        for key in MODEL_KEYS:
+            try:
+                _run_model_case(key, mesh, rank, world)
+                results[key] = None
+            except BaseException:  # noqa: B036
+                results[key] = traceback.format_exc()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+_MODEL_RESULTS = {}
+
+
+@pytest.mark.parametrize("world,key", [(w, k) for w in WORLDS for k in MODEL_KEYS],
+                         ids=lambda v: str(v))
+def test_models(world, key, tmp_path_factory):
+    pytest.importorskip("transformers")
+    if world not in _MODEL_RESULTS:
+        _MODEL_RESULTS[world] = spawn_group(_model_worker, (), world,
+                                            tmp_path_factory.mktemp(f"models{world}"), deadline_s=300)
+    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(_MODEL_RESULTS[world])
+                if res.get(key, "missing") is not None]
+    assert not failures, "\n".join(failures)
