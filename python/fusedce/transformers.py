@@ -26,6 +26,12 @@ generically (no model's forward is copied):
   labels name (Git's image tokens), declines the fused loss: the call is run again unarmed
   from the same random state, with a warning, and that model stays on the logits path. Never a
   different loss, never an error that the model would not raise without fusedce.
+- A tensor-parallel ``lm_head`` (``ColwiseParallel(use_local_output=False)``: its weight a
+  DTensor sharded on dim 0 during the call) computes the loss through the DTensor form of
+  ``linear_cross_entropy`` (vocabulary-parallel over the mesh) and returns an empty DTensor
+  sharded on its last dimension for its output hook; that output must reach the loss function
+  unchanged, else the call declines (operations on a DTensor are not recorded). An FSDP2 head
+  is whole during its call (FSDP2 gathers it first) and takes the plain fused loss.
 - The returned output's ``logits`` is that empty tensor. Calls without labels, or without
   gradients (evaluation, generation), produce the logits as usual. Under ``torch.compile`` the
   marker is not used and the loss comes from the logits path.
