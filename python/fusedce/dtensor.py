@@ -40,34 +40,35 @@ calls run inside :func:`fusedce.distributed.agreed_call`, so an argument error f
 is raised on every rank.
 """
 
+import sys
+
 import torch
-import torch.distributed as dist
 
 from . import distributed
 
-_DTENSOR = None
-
-
 def _dtensor_class():
-    """torch's DTensor class, or () when this torch has no torch.distributed (isinstance(x, ())
-    is False)."""
-    global _DTENSOR
-    if _DTENSOR is None:
-        if dist.is_available():
-            from torch.distributed.tensor import DTensor
-            _DTENSOR = DTensor
-        else:
-            _DTENSOR = ()
-    return _DTENSOR
+    """torch's DTensor class, or () (isinstance(x, ()) is False) while torch.distributed.tensor
+    is not imported: no DTensor can exist before it is, and importing it takes seconds, which a
+    program that never makes one must not pay."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", ()) if module is not None else ()
 
 
 def is_dtensor(value):
-    return isinstance(value, _dtensor_class())
+    return any_dtensor(value)
 
 
 def any_dtensor(*values):
-    cls = _dtensor_class()
-    return any(isinstance(v, cls) for v in values)
+    """Whether any of `values` is a DTensor. Plain tensors and parameters (every call of the
+    single-device forms) are told apart by their type alone."""
+    for value in values:
+        if isinstance(value, torch.Tensor) and type(value) not in _PLAIN:
+            if isinstance(value, _dtensor_class()):
+                return True
+    return False
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _shard_dim(placement):
