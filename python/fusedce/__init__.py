@@ -24,6 +24,7 @@ from . import ops  # noqa: E402  (fake kernels and autograd of the ops just load
 from . import linear_ops  # noqa: E402
 from . import vp_ops  # noqa: E402  (fake kernels of the vocabulary-parallel ops)
 from . import distributed  # noqa: E402
+from . import dtensor  # noqa: E402  (DTensor inputs of the vocabulary-parallel forms)
 from . import transformers  # noqa: E402
 from .functional import cross_entropy, vocab_parallel_cross_entropy  # noqa: E402
 from .linear import linear_cross_entropy, vocab_parallel_linear_cross_entropy  # noqa: E402

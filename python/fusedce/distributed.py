@@ -50,6 +50,11 @@ collective and raises alone.
 Every rank must call the function with the same ``target``, options and rows, and run the
 backward (the all-reduce of the linear form is a collective).
 
+DTensor inputs (a head's weight sharded on dim 0, as ``ColwiseParallel`` leaves an ``lm_head``;
+logits sharded on their class dimension, the ``loss_parallel`` convention) take these forms
+without ``process_group``: :mod:`fusedce.dtensor` reads the group and the layout from the
+DTensor and calls the front ends on the local tensors.
+
 Shard layout
 ------------
 Each rank passes its local block; where that block sits in the full vocabulary comes from two

@@ -9,7 +9,7 @@ errors, and picks the op; every number comes from the core. What the core does n
 import torch
 import torch.nn.functional as F
 
-from . import _library, distributed
+from . import _library, distributed, dtensor
 from ._checks import check_target_values, scalar_options, unit_stride_vector
 from .ops import FusedCrossEntropy, InplaceWrite, Overwritten, call_below_autograd, ops
 
@@ -125,6 +125,15 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
             ``vocab_start`` / ``vocab_total`` and what crosses ranks (one all-gather of per-row
             scalars). ``inplace_backward`` is not available there.
 
+    DTensor logits sharded on their class dimension (the last, or dim 1 of ``(N, C, d1, ...)``;
+    the ``loss_parallel`` convention, a ``ColwiseParallel(use_local_output=False)`` head's
+    output) over a 1-D device mesh take the vocabulary-parallel form by themselves: the group,
+    ``vocab_start`` and ``vocab_total`` are read from the DTensor (do not pass them), ``weight``
+    may be a DTensor placed as the logits, a ``Replicate()`` one or the full ``(V,)`` vector,
+    ``target`` a plain tensor or a ``Replicate()`` DTensor. The loss and metrics are plain
+    tensors, the same on every rank; the logits' gradient is a DTensor with their placements.
+    Replicated logits run the single-device call. See :mod:`fusedce.dtensor`.
+
     Returns:
         The float32 loss (the fallback: PyTorch's), or ``(loss, metrics)`` with
         ``return_metrics=True``.
@@ -133,6 +142,15 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
     logits require grad, and the backward only scales it by the upstream gradient (no work at
     all when that is 1). When the logits do not require grad, only the forward runs.
     """
+    if dtensor.any_dtensor(logits, target, weight):
+        # Logits sharded as loss_parallel hands them over: the vocabulary-parallel form below,
+        # on the local tensors (fusedce.dtensor).
+        return dtensor.cross_entropy(cross_entropy, logits, target, weight, dict(
+            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+            logit_scale=logit_scale, softcap=softcap, z_loss=z_loss,
+            inplace_backward=inplace_backward, return_metrics=return_metrics,
+            check_targets=check_targets, strict=strict, process_group=process_group,
+            vocab_start=vocab_start, vocab_total=vocab_total))
     if (process_group is not None and not torch.compiler.is_compiling()
             and not distributed.in_agreed_call()):
         # Every check below may fail on one rank only: the call's outcome is agreed by the group

@@ -8,7 +8,7 @@ picks the op; every number comes from the core (linear_cross_entropy.h).
 
 import torch
 
-from . import _library, distributed
+from . import _library, distributed, dtensor
 from ._checks import check_target_values, scalar_options, unit_stride_vector
 from .functional import _REDUCTIONS, _rows
 from .linear_ops import FusedLinearCrossEntropy, call_below_autograd, ops
@@ -136,6 +136,15 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
             the (N, H) float32 grad_hidden in the backward. hidden and target must be the same
             on every rank.
 
+    A DTensor ``weight`` sharded on dim 0 over a 1-D device mesh (an ``lm_head`` under
+    ``ColwiseParallel``) takes the vocabulary-parallel form by itself: the group,
+    ``vocab_start`` and ``vocab_total`` are read from it (do not pass them); ``bias`` must be
+    placed as ``weight``, ``class_weight`` may be placed so too, be a ``Replicate()`` DTensor or
+    the full ``(V,)`` vector; ``hidden`` and ``target`` are plain tensors or ``Replicate()``
+    DTensors. The loss and metrics are plain tensors, the same on every rank; the gradients of
+    DTensor inputs are DTensors with their placements (``weight.grad``: ``Shard(0)``). A
+    replicated weight runs the single-device call. See :mod:`fusedce.dtensor`.
+
     Returns:
         The float32 loss, or ``(loss, metrics)`` with ``return_metrics=True``.
 
@@ -147,6 +156,16 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
     ``skip_ignored`` or ``check_targets``): the core reads the targets where it runs; the Python
     side never looks at tensor values otherwise.
     """
+    if dtensor.any_dtensor(hidden, weight, target, bias, class_weight):
+        # A head sharded as ColwiseParallel hands it over: the vocabulary-parallel form below,
+        # on the local tensors (fusedce.dtensor).
+        return dtensor.linear_cross_entropy(linear_cross_entropy, hidden, weight, target, bias, dict(
+            class_weight=class_weight, ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap,
+            z_loss=z_loss, shift=shift, return_metrics=return_metrics,
+            chunk_budget_bytes=chunk_budget_bytes, low_memory=low_memory,
+            skip_ignored=skip_ignored, check_targets=check_targets, process_group=process_group,
+            vocab_start=vocab_start, vocab_total=vocab_total))
     if (process_group is not None and not torch.compiler.is_compiling()
             and not distributed.in_agreed_call()):
         # Every check below may fail on one rank only: the outcome is agreed by the group

@@ -26,6 +26,12 @@ generically (no model's forward is copied):
   labels name (Git's image tokens), declines the fused loss: the call is run again unarmed
   from the same random state, with a warning, and that model stays on the logits path. Never a
   different loss, never an error that the model would not raise without fusedce.
+- A tensor-parallel ``lm_head`` (``ColwiseParallel(use_local_output=False)``: its weight a
+  DTensor sharded on dim 0 during the call) computes the loss through the DTensor form of
+  ``linear_cross_entropy`` (vocabulary-parallel over the mesh) and returns an empty DTensor
+  sharded on its last dimension for its output hook; that output must reach the loss function
+  unchanged, else the call declines (operations on a DTensor are not recorded). An FSDP2 head
+  is whole during its call (FSDP2 gathers it first) and takes the plain fused loss.
 - The returned output's ``logits`` is that empty tensor. Calls without labels, or without
   gradients (evaluation, generation), produce the logits as usual. Under ``torch.compile`` the
   marker is not used and the loss comes from the logits path.
@@ -79,7 +85,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from . import _library
+from . import _library, dtensor
 from .functional import cross_entropy
 from .linear import linear_cross_entropy
 
@@ -99,6 +105,10 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
     armed ``lm_head`` (``fused_linear``), it returns the loss the head computed."""
     if isinstance(logits, _PendingLogits):
         return logits.consume(labels, vocab_size, shift_labels, num_items_in_batch)
+    pending = _armed_with_dtensor_marker(logits)
+    if pending is not None:
+        return pending.consume_dtensor_marker(logits, labels, vocab_size, shift_labels,
+                                              num_items_in_batch)
     if shift_labels is None:
         # Shift so that tokens < n predict n; the last position predicts nothing.
         labels = F.pad(labels, (0, 1), value=ignore_index)
@@ -364,6 +374,10 @@ def _armed_call(self, args, kwargs):
     rng = _rng_state()
     head = pending.head
     head.forward = lambda hidden: _fused_head_forward(head, pending, hidden)
+    # What lm_head's call returns after every hook of its own (ColwiseParallel's output hook
+    # turns a DTensor marker into its output layout): registered last, so it runs last.
+    seen = head.register_forward_hook(lambda module, inputs, output: pending.saw_output(output))
+    outer, _armed.pending = getattr(_armed, "pending", None), pending
     reason = None
     try:
         out = torch.nn.Module.__call__(self, *args, **kwargs)
@@ -372,6 +386,8 @@ def _armed_call(self, args, kwargs):
     except _Decline as e:
         reason = str(e)
     finally:
+        _armed.pending = outer
+        seen.remove()
         del head.forward
         pending.closed = True
     if reason is None:
@@ -384,6 +400,20 @@ def _armed_call(self, args, kwargs):
                       "logits instead of the fused linear loss", stacklevel=3)
     _set_rng_state(rng)
     return torch.nn.Module.__call__(self, *args, **kwargs)
+
+
+_armed = threading.local()  # .pending: the armed model call in progress in this thread
+
+
+def _armed_with_dtensor_marker(logits):
+    """The armed call in progress whose lm_head (a tensor-parallel head) returned a DTensor
+    marker, when `logits` may be that marker or something made from it (empty classes)."""
+    pending = getattr(_armed, "pending", None)
+    if pending is None or pending.dtensor_marker is None or pending.consumed or pending.closed:
+        return None
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 1 or logits.shape[-1] != 0:
+        return None
+    return pending
 
 
 def _rng_state():
@@ -505,6 +535,42 @@ class _Pending:
         self.loss = None
         self.metrics = None  # (metrics, token count) of the loss, with apply(metrics=True)
         self.head_called = self.consumed = self.closed = False
+        self.dtensor_marker = None  # the DTensor marker of a tensor-parallel head
+        self.head_output = None  # what lm_head's call returned (after its hooks)
+
+    def saw_output(self, output):
+        if self.head_output is None and self.head_called:
+            self.head_output = output
+
+    def finish(self, labels, vocab_size, shift_labels, num_items_in_batch):
+        """The loss computed in lm_head, once the loss function's arguments and the operations
+        applied to the marker are checked to be those the fused loss assumed."""
+        if labels is not self.labels or shift_labels is not self.shift_labels \
+                or num_items_in_batch is not self.num_items_in_batch:
+            self.fail("passes its loss function other labels than it was given")
+        if vocab_size != self.head.weight.shape[0]:
+            self.fail(f"computes its loss over {vocab_size} classes, not lm_head's "
+                      f"{self.head.weight.shape[0]}")
+        self.check_steps()
+        self.consumed = True
+        # Collected only now: a call that declines before this point is run again over the
+        # logits, whose loss collects its own metrics, so each loss counts once.
+        if self.metrics is not None:
+            _collect(*self.metrics, True)  # armed only with gradients enabled
+        return self.loss
+
+    def consume_dtensor_marker(self, logits, labels, vocab_size, shift_labels, num_items_in_batch):
+        """The loss of a tensor-parallel head's call: its output (the DTensor marker in the
+        head's output layout) must reach the loss function unchanged. Operations on a DTensor
+        are not followed (they run below __torch_function__), so any one of them declines, and
+        so does a head that hands its local shard on (use_local_output=True: without fusedce the
+        loss would see V_local classes)."""
+        if logits is not self.head_output:
+            self.fail("applies an operation to the DTensor logits of its tensor-parallel lm_head")
+        if not dtensor.is_dtensor(logits):
+            self.fail("receives its tensor-parallel lm_head's local logits (the head returns a "
+                      "local shard: ColwiseParallel(use_local_output=True))")
+        return self.finish(labels, vocab_size, shift_labels, num_items_in_batch)
 
     def fail(self, what):
         raise _Decline(what)
@@ -596,10 +662,25 @@ def _fused_head_forward(head, pending, hidden):
             num_items = num_items.to(loss.device)
         loss = loss / num_items
     pending.loss = loss
+    if dtensor.is_dtensor(weight):
+        # A tensor-parallel head (ColwiseParallel): its output hook takes a DTensor sharded on
+        # the classes; an empty one, whose identity the loss function checks.
+        pending.dtensor_marker = _dtensor_marker(hidden, weight)
+        return pending.dtensor_marker
     marker = hidden.new_empty((*hidden.shape[:-1], 0)).as_subclass(_PendingLogits)
     marker._pending = pending
     pending.latest = marker
     return marker
+
+
+def _dtensor_marker(hidden, weight):
+    """An empty (..., 0) DTensor sharded on its last dimension over weight's mesh: the marker
+    of a tensor-parallel head, as ColwiseParallel's output hook expects its output."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = hidden.to_local() if dtensor.is_dtensor(hidden) else hidden
+    empty = local.new_empty((*local.shape[:-1], 0))
+    return DTensor.from_local(empty, weight.device_mesh, [Shard(-1)], run_check=False)
 
 
 class _PendingLogits(torch.Tensor):
@@ -647,19 +728,7 @@ class _PendingLogits(torch.Tensor):
                                "were passed to a loss function")  # no call to fall back to
         if self is not pending.latest:
             pending.fail("passes an earlier version of its logits to its loss")
-        if labels is not pending.labels or shift_labels is not pending.shift_labels \
-                or num_items_in_batch is not pending.num_items_in_batch:
-            pending.fail("passes its loss function other labels than it was given")
-        if vocab_size != pending.head.weight.shape[0]:
-            pending.fail(f"computes its loss over {vocab_size} classes, not lm_head's "
-                         f"{pending.head.weight.shape[0]}")
-        pending.check_steps()
-        pending.consumed = True
-        # Collected only now: a call that declines before this point is run again over the
-        # logits, whose loss collects its own metrics, so each loss counts once.
-        if pending.metrics is not None:
-            _collect(*pending.metrics, True)  # armed only with gradients enabled
-        return pending.loss
+        return pending.finish(labels, vocab_size, shift_labels, num_items_in_batch)
 
 
 # ---- metrics: token accuracy and entropy from the fused call ------------------------------------
