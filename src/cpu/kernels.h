@@ -112,5 +112,8 @@ namespace avx2 {
 TileKernels tile_kernels();
 }  // namespace avx2
 
+/// The tile kernels of the best instruction set this CPU has (defined in linear_cpu.cpp).
+TileKernels best_tile_kernels();
+
 }  // namespace cpu
 }  // namespace fusedce

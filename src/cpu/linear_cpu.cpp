@@ -24,12 +24,8 @@
 
 namespace fusedce {
 namespace cpu {
-namespace {
 
-constexpr int64_t kRows = 16;   // rows per chunk
-constexpr int64_t kCols = 128;  // vocabulary entries per tile
-
-TileKernels tiles() {
+TileKernels best_tile_kernels() {
 #if defined(FUSEDCE_HAVE_AVX2_KERNELS)
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                           __builtin_cpu_supports("f16c");
@@ -37,6 +33,13 @@ TileKernels tiles() {
 #endif
   return generic::tile_kernels();
 }
+
+namespace {
+
+constexpr int64_t kRows = 16;   // rows per chunk
+constexpr int64_t kCols = 128;  // vocabulary entries per tile
+
+TileKernels tiles() { return best_tile_kernels(); }
 
 float load_elem(const void* base, DType d, int64_t i) {
   switch (d) {
