@@ -251,22 +251,28 @@ def test_linear_values_and_gradients(device, dtype, n, hid, vocab, bias, tempera
     ref64 = [x.detach().double().cpu().requires_grad_(True) if x is not None else None for x in (h, w, b)]
     z64 = torch.nn.functional.linear(ref64[0], ref64[1], ref64[2]) / temperature
     lp_ref, ent_ref = reference(z64, t.cpu())
-    # float32 logits of 16-bit inputs on a GPU are rounded to the dtype in the chunk buffer
-    tol = 2e-5 if (dtype == torch.float32 or device == "cpu") else 0.05
+    old, adv = _weights(n, n)
+    # PyTorch's own error in this dtype (F.linear in the dtype, then float32), which sets the
+    # budget where the dtype's rounding of the logits dominates (a GPU keeps a logit chunk in
+    # the input dtype); float32 arithmetic's error is the floor.
+    own = [x.detach().clone().cpu().requires_grad_(True) if x is not None else None for x in (h, w, b)]
+    lp_own, ent_own = reference(torch.nn.functional.linear(*own).float() / temperature, t.cpu())
+    budget = max((lp_own.double() - lp_ref).abs().max().item() if n else 0.0,
+                 (ent_own.double() - ent_ref).abs().max().item() if n else 0.0)
+    tol = max(2e-5, 3 * budget)
     _close(lp, lp_ref.detach(), tol, 2e-6, "logprob")
     _close(ent, ent_ref.detach(), tol, 2e-6, "entropy")
     if not n:
         return
-    old, adv = _weights(n, n)
     _objective(lp, ent, old.float().to(device), adv.float().to(device)).backward()
     _objective(lp_ref, ent_ref, old, adv).backward()
-    for leaf, ref, name in zip(leaves, ref64, ("hidden", "weight", "bias")):
+    _objective(lp_own, ent_own, old.float(), adv.float()).backward()
+    for leaf, ref, mine, name in zip(leaves, ref64, own, ("hidden", "weight", "bias")):
         if leaf is None:
             continue
         assert leaf.grad.dtype == dtype, name
         atol, rtol = _grad_tol(dtype, ref.grad)
-        if device != "cpu" and dtype != torch.float32:
-            atol, rtol = 8 * atol, 8 * rtol
+        atol = max(atol, 3 * (mine.grad.double() - ref.grad).abs().max().item())
         _close(leaf.grad, ref.grad, atol, rtol, f"grad_{name}")
     assert (leaves[0].grad[t == IGNORE] == 0).all()
 
