@@ -27,6 +27,22 @@ ops = torch.ops.fusedce
 IGNORE = -100
 
 
+@pytest.fixture(autouse=True)
+def _cuda_kernels_under_test(monkeypatch):
+    """The library refuses CUDA inputs until these tests have passed on a GPU
+    (token_logprobs.CUDA_CHECKED_ON_A_GPU); the tests themselves run the CUDA kernels."""
+    monkeypatch.setattr(fusedce.token_logprobs, "CUDA_CHECKED_ON_A_GPU", True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_inputs_are_refused_until_checked_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(fusedce.token_logprobs, "CUDA_CHECKED_ON_A_GPU", False)
+    x = torch.randn(4, 7, device="cuda")
+    t = torch.randint(0, 7, (4,), device="cuda")
+    with pytest.raises(NotImplementedError, match="not yet been checked on a GPU"):
+        fusedce.logprobs(x, t)
+
+
 # ---- problems and the float64 reference -----------------------------------------------------
 
 
