@@ -8,6 +8,7 @@
 #include "ops_namespace.h"
 
 #include "linear_ops.h"
+#include "lp_ops.h"
 #include "ops.h"
 #include "vp_ops.h"
 
@@ -56,4 +57,9 @@ FUSEDCE_TORCH_LIBRARY_IMPL(CUDA, m) {
   m.impl("ce_shard_bwd", &fusedce_torch::ce_shard_bwd<Ctx>);
   m.impl("lce_shard_stats", &fusedce_torch::lce_shard_stats<Ctx>);
   m.impl("lce_shard_bwd", &fusedce_torch::lce_shard_bwd<Ctx>);
+  m.impl("lp_stats", &fusedce_torch::lp_stats<Ctx>);
+  m.impl("llp_stats", &fusedce_torch::llp_stats<Ctx>);
+  m.impl("lp_merge", &fusedce_torch::lp_merge<Ctx>);
+  m.impl("lp_bwd", &fusedce_torch::lp_bwd<Ctx>);
+  m.impl("llp_bwd", &fusedce_torch::llp_bwd<Ctx>);
 }

@@ -3,6 +3,7 @@
 
 #include "fusedce/cross_entropy.h"
 #include "fusedce/linear_cross_entropy.h"
+#include "fusedce/logprobs.h"
 #include "fusedce/types.h"
 #include "fusedce/vocab_parallel.h"
 #include "fusedce/version.h"

@@ -292,10 +292,18 @@ def _decode_layout(gathered, world, n):
 
 def _merge_shards(stats, target, weight, shard, options, compute_metrics, process_group,
                   where="fusedce", local_vocab=None, rule=0):
-    """Step 2 of the core: the one all-gather of the shard statistics (with this rank's layout
-    record in row N), the check that every rank accepted its arguments and that the shards tile
-    [0, V) in rank order (the same error on every rank otherwise), then the rank-order merge
-    (the same bits on every rank). Returns loss, lse, num_correct, entropy_sum, row_weight, batch.
+    """Step 2 of the core: the one all-gather of the shard statistics (gather_checked), then
+    the rank-order merge (the same bits on every rank). Returns loss, lse, num_correct,
+    entropy_sum, row_weight, batch."""
+    gathered = gather_checked(stats, target, shard, process_group, where, local_vocab, rule)
+    return ops.ce_shard_merge(gathered, target, weight, *shard, *options, compute_metrics)
+
+
+def gather_checked(stats, target, shard, process_group, where="fusedce", local_vocab=None, rule=0):
+    """The one all-gather of a rank's (N + 1, 9) statistics (with this rank's layout record in
+    row N) and the check that every rank accepted its arguments and that the shards tile [0, V)
+    in rank order (the same error on every rank otherwise). Returns the gathered block, every
+    rank's statistics in rank order, for a merge step of the core.
 
     The check reads the gathered records on the host (one device synchronisation per call under
     NCCL); it is skipped under torch.compile, where the layout and arguments must be right."""
@@ -308,7 +316,7 @@ def _merge_shards(stats, target, weight, shard, options, compute_metrics, proces
         _check_tiling([(0, shard[0], local_vocab, shard[1], rule)], where)  # local, no read
     elif local_vocab is not None and not torch.compiler.is_compiling():
         _check_tiling(_decode_layout(gathered, world, target.shape[0]), where)
-    return ops.ce_shard_merge(gathered, target, weight, *shard, *options, compute_metrics)
+    return gathered
 
 
 # ---- one agreed outcome per call ------------------------------------------------------------------

@@ -27,6 +27,11 @@ Status validate_call(const CeCall& call);
 /// ignore_index, naming its row and value.
 Status check_targets_host(const VectorView& target, int64_t vocab, int64_t ignore_index);
 
+/// validate_call's checks of one matrix / vector / target argument (the message names it).
+Status check_matrix_arg(const char* name, const MatrixView& m);
+Status check_vector_arg(const char* name, const VectorView& v, DType want, int64_t size);
+Status check_target_arg(const VectorView& t, int64_t rows);
+
 }  // namespace detail
 
 namespace cpu {

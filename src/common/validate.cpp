@@ -443,3 +443,16 @@ Status check_targets_host(const VectorView& target, int64_t vocab, int64_t ignor
 
 }  // namespace detail
 }  // namespace fusedce
+
+namespace fusedce {
+namespace detail {
+
+// The argument checks above, for the validators of other entry points (logprobs.cpp).
+Status check_matrix_arg(const char* name, const MatrixView& m) { return check_matrix(name, m); }
+Status check_vector_arg(const char* name, const VectorView& v, DType want, int64_t size) {
+  return check_vector(name, v, want, size);
+}
+Status check_target_arg(const VectorView& t, int64_t rows) { return check_target(t, rows); }
+
+}  // namespace detail
+}  // namespace fusedce

@@ -119,5 +119,8 @@ namespace avx512 {
 TileKernels tile_kernels();
 }  // namespace avx512
 
+/// The tile kernels of the best instruction set this CPU has (defined in linear_cpu.cpp).
+TileKernels best_tile_kernels();
+
 }  // namespace cpu
 }  // namespace fusedce

@@ -30,14 +30,7 @@ namespace {
 constexpr int64_t kRows = 16;   // rows per chunk
 constexpr int64_t kCols = 128;  // vocabulary entries per tile
 
-TileKernels tiles() {
-#if defined(FUSEDCE_HAVE_AVX2_KERNELS)
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
-  if (has) return avx2::tile_kernels();
-#endif
-  return generic::tile_kernels();
-}
+TileKernels tiles() { return best_tile_kernels(); }
 
 float load_elem(const void* base, DType d, int64_t i) {
   switch (d) {
@@ -156,6 +149,15 @@ void grad_tile(const Problem& p, float* z, int64_t rc, int64_t v0, int64_t vt, c
 }
 
 }  // namespace
+
+TileKernels best_tile_kernels() {
+#if defined(FUSEDCE_HAVE_AVX2_KERNELS)
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  if (has) return avx2::tile_kernels();
+#endif
+  return generic::tile_kernels();
+}
 
 namespace {
 

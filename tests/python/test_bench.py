@@ -33,7 +33,8 @@ def test_quick_run_writes_csv_table_and_plots(quick_run):
     out, rows = quick_run
     assert (out / "results.md").read_text().count("| fusedce |") >= 4
     kinds = {(r["kind"], r["job"]) for r in rows}
-    assert kinds == {("ce", "forward"), ("ce", "fwd+bwd"), ("linear", "fwd+bwd")}
+    assert kinds == {("ce", "forward"), ("ce", "fwd+bwd"), ("linear", "fwd+bwd"), ("logprobs", "forward"),
+                     ("logprobs", "fwd+bwd"), ("logprobs", "fwd+bwd+entropy")}
     assert {r["peer"] for r in rows} == {"fusedce", "torch eager"}
     for r in rows:
         assert r["device"] == "cpu" and r["device_name"] and r["torch_version"] == torch.__version__
@@ -59,7 +60,7 @@ def test_quick_run_numbers_are_sane(quick_run):
             assert math.isclose(float(r["rate"]), bytes_ / (median * 1e-3) / 1e9, rel_tol=1e-6)
             assert math.isclose(float(r["of_ceiling"]), float(r["rate"]) / float(r["copy_gbs"]), rel_tol=1e-6)
         else:
-            flops = 6 * n * h * v
+            flops = (2 if r["kind"] == "logprobs" and r["job"] == "forward" else 6) * n * h * v
             assert math.isclose(float(r["rate"]), flops / (median * 1e-3) / 1e12, rel_tol=1e-6)
             assert float(r["gemm_tflops"]) > 0
         assert float(r["loss_err"]) < 1e-5
@@ -159,7 +160,7 @@ def test_spread_is_median_and_percentiles():
     ("4096", "not NxV or NxHxV"),
     ("4096x0", "not NxV or NxHxV"),
     ("axb", "not NxV or NxHxV"),
-    ("64x100:prompt", "only suffix is ':masked'"),
+    ("64x100:prompt", "the suffixes are ':masked' and ':logprobs'"),
 ])
 def test_bad_shapes_name_the_flag(shapes, message):
     with pytest.raises(ValueError, match="--shapes") as e:
@@ -168,9 +169,13 @@ def test_bad_shapes_name_the_flag(shapes, message):
 
 
 def test_shapes_syntax():
-    parsed = cases.parse_shapes("4096x32000, 8x64x1000:masked")
-    assert parsed == [cases.Case("ce", 4096, 32000), cases.Case("linear", 8, 1000, hidden=64, masked=True)]
+    parsed = cases.parse_shapes("4096x32000, 8x64x1000:masked, 8x4096x151936:logprobs:masked")
+    assert parsed == [cases.Case("ce", 4096, 32000), cases.Case("linear", 8, 1000, hidden=64, masked=True),
+                      cases.Case("logprobs", 8, 151936, hidden=4096, masked=True)]
     assert parsed[0].model == "Llama 2 / Mistral 7B" and parsed[1].label == "8 x 64 x 1000 masked"
+    assert parsed[2].model == "Qwen 3 8B" and parsed[2].label == "8 x 4096 x 151936 logprobs masked"
+    with pytest.raises(ValueError, match="':logprobs' takes NxHxV"):
+        cases.parse_shapes("8x1000:logprobs")
 
 
 @pytest.mark.parametrize("argv, flag", [

@@ -8,7 +8,9 @@ extra memory and the error against float64.
 
 Jobs: cross-entropy over (N, V) logits, forward and forward+backward; linear cross-entropy
 (hidden (N, H) @ weight (V, H).T, never materialised by the fused implementations),
-forward+backward. Implementations: fusedce; PyTorch eager (F.cross_entropy on float32 logits, as
+forward+backward; per-token log-probabilities of hidden @ weight.T (fusedce.linear_logprobs
+against the materialised path: F.linear, log_softmax, gather, entropy), forward, forward+backward
+and forward+backward with the entropy. Implementations: fusedce; PyTorch eager (F.cross_entropy on float32 logits, as
 transformers calls it) and torch.compile of it; PyTorch's F.linear_cross_entropy (chunked) where
 torch has it; liger-kernel, cut-cross-entropy, quack, unsloth and flash-attn's Triton kernel
 (file named by $FUSEDCE_PEER_FLASH_ATTN_CE) when importable. A missing or failing one is
@@ -16,7 +18,7 @@ reported with the reason.
 
 Rates: cross-entropy GB/s by forward N*V*elem and forward+backward 2*N*V*elem bytes, against the
 device-to-device copy bandwidth (read + write); linear cross-entropy TFLOP/s by 6*N*H*V against a
-large torch.matmul in the same dtype. On a GPU: CUDA events after warm-up, inputs smaller than 3x
+large torch.matmul in the same dtype; log-probabilities TFLOP/s by 2*N*H*V (forward) and 6*N*H*V. On a GPU: CUDA events after warm-up, inputs smaller than 3x
 the L2 rotated among copies. Without a GPU the CPU path runs against PyTorch's CPU path, at
 smaller sizes. --out DIR writes results.csv, results.md and PNG plots (matplotlib) there.
 """
@@ -48,7 +50,8 @@ def parse_args(argv):
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", metavar="DIR", help="folder for results.csv, results.md and the plots")
     p.add_argument("--quick", action="store_true", help="a few small cases and fewer runs")
-    p.add_argument("--only", choices=("ce", "linear"), help="only cross-entropy over logits, or only linear")
+    p.add_argument("--only", choices=("ce", "linear", "logprobs"),
+                   help="only cross-entropy over logits, only linear, or only the log-probabilities")
     p.add_argument("--peers", default=",".join(peers_mod.PEER_IDS),
                    help=f"comma-separated, from {','.join(peers_mod.PEER_IDS)} (default: all)")
     p.add_argument("--shapes", help="NxV (cross-entropy) and NxHxV (linear), comma-separated, each "
@@ -108,7 +111,7 @@ def fusedce_commit():
 def measure_ceilings(device, dtypes, cases, quick):
     """The copy bandwidth always; a GEMM rate for each dtype of a linear case."""
     gemm = {}
-    if any(c.kind == "linear" for c in cases):
+    if any(c.kind != "ce" for c in cases):
         for dtype in dtypes:
             gemm[dtype_name(dtype)] = gemm_ceiling_tflops(device, dtype, quick)
     return copy_ceiling_gbs(device, quick), gemm

@@ -6,6 +6,7 @@ Every implementation is called the same way, mean reduction over non-ignored row
 -100:
   ce(logits (N, V), target (N,))                      -> scalar loss
   linear(hidden (N, H), weight (V, H), target (N,))   -> scalar loss
+  logprobs(hidden, weight, tokens (N,), entropy)      -> (logprob (N,), entropy (N,) or None)
 Call signatures follow each project's public documentation.
 """
 
@@ -57,6 +58,12 @@ def _fusedce(device):
         reasons["linear"] = f"fusedce {fusedce.__version__} has no linear_cross_entropy yet"
     else:
         fns["linear"] = lambda h, w, t: lce(h, w, t)
+    llp = getattr(fusedce, "linear_logprobs", None)
+    if llp is None:
+        reasons["logprobs"] = f"fusedce {fusedce.__version__} has no linear_logprobs yet"
+    else:
+        fns["logprobs"] = lambda h, w, t, entropy: (
+            llp(h, w, t, return_entropy=True) if entropy else (llp(h, w, t), None))
     return fns, reasons
 
 
@@ -97,12 +104,24 @@ def _torch_linear(h, w, t):
     return F.cross_entropy(F.linear(h, w).float(), t)
 
 
+def _torch_logprobs(h, w, t, entropy):
+    """The materialised path an RL trainer takes: F.linear, log_softmax in float32, gather, and
+    the entropy from the same log-probabilities; 0 at ignored positions."""
+    logp = torch.log_softmax(F.linear(h, w).float(), dim=-1)
+    keep = t != -100
+    lp = torch.where(keep, logp.gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+    if not entropy:
+        return lp, None
+    return lp, torch.where(keep, -(logp.exp() * logp).sum(-1), 0.0)
+
+
 def _torch(device):
-    return {"ce": _torch_ce, "linear": _torch_linear}, {}
+    return {"ce": _torch_ce, "linear": _torch_linear, "logprobs": _torch_logprobs}, {}
 
 
 def _torch_compile(device):
-    return {"ce": torch.compile(_torch_ce), "linear": torch.compile(_torch_linear)}, {}
+    return {"ce": torch.compile(_torch_ce), "linear": torch.compile(_torch_linear),
+            "logprobs": torch.compile(_torch_logprobs)}, {}
 
 
 def _torch_lce(device):
@@ -179,11 +198,11 @@ def _flash_attn(device):
 
 # id, display name, loader, kinds it offers, whether it runs on CUDA devices only
 REGISTRY = [
-    ("fusedce", "fusedce", _fusedce, ("ce", "linear"), False),
+    ("fusedce", "fusedce", _fusedce, ("ce", "linear", "logprobs"), False),
     ("fusedce-skip", "fusedce skip_ignored", _fusedce_skip, ("linear",), False),
     ("fusedce-lowmem", "fusedce low_memory", _fusedce_low_memory, ("linear",), False),
-    ("torch", "torch eager", _torch, ("ce", "linear"), False),
-    ("torch-compile", "torch.compile", _torch_compile, ("ce", "linear"), False),
+    ("torch", "torch eager", _torch, ("ce", "linear", "logprobs"), False),
+    ("torch-compile", "torch.compile", _torch_compile, ("ce", "linear", "logprobs"), False),
     ("torch-lce", "torch F.linear_cross_entropy", _torch_lce, ("linear",), False),
     ("liger", "liger-kernel", _liger, ("ce", "linear"), True),
     ("cce", "cut-cross-entropy", _cce, ("linear",), False),

@@ -153,6 +153,51 @@ class LinearReference:
         return max(errs)
 
 
+class LogprobReference:
+    """Per-token log-probabilities and entropy of hidden @ weight.T in float64, and the gradients
+    of the benchmark's objective sum(advantage * logprob) [+ coef * sum(entropy)], formed over
+    chunks of rows (grad_weight accumulates), for both objectives."""
+
+    def __init__(self, hidden, weight, target, advantage, coef):
+        valid = target != IGNORE_INDEX
+        w64, h64 = weight.double(), hidden.double()
+        n = hidden.shape[0]
+        self.logprob = torch.zeros(n, dtype=torch.float64, device=hidden.device)
+        self.entropy = torch.zeros_like(self.logprob)
+        self.grads = {False: (torch.zeros_like(h64), torch.zeros_like(w64)),
+                      True: (torch.zeros_like(h64), torch.zeros_like(w64))}
+        step = _chunk_rows(weight.shape[0], hidden.device)
+        for r in range(0, n, step):
+            rows = slice(r, min(n, r + step))
+            logp = torch.log_softmax(h64[rows] @ w64.T, dim=1)
+            t = target[rows].clamp(min=0).unsqueeze(1)
+            keep = valid[rows].to(torch.float64)
+            p = logp.exp()
+            ent = -(p * logp).sum(1)
+            self.logprob[rows] = logp.gather(1, t).squeeze(1) * keep
+            self.entropy[rows] = ent * keep
+            a = (advantage[rows].double() * keep)[:, None]
+            dz = -p * a
+            dz.scatter_add_(1, t, a)
+            for with_entropy in (False, True):
+                d = dz - (coef * keep)[:, None] * p * (logp + ent[:, None]) if with_entropy else dz
+                gh, gw = self.grads[with_entropy]
+                gh[rows] = d @ w64
+                gw.addmm_(d.T, h64[rows])
+
+    def value_error(self, logprob, entropy):
+        """The worse relative max-norm error of logprob and (when given) entropy."""
+        errs = [float((logprob.double() - self.logprob).abs().max() / self.logprob.abs().max())]
+        if entropy is not None:
+            errs.append(float((entropy.double() - self.entropy).abs().max() / self.entropy.abs().max()))
+        return max(errs)
+
+    def grad_error(self, grad_hidden, grad_weight, with_entropy):
+        ref_h, ref_w = self.grads[with_entropy]
+        return max(float((g.double() - ref).abs().max() / ref.abs().max())
+                   for g, ref in ((grad_hidden, ref_h), (grad_weight, ref_w)))
+
+
 def tolerance(dtype):
     """(loss, gradient) errors above which a row is marked wrong: several units of rounding of
     results in `dtype` (a bfloat16 gradient alone carries 2^-9 of relative rounding; a bfloat16

@@ -42,7 +42,8 @@ def table(rows, meta):
              f"({meta['fusedce_commit']})",
              "# ceilings measured in this run: " + ", ".join(meta["ceiling_text"]),
              "# rate: cross-entropy GB/s (forward N*V*elem, fwd+bwd 2*N*V*elem bytes) of the copy "
-             "bandwidth; linear TFLOP/s (6*N*H*V) of the GEMM rate",
+             "bandwidth; linear TFLOP/s (6*N*H*V) of the GEMM rate; logprobs TFLOP/s (forward "
+             "2*N*H*V, with backward 6*N*H*V)",
              "# error: the loss's relative error / the gradient's relative max-norm error against "
              "float64; WRONG past the dtype's tolerance",
              "# peak extra MB: device memory beyond the inputs and the gradients returned"
@@ -107,7 +108,7 @@ def versus(rows, job="fwd+bwd"):
 def summary(rows):
     lines = []
     for (kind, job, peer), (x, n) in sorted(speedups(rows).items()):
-        what = "cross-entropy" if kind == "ce" else "linear cross-entropy"
+        what = {"ce": "cross-entropy", "linear": "linear cross-entropy"}.get(kind, "log-probabilities")
         lines.append(f"fusedce vs {peer}, {what} {job}: geometric-mean speed-up {x:.2f}x over "
                      f"{n} row{'' if n == 1 else 's'}")
     wrong = [r for r in rows if r.status == "ok" and not r.correct]

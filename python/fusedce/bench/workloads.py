@@ -11,10 +11,12 @@ import math
 
 import torch
 
-from .problems import CrossEntropyReference, LinearReference, make_linear, make_logits
+from .problems import CrossEntropyReference, LinearReference, LogprobReference, make_linear, make_logits
 
 MAX_COPIES = 64
-JOBS = {"ce": ("forward", "fwd+bwd"), "linear": ("fwd+bwd",)}
+JOBS = {"ce": ("forward", "fwd+bwd"), "linear": ("fwd+bwd",),
+        "logprobs": ("forward", "fwd+bwd", "fwd+bwd+entropy")}
+ENTROPY_COEF = 0.01
 
 
 def _copies_for(nbytes, l2):
@@ -130,6 +132,76 @@ class LinearWorkload:
         return 6 * n * h * v / (ms * 1e-3) / 1e12
 
 
+class LogprobWorkload:
+    """hidden (N, H), weight (V, H), sampled tokens and a fixed advantage per token; an
+    implementation is called fn(hidden, weight, tokens, entropy) -> (logprob, entropy or None).
+    Jobs: 'forward' (logprob, no gradient: the old / reference policy's pass), 'fwd+bwd'
+    (backward of sum(advantage * logprob)), 'fwd+bwd+entropy' (logprob and entropy, backward of
+    sum(advantage * logprob) + ENTROPY_COEF * sum(entropy))."""
+
+    jobs = JOBS["logprobs"]
+    unit = "TFLOP/s"
+
+    def __init__(self, case, dtype, device, l2):
+        self.case = case
+        self.hidden, self.weight, self.target = make_linear(case, dtype, device)
+        g = torch.Generator(device=device).manual_seed(1)
+        self.advantage = torch.randn(case.tokens, device=device, generator=g)
+        self.reference = LogprobReference(self.hidden, self.weight, self.target, self.advantage, ENTROPY_COEF)
+        k = _copies_for(self.hidden.nbytes + self.weight.nbytes, l2)
+        self.copies = [(self.hidden.clone(), self.weight.clone()) for _ in range(k)]
+
+    def restore(self):
+        for h, w in self.copies:
+            h.copy_(self.hidden)
+            w.copy_(self.weight)
+
+    def _objective(self, lp, ent):
+        obj = (self.advantage * lp).sum()
+        return obj if ent is None else obj + ENTROPY_COEF * ent.sum()
+
+    def make_run(self, fn, job):
+        target, with_entropy = self.target, job == "fwd+bwd+entropy"
+        if job == "forward":
+            def run(i):
+                h, w = self.copies[i % len(self.copies)]
+                with torch.no_grad():
+                    return [fn(h, w, target, False)[0]]
+            return run, [t for pair in self.copies for t in pair]
+        leaves = [(h.detach().requires_grad_(True), w.detach().requires_grad_(True)) for h, w in self.copies]
+
+        def run(i):
+            h, w = leaves[i % len(leaves)]
+            h.grad = w.grad = None
+            lp, ent = fn(h, w, target, with_entropy)
+            self._objective(lp, ent).backward()
+            out = [lp, h.grad, w.grad]
+            h.grad = w.grad = None
+            return out
+        return run, [t for pair in leaves for t in pair]
+
+    def check(self, fn, job):
+        """(value error, gradient error or None) against float64."""
+        with_entropy = job == "fwd+bwd+entropy"
+        h = self.hidden.clone().requires_grad_(job != "forward")
+        w = self.weight.clone().requires_grad_(job != "forward")
+        if job == "forward":
+            with torch.no_grad():
+                lp, ent = fn(h, w, self.target, False)
+            return self.reference.value_error(lp, None), None
+        lp, ent = fn(h, w, self.target, with_entropy)
+        self._objective(lp, ent).backward()
+        return (self.reference.value_error(lp, ent),
+                self.reference.grad_error(h.grad, w.grad, with_entropy))
+
+    def rate(self, job, ms):
+        """TFLOP/s counting 2*N*H*V for the forward (the logits) and 6*N*H*V with the backward
+        (the logits, grad_hidden and grad_weight), over every token."""
+        n, h = self.hidden.shape
+        v = self.weight.shape[0]
+        return (2 if job == "forward" else 6) * n * h * v / (ms * 1e-3) / 1e12
+
+
 def make_workload(case, dtype, device, l2):
-    cls = CrossEntropyWorkload if case.kind == "ce" else LinearWorkload
+    cls = {"ce": CrossEntropyWorkload, "linear": LinearWorkload, "logprobs": LogprobWorkload}[case.kind]
     return cls(case, dtype, device, l2)

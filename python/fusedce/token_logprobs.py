@@ -1,0 +1,327 @@
+"""fusedce.logprobs / fusedce.linear_logprobs: per-token log-probabilities and entropy, with
+gradients, for reinforcement-learning post-training (docs/contract.md, "Log-probabilities").
+
+For each position with token t, z = (logits [+ bias]) / temperature:
+``logprob = z_t - logsumexp(z)`` and ``entropy = logsumexp(z) - sum_j softmax(z)_j z_j``, both
+float32, both differentiable. The target's log-probability is formed from the sum of the exps of
+the *other* entries, so it stays exact when the distribution collapses (where ``z_t - lse`` in
+float32 rounds to 0 once the margin passes ~16.6 nats), and so does its gradient.
+
+One implementation for a single device and a vocabulary-parallel head (the core's three steps,
+fusedce/logprobs.h): statistics of this rank's columns, a merge of every rank's (a single device
+is a world of 1, with no collective), and the gradients from the merged values. The linear form
+never stores the (N, V) logits: the forward folds them chunk by chunk, the backward forms each
+chunk again.
+"""
+
+import torch
+
+from . import _library, distributed
+from ._checks import _INF, _real, _representable, check_target_values, ignore_index_of, unit_stride_vector
+from .functional import _rows
+from .ops import call_below_autograd, ops
+
+_LINEAR = "fusedce.linear_logprobs"
+_LOGITS = "fusedce.logprobs"
+
+
+# ---- checks -------------------------------------------------------------------------------
+
+
+def _temperature(value, where):
+    t = _real(value, "temperature", where)
+    if not 0.0 < t < _INF:
+        raise ValueError(f"{where}: temperature must be finite and > 0, got {value!r}")
+    _representable(t, "temperature", where, "use a value in [1.2e-38, 3.4e38]")
+    _representable(1.0 / t, "1 / temperature", where, "use a value in [3e-38, 8e37]")
+    return t
+
+
+def _check_tensor(value, name, where, optional=False):
+    if value is None and optional:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a tensor, got {type(value).__name__}")
+
+
+def _check_tokens(tokens, shape, where):
+    if tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{where}: tokens must be int64 or int32 token indices, got {tokens.dtype}")
+    if tokens.shape != shape:
+        raise ValueError(f"{where}: tokens must have shape {tuple(shape)}, got {tuple(tokens.shape)}")
+
+
+def _check_float(x, name, where):
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{where}: {name} must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def _check_device(value, name, ref, ref_name, where):
+    if value is not None and value.device != ref.device:
+        raise ValueError(f"{where}: {name} is on {value.device} but {ref_name} is on {ref.device}")
+
+
+# The CUDA kernels of the log-probabilities build and share the CPU path's tests, but no GPU has
+# run them yet: until `pytest tests/python/test_logprobs.py -k cuda` passes on one (the tests set
+# this for their own calls), CUDA inputs are refused rather than risk a wrong number.
+CUDA_CHECKED_ON_A_GPU = False
+
+
+def _check_cuda_build(x, name, where):
+    if x.device.type == "cuda" and not _library.with_cuda:
+        raise RuntimeError(f"{where}: {name} is on a CUDA device but this build of fusedce has no CUDA "
+                           "kernels (it was built without nvcc or with a CPU-only torch)")
+    if x.device.type == "cuda" and not CUDA_CHECKED_ON_A_GPU:
+        raise NotImplementedError(f"{where}: {name} is on a CUDA device, and the CUDA log-probability "
+                                  "kernels have not yet been checked on a GPU; call it with CPU tensors "
+                                  "for now")
+
+
+def _check_budget(chunk_budget_bytes, where):
+    if chunk_budget_bytes is not None and not (isinstance(chunk_budget_bytes, int)
+                                               and not isinstance(chunk_budget_bytes, bool)
+                                               and 0 < chunk_budget_bytes < 2**63):
+        raise ValueError(f"{where}: chunk_budget_bytes must be None (the default) or a positive int "
+                         f"below 2**63, got {chunk_budget_bytes!r}")
+
+
+def _check_token_values(t, vocab, ignore_index, device, check_tokens, where):
+    """Token values against [0, vocab): always on the CPU (no synchronisation there), on a GPU
+    when asked (one synchronisation). Skipped while torch.compile traces (a host read)."""
+    if torch.compiler.is_compiling():
+        return
+    if check_tokens or device.type == "cpu":
+        try:
+            check_target_values(t, vocab, ignore_index, where)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace(f"{where}: target[", f"{where}: tokens[", 1)) from None
+
+
+# ---- the steps, and their autograd --------------------------------------------------------
+
+
+def _merged(stats, target, process_group, shard, temperature, ignore_index, layout):
+    """Step 2: this rank's statistics alone (single device), or every rank's, gathered."""
+    if process_group is not None:
+        stats = distributed.gather_checked(stats, target, shard, process_group, *layout)
+    return ops.lp_merge(stats, target, *shard, temperature, ignore_index)
+
+
+def _upstream(g, like):
+    """An upstream gradient as the backward ops take it: float32 (N,) with unit stride (the
+    gradient of a .sum() arrives expanded, with stride 0)."""
+    if g is None:
+        return None
+    return g.reshape(-1).to(torch.float32).contiguous()
+
+
+class _Logprobs(torch.autograd.Function):
+    """Over logits (N, V_local). Returns logprob, entropy (float32 (N,)), both differentiable."""
+
+    @staticmethod
+    def forward(ctx, x, target, process_group, shard, temperature, ignore_index, layout):
+        stats = ops.lp_stats(x, target, *shard, temperature, ignore_index)
+        logprob, entropy, lse = _merged(stats, target, process_group, shard, temperature, ignore_index, layout)
+        ctx.save_for_backward(x, target, lse, logprob, entropy)
+        ctx.args = (shard, temperature, ignore_index)
+        ctx.set_materialize_grads(False)
+        return logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        grads = [None] * 7
+        if (grad_logprob is None and grad_entropy is None) or not ctx.needs_input_grad[0]:
+            return tuple(grads)
+        x, target, lse, logprob, entropy = ctx.saved_tensors
+        shard, temperature, ignore_index = ctx.args
+        g_lp = torch.zeros_like(logprob) if grad_logprob is None else _upstream(grad_logprob, logprob)
+        grads[0] = ops.lp_bwd(x, target, lse, logprob, entropy, g_lp, _upstream(grad_entropy, entropy),
+                              *shard, temperature, ignore_index)
+        return tuple(grads)
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """Over hidden (N, H) and this rank's rows weight (V_local, H), bias (V_local,) or None.
+    Backward: the core's gradients (the logits formed again, chunk by chunk), then, for a
+    vocabulary-parallel head, one all-reduce (sum) of the float32 grad_hidden."""
+
+    @staticmethod
+    def forward(ctx, h, w, bias, target, process_group, shard, temperature, ignore_index, budget, layout):
+        stats = ops.llp_stats(h, w, bias, target, *shard, temperature, ignore_index, budget)
+        logprob, entropy, lse = _merged(stats, target, process_group, shard, temperature, ignore_index, layout)
+        ctx.save_for_backward(h, w, bias, target, lse, logprob, entropy)
+        ctx.args = (process_group, shard, temperature, ignore_index, budget)
+        ctx.set_materialize_grads(False)
+        return logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        grads = [None] * 10
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if (grad_logprob is None and grad_entropy is None) or not (need_h or need_w or need_b):
+            return tuple(grads)
+        h, w, bias, target, lse, logprob, entropy = ctx.saved_tensors
+        process_group, shard, temperature, ignore_index, budget = ctx.args
+        g_lp = torch.zeros_like(logprob) if grad_logprob is None else _upstream(grad_logprob, logprob)
+        grad_h, grad_w, grad_b = ops.llp_bwd(h, w, bias, target, lse, logprob, entropy, g_lp,
+                                             _upstream(grad_entropy, entropy), *shard, temperature,
+                                             ignore_index, budget, need_h, need_w, need_b)
+        if need_h:
+            if process_group is not None:
+                # The sum over ranks of every rank's part, in float32, rounded once.
+                grad_h = distributed._all_reduce_sum(grad_h, process_group)
+            grads[0] = grad_h.to(h.dtype)
+        grads[1] = grad_w if need_w else None
+        grads[2] = grad_b if need_b else None
+        return tuple(grads)
+
+
+def _shard(local_vocab, process_group, vocab_start, vocab_total, device, where):
+    """(shard, layout) of the call: the whole vocabulary for a single device."""
+    if process_group is None:
+        return (0, local_vocab), None
+    shard = distributed.shard_layout(local_vocab, process_group, vocab_start, vocab_total, device=device,
+                                     where=where)
+    return shard, (where, local_vocab, distributed._layout_rule(vocab_start, vocab_total))
+
+
+def _results(logprob, entropy, shape, return_entropy):
+    logprob = logprob.view(shape)
+    return (logprob, entropy.view(shape)) if return_entropy else logprob
+
+
+# ---- the functions ------------------------------------------------------------------------
+
+
+def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, return_entropy=False,
+                    ignore_index=-100, chunk_budget_bytes=None, check_tokens=False, process_group=None,
+                    vocab_start=None, vocab_total=None):
+    """Per-token log-probabilities (and entropy) of the logits ``hidden @ weight.T + bias`` at a
+    sampling temperature, without ever storing the (N, V) logits.
+
+    Args:
+        hidden: float32, bfloat16 or float16, shape (..., H).
+        weight: (V, H) in hidden's dtype (the head: ``lm_head.weight``).
+        tokens: int64 or int32, shape hidden.shape[:-1]: the sampled tokens, in [0, V), or
+            ``ignore_index``.
+        bias: (V,) in hidden's dtype, or None.
+        temperature: z = logits / temperature; finite and > 0.
+        return_entropy: also return the per-token entropy of softmax(z).
+        ignore_index: positions with this token get logprob 0 and entropy 0, and no gradient.
+        chunk_budget_bytes: scratch memory for logit chunks (None: the core's default).
+        check_tokens: on a GPU, check the token values first (one synchronisation) and raise
+            ValueError naming the first bad one; the CPU always checks.
+        process_group, vocab_start, vocab_total: a vocabulary-parallel head: ``weight`` (and
+            ``bias``) hold this rank's rows of the head (layout rules: fusedce.distributed's
+            docstring); ``hidden`` and ``tokens`` are the same on every rank. The ranks exchange
+            one all-gather of (N + 1, 9) float32 statistics in the forward and one all-reduce of
+            the (N, H) float32 grad_hidden in the backward.
+
+    Returns:
+        logprob, float32 of tokens' shape; or ``(logprob, entropy)`` with ``return_entropy``.
+        Both are differentiable with respect to hidden, weight and bias.
+    """
+    if (process_group is not None and not torch.compiler.is_compiling()
+            and not distributed.in_agreed_call()):
+        return distributed.agreed_call(
+            _LINEAR, process_group, tokens, getattr(hidden, "device", None), vocab_start, vocab_total,
+            lambda: linear_logprobs(hidden, weight, tokens, bias, temperature=temperature,
+                                    return_entropy=return_entropy, ignore_index=ignore_index,
+                                    chunk_budget_bytes=chunk_budget_bytes, check_tokens=check_tokens,
+                                    process_group=process_group, vocab_start=vocab_start,
+                                    vocab_total=vocab_total))
+    where = _LINEAR
+    if process_group is None and (vocab_start is not None or vocab_total is not None):
+        raise ValueError(f"{where}: vocab_start and vocab_total are only used with a process_group")
+    for value, name, optional in ((hidden, "hidden", False), (weight, "weight", False),
+                                  (tokens, "tokens", False), (bias, "bias", True)):
+        _check_tensor(value, name, where, optional)
+    _check_float(hidden, "hidden", where)
+    if hidden.dim() < 1 or hidden.shape[-1] < 1:
+        raise ValueError(f"{where}: hidden must have shape (..., H) with H >= 1, got {tuple(hidden.shape)}")
+    hidden_size = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != hidden_size or weight.shape[0] < 1:
+        raise ValueError(f"{where}: weight must have shape (V, H) with V >= 1 and H = hidden's last "
+                         f"dimension ({hidden_size}), got {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"{where}: weight must have hidden's dtype ({hidden.dtype}), got {weight.dtype}")
+    _check_tokens(tokens, hidden.shape[:-1], where)
+    if bias is not None:
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"{where}: bias must have shape ({weight.shape[0]},) (V, from weight), got "
+                             f"{tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype:
+            raise ValueError(f"{where}: bias must have hidden's dtype ({hidden.dtype}), got {bias.dtype}")
+    for value, name in ((weight, "weight"), (tokens, "tokens"), (bias, "bias")):
+        _check_device(value, name, hidden, "hidden", where)
+    _check_cuda_build(hidden, "hidden", where)
+    _check_budget(chunk_budget_bytes, where)
+    temperature = _temperature(temperature, where)
+    ignore_index = ignore_index_of(ignore_index, where)
+
+    h = _rows(hidden, hidden_size)
+    w = _rows(weight, hidden_size)
+    t = unit_stride_vector(tokens.reshape(-1))
+    b = unit_stride_vector(bias)
+    shard, layout = _shard(w.shape[0], process_group, vocab_start, vocab_total, h.device, where)
+    _check_token_values(t, shard[1], ignore_index, h.device, check_tokens, where)
+    budget = int(chunk_budget_bytes or 0)
+    grad_on = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
+    if grad_on:
+        logprob, entropy = _LinearLogprobs.apply(h, w, b, t, process_group, shard, temperature, ignore_index,
+                                                 budget, layout)
+    else:
+        stats = call_below_autograd(ops.llp_stats.default, h, w, b, t, *shard, temperature, ignore_index, budget)
+        logprob, entropy, _ = _merged(stats, t, process_group, shard, temperature, ignore_index, layout)
+    return _results(logprob, entropy, tokens.shape, return_entropy)
+
+
+def logprobs(logits, tokens, *, temperature=1.0, return_entropy=False, ignore_index=-100, check_tokens=False,
+             process_group=None, vocab_start=None, vocab_total=None):
+    """Per-token log-probabilities (and entropy) of ``logits`` (..., V) at a sampling
+    temperature: ``log_softmax(logits / temperature).gather(-1, tokens)``, exact in collapse.
+
+    Args:
+        logits: float32, bfloat16 or float16, shape (..., V).
+        tokens: int64 or int32, shape logits.shape[:-1], in [0, V) or ``ignore_index``.
+        temperature, return_entropy, ignore_index, check_tokens: as in :func:`linear_logprobs`.
+        process_group, vocab_start, vocab_total: a vocabulary-parallel head: ``logits`` hold this
+            rank's columns (layout rules: fusedce.distributed's docstring); one all-gather of
+            (N + 1, 9) float32 statistics per forward, nothing in the backward.
+
+    Returns:
+        logprob (float32, tokens' shape), or ``(logprob, entropy)``; differentiable with
+        respect to logits (the gradient has the logits' dtype).
+    """
+    if (process_group is not None and not torch.compiler.is_compiling()
+            and not distributed.in_agreed_call()):
+        return distributed.agreed_call(
+            _LOGITS, process_group, tokens, getattr(logits, "device", None), vocab_start, vocab_total,
+            lambda: logprobs(logits, tokens, temperature=temperature, return_entropy=return_entropy,
+                             ignore_index=ignore_index, check_tokens=check_tokens, process_group=process_group,
+                             vocab_start=vocab_start, vocab_total=vocab_total))
+    where = _LOGITS
+    if process_group is None and (vocab_start is not None or vocab_total is not None):
+        raise ValueError(f"{where}: vocab_start and vocab_total are only used with a process_group")
+    _check_tensor(logits, "logits", where)
+    _check_tensor(tokens, "tokens", where)
+    _check_float(logits, "logits", where)
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"{where}: logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
+    _check_tokens(tokens, logits.shape[:-1], where)
+    _check_device(tokens, "tokens", logits, "logits", where)
+    _check_cuda_build(logits, "logits", where)
+    temperature = _temperature(temperature, where)
+    ignore_index = ignore_index_of(ignore_index, where)
+
+    vocab = logits.shape[-1]
+    x = _rows(logits, vocab)
+    t = unit_stride_vector(tokens.reshape(-1))
+    shard, layout = _shard(vocab, process_group, vocab_start, vocab_total, x.device, where)
+    _check_token_values(t, shard[1], ignore_index, x.device, check_tokens, where)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        logprob, entropy = _Logprobs.apply(x, t, process_group, shard, temperature, ignore_index, layout)
+    else:
+        stats = call_below_autograd(ops.lp_stats.default, x, t, *shard, temperature, ignore_index)
+        logprob, entropy, _ = _merged(stats, t, process_group, shard, temperature, ignore_index, layout)
+    return _results(logprob, entropy, tokens.shape, return_entropy)

@@ -1,0 +1,247 @@
+// The log-probability steps of fusedce/logprobs.h on each backend, through the public API: the
+// logits form and the linear form, a whole vocabulary (a world of 1) and shards gathered in rank
+// order, against a float64 reference written here (log p anchored at each row's max, so that it
+// does not collapse itself); collapsed rows at 20-100 nats (80 at temperature 0.8), where
+// float32's z_t - lse is 0 (past ~87 nats the values are float32 subnormals: absolute 1e-41); the
+// gradient of g_lp * logprob + g_H * entropy; bad input named.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fusedce/fusedce.h"
+#include "backend.h"
+
+namespace fusedce_test {
+namespace {
+
+using fusedce::DType;
+
+constexpr int64_t kIgnore = -100;
+constexpr int kW = fusedce::kLogprobStatsWidth;
+
+struct Problem {
+  int64_t n, v, h;
+  std::vector<float> logits;  // (n, v) = hidden @ weight.T
+  std::vector<float> hidden, weight;
+  std::vector<int64_t> target;
+  std::vector<float> g_lp, g_h;
+};
+
+/// Peaked rows (a dominant entry in most of them, some collapsed by `collapse` nats), ignored
+/// rows, and logits that are exactly hidden @ weight.T (one-hot hidden rows, so the linear form
+/// sees the same numbers).
+Problem make_problem(int64_t n, int64_t v, float collapse, uint32_t seed) {
+  Problem p{n, v, n, {}, {}, {}, {}, {}, {}};
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  p.hidden.assign(n * n, 0.0f);
+  for (int64_t i = 0; i < n; ++i) p.hidden[i * n + i] = 1.0f;
+  p.weight.assign(v * n, 0.0f);
+  p.logits.assign(n * v, 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t top = static_cast<int64_t>(rng() % v);
+    for (int64_t j = 0; j < v; ++j) {
+      float x = std::round(nd(rng) * 4.0f) / 4.0f;
+      if (j == top) x = 10.0f;
+      if (collapse > 0.0f && i % 2 == 0) x = j == top ? 0.0f : -collapse - static_cast<float>(j % 3);
+      p.logits[i * v + j] = x;
+      p.weight[j * n + i] = x;
+    }
+    p.target.push_back(i % 5 == 4 ? kIgnore : (i % 3 == 0 ? static_cast<int64_t>(rng() % v) : top));
+    p.g_lp.push_back(std::normal_distribution<float>(0.0f, 1.0f)(rng));
+    p.g_h.push_back(std::normal_distribution<float>(0.0f, 1.0f)(rng));
+  }
+  return p;
+}
+
+struct Ref {
+  std::vector<double> lp, ent, dz;  // dz (n, v): d/dz of sum g_lp lp + g_h ent
+};
+
+Ref reference(const Problem& p, double temperature) {
+  Ref r{std::vector<double>(p.n), std::vector<double>(p.n), std::vector<double>(p.n * p.v, 0.0)};
+  for (int64_t i = 0; i < p.n; ++i) {
+    if (p.target[i] == kIgnore) continue;
+    std::vector<double> z(p.v), logp(p.v);
+    int64_t a = 0;
+    for (int64_t j = 0; j < p.v; ++j) {
+      z[j] = p.logits[i * p.v + j] / temperature;
+      if (z[j] > z[a]) a = j;
+    }
+    double rest = 0.0;
+    for (int64_t j = 0; j < p.v; ++j) rest += j == a ? 0.0 : std::exp(z[j] - z[a]);
+    double h = 0.0;
+    for (int64_t j = 0; j < p.v; ++j) {
+      logp[j] = z[j] - z[a] - std::log1p(rest);
+      h -= std::exp(logp[j]) * logp[j];
+    }
+    const int64_t t = p.target[i];
+    r.lp[i] = logp[t];
+    r.ent[i] = h;
+    double others = 0.0;  // 1 - p_t without cancellation
+    for (int64_t j = 0; j < p.v; ++j) others += j == t ? 0.0 : std::exp(logp[j]);
+    for (int64_t j = 0; j < p.v; ++j) {
+      const double pj = std::exp(logp[j]);
+      double d = (j == t ? others : -pj) * p.g_lp[i] - p.g_h[i] * pj * (logp[j] + h);
+      r.dz[i * p.v + j] = d / temperature;
+    }
+  }
+  return r;
+}
+
+void expect_close(double got, double want, double rtol, double atol, const std::string& what) {
+  EXPECT_LE(std::abs(got - want), atol + rtol * std::abs(want)) << what << ": got " << got << ", want " << want;
+}
+
+class Logprobs : public ::testing::TestWithParam<std::tuple<BackendKind, bool, int>> {};
+
+/// One problem through steps 1-3 in shards (`world` of them, uneven), compared with the reference.
+TEST_P(Logprobs, StepsMatchFloat64) {
+  const auto [kind, linear, world] = GetParam();
+  std::string why;
+  Backend* backend = find_backend(kind, &why);
+  if (backend == nullptr) GTEST_SKIP() << why;
+  for (float collapse : {0.0f, 20.0f, 45.0f, 80.0f}) {
+    for (float temperature : {1.0f, 0.8f}) {
+      const Problem p = make_problem(11, 203, collapse, 7u + static_cast<uint32_t>(collapse));
+      const Ref ref = reference(p, temperature);
+      const fusedce::Device dev = backend->device();
+      fusedce::LogprobOptions o;
+      o.temperature = temperature;
+      DeviceBuffer target = DeviceBuffer::from_vector(*backend, p.target);
+      const auto tv = fusedce::vector(target.data(), DType::kInt64, p.n);
+      std::vector<int64_t> bounds{0};
+      for (int r = 0; r < world; ++r) bounds.push_back(p.v * (r + 1) * (r + 2) / (world * (world + 1)));
+      DeviceBuffer gathered(*backend, world * (p.n + 1) * kW * 4);
+      std::vector<DeviceBuffer> shards;
+      for (int r = 0; r < world; ++r) {
+        const int64_t v0 = bounds[r], vl = bounds[r + 1] - v0;
+        const fusedce::ShardSpec s{v0, p.v};
+        const auto stats = fusedce::matrix(gathered.at(r * (p.n + 1) * kW * 4), DType::kFloat32, p.n + 1, kW);
+        if (linear) {
+          std::vector<float> w(p.weight.begin() + v0 * p.h, p.weight.begin() + (v0 + vl) * p.h);
+          DeviceBuffer hid = DeviceBuffer::from_vector(*backend, p.hidden), wb = DeviceBuffer::from_vector(*backend, w);
+          ASSERT_TRUE(fusedce::linear_logprobs_stats(dev, fusedce::matrix(hid.data(), DType::kFloat32, p.n, p.h),
+                                                     fusedce::matrix(wb.data(), DType::kFloat32, vl, p.h), {}, tv, s,
+                                                     o, 0, stats)
+                          .ok());
+        } else {
+          std::vector<float> x(p.n * vl);
+          for (int64_t i = 0; i < p.n; ++i) {
+            for (int64_t j = 0; j < vl; ++j) x[i * vl + j] = p.logits[i * p.v + v0 + j];
+          }
+          DeviceBuffer xb = DeviceBuffer::from_vector(*backend, x);
+          ASSERT_TRUE(fusedce::logprobs_stats(dev, fusedce::matrix(xb.data(), DType::kFloat32, p.n, vl), tv, s, o, stats).ok());
+        }
+      }
+      DeviceBuffer out(*backend, 3 * p.n * 4);
+      fusedce::LogprobOutputs lo;
+      lo.logprob = fusedce::vector(out.at(0), DType::kFloat32, p.n);
+      lo.entropy = fusedce::vector(out.at(p.n * 4), DType::kFloat32, p.n);
+      lo.lse = fusedce::vector(out.at(2 * p.n * 4), DType::kFloat32, p.n);
+      ASSERT_TRUE(fusedce::logprobs_merge(dev, fusedce::matrix(gathered.data(), DType::kFloat32, world * (p.n + 1), kW),
+                                          world, tv, {0, p.v}, o, lo)
+                      .ok());
+      const std::vector<float> got = out.to_host_as<float>();
+      const std::string tag = "collapse " + std::to_string(collapse) + " T " + std::to_string(temperature);
+      for (int64_t i = 0; i < p.n; ++i) {
+        expect_close(got[i], ref.lp[i], 2e-5, 2e-5 * (collapse == 0.0f) + 1e-41, tag + " logprob row " + std::to_string(i));
+        expect_close(got[p.n + i], ref.ent[i], 1e-4, 2e-5 * (collapse == 0.0f) + 1e-41, tag + " entropy row " + std::to_string(i));
+      }
+      // step 3, per shard, against the reference's dz
+      DeviceBuffer g = DeviceBuffer::from_vector(*backend, p.g_lp), gh = DeviceBuffer::from_vector(*backend, p.g_h);
+      const auto glv = fusedce::vector(g.data(), DType::kFloat32, p.n), ghv = fusedce::vector(gh.data(), DType::kFloat32, p.n);
+      std::vector<double> dh(p.n * p.h, 0.0);
+      for (int r = 0; r < world; ++r) {
+        const int64_t v0 = bounds[r], vl = bounds[r + 1] - v0;
+        const fusedce::ShardSpec s{v0, p.v};
+        if (linear) {
+          std::vector<float> w(p.weight.begin() + v0 * p.h, p.weight.begin() + (v0 + vl) * p.h);
+          DeviceBuffer hid = DeviceBuffer::from_vector(*backend, p.hidden), wb = DeviceBuffer::from_vector(*backend, w);
+          DeviceBuffer gw(*backend, vl * p.h * 4), ghid(*backend, p.n * p.h * 4);
+          fusedce::LinearGrads grads;
+          grads.grad_weight = fusedce::matrix(gw.data(), DType::kFloat32, vl, p.h);
+          grads.grad_hidden = fusedce::matrix(ghid.data(), DType::kFloat32, p.n, p.h);
+          ASSERT_TRUE(fusedce::linear_logprobs_backward(dev, fusedce::matrix(hid.data(), DType::kFloat32, p.n, p.h),
+                                                        fusedce::matrix(wb.data(), DType::kFloat32, vl, p.h), {}, tv, s,
+                                                        o, 0, lo, glv, ghv, grads)
+                          .ok());
+          // hidden is one-hot: grad_weight[j, i] = dz[i, j]; grad_hidden[i, k] = sum_j dz[i, j] w[j, k]
+          const std::vector<float> gwh = gw.to_host_as<float>(), ghh = ghid.to_host_as<float>();
+          for (int64_t i = 0; i < p.n; ++i) {
+            for (int64_t j = 0; j < vl; ++j) {
+              const double want = ref.dz[i * p.v + v0 + j];
+              expect_close(gwh[j * p.h + i], want, 1e-4, 1e-6, tag + " grad_weight");
+            }
+            for (int64_t k = 0; k < p.h; ++k) dh[i * p.h + k] += ghh[i * p.h + k];
+          }
+        } else {
+          DeviceBuffer d(*backend, p.n * vl * 4);
+          std::vector<float> x(p.n * vl);
+          for (int64_t i = 0; i < p.n; ++i) {
+            for (int64_t j = 0; j < vl; ++j) x[i * vl + j] = p.logits[i * p.v + v0 + j];
+          }
+          DeviceBuffer xb = DeviceBuffer::from_vector(*backend, x);
+          ASSERT_TRUE(fusedce::logprobs_backward(dev, fusedce::matrix(xb.data(), DType::kFloat32, p.n, vl), tv, s, o, lo,
+                                                 glv, ghv, fusedce::matrix(d.data(), DType::kFloat32, p.n, vl))
+                          .ok());
+          const std::vector<float> dl = d.to_host_as<float>();
+          for (int64_t i = 0; i < p.n; ++i) {
+            for (int64_t j = 0; j < vl; ++j) expect_close(dl[i * vl + j], ref.dz[i * p.v + v0 + j], 1e-4, 1e-6, tag + " dlogits");
+          }
+        }
+      }
+      if (linear) {
+        for (int64_t i = 0; i < p.n; ++i) {
+          for (int64_t k = 0; k < p.h; ++k) {
+            double want = 0.0, scale = 0.0;
+            for (int64_t j = 0; j < p.v; ++j) {
+              want += ref.dz[i * p.v + j] * p.weight[j * p.h + k];
+              scale += std::abs(ref.dz[i * p.v + j] * p.weight[j * p.h + k]);
+            }
+            expect_close(dh[i * p.h + k], want, 0.0, 1e-5 * scale + 1e-30, tag + " grad_hidden");
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Forms, Logprobs,
+                         ::testing::Combine(::testing::ValuesIn(all_backends()), ::testing::Bool(),
+                                            ::testing::Values(1, 3)),
+                         [](const auto& info) {
+                           return std::string(backend_name(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) ? "_linear" : "_logits") + "_world" +
+                                  std::to_string(std::get<2>(info.param));
+                         });
+
+TEST(LogprobsBadInput, ArgumentsAreNamed) {
+  std::vector<float> x(3 * 4, 0.0f), stats(4 * kW);
+  std::vector<int64_t> t{0, 1, 9};
+  const auto dev = fusedce::Device::cpu();
+  const auto xv = fusedce::matrix(x.data(), DType::kFloat32, 3, 4);
+  const auto tv = fusedce::vector(t.data(), DType::kInt64, 3);
+  const auto sv = fusedce::matrix(stats.data(), DType::kFloat32, 4, kW);
+  fusedce::LogprobOptions o;
+  for (float bad : {0.0f, -1.0f, NAN, INFINITY}) {
+    o.temperature = bad;
+    const fusedce::Status s = fusedce::logprobs_stats(dev, xv, tv, {0, 4}, o, sv);
+    EXPECT_EQ(s.code(), fusedce::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("temperature"), std::string::npos) << s.message();
+  }
+  o.temperature = 1.0f;
+  fusedce::Status s = fusedce::logprobs_stats(dev, xv, tv, {0, 4}, o, sv);
+  EXPECT_EQ(s.code(), fusedce::StatusCode::kTargetOutOfRange);
+  EXPECT_NE(s.message().find("target[2] = 9"), std::string::npos) << s.message();
+  s = fusedce::logprobs_stats(dev, xv, tv, {0, 4}, o, fusedce::matrix(stats.data(), DType::kFloat32, 3, kW));
+  EXPECT_NE(s.message().find("stats must be"), std::string::npos) << s.message();
+  s = fusedce::logprobs_stats(dev, xv, tv, {2, 4}, o, sv);
+  EXPECT_NE(s.message().find("shard.vocab_start"), std::string::npos) << s.message();
+}
+
+}  // namespace
+}  // namespace fusedce_test

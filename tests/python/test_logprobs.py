@@ -1,0 +1,499 @@
+"""fusedce.linear_logprobs and fusedce.logprobs: per-token log-probabilities and entropy with
+gradients, against a float64 reference that materialises the logits (F.linear + log_softmax +
+gather, entropy from the softmax), on random and peaked ("trained-looking") inputs.
+
+The inputs are rounded to their dtype first and the reference is computed in float64 from those
+rounded values, so fusedce's error is float32 arithmetic's whatever the input dtype: the
+tolerances are float32 ones for the values, and the dtype's rounding for gradients returned in
+a 16-bit dtype. Collapse: margins of 20-100 nats, where torch's float32 log_softmax gives 0 for
+the target (asserted), and fusedce must give the float64 value to float32 precision, and so must
+the target's gradient (1 - p_t). Vocabulary parallel: gloo groups of 2 and 3 ranks, equal to the
+single-device call. Parametrised over DEVICES (run with -k cuda on a GPU)."""
+
+import datetime
+import json
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fusedce
+from conftest import DEVICES, DTYPES
+
+ops = torch.ops.fusedce
+IGNORE = -100
+
+
+@pytest.fixture(autouse=True)
+def _cuda_kernels_under_test(monkeypatch):
+    """The library refuses CUDA inputs until these tests have passed on a GPU
+    (token_logprobs.CUDA_CHECKED_ON_A_GPU); the tests themselves run the CUDA kernels."""
+    monkeypatch.setattr(fusedce.token_logprobs, "CUDA_CHECKED_ON_A_GPU", True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_inputs_are_refused_until_checked_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(fusedce.token_logprobs, "CUDA_CHECKED_ON_A_GPU", False)
+    x = torch.randn(4, 7, device="cuda")
+    t = torch.randint(0, 7, (4,), device="cuda")
+    with pytest.raises(NotImplementedError, match="not yet been checked on a GPU"):
+        fusedce.logprobs(x, t)
+
+
+# ---- problems and the float64 reference -----------------------------------------------------
+
+
+def _peaked_logits(n, vocab, seed, peak=12.0):
+    """Logits with a few outliers far above the rest (the softmax is not flat) and, for some
+    rows, a dominant entry: what a trained policy gives."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, vocab, generator=g) * 2.0
+    k = max(1, vocab // 40)
+    idx = torch.randint(0, vocab, (n, k), generator=g)
+    x.scatter_(1, idx, peak + torch.randn(n, k, generator=g))
+    return x, idx[:, 0]
+
+
+def _tokens(n, vocab, seed, likely=None, ignore_frac=0.2):
+    g = torch.Generator().manual_seed(seed + 1)
+    t = torch.randint(0, vocab, (n,), generator=g)
+    if likely is not None:  # sampled tokens are mostly the likely ones
+        hit = torch.rand(n, generator=g) < 0.6
+        t = torch.where(hit, likely, t)
+    t[torch.rand(n, generator=g) < ignore_frac] = IGNORE
+    return t
+
+
+def _linear_problem(n, hidden, vocab, dtype, device, seed, bias=False, peaked=True):
+    """hidden, weight (and bias) whose logits are peaked: a few rows of weight aligned with
+    each hidden row."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) / hidden ** 0.5
+    likely = torch.randint(0, vocab, (n,), generator=g)
+    if peaked:
+        w[likely] += 2.5 * h / h.norm(dim=1, keepdim=True)
+    b = torch.randn(vocab, generator=g) * 0.5 if bias else None
+    t = _tokens(n, vocab, seed, likely)
+    cast = lambda x: None if x is None else x.to(dtype).to(device)  # noqa: E731
+    return cast(h), cast(w), cast(b), t.to(device)
+
+
+def reference(z64, tokens, ignore_index=IGNORE):
+    """logprob, entropy in float64 from float64 z (N, V); 0 at ignored rows. log_softmax in
+    float64 collapses too (past ~37 nats): log p is anchored at each row's max a instead,
+    log p_a = -log1p(sum_{j != a} exp(z_j - z_a)), log p_j = z_j - z_a + log p_a."""
+    if z64.shape[0] == 0:
+        logp = z64
+    else:
+        a = z64.argmax(-1, keepdim=True)
+        d = z64 - z64.gather(-1, a)
+        others = torch.ones_like(d).scatter(-1, a, 0.0)
+        logp = d - torch.log1p((d.exp() * others).sum(-1, keepdim=True))
+    keep = tokens != ignore_index
+    lp = logp.gather(-1, torch.where(keep, tokens, 0)[:, None])[:, 0]
+    ent = -(logp.exp() * logp).sum(-1)
+    return torch.where(keep, lp, 0.0), torch.where(keep, ent, 0.0)
+
+
+def _collapse_dz(z64, tokens):
+    """d sum(logprob) / dz in float64, analytically: -p_j, and 1 - p_t as the sum of the others'
+    p_j (autograd through the reference would form 1 - p_t by cancellation)."""
+    a = z64.argmax(-1, keepdim=True)
+    d = z64 - z64.gather(-1, a)
+    logp = d - torch.log1p((d.exp() * torch.ones_like(d).scatter(-1, a, 0.0)).sum(-1, keepdim=True))
+    p = logp.exp()
+    dz = -p
+    rest = (p * torch.ones_like(p).scatter(-1, tokens[:, None], 0.0)).sum(-1)
+    return dz.scatter(-1, tokens[:, None], rest[:, None])
+
+
+def _objective(lp, ent, old_lp, adv, coef=0.01, eps=0.2):
+    """A GRPO-style objective: clipped ratio times advantage, minus an entropy bonus."""
+    ratio = torch.exp(lp - old_lp)
+    pg = -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+    return pg.sum() - coef * ent.sum()
+
+
+def _weights(n, seed):
+    g = torch.Generator().manual_seed(seed + 7)
+    return torch.randn(n, generator=g, dtype=torch.float64) * 0.3, torch.randn(n, generator=g, dtype=torch.float64)
+
+
+def _close(got, want, atol, rtol, what):
+    torch.testing.assert_close(got.double().cpu(), want.double().cpu(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def _grad_tol(dtype, ref):
+    """A gradient returned in `dtype`: its rounding (a few units) plus float32 arithmetic."""
+    eps = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
+    return 4 * eps * max(ref.abs().max().item(), 1e-30), 4 * eps
+
+
+# ---- over logits ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,vocab", [(13, 301), (7, 1), (0, 50), (33, 2053), (4, 37000)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logits_values_and_gradients(device, dtype, n, vocab, temperature):
+    x, likely = _peaked_logits(n, vocab, seed=n + vocab)
+    t = _tokens(n, vocab, seed=vocab, likely=likely).to(device)
+    x = x.to(dtype).to(device)
+    z64 = x.double().cpu() / temperature
+    lp_ref, ent_ref = reference(z64, t.cpu())
+    leaf = x.detach().clone().requires_grad_(True)
+    lp, ent = fusedce.logprobs(leaf, t, temperature=temperature, return_entropy=True)
+    assert lp.dtype == ent.dtype == torch.float32 and lp.shape == ent.shape == (n,)
+    _close(lp, lp_ref, 2e-5, 2e-6, "logprob")
+    _close(ent, ent_ref, 2e-5, 2e-6, "entropy")
+    old, adv = _weights(n, n)
+    obj = _objective(lp, ent, old.float().to(device), adv.float().to(device))
+    if n:
+        obj.backward()
+        x64 = x.detach().double().cpu().requires_grad_(True)
+        l64, e64 = reference(x64 / temperature, t.cpu())
+        _objective(l64, e64, old, adv).backward()
+        assert leaf.grad.dtype == dtype
+        atol, rtol = _grad_tol(dtype, x64.grad)
+        _close(leaf.grad, x64.grad, atol, rtol, "dlogits")
+        assert (leaf.grad[t == IGNORE] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logits_leading_dims_and_return_forms(device):
+    x, likely = _peaked_logits(12, 97, seed=3)
+    t = _tokens(12, 97, seed=3, likely=likely)
+    x3, t3 = x.view(3, 4, 97).to(device), t.view(3, 4).to(device)
+    lp = fusedce.logprobs(x3, t3)
+    assert isinstance(lp, torch.Tensor) and lp.shape == (3, 4)
+    lp2, ent = fusedce.logprobs(x3, t3, return_entropy=True)
+    assert torch.equal(lp, lp2) and ent.shape == (3, 4)
+    lp_ref, ent_ref = reference(x.double(), t)
+    _close(lp.reshape(-1), lp_ref, 2e-5, 2e-6, "logprob")
+    _close(ent.reshape(-1), ent_ref, 2e-5, 2e-6, "entropy")
+    # ignored positions: logprob 0 and entropy 0 (documented)
+    assert (lp[t3 == IGNORE] == 0).all() and (ent[t3 == IGNORE] == 0).all()
+
+
+# ---- collapse -----------------------------------------------------------------------------------
+
+
+def _collapsed_rows(margins, vocab, dtype):
+    """Row i: token 0 at 0, the others at -margins[i] and a little below (exact in bf16), so
+    that p_t = 1 / (1 + sum exp(-margin...)) is 1 in float32 but not in float64."""
+    n = len(margins)
+    x = torch.zeros(n, vocab)
+    for i, m in enumerate(margins):
+        x[i, 1:] = -float(m) - torch.arange(vocab - 1) % 4 * 0.5
+    return x.to(dtype), torch.zeros(n, dtype=torch.int64)
+
+
+MARGINS = [20, 25, 40, 60, 80, 100]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_collapse_logits(device, dtype):
+    x, t = _collapsed_rows(MARGINS, 333, dtype)
+    # the case: PyTorch's own float32 log_softmax has lost the target's log-probability
+    naive = torch.log_softmax(x.float(), -1)[:, 0]
+    assert (naive[1:] == 0).all()  # (at a margin of 20, 332 others still add up to 7e-7)
+    x64 = x.double().requires_grad_(True)
+    lp_ref, ent_ref = reference(x64, t)
+    assert (lp_ref < 0).all()
+    leaf = x.to(device).requires_grad_(True)
+    lp, ent = fusedce.logprobs(leaf, t.to(device), return_entropy=True)
+    # below 1.2e-38 (a margin past ~87 nats) float32 holds subnormals: sums of them are exact to
+    # some ulps of 1.4e-45 only
+    _close(lp, lp_ref.detach(), 1e-41, 1e-5, "collapsed logprob")
+    _close(ent, ent_ref.detach(), 1e-41, 1e-4, "collapsed entropy")
+    lp.sum().backward()
+    # d logprob_t / dz_t = 1 - p_t, exact; the others -p_j
+    g, g_ref = leaf.grad.float().cpu(), _collapse_dz(x.double(), t)
+    if dtype == torch.float32:
+        _close(g, g_ref, 1e-41, 1e-5, "collapsed gradient")
+    else:  # bf16 gradient: its rounding only
+        _close(g, g_ref, 1e-40, 8e-3, "collapsed gradient")
+    assert (g[:-1, 0] > 0).all()  # (at 100 nats 1 - p_t = 7e-42 is below bf16's smallest subnormal)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_collapse_linear(device, dtype, temperature):
+    """Integer-valued logits from one-hot hidden rows (exact in every dtype and in the product's
+    float32 accumulation, even when a GPU stores the chunk in bf16)."""
+    vocab, hid = 203, 8
+    margins = [m * temperature for m in MARGINS]
+    n = len(margins)
+    h = torch.zeros(n, hid)
+    h[torch.arange(n), torch.arange(n) % hid] = 1.0
+    w = torch.zeros(vocab, hid)
+    w[1:] = -torch.tensor(margins).round()[torch.arange(hid) % n][None, :] - (torch.arange(vocab - 1) % 3)[:, None]
+    t = torch.zeros(n, dtype=torch.int64)
+    h, w = h.to(dtype), w.to(dtype)
+    z64 = (h.double() @ w.double().T) / temperature
+    lp_ref, _ = reference(z64, t)
+    assert (torch.log_softmax(z64.float(), -1)[1:, 0] == 0).all()
+    hl, wl = h.to(device).requires_grad_(True), w.to(device).requires_grad_(True)
+    lp = fusedce.linear_logprobs(hl, wl, t.to(device), temperature=temperature)
+    _close(lp, lp_ref, 1e-41, 1e-5, "collapsed logprob (linear)")
+    lp.sum().backward()
+    dz = _collapse_dz(z64, t) / temperature
+    assert hl.grad.abs().max() > 0
+    for got, want, name in ((hl.grad, dz @ w.double(), "hidden"), (wl.grad, dz.T @ h.double(), "weight")):
+        rtol = 1e-5 if dtype == torch.float32 else 8e-3
+        _close(got.float(), want, 1e-30, rtol, f"collapsed grad_{name}")
+
+
+# ---- the linear form ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,hid,vocab", [(19, 24, 301), (5, 8, 1), (0, 16, 40), (40, 32, 1031)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 1.3])
+def test_linear_values_and_gradients(device, dtype, n, hid, vocab, bias, temperature):
+    h, w, b, t = _linear_problem(n, hid, vocab, dtype, device, seed=n * 7 + vocab, bias=bias)
+    leaves = [x.detach().clone().requires_grad_(True) if x is not None else None for x in (h, w, b)]
+    lp, ent = fusedce.linear_logprobs(leaves[0], leaves[1], t, leaves[2], temperature=temperature,
+                                      return_entropy=True)
+    ref64 = [x.detach().double().cpu().requires_grad_(True) if x is not None else None for x in (h, w, b)]
+    z64 = torch.nn.functional.linear(ref64[0], ref64[1], ref64[2]) / temperature
+    lp_ref, ent_ref = reference(z64, t.cpu())
+    old, adv = _weights(n, n)
+    # PyTorch's own error in this dtype (F.linear in the dtype, then float32), which sets the
+    # budget where the dtype's rounding of the logits dominates (a GPU keeps a logit chunk in
+    # the input dtype); float32 arithmetic's error is the floor.
+    own = [x.detach().clone().cpu().requires_grad_(True) if x is not None else None for x in (h, w, b)]
+    lp_own, ent_own = reference(torch.nn.functional.linear(*own).float() / temperature, t.cpu())
+    budget = max((lp_own.double() - lp_ref).abs().max().item() if n else 0.0,
+                 (ent_own.double() - ent_ref).abs().max().item() if n else 0.0)
+    tol = max(2e-5, 3 * budget)
+    _close(lp, lp_ref.detach(), tol, 2e-6, "logprob")
+    _close(ent, ent_ref.detach(), tol, 2e-6, "entropy")
+    if not n:
+        return
+    _objective(lp, ent, old.float().to(device), adv.float().to(device)).backward()
+    _objective(lp_ref, ent_ref, old, adv).backward()
+    _objective(lp_own, ent_own, old.float(), adv.float()).backward()
+    for leaf, ref, mine, name in zip(leaves, ref64, own, ("hidden", "weight", "bias")):
+        if leaf is None:
+            continue
+        assert leaf.grad.dtype == dtype, name
+        atol, rtol = _grad_tol(dtype, ref.grad)
+        atol = max(atol, 3 * (mine.grad.double() - ref.grad).abs().max().item())
+        _close(leaf.grad, ref.grad, atol, rtol, f"grad_{name}")
+    assert (leaves[0].grad[t == IGNORE] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_chunked_and_leading_dims(device):
+    h, w, b, t = _linear_problem(24, 16, 257, torch.float32, device, seed=5, bias=True)
+    full = fusedce.linear_logprobs(h, w, t, b, return_entropy=True)
+    # a budget of a few rows of logits: several chunks on a GPU (the CPU tiles anyway)
+    chunked = fusedce.linear_logprobs(h.view(2, 12, 16), w, t.view(2, 12), b, return_entropy=True,
+                                      chunk_budget_bytes=5 * 264 * 4)
+    for a, c in zip(full, chunked):
+        assert c.shape == (2, 12)
+        torch.testing.assert_close(c.reshape(-1), a, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_only_entropy_or_only_logprob_has_a_gradient(device):
+    h, w, b, t = _linear_problem(10, 8, 50, torch.float32, device, seed=9, bias=True)
+    for pick in (0, 1):
+        hl = h.detach().clone().requires_grad_(True)
+        out = fusedce.linear_logprobs(hl, w, t, b, return_entropy=True, temperature=0.9)
+        out[pick].sum().backward()
+        h64 = h.double().cpu().requires_grad_(True)
+        ref = reference(torch.nn.functional.linear(h64, w.double().cpu(), b.double().cpu()) / 0.9, t.cpu())
+        ref[pick].sum().backward()
+        _close(hl.grad, h64.grad, 1e-5, 1e-5, f"output {pick}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_grad_and_frozen_head(device):
+    h, w, b, t = _linear_problem(9, 8, 60, torch.float32, device, seed=2)
+    with torch.no_grad():
+        a = fusedce.linear_logprobs(h.requires_grad_(True), w, t)
+    assert not a.requires_grad
+    hl = h.detach().clone().requires_grad_(True)
+    lp = fusedce.linear_logprobs(hl, w, t)
+    torch.testing.assert_close(lp.detach(), a)
+    lp.sum().backward()
+    assert hl.grad is not None and w.grad is None
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+def test_bad_input_is_named():
+    h, w, b, t = _linear_problem(6, 8, 30, torch.float32, "cpu", seed=1, bias=True)
+    cases = [
+        (dict(temperature=0.0), "temperature"), (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    ]
+    for kwargs, name in cases:
+        with pytest.raises(ValueError, match=name):
+            fusedce.linear_logprobs(h, w, t, **kwargs)
+        with pytest.raises(ValueError, match=name):
+            fusedce.logprobs(h @ w.T, t, **kwargs)
+    with pytest.raises(TypeError, match="temperature"):
+        fusedce.logprobs(h @ w.T, t, temperature=True)
+    bad = t.clone()
+    bad[3] = 30
+    with pytest.raises(ValueError, match=r"tokens\[3\] = 30"):
+        fusedce.linear_logprobs(h, w, bad)
+    with pytest.raises(ValueError, match=r"tokens\[3\] = 30"):
+        fusedce.logprobs(h @ w.T, bad)
+    with pytest.raises(ValueError, match="weight must have hidden's dtype"):
+        fusedce.linear_logprobs(h, w.double(), t)
+    with pytest.raises(ValueError, match="bias"):
+        fusedce.linear_logprobs(h, w, t, b[:-1])
+    with pytest.raises(ValueError, match="tokens must be int64 or int32"):
+        fusedce.linear_logprobs(h, w, t.float())
+    with pytest.raises(ValueError, match="tokens must have shape"):
+        fusedce.linear_logprobs(h, w, t[:-1])
+    with pytest.raises(ValueError, match="logits must be float32"):
+        fusedce.logprobs((h @ w.T).double(), t)
+    with pytest.raises(ValueError, match="chunk_budget_bytes"):
+        fusedce.linear_logprobs(h, w, t, chunk_budget_bytes=0)
+    with pytest.raises(ValueError, match="process_group"):
+        fusedce.linear_logprobs(h, w, t, vocab_total=30)
+
+
+# ---- the ops --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    h, w, b, t = _linear_problem(7, 8, 45, torch.float32, device, seed=4, bias=True)
+    logits = (h @ w.T).contiguous()
+    stats = ops.lp_stats(logits, t, 0, 45, 0.8, IGNORE)
+    lp, ent, lse = ops.lp_merge(stats, t, 0, 45, 0.8, IGNORE)
+    g = torch.randn(7, device=device)
+    checks = [
+        (ops.lp_stats.default, (logits, t, 0, 45, 0.8, IGNORE)),
+        (ops.llp_stats.default, (h, w, b, t, 0, 45, 0.8, IGNORE, 0)),
+        (ops.lp_merge.default, (stats, t, 0, 45, 0.8, IGNORE)),
+        (ops.lp_bwd.default, (logits, t, lse, lp, ent, g, g, 0, 45, 0.8, IGNORE)),
+        (ops.llp_bwd.default, (h, w, b, t, lse, lp, ent, g, None, 0, 45, 0.8, IGNORE, 0, True, True, True)),
+    ]
+    for op, args in checks:
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_matches_eager(device):
+    torch._dynamo.reset()
+    h, w, b, t = _linear_problem(16, 16, 131, torch.float32, device, seed=8, bias=True)
+    old, adv = (x.float().to(device) for x in _weights(16, 3))
+
+    def step(h, w, b):
+        lp, ent = fusedce.linear_logprobs(h, w, t, b, temperature=0.9, return_entropy=True)
+        return _objective(lp, ent, old, adv)
+
+    def run(fn):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (h, w, b)]
+        loss = fn(*leaves)
+        loss.backward()
+        return [loss.detach()] + [x.grad for x in leaves]
+
+    eager = run(step)
+    compiled = run(torch.compile(step, fullgraph=True))
+    for a, c in zip(eager, compiled):
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
+
+
+# ---- vocabulary parallel ----------------------------------------------------------------------
+
+
+def _vp_cases(world, rank, group):
+    """Every rank: its shard of a problem, the vocabulary-parallel call, and the single-device
+    call on the whole problem: values equal (bit for bit on every rank), gradients equal to the
+    slices (grad_hidden up to the all-reduce's float32 rounding)."""
+    vocab, hid, n = 127, 12, 15
+    sizes = [vocab // world + (1 if r < vocab % world else 0) for r in range(world)]
+    starts = [sum(sizes[:r]) for r in range(world)]
+    v0, v1 = starts[rank], starts[rank] + sizes[rank]
+    for dtype, with_bias, temperature in ((torch.float32, True, 0.8), (torch.bfloat16, False, 1.0)):
+        h, w, b, t = _linear_problem(n, hid, vocab, dtype, "cpu", seed=11, bias=with_bias)
+        old, adv = (x.float() for x in _weights(n, 5))
+
+        def run(w_part, b_part, **kw):
+            leaves = [x.detach().clone().requires_grad_(True) if x is not None else None for x in (h, w_part, b_part)]
+            lp, ent = fusedce.linear_logprobs(leaves[0], leaves[1], t, leaves[2], temperature=temperature,
+                                              return_entropy=True, **kw)
+            _objective(lp, ent, old, adv).backward()
+            return lp.detach(), ent.detach(), [x.grad if x is not None else None for x in leaves]
+
+        full = run(w, b)
+        part = run(w[v0:v1], None if b is None else b[v0:v1], process_group=group, vocab_start=v0,
+                   vocab_total=vocab)
+        torch.testing.assert_close(part[0], full[0], rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(part[1], full[1], rtol=2e-6, atol=2e-6)
+        gtol = dict(rtol=2e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)
+        torch.testing.assert_close(part[2][0], full[2][0], **gtol)
+        torch.testing.assert_close(part[2][1], full[2][1][v0:v1], **gtol)
+        if b is not None:
+            torch.testing.assert_close(part[2][2], full[2][2][v0:v1], **gtol)
+        # the same bits on every rank
+        both = torch.stack([part[0], part[1]])
+        gathered = [torch.empty_like(both) for _ in range(world)]
+        dist.all_gather(gathered, both, group=group)
+        assert all(torch.equal(g, gathered[0]) for g in gathered)
+        # over logit shards: torch.chunk's layout (vocab_total only)
+        x = torch.nn.functional.linear(h.float(), w.float(), None if b is None else b.float()).to(dtype)
+        chunk = torch.chunk(x, world, dim=1)[rank]
+        c0 = sum(c.shape[1] for c in torch.chunk(x, world, dim=1)[:rank])
+        xl = chunk.detach().clone().requires_grad_(True)
+        lp, ent = fusedce.logprobs(xl, t, temperature=temperature, return_entropy=True, process_group=group,
+                                   vocab_total=vocab)
+        xf = x.detach().clone().requires_grad_(True)
+        lpf, entf = fusedce.logprobs(xf, t, temperature=temperature, return_entropy=True)
+        torch.testing.assert_close(lp, lpf, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(ent, entf, rtol=2e-6, atol=2e-6)
+        _objective(lp, ent, old, adv).backward()
+        _objective(lpf, entf, old, adv).backward()
+        torch.testing.assert_close(xl.grad, xf.grad[:, c0:c0 + chunk.shape[1]], **gtol)
+    # a bad argument on one rank only: every rank raises
+    bad = t.clone()
+    if rank == world - 1:
+        bad[2] = vocab + 5
+    try:
+        fusedce.linear_logprobs(h, w[v0:v1], bad, process_group=group, vocab_start=v0, vocab_total=vocab)
+    except ValueError as e:
+        assert ("tokens[2]" in str(e)) == (rank == world - 1), str(e)
+    else:
+        raise AssertionError("no rank may go on with a bad call")
+
+
+def _vp_worker(rank, world, store, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    result = None
+    try:
+        _vp_cases(world, rank, dist.group.WORLD)
+    except BaseException:  # noqa: B036
+        result = traceback.format_exc()
+    finally:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocabulary_parallel_equals_single_device(world, tmp_path):
+    mp.spawn(_vp_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
+    failures = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    bad = [f"rank {r}:\n{f}" for r, f in enumerate(failures) if f]
+    assert not bad, "\n".join(bad)
