@@ -28,6 +28,7 @@
 
 namespace fusedce {
 namespace cpu {
+namespace {
 
 constexpr int64_t kVocabBlock = 256;   // vocabulary rows per product task
 constexpr int64_t kHiddenBlock = 128;  // hidden columns per grad_hidden task
@@ -39,13 +40,6 @@ constexpr size_t kDefaultBudget = size_t(128) << 20;    // float32 logits of one
 // PyTorch 3.6e-7).
 constexpr int64_t kMaxChunkRows = 256;
 constexpr size_t kLowMemoryBudget = size_t(256) << 20;  // low_memory's cap on the same
-
-namespace {
-
-constexpr int64_t kRows = 16;   // rows per chunk
-constexpr int64_t kCols = 128;  // vocabulary entries per tile
-
-TileKernels tiles() { return best_tile_kernels(); }
 
 float load_elem(const void* base, DType d, int64_t i) {
   switch (d) {
