@@ -32,6 +32,7 @@ namespace {
 
 constexpr int64_t kVocabBlock = 256;   // vocabulary rows per product task
 constexpr int64_t kHiddenBlock = 128;  // hidden columns per grad_hidden task
+constexpr int64_t kRowBlock = 64;      // chunk rows per grad_hidden task
 constexpr size_t kDefaultBudget = size_t(128) << 20;    // float32 logits of one chunk
 // At most this many rows per chunk: grad_weight is then summed in two levels (within a chunk by
 // the product, chunk after chunk into the output), which keeps its float32 error at or below
@@ -262,10 +263,14 @@ Status run_linear(const detail::LinearCall& call) {
       });
     }
     if (want_gh) {
-      parallel_for(hblocks, 1, threads, [&](int64_t b, int64_t e) {
+      // Tasks of kRowBlock rows x kHiddenBlock columns, so that a narrow hidden size still fills
+      // the pool; each output element is one product's sum over V, whatever the split.
+      const int64_t rblocks = (mc + kRowBlock - 1) / kRowBlock;
+      parallel_for(rblocks * hblocks, 1, threads, [&](int64_t b, int64_t e) {
         for (int64_t blk = b; blk < e; ++blk) {
-          const int64_t h0 = blk * kHiddenBlock, hb = std::min(kHiddenBlock, H - h0);
-          gemm_ops.nn(mc, hb, V, z.data(), V, W.data + h0, W.ld, ghc.data() + h0, H);
+          const int64_t r0 = (blk / hblocks) * kRowBlock, rb = std::min(kRowBlock, mc - r0);
+          const int64_t h0 = (blk % hblocks) * kHiddenBlock, hb = std::min(kHiddenBlock, H - h0);
+          gemm_ops.nn(rb, hb, V, z.data() + r0 * V, V, W.data + h0, W.ld, ghc.data() + r0 * H + h0, H);
         }
       });
       const MatrixView& gh = g.grad_hidden;
