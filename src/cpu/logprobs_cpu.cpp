@@ -1,14 +1,17 @@
 // The CPU backend of the per-token log-probabilities (fusedce/logprobs.h): the three steps over
-// logits or over hidden @ weight.T + bias, through one tile loop. Rows whose target is ignored
-// are dropped first; the rest go in chunks of kRows rows against tiles of kCols columns, formed
-// as float32 z = (x [+ bias]) / temperature, never more than one tile per worker:
-//   step 1 (parallel over row chunks): each tile folded into the rows' LpState (a float state
-//     per tile, folded into a double one per row: no compounding over V);
+// logits or over hidden @ weight.T + bias. Rows whose target is ignored are dropped first.
+//   Over logits: chunks of kRows rows against tiles of kCols columns, formed as float32
+//     z = x / temperature, never more than one tile per worker.
+//   The linear form: chunks of rows (at most kMaxChunkRows, float32 logits within the budget)
+//     whose logits come from the build's matrix products (cpu/gemm.h: OpenBLAS or the core's own),
+//     one product per vocabulary block, then z = (logits + bias) / temperature in place.
+//   step 1: each row's kCols-column segments folded into its LpState in column order (a float
+//     state per segment, folded into a double one per row: no compounding over V);
 //   step 2: the gathered states of every rank folded in rank order, finished per row;
-//   step 3: the tiles formed again and turned into dz / temperature; over logits they are the
-//     dlogits rows; for the linear form grad_weight / grad_bias accumulate per vocabulary tile
-//     (parallel over tiles, rows in order) and grad_hidden per row chunk (parallel over chunks,
-//     tiles in order), float32 throughout, so results do not depend on the thread count.
+//   step 3: z formed again and turned into dz / temperature; over logits they are the dlogits
+//     rows; the linear form then takes grad_weight (float32, chunks added in row order) and
+//     grad_bias by vocabulary blocks and grad_hidden by row x hidden blocks. Block sizes are fixed
+//     by the shapes, so results do not depend on the thread count.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -17,6 +20,7 @@
 #include "common/call.h"
 #include "common/logprob_call.h"
 #include "common/logprob_math.h"
+#include "cpu/gemm.h"
 #include "cpu/kernels.h"
 #include "cpu/thread_pool.h"
 
@@ -24,8 +28,17 @@ namespace fusedce {
 namespace cpu {
 namespace {
 
-constexpr int64_t kRows = 16;   // rows per chunk
-constexpr int64_t kCols = 128;  // columns per tile
+constexpr int64_t kRows = 16;   // rows per chunk (over logits)
+constexpr int64_t kCols = 128;  // columns per tile, and per folded segment
+// The linear form's chunks: float32 logits of at most kDefaultBudget bytes and kMaxChunkRows rows
+// (grad_weight is summed within a chunk by one product, chunk after chunk into float32, as the
+// linear cross-entropy does); products by blocks of kVocabBlock vocabulary rows, kRowBlock rows
+// and kHiddenBlock hidden columns.
+constexpr size_t kDefaultBudget = size_t(128) << 20;
+constexpr int64_t kMaxChunkRows = 256;
+constexpr int64_t kVocabBlock = 256;
+constexpr int64_t kRowBlock = 64;
+constexpr int64_t kHiddenBlock = 128;
 
 float load_elem(const void* base, DType d, int64_t i) {
   switch (d) {
@@ -54,7 +67,6 @@ struct Problem {
   float inv_t;
   std::vector<int64_t> rows;
   std::vector<int64_t> targets;
-  TileKernels k;
 };
 
 Status build_problem(const detail::LogprobCall& c, Problem* p) {
@@ -71,66 +83,87 @@ Status build_problem(const detail::LogprobCall& c, Problem* p) {
     p->rows.push_back(i);
     p->targets.push_back(t - c.shard.vocab_start);
   }
-  if (c.linear) p->k = best_tile_kernels();
   return Status::Ok();
 }
 
-/// Forms z tiles of rows [i0, i0 + rc) of the valid rows over columns [v0, v0 + vt). For the
-/// linear form the chunk's hidden rows are loaded once (load_rows) and each tile's weight rows
-/// per tile.
-class TileSource {
+/// z tiles of rows [i0, i0 + rc) of the valid rows over columns [v0, v0 + vt), from the logits:
+/// z (rc x vt, row-major) = x / temperature.
+void form_logit_tile(const Problem& p, int64_t i0, int64_t rc, int64_t v0, int64_t vt, float* z) {
+  const MatrixView& x = p.call->logits;
+  for (int64_t r = 0; r < rc; ++r) {
+    const int64_t base = p.rows[i0 + r] * x.row_stride + v0;
+    for (int64_t v = 0; v < vt; ++v) z[r * vt + v] = load_elem(x.data, x.dtype, base + v) * p.inv_t;
+  }
+}
+
+/// The linear form's z, chunk by chunk: z (rc x V, row-major) = (hidden rows @ weight.T
+/// [+ bias]) / temperature, the product through the build's matrix products by vocabulary
+/// blocks. The weight is read in place when float32, else converted once per call.
+class LinearChunks {
  public:
-  explicit TileSource(const Problem& p) : p_(p) {
-    if (p.call->linear) {
-      hid_.resize(kRows * p.H);
-      wt_.resize(kCols * p.H);
+  explicit LinearChunks(const Problem& p) : p_(p), ops_(gemm()), threads_(p.call->device.num_threads) {
+    const detail::LogprobCall& c = *p.call;
+    const size_t budget = c.chunk_budget_bytes != 0 ? c.chunk_budget_bytes : kDefaultBudget;
+    rows_ = std::max<int64_t>(1, std::min<int64_t>(kMaxChunkRows, int64_t(budget / (size_t(std::max<int64_t>(p.V, 1)) * 4))));
+    const MatrixView& w = c.weight;
+    if (w.dtype == DType::kFloat32) {
+      w_ = static_cast<const float*>(w.data);
+      ld_ = w.row_stride;
+    } else {
+      w_copy_.resize(p.V * p.H);
+      parallel_for(p.V, kVocabBlock, threads_, [&](int64_t b, int64_t e) {
+        for (int64_t v = b; v < e; ++v) {
+          for (int64_t h = 0; h < p.H; ++h) w_copy_[v * p.H + h] = load_elem(w.data, w.dtype, v * w.row_stride + h);
+        }
+      });
+      w_ = w_copy_.data();
+      ld_ = p.H;
     }
+    if (!c.bias.empty()) {
+      bias_.resize(p.V);
+      for (int64_t v = 0; v < p.V; ++v) bias_[v] = load_elem(c.bias.data, c.bias.dtype, v * c.bias.stride);
+    }
+    const int64_t cap = std::min<int64_t>(rows_, std::max<int64_t>(static_cast<int64_t>(p.rows.size()), 1));
+    hc_.resize(cap * p.H);
+    z_.resize(cap * p.V);
   }
 
-  void load_rows(int64_t i0, int64_t rc) {
-    if (!p_.call->linear) return;
-    const MatrixView& h = p_.call->hidden;
-    for (int64_t r = 0; r < rc; ++r) {
-      const int64_t base = p_.rows[i0 + r] * h.row_stride;
-      for (int64_t j = 0; j < p_.H; ++j) hid_[r * p_.H + j] = load_elem(h.data, h.dtype, base + j);
-    }
-  }
+  int64_t rows() const { return rows_; }
+  const float* hidden() const { return hc_.data(); }
+  const float* weight() const { return w_; }
+  int64_t weight_ld() const { return ld_; }
+  const GemmOps& ops() const { return ops_; }
 
-  void load_cols(int64_t v0, int64_t vt) {
-    if (!p_.call->linear) return;
-    const MatrixView& w = p_.call->weight;
-    for (int64_t v = 0; v < vt; ++v) {
-      const int64_t base = (v0 + v) * w.row_stride;
-      for (int64_t j = 0; j < p_.H; ++j) wt_[v * p_.H + j] = load_elem(w.data, w.dtype, base + j);
-    }
-  }
-
-  /// z (rc x vt, row-major) from the loaded rows and columns.
-  void form(int64_t i0, int64_t rc, int64_t v0, int64_t vt, float* z) const {
+  /// z of valid rows [i0, i0 + rc), rc <= rows().
+  float* form(int64_t i0, int64_t rc) {
     const detail::LogprobCall& c = *p_.call;
-    if (!c.linear) {
-      for (int64_t r = 0; r < rc; ++r) {
-        const int64_t base = p_.rows[i0 + r] * c.logits.row_stride + v0;
-        for (int64_t v = 0; v < vt; ++v) z[r * vt + v] = load_elem(c.logits.data, c.logits.dtype, base + v) * p_.inv_t;
-      }
-      return;
-    }
-    p_.k.logits(hid_.data(), wt_.data(), rc, vt, p_.H, z);
+    const int64_t H = p_.H, V = p_.V;
     for (int64_t r = 0; r < rc; ++r) {
-      for (int64_t v = 0; v < vt; ++v) {
-        float x = z[r * vt + v];
-        if (!c.bias.empty()) x += load_elem(c.bias.data, c.bias.dtype, (v0 + v) * c.bias.stride);
-        z[r * vt + v] = x * p_.inv_t;
-      }
+      const int64_t base = p_.rows[i0 + r] * c.hidden.row_stride;
+      for (int64_t h = 0; h < H; ++h) hc_[r * H + h] = load_elem(c.hidden.data, c.hidden.dtype, base + h);
     }
+    const int64_t blocks = (V + kVocabBlock - 1) / kVocabBlock;
+    parallel_for(blocks, 1, threads_, [&](int64_t b, int64_t e) {
+      for (int64_t blk = b; blk < e; ++blk) {
+        const int64_t v0 = blk * kVocabBlock, vb = std::min(kVocabBlock, V - v0);
+        ops_.nt(rc, vb, H, hc_.data(), H, w_ + v0 * ld_, ld_, z_.data() + v0, V);
+        for (int64_t r = 0; r < rc; ++r) {
+          float* zr = z_.data() + r * V + v0;
+          for (int64_t v = 0; v < vb; ++v) zr[v] = (bias_.empty() ? zr[v] : zr[v] + bias_[v0 + v]) * p_.inv_t;
+        }
+      }
+    });
+    return z_.data();
   }
-
-  const float* hidden_rows() const { return hid_.data(); }
-  const float* weight_cols() const { return wt_.data(); }
 
  private:
   const Problem& p_;
-  std::vector<float> hid_, wt_;
+  const GemmOps ops_;
+  const int threads_;
+  int64_t rows_ = 1;
+  const float* w_ = nullptr;
+  int64_t ld_ = 0;
+  std::vector<float> w_copy_, bias_, hc_, z_;
 };
 
 /// One tile row's state: its max, the exps of every entry but the first max, and u.
@@ -164,36 +197,23 @@ struct RowFold {
   bool holds = false;
 };
 
-Status stats(const Problem& p) {
+/// Folds one row's z (kCols-column segments, in column order) into its state; notes the target's
+/// z when this shard holds it.
+void fold_row(const float* z, int64_t v0, int64_t vt, int64_t target, RowFold& f) {
+  for (int64_t s0 = 0; s0 < vt; s0 += kCols) {
+    f.st = detail::lp_merge(f.st, tile_state(z + s0, std::min(kCols, vt - s0)));
+  }
+  if (target >= v0 && target < v0 + vt) {
+    f.z_t = z[target - v0];
+    f.holds = true;
+  }
+}
+
+Status write_stats(const Problem& p, const std::vector<RowFold>& rs) {
   const detail::LogprobCall& c = *p.call;
-  const int64_t M = static_cast<int64_t>(p.rows.size()), V = p.V;
-  const int64_t chunks = (M + kRows - 1) / kRows, tiles_n = (V + kCols - 1) / kCols;
-  std::vector<RowFold> rs(M);
-  parallel_for(chunks, 1, c.device.num_threads, [&](int64_t b, int64_t e) {
-    TileSource src(p);
-    std::vector<float> z(kRows * kCols);
-    for (int64_t ch = b; ch < e; ++ch) {
-      const int64_t i0 = ch * kRows, rc = std::min(kRows, M - i0);
-      src.load_rows(i0, rc);
-      for (int64_t t = 0; t < tiles_n; ++t) {
-        const int64_t v0 = t * kCols, vt = std::min(kCols, V - v0);
-        src.load_cols(v0, vt);
-        src.form(i0, rc, v0, vt, z.data());
-        for (int64_t r = 0; r < rc; ++r) {
-          RowFold& f = rs[i0 + r];
-          f.st = detail::lp_merge(f.st, tile_state(z.data() + r * vt, vt));
-          const int64_t tl = p.targets[i0 + r];
-          if (tl >= v0 && tl < v0 + vt) {
-            f.z_t = z[r * vt + (tl - v0)];
-            f.holds = true;
-          }
-        }
-      }
-    }
-  });
   float* out = static_cast<float*>(c.stats.data);
   std::fill(out, out + (p.N + 1) * kLogprobStatsWidth, 0.0f);  // ignored rows and row N: zeros
-  for (int64_t i = 0; i < M; ++i) {
+  for (size_t i = 0; i < rs.size(); ++i) {
     float* o = out + p.rows[i] * kLogprobStatsWidth;
     o[0] = rs[i].st.m;
     o[1] = static_cast<float>(rs[i].st.r);
@@ -202,6 +222,41 @@ Status stats(const Problem& p) {
     o[4] = rs[i].holds ? 1.0f : 0.0f;
   }
   return Status::Ok();
+}
+
+Status stats_logits(const Problem& p) {
+  const detail::LogprobCall& c = *p.call;
+  const int64_t M = static_cast<int64_t>(p.rows.size()), V = p.V;
+  const int64_t chunks = (M + kRows - 1) / kRows, tiles_n = (V + kCols - 1) / kCols;
+  std::vector<RowFold> rs(M);
+  parallel_for(chunks, 1, c.device.num_threads, [&](int64_t b, int64_t e) {
+    std::vector<float> z(kRows * kCols);
+    for (int64_t ch = b; ch < e; ++ch) {
+      const int64_t i0 = ch * kRows, rc = std::min(kRows, M - i0);
+      for (int64_t t = 0; t < tiles_n; ++t) {
+        const int64_t v0 = t * kCols, vt = std::min(kCols, V - v0);
+        form_logit_tile(p, i0, rc, v0, vt, z.data());
+        for (int64_t r = 0; r < rc; ++r) fold_row(z.data() + r * vt, v0, vt, p.targets[i0 + r], rs[i0 + r]);
+      }
+    }
+  });
+  return write_stats(p, rs);
+}
+
+Status stats_linear(const Problem& p) {
+  const int64_t M = static_cast<int64_t>(p.rows.size()), V = p.V;
+  std::vector<RowFold> rs(M);
+  if (M > 0) {
+    LinearChunks lc(p);
+    for (int64_t i0 = 0; i0 < M; i0 += lc.rows()) {
+      const int64_t rc = std::min(lc.rows(), M - i0);
+      const float* z = lc.form(i0, rc);
+      parallel_for(rc, 1, p.call->device.num_threads, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) fold_row(z + r * V, 0, V, p.targets[i0 + r], rs[i0 + r]);
+      });
+    }
+  }
+  return write_stats(p, rs);
 }
 
 Status merge(const detail::LogprobCall& c) {
@@ -265,13 +320,12 @@ Status backward_logits(const Problem& p) {
   const int64_t M = static_cast<int64_t>(p.rows.size()), V = p.V;
   const int64_t chunks = (M + kRows - 1) / kRows, tiles_n = (V + kCols - 1) / kCols;
   parallel_for(chunks, 1, c.device.num_threads, [&](int64_t b, int64_t e) {
-    TileSource src(p);
     std::vector<float> z(kRows * kCols);
     for (int64_t ch = b; ch < e; ++ch) {
       const int64_t i0 = ch * kRows, rc = std::min(kRows, M - i0);
       for (int64_t t = 0; t < tiles_n; ++t) {
         const int64_t v0 = t * kCols, vt = std::min(kCols, V - v0);
-        src.form(i0, rc, v0, vt, z.data());
+        form_logit_tile(p, i0, rc, v0, vt, z.data());
         grad_tile(p, g.data() + i0, p.targets.data() + i0, rc, v0, vt, z.data());
         for (int64_t r = 0; r < rc; ++r) {
           const int64_t base = p.rows[i0 + r] * d.row_stride + v0;
@@ -286,65 +340,67 @@ Status backward_logits(const Problem& p) {
 Status backward_linear(const Problem& p) {
   const detail::LogprobCall& c = *p.call;
   const LinearGrads& gr = c.grads;
+  const bool want_gw = !gr.grad_weight.empty(), want_gb = !gr.grad_bias.empty(), want_gh = !gr.grad_hidden.empty();
   const std::vector<detail::LpRowGrad> g = row_grads(p);
   const int64_t M = static_cast<int64_t>(p.rows.size()), H = p.H, V = p.V;
-  const int64_t chunks = (M + kRows - 1) / kRows, tiles_n = (V + kCols - 1) / kCols;
   const int threads = c.device.num_threads;
-  if (!gr.grad_weight.empty() || !gr.grad_bias.empty()) {
-    parallel_for(tiles_n, 1, threads, [&](int64_t b, int64_t e) {
-      TileSource src(p);
-      std::vector<float> z(kRows * kCols), acc(kCols * H), accb(kCols);
-      for (int64_t t = b; t < e; ++t) {
-        const int64_t v0 = t * kCols, vt = std::min(kCols, V - v0);
-        src.load_cols(v0, vt);
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        std::fill(accb.begin(), accb.end(), 0.0f);
-        for (int64_t ch = 0; ch < chunks; ++ch) {
-          const int64_t i0 = ch * kRows, rc = std::min(kRows, M - i0);
-          src.load_rows(i0, rc);
-          src.form(i0, rc, v0, vt, z.data());
-          grad_tile(p, g.data() + i0, p.targets.data() + i0, rc, v0, vt, z.data());
-          p.k.dw(z.data(), src.hidden_rows(), rc, vt, H, acc.data());
-          for (int64_t r = 0; r < rc; ++r) {
-            for (int64_t v = 0; v < vt; ++v) accb[v] += z[r * vt + v];
-          }
-        }
-        if (!gr.grad_weight.empty()) {
-          const MatrixView& gw = gr.grad_weight;
-          for (int64_t v = 0; v < vt; ++v) {
-            for (int64_t h = 0; h < H; ++h) store_elem(gw.data, gw.dtype, (v0 + v) * gw.row_stride + h, acc[v * H + h]);
-          }
-        }
-        if (!gr.grad_bias.empty()) {
-          for (int64_t v = 0; v < vt; ++v) store_elem(gr.grad_bias.data, gr.grad_bias.dtype, (v0 + v) * gr.grad_bias.stride, accb[v]);
-        }
-      }
-    });
-  }
-  if (!gr.grad_hidden.empty()) {
+  std::vector<float> gw(want_gw ? V * H : 0, 0.0f), gb(want_gb ? V : 0, 0.0f);
+  if (want_gh) {
     const MatrixView& gh = gr.grad_hidden;
     for (int64_t i = 0; i < p.N; ++i) {
       for (int64_t h = 0; h < H; ++h) store_elem(gh.data, gh.dtype, i * gh.row_stride + h, 0.0f);
     }
-    parallel_for(chunks, 1, threads, [&](int64_t b, int64_t e) {
-      TileSource src(p);
-      std::vector<float> z(kRows * kCols), acc(kRows * H);
-      for (int64_t ch = b; ch < e; ++ch) {
-        const int64_t i0 = ch * kRows, rc = std::min(kRows, M - i0);
-        src.load_rows(i0, rc);
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t t = 0; t < tiles_n; ++t) {
-          const int64_t v0 = t * kCols, vt = std::min(kCols, V - v0);
-          src.load_cols(v0, vt);
-          src.form(i0, rc, v0, vt, z.data());
-          grad_tile(p, g.data() + i0, p.targets.data() + i0, rc, v0, vt, z.data());
-          p.k.dh(z.data(), src.weight_cols(), rc, vt, H, acc.data());
-        }
+  }
+  if (M > 0) {
+    LinearChunks lc(p);
+    const GemmOps& ops = lc.ops();
+    std::vector<float> ghc(want_gh ? lc.rows() * H : 0);
+    const int64_t vblocks = (V + kVocabBlock - 1) / kVocabBlock, hblocks = (H + kHiddenBlock - 1) / kHiddenBlock;
+    for (int64_t i0 = 0; i0 < M; i0 += lc.rows()) {
+      const int64_t rc = std::min(lc.rows(), M - i0);
+      float* z = lc.form(i0, rc);
+      parallel_for(rc, 1, threads, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) grad_tile(p, g.data() + i0 + r, p.targets.data() + i0 + r, 1, 0, V, z + r * V);
+      });
+      if (want_gw || want_gb) {
+        parallel_for(vblocks, 1, threads, [&](int64_t b, int64_t e) {
+          for (int64_t blk = b; blk < e; ++blk) {
+            const int64_t v0 = blk * kVocabBlock, vb = std::min(kVocabBlock, V - v0);
+            if (want_gw) ops.tn(vb, H, rc, z + v0, V, lc.hidden(), H, gw.data() + v0 * H, H, i0 > 0);
+            if (want_gb) {
+              for (int64_t r = 0; r < rc; ++r) {
+                for (int64_t v = 0; v < vb; ++v) gb[v0 + v] += z[r * V + v0 + v];
+              }
+            }
+          }
+        });
+      }
+      if (want_gh) {
+        const int64_t rblocks = (rc + kRowBlock - 1) / kRowBlock;
+        parallel_for(rblocks * hblocks, 1, threads, [&](int64_t b, int64_t e) {
+          for (int64_t blk = b; blk < e; ++blk) {
+            const int64_t r0 = (blk / hblocks) * kRowBlock, rb = std::min(kRowBlock, rc - r0);
+            const int64_t h0 = (blk % hblocks) * kHiddenBlock, hb = std::min(kHiddenBlock, H - h0);
+            ops.nn(rb, hb, V, z + r0 * V, V, lc.weight() + h0, lc.weight_ld(), ghc.data() + r0 * H + h0, H);
+          }
+        });
+        const MatrixView& gh = gr.grad_hidden;
         for (int64_t r = 0; r < rc; ++r) {
-          for (int64_t h = 0; h < H; ++h) store_elem(gh.data, gh.dtype, p.rows[i0 + r] * gh.row_stride + h, acc[r * H + h]);
+          for (int64_t h = 0; h < H; ++h) store_elem(gh.data, gh.dtype, p.rows[i0 + r] * gh.row_stride + h, ghc[r * H + h]);
         }
       }
+    }
+  }
+  if (want_gw) {
+    const MatrixView& w = gr.grad_weight;
+    parallel_for(V, kVocabBlock, threads, [&](int64_t b, int64_t e) {
+      for (int64_t v = b; v < e; ++v) {
+        for (int64_t h = 0; h < H; ++h) store_elem(w.data, w.dtype, v * w.row_stride + h, gw[v * H + h]);
+      }
     });
+  }
+  if (want_gb) {
+    for (int64_t v = 0; v < V; ++v) store_elem(gr.grad_bias.data, gr.grad_bias.dtype, v * gr.grad_bias.stride, gb[v]);
   }
   return Status::Ok();
 }
@@ -356,7 +412,7 @@ Status run_logprobs(const detail::LogprobCall& call) {
   Problem p;
   Status s = build_problem(call, &p);
   if (!s.ok()) return s;
-  if (call.step == 1) return stats(p);
+  if (call.step == 1) return call.linear ? stats_linear(p) : stats_logits(p);
   return call.linear ? backward_linear(p) : backward_logits(p);
 }
 

@@ -297,12 +297,22 @@ def test_linear_values_and_gradients(device, dtype, n, hid, vocab, bias, tempera
 def test_linear_chunked_and_leading_dims(device):
     h, w, b, t = _linear_problem(24, 16, 257, torch.float32, device, seed=5, bias=True)
     full = fusedce.linear_logprobs(h, w, t, b, return_entropy=True)
-    # a budget of a few rows of logits: several chunks on a GPU (the CPU tiles anyway)
+    # a budget of a few rows of logits: several chunks (5 rows each on the CPU)
     chunked = fusedce.linear_logprobs(h.view(2, 12, 16), w, t.view(2, 12), b, return_entropy=True,
                                       chunk_budget_bytes=5 * 264 * 4)
     for a, c in zip(full, chunked):
         assert c.shape == (2, 12)
         torch.testing.assert_close(c.reshape(-1), a, rtol=1e-6, atol=1e-6)
+
+    # the gradients summed over chunks equal the one-chunk call's
+    def grads(**kw):
+        hh, ww, bb = (x.detach().clone().requires_grad_(True) for x in (h, w, b))
+        lp, ent = fusedce.linear_logprobs(hh, ww, t, bb, return_entropy=True, **kw)
+        (lp * torch.linspace(-1, 1, lp.numel(), device=lp.device) + 0.1 * ent).sum().backward()
+        return hh.grad, ww.grad, bb.grad
+
+    for a, c, name in zip(grads(), grads(chunk_budget_bytes=5 * 264 * 4), ("hidden", "weight", "bias")):
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("device", DEVICES)
