@@ -61,20 +61,10 @@ def _check_device(value, name, ref, ref_name, where):
         raise ValueError(f"{where}: {name} is on {value.device} but {ref_name} is on {ref.device}")
 
 
-# The CUDA kernels of the log-probabilities build and share the CPU path's tests, but no GPU has
-# run them yet: until `pytest tests/python/test_logprobs.py -k cuda` passes on one (the tests set
-# this for their own calls), CUDA inputs are refused rather than risk a wrong number.
-CUDA_CHECKED_ON_A_GPU = False
-
-
 def _check_cuda_build(x, name, where):
     if x.device.type == "cuda" and not _library.with_cuda:
         raise RuntimeError(f"{where}: {name} is on a CUDA device but this build of fusedce has no CUDA "
                            "kernels (it was built without nvcc or with a CPU-only torch)")
-    if x.device.type == "cuda" and not CUDA_CHECKED_ON_A_GPU:
-        raise NotImplementedError(f"{where}: {name} is on a CUDA device, and the CUDA log-probability "
-                                  "kernels have not yet been checked on a GPU; call it with CPU tensors "
-                                  "for now")
 
 
 def _check_budget(chunk_budget_bytes, where):
