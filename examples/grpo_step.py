@@ -89,6 +89,20 @@ def step_fused(policy, seqs, old_logprob, advantages, device, dtype):
     return loss.detach(), {k: v.grad for k, v in p.named_parameters()}, logprob.detach()
 
 
+def step_torch(policy, seqs, old_logprob, advantages, device, dtype):
+    """What a trainer does without fusedce: the logits materialised in the model's dtype, then
+    log_softmax in float32. In bfloat16 its error against float64 is the budget fusedce meets."""
+    p = copy.deepcopy(policy).to(device=device, dtype=dtype)
+    t = targets_of(seqs).to(device)
+    logp = torch.log_softmax((p.head(p.hidden(seqs.to(device))) / TEMPERATURE).float(), -1)
+    keep = t != -100
+    logprob = torch.where(keep, logp.gather(-1, t.clamp(min=0)[..., None])[..., 0], 0.0)
+    entropy = torch.where(keep, -(logp.exp() * logp).sum(-1), 0.0)
+    loss = grpo_loss(logprob, entropy, old_logprob.to(device), advantages.to(device), keep.float())
+    loss.backward()
+    return {k: v.grad for k, v in p.named_parameters()}
+
+
 def step_materialised(policy, seqs, old_logprob, advantages):
     """The reference: the logits materialised in float64, log_softmax and gather."""
     p = copy.deepcopy(policy).double()
@@ -129,12 +143,22 @@ def main(argv=None):
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(lp.double().cpu(), lp_ref, rtol=tol, atol=tol * 10)
     torch.testing.assert_close(loss.double().cpu(), loss_ref, rtol=tol, atol=tol)
+    def error(g, g_ref):
+        return ((g.double().cpu() - g_ref).abs().max() / g_ref.abs().max().clamp(min=1e-30)).item()
+
+    # float32: float32 arithmetic's error. bfloat16: the whole model runs in bfloat16, so the
+    # budget is three times the error of PyTorch's own bfloat16 step with materialised logits.
+    grads_torch = None if dtype == torch.float32 else step_torch(policy, seqs, old.float(), advantages.float(),
+                                                                 args.device, dtype)
     worst = 0.0
     for name, g_ref in grads_ref.items():
-        g = grads[name].double().cpu()
-        err = ((g - g_ref).abs().max() / g_ref.abs().max().clamp(min=1e-30)).item()
+        err = error(grads[name], g_ref)
         worst = max(worst, err)
-        assert err < (2e-5 if dtype == torch.float32 else 5e-2), f"grad of {name}: relative error {err:.2e}"
+        budget = 2e-5 if grads_torch is None else max(3 * error(grads_torch[name], g_ref), 1e-2)
+        assert err < budget, f"grad of {name}: relative error {err:.2e}, budget {budget:.2e}"
+        if grads_torch is not None:
+            print(f"  grad of {name}: relative error {err:.1e} (PyTorch's bfloat16 step: "
+                  f"{error(grads_torch[name], g_ref):.1e})")
     print(f"GRPO step on {args.device} ({args.dtype}): loss {loss.item():.6f} (float64 materialised "
           f"{loss_ref.item():.6f}); {int((targets_of(seqs) != -100).sum())} completion tokens; worst "
           f"parameter-gradient error {worst:.1e} of its largest entry")
