@@ -14,6 +14,9 @@ namespace cuda {
 /// Bytes of cuBLASLt workspace each product may use (what cuBLAS suggests for Hopper).
 constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
 
+/// Bytes of one element of the products' dtypes (float32, or a 16-bit type).
+inline size_t elem_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
+
 /// One column-major operand: `rows` x `cols` of `dtype` with leading dimension `ld`
 /// (a row-major (r, c) matrix with row stride s is the column-major c x r matrix with ld = s).
 struct GemmOperand {

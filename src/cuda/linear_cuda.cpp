@@ -61,7 +61,6 @@ size_t default_chunk_budget(int64_t V, int64_t H) {
 
 namespace {
 
-size_t elem_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
 /// low_memory: the logit buffer's default (the smaller one when the second pass needs a slice
 /// accumulator), and the most that float32 accumulator may take; with the cuBLASLt workspace
@@ -103,6 +102,7 @@ struct LinearPlan {
   bool grad, grad_hidden, grad_weight, grad_bias, compact, metrics;
   bool low_memory;       // grad_weight by the vocabulary-sliced second pass
   bool gw_via_acc;       // 16-bit grad_weight summed over chunks in a float32 accumulator
+  bool pad_weight;       // grad_hidden from a copy of the weight padded to ld_logits rows
   size_t buffer_bytes;   // the logit buffer
   size_t slice_acc_bytes;
   int64_t chunk_rows;  // rows the logit buffer holds: the most a chunk has
@@ -111,7 +111,7 @@ struct LinearPlan {
   Options ce_options;  // the per-chunk cross-entropy call's options
   // workspace byte offsets
   size_t gemm_ws, logits, ce_ws, ce_ws_bytes, ones, gw_acc, gb_acc, eff_target, idx, scalars, target_c, grad_p,
-      loss_c, lse_p, row_loss, chunk_entropy, chunk_correct, hidden_c, gh_c, slice_acc, total;
+      loss_c, lse_p, row_loss, chunk_entropy, chunk_correct, hidden_c, gh_c, slice_acc, weight_pad, total;
 };
 
 struct Scalars {  // device-side batch scalars written by the prepare kernel
@@ -202,6 +202,13 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   }
   // 16-bit grad_weight over several chunks sums them in a float32 accumulator.
   p.gw_via_acc = acc16 && p.max_chunks > 1;
+  // grad_hidden sums over the vocabulary, which is contiguous in the logits: a V that is not a
+  // whole number of 16-byte segments slows cuBLASLt several-fold, and splitting the sum would
+  // round a 16-bit grad_hidden twice. So the sum runs over ld_logits columns instead, against a
+  // copy of the weight with zero rows appended (and the logits' padding columns zeroed): one
+  // product, rounded once, at the cost of the weight's size in memory (not with low_memory,
+  // whose bound it would break; float32 splits exactly in the product itself).
+  p.pad_weight = p.grad_hidden && !p.low_memory && dtype != DType::kFloat32 && p.ld_logits != V;
 
   p.ce_options = o;
   p.ce_options.reduction = Reduction::kNone;
@@ -244,6 +251,7 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   p.hidden_c = p.compact ? take(size_t(C) * H * el) : 0;
   p.gh_c = p.compact && p.grad_hidden ? take(size_t(C) * H * el) : 0;
   p.slice_acc = p.slice_acc_bytes ? take(p.slice_acc_bytes) : 0;
+  p.weight_pad = p.pad_weight ? take(size_t(p.ld_logits) * H * el) : 0;
   p.total = at;
   return p;
 }
@@ -273,6 +281,7 @@ class LinearRun {
       launch_fill_ones(at(p_.ones), p_.chunk_rows, p_.dtype, stream_);
       FUSEDCE_TRY(last_error("filling the ones vector"));
     }
+    if (p_.pad_weight) FUSEDCE_TRY(pad_weight());
     const int64_t step = balanced_rows(positions, p_.chunk_rows);
     int64_t chunk = 0;
     for (int64_t p0 = 0; p0 < positions; p0 += step, ++chunk) {
@@ -292,6 +301,18 @@ class LinearRun {
     return static_cast<const char*>(c_.hidden.data) + size_t(row) * c_.hidden.row_stride * elem_size(p_.dtype);
   }
   Scalars* scalars() const { return at_as<Scalars>(p_.scalars); }
+
+  /// The weight's V rows, then ld_logits - V rows of zeros (plan_linear's pad_weight).
+  Status pad_weight() {
+    const size_t el = elem_size(p_.dtype), row = size_t(p_.H) * el;
+    if (cudaMemcpy2DAsync(at(p_.weight_pad), row, c_.weight.data, size_t(c_.weight.row_stride) * el, row,
+                          size_t(p_.V), cudaMemcpyDeviceToDevice, stream_) != cudaSuccess ||
+        cudaMemsetAsync(static_cast<char*>(at(p_.weight_pad)) + p_.V * row, 0, size_t(p_.ld_logits - p_.V) * row,
+                        stream_) != cudaSuccess) {
+      return last_error("padding the weight");
+    }
+    return Status::Ok();
+  }
 
   Status prepare() {
     LinearPrepareParams q{};
@@ -464,6 +485,15 @@ class LinearRun {
       GemmCall h = base_gemm();
       h.a = weight_op;
       h.b = dlogits_op;
+      if (p_.pad_weight) {  // over ld_logits columns: the padding's logits zeroed, its weight rows 0
+        const size_t el = elem_size(d);
+        if (cudaMemset2DAsync(static_cast<char*>(logits) + p_.V * el, size_t(p_.ld_logits) * el, 0,
+                              size_t(p_.ld_logits - p_.V) * el, size_t(nc), stream_) != cudaSuccess) {
+          return last_error("zeroing the logits' padding");
+        }
+        h.a = GemmOperand{at(p_.weight_pad), d, p_.H, p_.ld_logits, p_.H};
+        h.b = GemmOperand{logits, d, p_.ld_logits, nc, p_.ld_logits};
+      }
       h.d = p_.compact ? at(p_.gh_c) : static_cast<char*>(gh.data) + size_t(p0) * gh.row_stride * el;
       h.d_dtype = d;
       h.m = p_.H;

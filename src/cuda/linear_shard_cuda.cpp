@@ -29,7 +29,6 @@ namespace fusedce {
 namespace cuda {
 namespace {
 
-size_t elem_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 int64_t round_up(int64_t n, int64_t q) { return (n + q - 1) / q * q; }
 
 /// low_memory: the logit buffer and the largest float32 grad_weight slice accumulator.

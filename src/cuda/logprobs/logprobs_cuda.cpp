@@ -28,7 +28,6 @@ namespace fusedce {
 namespace cuda {
 namespace {
 
-size_t elem_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 int64_t round_up(int64_t n, int64_t q) { return (n + q - 1) / q * q; }
 
 #define FUSEDCE_TRY(expr)    \
