@@ -21,5 +21,8 @@ def _example():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_grpo_step_matches_float64(device, dtype):
+    # The example asserts the loss, the log-probabilities and every gradient itself: float32
+    # against float64, bfloat16 within three times PyTorch's own bfloat16 step's error.
     worst = _example().main(["--device", device, "--dtype", dtype])
-    assert worst < (2e-5 if dtype == "float32" else 5e-2)
+    if dtype == "float32":
+        assert worst < 2e-5
