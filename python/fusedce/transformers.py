@@ -105,6 +105,9 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
     armed ``lm_head`` (``fused_linear``), it returns the loss the head computed."""
     if isinstance(logits, _PendingLogits):
         return logits.consume(labels, vocab_size, shift_labels, num_items_in_batch)
+    call = _compiled.current
+    if call is not None and call.loss is not None and not call.consumed:
+        return call.consume(logits, labels, vocab_size, shift_labels, num_items_in_batch)
     pending = _armed_with_dtensor_marker(logits)
     if pending is not None:
         return pending.consume_dtensor_marker(logits, labels, vocab_size, shift_labels,
@@ -178,6 +181,7 @@ def revert():
     from transformers import PreTrainedModel
 
     _unwrap_call(PreTrainedModel)
+    _forget_plans()
     _leave_own_cross_entropy(PreTrainedModel)
     _fused_linear = False
     _metrics = False
@@ -346,33 +350,38 @@ _warned = set()
 def _model_call(self, *args, **kwargs):
     """PreTrainedModel.__call__ while fused_linear or metrics is on. With metrics, the model is
     pushed on this thread's stack of model calls for the call's duration, so that a loss knows
-    the outermost model it belongs to."""
+    the outermost model it belongs to. Traced by dynamo (a model compiled after apply()), it
+    takes the compiled path (_compiled_model_call)."""
     if torch.compiler.is_compiling():
-        # The marker is a tensor subclass with Python-side bookkeeping, which dynamo cannot
-        # trace; under compile the loss comes from the logits path (causal_lm_loss), and its
-        # metrics are unowned (the stack is Python state that a compiled graph would not
-        # replay).
-        return torch.nn.Module.__call__(self, *args, **kwargs)
+        return _compiled_model_call(self, args, kwargs)
+    return _eager_call(self, args, kwargs)
+
+
+def _eager_call(self, args, kwargs, plan=False):
     if not _metrics:
-        return _armed_call(self, args, kwargs)
+        return _armed_call(self, args, kwargs, plan)
     stack = _model_calls()
     stack.append(self)
     try:
-        return _armed_call(self, args, kwargs)
+        return _armed_call(self, args, kwargs, plan)
     finally:
         stack.pop()
 
 
-def _armed_call(self, args, kwargs):
+def _armed_call(self, args, kwargs, plan=False):
     """Arm lm_head for a training call with labels (fused_linear), run the model, disarm. If
     the model declines the fused loss (_Decline, or lm_head's output never reached the loss
     function), the call runs again unarmed from the same random state, so the caller gets
-    exactly what the model computes without the fused loss."""
+    exactly what the model computes without the fused loss. With `plan`, the outcome is
+    recorded for the model's compiled calls (_record_plan)."""
     pending = _arm(self, args, kwargs)
     if pending is None:
+        if plan:
+            _record_plan(self, None)
         return torch.nn.Module.__call__(self, *args, **kwargs)
     rng = _rng_state()
     head = pending.head
+    previous = head.__dict__.get("forward")  # None, or the head's _compiled_head_forward
     head.forward = lambda hidden: _fused_head_forward(head, pending, hidden)
     # What lm_head's call returns after every hook of its own (ColwiseParallel's output hook
     # turns a DTensor marker into its output layout): registered last, so it runs last.
@@ -388,10 +397,17 @@ def _armed_call(self, args, kwargs):
     finally:
         _armed.pending = outer
         seen.remove()
-        del head.forward
+        if previous is None:
+            del head.forward
+        else:
+            head.forward = previous
         pending.closed = True
     if reason is None:
+        if plan:
+            _record_plan(self, pending)
         return out
+    if plan:
+        _record_plan(self, None)
     _declined[self] = reason
     name = type(self).__name__
     if name not in _warned:
@@ -400,6 +416,168 @@ def _armed_call(self, args, kwargs):
                       "logits instead of the fused linear loss", stacklevel=3)
     _set_rng_state(rng)
     return torch.nn.Module.__call__(self, *args, **kwargs)
+
+
+# ---- fused_linear under torch.compile ---------------------------------------------------------
+#
+# The marker cannot live in a graph (its bookkeeping is Python state that dynamo would freeze),
+# so a compiled model call works from a plan instead. The first training call with labels of a
+# model whose call dynamo traces runs eagerly (a graph break): the fused path with every check
+# above, declining as it would uncompiled. If it was served fused, the model gets a plan (the
+# logit transform its loss verified, and its lm_head), and its lm_head a forward that computes
+# the fused loss while a planned compiled call of its model is in progress
+# (_compiled_head_forward). From then on dynamo traces the planned call: plain tensors and plain
+# Python objects, so the fused op is in the graph and no (N, V) logits are. What the eager call
+# verified by recording the marker's operations (the transform between lm_head and the loss,
+# the arguments the loss function gets) the planned call relies on, checking what it can while
+# tracing (shapes, the identity of the labels). A model that declined, or is not served fused
+# for another reason, is compiled over its logits.
+
+_PLAN = "_fusedce_compile_plan"  # the model attribute that holds its _Plan, or False
+_planned = weakref.WeakSet()  # models with a plan
+_dispatching_heads = weakref.WeakSet()  # heads whose forward is _compiled_head_forward
+
+
+class _Plan:
+    """What a model's first (eager) fused call established for its compiled calls."""
+
+    def __init__(self, head, logit_scale, softcap):
+        self.head = head
+        self.logit_scale = logit_scale
+        self.softcap = softcap
+
+
+def _record_plan(model, pending):
+    """After the eager planning call: a _Plan when `pending` was served fused with a plain
+    weight, else False (the model's compiled calls take the logits path)."""
+    plan = False
+    if pending is not None and pending.consumed and pending.dtensor_marker is None:
+        head = pending.head
+        if "forward" not in head.__dict__:
+            head.forward = functools.partial(_compiled_head_forward, head)
+            _dispatching_heads.add(head)
+        plan = _Plan(head, pending.logit_scale, pending.softcap)
+    setattr(model, _PLAN, plan)
+    _planned.add(model)
+
+
+def _forget_plans():
+    for model in list(_planned):
+        model.__dict__.pop(_PLAN, None)
+    _planned.clear()
+    for head in list(_dispatching_heads):
+        if _is_compiled_head_forward(head.__dict__.get("forward")):
+            del head.forward
+    _dispatching_heads.clear()
+
+
+def _is_compiled_head_forward(forward):
+    return isinstance(forward, functools.partial) and forward.func is _compiled_head_forward
+
+
+class _CompiledCalls:
+    """The planned compiled model call in progress (`current`): a plain object, whose
+    attribute dynamo follows as a side effect of the traced call. An instance attribute from
+    the start, so that the traced call's assignment does not change what dynamo guards on."""
+
+    def __init__(self):
+        self.current = None
+
+
+_compiled = _CompiledCalls()
+
+
+class _CompiledCall:
+    """One planned model call under torch.compile: its loss arguments, and the loss lm_head
+    computed."""
+
+    def __init__(self, plan, model_name, labels, kwargs):
+        self.plan = plan
+        self.model_name = model_name
+        self.labels = labels
+        self.shift_labels = kwargs.get("shift_labels")
+        self.num_items_in_batch = kwargs.get("num_items_in_batch")
+        self.ignore_index = kwargs.get("ignore_index", -100)
+        self.head_called = self.consumed = False
+        self.loss = self.metrics = self.rows = None
+
+    def consume(self, logits, labels, vocab_size, shift_labels, num_items_in_batch):
+        """The loss computed in lm_head. The loss function must get what lm_head's output became
+        (an empty (..., 0) tensor over the head's rows) and the call's own labels, as the
+        planning call verified."""
+        if not (_same(labels, self.labels) and _same(shift_labels, self.shift_labels)
+                and _same(num_items_in_batch, self.num_items_in_batch)
+                and vocab_size == self.plan.head.weight.shape[0]
+                and tuple(logits.shape) == (*self.rows, 0)):
+            raise RuntimeError(
+                f"fusedce.transformers: under torch.compile, {self.model_name} passes its loss "
+                "function other arguments than in its first training call, which verified the "
+                "fused linear loss; use fusedce.transformers.apply(fused_linear=False) for it")
+        self.consumed = True
+        if self.metrics is not None:
+            _collect(*self.metrics, True)
+        return self.loss
+
+
+def _same(a, b):
+    if a is None or b is None or torch.is_tensor(a) or torch.is_tensor(b):
+        return a is b
+    return a == b  # num_items_in_batch as a number
+
+
+def _compiled_model_call(self, args, kwargs):
+    """A model call that dynamo traces. Planned fused (see above) for a training call with
+    labels; the first such call of a model plans it, eagerly; every other call is the model's
+    own (its loss through causal_lm_loss over the logits)."""
+    if not _fused_linear or not torch.is_grad_enabled() \
+            or _labels_of(self, args, kwargs) is None:
+        return torch.nn.Module.__call__(self, *args, **kwargs)
+    plan = getattr(self, _PLAN, None)
+    if plan is None:
+        return _planning_call(self, args, kwargs)
+    if plan is False:
+        return torch.nn.Module.__call__(self, *args, **kwargs)
+    call = _CompiledCall(plan, type(self).__name__, _labels_of(self, args, kwargs), kwargs)
+    outer = _compiled.current
+    _compiled.current = call
+    try:
+        out = torch.nn.Module.__call__(self, *args, **kwargs)
+    finally:
+        _compiled.current = outer
+    if call.loss is not None and not call.consumed:
+        raise RuntimeError(f"fusedce.transformers: under torch.compile, {type(self).__name__} "
+                           "does not pass lm_head's output to its loss function as in its first "
+                           "training call; use fusedce.transformers.apply(fused_linear=False) "
+                           "for it")
+    return out
+
+
+@torch.compiler.disable
+def _planning_call(self, args, kwargs):
+    """The first training call with labels of a compiled model: eager, and it plans the
+    model's compiled calls."""
+    return _eager_call(self, args, kwargs, plan=True)
+
+
+def _compiled_head_forward(head, hidden):
+    """lm_head's forward once its model is planned: nn.Linear's, except in the planned compiled
+    call of its model, where it computes the fused loss from `hidden` and returns an empty
+    (..., 0) tensor for the logits. A second call of the head in the same model call, a head
+    that sees other positions than the labels name, or a sharded weight gets ordinary logits
+    (the loss function then computes over them)."""
+    call = _compiled.current
+    if call is None or call.plan.head is not head or call.head_called:
+        return torch.nn.Linear.forward(head, hidden)
+    call.head_called = True
+    target, shift = _head_target(call.labels, call.shift_labels, hidden)
+    if target.shape != hidden.shape[:-1] or dtensor.is_dtensor(head.weight) \
+            or dtensor.is_dtensor(hidden):
+        return torch.nn.Linear.forward(head, hidden)
+    call.loss, call.metrics = _head_loss(head, hidden, target, shift, call.ignore_index,
+                                         call.num_items_in_batch, call.plan.logit_scale,
+                                         call.plan.softcap)
+    call.rows = tuple(hidden.shape[:-1])
+    return hidden.new_empty((*hidden.shape[:-1], 0))
 
 
 _armed = threading.local()  # .pending: the armed model call in progress in this thread
@@ -452,7 +630,8 @@ def _calls_loss_function(cls):
 def _fusable_head(model):
     head = model.get_output_embeddings()
     return (isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
-            and "forward" not in head.__dict__)
+            and ("forward" not in head.__dict__
+                 or _is_compiled_head_forward(head.__dict__["forward"])))
 
 
 def serving(model):
@@ -629,39 +808,24 @@ def _is_float_tensor(value):
 def _fused_head_forward(head, pending, hidden):
     """lm_head's forward for an armed call: the loss of the whole batch from `hidden` and the
     head's own weight (inside the head's call), and a marker in place of the logits. A second
-    call of the head in the same model call gets ordinary logits."""
-    if pending.head_called:
+    call of the head in the same model call gets ordinary logits, and so does a head whose
+    call dynamo traces (a model whose forward is compiled while its call is not, as
+    ``model.compile()`` makes it): the marker cannot live in a graph, and that call's loss
+    comes from the logits."""
+    if pending.head_called or torch.compiler.is_compiling():
         return torch.nn.Linear.forward(head, hidden)
     pending.head_called = True
-    weight, bias = head.weight, head.bias
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):  # nn.Linear would run in the autocast dtype
-        dtype = torch.get_autocast_dtype(device_type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
-    if pending.shift_labels is not None:
-        target, shift = pending.shift_labels.to(hidden.device), False
-    else:
-        target, shift = pending.labels.to(hidden.device), True
+    target, shift = _head_target(pending.labels, pending.shift_labels, hidden)
     if target.shape != hidden.shape[:-1]:
         # lm_head sees other positions than the labels name (Git prepends its image tokens
         # and slices them off the logits before its loss).
         pending.fail(f"calls lm_head on {tuple(hidden.shape[:-1])} positions while its labels "
                      f"are {tuple(target.shape)}")
-    num_items = pending.num_items_in_batch
-    loss = linear_cross_entropy(hidden, weight, target, bias, ignore_index=pending.ignore_index,
-                                reduction="mean" if num_items is None else "sum",
-                                logit_scale=pending.logit_scale, softcap=pending.softcap,
-                                shift=shift, return_metrics=_metrics)
-    if _metrics:
-        loss, metrics = loss
-        scored = target[..., 1:] if shift else target  # shift: the first label predicts nothing
-        pending.metrics = (metrics, (scored != pending.ignore_index).sum())
-    if num_items is not None:
-        if torch.is_tensor(num_items):
-            num_items = num_items.to(loss.device)
-        loss = loss / num_items
+    loss, pending.metrics = _head_loss(head, hidden, target, shift, pending.ignore_index,
+                                       pending.num_items_in_batch, pending.logit_scale,
+                                       pending.softcap)
     pending.loss = loss
+    weight = head.weight
     if dtensor.is_dtensor(weight):
         # A tensor-parallel head (ColwiseParallel): its output hook takes a DTensor sharded on
         # the classes; an empty one, whose identity the loss function checks.
@@ -671,6 +835,41 @@ def _fused_head_forward(head, pending, hidden):
     marker._pending = pending
     pending.latest = marker
     return marker
+
+
+def _head_target(labels, shift_labels, hidden):
+    """(target, shift) of the fused loss: precomputed shift_labels as they are, else the labels
+    shifted inside the loss (the first label predicts nothing)."""
+    if shift_labels is not None:
+        return shift_labels.to(hidden.device), False
+    return labels.to(hidden.device), True
+
+
+def _head_loss(head, hidden, target, shift, ignore_index, num_items, logit_scale, softcap):
+    """(loss, metrics) of lm_head's call: fused linear cross-entropy of `hidden` and the head's
+    weight and bias in the dtype nn.Linear would compute in, normalised by `num_items`
+    (num_items_in_batch) or a mean; metrics (metrics, number of scored targets) with
+    apply(metrics=True), else None."""
+    weight, bias = head.weight, head.bias
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):  # nn.Linear would run in the autocast dtype
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    loss = linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index,
+                                reduction="mean" if num_items is None else "sum",
+                                logit_scale=logit_scale, softcap=softcap, shift=shift,
+                                return_metrics=_metrics)
+    metrics = None
+    if _metrics:
+        loss, values = loss
+        scored = target[..., 1:] if shift else target  # shift: the first label predicts nothing
+        metrics = (values, (scored != ignore_index).sum())
+    if num_items is not None:
+        if torch.is_tensor(num_items):
+            num_items = num_items.to(loss.device)
+        loss = loss / num_items
+    return loss, metrics
 
 
 def _dtensor_marker(hidden, weight):
