@@ -476,8 +476,9 @@ def test_model_that_passes_other_logits_to_its_loss_falls_back(spy):
 
 @pytest.mark.parametrize("fused_linear", [True, False], ids=["fused_linear", "logits"])
 def test_compiled_model(spy, fused_linear):
-    # torch.compile of a model under apply(): the loss comes from fusedce (over the logits:
-    # the marker of the fused path is not traceable), with transformers' loss and gradients.
+    # A model compiled before apply(): the compiled module holds the model's call as it was
+    # (without the wrapped PreTrainedModel.__call__), so the loss comes from fusedce over the
+    # logits, with transformers' loss and gradients.
     torch._dynamo.reset()
     model = tiny_llama(seed=7)
     compiled = torch.compile(model, backend="aot_eager")
@@ -492,6 +493,167 @@ def test_compiled_model(spy, fused_linear):
     theirs = loss_and_grads(model, micro, num_items_in_batch=num_items)
     assert_same_training_signal(ours, theirs)
     torch._dynamo.reset()
+
+
+def capturing_backend():
+    """An aot_eager backend that keeps every forward and backward graph it compiles."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=capture, bw_compiler=capture), graphs
+
+
+def logits_sized(gm):
+    """The nodes of a compiled graph whose value has the logits' layout (..., VOCAB)."""
+    return [node.name for node in gm.graph.nodes
+            if isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].dim() >= 2
+            and node.meta["val"].shape[-1] == VOCAB]
+
+
+def compiled_steps(compiled):
+    """Training steps of a compiled model: two accumulated micro-batches (labels with -100,
+    num_items_in_batch) twice, then with precomputed shift_labels."""
+    micro = [batch(2, 12, seed=5, pad_from=[12, 4]), batch(2, 12, seed=6, pad_from=[7, 10])]
+    num_items = sum((labels[..., 1:] != -100).sum() for _, labels in micro)
+    ids, labels = batch(2, 10, seed=4, pad_from=[10, 7])
+    shift = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], 1)
+    shift[0, 2] = -100
+    return [loss_and_grads(compiled, micro, num_items_in_batch=num_items),
+            loss_and_grads(compiled, micro, num_items_in_batch=num_items),
+            loss_and_grads(compiled, [(ids, labels)], num_items_in_batch=int((shift != -100).sum()),
+                           shift_labels=shift)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+def test_compiled_model_trains_fused(family):
+    # torch.compile(model) after apply() (default fullgraph=False): the first training call
+    # runs eagerly and plans the model; every later call runs the compiled graphs, whose
+    # forward holds the fused linear op and which never form (N, V) logits, neither in the
+    # forward nor in the backward. Loss and every gradient equal the uncompiled model's
+    # without apply(), with -100 labels, num_items_in_batch, shift_labels and Gemma 2's
+    # final soft-cap.
+    torch._dynamo.reset()
+    backend, graphs = capturing_backend()
+    model = tiny_model(family, seed=7)
+    fct.apply()
+    try:
+        compiled = torch.compile(model, backend=backend)
+        ours = compiled_steps(compiled)
+        assert fct.serving(model) == "fused_linear"
+    finally:
+        fct.revert()
+        torch._dynamo.reset()
+    assert "forward" not in model.lm_head.__dict__  # revert() leaves a plain nn.Linear
+    for got, expected in zip(ours, compiled_steps(model)):
+        assert_same_training_signal(got, expected)
+    codes = [gm.code for gm in graphs]
+    # one forward per compiled call signature (with and without shift_labels), each fused
+    assert sum("fusedce.lce_fwd_bwd" in code for code in codes) == 2
+    assert not any("fusedce.ce_fwd" in code for code in codes)  # the loss over the logits
+    assert all(logits_sized(gm) == [] for gm in graphs)
+
+
+def test_compiled_model_trains_fused_with_inductor(monkeypatch):
+    # The same with torch.compile's default backend (inductor): the second step runs
+    # fusedce's fused op and no matrix product with the vocabulary in its shapes.
+    torch._dynamo.reset()
+    model = tiny_llama(seed=7)
+    micro = [batch(2, 12, seed=5, pad_from=[12, 4]), batch(2, 12, seed=6, pad_from=[7, 10])]
+    num_items = sum((labels[..., 1:] != -100).sum() for _, labels in micro)
+    fct.apply()
+    try:
+        compiled = torch.compile(model)
+        loss_and_grads(compiled, micro, num_items_in_batch=num_items)  # plans, then compiles
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    record_shapes=True) as profile:
+            ours = loss_and_grads(compiled, micro, num_items_in_batch=num_items)
+    finally:
+        fct.revert()
+        torch._dynamo.reset()
+    assert_same_training_signal(ours, loss_and_grads(model, micro, num_items_in_batch=num_items))
+    events = [(e.name, e.input_shapes) for e in profile.events()]
+    assert sum(name == "fusedce::lce_fwd_bwd" for name, _ in events) == 2
+    products = [(name, shapes) for name, shapes in events
+                if name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")]
+    assert products  # the layers' products are seen
+    assert not [p for p in products if any(VOCAB in shape for shape in p[1])]
+
+
+def test_compiled_model_that_declines_takes_the_logits_path(monkeypatch):
+    # A model that declines the fused loss in its first (eager) call keeps the logits path
+    # compiled: the loss over the logits in the graph, and transformers' loss and gradients.
+    monkeypatch.setattr(fct, "_warned", set())  # the warning comes once per class and process
+    torch._dynamo.reset()
+    backend, graphs = capturing_backend()
+    model = tiny_llama(seed=6)
+    bias = torch.randn(VOCAB) * 0.1
+    model.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
+    fct.apply()
+    try:
+        compiled = torch.compile(model, backend=backend)
+        with pytest.warns(UserWarning, match="applies"):
+            ours = compiled_steps(compiled)
+        assert fct.serving(model) == "logits"
+    finally:
+        fct.revert()
+        torch._dynamo.reset()
+    for got, expected in zip(ours, compiled_steps(model)):
+        assert_same_training_signal(got, expected)
+    codes = [gm.code for gm in graphs]
+    assert any("fusedce.ce_fwd" in code for code in codes)
+    assert not any("fusedce.lce" in code for code in codes)
+
+
+def test_module_compile_takes_the_logits_path():
+    # model.compile() compiles the model's forward while its (wrapped) call stays eager: the
+    # armed lm_head, traced, gives its logits, and the loss comes from fusedce over them.
+    torch._dynamo.reset()
+    model = tiny_llama(seed=7)
+    fct.apply()
+    try:
+        model.compile(backend="aot_eager")
+        ours = compiled_steps(model)
+    finally:
+        fct.revert()
+        model._compiled_call_impl = None
+        torch._dynamo.reset()
+    for got, expected in zip(ours, compiled_steps(model)):
+        assert_same_training_signal(got, expected)
+
+
+def test_compiled_model_metrics_on_the_fused_path():
+    # apply(metrics=True) with a model compiled after apply(): the fused call's metrics of the
+    # planning call and of the compiled calls, against the logits' float64 values.
+    torch._dynamo.reset()
+    model = predictive_head(tiny_llama(seed=7))
+    compiled = None
+    micro = [repeating_batch(2, 12, seed=5, pad_from=[12, 4]),
+             repeating_batch(2, 12, seed=6, pad_from=[7, 10])]
+    num_items = sum((labels[..., 1:] != -100).sum() for _, labels in micro)
+    fct.apply(metrics=True)
+    try:
+        compiled = torch.compile(model, backend="aot_eager")
+        fct.reset_token_metrics()
+        for _ in range(2):
+            ours = loss_and_grads(compiled, micro, num_items_in_batch=num_items)
+        got = fct.token_metrics(compiled)
+        assert fct.serving(model) == "fused_linear"
+    finally:
+        fct.revert()
+        torch._dynamo.reset()
+    assert_same_training_signal(ours, loss_and_grads(model, micro, num_items_in_batch=num_items))
+    with torch.no_grad():
+        hits, entropy, tokens = sum(reference_sums(model(input_ids=ids).logits, torch.eye(VOCAB), labels)
+                                    for ids, labels in micro).tolist()
+    assert got["tokens"] == 2 * tokens == 2 * num_items
+    assert got["token_accuracy"] == hits / tokens
+    assert got["entropy"] == pytest.approx(entropy / tokens, rel=1e-5)
 
 
 @pytest.mark.parametrize("num_items", [None, 9, "tensor"])
