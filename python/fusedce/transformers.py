@@ -33,8 +33,16 @@ generically (no model's forward is copied):
   unchanged, else the call declines (operations on a DTensor are not recorded). An FSDP2 head
   is whole during its call (FSDP2 gathers it first) and takes the plain fused loss.
 - The returned output's ``logits`` is that empty tensor. Calls without labels, or without
-  gradients (evaluation, generation), produce the logits as usual. Under ``torch.compile`` the
-  marker is not used and the loss comes from the logits path.
+  gradients (evaluation, generation), produce the logits as usual.
+- Under ``torch.compile`` (a model compiled after apply(), whose call dynamo traces through the
+  wrapped ``__call__``) the marker is not used: it is Python state that a graph would freeze.
+  The model's first training call with labels runs eagerly (a graph break), with every check
+  above; if it is served fused, the model is planned: its ``lm_head`` gets a forward that
+  computes the fused loss while a planned compiled call of its model is in progress, and the
+  loss function returns that loss. The compiled graphs then hold the fused linear op and no
+  (N, V) logits. A model that declined stays on the logits path compiled. A model compiled
+  before apply(), or through ``model.compile()`` (which compiles the forward, not the wrapped
+  call), takes the logits path.
 
 Models that compute their own cross-entropy build ``CrossEntropyLoss()`` in their forward, from
 the name their transformers module imported from ``torch.nn``. apply() rebinds that name, in
@@ -64,7 +72,7 @@ call makes them in the same sweep: argmax hits and softmax entropy over the non-
 and adds them, with the count of those targets, to device-side sums (those of losses computed
 with gradients enabled, training's, apart from those computed without, evaluation's):
 per model (the outermost ``PreTrainedModel`` whose call computed the loss), or unowned for a loss
-computed outside any model call (or under torch.compile, or in a DataParallel replica).
+computed outside any model call (or in a compiled call, or in a DataParallel replica).
 :func:`token_metrics` reads them; :class:`MetricsCallback` (or
 :func:`add_metrics_callback`) puts ``token_accuracy`` and ``entropy`` into ``Trainer``'s training
 logs, summed over every micro-batch since the previous log, and ``eval_token_accuracy`` and
@@ -640,7 +648,8 @@ def serving(model):
     the logits the model makes: through the causal-LM loss function, or through the
     TokenCrossEntropyLoss that a model computing its own cross-entropy builds), or "untouched"
     (the model computes its loss itself, exactly as without fusedce). Under torch.compile a
-    "fused_linear" model is served through the logits. Read from the model's class and state; a
+    "fused_linear" model is served fused when it was compiled after apply() (from its second
+    training call on), else through the logits. Read from the model's class and state; a
     model whose forward reaches the loss function or its CrossEntropyLoss only through a helper
     is reported "untouched" although the logits path serves it, and a call that is not standard
     (TokenCrossEntropyLoss) runs torch's own loss although the model is reported "logits"."""
@@ -969,7 +978,7 @@ class TokenSums:
 
 
 _sums = weakref.WeakKeyDictionary()  # model -> TokenSums of the losses computed in its calls
-_unowned = TokenSums()  # losses computed outside any model call, under torch.compile, or in a
+_unowned = TokenSums()  # losses computed outside any model call, in a compiled call, or in a
                         # DataParallel replica (a new module object every step)
 # The same for the losses computed without gradients (evaluation), kept apart from training's.
 _eval_sums = weakref.WeakKeyDictionary()
@@ -1044,7 +1053,7 @@ def token_metrics(model=None, reset=False, evaluation=False):
     number of scored (non-ignored) targets}``, summed over every loss computed with gradients
     enabled (with `evaluation`: without gradients, as Trainer.evaluate computes them; the two
     are kept apart) in calls of `model` (or of a PreTrainedModel inside it), plus the unowned
-    ones (computed outside any model call, under torch.compile or in a DataParallel replica);
+    ones (computed outside any model call, in a compiled call or in a DataParallel replica);
     `model=None`: every loss. The means are NaN when no token was scored. Reads the device
     once; ``reset`` then zeroes those sums."""
     values = _summed(model, evaluation=evaluation)

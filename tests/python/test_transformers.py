@@ -610,6 +610,30 @@ def test_compiled_model_that_declines_takes_the_logits_path(monkeypatch):
     assert not any("fusedce.lce" in code for code in codes)
 
 
+def test_compiled_call_checks_the_loss_arguments():
+    # A planned compiled call returns lm_head's loss only for the call's own labels, shift
+    # labels, num_items_in_batch, vocabulary and the empty logits of lm_head's rows.
+    head = torch.nn.Linear(4, 7, bias=False)
+    plan = fct._Plan(head, 1.0, None)
+    labels, loss = torch.zeros(2, 3, dtype=torch.long), torch.tensor(1.5)
+
+    def planned_call():
+        call = fct._CompiledCall(plan, "Model", labels, {"num_items_in_batch": 5})
+        call.loss, call.rows = loss, (2, 3)
+        return call
+
+    assert planned_call().consume(torch.empty(2, 3, 0), labels, 7, None, 5) is loss
+    for logits, other, vocab, shift, items in [
+            (torch.empty(2, 3, 0), labels.clone(), 7, None, 5),
+            (torch.empty(2, 3, 0), labels, 7, labels, 5),
+            (torch.empty(2, 3, 0), labels, 7, None, 6),
+            (torch.empty(2, 3, 0), labels, 8, None, 5),
+            (torch.empty(2, 2, 0), labels, 7, None, 5),
+            (torch.empty(2, 3, 7), labels, 7, None, 5)]:
+        with pytest.raises(RuntimeError, match="other arguments than in its first training call"):
+            planned_call().consume(logits, other, vocab, shift, items)
+
+
 def test_module_compile_takes_the_logits_path():
     # model.compile() compiles the model's forward while its (wrapped) call stays eager: the
     # armed lm_head, traced, gives its logits, and the loss comes from fusedce over them.
