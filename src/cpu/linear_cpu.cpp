@@ -22,6 +22,7 @@
 
 #include "common/call.h"
 #include "common/constants.h"
+#include "cpu/elements.h"
 #include "cpu/gemm.h"
 #include "cpu/kernels.h"
 #include "cpu/thread_pool.h"
@@ -41,22 +42,6 @@ constexpr size_t kDefaultBudget = size_t(128) << 20;    // float32 logits of one
 // PyTorch 3.6e-7).
 constexpr int64_t kMaxChunkRows = 256;
 constexpr size_t kLowMemoryBudget = size_t(256) << 20;  // low_memory's cap on the same
-
-float load_elem(const void* base, DType d, int64_t i) {
-  switch (d) {
-    case DType::kFloat32: return static_cast<const float*>(base)[i];
-    case DType::kBFloat16: return detail::bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-    default: return detail::fp16_to_float(static_cast<const uint16_t*>(base)[i]);
-  }
-}
-
-void store_elem(void* base, DType d, int64_t i, float v) {
-  switch (d) {
-    case DType::kFloat32: static_cast<float*>(base)[i] = v; break;
-    case DType::kBFloat16: static_cast<uint16_t*>(base)[i] = detail::float_to_bf16(v); break;
-    default: static_cast<uint16_t*>(base)[i] = detail::float_to_fp16(v); break;
-  }
-}
 
 /// A float32 matrix the products can read: the caller's, or a converted copy.
 struct F32Matrix {

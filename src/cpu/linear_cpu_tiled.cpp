@@ -20,6 +20,7 @@
 
 #include "common/call.h"
 #include "common/constants.h"
+#include "cpu/elements.h"
 #include "cpu/kernels.h"
 #include "cpu/thread_pool.h"
 
@@ -31,22 +32,6 @@ constexpr int64_t kRows = 16;   // rows per chunk
 constexpr int64_t kCols = 128;  // vocabulary entries per tile
 
 TileKernels tiles() { return best_tile_kernels(); }
-
-float load_elem(const void* base, DType d, int64_t i) {
-  switch (d) {
-    case DType::kFloat32: return static_cast<const float*>(base)[i];
-    case DType::kBFloat16: return detail::bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-    default: return detail::fp16_to_float(static_cast<const uint16_t*>(base)[i]);
-  }
-}
-
-void store_elem(void* base, DType d, int64_t i, float v) {
-  switch (d) {
-    case DType::kFloat32: static_cast<float*>(base)[i] = v; break;
-    case DType::kBFloat16: static_cast<uint16_t*>(base)[i] = detail::float_to_bf16(v); break;
-    default: static_cast<uint16_t*>(base)[i] = detail::float_to_fp16(v); break;
-  }
-}
 
 /// Rows [r0, r0 + n) of a matrix as float32, row-major with H columns.
 void load_rows(const MatrixView& m, const int64_t* rows, int64_t n, float* out) {

@@ -20,6 +20,7 @@
 #include "common/call.h"
 #include "common/logprob_call.h"
 #include "common/logprob_math.h"
+#include "cpu/elements.h"
 #include "cpu/gemm.h"
 #include "cpu/kernels.h"
 #include "cpu/thread_pool.h"
@@ -39,22 +40,6 @@ constexpr int64_t kMaxChunkRows = 256;
 constexpr int64_t kVocabBlock = 256;
 constexpr int64_t kRowBlock = 64;
 constexpr int64_t kHiddenBlock = 128;
-
-float load_elem(const void* base, DType d, int64_t i) {
-  switch (d) {
-    case DType::kFloat32: return static_cast<const float*>(base)[i];
-    case DType::kBFloat16: return detail::bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-    default: return detail::fp16_to_float(static_cast<const uint16_t*>(base)[i]);
-  }
-}
-
-void store_elem(void* base, DType d, int64_t i, float v) {
-  switch (d) {
-    case DType::kFloat32: static_cast<float*>(base)[i] = v; break;
-    case DType::kBFloat16: static_cast<uint16_t*>(base)[i] = detail::float_to_bf16(v); break;
-    default: static_cast<uint16_t*>(base)[i] = detail::float_to_fp16(v); break;
-  }
-}
 
 float float_at(const VectorView& v, int64_t i) { return static_cast<const float*>(v.data)[i * v.stride]; }
 float& float_ref(const VectorView& v, int64_t i) { return static_cast<float*>(v.data)[i * v.stride]; }
