@@ -1,6 +1,7 @@
-// The CPU backend's host side: checks target values, prepares the row kernels' arguments,
-// spreads rows over threads, and reduces per-row results over the batch in a fixed order (in
-// double), so the result is the same whatever the thread count.
+// The CPU backend's host side: picks the row kernels of the CPU's instruction set (for every
+// caller of kernels.h), checks target values, prepares the row kernels' arguments, spreads rows
+// over threads, and reduces per-row results over the batch in a fixed order (in double), so the
+// result is the same whatever the thread count.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -13,9 +14,6 @@
 namespace fusedce {
 namespace cpu {
 namespace {
-
-using RowFn = void (*)(const RowArgs&, int64_t, int64_t);
-using RescaleFn = void (*)(const RescaleArgs&, int64_t, int64_t);
 
 bool cpu_has_avx2() {
 #if defined(FUSEDCE_HAVE_AVX2_KERNELS)
@@ -38,24 +36,18 @@ bool cpu_has_avx512() {
 #endif
 }
 
-RowFn row_kernel() {
+RowKernels pick_row_kernels() {
 #if defined(FUSEDCE_HAVE_AVX2_KERNELS)
-  if (cpu_has_avx512()) return avx512::process_rows;
-  if (cpu_has_avx2()) return avx2::process_rows;
+  if (cpu_has_avx512()) return avx512::row_kernels();
+  if (cpu_has_avx2()) return avx2::row_kernels();
 #endif
-  return generic::process_rows;
+  return generic::row_kernels();
 }
 
-RescaleFn rescale_kernel() {
-#if defined(FUSEDCE_HAVE_AVX2_KERNELS)
-  if (cpu_has_avx512()) return avx512::rescale_rows;
-  if (cpu_has_avx2()) return avx2::rescale_rows;
-#endif
-  return generic::rescale_rows;
+template <typename Args>
+void run_row_kernel(RowFn<Args> fn, const Args& args, int64_t n, int max_threads) {
+  parallel_for(n, row_grain(args.vocab), max_threads, [&](int64_t b, int64_t e) { fn(args, b, e); });
 }
-
-// Rows per block handed to a thread: about 64K logits, at least one row.
-int64_t row_grain(int64_t vocab) { return std::max<int64_t>(1, (int64_t(1) << 16) / vocab); }
 
 template <typename T>
 T& at(const VectorView& v, int64_t i) {
@@ -72,17 +64,29 @@ Status run_rescale(const detail::CeCall& call) {
   a.grad_loss = static_cast<const float*>(call.grad_loss.data);
   a.grad_stride = call.grad_loss.stride;
   a.grad_scalar = call.grad_loss.size == 1 && d.rows != 1;
-  const RescaleFn fn = rescale_kernel();
-  parallel_for(d.rows, row_grain(d.cols), call.device.num_threads,
-               [&](int64_t b, int64_t e) { fn(a, b, e); });
+  run_row_kernel(best_row_kernels().rescale, a, d.rows, call.device.num_threads);
   return Status::Ok();
 }
 
 }  // namespace
 
+const RowKernels& best_row_kernels() {
+  static const RowKernels k = pick_row_kernels();
+  return k;
+}
+
+int64_t row_grain(int64_t vocab) { return std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(vocab, 1)); }
+
 void run_rows(const RowArgs& args, int64_t n, int max_threads) {
-  const RowFn fn = row_kernel();
-  parallel_for(n, row_grain(args.vocab), max_threads, [&](int64_t b, int64_t e) { fn(args, b, e); });
+  run_row_kernel(best_row_kernels().ce, args, n, max_threads);
+}
+
+void run_lp_stats_rows(const LpRowArgs& args, int64_t n, int max_threads) {
+  run_row_kernel(best_row_kernels().lp_stats, args, n, max_threads);
+}
+
+void run_lp_grad_rows(const LpRowArgs& args, int64_t n, int max_threads) {
+  run_row_kernel(best_row_kernels().lp_grad, args, n, max_threads);
 }
 
 Status run(const detail::CeCall& call) {

@@ -1,10 +1,13 @@
-// The CPU backend's row kernels: the interface between the host entry point (cross_entropy_cpu.cpp)
-// and the per-ISA translation units (kernels_avx512.cpp, kernels_avx2.cpp, kernels_generic.cpp) that compile the same
-// code (kernels_impl.h) with different instruction sets.
+// The CPU backend's row kernels (cross-entropy and per-token log-probabilities over rows of
+// logits): the interface between their callers (cross_entropy_cpu.cpp, which also picks the
+// instruction set, linear_cpu.cpp, logprobs_cpu.cpp) and the per-ISA translation units
+// (kernels_avx512.cpp, kernels_avx2.cpp, kernels_generic.cpp) that compile the same code
+// (kernels_impl.h) with different instruction sets.
 #pragma once
 
 #include <cstdint>
 
+#include "common/logprob_math.h"
 #include "common/numeric.h"
 #include "fusedce/types.h"
 #include "fusedce/vocab_parallel.h"
@@ -70,21 +73,63 @@ struct RescaleArgs {
   bool grad_scalar;
 };
 
+/// One row's log-probability statistics (common/logprob_math.h): its state over the columns
+/// held here and, when they hold its target, the target's z.
+struct LpRowStats {
+  detail::LpState<double> st;
+  float z_t;
+  bool holds;
+};
+
+/// Everything the log-probability row kernels (fusedce/logprobs.h, steps 1 and 3) need. Item k
+/// is row rows[k] (or row k when rows is null) of x, and of dx.
+struct LpRowArgs {
+  const char* x;           // row r starts at x + r * stride elements
+  DType dtype;             // float32 / bfloat16 / float16 (x and dx)
+  int64_t vocab;           // columns held here
+  int64_t stride;
+  const int64_t* rows;     // or nullptr
+  const int64_t* targets;  // item k's target in these columns (outside [0, vocab): another shard's)
+  float scale;             // z = x * scale (1 / temperature), so dz/dx = scale
+
+  LpRowStats* stats;              // step 1: one per item
+  const detail::LpRowGrad* grad;  // step 3: one per item
+  char* dx;                       // step 3: d/dx of the item's objective; may equal x
+  int64_t dx_stride;
+};
+
+/// A row kernel over items [begin, end) of its arguments.
+template <typename Args>
+using RowFn = void (*)(const Args& args, int64_t begin, int64_t end);
+
+/// The row kernels one instruction set was built for.
+struct RowKernels {
+  RowFn<RowArgs> ce;             // cross-entropy rows: statistics and / or dlogits
+  RowFn<RescaleArgs> rescale;    // dlogits rows times their upstream gradient
+  RowFn<LpRowArgs> lp_stats;     // log-probability statistics of each row
+  RowFn<LpRowArgs> lp_grad;      // log-probability gradient of each row
+};
+
 namespace generic {
-void process_rows(const RowArgs& args, int64_t row_begin, int64_t row_end);
-void rescale_rows(const RescaleArgs& args, int64_t row_begin, int64_t row_end);
+RowKernels row_kernels();
 }  // namespace generic
 namespace avx2 {
-void process_rows(const RowArgs& args, int64_t row_begin, int64_t row_end);
-void rescale_rows(const RescaleArgs& args, int64_t row_begin, int64_t row_end);
+RowKernels row_kernels();
 }  // namespace avx2
 namespace avx512 {
-void process_rows(const RowArgs& args, int64_t row_begin, int64_t row_end);
-void rescale_rows(const RescaleArgs& args, int64_t row_begin, int64_t row_end);
+RowKernels row_kernels();
 }  // namespace avx512
 
-/// process_rows of the best instruction set this CPU has, over rows [0, n) on the thread pool.
+/// The row kernels of the best instruction set this CPU has.
+const RowKernels& best_row_kernels();
+
+/// Rows per task handed to a thread by the runners below: about 64K elements, at least one row.
+int64_t row_grain(int64_t vocab);
+
+/// A row kernel of best_row_kernels() over items [0, n) on the thread pool.
 void run_rows(const RowArgs& args, int64_t n, int max_threads);
+void run_lp_stats_rows(const LpRowArgs& args, int64_t n, int max_threads);
+void run_lp_grad_rows(const LpRowArgs& args, int64_t n, int max_threads);
 
 /// The target of row i widened to int64.
 inline int64_t load_target(const void* target, DType dtype, int64_t stride, int64_t i) {

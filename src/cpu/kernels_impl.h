@@ -1,5 +1,6 @@
-// CPU row kernels of cross-entropy over logits, compiled once per instruction set (the file that
-// includes this defines FUSEDCE_CPU_ISA, the namespace, and its own compiler flags).
+// CPU row kernels of cross-entropy and of the per-token log-probabilities over logits, compiled
+// once per instruction set (the file that includes this defines FUSEDCE_CPU_ISA, the namespace,
+// and its own compiler flags).
 //
 // What is fused: per row, one read of the logits from memory, in chunks of kChunk elements
 // staged as float32 in an L1-resident buffer; the chunk's max, its sum of exps, the target logit,
@@ -95,8 +96,13 @@ inline float hmaxv(vf v) {
 // (truncation < 6e-9), 2^k built in the exponent bits. Below -87.3 (float's smallest normal)
 // the result is 0, -inf gives 0, NaN stays NaN. Written with vector extensions so it compiles
 // to whatever width the instruction set has, and gives the same bits on all of them.
+// kSubnormal keeps the subnormal results (down to -103.97, where exp rounds to 0) as std::exp
+// does: 2^k is applied in two halves, each a normal float, so the result is rounded once. It
+// costs a multiply per lane; the log-probabilities need it (a collapsed row's r and entropy are
+// sums of such values), the cross-entropy does not (they vanish against the max's 1).
+template <bool kSubnormal = false>
 inline vf vexp(vf x) {
-  const vf lo = splatv(-87.33654f), hi = splatv(88.37626f);
+  const vf lo = splatv(kSubnormal ? -103.972077f : -87.33654f), hi = splatv(88.37626f);
   vf xc = x < lo ? lo : x;
   xc = xc > hi ? hi : xc;
   const vf shifter = splatv(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
@@ -112,10 +118,20 @@ inline vf vexp(vf x) {
   p = p * r + splatv(1.0f);
   p = p * r + splatv(1.0f);
   const vi ki = __builtin_convertvector(kf, vi);
-  const vi bits = (ki + 127) << 23;
-  vf scale;
-  memcpy(&scale, &bits, sizeof(scale));
-  vf res = p * scale;
+  vf res;
+  if (kSubnormal) {
+    const vi k1 = ki >> 1, k2 = ki - k1;  // k in [-150, 128]: both halves in [-75, 64]
+    const vi b1 = (k1 + 127) << 23, b2 = (k2 + 127) << 23;
+    vf s1, s2;
+    memcpy(&s1, &b1, sizeof(s1));
+    memcpy(&s2, &b2, sizeof(s2));
+    res = (p * s1) * s2;
+  } else {
+    const vi bits = (ki + 127) << 23;
+    vf scale;
+    memcpy(&scale, &bits, sizeof(scale));
+    res = p * scale;
+  }
   res = x < lo ? splatv(0.0f) : res;
   res = x != x ? x : res;
   return res;
@@ -162,6 +178,12 @@ inline void store_chunk(const float* buf, int64_t n, fp16_t* y) {
 
 inline int64_t round_up_lanes(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
+// buf[0:n8) *= s (n8 a multiple of kLanes; the buffer has room).
+inline void scale_chunk(float* buf, int64_t n8, float s) {
+  if (s == 1.0f) return;
+  for (int64_t k = 0; k < n8; k += kLanes) storev(buf + k, loadv(buf + k) * splatv(s));
+}
+
 // x -> z in place over the first n8 entries (n8 a multiple of kLanes; the buffer has room).
 template <bool kSoftcap>
 inline void transform_chunk(float* buf, int64_t n8, const LossConstants& c) {
@@ -169,8 +191,8 @@ inline void transform_chunk(float* buf, int64_t n8, const LossConstants& c) {
     for (int64_t k = 0; k < n8; k += kLanes) {
       storev(buf + k, splatv(c.softcap) * vtanh(loadv(buf + k) * splatv(c.inv_softcap)));
     }
-  } else if (c.logit_scale != 1.0f) {
-    for (int64_t k = 0; k < n8; k += kLanes) storev(buf + k, loadv(buf + k) * splatv(c.logit_scale));
+  } else {
+    scale_chunk(buf, n8, c.logit_scale);
   }
 }
 
@@ -406,6 +428,104 @@ void rescale_rows_t(const RescaleArgs& a, int64_t row_begin, int64_t row_end) {
   }
 }
 
+// ---- per-token log-probabilities (fusedce/logprobs.h) -------------------------------------------
+//
+// The same staging, exp and fixed-order lane sums as the cross-entropy rows, over the state of
+// common/logprob_math.h: a row's chunks give float32 states (m, r, u), folded into a double one in
+// column order. r leaves out one instance of the max instead of subtracting 1 afterwards, so it
+// keeps float32's relative precision when the row has collapsed onto its max (r far below
+// float32's epsilon): entries equal to the chunk's max are counted (exp(0) is exactly 1) and the
+// count less one is added, all other entries go through vexp. That vexp keeps subnormal results:
+// past 87.3 nats of collapse, r, logprob_t and the entropy are themselves subnormal, and are
+// still the sum of the entries' values.
+
+// The log-probability state of buf[0:n8) (padding -inf): its max m, r = sum exp(z - m) over
+// every entry but one instance of m, u = sum exp(z - m) (z - m). A NaN entry makes r and u NaN.
+inline detail::LpState<float> lp_chunk_state(const float* buf, int64_t n8) {
+  const float m = chunk_max(buf, n8);  // NaN entries are passed over
+  if (m == -kInf) {
+    // No finite or +inf entry: the empty state, unless a NaN was passed over (rare path).
+    for (int64_t k = 0; k < n8; ++k) {
+      if (buf[k] != buf[k]) return detail::LpState<float>{m, NAN, NAN};
+    }
+    return detail::lp_empty<float>();
+  }
+  const vf mv = splatv(m), zero = splatv(0.0f);
+  vf s = zero, u = zero, ties = zero;
+  for (int64_t k = 0; k < n8; k += kLanes) {
+    const vf z = loadv(buf + k);
+    const vf d = z - mv;
+    const vf e = vexp<true>(d);
+    const vi at_max = z == mv;
+    s += at_max ? zero : e;  // a NaN lane is not at the max: it makes s NaN
+    ties += at_max ? splatv(1.0f) : zero;
+    // e == 0 (z = -inf, or below vexp's range) adds 0, not 0 * -inf; a NaN lane adds NaN.
+    u += (at_max | (e == zero)) ? zero : e * d;
+  }
+  return detail::LpState<float>{m, hsumv(s) + (hsumv(ties) - 1.0f), hsumv(u)};
+}
+
+// Statistics of items [begin, end): each row read once, chunk by chunk.
+template <typename T>
+void lp_stats_rows_t(const LpRowArgs& a, int64_t begin, int64_t end) {
+  alignas(64) float buf[kChunk + kLanes];
+  const T* base = reinterpret_cast<const T*>(a.x);
+  const int64_t V = a.vocab;
+  for (int64_t k = begin; k < end; ++k) {
+    const T* x = base + (a.rows ? a.rows[k] : k) * a.stride;
+    const int64_t t = a.targets[k];
+    LpRowStats out{detail::lp_empty<double>(), 0.0f, false};
+    for (int64_t j0 = 0; j0 < V; j0 += kChunk) {
+      const int64_t n = std::min(kChunk, V - j0), n8 = round_up_lanes(n);
+      load_chunk(x + j0, n, buf);
+      scale_chunk(buf, n8, a.scale);
+      if (t >= j0 && t < j0 + n) {
+        out.z_t = buf[t - j0];
+        out.holds = true;
+      }
+      for (int64_t q = n; q < n8; ++q) buf[q] = -kInf;  // neutral for the max and the sums
+      out.st = detail::lp_merge(out.st, lp_chunk_state(buf, n8));
+    }
+    a.stats[k] = out;
+  }
+}
+
+// Gradient of items [begin, end): dx_j = scale * d/dz_j (g_lp logprob_t + g_H entropy), each row
+// read and written once. Off the target, -p_j (g_lp + g_H (z_j - lse + H)) with p_j by vexp; at
+// the target, from the forward's logprob (1 - p_t as -expm1: exact in collapse).
+template <typename T>
+void lp_grad_rows_t(const LpRowArgs& a, int64_t begin, int64_t end) {
+  alignas(64) float buf[kChunk + kLanes];
+  const T* xbase = reinterpret_cast<const T*>(a.x);
+  T* dxbase = reinterpret_cast<T*>(a.dx);
+  const int64_t V = a.vocab;
+  const vf zero = splatv(0.0f), scale = splatv(a.scale);
+  for (int64_t k = begin; k < end; ++k) {
+    const int64_t row = a.rows ? a.rows[k] : k;
+    const T* x = xbase + row * a.stride;
+    T* dx = dxbase + row * a.dx_stride;
+    const int64_t t = a.targets[k];
+    const detail::LpRowGrad& g = a.grad[k];
+    const vf lse = splatv(g.lse), glp = splatv(g.g_lp), gh = splatv(g.g_h), h = splatv(g.entropy);
+    for (int64_t j0 = 0; j0 < V; j0 += kChunk) {
+      const int64_t n = std::min(kChunk, V - j0), n8 = round_up_lanes(n);
+      load_chunk(x + j0, n, buf);
+      for (int64_t q = n; q < n8; ++q) buf[q] = 0.0f;
+      scale_chunk(buf, n8, a.scale);
+      const bool has_target = t >= j0 && t < j0 + n;
+      const float z_t = has_target ? buf[t - j0] : 0.0f;
+      for (int64_t q = 0; q < n8; q += kLanes) {
+        const vf d = loadv(buf + q) - lse;
+        const vf p = vexp<true>(d);
+        const vf dz = zero - p * (glp + gh * (d + h));
+        storev(buf + q, (p == zero ? zero : dz) * scale);  // p = 0 (z = -inf too): 0, not 0 * -inf
+      }
+      if (has_target) buf[t - j0] = detail::lp_grad(g, z_t, true) * a.scale;
+      store_chunk(buf, n, dx + j0);
+    }
+  }
+}
+
 // ---- dense tiles of the linear cross-entropy path ----------------------------------------------
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -548,26 +668,29 @@ void tile_dh(const float* G, const float* B, int64_t rc, int64_t vt, int64_t H, 
   }
 }
 
+// The row kernel of the arguments' dtype (float32, bfloat16 or float16; others are rejected by
+// validation before any kernel runs).
+template <typename Args, RowFn<Args> kF32, RowFn<Args> kBF16, RowFn<Args> kF16>
+void by_dtype(const Args& args, int64_t begin, int64_t end) {
+  switch (args.dtype) {
+    case DType::kFloat32: return kF32(args, begin, end);
+    case DType::kBFloat16: return kBF16(args, begin, end);
+    case DType::kFloat16: return kF16(args, begin, end);
+    default: return;
+  }
+}
+
 }  // namespace
 
 TileKernels tile_kernels() { return TileKernels{tile_logits, tile_dw, tile_dh}; }
 
-void process_rows(const RowArgs& args, int64_t row_begin, int64_t row_end) {
-  switch (args.dtype) {
-    case DType::kFloat32: return process_rows_dtype<float>(args, row_begin, row_end);
-    case DType::kBFloat16: return process_rows_dtype<bf16_t>(args, row_begin, row_end);
-    case DType::kFloat16: return process_rows_dtype<fp16_t>(args, row_begin, row_end);
-    default: return;  // rejected by validation
-  }
-}
-
-void rescale_rows(const RescaleArgs& args, int64_t row_begin, int64_t row_end) {
-  switch (args.dtype) {
-    case DType::kFloat32: return rescale_rows_t<float>(args, row_begin, row_end);
-    case DType::kBFloat16: return rescale_rows_t<bf16_t>(args, row_begin, row_end);
-    case DType::kFloat16: return rescale_rows_t<fp16_t>(args, row_begin, row_end);
-    default: return;
-  }
+RowKernels row_kernels() {
+  return RowKernels{
+      by_dtype<RowArgs, process_rows_dtype<float>, process_rows_dtype<bf16_t>, process_rows_dtype<fp16_t>>,
+      by_dtype<RescaleArgs, rescale_rows_t<float>, rescale_rows_t<bf16_t>, rescale_rows_t<fp16_t>>,
+      by_dtype<LpRowArgs, lp_stats_rows_t<float>, lp_stats_rows_t<bf16_t>, lp_stats_rows_t<fp16_t>>,
+      by_dtype<LpRowArgs, lp_grad_rows_t<float>, lp_grad_rows_t<bf16_t>, lp_grad_rows_t<fp16_t>>,
+  };
 }
 
 }  // namespace FUSEDCE_CPU_ISA

@@ -1,17 +1,20 @@
 // The CPU backend of the per-token log-probabilities (fusedce/logprobs.h): the three steps over
 // logits or over hidden @ weight.T + bias. Rows whose target is ignored are dropped first.
-//   Over logits: chunks of kRows rows against tiles of kCols columns, formed as float32
-//     z = x / temperature, never more than one tile per worker.
+//   Over logits: the row kernels (kernels_impl.h, the cross-entropy rows' vectorised exp and
+//     staging) read each valid row once per step, forming z = x / temperature chunk by chunk.
 //   The linear form: chunks of rows (at most kMaxChunkRows, float32 logits within the budget)
 //     whose logits come from the build's matrix products (cpu/gemm.h: OpenBLAS or the core's own),
-//     one product per vocabulary block, then z = (logits + bias) / temperature in place.
-//   step 1: each row's kCols-column segments folded into its LpState in column order (a float
-//     state per segment, folded into a double one per row: no compounding over V);
+//     one product per vocabulary block, plus the bias in place; the same row kernels then read
+//     the chunk's rows (step 1) or turn them into dz / temperature in place (step 3).
+//   step 1: each row's chunks folded into its LpState in column order (a float state per chunk,
+//     folded into a double one per row: no compounding over V);
 //   step 2: the gathered states of every rank folded in rank order, finished per row;
-//   step 3: z formed again and turned into dz / temperature; over logits they are the dlogits
-//     rows; the linear form then takes grad_weight (float32, chunks added in row order) and
-//     grad_bias by vocabulary blocks and grad_hidden by row x hidden blocks. Block sizes are fixed
-//     by the shapes, so results do not depend on the thread count.
+//   step 3: over logits the rows' gradients are the dlogits rows; the linear form then takes
+//     grad_weight (float32, chunks added in row order) and grad_bias by vocabulary blocks and
+//     grad_hidden by row x hidden blocks. Block sizes are fixed by the shapes, so results do not
+//     depend on the thread count.
+// Memory traffic over logits: one read of the (N, V) logits in step 1; one read and one write of
+// (N, V) in step 3.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -29,8 +32,6 @@ namespace fusedce {
 namespace cpu {
 namespace {
 
-constexpr int64_t kRows = 16;   // rows per chunk (over logits)
-constexpr int64_t kCols = 128;  // columns per tile, and per folded segment
 // The linear form's chunks: float32 logits of at most kDefaultBudget bytes and kMaxChunkRows rows
 // (grad_weight is summed within a chunk by one product, chunk after chunk into float32, as the
 // linear cross-entropy does); products by blocks of kVocabBlock vocabulary rows, kRowBlock rows
@@ -71,19 +72,9 @@ Status build_problem(const detail::LogprobCall& c, Problem* p) {
   return Status::Ok();
 }
 
-/// z tiles of rows [i0, i0 + rc) of the valid rows over columns [v0, v0 + vt), from the logits:
-/// z (rc x vt, row-major) = x / temperature.
-void form_logit_tile(const Problem& p, int64_t i0, int64_t rc, int64_t v0, int64_t vt, float* z) {
-  const MatrixView& x = p.call->logits;
-  for (int64_t r = 0; r < rc; ++r) {
-    const int64_t base = p.rows[i0 + r] * x.row_stride + v0;
-    for (int64_t v = 0; v < vt; ++v) z[r * vt + v] = load_elem(x.data, x.dtype, base + v) * p.inv_t;
-  }
-}
-
-/// The linear form's z, chunk by chunk: z (rc x V, row-major) = (hidden rows @ weight.T
-/// [+ bias]) / temperature, the product through the build's matrix products by vocabulary
-/// blocks. The weight is read in place when float32, else converted once per call.
+/// The linear form's logits, chunk by chunk: (rc x V, row-major) hidden rows @ weight.T [+ bias],
+/// the product through the build's matrix products by vocabulary blocks (the row kernels divide
+/// by the temperature). The weight is read in place when float32, else converted once per call.
 class LinearChunks {
  public:
   explicit LinearChunks(const Problem& p) : p_(p), ops_(gemm()), threads_(p.call->device.num_threads) {
@@ -119,7 +110,7 @@ class LinearChunks {
   int64_t weight_ld() const { return ld_; }
   const GemmOps& ops() const { return ops_; }
 
-  /// z of valid rows [i0, i0 + rc), rc <= rows().
+  /// Logits of valid rows [i0, i0 + rc), rc <= rows().
   float* form(int64_t i0, int64_t rc) {
     const detail::LogprobCall& c = *p_.call;
     const int64_t H = p_.H, V = p_.V;
@@ -132,9 +123,10 @@ class LinearChunks {
       for (int64_t blk = b; blk < e; ++blk) {
         const int64_t v0 = blk * kVocabBlock, vb = std::min(kVocabBlock, V - v0);
         ops_.nt(rc, vb, H, hc_.data(), H, w_ + v0 * ld_, ld_, z_.data() + v0, V);
+        if (bias_.empty()) continue;
         for (int64_t r = 0; r < rc; ++r) {
           float* zr = z_.data() + r * V + v0;
-          for (int64_t v = 0; v < vb; ++v) zr[v] = (bias_.empty() ? zr[v] : zr[v] + bias_[v0 + v]) * p_.inv_t;
+          for (int64_t v = 0; v < vb; ++v) zr[v] += bias_[v0 + v];
         }
       }
     });
@@ -151,50 +143,33 @@ class LinearChunks {
   std::vector<float> w_copy_, bias_, hc_, z_;
 };
 
-/// One tile row's state: its max, the exps of every entry but the first max, and u.
-detail::LpState<float> tile_state(const float* z, int64_t vt) {
-  float m = -INFINITY;
-  int64_t at = -1;
-  bool nan = false;
-  for (int64_t v = 0; v < vt; ++v) {
-    nan |= z[v] != z[v];
-    if (z[v] > m) {
-      m = z[v];
-      at = v;
-    }
-  }
-  if (nan) return detail::LpState<float>{m, NAN, NAN};
-  if (at < 0) return detail::lp_empty<float>();
-  float r = 0.0f, u = 0.0f;
-  for (int64_t v = 0; v < vt; ++v) {
-    if (v == at) continue;
-    const float d = z[v] - m;
-    const float e = std::exp(d);
-    r += e;
-    if (e > 0.0f) u += e * d;
-  }
-  return detail::LpState<float>{m, r, u};
+/// Row-kernel arguments over the valid rows of the logits form, or over a linear chunk's
+/// float32 logits (rows i0.. of the valid rows, contiguous).
+LpRowArgs logits_rows(const Problem& p) {
+  const MatrixView& x = p.call->logits;
+  LpRowArgs a{};
+  a.x = static_cast<const char*>(x.data);
+  a.dtype = x.dtype;
+  a.vocab = p.V;
+  a.stride = x.row_stride;
+  a.rows = p.rows.data();
+  a.targets = p.targets.data();
+  a.scale = p.inv_t;
+  return a;
 }
 
-struct RowFold {
-  detail::LpState<double> st = detail::lp_empty<double>();
-  float z_t = 0.0f;
-  bool holds = false;
-};
-
-/// Folds one row's z (kCols-column segments, in column order) into its state; notes the target's
-/// z when this shard holds it.
-void fold_row(const float* z, int64_t v0, int64_t vt, int64_t target, RowFold& f) {
-  for (int64_t s0 = 0; s0 < vt; s0 += kCols) {
-    f.st = detail::lp_merge(f.st, tile_state(z + s0, std::min(kCols, vt - s0)));
-  }
-  if (target >= v0 && target < v0 + vt) {
-    f.z_t = z[target - v0];
-    f.holds = true;
-  }
+LpRowArgs chunk_rows(const Problem& p, const float* z, int64_t i0) {
+  LpRowArgs a{};
+  a.x = reinterpret_cast<const char*>(z);
+  a.dtype = DType::kFloat32;
+  a.vocab = p.V;
+  a.stride = p.V;
+  a.targets = p.targets.data() + i0;
+  a.scale = p.inv_t;
+  return a;
 }
 
-Status write_stats(const Problem& p, const std::vector<RowFold>& rs) {
+Status write_stats(const Problem& p, const std::vector<LpRowStats>& rs) {
   const detail::LogprobCall& c = *p.call;
   float* out = static_cast<float*>(c.stats.data);
   std::fill(out, out + (p.N + 1) * kLogprobStatsWidth, 0.0f);  // ignored rows and row N: zeros
@@ -210,35 +185,23 @@ Status write_stats(const Problem& p, const std::vector<RowFold>& rs) {
 }
 
 Status stats_logits(const Problem& p) {
-  const detail::LogprobCall& c = *p.call;
-  const int64_t M = static_cast<int64_t>(p.rows.size()), V = p.V;
-  const int64_t chunks = (M + kRows - 1) / kRows, tiles_n = (V + kCols - 1) / kCols;
-  std::vector<RowFold> rs(M);
-  parallel_for(chunks, 1, c.device.num_threads, [&](int64_t b, int64_t e) {
-    std::vector<float> z(kRows * kCols);
-    for (int64_t ch = b; ch < e; ++ch) {
-      const int64_t i0 = ch * kRows, rc = std::min(kRows, M - i0);
-      for (int64_t t = 0; t < tiles_n; ++t) {
-        const int64_t v0 = t * kCols, vt = std::min(kCols, V - v0);
-        form_logit_tile(p, i0, rc, v0, vt, z.data());
-        for (int64_t r = 0; r < rc; ++r) fold_row(z.data() + r * vt, v0, vt, p.targets[i0 + r], rs[i0 + r]);
-      }
-    }
-  });
+  std::vector<LpRowStats> rs(p.rows.size());
+  LpRowArgs a = logits_rows(p);
+  a.stats = rs.data();
+  run_lp_stats_rows(a, static_cast<int64_t>(rs.size()), p.call->device.num_threads);
   return write_stats(p, rs);
 }
 
 Status stats_linear(const Problem& p) {
-  const int64_t M = static_cast<int64_t>(p.rows.size()), V = p.V;
-  std::vector<RowFold> rs(M);
+  const int64_t M = static_cast<int64_t>(p.rows.size());
+  std::vector<LpRowStats> rs(M);
   if (M > 0) {
     LinearChunks lc(p);
     for (int64_t i0 = 0; i0 < M; i0 += lc.rows()) {
       const int64_t rc = std::min(lc.rows(), M - i0);
-      const float* z = lc.form(i0, rc);
-      parallel_for(rc, 1, p.call->device.num_threads, [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r) fold_row(z + r * V, 0, V, p.targets[i0 + r], rs[i0 + r]);
-      });
+      LpRowArgs a = chunk_rows(p, lc.form(i0, rc), i0);
+      a.stats = rs.data() + i0;
+      run_lp_stats_rows(a, rc, p.call->device.num_threads);
     }
   }
   return write_stats(p, rs);
@@ -284,41 +247,24 @@ std::vector<detail::LpRowGrad> row_grads(const Problem& p) {
   return g;
 }
 
-/// z tile -> dlogits tile (d/dx of the row's objective), in place.
-void grad_tile(const Problem& p, const detail::LpRowGrad* g, const int64_t* tg, int64_t rc, int64_t v0, int64_t vt,
-               float* z) {
-  for (int64_t r = 0; r < rc; ++r) {
-    for (int64_t v = 0; v < vt; ++v) {
-      float& x = z[r * vt + v];
-      x = detail::lp_grad(g[r], x, v0 + v == tg[r]) * p.inv_t;
-    }
-  }
-}
-
 Status backward_logits(const Problem& p) {
   const detail::LogprobCall& c = *p.call;
   const MatrixView& d = c.dlogits;
-  for (int64_t i = 0; i < p.N; ++i) {
-    for (int64_t v = 0; v < p.V; ++v) store_elem(d.data, d.dtype, i * d.row_stride + v, 0.0f);
+  // Ignored rows: zeros (all-zero bits in every float dtype); the kernels write the others.
+  const size_t row_bytes = static_cast<size_t>(p.V) * dtype_size(d.dtype);
+  for (int64_t i = 0, k = 0; i < p.N; ++i) {
+    if (k < static_cast<int64_t>(p.rows.size()) && p.rows[k] == i) {
+      ++k;
+      continue;
+    }
+    std::memset(static_cast<char*>(d.data) + static_cast<size_t>(i * d.row_stride) * dtype_size(d.dtype), 0, row_bytes);
   }
   const std::vector<detail::LpRowGrad> g = row_grads(p);
-  const int64_t M = static_cast<int64_t>(p.rows.size()), V = p.V;
-  const int64_t chunks = (M + kRows - 1) / kRows, tiles_n = (V + kCols - 1) / kCols;
-  parallel_for(chunks, 1, c.device.num_threads, [&](int64_t b, int64_t e) {
-    std::vector<float> z(kRows * kCols);
-    for (int64_t ch = b; ch < e; ++ch) {
-      const int64_t i0 = ch * kRows, rc = std::min(kRows, M - i0);
-      for (int64_t t = 0; t < tiles_n; ++t) {
-        const int64_t v0 = t * kCols, vt = std::min(kCols, V - v0);
-        form_logit_tile(p, i0, rc, v0, vt, z.data());
-        grad_tile(p, g.data() + i0, p.targets.data() + i0, rc, v0, vt, z.data());
-        for (int64_t r = 0; r < rc; ++r) {
-          const int64_t base = p.rows[i0 + r] * d.row_stride + v0;
-          for (int64_t v = 0; v < vt; ++v) store_elem(d.data, d.dtype, base + v, z[r * vt + v]);
-        }
-      }
-    }
-  });
+  LpRowArgs a = logits_rows(p);
+  a.grad = g.data();
+  a.dx = static_cast<char*>(d.data);
+  a.dx_stride = d.row_stride;
+  run_lp_grad_rows(a, static_cast<int64_t>(g.size()), c.device.num_threads);
   return Status::Ok();
 }
 
@@ -344,9 +290,11 @@ Status backward_linear(const Problem& p) {
     for (int64_t i0 = 0; i0 < M; i0 += lc.rows()) {
       const int64_t rc = std::min(lc.rows(), M - i0);
       float* z = lc.form(i0, rc);
-      parallel_for(rc, 1, threads, [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r) grad_tile(p, g.data() + i0 + r, p.targets.data() + i0 + r, 1, 0, V, z + r * V);
-      });
+      LpRowArgs a = chunk_rows(p, z, i0);  // dz / temperature in place of the logits
+      a.grad = g.data() + i0;
+      a.dx = reinterpret_cast<char*>(z);
+      a.dx_stride = V;
+      run_lp_grad_rows(a, rc, threads);
       if (want_gw || want_gb) {
         parallel_for(vblocks, 1, threads, [&](int64_t b, int64_t e) {
           for (int64_t blk = b; blk < e; ++blk) {
