@@ -8,7 +8,7 @@
 // grad_hidden of every row (zero off those four).
 //
 // Memory: weight and grad_weight 16 MiB each, hidden and grad_hidden 0.5 MiB each; the backend's
-// logit chunks (128 MiB on the CPU). Time on two CPU cores: about 25 s.
+// logit chunks (128 MiB on the CPU). Time on two CPU cores: about 15-20 s.
 #include <gtest/gtest.h>
 
 #include <algorithm>
