@@ -143,8 +143,7 @@ class LinearChunks {
   std::vector<float> w_copy_, bias_, hc_, z_;
 };
 
-/// Row-kernel arguments over the valid rows of the logits form, or over a linear chunk's
-/// float32 logits (rows i0.. of the valid rows, contiguous).
+/// Row-kernel arguments over the valid rows of the logits form.
 LpRowArgs logits_rows(const Problem& p) {
   const MatrixView& x = p.call->logits;
   LpRowArgs a{};
@@ -158,6 +157,7 @@ LpRowArgs logits_rows(const Problem& p) {
   return a;
 }
 
+/// Row-kernel arguments over a linear chunk's float32 logits z: valid rows i0.., contiguous.
 LpRowArgs chunk_rows(const Problem& p, const float* z, int64_t i0) {
   LpRowArgs a{};
   a.x = reinterpret_cast<const char*>(z);
@@ -251,13 +251,13 @@ Status backward_logits(const Problem& p) {
   const detail::LogprobCall& c = *p.call;
   const MatrixView& d = c.dlogits;
   // Ignored rows: zeros (all-zero bits in every float dtype); the kernels write the others.
-  const size_t row_bytes = static_cast<size_t>(p.V) * dtype_size(d.dtype);
+  const size_t elem = dtype_size(d.dtype);
   for (int64_t i = 0, k = 0; i < p.N; ++i) {
     if (k < static_cast<int64_t>(p.rows.size()) && p.rows[k] == i) {
       ++k;
       continue;
     }
-    std::memset(static_cast<char*>(d.data) + static_cast<size_t>(i * d.row_stride) * dtype_size(d.dtype), 0, row_bytes);
+    std::memset(static_cast<char*>(d.data) + static_cast<size_t>(i * d.row_stride) * elem, 0, static_cast<size_t>(p.V) * elem);
   }
   const std::vector<detail::LpRowGrad> g = row_grads(p);
   LpRowArgs a = logits_rows(p);
