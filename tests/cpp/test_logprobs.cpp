@@ -2,8 +2,8 @@
 // logits form and the linear form, a whole vocabulary (a world of 1) and shards gathered in rank
 // order, against a float64 reference written here (log p anchored at each row's max, so that it
 // does not collapse itself); collapsed rows at 20-100 nats (80 at temperature 0.8), where
-// float32's z_t - lse is 0 (past ~87 nats the values are float32 subnormals: absolute 1e-41); the
-// gradient of g_lp * logprob + g_H * entropy; bad input named.
+// float32's z_t - lse is 0 (past ~87 nats the values are float32 subnormals: absolute 1e-41); rows
+// whose max occurs more than once; the gradient of g_lp * logprob + g_H * entropy; bad input named.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -57,6 +57,41 @@ Problem make_problem(int64_t n, int64_t v, float collapse, uint32_t seed) {
   return p;
 }
 
+/// A problem of the given logits (n, v) and targets: one-hot hidden rows and weight = logits^T,
+/// upstream gradients drawn from `seed`.
+Problem problem_of(int64_t n, int64_t v, const std::vector<float>& logits, const std::vector<int64_t>& target,
+                   uint32_t seed) {
+  Problem p{n, v, n, logits, std::vector<float>(n * n, 0.0f), std::vector<float>(v * n), target, {}, {}};
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    p.hidden[i * n + i] = 1.0f;
+    for (int64_t j = 0; j < v; ++j) p.weight[j * n + i] = logits[i * v + j];
+    p.g_lp.push_back(nd(rng));
+    p.g_h.push_back(nd(rng));
+  }
+  return p;
+}
+
+/// Rows whose max occurs more than once (the statistics leave one instance out of r and count
+/// the others as exp(0) = 1), over 5000 columns (three of the CPU's 2048-column chunks, and
+/// uneven shards): two maxima in one chunk; in different chunks (and shards); a collapsed row
+/// whose two maxima lie 40 nats above the rest (logprob -log 2, not 0); a constant row (every
+/// entry a max: logprob -log V, entropy log V); an ignored row.
+Problem ties_problem() {
+  const int64_t n = 5, v = 5000;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> x(n * v);
+  for (float& e : x) e = std::round(nd(rng) * 8.0f) / 8.0f;
+  auto row = [&](int64_t i) { return x.data() + i * v; };
+  row(0)[5] = row(0)[6] = 6.0f;
+  row(1)[100] = row(1)[4000] = 6.0f;
+  for (int64_t j = 0; j < v; ++j) row(2)[j] = j == 7 || j == 3000 ? 0.0f : -40.0f - static_cast<float>(j % 3);
+  for (int64_t j = 0; j < v; ++j) row(3)[j] = 1.5f;
+  return problem_of(n, v, x, {5, 4000, 7, 17, kIgnore}, 12u);
+}
+
 struct Ref {
   std::vector<double> lp, ent, dz;  // dz (n, v): d/dz of sum g_lp lp + g_h ent
 };
@@ -96,9 +131,113 @@ void expect_close(double got, double want, double rtol, double atol, const std::
   EXPECT_LE(std::abs(got - want), atol + rtol * std::abs(want)) << what << ": got " << got << ", want " << want;
 }
 
+/// One problem through steps 1-3 in `world` uneven shards, compared with the float64 reference;
+/// `collapsed` rows are held to a relative bound only (their values reach float32 subnormals).
+void check_steps(Backend* backend, bool linear, int world, const Problem& p, float temperature, bool collapsed,
+                 const std::string& tag) {
+  const Ref ref = reference(p, temperature);
+  const fusedce::Device dev = backend->device();
+  fusedce::LogprobOptions o;
+  o.temperature = temperature;
+  DeviceBuffer target = DeviceBuffer::from_vector(*backend, p.target);
+  const auto tv = fusedce::vector(target.data(), DType::kInt64, p.n);
+  std::vector<int64_t> bounds{0};
+  for (int r = 0; r < world; ++r) bounds.push_back(p.v * (r + 1) * (r + 2) / (world * (world + 1)));
+  DeviceBuffer gathered(*backend, world * (p.n + 1) * kW * 4);
+  std::vector<DeviceBuffer> shards;
+  for (int r = 0; r < world; ++r) {
+    const int64_t v0 = bounds[r], vl = bounds[r + 1] - v0;
+    const fusedce::ShardSpec s{v0, p.v};
+    const auto stats = fusedce::matrix(gathered.at(r * (p.n + 1) * kW * 4), DType::kFloat32, p.n + 1, kW);
+    if (linear) {
+      std::vector<float> w(p.weight.begin() + v0 * p.h, p.weight.begin() + (v0 + vl) * p.h);
+      DeviceBuffer hid = DeviceBuffer::from_vector(*backend, p.hidden), wb = DeviceBuffer::from_vector(*backend, w);
+      ASSERT_TRUE(fusedce::linear_logprobs_stats(dev, fusedce::matrix(hid.data(), DType::kFloat32, p.n, p.h),
+                                                 fusedce::matrix(wb.data(), DType::kFloat32, vl, p.h), {}, tv, s,
+                                                 o, 0, stats)
+                      .ok());
+    } else {
+      std::vector<float> x(p.n * vl);
+      for (int64_t i = 0; i < p.n; ++i) {
+        for (int64_t j = 0; j < vl; ++j) x[i * vl + j] = p.logits[i * p.v + v0 + j];
+      }
+      DeviceBuffer xb = DeviceBuffer::from_vector(*backend, x);
+      ASSERT_TRUE(fusedce::logprobs_stats(dev, fusedce::matrix(xb.data(), DType::kFloat32, p.n, vl), tv, s, o, stats).ok());
+    }
+  }
+  DeviceBuffer out(*backend, 3 * p.n * 4);
+  fusedce::LogprobOutputs lo;
+  lo.logprob = fusedce::vector(out.at(0), DType::kFloat32, p.n);
+  lo.entropy = fusedce::vector(out.at(p.n * 4), DType::kFloat32, p.n);
+  lo.lse = fusedce::vector(out.at(2 * p.n * 4), DType::kFloat32, p.n);
+  ASSERT_TRUE(fusedce::logprobs_merge(dev, fusedce::matrix(gathered.data(), DType::kFloat32, world * (p.n + 1), kW),
+                                      world, tv, {0, p.v}, o, lo)
+                  .ok());
+  const std::vector<float> got = out.to_host_as<float>();
+  for (int64_t i = 0; i < p.n; ++i) {
+    expect_close(got[i], ref.lp[i], 2e-5, 2e-5 * (!collapsed) + 1e-41, tag + " logprob row " + std::to_string(i));
+    expect_close(got[p.n + i], ref.ent[i], 1e-4, 2e-5 * (!collapsed) + 1e-41, tag + " entropy row " + std::to_string(i));
+  }
+  // step 3, per shard, against the reference's dz
+  DeviceBuffer g = DeviceBuffer::from_vector(*backend, p.g_lp), gh = DeviceBuffer::from_vector(*backend, p.g_h);
+  const auto glv = fusedce::vector(g.data(), DType::kFloat32, p.n), ghv = fusedce::vector(gh.data(), DType::kFloat32, p.n);
+  std::vector<double> dh(p.n * p.h, 0.0);
+  for (int r = 0; r < world; ++r) {
+    const int64_t v0 = bounds[r], vl = bounds[r + 1] - v0;
+    const fusedce::ShardSpec s{v0, p.v};
+    if (linear) {
+      std::vector<float> w(p.weight.begin() + v0 * p.h, p.weight.begin() + (v0 + vl) * p.h);
+      DeviceBuffer hid = DeviceBuffer::from_vector(*backend, p.hidden), wb = DeviceBuffer::from_vector(*backend, w);
+      DeviceBuffer gw(*backend, vl * p.h * 4), ghid(*backend, p.n * p.h * 4);
+      fusedce::LinearGrads grads;
+      grads.grad_weight = fusedce::matrix(gw.data(), DType::kFloat32, vl, p.h);
+      grads.grad_hidden = fusedce::matrix(ghid.data(), DType::kFloat32, p.n, p.h);
+      ASSERT_TRUE(fusedce::linear_logprobs_backward(dev, fusedce::matrix(hid.data(), DType::kFloat32, p.n, p.h),
+                                                    fusedce::matrix(wb.data(), DType::kFloat32, vl, p.h), {}, tv, s,
+                                                    o, 0, lo, glv, ghv, grads)
+                      .ok());
+      // hidden is one-hot: grad_weight[j, i] = dz[i, j]; grad_hidden[i, k] = sum_j dz[i, j] w[j, k]
+      const std::vector<float> gwh = gw.to_host_as<float>(), ghh = ghid.to_host_as<float>();
+      for (int64_t i = 0; i < p.n; ++i) {
+        for (int64_t j = 0; j < vl; ++j) {
+          const double want = ref.dz[i * p.v + v0 + j];
+          expect_close(gwh[j * p.h + i], want, 1e-4, 1e-6, tag + " grad_weight");
+        }
+        for (int64_t k = 0; k < p.h; ++k) dh[i * p.h + k] += ghh[i * p.h + k];
+      }
+    } else {
+      DeviceBuffer d(*backend, p.n * vl * 4);
+      std::vector<float> x(p.n * vl);
+      for (int64_t i = 0; i < p.n; ++i) {
+        for (int64_t j = 0; j < vl; ++j) x[i * vl + j] = p.logits[i * p.v + v0 + j];
+      }
+      DeviceBuffer xb = DeviceBuffer::from_vector(*backend, x);
+      ASSERT_TRUE(fusedce::logprobs_backward(dev, fusedce::matrix(xb.data(), DType::kFloat32, p.n, vl), tv, s, o, lo,
+                                             glv, ghv, fusedce::matrix(d.data(), DType::kFloat32, p.n, vl))
+                      .ok());
+      const std::vector<float> dl = d.to_host_as<float>();
+      for (int64_t i = 0; i < p.n; ++i) {
+        for (int64_t j = 0; j < vl; ++j) expect_close(dl[i * vl + j], ref.dz[i * p.v + v0 + j], 1e-4, 1e-6, tag + " dlogits");
+      }
+    }
+  }
+  if (linear) {
+    for (int64_t i = 0; i < p.n; ++i) {
+      for (int64_t k = 0; k < p.h; ++k) {
+        double want = 0.0, scale = 0.0;
+        for (int64_t j = 0; j < p.v; ++j) {
+          want += ref.dz[i * p.v + j] * p.weight[j * p.h + k];
+          scale += std::abs(ref.dz[i * p.v + j] * p.weight[j * p.h + k]);
+        }
+        expect_close(dh[i * p.h + k], want, 0.0, 1e-5 * scale + 1e-30, tag + " grad_hidden");
+      }
+    }
+  }
+}
+
 class Logprobs : public ::testing::TestWithParam<std::tuple<BackendKind, bool, int>> {};
 
-/// One problem through steps 1-3 in shards (`world` of them, uneven), compared with the reference.
+/// Peaked and collapsed rows (20-100 nats), at two temperatures.
 TEST_P(Logprobs, StepsMatchFloat64) {
   const auto [kind, linear, world] = GetParam();
   std::string why;
@@ -107,106 +246,20 @@ TEST_P(Logprobs, StepsMatchFloat64) {
   for (float collapse : {0.0f, 20.0f, 45.0f, 80.0f}) {
     for (float temperature : {1.0f, 0.8f}) {
       const Problem p = make_problem(11, 203, collapse, 7u + static_cast<uint32_t>(collapse));
-      const Ref ref = reference(p, temperature);
-      const fusedce::Device dev = backend->device();
-      fusedce::LogprobOptions o;
-      o.temperature = temperature;
-      DeviceBuffer target = DeviceBuffer::from_vector(*backend, p.target);
-      const auto tv = fusedce::vector(target.data(), DType::kInt64, p.n);
-      std::vector<int64_t> bounds{0};
-      for (int r = 0; r < world; ++r) bounds.push_back(p.v * (r + 1) * (r + 2) / (world * (world + 1)));
-      DeviceBuffer gathered(*backend, world * (p.n + 1) * kW * 4);
-      std::vector<DeviceBuffer> shards;
-      for (int r = 0; r < world; ++r) {
-        const int64_t v0 = bounds[r], vl = bounds[r + 1] - v0;
-        const fusedce::ShardSpec s{v0, p.v};
-        const auto stats = fusedce::matrix(gathered.at(r * (p.n + 1) * kW * 4), DType::kFloat32, p.n + 1, kW);
-        if (linear) {
-          std::vector<float> w(p.weight.begin() + v0 * p.h, p.weight.begin() + (v0 + vl) * p.h);
-          DeviceBuffer hid = DeviceBuffer::from_vector(*backend, p.hidden), wb = DeviceBuffer::from_vector(*backend, w);
-          ASSERT_TRUE(fusedce::linear_logprobs_stats(dev, fusedce::matrix(hid.data(), DType::kFloat32, p.n, p.h),
-                                                     fusedce::matrix(wb.data(), DType::kFloat32, vl, p.h), {}, tv, s,
-                                                     o, 0, stats)
-                          .ok());
-        } else {
-          std::vector<float> x(p.n * vl);
-          for (int64_t i = 0; i < p.n; ++i) {
-            for (int64_t j = 0; j < vl; ++j) x[i * vl + j] = p.logits[i * p.v + v0 + j];
-          }
-          DeviceBuffer xb = DeviceBuffer::from_vector(*backend, x);
-          ASSERT_TRUE(fusedce::logprobs_stats(dev, fusedce::matrix(xb.data(), DType::kFloat32, p.n, vl), tv, s, o, stats).ok());
-        }
-      }
-      DeviceBuffer out(*backend, 3 * p.n * 4);
-      fusedce::LogprobOutputs lo;
-      lo.logprob = fusedce::vector(out.at(0), DType::kFloat32, p.n);
-      lo.entropy = fusedce::vector(out.at(p.n * 4), DType::kFloat32, p.n);
-      lo.lse = fusedce::vector(out.at(2 * p.n * 4), DType::kFloat32, p.n);
-      ASSERT_TRUE(fusedce::logprobs_merge(dev, fusedce::matrix(gathered.data(), DType::kFloat32, world * (p.n + 1), kW),
-                                          world, tv, {0, p.v}, o, lo)
-                      .ok());
-      const std::vector<float> got = out.to_host_as<float>();
-      const std::string tag = "collapse " + std::to_string(collapse) + " T " + std::to_string(temperature);
-      for (int64_t i = 0; i < p.n; ++i) {
-        expect_close(got[i], ref.lp[i], 2e-5, 2e-5 * (collapse == 0.0f) + 1e-41, tag + " logprob row " + std::to_string(i));
-        expect_close(got[p.n + i], ref.ent[i], 1e-4, 2e-5 * (collapse == 0.0f) + 1e-41, tag + " entropy row " + std::to_string(i));
-      }
-      // step 3, per shard, against the reference's dz
-      DeviceBuffer g = DeviceBuffer::from_vector(*backend, p.g_lp), gh = DeviceBuffer::from_vector(*backend, p.g_h);
-      const auto glv = fusedce::vector(g.data(), DType::kFloat32, p.n), ghv = fusedce::vector(gh.data(), DType::kFloat32, p.n);
-      std::vector<double> dh(p.n * p.h, 0.0);
-      for (int r = 0; r < world; ++r) {
-        const int64_t v0 = bounds[r], vl = bounds[r + 1] - v0;
-        const fusedce::ShardSpec s{v0, p.v};
-        if (linear) {
-          std::vector<float> w(p.weight.begin() + v0 * p.h, p.weight.begin() + (v0 + vl) * p.h);
-          DeviceBuffer hid = DeviceBuffer::from_vector(*backend, p.hidden), wb = DeviceBuffer::from_vector(*backend, w);
-          DeviceBuffer gw(*backend, vl * p.h * 4), ghid(*backend, p.n * p.h * 4);
-          fusedce::LinearGrads grads;
-          grads.grad_weight = fusedce::matrix(gw.data(), DType::kFloat32, vl, p.h);
-          grads.grad_hidden = fusedce::matrix(ghid.data(), DType::kFloat32, p.n, p.h);
-          ASSERT_TRUE(fusedce::linear_logprobs_backward(dev, fusedce::matrix(hid.data(), DType::kFloat32, p.n, p.h),
-                                                        fusedce::matrix(wb.data(), DType::kFloat32, vl, p.h), {}, tv, s,
-                                                        o, 0, lo, glv, ghv, grads)
-                          .ok());
-          // hidden is one-hot: grad_weight[j, i] = dz[i, j]; grad_hidden[i, k] = sum_j dz[i, j] w[j, k]
-          const std::vector<float> gwh = gw.to_host_as<float>(), ghh = ghid.to_host_as<float>();
-          for (int64_t i = 0; i < p.n; ++i) {
-            for (int64_t j = 0; j < vl; ++j) {
-              const double want = ref.dz[i * p.v + v0 + j];
-              expect_close(gwh[j * p.h + i], want, 1e-4, 1e-6, tag + " grad_weight");
-            }
-            for (int64_t k = 0; k < p.h; ++k) dh[i * p.h + k] += ghh[i * p.h + k];
-          }
-        } else {
-          DeviceBuffer d(*backend, p.n * vl * 4);
-          std::vector<float> x(p.n * vl);
-          for (int64_t i = 0; i < p.n; ++i) {
-            for (int64_t j = 0; j < vl; ++j) x[i * vl + j] = p.logits[i * p.v + v0 + j];
-          }
-          DeviceBuffer xb = DeviceBuffer::from_vector(*backend, x);
-          ASSERT_TRUE(fusedce::logprobs_backward(dev, fusedce::matrix(xb.data(), DType::kFloat32, p.n, vl), tv, s, o, lo,
-                                                 glv, ghv, fusedce::matrix(d.data(), DType::kFloat32, p.n, vl))
-                          .ok());
-          const std::vector<float> dl = d.to_host_as<float>();
-          for (int64_t i = 0; i < p.n; ++i) {
-            for (int64_t j = 0; j < vl; ++j) expect_close(dl[i * vl + j], ref.dz[i * p.v + v0 + j], 1e-4, 1e-6, tag + " dlogits");
-          }
-        }
-      }
-      if (linear) {
-        for (int64_t i = 0; i < p.n; ++i) {
-          for (int64_t k = 0; k < p.h; ++k) {
-            double want = 0.0, scale = 0.0;
-            for (int64_t j = 0; j < p.v; ++j) {
-              want += ref.dz[i * p.v + j] * p.weight[j * p.h + k];
-              scale += std::abs(ref.dz[i * p.v + j] * p.weight[j * p.h + k]);
-            }
-            expect_close(dh[i * p.h + k], want, 0.0, 1e-5 * scale + 1e-30, tag + " grad_hidden");
-          }
-        }
-      }
+      check_steps(backend, linear, world, p, temperature, collapse != 0.0f,
+                  "collapse " + std::to_string(collapse) + " T " + std::to_string(temperature));
     }
+  }
+}
+
+TEST_P(Logprobs, TiesAtTheMax) {
+  const auto [kind, linear, world] = GetParam();
+  std::string why;
+  Backend* backend = find_backend(kind, &why);
+  if (backend == nullptr) GTEST_SKIP() << why;
+  const Problem p = ties_problem();
+  for (float temperature : {1.0f, 0.8f}) {
+    check_steps(backend, linear, world, p, temperature, false, "ties T " + std::to_string(temperature));
   }
 }
 
