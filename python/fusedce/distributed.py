@@ -255,15 +255,18 @@ def _with_layout_row(stats, layout):
     return stats
 
 
-def _check_tiling(records, where):
-    """Raise the same error on every rank unless the shards tile [0, V) in rank order. records:
-    each rank's (error, vocab_start, V_local, vocab_total, rule), from the gathered block."""
+def _check_tiling(records, where, order=None):
+    """Raise the same error on every rank unless the shards tile [0, V) in rank order (or, with
+    `order`, in that order of the group's ranks: a DTensor sharded over several mesh dimensions
+    by FSDP2 + TP holds its blocks in another order than its group's ranks). records: each
+    rank's (error, vocab_start, V_local, vocab_total, rule), from the gathered block."""
     world = len(records)
     _raise_if_failed([r[0] for r in records], where, world)
     totals = {r[3] for r in records}
     end = 0
-    ok = len(totals) == 1
-    for _, start, count, _, _ in records:
+    ok = len(totals) == 1 and (order is None or sorted(order) == list(range(world)))
+    for r in (range(world) if order is None or not ok else order):
+        _, start, count, _, _ = records[r]
         ok = ok and start == end
         end = start + count
     ok = ok and end == records[0][3]
@@ -277,8 +280,9 @@ def _check_tiling(records, where):
         hint = ("; without vocab_start and vocab_total every rank must hold the same number of "
                 "columns: for uneven shards pass vocab_start and vocab_total (or vocab_total alone "
                 "for torch.chunk's layout)")
+    in_order = "in rank order" if order is None else f"in the order of ranks {tuple(order)}"
     raise _AgreedError(
-        f"{where}: the shards do not tile the vocabulary [0, V) in rank order: {claims} (layout "
+        f"{where}: the shards do not tile the vocabulary [0, V) {in_order}: {claims} (layout "
         f"rule{'s' if len(rules) > 1 else ''}: {'; '.join(_RULES[k] for k in rules)}){hint}")
 
 
@@ -312,10 +316,11 @@ def gather_checked(stats, target, shard, process_group, where="fusedce", local_v
     _mark_collective("gathered")
     gathered = _all_gather_rows(stats, process_group)
     world = dist.get_world_size(process_group)
+    order = _CALL.state.get("order") if in_agreed_call() else None
     if local_vocab is not None and world == 1:
         _check_tiling([(0, shard[0], local_vocab, shard[1], rule)], where)  # local, no read
     elif local_vocab is not None and not torch.compiler.is_compiling():
-        _check_tiling(_decode_layout(gathered, world, target.shape[0]), where)
+        _check_tiling(_decode_layout(gathered, world, target.shape[0]), where, order)
     return gathered
 
 
@@ -337,18 +342,21 @@ def in_agreed_call():
     return getattr(_CALL, "state", None) is not None
 
 
-def agreed_call(where, process_group, target, device, vocab_start, vocab_total, body):
+def agreed_call(where, process_group, target, device, vocab_start, vocab_total, body,
+                shard_order=None):
     """Run body() (the whole call, from its argument checks on) so that its outcome is agreed by
     the group: when body raises before its first collective, this rank joins that collective
     with the error's code (the gather of the statistics, or the all-reduce of the sizes when
     its layout rule needs one) and re-raises, and every other rank raises too.
 
     Needs what every rank must agree on anyway: the process group and the target's number of
-    entries (the rows of the gather); a rank that cannot even name those raises alone."""
+    entries (the rows of the gather); a rank that cannot even name those raises alone.
+    shard_order: the group's ranks in the order their blocks tile the vocabulary, when that is
+    not rank order (the gather's layout check follows it)."""
     if torch.compiler.is_compiling():
         return body()
     outer = getattr(_CALL, "state", None)
-    _CALL.state = {"reduced": False, "gathered": False}
+    _CALL.state = {"reduced": False, "gathered": False, "order": shard_order}
     try:
         return body()
     except Exception as exc:

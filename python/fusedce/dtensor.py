@@ -40,7 +40,9 @@ calls run inside :func:`fusedce.distributed.agreed_call`, so an argument error f
 is raised on every rank.
 """
 
+import functools
 import sys
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -71,27 +73,10 @@ def any_dtensor(*values):
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _shard_dim(placement):
-    """The dimension of a plain Shard placement (not a strided one), or None."""
-    from torch.distributed.tensor import Shard
-
-    return placement.dim if type(placement) is Shard else None
-
-
 def _describe(value):
     if is_dtensor(value):
         return f"a DTensor with placements {tuple(value.placements)}"
     return type(value).__name__ if not isinstance(value, torch.Tensor) else "a plain tensor"
-
-
-def _mesh_of(value, name, where):
-    """The 1-D device mesh of the DTensor `value` (ValueError naming `name` otherwise)."""
-    mesh = value.device_mesh
-    if mesh.ndim != 1:
-        raise ValueError(f"{where}: {name} is a DTensor on a {mesh.ndim}-D device mesh; the "
-                         "vocabulary-parallel form takes a 1-D mesh (the tensor-parallel one, "
-                         "e.g. mesh['tp'])")
-    return mesh
 
 
 def _same_mesh(value, name, mesh, where):
@@ -100,45 +85,61 @@ def _same_mesh(value, name, mesh, where):
                          f"input ({value.device_mesh} vs {mesh})")
 
 
+def _replicated(value):
+    return all(p.is_replicate() for p in value.placements)
+
+
 def _replicated_local(value, name, mesh, where, optional=False):
-    """A plain tensor as it is; a Replicate() DTensor on `mesh` as its local tensor (autograd
-    follows to_local, so its gradient is a Replicate() DTensor); anything else refused."""
+    """A plain tensor as it is; a DTensor on `mesh` replicated on every mesh dimension as its
+    local tensor (autograd follows to_local, so its gradient is a DTensor so placed); anything
+    else refused."""
     if value is None and optional:
         return None
     if not is_dtensor(value):
         return value
     _same_mesh(value, name, mesh, where)
-    if not value.placements[0].is_replicate():
+    if not _replicated(value):
         raise ValueError(f"{where}: {name} must be a plain tensor or a Replicate() DTensor (the "
                          f"same on every rank), got {_describe(value)}")
     return value.to_local()
 
 
-def _class_weight_local(value, name, sharded, dim, v0, v_local, vocab, mesh, where):
-    """This rank's slice (v_local,) of the class weights: from a DTensor placed as the sharded
-    input, or sliced from a Replicate() DTensor or a plain full (V,) tensor. With `sharded`
-    False (a replicated head), the whole vector."""
+def _on_dim0(placement):
+    """`placement` (a shard of the class dimension, or Replicate) moved to dim 0: how a (V,)
+    vector of class weights is placed as the sharded input."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if _is_strided(placement):
+        return _StridedShard(0, split_factor=placement.split_factor)
+    return Shard(0) if type(placement) is Shard else placement
+
+
+def _class_weight_local(value, name, layout, source, what, vocab, mesh, where):
+    """This rank's slice of the class weights: from a DTensor placed as the sharded input
+    (`source`, with its class dimension on dim 0), or sliced from a replicated DTensor or a plain
+    full (V,) tensor. With `layout` None (a replicated head), the whole vector."""
     if value is None:
         return None
     if is_dtensor(value):
         _same_mesh(value, name, mesh, where)
-        placement = value.placements[0]
         if value.dim() != 1 or value.shape[0] != vocab:
             raise ValueError(f"{where}: {name} must have shape ({vocab},) (the vocabulary), got "
                              f"{tuple(value.shape)}")
-        if sharded and _shard_dim(placement) == 0:
+        placed_as_source = tuple(_on_dim0(p) for p in source.placements)
+        if layout is not None and tuple(value.placements) == placed_as_source:
             return value.to_local()
-        if not placement.is_replicate():
-            raise ValueError(f"{where}: {name} must be a DTensor sharded as the "
-                             f"{'weight' if dim is None else 'logits'} are (Shard(0)), a "
-                             f"Replicate() DTensor or a plain ({vocab},) tensor, got "
-                             f"{_describe(value)}")
+        if not _replicated(value):
+            raise ValueError(f"{where}: {name} must be a DTensor placed as the "
+                             f"{what} on the classes "
+                             f"({placed_as_source}), a Replicate() DTensor or a plain ({vocab},) "
+                             f"tensor, got {_describe(value)}")
         value = value.to_local()
     elif not isinstance(value, torch.Tensor) or value.shape != (vocab,):
         raise ValueError(f"{where}: {name} must be the full ({vocab},) vector of class weights "
                          f"(each rank uses its slice) or a DTensor, got "
                          f"{getattr(value, 'shape', type(value).__name__)}")
-    return value[v0:v0 + v_local] if sharded else value
+    return value if layout is None else value[layout.start:layout.start + layout.count]
 
 
 def _refuse_layout_keywords(options, where, what):
@@ -148,22 +149,13 @@ def _refuse_layout_keywords(options, where, what):
                              "sharding); it cannot be passed with it")
 
 
-def _offset(value, dim):
-    """This rank's offset along `dim` of the DTensor `value`: torch's own computation."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
-                                                      value.placements)
-    return int(offset[dim])
-
-
-def _agreed(where, mesh, target, device, body):
-    """body() with its outcome agreed by the mesh's group (distributed.agreed_call): an error
-    raised by one rank before the call's first collective is raised on every rank. The layout
-    is passed explicitly by the bodies (vocab_start and vocab_total), so the agreement joins the
-    one gather of the statistics."""
-    group = mesh.get_group()
-    return distributed.agreed_call(where, group, target, device, 0, 1, body)
+def _agreed(where, layout, target, device, body):
+    """body() with its outcome agreed by the group of the vocabulary (distributed.agreed_call):
+    an error raised by one rank before the call's first collective is raised on every rank. The
+    layout is passed explicitly by the bodies (vocab_start and vocab_total), so the agreement
+    joins the one gather of the statistics, whose check of the shards follows `layout.order`."""
+    return distributed.agreed_call(where, layout.group, target, device, 0, 1, body,
+                                   shard_order=layout.order)
 
 
 def _agreement_target(target):
@@ -172,13 +164,131 @@ def _agreement_target(target):
     return target if isinstance(target, torch.Tensor) else None
 
 
+# ---- the vocabulary layout of a sharded DTensor ------------------------------------------------
+
+
+class _Layout(NamedTuple):
+    """Where this rank's classes sit and which ranks share the vocabulary: the process group over
+    the mesh dimensions that shard the class dimension, this rank's first class and count, the
+    vocabulary size, and the group's ranks in vocabulary order (None when that is rank order)."""
+
+    group: object
+    start: int
+    count: int
+    total: int
+    order: Optional[Tuple[int, ...]]
+
+
+def _is_strided(placement):
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)
+
+
+def _shards_dim(placement, dim, ndim):
+    """Whether `placement` shards tensor dimension `dim` (plain or strided shards)."""
+    from torch.distributed.tensor import Shard
+
+    if type(placement) is not Shard and not _is_strided(placement):
+        return False
+    return placement.dim % ndim == dim % ndim
+
+
+def _sharded_mesh_dims(value, dim, name, where, what):
+    """The mesh dimensions over which the DTensor `value` shards tensor dimension `dim`; every
+    other mesh dimension must replicate it (ValueError naming `name` otherwise)."""
+    dims = []
+    for i, placement in enumerate(value.placements):
+        if _shards_dim(placement, dim, value.dim()):
+            dims.append(i)
+        elif not placement.is_replicate():
+            at = f" on mesh dimension {_mesh_dim_name(value.device_mesh, i)}" \
+                if value.device_mesh.ndim > 1 else ""
+            raise ValueError(f"{where}: {name} must be {what} or replicated on every mesh "
+                             f"dimension, got {_describe(value)}: {placement!r}{at}")
+    return dims
+
+
+def _mesh_dim_name(mesh, i):
+    names = mesh.mesh_dim_names
+    return f"{i} ({names[i]!r})" if names else str(i)
+
+
+def _vocab_group(mesh, dims, name, where):
+    """The process group of this rank over mesh dimensions `dims`: the mesh's own group for one
+    dimension, a flattened submesh's for several (created once per mesh, on every rank)."""
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(f"{where}: {name} is sharded over mesh dimensions {tuple(dims)} of a "
+                         "device mesh without dimension names; name them (init_device_mesh("
+                         "..., mesh_dim_names=...)) so that their ranks can form one group")
+    sub = mesh[tuple(names[i] for i in dims)] if len(dims) < mesh.ndim else mesh
+    return sub._flatten().get_group()
+
+
+def _block_at(value, coordinate):
+    """(first index, count) along the class dimension of the block held at mesh `coordinate`:
+    torch's own split (uneven Shard splits and FSDP2's strided shards as torch makes them)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    shape, offset = _compute_local_shape_and_global_offset(value.shape, value.device_mesh.shape,
+                                                           list(coordinate), value.placements)
+    return shape, offset
+
+
+def _vocab_layout(value, dim, name, where, what):
+    """The _Layout of the DTensor `value` sharded on class dimension `dim`, or None when every
+    mesh dimension replicates it. Every rank's block is computed here from the mesh and the
+    placements alone (no communication): each must be a contiguous run of at least one class,
+    the runs must tile [0, V), else ValueError naming `name` (the same on every rank)."""
+    import itertools
+
+    import torch.distributed as dist
+
+    dims = _sharded_mesh_dims(value, dim, name, where, what)
+    if not dims:
+        return None
+    mesh, total = value.device_mesh, value.shape[dim]
+    me = tuple(mesh.get_coordinate())
+    ranks = mesh.mesh.tolist()
+    blocks = {}  # global rank -> (start, count)
+    for sub in itertools.product(*(range(mesh.size(i)) for i in dims)):
+        coordinate = list(me)
+        for i, c in zip(dims, sub):
+            coordinate[i] = c
+        shape, offset = _block_at(value, coordinate)
+        rank = functools.reduce(lambda row, c: row[c], coordinate, ranks)
+        blocks[rank] = (int(offset[dim]), int(shape[dim]))
+    runs = sorted(blocks.values())
+    end = 0
+    for start, count in runs:
+        if start != end or count < 1:
+            break
+        end = start + count
+    if end != total or any(count < 1 for _, count in runs):
+        raise ValueError(
+            f"{where}: {name} ({_describe(value)}, {total} classes) must hold a contiguous block "
+            f"of at least one class on every rank, and torch's split gives "
+            f"{sorted(blocks.items())} (rank: (first class, count)); shard a vocabulary of at "
+            "least one class per rank on plain Shard placements (FSDP2's strided shard only "
+            "together with the shard it splits)")
+    group = _vocab_group(mesh, dims, name, where)
+    members = dist.get_process_group_ranks(group)
+    order = tuple(sorted(range(len(members)), key=lambda r: blocks[members[r]][0]))
+    start, count = blocks[dist.get_rank()]
+    return _Layout(group, start, count, total, None if order == tuple(range(len(order))) else order)
+
+
 # ---- linear cross-entropy: weight sharded on dim 0 -------------------------------------------
 
 
 def linear_cross_entropy(call, hidden, weight, target, bias, options):
     """``call`` (fusedce.linear_cross_entropy) on the local tensors of a DTensor head: the
-    vocabulary-parallel form for a Shard(0) weight, the single-device call for a Replicate()
-    one. options: every keyword of the call but bias."""
+    vocabulary-parallel form for a weight sharded on dim 0 over one or more mesh dimensions
+    (over the group of those dimensions), the single-device call for a replicated one.
+    options: every keyword of the call but bias."""
     where = "fusedce.linear_cross_entropy"
     if not is_dtensor(weight):
         which = next(n for n, v in (("hidden", hidden), ("target", target), ("bias", bias),
@@ -187,21 +297,22 @@ def linear_cross_entropy(call, hidden, weight, target, bias, options):
         raise ValueError(f"{where}: {which} is a DTensor but weight is {_describe(weight)}; "
                          "a DTensor head is a weight sharded on dim 0 (Shard(0), as "
                          "ColwiseParallel shards an lm_head) or replicated")
-    mesh = _mesh_of(weight, "weight", where)
-    placement = weight.placements[0]
     if weight.dim() != 2:
         raise ValueError(f"{where}: weight must have shape (V, H), got {tuple(weight.shape)}")
-    if _shard_dim(placement) == 0:
-        body = lambda: _linear_sharded(call, hidden, weight, target, bias, options, mesh, where)  # noqa: E731
-        return _agreed(where, mesh, _agreement_target(target), weight.to_local().device, body)
-    if placement.is_replicate():
-        return _linear_replicated(call, hidden, weight, target, bias, options, mesh, where)
-    raise ValueError(f"{where}: weight must be sharded on dim 0 (Shard(0): the vocabulary, as "
-                     "ColwiseParallel shards an lm_head) or replicated, got "
-                     f"{_describe(weight)}")
+    layout = _vocab_layout(weight, 0, "weight", where,
+                           "sharded on dim 0 (Shard(0): the vocabulary, as ColwiseParallel "
+                           "shards an lm_head)")
+    mesh = weight.device_mesh
+    if layout is None:
+        return _linear_call(call, hidden, weight, target, bias, options, mesh, None, where)
+    body = lambda: _linear_call(call, hidden, weight, target, bias, options, mesh, layout, where)  # noqa: E731
+    return _agreed(where, layout, _agreement_target(target), weight.to_local().device, body)
 
 
-def _linear_locals(hidden, target, bias, weight, mesh, where):
+def _linear_call(call, hidden, weight, target, bias, options, mesh, layout, where):
+    """The call on the local tensors: vocabulary-parallel over `layout`, or (layout None: a
+    replicated head) the single-device call."""
+    _refuse_layout_keywords(options, where, "weight")
     h = _replicated_local(hidden, "hidden", mesh, where)
     t = _replicated_local(target, "target", mesh, where)
     if bias is not None:
@@ -210,28 +321,13 @@ def _linear_locals(hidden, target, bias, weight, mesh, where):
                              f"({tuple(weight.placements)}), got {_describe(bias)}")
         _same_mesh(bias, "bias", mesh, where)
         bias = bias.to_local()
-    return h, t, bias
-
-
-def _linear_sharded(call, hidden, weight, target, bias, options, mesh, where):
-    _refuse_layout_keywords(options, where, "weight")
-    h, t, b = _linear_locals(hidden, target, bias, weight, mesh, where)
-    w = weight.to_local()
-    vocab, v_local = weight.shape[0], w.shape[0]
-    v0 = _offset(weight, 0)
-    cw = _class_weight_local(options.get("class_weight"), "class_weight", True, None, v0, v_local,
-                             vocab, mesh, where)
-    kwargs = dict(options, class_weight=cw, process_group=mesh.get_group(), vocab_start=v0,
-                  vocab_total=vocab)
-    return call(h, w, t, b, **kwargs)
-
-
-def _linear_replicated(call, hidden, weight, target, bias, options, mesh, where):
-    _refuse_layout_keywords(options, where, "weight")
-    h, t, b = _linear_locals(hidden, target, bias, weight, mesh, where)
-    cw = _class_weight_local(options.get("class_weight"), "class_weight", False, None, 0,
-                             weight.shape[0], weight.shape[0], mesh, where)
-    return call(h, weight.to_local(), t, b, **dict(options, class_weight=cw))
+    cw = _class_weight_local(options.get("class_weight"), "class_weight", layout, weight,
+                             "weight", weight.shape[0], mesh, where)
+    kwargs = dict(options, class_weight=cw)
+    if layout is not None:
+        kwargs.update(process_group=layout.group, vocab_start=layout.start,
+                      vocab_total=layout.total)
+    return call(h, weight.to_local(), t, bias, **kwargs)
 
 
 # ---- cross-entropy over logits sharded on the class dimension ----------------------------------
@@ -239,29 +335,48 @@ def _linear_replicated(call, hidden, weight, target, bias, options, mesh, where)
 
 def cross_entropy(call, logits, target, weight, options):
     """``call`` (fusedce.cross_entropy) on the local tensors of DTensor logits: the
-    vocabulary-parallel form for logits sharded on their class dimension, the single-device
-    call for Replicate() logits. options: every keyword of the call."""
+    vocabulary-parallel form for logits sharded on their class dimension over one or more mesh
+    dimensions, the single-device call for replicated logits. options: every keyword of the
+    call."""
     where = "fusedce.cross_entropy"
     if not is_dtensor(logits):
         which = "target" if is_dtensor(target) else "weight"
         raise ValueError(f"{where}: {which} is a DTensor but logits are {_describe(logits)}; "
                          "DTensor logits are sharded on their class dimension (the loss_parallel "
                          "convention) or replicated")
-    mesh = _mesh_of(logits, "logits", where)
-    placement = logits.placements[0]
-    class_dim = _class_dim(logits, target, _shard_dim(placement), where)
+    mesh = logits.device_mesh
+    class_dim = _class_dim(logits, target, _sharded_tensor_dim(logits, where), where)
     if class_dim is not None:
-        body = lambda: _ce_sharded(call, logits, target, weight, options, mesh, class_dim, where)  # noqa: E731
-        return _agreed(where, mesh, _agreement_target(target), logits.to_local().device, body)
-    if placement.is_replicate():
+        layout = _vocab_layout(logits, class_dim, "logits", where, "sharded on their class "
+                               "dimension (the last, or dim 1 of (N, C, d1, ...))")
+        body = lambda: _ce_sharded(call, logits, target, weight, options, mesh, class_dim,  # noqa: E731
+                                   layout, where)
+        return _agreed(where, layout, _agreement_target(target), logits.to_local().device, body)
+    if _replicated(logits):
         _refuse_layout_keywords(options, where, "logits")
-        w = _class_weight_local(weight, "weight", False, -1, 0, 0, logits.shape[_classes(logits, target)],
-                                mesh, where)
+        w = _class_weight_local(weight, "weight", None, logits, "logits",
+                                logits.shape[_classes(logits, target)], mesh, where)
         return call(logits.to_local(), _replicated_local(target, "target", mesh, where), w,
                     **options)
     raise ValueError(f"{where}: logits must be sharded on their class dimension (the last, or dim 1 "
                      f"of (N, C, d1, ...)) or replicated, got {_describe(logits)} of shape "
                      f"{tuple(logits.shape)}")
+
+
+def _sharded_tensor_dim(logits, where):
+    """The one tensor dimension the placements of `logits` shard (None when none does); logits
+    sharded on two dimensions (rows over one mesh dimension, classes over another) are refused:
+    the loss of the whole batch would need a reduction over the rows' mesh dimension."""
+    from torch.distributed.tensor import Shard
+
+    dims = {p.dim % logits.dim() for p in logits.placements
+            if type(p) is Shard or _is_strided(p)}
+    if len(dims) > 1:
+        raise ValueError(f"{where}: logits must be sharded on their class dimension alone (the "
+                         "vocabulary-parallel form needs every row on every rank of the "
+                         f"vocabulary's group), got {_describe(logits)} of shape "
+                         f"{tuple(logits.shape)}")
+    return dims.pop() if dims else None
 
 
 def _classes(logits, target):
@@ -297,23 +412,22 @@ def _class_dim(logits, target, shard_dim, where):
                      f"{tuple(target.shape)}")
 
 
-def _ce_sharded(call, logits, target, weight, options, mesh, class_dim, where):
+def _ce_sharded(call, logits, target, weight, options, mesh, class_dim, layout, where):
     _refuse_layout_keywords(options, where, "logits")
     if options.get("inplace_backward"):
         raise ValueError(f"{where}: inplace_backward is not available with DTensor logits "
                          "(the vocabulary-parallel form)")
     t = _replicated_local(target, "target", mesh, where)
     x = logits.to_local()
-    vocab, v_local = logits.shape[class_dim], x.shape[class_dim]
-    v0 = _offset(logits, class_dim)
-    w = _class_weight_local(weight, "weight", True, class_dim, v0, v_local, vocab, mesh, where)
+    v_local = x.shape[class_dim]
+    w = _class_weight_local(weight, "weight", layout, logits, "logits", layout.total, mesh, where)
     # Rows of classes: (rows, V_local) with (rows,) targets, a layout no local shape makes
     # ambiguous (fusedce.cross_entropy reads the class dimension from the shapes).
     if class_dim != x.dim() - 1:
         x = x.movedim(class_dim, -1)
     rows = x.reshape(-1, v_local)
-    out = call(rows, t.reshape(-1), w, **dict(options, process_group=mesh.get_group(),
-                                                 vocab_start=v0, vocab_total=vocab))
+    out = call(rows, t.reshape(-1), w, **dict(options, process_group=layout.group,
+                                                 vocab_start=layout.start, vocab_total=layout.total))
     if options.get("reduction", "mean") != "none":
         return out
     if isinstance(out, tuple):

@@ -758,7 +758,10 @@ class _Pending:
         if not dtensor.is_dtensor(logits):
             self.fail("receives its tensor-parallel lm_head's local logits (the head returns a "
                       "local shard: ColwiseParallel(use_local_output=True))")
-        return self.finish(labels, vocab_size, shift_labels, num_items_in_batch)
+        loss = self.finish(labels, vocab_size, shift_labels, num_items_in_batch)
+        # The empty marker's sum (exactly 0) joins the loss: the backward reaches the head's
+        # output, so the hooks a wrapper put there run (see _dtensor_marker).
+        return loss + logits.to_local().sum().to(loss.dtype)
 
     def fail(self, what):
         raise _Decline(what)
@@ -838,7 +841,7 @@ def _fused_head_forward(head, pending, hidden):
     if dtensor.is_dtensor(weight):
         # A tensor-parallel head (ColwiseParallel): its output hook takes a DTensor sharded on
         # the classes; an empty one, whose identity the loss function checks.
-        pending.dtensor_marker = _dtensor_marker(hidden, weight)
+        pending.dtensor_marker = _dtensor_marker(hidden, weight, loss)
         return pending.dtensor_marker
     marker = hidden.new_empty((*hidden.shape[:-1], 0)).as_subclass(_PendingLogits)
     marker._pending = pending
@@ -881,14 +884,23 @@ def _head_loss(head, hidden, target, shift, ignore_index, num_items, logit_scale
     return loss, metrics
 
 
-def _dtensor_marker(hidden, weight):
-    """An empty (..., 0) DTensor sharded on its last dimension over weight's mesh: the marker
-    of a tensor-parallel head, as ColwiseParallel's output hook expects its output."""
-    from torch.distributed.tensor import DTensor, Shard
+def _dtensor_marker(hidden, weight, loss):
+    """An empty (..., 0) DTensor over weight's mesh, sharded on its last dimension where the
+    weight is sharded and replicated elsewhere: the marker of a tensor-parallel head, as
+    ColwiseParallel's output hook expects its output. With gradients on, it is a function of
+    the loss (and the loss function adds its empty sum back), so the backward reaches the head's
+    output before the loss's own backward: FSDP2 gathers a head's weight for the backward in a
+    hook on that output (with TP, the gathered weight is rebuilt only there)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     local = hidden.to_local() if dtensor.is_dtensor(hidden) else hidden
-    empty = local.new_empty((*local.shape[:-1], 0))
-    return DTensor.from_local(empty, weight.device_mesh, [Shard(-1)], run_check=False)
+    shape = (*local.shape[:-1], 0)
+    if loss.requires_grad:
+        empty = loss.sum().to(local.dtype).reshape([1] * len(shape)).expand(shape).clone()
+    else:
+        empty = local.new_empty(shape)
+    placements = [Replicate() if p.is_replicate() else Shard(-1) for p in weight.placements]
+    return DTensor.from_local(empty, weight.device_mesh, placements, run_check=False)
 
 
 class _PendingLogits(torch.Tensor):

@@ -496,3 +496,342 @@ def test_models(world, key, tmp_path_factory):
     failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(_MODEL_RESULTS[world])
                 if res.get(key, "missing") is not None]
     assert not failures, "\n".join(failures)
+
+
+# ---- 2-D device meshes: FSDP2 over "dp" with tensor parallelism over "tp" -------------------------
+#
+# A (2, 2) mesh of four gloo ranks. The weight placed as FSDP2 + TP leave an lm_head: (Replicate,
+# Shard(0)) while it is whole on "dp", (StridedShard(0, sf=2), Shard(0)) when FSDP2 shards it too
+# (rank (d, t) holds block d of tp block t: the vocabulary's blocks run in another order than the
+# group's ranks), plain Shard(0) on both dimensions and on "dp" alone. Each rank checks its case
+# against the unsharded float64 problem, as the 1-D cases above.
+
+MESH2D = (2, 2)
+
+# placements: per mesh dimension, "r" Replicate, an int Shard(dim), "s<dim>" the strided shard
+# FSDP2 puts on "dp" (split_factor 2: the "tp" shard it splits); dp_rows: the ranks of each "dp"
+# coordinate hold other rows (data parallelism: only "tp" shares a problem).
+MESH2D_LINEAR_CASES = {
+    "replicate_shard": {"placements": ("r", 0), "bias": True, "class_weight": "dtensor"},
+    "replicate_shard_dp_rows": {"placements": ("r", 0), "dp_rows": True, "reduction": "sum"},
+    "strided_fsdp_tp": {"placements": ("s0", 0), "bias": True, "class_weight": "dtensor",
+                        "label_smoothing": 0.1},
+    "strided_none_hidden_replicate": {"placements": ("s0", 0), "hidden": "replicate",
+                                      "reduction": "none", "grad": "rows", "z_loss": 1e-3},
+    "shard_shard_bf16": {"placements": (0, 0), "dtype": torch.bfloat16, "class_weight": "plain",
+                         "chunk_budget_bytes": 2 * 5 * 40},
+    "shard_replicate": {"placements": (0, "r"), "bias": True, "softcap": 6.0},
+    "replicated_head": {"placements": ("r", "r"), "class_weight": "replicate"},
+}
+
+MESH2D_CE_CASES = {
+    "replicate_shard": {"placements": ("r", -1), "weight": "dtensor"},
+    "strided_none": {"placements": ("s-1", -1), "reduction": "none", "grad": "rows",
+                     "label_smoothing": 0.1},
+    "shard_shard_dim1": {"placements": (1, 1), "layout": "dim1", "shape": (5, 4),
+                         "weight": "dtensor"},
+}
+
+MESH2D_ERROR_CASES = ("partial_dp", "shard_dim1_on_dp", "rows_and_classes", "lone_strided",
+                      "one_rank_option_strided", "class_weight_misplaced")
+
+
+def _mesh2d():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", MESH2D, mesh_dim_names=("dp", "tp"))
+
+
+def _placement(code):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if code == "r":
+        return Replicate()
+    if isinstance(code, str):  # "s<dim>": FSDP2's strided shard over the "tp" shard
+        return _StridedShard(int(code[1:]), split_factor=MESH2D[1])
+    return Shard(code)
+
+
+def _distribute2d(x, mesh, codes):
+    """x placed on `mesh` by `codes` (see MESH2D_LINEAR_CASES), built from this rank's block as
+    torch computes it (torch's own split, strided shards included)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = [_placement(c) for c in codes]
+    shape, offset = compute_local_shape_and_global_offset(x.shape, mesh, placements)
+    local = x[tuple(slice(o, o + s) for o, s in zip(offset, shape))].clone()
+    d = DTensor.from_local(local, mesh, placements, shape=x.shape, stride=x.stride())
+    assert torch.equal(d.full_tensor(), x), f"{codes}: not torch's layout of the full tensor"
+    return d
+
+
+def _run_mesh2d_linear_case(name, mesh, rank, world):
+    case = MESH2D_LINEAR_CASES[name]
+    dp = mesh.get_coordinate()[0]
+    g = torch.Generator().manual_seed(3000 + len(name) + (dp if case.get("dp_rows") else 0))
+    dtype = case.get("dtype", torch.float32)
+    h = (torch.randn(N_ROWS, HIDDEN, generator=g) * 0.7).to(dtype)
+    t = torch.randint(0, VOCAB, (N_ROWS,), generator=g)
+    t[torch.rand(N_ROWS, generator=g) < 0.2] = -100
+    g = torch.Generator().manual_seed(3100 + len(name))  # the head: the same on every rank
+    w = (torch.randn(VOCAB, HIDDEN, generator=g) * 0.7).to(dtype)
+    b = torch.randn(VOCAB, generator=g).to(dtype) if case.get("bias") else None
+    cw = make_weight(VOCAB) if case.get("class_weight") else None
+    grad = _upstream(case.get("grad"), (N_ROWS,), g)
+    opts = {k: case[k] for k in ("label_smoothing", "softcap", "z_loss", "reduction") if k in case}
+    extra = {k: case[k] for k in ("chunk_budget_bytes",) if k in case}
+    codes = case["placements"]
+    dw = _distribute2d(w, mesh, codes).requires_grad_()
+    db = _distribute2d(b, mesh, codes).requires_grad_() if b is not None else None
+    dh = _distribute2d(h, mesh, ("r", "r")) if case.get("hidden") == "replicate" else h.clone()
+    dh.requires_grad_()
+    dcw = {"dtensor": lambda: _distribute2d(cw, mesh, codes),
+           "replicate": lambda: _distribute2d(cw, mesh, ("r", "r")),
+           "plain": lambda: cw}.get(case.get("class_weight"), lambda: None)()
+    loss, metrics = fusedce.linear_cross_entropy(dh, dw, t, db, class_weight=dcw,
+                                                 return_metrics=True, **opts, **extra)
+    what = f"2-D linear {name}, rank {rank}"
+    assert type(loss) is torch.Tensor, f"{what}: the loss is {type(loss).__name__}"
+    loss.backward(torch.ones_like(loss) if grad is None else grad.to(loss.dtype))
+    if not case.get("dp_rows"):
+        _same_on_every_rank([loss, metrics["num_correct_tokens"], metrics["entropy_sum"]], what)
+
+    def reference(dt_):
+        hh, ww = h.to(dt_).requires_grad_(), w.to(dt_).requires_grad_()
+        bb = b.to(dt_).requires_grad_() if b is not None else None
+        out = torch_cross_entropy(F.linear(hh, ww, bb), t, cw, compute_dtype=dt_, **opts)
+        out.backward(torch.ones_like(out) if grad is None else grad.to(dt_))
+        return out, hh.grad, ww.grad, None if bb is None else bb.grad
+
+    ref, rh, rw, rb = reference(torch.float64)
+    theirs, th, tw, tb = reference(dtype)
+    z64 = F.linear(h.double(), w.double(), None if b is None else b.double())
+    loss_scale, dz_scale = error_scales(z64, t, cw, **opts, grad_out=grad)
+    assert_within_budget(loss, theirs, ref, what=f"{what}: loss", scale=loss_scale)
+    h2, w2 = h.double().abs(), w.double().abs()
+    _check_grad("hidden", dh.grad, getattr(dh, "placements", None), rh, th,
+                dz_scale * w2.sum(0).max().item(), dtype, what)
+    # This rank's rows of the gradient (its local tensor) against the float64 gradient's: with
+    # dp_rows the ranks of another "dp" coordinate hold another problem's rows, so full_tensor()
+    # would mix problems.
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    (rows, _), (v0, _) = compute_local_shape_and_global_offset(dw.shape, mesh, dw.placements)
+    assert isinstance(dw.grad, type(dw)) and dw.grad.placements == dw.placements, what
+    assert_within_budget(dw.grad.to_local(), tw[v0:v0 + rows], rw[v0:v0 + rows],
+                         what=f"{what}: grad weight", scale=dz_scale * h2.sum(0).max().item(),
+                         out_dtype=dtype)
+    if b is not None:
+        assert db.grad.placements == db.placements, what
+        assert_within_budget(db.grad.to_local(), tb[v0:v0 + rows], rb[v0:v0 + rows],
+                             what=f"{what}: grad bias", scale=dz_scale * N_ROWS, out_dtype=dtype)
+
+
+def _run_mesh2d_ce_case(name, mesh, rank, world):
+    case = MESH2D_CE_CASES[name]
+    g = torch.Generator().manual_seed(4000 + len(name))
+    shape = case.get("shape", (N_ROWS,))
+    z = torch.randn(*shape, VOCAB, generator=g) * 2
+    t = torch.randint(0, VOCAB, shape, generator=g)
+    t[torch.rand(shape, generator=g) < 0.2] = -100
+    w = make_weight(VOCAB) if case.get("weight") else None
+    grad = _upstream(case.get("grad"), shape, g)
+    opts = {k: case[k] for k in ("label_smoothing", "reduction") if k in case}
+    dim1 = case.get("layout") == "dim1"
+    x = z.movedim(-1, 1).contiguous() if dim1 else z
+    codes = case["placements"]
+    dx = _distribute2d(x, mesh, codes).requires_grad_()
+    wcodes = tuple(c if c == "r" else (f"s0" if isinstance(c, str) else 0) for c in codes)
+    dw = _distribute2d(w, mesh, wcodes) if w is not None else None
+    loss, metrics = fusedce.cross_entropy(dx, t, dw, return_metrics=True, **opts)
+    what = f"2-D ce {name}, rank {rank}"
+    assert type(loss) is torch.Tensor, f"{what}: the loss is {type(loss).__name__}"
+    loss.backward(torch.ones_like(loss) if grad is None else grad)
+    _same_on_every_rank([loss, metrics["num_correct_tokens"], metrics["lse"]], what)
+    a = z.double().requires_grad_()
+    ref = torch_cross_entropy(a, t, w, compute_dtype=torch.float64, **opts)
+    if opts.get("reduction") == "none":
+        ref = ref.view(t.shape)
+    ref.backward(torch.ones_like(ref) if grad is None else grad.double())
+    b = z.float().requires_grad_()
+    theirs = torch_cross_entropy(b, t, w, compute_dtype=torch.float32, **opts)
+    theirs = theirs.view(t.shape) if opts.get("reduction") == "none" else theirs
+    theirs.backward(torch.ones_like(theirs) if grad is None else grad)
+    loss_scale, grad_scale = error_scales(z, t, w, **opts, grad_out=grad)
+    assert_within_budget(loss, theirs, ref, what=f"{what}: loss", scale=loss_scale)
+    rz, tz = (a.grad.movedim(-1, 1), b.grad.movedim(-1, 1)) if dim1 else (a.grad, b.grad)
+    _check_grad("logits", dx.grad, dx.placements, rz, tz, grad_scale, torch.float32, what)
+
+
+def _run_mesh2d_error_case(key, mesh, rank, world):
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    g = torch.Generator().manual_seed(8)
+    h = torch.randn(N_ROWS, HIDDEN, generator=g)
+    w = torch.randn(VOCAB, HIDDEN, generator=g) / 4
+    z = torch.randn(N_ROWS, VOCAB, generator=g)
+    t = torch.randint(0, VOCAB, (N_ROWS,), generator=g)
+    lin = fusedce.linear_cross_entropy
+    strided = _distribute2d(w, mesh, ("s0", 0))
+    if key == "partial_dp":
+        local = _distribute2d(w, mesh, ("r", 0)).to_local() / 2
+        bad = DTensor.from_local(local, mesh, [Partial(), Shard(0)], shape=w.shape,
+                                 stride=w.stride())
+        with pytest.raises(ValueError, match=r"weight must be sharded on dim 0.*replicated on "
+                           r"every mesh dimension.*Partial.*mesh dimension 0 \('dp'\)"):
+            lin(h, bad, t)
+    elif key == "shard_dim1_on_dp":
+        with pytest.raises(ValueError, match=r"weight must be sharded on dim 0.*Shard\(dim=1\) "
+                           r"on mesh dimension 0 \('dp'\)"):
+            lin(h, _distribute2d(w, mesh, (1, 0)), t)
+    elif key == "rows_and_classes":
+        with pytest.raises(ValueError, match="logits must be sharded on their class dimension "
+                           "alone"):
+            fusedce.cross_entropy(_distribute2d(z, mesh, (0, 1)), t)
+    elif key == "lone_strided":  # a strided shard without the shard it splits: not contiguous
+        placements = [_placement("s0"), Replicate()]
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        # the rows this rank would hold: every other run of the vocabulary's blocks
+        local = torch.cat([c.chunk(MESH2D[0])[mesh.get_coordinate()[0]]
+                           for c in w.chunk(MESH2D[1])])
+        bad = DTensor.from_local(local, mesh, placements, shape=w.shape, stride=w.stride())
+        del compute_local_shape_and_global_offset
+        with pytest.raises(ValueError, match="weight .* must hold a contiguous block of at least "
+                           "one class on every rank"):
+            lin(h, bad, t)
+    elif key == "one_rank_option_strided":  # the group of both mesh dimensions agrees
+        agreed = r"rank 1 \(ValueError\) of 4 rejected its arguments"
+        with pytest.raises(ValueError, match="reduction" if rank == 1 else agreed):
+            lin(h, strided, t, reduction="avg" if rank == 1 else "mean")
+    elif key == "class_weight_misplaced":  # placed on "dp" only while the weight is on both
+        with pytest.raises(ValueError, match=r"class_weight must be a DTensor placed as the "
+                           r"weight on the classes \(\(_StridedShard"):
+            lin(h, strided, t, class_weight=_distribute2d(torch.ones(VOCAB), mesh, (0, "r")))
+    # The next call over the strided head is right on every rank.
+    got = lin(h, strided, t)
+    want = F.cross_entropy(h.double() @ w.double().t(), t).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _mesh2d_keys():
+    return ([f"linear/{n}" for n in MESH2D_LINEAR_CASES] + [f"ce/{n}" for n in MESH2D_CE_CASES]
+            + [f"error/{n}" for n in MESH2D_ERROR_CASES])
+
+
+def _run_mesh2d_key(key, mesh, rank, world):
+    form, name = key.split("/", 1)
+    run = {"linear": _run_mesh2d_linear_case, "ce": _run_mesh2d_ce_case,
+           "error": _run_mesh2d_error_case}[form]
+    return run(name, mesh, rank, world)
+
+
+def _mesh2d_worker(rank, world, store_path, out_dir, keys, run_key, timeout_s):
+    """One rank of the (2, 2) mesh: every key in order, as _worker does."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    results = {}
+    try:
+        mesh = _mesh2d()
+        for key in keys:
+            try:
+                run_key(key, mesh, rank, world)
+                results[key] = None
+            except BaseException:  # noqa: B036
+                results[key] = traceback.format_exc()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+_MESH2D_RESULTS = {}
+
+
+@pytest.mark.parametrize("key", _mesh2d_keys())
+def test_mesh2d(key, tmp_path_factory):
+    if "cases" not in _MESH2D_RESULTS:
+        _MESH2D_RESULTS["cases"] = spawn_group(
+            _mesh2d_worker, (_mesh2d_keys(), _run_mesh2d_key, 30), 4,
+            tmp_path_factory.mktemp("mesh2d"), deadline_s=300)
+    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(_MESH2D_RESULTS["cases"])
+                if res.get(key, "missing") is not None]
+    assert not failures, "\n".join(failures)
+
+
+# The model of the 1-D model cases on the (2, 2) mesh: lm_head under ColwiseParallel over "tp",
+# every decoder layer, lm_head and the model under fully_shard over "dp" (FSDP2 + TP).
+# direct_call: a module whose forward passes the head's weight to fusedce.linear_cross_entropy by
+# hand; lm_head's own call never runs, so FSDP2 leaves its weight sharded on both dimensions
+# (the strided layout) and the call runs over all four ranks.
+MESH2D_MODEL_KEYS = ("fsdp_tp/fused_linear", "fsdp_tp/logits", "fsdp_tp/direct_call")
+
+
+class _DirectLoss(torch.nn.Module):
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, labels):
+        hidden = self.lm.model(input_ids=input_ids).last_hidden_state
+        return fusedce.linear_cross_entropy(hidden, self.lm.lm_head.weight, labels, shift=True)
+
+
+def _run_mesh2d_model_case(key, mesh, rank, world):
+    import copy
+
+    import fusedce.transformers as fct
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mode = key.split("/")[1]
+    model = _tiny_causal_lm()
+    ref = copy.deepcopy(model).double()
+    steps = 2
+    ref_losses = _sgd_steps(ref, steps, _transformers_loss)
+    what = f"2-D {key}, rank {rank}"
+    parallelize_module(model, mesh["tp"], {"lm_head": ColwiseParallel(use_local_output=False)})
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model.lm_head, mesh=mesh["dp"])
+    root = _DirectLoss(model) if mode == "direct_call" else model
+    fully_shard(root, mesh=mesh["dp"])
+    placements = tuple(model.lm_head.weight.placements)
+    assert placements == (_StridedShard(0, split_factor=2), Shard(0)), f"{what}: {placements}"
+    seen = []
+
+    def loss_of(m, ids, labels):
+        if mode == "direct_call":
+            return m(ids, labels)
+        out = m(input_ids=ids, labels=labels)
+        seen.append((fct.serving(m), out.logits.shape[-1]))
+        return out.loss
+
+    fct.apply(fused_linear=mode != "logits")
+    try:
+        losses = _sgd_steps(root, steps, loss_of)
+    finally:
+        fct.revert()
+    if mode == "fused_linear":
+        assert seen == [("fused_linear", 0)] * steps, f"{what}: not the fused path: {seen}"
+    elif mode == "logits":
+        assert seen == [("logits", VOCAB)] * steps, f"{what}: not the logits path: {seen}"
+    _compare_models(model, ref, losses, ref_losses, what)
+
+
+_MESH2D_MODEL_RESULTS = {}
+
+
+@pytest.mark.parametrize("key", MESH2D_MODEL_KEYS)
+def test_mesh2d_models(key, tmp_path_factory):
+    pytest.importorskip("transformers")
+    if "models" not in _MESH2D_MODEL_RESULTS:
+        _MESH2D_MODEL_RESULTS["models"] = spawn_group(
+            _mesh2d_worker, (MESH2D_MODEL_KEYS, _run_mesh2d_model_case, 60), 4,
+            tmp_path_factory.mktemp("mesh2d_models"), deadline_s=400)
+    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(_MESH2D_MODEL_RESULTS["models"])
+                if res.get(key, "missing") is not None]
+    assert not failures, "\n".join(failures)
