@@ -228,57 +228,82 @@ def _vocab_group(mesh, dims, name, where):
     return sub._flatten().get_group()
 
 
-def _block_at(value, coordinate):
-    """(first index, count) along the class dimension of the block held at mesh `coordinate`:
-    torch's own split (uneven Shard splits and FSDP2's strided shards as torch makes them)."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
-    shape, offset = _compute_local_shape_and_global_offset(value.shape, value.device_mesh.shape,
-                                                           list(coordinate), value.placements)
-    return shape, offset
-
-
-def _vocab_layout(value, dim, name, where, what):
-    """The _Layout of the DTensor `value` sharded on class dimension `dim`, or None when every
-    mesh dimension replicates it. Every rank's block is computed here from the mesh and the
-    placements alone (no communication): each must be a contiguous run of at least one class,
-    the runs must tile [0, V), else ValueError naming `name` (the same on every rank)."""
+@torch.compiler.assume_constant_result
+def _blocks(mesh, placements, shape, dim, dims):
+    """The mesh coordinates of this rank's group (over mesh dimensions `dims`, row-major), the
+    (first class, count) block along `dim` held at each, and this rank's block: Python integers
+    from the mesh and the placements alone, which torch.compile takes as constants of the graph
+    (they are this process's, and a process keeps its place in the mesh)."""
     import itertools
 
-    import torch.distributed as dist
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    dims = _sharded_mesh_dims(value, dim, name, where, what)
-    if not dims:
-        return None
-    mesh, total = value.device_mesh, value.shape[dim]
     me = tuple(mesh.get_coordinate())
-    ranks = mesh.mesh.tolist()
-    blocks = {}  # global rank -> (start, count)
+    coordinates, blocks = [], []
     for sub in itertools.product(*(range(mesh.size(i)) for i in dims)):
         coordinate = list(me)
         for i, c in zip(dims, sub):
             coordinate[i] = c
-        shape, offset = _block_at(value, coordinate)
-        rank = functools.reduce(lambda row, c: row[c], coordinate, ranks)
-        blocks[rank] = (int(offset[dim]), int(shape[dim]))
-    runs = sorted(blocks.values())
-    end = 0
-    for start, count in runs:
-        if start != end or count < 1:
-            break
-        end = start + count
-    if end != total or any(count < 1 for _, count in runs):
+        local, offset = _compute_local_shape_and_global_offset(shape, tuple(mesh.shape),
+                                                               coordinate, placements)
+        coordinates.append(tuple(coordinate))
+        blocks.append((int(offset[dim]), int(local[dim])))
+    start, count = blocks[coordinates.index(me)]
+    return tuple(coordinates), tuple(blocks), start, count
+
+
+def _tiles(blocks, total):
+    """Whether the (first class, count) blocks, each of at least one class, tile [0, total):
+    followed from 0, each block starting where the previous one ends (plain loops: torch.compile
+    runs them while tracing)."""
+    end, left = 0, list(blocks)
+    while left:
+        i = 0
+        while i < len(left) and not (left[i][0] == end and left[i][1] >= 1):
+            i += 1
+        if i == len(left):
+            return False
+        end += left.pop(i)[1]
+    return end == total
+
+
+def _vocab_layout(value, dim, name, where, what):
+    """The _Layout of the DTensor `value` sharded on class dimension `dim`, or None when every
+    mesh dimension replicates it. Every block of this rank's group is computed here from the
+    mesh and the placements alone (no communication): each must be a contiguous run of at least
+    one class and the runs must tile [0, V), else ValueError naming `name` (the same on every
+    rank, before any collective)."""
+    dims = _sharded_mesh_dims(value, dim, name, where, what)
+    if not dims:
+        return None
+    mesh, total = value.device_mesh, value.shape[dim]
+    coordinates, blocks, start, count = _blocks(mesh, tuple(value.placements), tuple(value.shape),
+                                                dim, tuple(dims))
+    if not _tiles(blocks, total):
         raise ValueError(
             f"{where}: {name} ({_describe(value)}, {total} classes) must hold a contiguous block "
-            f"of at least one class on every rank, and torch's split gives "
-            f"{sorted(blocks.items())} (rank: (first class, count)); shard a vocabulary of at "
-            "least one class per rank on plain Shard placements (FSDP2's strided shard only "
-            "together with the shard it splits)")
+            "of at least one class on every rank, and torch's split gives "
+            f"{list(blocks)} (first class, count) at mesh coordinates {list(coordinates)}; shard "
+            "a vocabulary of at least one class per rank on plain Shard placements (FSDP2's "
+            "strided shard only together with the shard it splits)")
     group = _vocab_group(mesh, dims, name, where)
+    # The order of the blocks among the group's ranks, for the gather's check of the layout (an
+    # eager check: torch.compile leaves it out, and the merge does not depend on the order).
+    order = None if torch.compiler.is_compiling() else _block_order(mesh, group, coordinates, blocks)
+    return _Layout(group, start, count, total, order)
+
+
+def _block_order(mesh, group, coordinates, blocks):
+    """The group's ranks (their indices in the group) in the order their blocks run through the
+    vocabulary; None when that is rank order."""
+    import torch.distributed as dist
+
+    ranks = mesh.mesh.tolist()
+    at = {functools.reduce(lambda row, c: row[c], coordinate, ranks): block
+          for coordinate, block in zip(coordinates, blocks)}
     members = dist.get_process_group_ranks(group)
-    order = tuple(sorted(range(len(members)), key=lambda r: blocks[members[r]][0]))
-    start, count = blocks[dist.get_rank()]
-    return _Layout(group, start, count, total, None if order == tuple(range(len(order))) else order)
+    order = tuple(sorted(range(len(members)), key=lambda r: at[members[r]][0]))
+    return None if order == tuple(range(len(order))) else order
 
 
 # ---- linear cross-entropy: weight sharded on dim 0 -------------------------------------------

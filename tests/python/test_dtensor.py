@@ -835,3 +835,104 @@ def test_mesh2d_models(key, tmp_path_factory):
     failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(_MESH2D_MODEL_RESULTS["models"])
                 if res.get(key, "missing") is not None]
     assert not failures, "\n".join(failures)
+
+
+# ---- torch.compile: DTensor inputs traced whole ---------------------------------------------------
+#
+# torch.compile(fullgraph=True, backend="aot_eager") of functions calling the DTensor forms: the
+# layout (torch's split of the mesh) is taken as constants of the graph, the collectives are
+# torch's functional ones; no graph break, and the loss and gradients of the eager call.
+
+COMPILE_KEYS = ("linear", "ce")
+
+
+def _compiled_and_eager(fn, make_inputs):
+    """(loss, gradients) of fn eagerly and under torch.compile, from fresh leaves each time."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    results = []
+    for run in (fn, compiled):
+        leaves, args = make_inputs()
+        loss = run(*args)
+        loss.backward(torch.ones_like(loss) if loss.dim() == 0 else
+                      torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape))
+        results.append((loss.detach(), [_full(x.grad) for x in leaves]))
+    return results
+
+
+def _run_compile_case(key, mesh, rank, world):
+    g = torch.Generator().manual_seed(5000)
+    h = torch.randn(N_ROWS, HIDDEN, generator=g) * 0.7
+    w = torch.randn(VOCAB, HIDDEN, generator=g) * 0.7
+    b = torch.randn(VOCAB, generator=g)
+    z = torch.randn(3, VOCAB, 7, generator=g) * 2  # (N, C, d1): classes on dim 1
+    t = torch.randint(0, VOCAB, (N_ROWS,), generator=g)
+    t[::5] = -100
+    tz = torch.randint(0, VOCAB, (3, 7), generator=g)
+    cw = make_weight(VOCAB)
+    if key == "linear":
+        def fn(h, w, t, b):
+            return fusedce.linear_cross_entropy(h, w, t, b, label_smoothing=0.1, z_loss=1e-3)
+
+        def make_inputs():
+            dh = h.clone().requires_grad_()
+            dw = _distribute(w, mesh, 0).requires_grad_()
+            db = _distribute(b, mesh, 0).requires_grad_()
+            return (dh, dw, db), (dh, dw, t, db)
+    else:
+        def fn(z, t, cw):
+            return fusedce.cross_entropy(z, t, cw, reduction="none", softcap=8.0)
+
+        def make_inputs():
+            dz = _distribute(z, mesh, 1).requires_grad_()
+            return (dz,), (dz, tz, _distribute(cw, mesh, 0))
+    (loss, grads), (closs, cgrads) = _compiled_and_eager(fn, make_inputs)
+    what = f"compile {key}, world {world}, rank {rank}"
+    assert type(closs) is torch.Tensor, f"{what}: {type(closs).__name__}"
+    torch.testing.assert_close(closs, loss, rtol=1e-6, atol=1e-7, msg=lambda m: f"{what}: loss: {m}")
+    for i, (c, e) in enumerate(zip(cgrads, grads)):
+        torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, i=i: f"{what}: grad {i}: {m}")
+    # and the eager call is the float64 loss (the compiled one equals it above)
+    if key == "linear":
+        ref = torch_cross_entropy(F.linear(h.double(), w.double(), b.double()), t, None,
+                                  compute_dtype=torch.float64, label_smoothing=0.1, z_loss=1e-3)
+    else:
+        ref = torch_cross_entropy(z.double().movedim(1, -1), tz, cw, compute_dtype=torch.float64,
+                                  reduction="none", softcap=8.0).view(tz.shape)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+_COMPILE_RESULTS = {}
+
+
+@pytest.mark.parametrize("key", COMPILE_KEYS)
+def test_compile(key, tmp_path_factory):
+    if "compile" not in _COMPILE_RESULTS:
+        _COMPILE_RESULTS["compile"] = spawn_group(
+            _compile_worker, (COMPILE_KEYS,), 2, tmp_path_factory.mktemp("compile"),
+            deadline_s=400)
+    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(_COMPILE_RESULTS["compile"])
+                if res.get(key, "missing") is not None]
+    assert not failures, "\n".join(failures)
+
+
+def _compile_worker(rank, world, store_path, out_dir, keys):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    results = {}
+    try:
+        mesh = _mesh()
+        for key in keys:
+            try:
+                _run_compile_case(key, mesh, rank, world)
+                results[key] = None
+            except BaseException:  # noqa: B036
+                results[key] = traceback.format_exc()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
