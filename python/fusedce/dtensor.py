@@ -4,9 +4,9 @@ PyTorch's tensor parallelism hands them over, run through the vocabulary-paralle
 the DTensors themselves.
 
 * ``linear_cross_entropy(hidden, weight, target, bias)`` with ``weight`` a DTensor sharded on
-  dim 0 (``Shard(0)``) over a 1-D device mesh: an ``lm_head`` under ``ColwiseParallel``.
-  ``bias`` (if given) must be placed as ``weight``; ``hidden`` and ``target`` are plain tensors
-  (the same on every rank) or ``Replicate()`` DTensors on the same mesh.
+  dim 0 (``Shard(0)``): an ``lm_head`` under ``ColwiseParallel``. ``bias`` (if given) must be
+  placed as ``weight``; ``hidden`` and ``target`` are plain tensors (the same on every rank of
+  the vocabulary's group) or replicated DTensors on the same mesh.
 * ``cross_entropy(logits, target, weight)`` with ``logits`` a DTensor sharded on its class
   dimension (the last, or dim 1 of PyTorch's ``(N, C, d1, ...)`` layout): the ``loss_parallel``
   convention (``ColwiseParallel(use_local_output=False)`` logits).
@@ -14,13 +14,22 @@ the DTensors themselves.
   class dimension, a ``Replicate()`` DTensor, or a plain full ``(V,)`` tensor; each rank uses its
   slice.
 
-A replicated head (``Replicate()`` weight or logits) runs the single-device call on every rank
-(nothing crosses ranks).
+Device meshes of any number of dimensions: on each, the input is replicated or sharded on its
+class dimension (``Shard``, or the strided shard FSDP2 puts on its dimension over a
+tensor-parallel shard: FSDP2 + TP). The vocabulary's group is that of the mesh dimensions that
+shard the classes (one dimension's group, or the group of their flattened submesh); on the
+others each rank runs its own problem (data parallelism: plain ``hidden`` may differ there). A
+head replicated on every mesh dimension runs the single-device call on every rank (nothing
+crosses ranks).
 
 Layout: ``vocab_total`` is the DTensor's global size on the class dimension and ``vocab_start``
 this rank's offset in it (torch's own computation of the shard's offset, so torch's uneven
-``Shard`` split, ``ceil(V / R)`` rows on the first ranks, is followed as it is). Every rank must
-hold at least one class: a vocabulary that torch's split leaves a rank without any is refused.
+``Shard`` split, ``ceil(V / R)`` rows on the first ranks, is followed as it is). Every block of
+the group is computed on every rank from the mesh and the placements (no communication): each
+must be a contiguous run of at least one class, and the runs must tile the vocabulary. Their
+order among the group's ranks (another than rank order under FSDP2 + TP's strided shard) is
+what the gather's layout check follows. Under torch.compile the layout is a constant of the
+graph and the calls trace without a graph break.
 ``process_group``, ``vocab_start`` and ``vocab_total`` come from the DTensor and are refused when
 passed.
 
@@ -28,13 +37,14 @@ Results: the loss (and metrics) are plain tensors, the same bits on every rank, 
 whole vocabulary; a plain tensor rather than a ``Replicate()`` DTensor because it is what the
 rest of a training step mixes it with (a division by a token count, an auxiliary loss, logging),
 which a DTensor would refuse. Gradients reach the DTensor inputs through ``to_local()``, so each
-input's gradient is a DTensor with that input's placements (``weight.grad``: ``Shard(0)``, this
-rank's rows of the full gradient; ``hidden.grad`` of a ``Replicate()`` hidden: the full gradient
+input's gradient is a DTensor with that input's placements (``weight.grad``: this rank's rows
+of the full gradient; ``hidden.grad`` of a ``Replicate()`` hidden: the full gradient
 on every rank).
 
-What a DTensor call refuses (ValueError naming the argument): a mesh of more than one dimension,
-placements other than those above (``Partial``, a shard on another dimension, the strided
-shards of FSDP2 + TP before FSDP's unshard), inputs on different meshes, a plain ``bias`` or
+What a DTensor call refuses (ValueError naming the argument): placements other than those
+above on any mesh dimension (``Partial``, a shard on another dimension, logits sharded on rows
+and classes, a strided shard without the shard it splits), class weights placed otherwise than
+the input, several sharded mesh dimensions without names, inputs on different meshes, a plain ``bias`` or
 ``logits`` with a sharded head, class-probability targets, ``inplace_backward``. The sharded
 calls run inside :func:`fusedce.distributed.agreed_call`, so an argument error found on one rank
 is raised on every rank.

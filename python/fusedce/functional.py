@@ -127,9 +127,9 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
 
     DTensor logits sharded on their class dimension (the last, or dim 1 of ``(N, C, d1, ...)``;
     the ``loss_parallel`` convention, a ``ColwiseParallel(use_local_output=False)`` head's
-    output) over a 1-D device mesh take the vocabulary-parallel form by themselves: the group,
-    ``vocab_start`` and ``vocab_total`` are read from the DTensor (do not pass them), ``weight``
-    may be a DTensor placed as the logits, a ``Replicate()`` one or the full ``(V,)`` vector,
+    output; on one or more mesh dimensions) take the vocabulary-parallel form by themselves:
+    the group, ``vocab_start`` and ``vocab_total`` are read from the DTensor (do not pass
+    them), ``weight`` may be a DTensor placed as the logits, a ``Replicate()`` one or the full ``(V,)`` vector,
     ``target`` a plain tensor or a ``Replicate()`` DTensor. The loss and metrics are plain
     tensors, the same on every rank; the logits' gradient is a DTensor with their placements.
     Replicated logits run the single-device call. See :mod:`fusedce.dtensor`.

@@ -136,13 +136,13 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
             the (N, H) float32 grad_hidden in the backward. hidden and target must be the same
             on every rank.
 
-    A DTensor ``weight`` sharded on dim 0 over a 1-D device mesh (an ``lm_head`` under
+    A DTensor ``weight`` sharded on dim 0 (on one or more mesh dimensions; an ``lm_head`` under
     ``ColwiseParallel``) takes the vocabulary-parallel form by itself: the group,
     ``vocab_start`` and ``vocab_total`` are read from it (do not pass them); ``bias`` must be
     placed as ``weight``, ``class_weight`` may be placed so too, be a ``Replicate()`` DTensor or
     the full ``(V,)`` vector; ``hidden`` and ``target`` are plain tensors or ``Replicate()``
     DTensors. The loss and metrics are plain tensors, the same on every rank; the gradients of
-    DTensor inputs are DTensors with their placements (``weight.grad``: ``Shard(0)``). A
+    DTensor inputs are DTensors with their placements (``weight.grad``: the weight's). A
     replicated weight runs the single-device call. See :mod:`fusedce.dtensor`.
 
     Returns:

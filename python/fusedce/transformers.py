@@ -30,8 +30,10 @@ generically (no model's forward is copied):
   DTensor sharded on dim 0 during the call) computes the loss through the DTensor form of
   ``linear_cross_entropy`` (vocabulary-parallel over the mesh) and returns an empty DTensor
   sharded on its last dimension for its output hook; that output must reach the loss function
-  unchanged, else the call declines (operations on a DTensor are not recorded). An FSDP2 head
-  is whole during its call (FSDP2 gathers it first) and takes the plain fused loss.
+  unchanged, else the call declines (operations on a DTensor are not recorded); with gradients
+  on, that marker is a function of the loss and the loss function adds its empty sum back, so
+  the backward passes through the head's output (where FSDP2 + TP gathers the head again). An
+  FSDP2 head is whole during its call (FSDP2 gathers it first) and takes the plain fused loss.
 - The returned output's ``logits`` is that empty tensor. Calls without labels, or without
   gradients (evaluation, generation), produce the logits as usual.
 - Under ``torch.compile`` (a model compiled after apply(), whose call dynamo traces through the

@@ -642,7 +642,7 @@ def _run_mesh2d_ce_case(name, mesh, rank, world):
     x = z.movedim(-1, 1).contiguous() if dim1 else z
     codes = case["placements"]
     dx = _distribute2d(x, mesh, codes).requires_grad_()
-    wcodes = tuple(c if c == "r" else (f"s0" if isinstance(c, str) else 0) for c in codes)
+    wcodes = tuple(c if c == "r" else ("s0" if isinstance(c, str) else 0) for c in codes)
     dw = _distribute2d(w, mesh, wcodes) if w is not None else None
     loss, metrics = fusedce.cross_entropy(dx, t, dw, return_metrics=True, **opts)
     what = f"2-D ce {name}, rank {rank}"
@@ -691,12 +691,10 @@ def _run_mesh2d_error_case(key, mesh, rank, world):
             fusedce.cross_entropy(_distribute2d(z, mesh, (0, 1)), t)
     elif key == "lone_strided":  # a strided shard without the shard it splits: not contiguous
         placements = [_placement("s0"), Replicate()]
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        # the rows this rank would hold: every other run of the vocabulary's blocks
+        # the rows this rank holds: its "dp" part of each of the two blocks
         local = torch.cat([c.chunk(MESH2D[0])[mesh.get_coordinate()[0]]
                            for c in w.chunk(MESH2D[1])])
         bad = DTensor.from_local(local, mesh, placements, shape=w.shape, stride=w.stride())
-        del compute_local_shape_and_global_offset
         with pytest.raises(ValueError, match="weight .* must hold a contiguous block of at least "
                            "one class on every rank"):
             lin(h, bad, t)
