@@ -49,7 +49,7 @@ if [ -n "${PREBUILT:-}" ]; then
   # call spends no device time compiling. ctest's files name the build machine's paths, so
   # the tests step runs the binaries themselves (gtest shards in parallel) instead.
   step "prebuilt binaries: $PREBUILT"
-  mkdir -p "$build" && tar -C "$build" -xzf "$PREBUILT" || exit 1
+  mkdir -p "$build" && tar -C "$build" -xf "$PREBUILT" || exit 1
 elif want tests || want sanitizer || want bench || want linear || want profile || want ce_profile || want splits || want ab || want options; then
 step "build"
 gtest_arg=()

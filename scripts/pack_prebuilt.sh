@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds the CUDA tests and the benchmark here (no GPU needed; sm_90, with -lineinfo for ncu's
-# source page) and packs them into build-pack/bins.tgz for a device call that spends no time
+# source page) and packs them into build-pack/bins.txz for a device call that spends no time
 # compiling:
-#   bash scripts/pack_prebuilt.sh            (about 3-5 minutes on 2 cores from scratch)
-#   device: PREBUILT=build-pack/bins.tgz STEPS="tests sanitizer bench" bash scripts/gpu_check.sh
+#   bash scripts/pack_prebuilt.sh            (about 3-5 minutes on 2 cores from scratch, plus 2 to pack)
+#   device: PREBUILT=build-pack/bins.txz STEPS="tests sanitizer bench" bash scripts/gpu_check.sh
 #           (carry build-pack; scripts/ce_stalls.sh build-gpu/bench/fusedce_bench after unpacking,
 #           or carry build-sm90/bench/fusedce_bench and pass that)
 # Both build-sm90/ and build-pack/ are ignored by git.
@@ -19,5 +19,8 @@ cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DFUSEDCE_CU
 cmake --build "$build" -j "$(nproc)" --target fusedce_cuda_tests fusedce_grid_tests fusedce_long_tests fusedce_tests fusedce_bench fusedce_linear_bench
 mkdir -p build-pack
 bins=(tests/cpp/fusedce_cuda_tests tests/cpp/fusedce_grid_tests tests/cpp/fusedce_long_tests tests/cpp/fusedce_tests bench/fusedce_bench bench/fusedce_linear_bench)
-tar -C "$build" -czf build-pack/bins.tgz "${bins[@]}"
-ls -la build-pack/bins.tgz
+# Every binary links the whole static library (about 50 MB each), so gzip's 32 KiB window leaves
+# 85 MB, over the 64 MiB a device call carries; xz with a dictionary larger than one binary
+# stores the library once (about 9 MB).
+tar -C "$build" -cf - "${bins[@]}" | xz -9 -T1 --lzma2=dict=192MiB > build-pack/bins.txz
+ls -la build-pack/bins.txz
