@@ -15,7 +15,7 @@ gtest_arg=()
 generator=()
 command -v ninja > /dev/null && generator=(-G Ninja)
 cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DFUSEDCE_CUDA=ON -DFUSEDCE_TESTS=ON \
-  -DFUSEDCE_BENCH=ON -DFUSEDCE_EXAMPLES=OFF -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_FLAGS=-lineinfo "${gtest_arg[@]}" > /dev/null
+  -DFUSEDCE_BENCH=ON -DFUSEDCE_EXAMPLES=OFF -DFUSEDCE_CUTLASS=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_FLAGS=-lineinfo "${gtest_arg[@]}" > /dev/null
 cmake --build "$build" -j "$(nproc)" --target fusedce_cuda_tests fusedce_grid_tests fusedce_long_tests fusedce_tests fusedce_bench fusedce_linear_bench
 mkdir -p build-pack
 bins=(tests/cpp/fusedce_cuda_tests tests/cpp/fusedce_grid_tests tests/cpp/fusedce_long_tests tests/cpp/fusedce_tests bench/fusedce_bench bench/fusedce_linear_bench)
