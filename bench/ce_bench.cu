@@ -14,8 +14,10 @@
 // counts where the GPU work is shorter); "queued ms" enqueues all calls back to back with their
 // events and waits once (the GPU time per call in a stream kept busy, as in training).
 // Usage: fusedce_bench [--quick] [--csv FILE] [--shapes NxV[:f32|bf16|f16],... (instead of the
-//        default shapes: cheaper A/B runs)] [--sweep (launch shapes, for the dev notes)]
-//        [--sweep-splits (few rows: chunks per split)] [--options (each option alone, fwd+grad)]
+//        default shapes: cheaper A/B runs)] [--variant NAME (the launcher's plan under one
+//        explicit choice, for A/B runs in one binary: sync, halves, groups1, groups2, separate,
+//        rowkernel)] [--sweep-splits (few rows: chunks per split)] [--options (each option
+//        alone, fwd+grad)]
 //        [--profile (for ncu)] [--l2-persist-kb KB|max (the L2 set-aside for persisting lines,
 //        cudaLimitPersistingL2CacheSize, set before timing: the first sweep's evict_last lines
 //        live there; a dev experiment)]
@@ -32,6 +34,8 @@
 #include <string>
 #include <vector>
 
+#include "common/call.h"
+#include "cuda/plan.h"
 #include "fusedce/fusedce.h"
 
 #define CHECK_CUDA(x)                                                                       \
@@ -143,6 +147,63 @@ void ok(const fusedce::Status& s) {
     std::fprintf(stderr, "fusedce: %s\n", s.message().c_str());
     std::exit(1);
   }
+}
+
+// The launcher's plan for A/B runs (--variant, --sweep-splits), passed to it explicitly; with
+// none the calls go through the public entry points.
+fusedce::cuda::PlanChoices g_choices;
+bool g_variant = false;
+
+fusedce::Status run_variant(const fusedce::detail::CeCall& call) {
+  const fusedce::Status s = fusedce::detail::validate_call(call);
+  return s.ok() ? fusedce::cuda::run(call, g_choices) : s;
+}
+
+fusedce::Status ce_forward(const fusedce::Device& dev, const fusedce::MatrixView& x, const fusedce::VectorView& t,
+                           const fusedce::Options& o, const fusedce::ForwardOutputs& out, fusedce::Workspace w) {
+  if (!g_variant) return fusedce::cross_entropy_forward(dev, x, t, o, out, w);
+  fusedce::detail::CeCall c{};
+  c.job = fusedce::Job::kForward;
+  c.device = dev;
+  c.logits = x;
+  c.target = t;
+  c.options = o;
+  c.out = out;
+  c.workspace = w;
+  return run_variant(c);
+}
+
+fusedce::Status ce_forward_backward(const fusedce::Device& dev, const fusedce::MatrixView& x,
+                                    const fusedce::VectorView& t, const fusedce::Options& o,
+                                    const fusedce::ForwardOutputs& out, const fusedce::MatrixView& d,
+                                    fusedce::Workspace w) {
+  if (!g_variant) return fusedce::cross_entropy_forward_backward(dev, x, t, o, out, {}, d, w);
+  fusedce::detail::CeCall c{};
+  c.job = fusedce::Job::kForwardBackward;
+  c.device = dev;
+  c.logits = x;
+  c.target = t;
+  c.options = o;
+  c.out = out;
+  c.dlogits = d;
+  c.workspace = w;
+  return run_variant(c);
+}
+
+/// --variant NAME: false if the name is unknown.
+bool set_variant(const char* name) {
+  using Force = fusedce::cuda::PlanChoices::Force;
+  fusedce::cuda::PlanChoices c;
+  if (!std::strcmp(name, "sync")) c.async_reduce = false;
+  else if (!std::strcmp(name, "halves")) c.halves = Force::kOn;
+  else if (!std::strcmp(name, "groups1")) c.groups = 1;
+  else if (!std::strcmp(name, "groups2")) c.groups = 2;
+  else if (!std::strcmp(name, "separate")) c.stream_finish = false;
+  else if (!std::strcmp(name, "rowkernel")) c.stream = Force::kOff;
+  else if (std::strcmp(name, "default") != 0) return false;
+  g_choices = c;
+  g_variant = std::strcmp(name, "default") != 0;
+  return true;
 }
 
 struct Ceilings {
@@ -370,14 +431,17 @@ int bench_options(int iters, const cudaDeviceProp& prop) {
 }
 
 int main(int argc, char** argv) {
-  bool quick = false, sweep = false, profile = false, sweep_splits = false, options = false;
+  bool quick = false, profile = false, sweep_splits = false, options = false;
   const char* l2_persist = nullptr;
   const char* csv_path = nullptr;
   const char* shapes_arg = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--shapes") && i + 1 < argc) shapes_arg = argv[++i];
     if (!std::strcmp(argv[i], "--quick")) quick = true;
-    if (!std::strcmp(argv[i], "--sweep")) sweep = true;
+    if (!std::strcmp(argv[i], "--variant") && i + 1 < argc && !set_variant(argv[++i])) {
+      std::fprintf(stderr, "fusedce_bench: unknown --variant %s\n", argv[i]);
+      return 2;
+    }
     if (!std::strcmp(argv[i], "--profile")) profile = true;
     if (!std::strcmp(argv[i], "--sweep-splits")) sweep_splits = true;
     if (!std::strcmp(argv[i], "--options")) options = true;
@@ -405,8 +469,8 @@ int main(int argc, char** argv) {
   }
   if (options) return bench_options(iters, prop);
   if (sweep_splits) {
-    // Few rows, forward, bf16: the stream kernel's work split (chunks of 32 KB per split, the knob
-    // FUSEDCE_STREAM_SPLIT_CHUNKS; 0 = the plan's choice) against the streaming-read ceiling.
+    // Few rows, forward, bf16: the stream kernel's work split (chunks of 32 KB per split, passed
+    // as PlanChoices::split_chunks; 0 = the plan's choice) against the streaming-read ceiling.
     // Inputs rotated past 3x the L2. Two times per setting: events around one call (what an eager
     // caller sees, host launch latency included) and the GPU time per call from a CUDA graph of
     // kGraphCalls calls (the kernels alone). Each setting's loss is checked against the plan's
@@ -444,13 +508,14 @@ int main(int argc, char** argv) {
       const auto T = fusedce::vector(t, DType::kInt64, k.N);
       const fusedce::Workspace w{ws, ws_bytes};
       auto call = [&](int i, cudaStream_t st) {
-        ok(fusedce::cross_entropy_forward(fusedce::Device::cuda(0, st), fusedce::matrix(xs[i % copies], DType::kBFloat16, k.N, k.V),
-                                          T, {}, out, w));
+        ok(ce_forward(fusedce::Device::cuda(0, st), fusedce::matrix(xs[i % copies], DType::kBFloat16, k.N, k.V), T, {},
+                      out, w));
       };
       float ref_loss = 0.0f;
       for (int knob : {0, 1, 2, 4, 8, 16, 1 << 20}) {
-        if (knob) setenv("FUSEDCE_STREAM_SPLIT_CHUNKS", std::to_string(knob).c_str(), 1);
-        else unsetenv("FUSEDCE_STREAM_SPLIT_CHUNKS");
+        g_choices = fusedce::cuda::PlanChoices{};
+        g_choices.split_chunks = knob;
+        g_variant = knob != 0;
         call(0, nullptr);
         float l = 0.0f;
         CHECK_CUDA(cudaMemcpy(&l, loss, 4, cudaMemcpyDeviceToHost));
@@ -488,7 +553,8 @@ int main(int argc, char** argv) {
         std::printf("| %lld x %lld | %s | %.4f | %.1f%% | %.4f | %.1f%% | %.1e |\n", (long long)k.N, (long long)k.V,
                     label.c_str(), one.median_ms, frac_one, graph_ms, frac_graph, std::fabs(l - ref_loss) / std::fabs(ref_loss));
       }
-      unsetenv("FUSEDCE_STREAM_SPLIT_CHUNKS");
+      g_choices = fusedce::cuda::PlanChoices{};
+      g_variant = false;
       for (void* ptr : xs) CHECK_CUDA(cudaFree(ptr));
       for (void* ptr : {ws, (void*)t, (void*)loss, (void*)lse}) CHECK_CUDA(cudaFree(ptr));
     }
@@ -533,42 +599,6 @@ int main(int argc, char** argv) {
                   k.softcap > 0.0f ? " softcap 30" : "");
       for (void* ptr : {x, d, ws, (void*)t, (void*)loss, (void*)lse}) CHECK_CUDA(cudaFree(ptr));
     }
-    return 0;
-  }
-  if (sweep) {
-    // Launch-shape sweep for the dev notes: forward and fwd+grad at 8192 x 128256 bf16.
-    const Ceilings c0 = measure_ceilings(iters);
-    std::printf("# sweep: copy %.0f GB/s, read %.0f GB/s\n", c0.copy_gbs, c0.read_gbs);
-    const int64_t N = 8192, V = 128256;
-    const size_t bytes = size_t(N) * V * 2;
-    void *x, *d, *ws;
-    int64_t* t;
-    float *loss, *lse;
-    CHECK_CUDA(cudaMalloc(&x, bytes));
-    CHECK_CUDA(cudaMalloc(&d, bytes));
-    CHECK_CUDA(cudaMalloc(&t, N * 8));
-    CHECK_CUDA(cudaMalloc(&loss, 4));
-    CHECK_CUDA(cudaMalloc(&lse, N * 4));
-    CHECK_CUDA(cudaMalloc(&ws, 1 << 20));
-    fill(x, DType::kBFloat16, N * V, 9);
-    target_kernel<<<64, 256>>>(t, N, V, 1);
-    fusedce::ForwardOutputs out;
-    out.loss = fusedce::vector(loss, DType::kFloat32, 1);
-    out.lse = fusedce::vector(lse, DType::kFloat32, N);
-    const char* shapes[] = {"", "128,16,4", "256,16,4", "512,8,4", "1024,4,4", "256,8,4", "512,1,4", "1024,1,4",
-                            "256,1,4", "512,2,4", "1024,2,4", "256,16,1", "512,16,1"};
-    for (const char* shp : shapes) {
-      if (*shp) setenv("FUSEDCE_ROW_SHAPE", shp, 1); else unsetenv("FUSEDCE_ROW_SHAPE");
-      const auto X = fusedce::matrix(x, DType::kBFloat16, N, V);
-      const auto D = fusedce::matrix(d, DType::kBFloat16, N, V);
-      const auto T = fusedce::vector(t, DType::kInt64, N);
-      const fusedce::Workspace w{ws, 1 << 20};
-      Timing f = time_it([&](int) { ok(fusedce::cross_entropy_forward(fusedce::Device::cuda(), X, T, {}, out, w)); }, 3, iters);
-      Timing g = time_it([&](int) { ok(fusedce::cross_entropy_forward_backward(fusedce::Device::cuda(), X, T, {}, out, {}, D, w)); }, 3, iters);
-      std::printf("shape %-10s forward %.3f ms (%.0f GB/s)  fwd+grad %.3f ms (%.0f GB/s)\n", *shp ? shp : "default",
-                  f.median_ms, bytes / (f.median_ms * 1e6), g.median_ms, 2 * bytes / (g.median_ms * 1e6));
-    }
-    unsetenv("FUSEDCE_ROW_SHAPE");
     return 0;
   }
   bool verified = true;
@@ -663,11 +693,11 @@ int main(int argc, char** argv) {
         const auto X = fusedce::matrix(x, sh.dtype, sh.N, sh.V);
         const auto D = fusedce::matrix(d, sh.dtype, sh.N, sh.V);
         switch (job) {
-          case JobKind::kForward: ok(fusedce::cross_entropy_forward(dev, X, tgt, opt, out, workspace)); break;
+          case JobKind::kForward: ok(ce_forward(dev, X, tgt, opt, out, workspace)); break;
           case JobKind::kBackward:
             ok(fusedce::cross_entropy_backward(dev, X, tgt, out.lse, fusedce::vector(one, DType::kFloat32, 1), opt, D, workspace));
             break;
-          default: ok(fusedce::cross_entropy_forward_backward(dev, X, tgt, opt, out, {}, D, workspace)); break;
+          default: ok(ce_forward_backward(dev, X, tgt, opt, out, D, workspace)); break;
         }
       };
       if (job == JobKind::kBackward) {  // lse from a forward first

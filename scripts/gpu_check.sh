@@ -87,8 +87,9 @@ step "compute-sanitizer on a small sweep"
 # Small CUDA cases of the grid (odd, tiny and mid-size V, every option) and the layout, special
 # value, equivalence and batch tests on CUDA.
 bin="$build/tests/cpp"
-# racecheck runs the stream kernel's synchronous row reduction (FUSEDCE_STREAM_ASYNC_REDUCE=0):
-# the asynchronous one (the default) reuses its warp-partial slots after kReduceSlots items, an
+# racecheck runs on the tests whose plan takes the stream kernel's synchronous row reduction
+# (CudaSanitize.*Sync*, explicit PlanChoices) and the paths without the stream kernel: the
+# asynchronous one (the default) reuses its warp-partial slots after kReduceSlots items, an
 # order racecheck cannot see (it runs through the mbarrier ring: a warp can only reach item i + 8
 # after the finalizer of item i released a stage it reads after its fold; stream_kernel.cuh), so
 # it reports those reuses as hazards. The async path's results are checked bit for bit against
@@ -96,16 +97,22 @@ bin="$build/tests/cpp"
 # below for information.
 for tool in memcheck racecheck; do
   rc=0
-  async_env=()
-  [ $tool = racecheck ] && async_env=(env FUSEDCE_STREAM_ASYNC_REDUCE=0)
-  "${async_env[@]}" compute-sanitizer --tool $tool --error-exitcode 9 "$bin/fusedce_grid_tests" \
-    --gtest_filter="${GRID_FILTER:-*cuda_*_V7_N3_*:*cuda_*_V127_N257_*:*cuda_bfloat16_V1024_N257_*:*cuda_*_V1_N1_*}" \
-    > "$out/sanitizer_${tool}_grid.log" 2>&1 || rc=$?
-  # racecheck serialises every cuBLAS product: the linear grid (memcheck covers it) would take
-  # the whole call.
-  filter="${TESTS_FILTER:-*cuda*:*Cuda*}"
-  [ $tool = racecheck ] && filter="${RACECHECK_FILTER:-*cuda*:*Cuda*:-*LinearGrid*:*LinearContract*}"
-  "${async_env[@]}" compute-sanitizer --tool $tool --error-exitcode 9 "$bin/fusedce_tests" --gtest_filter="$filter" \
+  if [ $tool = memcheck ]; then
+    compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/fusedce_grid_tests" \
+      --gtest_filter="${GRID_FILTER:-*cuda_*_V7_N3_*:*cuda_*_V127_N257_*:*cuda_bfloat16_V1024_N257_*:*cuda_*_V1_N1_*}" \
+      > "$out/sanitizer_${tool}_grid.log" 2>&1 || rc=$?
+    filter="${TESTS_FILTER:-*cuda*:*Cuda*}"
+  else
+    # The grid's sizes under the synchronous reduction, one and two consumer groups, and the row
+    # kernel's forward. racecheck serialises every cuBLAS product: the linear grid (memcheck
+    # covers it) would take the whole call.
+    compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/fusedce_cuda_tests" \
+      --gtest_filter='CudaSanitize.*Sync*:CudaSanitize.RowKernelForward' \
+      > "$out/sanitizer_${tool}_grid.log" 2>&1 || rc=$?
+    # Backward and rescale jobs (no stream kernel) of the layout, value and equivalence tests.
+    filter="${RACECHECK_FILTER:-*cuda*:*Cuda*:-*LinearGrid*:*LinearContract*}"
+  fi
+  compute-sanitizer --tool $tool --error-exitcode 9 "$bin/fusedce_tests" --gtest_filter="$filter" \
     > "$out/sanitizer_${tool}_tests.log" 2>&1 || rc=$?
   # Rows of several chunks, several rows a block: every stage of the stream kernel's ring turns
   # over, with the gradient's second sweep (the grid's sizes above fit one chunk a row: the ring
@@ -121,16 +128,12 @@ for tool in memcheck racecheck; do
   echo "$tool: exit $rc; $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|tests? ran|PASSED|FAILED' "$out"/sanitizer_${tool}_*.log | tr '\n' ' ')"
   [ $rc -eq 0 ] || status=1
 done
-# Two consumer groups forced everywhere (with the gradient too, where they are a dev knob): the
-# grid's small sweep under memcheck and racecheck (synchronous reduction, as above).
+# Two consumer groups forced (with the gradient too): the grid's sizes under memcheck (racecheck
+# ran CudaSanitize.TwoGroupsSyncReduction above).
 rc=0
-FUSEDCE_STREAM_GROUPS=2 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/fusedce_grid_tests" \
-  --gtest_filter="${GRID_FILTER:-*cuda_*_V7_N3_*:*cuda_*_V127_N257_*:*cuda_bfloat16_V1024_N257_*:*cuda_*_V1_N1_*}" \
+compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/fusedce_cuda_tests" --gtest_filter='CudaSanitize.TwoGroups' \
   > "$out/sanitizer_memcheck_groups.log" 2>&1 || rc=$?
-FUSEDCE_STREAM_GROUPS=2 FUSEDCE_STREAM_ASYNC_REDUCE=0 compute-sanitizer --tool racecheck --error-exitcode 9 \
-  "$bin/fusedce_grid_tests" --gtest_filter="${GRID_FILTER:-*cuda_*_V7_N3_*:*cuda_*_V127_N257_*:*cuda_bfloat16_V1024_N257_*:*cuda_*_V1_N1_*}" \
-  > "$out/sanitizer_racecheck_groups.log" 2>&1 || rc=$?
-echo "two groups forced: exit $rc; $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$out"/sanitizer_*_groups.log | tr '\n' ' ')"
+echo "two groups forced: exit $rc; $(grep -hE 'ERROR SUMMARY|PASSED|FAILED' "$out"/sanitizer_memcheck_groups.log | tr '\n' ' ')"
 [ $rc -eq 0 ] || status=1
 # Informational: racecheck over the default (asynchronous) reduction on one small sweep.
 compute-sanitizer --tool racecheck --print-limit 2 "$bin/fusedce_grid_tests" --gtest_filter='*cuda_bfloat16_V1024_N257_*' \
@@ -212,7 +215,7 @@ python3 bench/ncu_summary.py "$out/linear_profile.csv" | tee "$out/linear_profil
 fi
 
 if want splits; then
-step "few-rows sweep: the stream kernel's work split (FUSEDCE_STREAM_SPLIT_CHUNKS)"
+step "few-rows sweep: the stream kernel's work split (PlanChoices::split_chunks)"
 "$build/bench/fusedce_bench" --sweep-splits ${BENCH_ARGS:-} 2>&1 | tee "$out/sweep_splits.md" || status=1
 fi
 
@@ -223,29 +226,20 @@ fi
 
 if want ab; then
 step "A/B: the stream kernel's variants against the default (fusedce_bench, same binary)"
-# AB_VARIANTS picks them: sync (the synchronous row reduction), halves (every long row on 2-block
-# clusters), groups1 / groups2 (one or two consumer groups over whole rows, forced; groups2 also
-# with the gradient), separate (the prepare / split-merge / finalize passes instead of the stream
-# kernel's own finish: FUSEDCE_STREAM_FINISH=0), l2normal (the first sweep's lines evict_normal,
-# not evict_last), backwards (every gradient sweep backwards), persist0* (the L2's persisting
-# set-aside set to 0 before timing, alone or with one of those). BENCH_ARGS="--shapes 16384x32000,16384x50257,8192x128256" narrows each run
-# to a few shapes (a fraction of the device time).
+# AB_VARIANTS picks them (fusedce_bench --variant, explicit plan choices): sync (the synchronous
+# row reduction), halves (every long row on 2-block clusters), groups1 / groups2 (one or two
+# consumer groups over whole rows, forced; groups2 also with the gradient), separate (the
+# prepare / split-merge / finalize passes instead of the stream kernel's own finish), rowkernel
+# (the row kernel for forward jobs), persist0 (the L2's persisting set-aside set to 0 before
+# timing). BENCH_ARGS="--shapes 16384x32000,16384x50257,8192x128256" narrows each run to a few
+# shapes (a fraction of the device time).
 for f in ${AB_VARIANTS:-default groups1 groups2}; do
-  env=(); args=()
+  args=()
   case $f in
-    sync) env=(FUSEDCE_STREAM_ASYNC_REDUCE=0) ;;
-    halves) env=(FUSEDCE_STREAM_CLUSTER=2) ;;
-    groups1) env=(FUSEDCE_STREAM_GROUPS=1) ;;
-    groups2) env=(FUSEDCE_STREAM_GROUPS=2) ;;
-    separate) env=(FUSEDCE_STREAM_FINISH=0) ;;
-    l2normal) env=(FUSEDCE_STREAM_L2_KEEP=normal) ;;
-    backwards) env=(FUSEDCE_STREAM_BACKWARDS=1) ;;
     persist0) args=(--l2-persist-kb 0) ;;
-    persist0normal) env=(FUSEDCE_STREAM_L2_KEEP=normal); args=(--l2-persist-kb 0) ;;
-    persist0backwards) env=(FUSEDCE_STREAM_BACKWARDS=1); args=(--l2-persist-kb 0) ;;
-    *) ;;
+    *) args=(--variant "$f") ;;
   esac
-  env "${env[@]}" timeout -k 5 "${BENCH_TIMEOUT:-150}" "$build/bench/fusedce_bench" ${BENCH_ARGS:-} "${args[@]}" --csv "$out/bench_$f.csv" > "$out/bench_$f.md" || status=1
+  timeout -k 5 "${BENCH_TIMEOUT:-150}" "$build/bench/fusedce_bench" ${BENCH_ARGS:-} "${args[@]}" --csv "$out/bench_$f.csv" > "$out/bench_$f.md" || status=1
   echo "-- $f"; grep -E "persisting|ceilings|\| (forward|fwd\+grad) \|" "$out/bench_$f.md"
 done
 fi

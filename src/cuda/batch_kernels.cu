@@ -4,9 +4,9 @@
 // of class weights, the first out-of-range target. finalize: sums the per-row losses, entropies
 // and correct flags (and counts the mean's rows when no prepare ran). split merge: for few rows
 // split over blocks, folds each row's partials into its results, then finalizes. On sm_90 the
-// stream kernel does the last two itself (finish.cuh); these serve the row kernels (sm_80, or
-// FUSEDCE_NO_STREAM) and the dev knob FUSEDCE_STREAM_FINISH=0. Both sum in a fixed order (strided per thread in double, then a tree), so
-// results are the same bits run to run. Bytes: N * 8 (+ V * 4) and N * 9: microseconds at the
+// stream kernel does the last two itself (finish.cuh); these serve the row kernels (GPUs before
+// sm_90, or PlanChoices::stream off) and PlanChoices::stream_finish off. Both sum in a fixed
+// order (strided per thread in double, then a tree), so results are the same bits run to run. Bytes: N * 8 (+ V * 4) and N * 9: microseconds at the
 // batch sizes of training (the strided loops keep kBatchUnroll loads in flight per thread).
 #include <cstdint>
 

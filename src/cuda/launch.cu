@@ -6,10 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdio>
-#include <cstdlib>
 #include <cstdint>
-#include <cstring>
 #include <sstream>
 #include <mutex>
 #include <string>
@@ -21,6 +18,7 @@
 #include "cuda/host_util.h"
 #include "cuda/kernels.h"
 #include "cuda/params.h"
+#include "cuda/plan.h"
 #include "cuda/vec.cuh"
 
 namespace fusedce {
@@ -107,19 +105,6 @@ RowShape plan_rows(int64_t segments, bool merge, int cc_major) {
                                 (int64_t(max_cluster) * max_threads));
   }
   if (r.cluster == 1) r.hw_cluster = false;
-  // Tuning knob for the dev sweep (bench --sweep): FUSEDCE_ROW_SHAPE="threads,cluster,items".
-  if (const char* env = std::getenv("FUSEDCE_ROW_SHAPE")) {
-    int threads = 0, cluster_o = 0, items = 0;
-    if (std::sscanf(env, "%d,%d,%d", &threads, &cluster_o, &items) == 3 && threads % kWarpSize == 0 &&
-        threads <= max_threads && cluster_o >= 1 && cluster_o <= max_cluster && (items == 1 || items == 4)) {
-      r.threads = threads;
-      r.cluster = cluster_o;
-      r.items = items;
-      const int64_t per = int64_t(threads) * items * cluster_o;
-      r.pieces = static_cast<int>((segments + per - 1) / per);
-      r.hw_cluster = merge && cluster_o > 1;
-    }
-  }
   return r;
 }
 
@@ -129,19 +114,11 @@ struct StreamPlan {
   int splits, chunks_per_split, grid;
 };
 
-/// Chunks per split forced by the dev sweep (bench --sweep-splits: FUSEDCE_STREAM_SPLIT_CHUNKS),
-/// or 0 for the plan's own choice.
-int forced_split_chunks() {
-  const char* env = std::getenv("FUSEDCE_STREAM_SPLIT_CHUNKS");
-  const int k = env ? std::atoi(env) : 0;
-  return k > 0 ? k : 0;
-}
-
 /// A block's time is about its chunks plus a fixed cost per work item (pipeline start, the
 /// row's reduction), here in chunks; the split is the one with the least time on the busiest SM.
 constexpr int64_t kItemCostChunks = 1;
 
-StreamPlan plan_stream(int64_t rows, int64_t segments, int sms, bool grad) {
+StreamPlan plan_stream(int64_t rows, int64_t segments, int sms, bool grad, int forced_chunks) {
   StreamPlan s;
   const int nchunks = static_cast<int>((segments + kChunkSegs - 1) / kChunkSegs);
   int per = nchunks;  // chunks per split
@@ -158,7 +135,7 @@ StreamPlan plan_stream(int64_t rows, int64_t segments, int sms, bool grad) {
         per = c;
       }
     }
-    if (const int forced = forced_split_chunks()) per = std::max(std::min(forced, nchunks), (nchunks + kMaxSplits - 1) / kMaxSplits);
+    if (forced_chunks > 0) per = std::max(std::min(forced_chunks, nchunks), (nchunks + kMaxSplits - 1) / kMaxSplits);
   }
   s.chunks_per_split = per;
   s.splits = (nchunks + per - 1) / per;
@@ -166,59 +143,21 @@ StreamPlan plan_stream(int64_t rows, int64_t segments, int sms, bool grad) {
   return s;
 }
 
-/// The stream kernel's asynchronous row reduction (StreamParams::async_reduce), on unless
-/// FUSEDCE_STREAM_ASYNC_REDUCE=0 (H200, 2026-11-29, forward: 16384 x 32000 bf16 0.445 -> 0.418 ms,
-/// 8192 x 128256 0.525 -> 0.499 ms; same bits as the synchronous reduction).
-bool async_reduce_requested() {
-  const char* env = std::getenv("FUSEDCE_STREAM_ASYNC_REDUCE");
-  return env == nullptr || env[0] != '0';
-}
-
-/// Rows halved over 2-block clusters (StreamParams::halves): FUSEDCE_STREAM_CLUSTER=2 always
-/// (with the gradient), =1 never; by default when the rows in flight on all SMs would overflow
-/// L2 (H200, 2026-11-29: 4096 x 262144 bf16 fwd+grad 1.427 -> 1.366 ms, 8192 x 128256 fp32
-/// 2.616 -> 2.274 ms; rows that fit L2 lose: 8192 x 128256 bf16 1.178 -> 1.428 ms).
-bool use_halves(int sms, int64_t row_bytes, int l2_bytes) {
-  const char* env = std::getenv("FUSEDCE_STREAM_CLUSTER");
-  if (env != nullptr && (std::atoi(env) == 1 || std::atoi(env) == 2)) return std::atoi(env) == 2;
+/// Rows halved over 2-block clusters (StreamParams::halves) when the rows in flight on all SMs
+/// would overflow L2: the second sweep then re-reads half a row from L2 instead of memory. Rows
+/// that fit L2 lose by it (the cluster's exchange costs more than the misses it saves).
+bool use_halves(int sms, int64_t row_bytes, int l2_bytes, PlanChoices::Force force) {
+  if (force != PlanChoices::Force::kAuto) return force == PlanChoices::Force::kOn;
   return int64_t(sms) * row_bytes > int64_t(l2_bytes);
 }
 
-/// The gradient sweep's chunk order (StreamParams::grad_backwards): backwards when the rows in
-/// flight overflow L2, unless FUSEDCE_STREAM_BACKWARDS=1 (always) or =0 (never) says otherwise
-/// (a dev knob for A/B runs).
-bool grad_backwards(bool overflow) {
-  const char* env = std::getenv("FUSEDCE_STREAM_BACKWARDS");
-  if (env != nullptr && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
-  return overflow;
-}
-
-/// The first sweep's L2 policy with the gradient (StreamParams::keep_policy): evict_last unless
-/// FUSEDCE_STREAM_L2_KEEP=normal (a dev knob for A/B runs).
-int keep_policy_requested() {
-  const char* env = std::getenv("FUSEDCE_STREAM_L2_KEEP");
-  return env != nullptr && std::strcmp(env, "normal") == 0 ? 1 : 0;
-}
-
 /// Consumer groups of the stream kernel (two groups of 8 warps, each folding its own rows) for
-/// rows of `nchunks` chunks over whole rows: by default for rows of at most 2 chunks (H200,
-/// 2026-11-30, 16384 x 32000 bf16 forward 0.332 -> 0.298 ms, fwd+grad 0.705 -> 0.682 ms, same
-/// binary; long rows are bandwidth-bound, and with the gradient two groups lost there: 8192 x
-/// 128256 fwd+grad 1.168 -> 1.454 ms). FUSEDCE_STREAM_GROUPS=1 or 2 forces a count (dev knob
-/// for A/B runs and tests).
-int stream_groups(int nchunks, bool /*grad*/) {
-  const char* env = std::getenv("FUSEDCE_STREAM_GROUPS");
-  const int forced = env ? std::atoi(env) : 0;
+/// rows of at most 2 chunks over whole rows: short rows pay per-row costs (set-up, warp and row
+/// folds) about as large as their elements, which half the warps per row halve; long rows are
+/// bandwidth-bound, and with the gradient two groups lose there. `forced` (1 or 2) overrides.
+int stream_groups(int nchunks, int forced) {
   if (forced == 1 || forced == 2) return forced;
   return nchunks <= 2 ? 2 : 1;
-}
-
-/// Whether the stream kernel finishes a call itself (finish.cuh: split rows merged, batch sums
-/// formed, the gradient's denominator counted): on unless FUSEDCE_STREAM_FINISH=0 (dev knob for
-/// A/B runs: the prepare, split-merge and finalize passes instead).
-bool stream_finish_requested() {
-  const char* env = std::getenv("FUSEDCE_STREAM_FINISH");
-  return env == nullptr || env[0] != '0';
 }
 
 /// A tag for one call's counters in the workspace (finish.cuh, arrive_tagged): 40 bits of a
@@ -399,7 +338,9 @@ size_t workspace_size(Job job, int64_t rows, int64_t, const Options& options) {
   return plan_workspace(job, rows, options).total;
 }
 
-Status run(const detail::CeCall& call) {
+Status run(const detail::CeCall& call) { return run(call, PlanChoices{}); }
+
+Status run(const detail::CeCall& call, const PlanChoices& choices) {
   DeviceGuard guard(call.device.index);
   cudaStream_t stream = static_cast<cudaStream_t>(call.device.stream);
   (void)cudaGetLastError();  // an earlier, unrelated error must not be reported as ours
@@ -424,7 +365,7 @@ Status run(const detail::CeCall& call) {
     if (e != cudaSuccess) return device_error(e, "allocating scratch (cudaMallocAsync)");
     detail::CeCall with = call;
     with.workspace = Workspace{scratch, ws.total};
-    Status s = run(with);
+    Status s = run(with, choices);
     e = cudaFreeAsync(scratch, stream);
     if (s.ok() && e != cudaSuccess) return device_error(e, "freeing scratch (cudaFreeAsync)");
     return s;
@@ -456,15 +397,15 @@ Status run(const detail::CeCall& call) {
   const int64_t segments = row_segments(V, vec - 1, vec);
   const int cc_major = N > 0 ? device_cc_major(call.device.index) : 0;
   const bool use_stream =
-      N > 0 && kHopperFeatures && forward && cc_major >= 9 && std::getenv("FUSEDCE_NO_STREAM") == nullptr;
+      N > 0 && kHopperFeatures && forward && cc_major >= 9 && choices.stream != PlanChoices::Force::kOff;
   int sms = 0;
   StreamPlan plan = {1, 0, 0};
   if (use_stream) {
     (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, call.device.index);
-    plan = plan_stream(N, segments, sms, grad);
+    plan = plan_stream(N, segments, sms, grad, choices.split_chunks);
   }
   // Its grid never has more blocks than the SMs (with or without halves).
-  const bool finish_here = use_stream && sms <= kMaxFinishBlocks && stream_finish_requested();
+  const bool finish_here = use_stream && sms <= kMaxFinishBlocks && choices.stream_finish;
   // The mean's 1 / denominator counted by every block of a stream kernel that forms the
   // gradient, for a batch small enough (no prepare pass).
   const bool count_den = finish_here && grad && bp.mean && plan.splits == 1 && bp.class_weight == nullptr &&
@@ -542,16 +483,16 @@ Status run(const detail::CeCall& call) {
       sp.row = p;
       sp.splits = plan.splits;
       sp.chunks_per_split = plan.chunks_per_split;
-      sp.async_reduce = async_reduce_requested();
+      sp.async_reduce = choices.async_reduce;
       const StreamOpts opts = !extras ? kStreamPlain
                               : (p.softcap || o.logit_scale < 0.0f) ? kStreamGeneral : kStreamOptions;
       int l2_bytes = 0;
       (void)cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, call.device.index);
       const int64_t row_bytes = V * static_cast<int64_t>(dtype_size(L.dtype));
       const bool want_halves =
-          grad && plan.splits == 1 && plan.chunks_per_split >= 2 && use_halves(sms, row_bytes, l2_bytes);
+          grad && plan.splits == 1 && plan.chunks_per_split >= 2 && use_halves(sms, row_bytes, l2_bytes, choices.halves);
       // Groups fold whole rows of one block: no splits, no halves.
-      const int groups = plan.splits == 1 && !want_halves ? stream_groups(plan.chunks_per_split, grad) : 1;
+      const int groups = plan.splits == 1 && !want_halves ? stream_groups(plan.chunks_per_split, choices.groups) : 1;
       const StreamKernel kernel = select_stream_kernel(L.dtype, grad && plan.splits == 1, opts, groups);
       cudaError_t e = allow_stream_smem(reinterpret_cast<const void*>(kernel), call.device.index);
       if (e != cudaSuccess) return device_error(e, "raising the stream kernel's shared memory limit");
@@ -565,8 +506,9 @@ Status run(const detail::CeCall& call) {
           grid = 2 * static_cast<int>(std::min<int64_t>(N, clusters));
         }
       }
-      sp.keep_policy = keep_policy_requested();
-      sp.grad_backwards = grad_backwards(int64_t(sms) * row_bytes / sp.halves > int64_t(l2_bytes));
+      // The gradient sweep walks each row backwards when the rows in flight outgrow L2 (the
+      // chunks loaded last, still in L2, come first); rows that fit keep the forward order.
+      sp.grad_backwards = int64_t(sms) * row_bytes / sp.halves > int64_t(l2_bytes);
       if (finish_here) {
         sp.finish = true;
         if (forward && (o.reduction != Reduction::kNone || o.compute_metrics)) fill_finalize(bp, p, call, o);

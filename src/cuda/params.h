@@ -109,23 +109,19 @@ struct StreamParams {
   int splits;            // blocks sharing one row; > 1 only for few rows (then no gradient here)
   int chunks_per_split;  // chunks of kChunkSegs segments per split
   void* partials;        // (N, splits) RowPartial, splits > 1 only (merged by the last split, or the split-merge pass)
-  // The gradient sweep walks each row backwards. When the rows in flight on all SMs outgrow the
-  // L2, a forward re-scan misses on every chunk (LRU evicts each row's start first); backwards,
-  // the chunks loaded last, still in L2, come first. Measured on the H200: 4096 x 262144 bf16 and
-  // 8192 x 128256 fp32 fwd+grad 4-5% faster in two runs; rows that fit showed no gain beyond the
-  // ~5% spread between runs, so they keep the forward order.
+  // The gradient sweep walks each row backwards (set when the rows in flight on all SMs outgrow
+  // the L2): a forward re-scan would miss on every chunk (LRU evicts each row's start first);
+  // backwards, the chunks loaded last, still in L2, come first. Rows that fit gain nothing and
+  // keep the forward order.
   bool grad_backwards;
-  // The first sweep's L2 policy with the gradient (0 evict_last, the default; 1 evict_normal;
-  // a dev knob, FUSEDCE_STREAM_L2_KEEP, for A/B runs against the L2's persisting set-aside).
-  int keep_policy;
   // Forward over whole rows: fold each row's warp partials asynchronously (each warp posts its
-  // partial; the last to arrive folds them). The default; FUSEDCE_STREAM_ASYNC_REDUCE=0 turns
-  // it off.
+  // partial; the last to arrive folds them). Off only when a test asks for the synchronous
+  // reduction (PlanChoices::async_reduce): the same bits.
   bool async_reduce;
   // 2: each row is shared by the two blocks of a cluster (halves of chunks_per_split chunks,
   // statistics swapped through distributed shared memory, both sweeps fused), so the rows in
   // flight take half the L2 and the gradient sweep re-reads from it. Forward + gradient, rows
-  // that would overflow L2 (FUSEDCE_STREAM_CLUSTER=2 always, =1 never). Else 1.
+  // that would overflow L2. Else 1.
   int halves;
   // One launch per call (finish.cuh): with `finish`, each split row's partials are merged by its
   // last split (no split-merge pass), and the batch sums, when `fin` asks for any, are formed by

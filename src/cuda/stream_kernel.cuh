@@ -331,11 +331,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     int ring0 = 0;  // the first stage of `at`'s ring
     // With the gradient, the first sweep's lines should survive in L2 until the second sweep
     // re-reads them microseconds later; the second sweep's (and dlogits', stored .cs) go first.
-    // (Measured on an H200: evict_normal here is 2-5% slower, and the L2's persisting set-aside
-    // makes no difference; bench/RESULTS.md has the A/B.)
-    const uint64_t keep = make_l2_policy(!grad_here         ? L2Policy::kEvictFirst
-                                         : sp.keep_policy ? L2Policy::kEvictNormal
-                                                          : L2Policy::kEvictLast);
+    // (evict_normal here is 2-5% slower on the H200, and the L2's persisting set-aside makes no
+    // difference.)
+    const uint64_t keep = make_l2_policy(grad_here ? L2Policy::kEvictLast : L2Policy::kEvictFirst);
     // (rows kept in the ring are read once: their lines need not stay)
     const uint64_t drop = make_l2_policy(L2Policy::kEvictFirst);
     // Targets are fetched one item ahead: a global load's latency under full bandwidth is about
@@ -393,7 +391,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   // at most kStages + 1 < kReduceSlots items are in flight; the folding warp is among the slowest.
   // (Never in a gradient kernel: splits == 1 there means grad_here. Saying so at compile time
   // drops the path from those kernels: bf16 spills 160 -> 136 B (general), 72 -> 24 (options).)
-  const bool async = !kGrad && kAsyncReduceAllowed && !grad_here && sp.splits == 1 && sp.async_reduce;
+  const bool async = !kGrad && !grad_here && sp.splits == 1 && sp.async_reduce;
   const bool metrics = kExtras && p.metrics;
   int64_t t_next = first < items ? load_target_dev(p, row_of(first)) : 0;
   // The gradient's 1 / denominator: from the prepare pass, or (mean, no prepare pass) counted

@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "common/call.h"
+#include "cuda/plan.h"
 #include "fusedce/fusedce.h"
 #include "harness.h"
 #include "problem.h"
@@ -22,6 +24,8 @@ namespace fusedce_test {
 namespace {
 
 using fusedce::DType;
+using Choices = fusedce::cuda::PlanChoices;
+using Force = Choices::Force;
 
 #define ASSERT_CUDA(x) ASSERT_EQ((x), cudaSuccess) << #x
 #define ASSERT_OK(s)                     \
@@ -92,15 +96,32 @@ struct DeviceProblem {
     }
     return out;
   }
-  fusedce::Status forward_backward(const fusedce::Options& o, cudaStream_t stream) const {
-    return fusedce::cross_entropy_forward_backward(fusedce::Device::cuda(0, stream), fusedce::matrix(x, dtype, N, V),
-                                                   fusedce::vector(t, DType::kInt64, N), o, outputs(o), {},
-                                                   fusedce::matrix(dx, dtype, N, V), fusedce::Workspace{ws, ws_bytes});
+  // Through the backend entry with explicit plan choices (the defaults: the public entry points'
+  // plan), so a test can steer the launcher for one call without any global setting.
+  fusedce::Status forward_backward(const fusedce::Options& o, cudaStream_t stream, const Choices& choices = {}) const {
+    fusedce::detail::CeCall call = base_call(fusedce::Job::kForwardBackward, o, stream);
+    call.out = outputs(o);
+    call.dlogits = fusedce::matrix(dx, dtype, N, V);
+    return run(call, choices);
   }
-  fusedce::Status forward(const fusedce::Options& o, cudaStream_t stream) const {
-    return fusedce::cross_entropy_forward(fusedce::Device::cuda(0, stream), fusedce::matrix(x, dtype, N, V),
-                                          fusedce::vector(t, DType::kInt64, N), o, outputs(o),
-                                          fusedce::Workspace{ws, ws_bytes});
+  fusedce::Status forward(const fusedce::Options& o, cudaStream_t stream, const Choices& choices = {}) const {
+    fusedce::detail::CeCall call = base_call(fusedce::Job::kForward, o, stream);
+    call.out = outputs(o);
+    return run(call, choices);
+  }
+  fusedce::detail::CeCall base_call(fusedce::Job job, const fusedce::Options& o, cudaStream_t stream) const {
+    fusedce::detail::CeCall call{};
+    call.job = job;
+    call.device = fusedce::Device::cuda(0, stream);
+    call.logits = fusedce::matrix(x, dtype, N, V);
+    call.target = fusedce::vector(t, DType::kInt64, N);
+    call.options = o;
+    call.workspace = fusedce::Workspace{ws, ws_bytes};
+    return call;
+  }
+  static fusedce::Status run(const fusedce::detail::CeCall& call, const Choices& choices) {
+    const fusedce::Status s = fusedce::detail::validate_call(call);
+    return s.ok() ? fusedce::cuda::run(call, choices) : s;
   }
   /// Every output's bytes, for bit comparisons.
   std::vector<uint8_t> results(const fusedce::Options& o) const {
@@ -174,7 +195,8 @@ TEST(CudaGraph, CapturedForwardBackwardReplaysOnNewInputs) {
   }
 }
 
-// The stream kernel's asynchronous row reduction (the default; FUSEDCE_STREAM_ASYNC_REDUCE=0 turns it off) folds
+// The stream kernel's asynchronous row reduction (the default; PlanChoices::async_reduce off gives
+// the synchronous one) folds
 // the same warp partials in the same tree as the synchronous one, only in another warp: forward
 // results are the same bits. Shapes whose forward runs whole rows per block (the only case it
 // applies to), short and long rows, 30% ignored rows interleaved.
@@ -190,13 +212,12 @@ TEST(CudaStream, AsyncReductionGivesTheSameBits) {
         SCOPED_TRACE("N=" + std::to_string(sh.N) + " V=" + std::to_string(sh.V) + " " + dtype_tag(d));
         DeviceProblem p(d, sh.N, sh.V, rng);
         p.reserve_workspace(o);
-        setenv("FUSEDCE_STREAM_ASYNC_REDUCE", "0", 1);
-        ASSERT_OK(p.forward(o, nullptr));
+        Choices sync;
+        sync.async_reduce = false;
+        ASSERT_OK(p.forward(o, nullptr, sync));
         const std::vector<uint8_t> sync_bits = p.results(o);
-        unsetenv("FUSEDCE_STREAM_ASYNC_REDUCE");
-        const fusedce::Status s = p.forward(o, nullptr);
+        ASSERT_OK(p.forward(o, nullptr));
         const std::vector<uint8_t> async_bits = p.results(o);
-        ASSERT_OK(s);
         EXPECT_TRUE(sync_bits == async_bits) << "asynchronous reduction changed the forward's bits";
       }
     }
@@ -274,11 +295,12 @@ TEST(CudaDeterminism, SameBitsRunToRun) {
 /// p's forward+backward (or, with_grad false, its forward alone: the forward kernels differ from
 /// the fwd+grad ones, by consumer groups, the asynchronous reduction, splits) on the GPU and on
 /// the CPU backend: loss, lse, metrics and gradients within the per-dtype tolerance of each other.
-void expect_gpu_agrees_with_cpu(DeviceProblem& p, const fusedce::Options& o, bool with_grad = true) {
+void expect_gpu_agrees_with_cpu(DeviceProblem& p, const fusedce::Options& o, bool with_grad = true,
+                                const Choices& choices = {}) {
   const DType d = p.dtype;
   const int64_t N = p.N, V = p.V;
   p.reserve_workspace(o);
-  ASSERT_OK(with_grad ? p.forward_backward(o, nullptr) : p.forward(o, nullptr));
+  ASSERT_OK(with_grad ? p.forward_backward(o, nullptr, choices) : p.forward(o, nullptr, choices));
   const size_t loss_n = o.reduction == fusedce::Reduction::kNone ? N : 1;
   std::vector<float> g_loss(loss_n), g_lse(N), c_loss(loss_n), c_lse(N);
   std::vector<uint8_t> g_dx(p.host_x.size()), c_dx(p.host_x.size());
@@ -354,7 +376,7 @@ TEST(CudaAgreement, CpuAndCudaAgreeOnRandomProblems) {
   }
 }
 
-// Long rows halved over 2-block clusters (forced here: FUSEDCE_STREAM_CLUSTER=2; by default only
+// Long rows halved over 2-block clusters (forced here: PlanChoices::halves on; by default only
 // rows that would overflow L2 on all SMs; forward + gradient,
 // statistics swapped through distributed shared memory): the same agreement with the CPU
 // backend, for every dtype and option set, odd V (ragged ends in both halves), ignored rows.
@@ -367,22 +389,22 @@ TEST(CudaStream, ClusterHalvesAgreeWithCpu) {
   capped.softcap = 30.0f;
   capped.logit_scale = 0.5f;
   none.reduction = fusedce::Reduction::kNone;
-  setenv("FUSEDCE_STREAM_CLUSTER", "2", 1);
+  Choices halves;
+  halves.halves = Force::kOn;
   for (const DType d : {DType::kBFloat16, DType::kFloat32, DType::kFloat16}) {
     for (const Shape sh : {Shape{300, 262147}, Shape{150, 65537}, Shape{140, 131071}}) {
       for (const fusedce::Options& o : {fusedce::Options{}, all_options(), smooth, capped, none}) {
         SCOPED_TRACE(std::string(fusedce::dtype_name(d)) + " N=" + std::to_string(sh.N) + " V=" + std::to_string(sh.V));
         DeviceProblem p(d, sh.N, sh.V, rng);
-        expect_gpu_agrees_with_cpu(p, o);
+        expect_gpu_agrees_with_cpu(p, o, /*with_grad=*/true, halves);
       }
     }
   }
-  unsetenv("FUSEDCE_STREAM_CLUSTER");
 }
 
 // Consumer groups: two groups of 8 warps, each on a ring of its own (kernels of the plain and
 // options sets). By default over rows of <= 2 chunks; forced here on every row with
-// FUSEDCE_STREAM_GROUPS=2, then one group forced: rows of 1 to 8 chunks (kept in the ring, or
+// PlanChoices::groups = 2, then one group forced: rows of 1 to 8 chunks (kept in the ring, or
 // streamed twice with the gradient), ragged ends, ignored rows, several items per group and
 // block, each option set, each reduction, and rows long enough for halves (which take one group).
 struct GroupsCase {
@@ -402,18 +424,18 @@ TEST(CudaStream, ConsumerGroupsForwardAgreesWithCpu) {
   none.reduction = fusedce::Reduction::kNone;
   metrics.compute_metrics = true;
   metrics.label_smoothing = 0.05f;
-  for (const char* groups : {"2", "1"}) {
-    setenv("FUSEDCE_STREAM_GROUPS", groups, 1);
+  for (const int groups : {2, 1}) {
+    Choices forced;
+    forced.groups = groups;
     for (const GroupsCase& k : kGroupsCases) {
       for (const fusedce::Options& o : {fusedce::Options{}, none, metrics, all_options()}) {
-        SCOPED_TRACE(std::string("groups ") + groups + " N=" + std::to_string(k.sh.N) + " V=" +
+        SCOPED_TRACE("groups " + std::to_string(groups) + " N=" + std::to_string(k.sh.N) + " V=" +
                      std::to_string(k.sh.V) + " " + dtype_tag(k.d));
         DeviceProblem p(k.d, k.sh.N, k.sh.V, rng);
-        expect_gpu_agrees_with_cpu(p, o, /*with_grad=*/false);
+        expect_gpu_agrees_with_cpu(p, o, /*with_grad=*/false, forced);
       }
     }
   }
-  unsetenv("FUSEDCE_STREAM_GROUPS");
 }
 
 // With the gradient (two groups by default on rows of <= 2 chunks; forced here on every row):
@@ -425,21 +447,74 @@ TEST(CudaStream, ConsumerGroupsGradientAgreesWithCpu) {
   metrics.compute_metrics = true;
   metrics.label_smoothing = 0.05f;
   metrics.reduction = fusedce::Reduction::kSum;
-  setenv("FUSEDCE_STREAM_GROUPS", "2", 1);
+  Choices two;
+  two.groups = 2;
   for (const GroupsCase& k : kGroupsCases) {
     for (const fusedce::Options& o : {fusedce::Options{}, metrics}) {
       SCOPED_TRACE("N=" + std::to_string(k.sh.N) + " V=" + std::to_string(k.sh.V) + " " + dtype_tag(k.d));
       DeviceProblem p(k.d, k.sh.N, k.sh.V, rng);
-      expect_gpu_agrees_with_cpu(p, o);
+      expect_gpu_agrees_with_cpu(p, o, /*with_grad=*/true, two);
     }
   }
-  unsetenv("FUSEDCE_STREAM_GROUPS");
+}
+
+// Small problems (the sizes of the sanitizer runs: a chunk or less a row, a few rows to a few
+// hundred) under the plan variants the sanitizers must see besides the default one, each with
+// explicit choices and against the CPU backend: the synchronous row reduction (racecheck follows
+// its barriers; the asynchronous handoff it cannot), two consumer groups forced (with the
+// gradient too), both, and the row kernel for forward jobs (the path of GPUs before sm_90).
+void expect_small_problems_agree(const Choices& choices) {
+  std::mt19937_64 rng = test_rng();
+  fusedce::Options none;
+  none.reduction = fusedce::Reduction::kNone;
+  const Shape shapes[] = {{3, 7}, {257, 127}, {257, 1024}, {1, 1}};
+  for (const Shape& sh : shapes) {
+    for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      for (const fusedce::Options& o : {fusedce::Options{}, all_options(), none}) {
+        for (bool grad : {false, true}) {
+          SCOPED_TRACE("N=" + std::to_string(sh.N) + " V=" + std::to_string(sh.V) + " " + dtype_tag(d) +
+                       (grad ? " fwd+grad" : " forward"));
+          DeviceProblem p(d, sh.N, sh.V, rng);
+          expect_gpu_agrees_with_cpu(p, o, grad, choices);
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaSanitize, SyncReduction) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  Choices c;
+  c.async_reduce = false;
+  expect_small_problems_agree(c);
+}
+
+TEST(CudaSanitize, TwoGroups) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  Choices c;
+  c.groups = 2;
+  expect_small_problems_agree(c);
+}
+
+TEST(CudaSanitize, TwoGroupsSyncReduction) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  Choices c;
+  c.groups = 2;
+  c.async_reduce = false;
+  expect_small_problems_agree(c);
+}
+
+TEST(CudaSanitize, RowKernelForward) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  Choices c;
+  c.stream = Force::kOff;
+  expect_small_problems_agree(c);
 }
 
 // The stream kernel finishes a call itself (finish.cuh: a split row's partials merged by its last
 // split, the batch sums by the block that finishes last, the mean's 1 / denominator counted in
 // every block with the gradient). Against the separate passes it replaces
-// (FUSEDCE_STREAM_FINISH=0): the row results and dlogits are the same bits, the batch sums
+// (PlanChoices::stream_finish off): the row results and dlogits are the same bits, the batch sums
 // agree to rounding (another summation order). Its counters live in a workspace nobody clears:
 // the same results whatever the workspace held (all ones, random bytes), and a second call on
 // the workspace the first one left gives the first one's bits.
@@ -459,11 +534,12 @@ TEST(CudaStream, OneLaunchFinishMatchesSeparatePasses) {
                        (grad ? " fwd+grad" : " forward") + " reduction " + std::to_string(int(o.reduction)));
           DeviceProblem p(d, sh.N, sh.V, rng);
           p.reserve_workspace(o);
-          auto call = [&] { return grad ? p.forward_backward(o, nullptr) : p.forward(o, nullptr); };
-          setenv("FUSEDCE_STREAM_FINISH", "0", 1);
-          const fusedce::Status s0 = call();
-          unsetenv("FUSEDCE_STREAM_FINISH");
-          ASSERT_OK(s0);
+          auto call = [&](const Choices& c) {
+            return grad ? p.forward_backward(o, nullptr, c) : p.forward(o, nullptr, c);
+          };
+          Choices separate;
+          separate.stream_finish = false;
+          ASSERT_OK(call(separate));
           const std::vector<uint8_t> ref = p.results(o);
           const size_t loss_n = o.reduction == fusedce::Reduction::kNone ? sh.N : 1;
           const size_t dx_bytes = p.host_x.size(), loss_at = dx_bytes, lse_at = loss_at + loss_n * 4;
@@ -479,7 +555,7 @@ TEST(CudaStream, OneLaunchFinishMatchesSeparatePasses) {
               for (auto& b : stale) b = static_cast<uint8_t>(rng());
             }
             ASSERT_CUDA(cudaMemcpy(p.ws, stale.data(), p.ws_bytes, cudaMemcpyHostToDevice));
-            ASSERT_OK(call());
+            ASSERT_OK(call(Choices{}));
             const std::vector<uint8_t> got = p.results(o);
             EXPECT_TRUE(std::equal(ref.begin(), ref.begin() + dx_bytes, got.begin())) << "dlogits bits";
             EXPECT_TRUE(std::equal(ref.begin() + lse_at, ref.begin() + ent_at, got.begin() + lse_at)) << "lse bits";
@@ -493,7 +569,7 @@ TEST(CudaStream, OneLaunchFinishMatchesSeparatePasses) {
               EXPECT_NEAR(f32(got, ent_at), f32(ref, ent_at), 1e-6f * std::fabs(f32(ref, ent_at)) + 1e-6f) << "entropy";
               EXPECT_TRUE(std::equal(ref.begin() + ent_at + 4, ref.end(), got.begin() + ent_at + 4)) << "num_correct";
             }
-            ASSERT_OK(call());  // on the workspace the first call left
+            ASSERT_OK(call(Choices{}));  // on the workspace the first call left
             EXPECT_TRUE(got == p.results(o)) << "a second call on the same workspace";
           }
         }
