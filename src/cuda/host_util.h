@@ -6,14 +6,11 @@
 #include <cstddef>
 #include <sstream>
 
+#include "cuda/sizes.h"  // align_up
 #include "fusedce/types.h"
 
 namespace fusedce {
 namespace cuda {
-
-/// Workspace pieces start at this alignment (what vectorised loads and cuBLASLt like best).
-constexpr size_t kWorkspaceAlign = 256;
-inline size_t align_up(size_t n) { return (n + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
 
 /// A runtime error as the entry points report it, naming what failed.
 inline Status device_error(cudaError_t e, const char* what) {

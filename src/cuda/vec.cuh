@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "cuda/port.h"
+#include "cuda/sizes.h"
 
 namespace fusedce {
 namespace cuda {
@@ -85,11 +86,6 @@ __device__ __forceinline__ void set_pair(Segment<Half>& s, int i, float a, float
 template <typename T>
 __device__ __forceinline__ int row_offset(const T* row) {
   return static_cast<int>((reinterpret_cast<uintptr_t>(row) / sizeof(T)) % Segment<T>::kVec);
-}
-
-/// Segments covering a row of V elements starting `off` elements past a boundary.
-__host__ __device__ __forceinline__ int64_t row_segments(int64_t V, int off, int vec) {
-  return (V + off + vec - 1) / vec;
 }
 
 /// Load segment s of a row (elements outside [0, V) are set to `fill`).

@@ -1,0 +1,310 @@
+// The GPU launcher's planner (src/cuda/plan.h) on the CPU: which passes a call runs, the row
+// kernel's shape, the stream kernel's split, variant and grid, the workspace layout, and how
+// PlanChoices steer them. Pure functions: no GPU needed, so these run in every build.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cuda/plan.h"
+#include "cuda/sizes.h"
+
+namespace fusedce_test {
+namespace {
+
+using fusedce::DType;
+using fusedce::Job;
+using fusedce::Options;
+using fusedce::Reduction;
+using fusedce::cuda::CePlan;
+using fusedce::cuda::CeShape;
+using fusedce::cuda::DeviceFacts;
+using fusedce::cuda::PlanChoices;
+using Force = PlanChoices::Force;
+
+// An H200 (132 SMs, 50 MB of L2) and an A100 (no sm_90 kernels).
+DeviceFacts h200() {
+  DeviceFacts d;
+  d.sms = 132;
+  d.l2_bytes = 50 << 20;
+  d.warp = 32;
+  d.sm90 = true;
+  return d;
+}
+DeviceFacts a100() {
+  DeviceFacts d;
+  d.sms = 108;
+  d.l2_bytes = 40 << 20;
+  d.warp = 32;
+  d.sm90 = false;
+  return d;
+}
+
+CePlan plan(Job job, int64_t N, int64_t V, DType d, const Options& o = {}, const DeviceFacts& dev = h200(),
+            const PlanChoices& c = {}, bool lse_out = true) {
+  return fusedce::cuda::plan_ce(CeShape{job, N, V, d, lse_out}, o, dev, c);
+}
+
+int64_t chunks_of(int64_t V, DType d) {
+  const int vec = fusedce::cuda::vec_of(d);
+  return (fusedce::cuda::row_segments(V, vec - 1, vec) + fusedce::cuda::kChunkSegs - 1) / fusedce::cuda::kChunkSegs;
+}
+
+TEST(Plan, WorkspacePiecesAreAlignedDisjointAndServeFewerRows) {
+  Options all;
+  all.compute_metrics = true;
+  for (Job job : {Job::kForward, Job::kBackward, Job::kForwardBackward}) {
+    for (int64_t N : {int64_t(0), int64_t(1), int64_t(7), int64_t(1024), int64_t(1025), int64_t(100000)}) {
+      SCOPED_TRACE("job " + std::to_string(int(job)) + " N=" + std::to_string(N));
+      const auto w = fusedce::cuda::plan_workspace(job, N, all);
+      std::vector<size_t> starts = {w.batch, w.row_loss, w.row_entropy, w.row_correct, w.row_lse, w.partials,
+                                    w.counters, w.block_sums};
+      for (size_t s : starts) EXPECT_EQ(s % fusedce::cuda::kWorkspaceAlign, 0u);
+      // Pieces in order (a piece of no rows takes no bytes), none past the total.
+      size_t last = 0;
+      for (size_t s : starts) {
+        if (s == 0) continue;
+        EXPECT_GE(s, last);
+        EXPECT_LE(s, w.total);
+        last = s;
+      }
+      // The size asked for N rows serves any call with fewer.
+      for (int64_t M : {int64_t(0), N / 2, N}) EXPECT_LE(fusedce::cuda::plan_workspace(job, M, all).total, w.total);
+    }
+  }
+  EXPECT_EQ(fusedce::cuda::plan_workspace(Job::kRescale, 100, all).total, 0u);
+  Options none;
+  none.reduction = Reduction::kNone;
+  EXPECT_EQ(fusedce::cuda::plan_workspace(Job::kForward, 100, none).row_loss, 0u);  // the output holds the rows
+}
+
+TEST(Plan, RowShapeCoversTheRowInWholeWarps) {
+  for (const DeviceFacts& dev : {h200(), a100()}) {
+    for (int64_t seg : {int64_t(1), int64_t(2), int64_t(33), int64_t(1024), int64_t(1025), int64_t(16032),
+                        int64_t(32768), int64_t(1) << 22, int64_t(1) << 28}) {
+      for (bool merge : {false, true}) {
+        SCOPED_TRACE("segments " + std::to_string(seg) + (merge ? " merge" : "") + (dev.sm90 ? " sm90" : ""));
+        const auto r = fusedce::cuda::plan_rows(seg, merge, dev);
+        EXPECT_TRUE(r.items == 1 || r.items == 4);
+        EXPECT_EQ(r.threads % dev.warp, 0);
+        EXPECT_GE(r.threads, dev.warp);
+        EXPECT_LE(r.threads, fusedce::cuda::max_row_threads(r.items));
+        EXPECT_GE(int64_t(r.threads) * r.items * r.cluster * r.pieces, seg);
+        EXPECT_EQ(r.cluster & (r.cluster - 1), 0) << "a power of two";
+        // A cluster merges statistics only with sm_90, and only when asked to.
+        EXPECT_EQ(r.hw_cluster, merge && r.cluster > 1);
+        if (merge) {
+          EXPECT_LE(r.cluster, dev.sm90 ? 16 : 1);
+        }
+      }
+    }
+  }
+}
+
+TEST(Plan, StreamSplitCoversEveryChunkOnceAndFitsTheWorkspace) {
+  for (int64_t rows : {int64_t(1), int64_t(3), int64_t(64), int64_t(131), int64_t(1024), int64_t(1025), int64_t(8192)}) {
+    for (int64_t chunks : {int64_t(1), int64_t(2), int64_t(7), int64_t(16), int64_t(64), int64_t(65), int64_t(500)}) {
+      for (bool grad : {false, true}) {
+        for (int forced : {0, 1, 3, 1 << 20}) {
+          SCOPED_TRACE("rows " + std::to_string(rows) + " chunks " + std::to_string(chunks) + (grad ? " grad" : "") +
+                       " forced " + std::to_string(forced));
+          const int64_t seg = chunks * fusedce::cuda::kChunkSegs;
+          const auto s = fusedce::cuda::plan_stream_split(rows, seg, 132, grad, forced);
+          EXPECT_GE(int64_t(s.splits) * s.chunks_per_split, chunks);
+          EXPECT_LT(int64_t(s.splits - 1) * s.chunks_per_split, chunks) << "no empty split";
+          EXPECT_LE(s.splits, fusedce::cuda::kMaxSplits);
+          EXPECT_LE(s.grid, 132);
+          EXPECT_LE(s.grid, rows * s.splits);
+          // Split rows only where the workspace has their partials, and (with the gradient) only
+          // when whole rows would leave SMs idle.
+          if (rows > fusedce::cuda::kSplitRowsMax || (grad && rows >= 132)) {
+            EXPECT_EQ(s.splits, 1);
+          }
+          if (forced > 0 && rows <= fusedce::cuda::kSplitRowsMax && !(grad && rows >= 132)) {
+            EXPECT_EQ(s.chunks_per_split, std::max<int64_t>(std::min<int64_t>(forced, chunks),
+                                                            (chunks + fusedce::cuda::kMaxSplits - 1) / fusedce::cuda::kMaxSplits));
+          }
+        }
+      }
+    }
+  }
+  // Few long rows, forward: every SM gets work.
+  const auto few = fusedce::cuda::plan_stream_split(4, 16 * fusedce::cuda::kChunkSegs * 8, 132, false, 0);
+  EXPECT_GT(few.splits, 1);
+  EXPECT_GT(few.grid, 100);
+}
+
+TEST(Plan, ManyRowsForwardIsOneStreamLaunchThatFinishesTheCall) {
+  const CePlan p = plan(Job::kForward, 8192, 128256, DType::kBFloat16);
+  EXPECT_TRUE(p.stream);
+  EXPECT_EQ(p.sp.splits, 1);
+  EXPECT_EQ(p.sp.chunks_per_split, chunks_of(128256, DType::kBFloat16));
+  EXPECT_EQ(p.sp.grid, 132);
+  EXPECT_TRUE(p.sp.finish);
+  EXPECT_FALSE(p.prepare);
+  EXPECT_TRUE(p.count_rows) << "the mean's rows are counted where the sums are formed";
+  EXPECT_FALSE(p.split_merge);
+  EXPECT_FALSE(p.row_pass);
+  EXPECT_FALSE(p.finalize);
+  EXPECT_FALSE(p.sp.grad);
+  EXPECT_EQ(p.sp.opts, fusedce::cuda::kStreamPlain);
+  EXPECT_EQ(p.sp.groups, 1) << "long rows: one group";
+  EXPECT_TRUE(p.sp.async_reduce);
+}
+
+TEST(Plan, ShortRowsTakeTwoConsumerGroups) {
+  ASSERT_LE(chunks_of(32000, DType::kBFloat16), 2);
+  EXPECT_EQ(plan(Job::kForward, 16384, 32000, DType::kBFloat16).sp.groups, 2);
+  EXPECT_EQ(plan(Job::kForwardBackward, 16384, 32000, DType::kBFloat16).sp.groups, 2);
+  EXPECT_EQ(plan(Job::kForward, 16384, 50257, DType::kBFloat16).sp.groups, 1);
+  PlanChoices one;
+  one.groups = 1;
+  EXPECT_EQ(plan(Job::kForward, 16384, 32000, DType::kBFloat16, {}, h200(), one).sp.groups, 1);
+  PlanChoices two;
+  two.groups = 2;
+  EXPECT_EQ(plan(Job::kForward, 8192, 128256, DType::kBFloat16, {}, h200(), two).sp.groups, 2);
+}
+
+TEST(Plan, GradientMeanCountsItsDenominatorInTheKernelWithoutAPreparePass) {
+  const CePlan p = plan(Job::kForwardBackward, 8192, 128256, DType::kBFloat16);
+  EXPECT_TRUE(p.sp.grad);
+  EXPECT_TRUE(p.sp.count_den);
+  EXPECT_FALSE(p.prepare);
+  EXPECT_FALSE(p.count_rows);
+  // Too many rows for every block to read every target: the prepare pass counts them.
+  const CePlan big = plan(Job::kForwardBackward, 40000, 32000, DType::kBFloat16);
+  EXPECT_FALSE(big.sp.count_den);
+  EXPECT_TRUE(big.prepare);
+  // Class weights and the target check need the prepare pass.
+  Options weighted;
+  float w[4] = {1, 2, 3, 4};
+  weighted.class_weight = fusedce::vector(w, DType::kFloat32, 4);
+  const CePlan pw = plan(Job::kForwardBackward, 64, 4, DType::kFloat32, weighted);
+  EXPECT_TRUE(pw.prepare);
+  EXPECT_FALSE(pw.sp.count_den);
+  Options check;
+  check.check_targets = true;
+  EXPECT_TRUE(plan(Job::kForward, 64, 1000, DType::kFloat32, check).prepare);
+  // Sums need no denominator: no prepare pass, no counting.
+  Options sum;
+  sum.reduction = Reduction::kSum;
+  const CePlan ps = plan(Job::kForwardBackward, 8192, 128256, DType::kBFloat16, sum);
+  EXPECT_FALSE(ps.prepare);
+  EXPECT_FALSE(ps.sp.count_den);
+  EXPECT_FALSE(ps.count_rows);
+}
+
+TEST(Plan, FewRowsSplitAndTakeTheirGradientInARowPass) {
+  const CePlan p = plan(Job::kForwardBackward, 16, 262144, DType::kBFloat16, {}, h200(), {}, /*lse_out=*/false);
+  ASSERT_TRUE(p.stream);
+  EXPECT_GT(p.sp.splits, 1);
+  EXPECT_FALSE(p.sp.grad);
+  EXPECT_TRUE(p.sp.lse_to_workspace) << "the row pass reads the merged lse from the workspace";
+  EXPECT_TRUE(p.row_pass);
+  EXPECT_FALSE(p.row_forward);
+  EXPECT_TRUE(p.row_grad);
+  EXPECT_FALSE(p.row.hw_cluster) << "a gradient pass merges nothing";
+  EXPECT_FALSE(p.split_merge) << "the last split merges";
+  EXPECT_FALSE(p.finalize);
+  EXPECT_FALSE(plan(Job::kForwardBackward, 16, 262144, DType::kBFloat16).sp.lse_to_workspace);
+  // Without the kernel's own finish: the split-merge pass forms the sums, no finalize after it.
+  PlanChoices separate;
+  separate.stream_finish = false;
+  const CePlan q = plan(Job::kForward, 16, 262144, DType::kBFloat16, {}, h200(), separate);
+  EXPECT_FALSE(q.sp.finish);
+  EXPECT_TRUE(q.split_merge);
+  EXPECT_FALSE(q.finalize);
+  const CePlan r = plan(Job::kForward, 8192, 128256, DType::kBFloat16, {}, h200(), separate);
+  EXPECT_FALSE(r.split_merge);
+  EXPECT_TRUE(r.finalize);
+}
+
+TEST(Plan, RowsThatOverflowL2AreHalvedOverClustersWhenTheDeviceHasRoom) {
+  // 132 rows of 512 KB in flight: 66 MB > 50 MB of L2.
+  CePlan p = plan(Job::kForwardBackward, 4096, 262144, DType::kBFloat16);
+  ASSERT_TRUE(p.sp.want_halves);
+  EXPECT_EQ(p.sp.groups, 1);
+  EXPECT_TRUE(p.sp.grad_backwards);
+  CePlan none = p;
+  fusedce::cuda::settle_halves(none, 4096, 0, h200());
+  EXPECT_EQ(none.sp.halves, 1) << "no cluster fits: whole rows";
+  EXPECT_EQ(none.sp.grid, p.sp.grid);
+  const int64_t chunks = p.sp.chunks_per_split;
+  fusedce::cuda::settle_halves(p, 4096, 66, h200());
+  EXPECT_EQ(p.sp.halves, 2);
+  EXPECT_EQ(p.sp.grid, 132);
+  EXPECT_EQ(p.sp.chunks_per_split, (chunks + 1) / 2);
+  EXPECT_FALSE(p.sp.grad_backwards) << "half rows fit the L2: forward order";
+  // Rows that fit: no halves; forward jobs: never; kOn / kOff choices override.
+  EXPECT_FALSE(plan(Job::kForwardBackward, 8192, 128256, DType::kBFloat16).sp.want_halves);
+  EXPECT_FALSE(plan(Job::kForward, 4096, 262144, DType::kBFloat16).sp.want_halves);
+  PlanChoices on, off;
+  on.halves = Force::kOn;
+  off.halves = Force::kOff;
+  EXPECT_TRUE(plan(Job::kForwardBackward, 8192, 128256, DType::kBFloat16, {}, h200(), on).sp.want_halves);
+  EXPECT_FALSE(plan(Job::kForwardBackward, 4096, 262144, DType::kBFloat16, {}, h200(), off).sp.want_halves);
+  // A row of one chunk has no halves.
+  EXPECT_FALSE(plan(Job::kForwardBackward, 8192, 1000, DType::kBFloat16, {}, h200(), on).sp.want_halves);
+}
+
+TEST(Plan, OptionsPickTheStreamKernelsVariant) {
+  Options smooth, cap, neg, metrics;
+  smooth.label_smoothing = 0.1f;
+  cap.softcap = 30.0f;
+  neg.logit_scale = -1.0f;
+  metrics.compute_metrics = true;
+  EXPECT_EQ(plan(Job::kForward, 4096, 32000, DType::kBFloat16).sp.opts, fusedce::cuda::kStreamPlain);
+  EXPECT_EQ(plan(Job::kForward, 4096, 32000, DType::kBFloat16, smooth).sp.opts, fusedce::cuda::kStreamOptions);
+  EXPECT_EQ(plan(Job::kForward, 4096, 32000, DType::kBFloat16, metrics).sp.opts, fusedce::cuda::kStreamOptions);
+  EXPECT_EQ(plan(Job::kForward, 4096, 32000, DType::kBFloat16, cap).sp.opts, fusedce::cuda::kStreamGeneral);
+  EXPECT_EQ(plan(Job::kForward, 4096, 32000, DType::kBFloat16, neg).sp.opts, fusedce::cuda::kStreamGeneral);
+  EXPECT_FALSE(plan(Job::kForward, 4096, 32000, DType::kBFloat16).extras);
+  Options z;
+  z.z_loss = 1e-4f;
+  EXPECT_FALSE(plan(Job::kForward, 4096, 32000, DType::kBFloat16, z).extras) << "z-loss needs nothing per element";
+  PlanChoices sync;
+  sync.async_reduce = false;
+  EXPECT_FALSE(plan(Job::kForward, 4096, 32000, DType::kBFloat16, {}, h200(), sync).sp.async_reduce);
+}
+
+TEST(Plan, WithoutTheStreamKernelTheRowKernelRunsTheJob) {
+  PlanChoices no_stream;
+  no_stream.stream = Force::kOff;
+  for (const DeviceFacts& dev : {a100(), h200()}) {
+    for (Job job : {Job::kForward, Job::kForwardBackward, Job::kBackward}) {
+      SCOPED_TRACE("job " + std::to_string(int(job)) + (dev.sm90 ? " sm90" : ""));
+      const CePlan p = plan(job, 4096, 128256, DType::kBFloat16, {}, dev, no_stream);
+      EXPECT_FALSE(p.stream);
+      EXPECT_TRUE(p.row_pass);
+      EXPECT_EQ(p.row_forward, job != Job::kBackward);
+      EXPECT_EQ(p.row_grad, job != Job::kForward);
+      EXPECT_EQ(p.finalize, job != Job::kBackward);
+      EXPECT_EQ(p.prepare, job != Job::kForward) << "the gradient's mean needs its denominator first";
+    }
+  }
+  // Backward jobs never take the stream kernel.
+  EXPECT_FALSE(plan(Job::kBackward, 4096, 128256, DType::kBFloat16).stream);
+  // No rows: no row work, only the finalize pass (a mean of nothing).
+  const CePlan empty = plan(Job::kForward, 0, 1000, DType::kFloat32);
+  EXPECT_FALSE(empty.stream);
+  EXPECT_FALSE(empty.row_pass);
+  EXPECT_TRUE(empty.finalize);
+}
+
+TEST(Plan, RescaleCoversEveryRowWithAPersistentGrid) {
+  for (int64_t rows : {int64_t(1), int64_t(100), int64_t(100000)}) {
+    for (int64_t V : {int64_t(1), int64_t(1000), int64_t(262144)}) {
+      const auto r = fusedce::cuda::plan_rescale(rows, V, DType::kBFloat16, 132);
+      const int64_t seg = fusedce::cuda::row_segments(V, 7, 8);
+      EXPECT_GE(int64_t(r.chunks_per_row) * fusedce::cuda::kRescaleThreads * fusedce::cuda::kRescaleItems, seg);
+      EXPECT_LE(r.grid, int64_t(132) * fusedce::cuda::kRescaleBlocksPerSm);
+      EXPECT_LE(r.grid, rows * r.chunks_per_row);
+      EXPECT_GE(r.grid, 1);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fusedce_test
