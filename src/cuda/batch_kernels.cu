@@ -10,8 +10,8 @@
 // batch sizes of training (the strided loops keep kBatchUnroll loads in flight per thread).
 #include <cstdint>
 
+#include "cuda/element_math.cuh"
 #include "cuda/kernels.h"
-#include "cuda/row_kernel.cuh"
 
 namespace fusedce {
 namespace cuda {

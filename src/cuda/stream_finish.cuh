@@ -1,6 +1,6 @@
 // The end of a call inside the stream kernel: the pieces that let one launch do what the
-// split-merge and finalize passes did after it (one-block launches; H200, 2026-11-30: a few-rows
-// forward, 64 x 262144 bf16, 0.0277 -> 0.0254 ms per call with them folded in).
+// split-merge and finalize passes do after it (one-block launches, which cost a few-rows forward
+// about a tenth of its time).
 //
 // - A split row's partials are merged by its last split to finish (a counter per row).
 // - The batch sums (reduction and metrics) are formed by the block that finishes last (a counter
@@ -11,9 +11,11 @@
 
 #include <cstdint>
 
+#include "cuda/element_math.cuh"
+#include "cuda/kernels.h"
 #include "cuda/params.h"
 #include "cuda/port.h"
-#include "cuda/row_kernel.cuh"
+#include "cuda/tma.cuh"
 
 namespace fusedce {
 namespace cuda {
@@ -24,8 +26,8 @@ namespace cuda {
 /// uninitialised workspace matches with odds of 2^-40; the last arriver clears the slot
 /// (clear_tagged), so a CUDA graph replaying the same tag starts from an empty slot too.
 /// Only the first arrivals swap the tag in (compare-and-swap); the rest add. A CAS loop for every
-/// arrival cost 17-30 us at the end of each call (H200, 2026-11-30: 132 blocks retrying on one
-/// word). Returns the count including this arrival. Release: the caller fences its writes first.
+/// arrival cost 17-30 us at the end of each call (132 blocks retrying on one word). Returns the
+/// count including this arrival. Release: the caller fences its writes first.
 __device__ __forceinline__ uint32_t arrive_tagged(unsigned long long* slot, unsigned long long tag) {
   unsigned long long cur = *reinterpret_cast<volatile unsigned long long*>(slot);
   while ((cur >> 24) != tag) {
@@ -166,6 +168,58 @@ __device__ inline double count_valid_targets(const BatchParams& p, int tid, int 
   if (tid % kWarpSize == 0) atomicAdd(counter, n);
   asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(nthreads) : "memory");
   return static_cast<double>(*counter);
+}
+
+/// The consumers' named barrier for the call's finish (groups use 1 and 2).
+constexpr int kFinishBarrier = 3;
+
+/// The batch sums at the end of the stream kernel (consumer threads, after their last item):
+/// each block sums the whole rows it owned (items first, first + step, ...; none for the second
+/// block of a halves cluster, whose partner wrote the results) into block_sums, and the block
+/// that arrives last sums those in block order, or with splits the rows themselves (merged by
+/// their last splits, all finished once every block has arrived), and writes the outputs.
+__device__ inline void finish_batch(const StreamParams& sp, const unsigned int* den_count,
+                                    BatchSums (*scratch)[kStreamConsumerWarps]) {
+  // The block's items again (recomputed, not kept live across the item loop: that cost the
+  // gradient kernels spills).
+  const bool halves = sp.halves > 1;
+  const int64_t items = sp.row.rows * sp.splits;
+  const int64_t first = halves ? blockIdx.x / 2 : blockIdx.x;
+  const int64_t step = halves ? gridDim.x / 2 : gridDim.x;
+  const bool no_rows = halves && cluster_rank() != 0;  // the other half wrote the results
+  const int tid = threadIdx.x;
+  __threadfence();  // this thread's row results, before the block's arrival announces them
+  named_barrier(kFinishBarrier, kStreamConsumers);
+  BatchSums s = {0.0, 0.0, 0.0, 0.0};
+  if (sp.splits == 1 && !no_rows && first < items) {
+    s = sum_rows(sp.fin, first, step, (items - first + step - 1) / step, tid, kStreamConsumers);
+  }
+  s = team_sum(s, scratch[0], tid, kStreamConsumers, kFinishBarrier);
+  bool last = false;
+  if (tid == 0) {
+    sp.block_sums[blockIdx.x] = s;
+    __threadfence();  // the block's sums (and, before the barrier, its rows) before its arrival
+    last = arrive_tagged(&sp.counters[0], sp.tag) == gridDim.x;
+  }
+  if (!named_barrier_or(kFinishBarrier, kStreamConsumers, last)) return;
+  __threadfence();  // every block's writes, announced by the count
+  BatchSums total = {0.0, 0.0, 0.0, 0.0};
+  if (sp.splits == 1) {
+    for (int b = tid; b < static_cast<int>(gridDim.x); b += kStreamConsumers) {
+      const double* q = reinterpret_cast<const double*>(sp.block_sums + b);
+      total.loss += __ldcg(q);
+      total.entropy += __ldcg(q + 1);
+      total.correct += __ldcg(q + 2);
+      total.den += __ldcg(q + 3);
+    }
+  } else {
+    total = sum_rows(sp.fin, 0, 1, sp.fin.rows, tid, kStreamConsumers);
+  }
+  total = team_sum(total, scratch[1], tid, kStreamConsumers, kFinishBarrier);  // (the other buffer)
+  if (tid == 0) {
+    clear_tagged(&sp.counters[0]);
+    write_batch_results(sp.fin, total, sp.count_den ? static_cast<double>(*den_count) : -1.0);
+  }
 }
 
 }  // namespace cuda
