@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Same-run A/B on the GPU machine for a change that must keep the cross-entropy kernels' speed:
+# builds a reference tree and this one (sm_90), runs this tree's CUDA gtests, then the logits
+# cross-entropy benchmark (fusedce_bench) of the reference and of this tree in turn, ROUNDS times
+# each (ref, this, ref, this, ...), and prints each shape and job's median over the rounds with
+# the change; a job more than 2% slower is flagged and fails the run.
+#
+# Here (no GPU), the reference's sources, e.g. main before the change:
+#   rm -rf build-ab && mkdir -p build-ab/ref && git archive REF | tar -x -C build-ab/ref
+# On the GPU machine (carry build-ab; .deps too where GoogleTest is not installed):
+#   bash scripts/ab_check.sh
+# Env: REF_DIR (build-ab/ref), ROUNDS (2), BENCH_ARGS (to both benchmarks, e.g. --quick or
+# --shapes ...), GTEST_FILTER ('*cuda*:*Cuda*'), TEST_TIMEOUT (seconds a test shard, 300),
+# STEPS ("tests bench"), OUT (build-ab/out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-build-ab/out}
+ref=${REF_DIR:-build-ab/ref}
+rounds=${ROUNDS:-2}
+mkdir -p "$out"
+status=0
+step() { echo "== $*  ($(date +%T))"; }
+want() { [[ " ${STEPS:-tests bench} " == *" $1 "* ]]; }
+gtest_arg=()
+[ -d .deps/googletest ] && gtest_arg=(-DFUSEDCE_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
+
+build() {  # build SRC DIR TARGETS...
+  local src=$1 dir=$2
+  shift 2
+  cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFUSEDCE_CUDA=ON -DFUSEDCE_TESTS=ON \
+    -DFUSEDCE_BENCH=ON -DFUSEDCE_EXAMPLES=OFF -DCMAKE_CUDA_ARCHITECTURES=90 "${gtest_arg[@]}" > "$out/configure_$(basename "$dir").log" 2>&1 &&
+    cmake --build "$dir" -j "$(nproc)" --target "$@" > "$out/build_$(basename "$dir").log" 2>&1
+}
+
+step "build (sm_90): this tree, and the reference in $ref"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
+build . build-ab/this fusedce_bench fusedce_tests fusedce_grid_tests fusedce_cuda_tests ||
+  { grep -E "error" "$out/build_this.log" | head -20; exit 1; }
+if want bench; then
+  [ -f "$ref/CMakeLists.txt" ] || { echo "ab_check: no reference sources in $ref (see the head of this script)"; exit 1; }
+  # The reference's GoogleTest: the same as this tree's.
+  [ -d .deps/googletest ] && [ ! -d "$ref/.deps/googletest" ] && mkdir -p "$ref/.deps" && cp -r .deps/googletest "$ref/.deps/"
+  build "$ref" build-ab/ref-build fusedce_bench || { grep -E "error" "$out/build_ref-build.log" | head -20; exit 1; }
+fi
+
+if want tests; then
+  step "CUDA gtests of this tree (4 shards each, filter ${GTEST_FILTER:-*cuda*:*Cuda*})"
+  pids=()
+  for t in build-ab/this/tests/cpp/fusedce_{tests,grid_tests,cuda_tests}; do
+    for i in 0 1 2 3; do
+      GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$i timeout -k 5 "${TEST_TIMEOUT:-300}" "$t" \
+        --gtest_filter="${GTEST_FILTER:-*cuda*:*Cuda*}" > "$out/gtest_$(basename "$t")_$i.log" 2>&1 &
+      pids+=($!)
+    done
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  cat "$out"/gtest_*_[0-3].log > "$out/gtest.log" && rm -f "$out"/gtest_*_[0-3].log
+  grep -hE "^\[  (PASSED|FAILED)  \]|tests? ran" "$out/gtest.log" | sort | uniq -c
+  grep -hE "^\[  FAILED  \].*\(" "$out/gtest.log" | head -30
+fi
+
+if want bench; then
+  step "fusedce_bench: reference and this tree in turn, $rounds rounds"
+  for r in $(seq 1 "$rounds"); do
+    for side in ref this; do
+      bin=build-ab/this/bench/fusedce_bench
+      [ $side = ref ] && bin=build-ab/ref-build/bench/fusedce_bench
+      timeout -k 5 "${BENCH_TIMEOUT:-240}" "$bin" ${BENCH_ARGS:-} --csv "$out/bench_${side}_$r.csv" > "$out/bench_${side}_$r.md" ||
+        status=1
+      echo "-- $side round $r: $(grep -c . "$out/bench_${side}_$r.csv") csv lines"
+    done
+  done
+  python3 - "$out" "$rounds" <<'EOF' | tee "$out/ab.md" || status=1
+import csv, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+def load(side):
+    t = {}
+    for r in range(1, rounds + 1):
+        for row in csv.DictReader(open(f"{out}/bench_{side}_{r}.csv")):
+            t.setdefault((int(row["N"]), int(row["V"]), row["dtype"], row["job"]), []).append(float(row["median_ms"]))
+    return {k: statistics.median(v) for k, v in t.items()}
+ref, this = load("ref"), load("this")
+worst = 0.0
+print("| N x V | dtype | job | ref ms | this ms | change |")
+print("|---|---|---|---|---|---|")
+for k in sorted(ref):
+    if k not in this:
+        continue
+    change = this[k] / ref[k] - 1.0
+    worst = max(worst, change)
+    flag = "  SLOWER" if change > 0.02 else ""
+    print(f"| {k[0]} x {k[1]} | {k[2]} | {k[3]} | {ref[k]:.4f} | {this[k]:.4f} | {100 * change:+.1f}%{flag} |")
+print(f"\nworst change {100 * worst:+.1f}% (limit +2%)")
+sys.exit(1 if worst > 0.02 else 0)
+EOF
+fi
+exit $status
