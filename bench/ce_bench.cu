@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "common/call.h"
-#include "cuda/plan.h"
+#include "cuda/ce/plan.h"
 #include "fusedce/fusedce.h"
 
 #define CHECK_CUDA(x)                                                                       \

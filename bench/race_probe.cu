@@ -15,8 +15,8 @@
 // Outcome (H200, 2026-11-29): racecheck flags both forms (bulk 8 hazards, generic 4), with
 // correct sums, so it cannot judge a ring. The stream kernel's report was nonetheless a real
 // hazard: its consumers arrived on `empty` before their shared-memory reads had returned (fixed
-// by release_stage in stream_kernel.cuh). The consumer loop below arrives the same way (its sums
-// are only checked, not timed under load); do not copy it into a kernel.
+// by release_stage in src/cuda/ce/stream_producer.cuh). The consumer loop below arrives the same
+// way (its sums are only checked, not timed under load); do not copy it into a kernel.
 #include <cuda_runtime.h>
 
 #include <cstdint>

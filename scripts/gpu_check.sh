@@ -14,9 +14,9 @@
 # linear call (PROFILE_SHAPE="N H V") and prints the per-kernel times (bench/ncu_summary.py);
 # "ce_profile" runs ncu's speed-of-light, occupancy, warp-state and memory sections over the
 # cross-entropy kernels of `fusedce_bench --profile`; "splits" times few-rows forwards over the
-# stream kernel's chunks-per-split knob, per call and per call inside a CUDA graph
+# stream kernel's chunks per split (PlanChoices::split_chunks), per call and per call inside a CUDA graph
 # (`fusedce_bench --sweep-splits`); "ab" runs the benchmark as is and with each variant
-# of the stream kernel named in AB_VARIANTS (dev knobs, see the step); "options"
+# of the launcher's plan named in AB_VARIANTS (fusedce_bench --variant, see the step); "options"
 # times each option alone (`fusedce_bench --options`).
 # All steps take about 20 minutes on an H200, more than one 10-minute device call: the sessions
 # so far ran two calls, STEPS="tests sanitizer bench linear" with CTEST_ARGS='-R (cuda|Cuda)'
@@ -91,7 +91,7 @@ bin="$build/tests/cpp"
 # (CudaSanitize.*Sync*, explicit PlanChoices) and the paths without the stream kernel: the
 # asynchronous one (the default) reuses its warp-partial slots after kReduceSlots items, an
 # order racecheck cannot see (it runs through the mbarrier ring: a warp can only reach item i + 8
-# after the finalizer of item i released a stage it reads after its fold; stream_kernel.cuh), so
+# after the finalizer of item i released a stage it reads after its fold; stream_reduce.cuh), so
 # it reports those reuses as hazards. The async path's results are checked bit for bit against
 # the synchronous one (CudaStream.AsyncReductionGivesTheSameBits); its racecheck count is printed
 # below for information.

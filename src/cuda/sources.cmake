@@ -1,10 +1,10 @@
 set(FUSEDCE_CUDA_SOURCES
-  ${CMAKE_CURRENT_LIST_DIR}/launch.cu
-  ${CMAKE_CURRENT_LIST_DIR}/batch_kernels.cu
-  ${CMAKE_CURRENT_LIST_DIR}/row_f32.cu
-  ${CMAKE_CURRENT_LIST_DIR}/row_bf16.cu
-  ${CMAKE_CURRENT_LIST_DIR}/row_f16.cu
-  ${CMAKE_CURRENT_LIST_DIR}/shard_kernels.cu)
+  ${CMAKE_CURRENT_LIST_DIR}/ce/launch.cu
+  ${CMAKE_CURRENT_LIST_DIR}/ce/batch_kernels.cu
+  ${CMAKE_CURRENT_LIST_DIR}/ce/row_f32.cu
+  ${CMAKE_CURRENT_LIST_DIR}/ce/row_bf16.cu
+  ${CMAKE_CURRENT_LIST_DIR}/ce/row_f16.cu
+  ${CMAKE_CURRENT_LIST_DIR}/shard/shard_kernels.cu)
 
 # The linear cross-entropy's CUDA part (cuBLASLt): the CUDA build only; elsewhere linear_none.cpp.
 set(FUSEDCE_CUDA_LINEAR_SOURCES

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "common/call.h"
-#include "cuda/plan.h"
+#include "cuda/ce/plan.h"
 #include "fusedce/fusedce.h"
 #include "harness.h"
 #include "problem.h"

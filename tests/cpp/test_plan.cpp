@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/plan.h"
+#include "cuda/ce/plan.h"
 #include "cuda/sizes.h"
 
 namespace fusedce_test {

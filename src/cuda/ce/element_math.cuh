@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "common/numeric.h"
-#include "cuda/params.h"
+#include "cuda/ce/params.h"
 #include "cuda/port.h"
 #include "cuda/vec.cuh"
 

@@ -25,16 +25,16 @@
 
 #include <cstdint>
 
-#include "cuda/kernels.h"
-#include "cuda/params.h"
+#include "cuda/ce/kernels.h"
+#include "cuda/ce/params.h"
 #include "cuda/port.h"
 #if !FUSEDCE_PLATFORM_HIP
-#include "cuda/stream_finish.cuh"
-#include "cuda/stream_grad.cuh"
-#include "cuda/stream_producer.cuh"
-#include "cuda/stream_reduce.cuh"
-#include "cuda/stream_schedule.cuh"
-#include "cuda/stream_stats.cuh"
+#include "cuda/ce/stream_finish.cuh"
+#include "cuda/ce/stream_grad.cuh"
+#include "cuda/ce/stream_producer.cuh"
+#include "cuda/ce/stream_reduce.cuh"
+#include "cuda/ce/stream_schedule.cuh"
+#include "cuda/ce/stream_stats.cuh"
 #include "cuda/tma.cuh"
 #endif
 

@@ -8,13 +8,13 @@
 #include <cstdint>
 
 #include "common/numeric.h"
-#include "cuda/element_math.cuh"
-#include "cuda/kernels.h"
-#include "cuda/params.h"
+#include "cuda/ce/element_math.cuh"
+#include "cuda/ce/kernels.h"
+#include "cuda/ce/params.h"
+#include "cuda/ce/stream_producer.cuh"
+#include "cuda/ce/stream_schedule.cuh"
+#include "cuda/ce/stream_stats.cuh"
 #include "cuda/port.h"
-#include "cuda/stream_producer.cuh"
-#include "cuda/stream_schedule.cuh"
-#include "cuda/stream_stats.cuh"
 #include "cuda/vec.cuh"
 
 namespace fusedce {

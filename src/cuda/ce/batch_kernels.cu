@@ -10,8 +10,8 @@
 // batch sizes of training (the strided loops keep kBatchUnroll loads in flight per thread).
 #include <cstdint>
 
-#include "cuda/element_math.cuh"
-#include "cuda/kernels.h"
+#include "cuda/ce/element_math.cuh"
+#include "cuda/ce/kernels.h"
 
 namespace fusedce {
 namespace cuda {

@@ -13,7 +13,7 @@
 #include <cstdint>
 
 #include "common/call.h"
-#include "cuda/shape.h"
+#include "cuda/ce/shape.h"
 
 namespace fusedce {
 namespace cuda {

@@ -16,10 +16,10 @@
 
 #include "common/call.h"
 #include "common/constants.h"
+#include "cuda/ce/kernels.h"
+#include "cuda/ce/params.h"
+#include "cuda/ce/plan.h"
 #include "cuda/host_util.h"
-#include "cuda/kernels.h"
-#include "cuda/params.h"
-#include "cuda/plan.h"
 #include "cuda/vec.cuh"
 
 namespace fusedce {

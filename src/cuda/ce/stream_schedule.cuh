@@ -8,8 +8,8 @@
 
 #include <cstdint>
 
-#include "cuda/kernels.h"
-#include "cuda/params.h"
+#include "cuda/ce/kernels.h"
+#include "cuda/ce/params.h"
 #include "cuda/port.h"
 #include "cuda/vec.cuh"
 

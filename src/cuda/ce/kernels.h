@@ -7,8 +7,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda/params.h"
-#include "cuda/shape.h"
+#include "cuda/ce/params.h"
+#include "cuda/ce/shape.h"
 #include "fusedce/types.h"
 
 namespace fusedce {

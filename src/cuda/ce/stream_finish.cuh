@@ -11,9 +11,9 @@
 
 #include <cstdint>
 
-#include "cuda/element_math.cuh"
-#include "cuda/kernels.h"
-#include "cuda/params.h"
+#include "cuda/ce/element_math.cuh"
+#include "cuda/ce/kernels.h"
+#include "cuda/ce/params.h"
 #include "cuda/port.h"
 #include "cuda/tma.cuh"
 

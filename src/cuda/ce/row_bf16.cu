@@ -1,8 +1,8 @@
 // Instantiations of the row, streaming and rescale kernels for BFloat16 (one translation unit per dtype).
-#include "cuda/kernels.h"
-#include "cuda/rescale_kernel.cuh"
-#include "cuda/row_kernel.cuh"
-#include "cuda/stream_kernel.cuh"
+#include "cuda/ce/kernels.h"
+#include "cuda/ce/rescale_kernel.cuh"
+#include "cuda/ce/row_kernel.cuh"
+#include "cuda/ce/stream_kernel.cuh"
 
 namespace fusedce {
 namespace cuda {

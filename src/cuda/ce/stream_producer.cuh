@@ -8,11 +8,11 @@
 
 #include <cstdint>
 
-#include "cuda/element_math.cuh"
-#include "cuda/kernels.h"
-#include "cuda/params.h"
+#include "cuda/ce/element_math.cuh"
+#include "cuda/ce/kernels.h"
+#include "cuda/ce/params.h"
+#include "cuda/ce/stream_schedule.cuh"
 #include "cuda/port.h"
-#include "cuda/stream_schedule.cuh"
 #include "cuda/tma.cuh"
 
 namespace fusedce {

@@ -1,10 +1,10 @@
 // The cross-entropy launcher's plan (plan.h): pure functions, no device calls.
-#include "cuda/plan.h"
+#include "cuda/ce/plan.h"
 
 #include <algorithm>
 #include <climits>
 
-#include "cuda/params.h"
+#include "cuda/ce/params.h"
 #include "cuda/sizes.h"
 
 namespace fusedce {
