@@ -6,16 +6,18 @@
 # the change; a job more than 2% slower is flagged and fails the run.
 #
 # Here (no GPU), the reference's sources, e.g. main before the change:
-#   rm -rf build-ab && mkdir -p build-ab/ref && git archive REF | tar -x -C build-ab/ref
-# On the GPU machine (carry build-ab; .deps too where GoogleTest is not installed):
-#   bash scripts/ab_check.sh
-# Env: REF_DIR (build-ab/ref), ROUNDS (2), BENCH_ARGS (to both benchmarks, e.g. --quick or
+#   rm -rf build-ref-src && mkdir build-ref-src && git archive REF | tar -x -C build-ref-src
+# On the GPU machine (carry build-ref-src, and .deps where GoogleTest is not installed; the
+# builds stay in build-ab/ between calls of a warm machine), in two calls of under 10 minutes:
+#   STEPS=tests bash scripts/ab_check.sh      (builds this tree; its CUDA tests)
+#   STEPS=bench bash scripts/ab_check.sh      (builds the reference; the benchmarks)
+# Env: REF_DIR (build-ref-src), ROUNDS (2), BENCH_ARGS (to both benchmarks, e.g. --quick or
 # --shapes ...), GTEST_FILTER ('*cuda*:*Cuda*'), TEST_TIMEOUT (seconds a test shard, 300),
 # STEPS ("tests bench"), OUT (build-ab/out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-build-ab/out}
-ref=${REF_DIR:-build-ab/ref}
+ref=${REF_DIR:-build-ref-src}
 rounds=${ROUNDS:-2}
 mkdir -p "$out"
 status=0
@@ -38,8 +40,6 @@ build . build-ab/this fusedce_bench fusedce_tests fusedce_grid_tests fusedce_cud
   { grep -E "error" "$out/build_this.log" | head -20; exit 1; }
 if want bench; then
   [ -f "$ref/CMakeLists.txt" ] || { echo "ab_check: no reference sources in $ref (see the head of this script)"; exit 1; }
-  # The reference's GoogleTest: the same as this tree's.
-  [ -d .deps/googletest ] && [ ! -d "$ref/.deps/googletest" ] && mkdir -p "$ref/.deps" && cp -r .deps/googletest "$ref/.deps/"
   build "$ref" build-ab/ref-build fusedce_bench || { grep -E "error" "$out/build_ref-build.log" | head -20; exit 1; }
 fi
 
