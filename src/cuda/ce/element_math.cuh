@@ -4,12 +4,13 @@
 // forward results. One definition for every path, so the paths give the same bits.
 #pragma once
 
+#include "cuda/port.h"  // first: the platform's runtime header (HIP defines __host__ there)
+
 #include <cfloat>
 #include <cstdint>
 
 #include "common/numeric.h"
 #include "cuda/ce/params.h"
-#include "cuda/port.h"
 #include "cuda/vec.cuh"
 
 namespace fusedce {

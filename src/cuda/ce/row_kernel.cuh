@@ -11,6 +11,8 @@
 // bandwidth; the exps (one MUFU.EX2 per element per sweep) stay under the SFU rate at that bandwidth.
 #pragma once
 
+#include "cuda/port.h"  // first: the platform's runtime header (HIP defines __host__ there)
+
 #include <cfloat>
 #include <cstdint>
 
@@ -18,7 +20,6 @@
 #include "cuda/ce/element_math.cuh"
 #include "cuda/ce/kernels.h"
 #include "cuda/ce/params.h"
-#include "cuda/port.h"
 #include "cuda/vec.cuh"
 
 namespace fusedce {
