@@ -13,7 +13,8 @@
 #   STEPS=bench bash scripts/ab_check.sh      (builds the reference; the benchmarks)
 # Env: REF_DIR (build-ref-src), ROUNDS (2), BENCH_ARGS (to both benchmarks, e.g. --quick or
 # --shapes ...), GTEST_FILTER ('*cuda*:*Cuda*'), TEST_TIMEOUT (seconds a test shard, 300),
-# STEPS ("tests bench"), OUT (build-ab/out).
+# STEPS ("tests bench"), OUT (build-ab/out), AB_CUTLASS (OFF: the CUTLASS headers are fetched at
+# configure time, which the GPU machine cannot; the logits kernels do not use them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-build-ab/out}
@@ -30,7 +31,8 @@ build() {  # build SRC DIR TARGETS...
   local src=$1 dir=$2
   shift 2
   cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFUSEDCE_CUDA=ON -DFUSEDCE_TESTS=ON \
-    -DFUSEDCE_BENCH=ON -DFUSEDCE_EXAMPLES=OFF -DCMAKE_CUDA_ARCHITECTURES=90 "${gtest_arg[@]}" > "$out/configure_$(basename "$dir").log" 2>&1 &&
+    -DFUSEDCE_BENCH=ON -DFUSEDCE_EXAMPLES=OFF -DCMAKE_CUDA_ARCHITECTURES=90 -DFUSEDCE_CUTLASS="${AB_CUTLASS:-OFF}" \
+    "${gtest_arg[@]}" > "$out/configure_$(basename "$dir").log" 2>&1 &&
     cmake --build "$dir" -j "$(nproc)" --target "$@" > "$out/build_$(basename "$dir").log" 2>&1
 }
 
