@@ -6,9 +6,9 @@ set(FUSEDCE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/ce/row_f16.cu
   ${CMAKE_CURRENT_LIST_DIR}/shard/shard_kernels.cu)
 
-# The linear cross-entropy's CUDA part (cuBLASLt): the CUDA build only; elsewhere linear_none.cpp.
+# The linear cross-entropy's CUDA part (cuBLASLt): the CUDA build only; elsewhere linear/linear_none.cpp.
 set(FUSEDCE_CUDA_LINEAR_SOURCES
-  ${CMAKE_CURRENT_LIST_DIR}/linear_kernels.cu
-  ${CMAKE_CURRENT_LIST_DIR}/linear_cuda.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/linear_shard_cuda.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/gemm.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/linear/linear_kernels.cu
+  ${CMAKE_CURRENT_LIST_DIR}/linear/linear_cuda.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/linear/linear_shard_cuda.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/linear/gemm.cpp)
