@@ -2,7 +2,7 @@
 // builders: TMA loads into a multi-stage shared-memory ring, WGMMA with float32 accumulation, a
 // warp-specialized persistent kernel, and a TMA epilogue that adds the float32 C (the grad_weight
 // accumulator) before the one rounding to D's type.
-#include "cuda/cutlass_products.h"
+#include "cuda/linear/cutlass_products.h"
 
 #include <cuda_runtime.h>
 

@@ -1,6 +1,6 @@
 // A CUDA build without the CUTLASS kernel (FUSEDCE_CUTLASS=OFF): the last grad_weight product goes
 // through cuBLASLt and a rounding pass.
-#include "cuda/cutlass_products.h"
+#include "cuda/linear/cutlass_products.h"
 
 namespace fusedce {
 namespace cuda {

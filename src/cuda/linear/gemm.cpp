@@ -1,6 +1,6 @@
 // cuBLASLt products for the linear cross-entropy (gemm.h). One handle per device, created on
 // first use and kept for the process (creating one costs far more than a product at our sizes).
-#include "cuda/gemm.h"
+#include "cuda/linear/gemm.h"
 
 #include <cublasLt.h>
 

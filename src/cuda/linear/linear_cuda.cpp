@@ -33,10 +33,10 @@
 
 #include "common/call.h"
 #include "common/constants.h"
-#include "cuda/cutlass_products.h"
-#include "cuda/gemm.h"
+#include "cuda/linear/cutlass_products.h"
+#include "cuda/linear/gemm.h"
 #include "cuda/host_util.h"
-#include "cuda/linear.h"
+#include "cuda/linear/linear.h"
 
 namespace fusedce {
 namespace cuda {

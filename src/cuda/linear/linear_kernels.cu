@@ -7,7 +7,7 @@
 #include <climits>
 #include <cstdint>
 
-#include "cuda/linear.h"
+#include "cuda/linear/linear.h"
 #include "cuda/vec.cuh"
 
 namespace fusedce {

@@ -21,9 +21,9 @@
 
 #include "common/call.h"
 #include "common/constants.h"
-#include "cuda/gemm.h"
+#include "cuda/linear/gemm.h"
 #include "cuda/host_util.h"
-#include "cuda/linear.h"
+#include "cuda/linear/linear.h"
 
 namespace fusedce {
 namespace cuda {
