@@ -94,6 +94,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   const StreamRing ring(smem);
   const RowParams& p = sp.row;
   const int V = static_cast<int>(p.vocab);
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const StreamWalk walk(sp);
   const bool grad = grad_here<S>(sp);
 
@@ -104,9 +105,9 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
   } else {
     __syncthreads();
   }
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   if (warp == kStreamConsumerWarps) {
-    if (lane == 0) produce<S, T>(walk, ring);
+    if (lane != 0) return;
+    produce<S, T>(walk, ring);
     return;
   }
 
@@ -133,6 +134,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     g_chain = static_cast<float>(1.0 / count_valid_targets(sp.fin, threadIdx.x, kStreamConsumers, &den_count,
                                                            kFinishBarrier));
   }
+  uint32_t hseq = 0;  // rows exchanged with the other half (halves only; reduce_sync counts them)
   int turn = 0;  // the group whose item this is
   for (int64_t w = walk.first; w < walk.items; w += walk.step, turn = turn + 1 == S::groups ? 0 : turn + 1) {
     const int64_t row = walk.row_of(w);
@@ -174,10 +176,10 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
       ++cs.seq;
       continue;
     }
-    const float lse = reduce_sync<S>(red, cs, mine, walk, row, split, it, metrics);
+    const float lse_here = reduce_sync<S>(red, cs, hseq, mine, walk, row, split, it, metrics);
     cs.parity ^= 1;
-    if (walk.halves) ++cs.hseq;
     if (!grad) continue;
+    const float lse = sync_row_lse<S>(red, cs, walk, lse_here);
     gradient_sweep<S>(sp, row, g, it, lse, g_chain, ring, at, row_at, ring0, ring1, cs.gtid, lane, in_ring);
   }
   if (sp.finish && (sp.fin.loss_out || sp.fin.num_correct_out)) finish_batch(sp, &den_count, finish_scratch);

@@ -78,8 +78,7 @@ struct ReduceShared {
 };
 
 /// A consumer thread's place in its group and the reductions' running counts (the kernel
-/// advances them after each item: the reductions take them by value, as state reached through a
-/// reference across the barriers' asm would have to live in memory).
+/// advances them after each item; the reductions take them by value).
 struct Consumer {
   int warp, lane;
   int gi;      // this thread's group
@@ -87,7 +86,6 @@ struct Consumer {
   int gwarp0;  // the group's first warp (folds, synchronous reduction)
   int parity = 0;     // which warp_part buffer this row uses (synchronous reduction)
   uint32_t seq = 0;   // items reduced asynchronously so far (the slot; ignored rows are not)
-  uint32_t hseq = 0;  // rows exchanged with the other half (halves only)
 };
 
 /// The target's z, carried in the partial of the one thread that loaded the target logit.
@@ -138,10 +136,11 @@ __device__ __forceinline__ void reduce_async(const ReduceShared sh, const Consum
 
 /// Halves: swap partials with the other block of the cluster through distributed shared memory;
 /// both blocks merge rank 0's then rank 1's, so both hold the same bits of the row's statistics.
-__device__ __forceinline__ RowPartial exchange_halves(const ReduceShared sh, const Consumer cs, RowPartial b, int crank,
+__device__ __forceinline__ RowPartial exchange_halves(const ReduceShared sh, uint32_t& hseq, RowPartial b, int crank,
                                                       bool metrics) {
-  const int hslot = static_cast<int>(cs.hseq & 1);
-  const uint32_t use = cs.hseq >> 1;
+  const int hslot = static_cast<int>(hseq & 1);
+  const uint32_t use = hseq >> 1;
+  ++hseq;
   const uint32_t peer = static_cast<uint32_t>(crank ^ 1);
   const uint32_t dst = map_to_rank(&sh.half_part[hslot], peer);
   const uint32_t* words = reinterpret_cast<const uint32_t*>(&b);
@@ -153,24 +152,31 @@ __device__ __forceinline__ RowPartial exchange_halves(const ReduceShared sh, con
   return crank == 0 ? merge_partial(b, o, metrics) : merge_partial(o, b, metrics);
 }
 
-/// Synchronous reduction; returns the row's lse where the gradient sweep follows (whole rows
-/// with the gradient, grad_here), else 0. With the gradient on whole rows every warp folds its
-/// group's partials itself (same inputs, same order: the same bits in every warp), so the
-/// gradient sweep starts without a second barrier and a round trip through row_part. The
+/// Whether every warp of the group folds the row's partials itself (whole rows with the
+/// gradient, not halves): then each holds the row's lse for the gradient sweep without a second
+/// barrier and a round trip through row_part.
+template <typename S>
+__device__ __forceinline__ bool every_warp_folds(const StreamWalk& walk) {
+  return grad_here<S>(walk.sp) && !walk.halves;
+}
+
+/// Synchronous reduction; returns the row's lse in every warp when every_warp_folds (same
+/// inputs, same order: the same bits in every warp), else 0 (sync_row_lse then reads it). The
 /// partials are double-buffered by row parity: a warp writes the next row's into the other
 /// buffer, and this row's buffer again only after the next row's barrier, which every warp
-/// reaches after reading this row's partials.
+/// reaches after reading this row's partials. `hseq` counts the rows exchanged with the other
+/// half (halves).
 template <typename S, typename T>
-__device__ __forceinline__ float reduce_sync(const ReduceShared sh, const Consumer cs, const RowPartial mine,
-                                             const StreamWalk walk, int64_t row, int split, const StreamItem<T> it,
-                                             bool metrics) {
+__device__ __forceinline__ float reduce_sync(const ReduceShared sh, const Consumer cs, uint32_t& hseq,
+                                             const RowPartial mine, const StreamWalk walk, int64_t row, int split,
+                                             const StreamItem<T> it, bool metrics) {
   const StreamParams& sp = walk.sp;
   const RowParams& p = sp.row;
   const bool grad = grad_here<S>(sp);
   const int slot = cs.parity;
   if (cs.lane == 0) sh.warp_part[slot][cs.warp] = mine;
   named_barrier(1 + cs.gi, S::gthreads);  // warp partials written (and the last row's row_part read)
-  const bool every_warp = grad && !walk.halves;
+  const bool every_warp = every_warp_folds<S>(walk);
   float lse_here = 0.0f;
   int split_last = 0;  // this split finished its row last (splits with finish)
   if (every_warp || cs.warp == cs.gwarp0) {
@@ -179,7 +185,7 @@ __device__ __forceinline__ float reduce_sync(const ReduceShared sh, const Consum
     if (every_warp) lse_here = detail::lse_value(b.st);
     if (cs.warp == cs.gwarp0 && cs.lane == 0) {
       attach_target(b, it);
-      if (walk.halves) b = exchange_halves(sh, cs, b, walk.crank, metrics);
+      if (walk.halves) b = exchange_halves(sh, hseq, b, walk.crank, metrics);
       if (sp.splits > 1) {
         // Publish this split's partial and move on: the row's last split to finish folds the
         // partials (below; or the split-merge pass after this kernel), so no block waits on
@@ -206,7 +212,15 @@ __device__ __forceinline__ float reduce_sync(const ReduceShared sh, const Consum
       }
     }
   }
-  if (!grad) return 0.0f;
+  return lse_here;
+}
+
+/// The row's lse for the gradient sweep after reduce_sync: its own where every warp folded,
+/// else the one the group's first warp left in row_part (after a second barrier).
+template <typename S>
+__device__ __forceinline__ float sync_row_lse(const ReduceShared sh, const Consumer cs, const StreamWalk walk,
+                                              float lse_here) {
+  const bool every_warp = every_warp_folds<S>(walk);
   if (!every_warp) named_barrier(1 + cs.gi, S::gthreads);  // row_part visible
   return every_warp ? lse_here : detail::lse_value(sh.row_part->st);
 }

@@ -102,17 +102,17 @@ struct ItemGeometry {
 /// The walk over a block's work items (the producer and the consumers take the same one).
 struct StreamWalk {
   const StreamParams& sp;
+  int64_t items;   // rows x splits
   bool halves;     // each row shared by the two blocks of a cluster (StreamParams::halves)
   int crank;       // this block's rank in its cluster (halves), else 0
-  int64_t items;   // rows x splits
   int64_t first;   // this block's (cluster's) first item
   int64_t step;    // blocks (clusters) in the grid
 
   __device__ __forceinline__ explicit StreamWalk(const StreamParams& params)
       : sp(params),
+        items(params.row.rows * params.splits),
         halves(params.halves > 1),
         crank(halves ? static_cast<int>(cluster_rank()) : 0),
-        items(params.row.rows * params.splits),
         first(halves ? blockIdx.x / 2 : blockIdx.x),
         step(halves ? gridDim.x / 2 : gridDim.x) {}
   /// Item w's row and split; whole rows (the common case) skip the 64-bit division.
