@@ -306,5 +306,167 @@ TEST(Plan, RescaleCoversEveryRowWithAPersistentGrid) {
   }
 }
 
+// The launcher's decisions written out once more as one straight function, independently of the
+// planner's pieces (no PlanChoices: the production plan), so that the planner's defaults are
+// checked against a second derivation over the shapes the tests and benchmarks run: the same
+// passes, split, grid, variant, groups, halves, sweep order and row shape. `clusters`: the
+// 2-block clusters the chosen kernel fits (the launcher's occupancy query).
+struct StraightPlan {
+  bool stream = false, prepare = false, count_rows = false, count_den = false, finish = false;
+  int splits = 1, chunks_per_split = 0, grid = 0, groups = 1, halves = 1, opts = 0;
+  bool kernel_grad = false, grad_backwards = false, split_merge = false, row_pass = false, finalize = false;
+  fusedce::cuda::RowShape row;
+};
+
+fusedce::cuda::RowShape straight_rows(int64_t segments, bool merge, bool sm90) {
+  fusedce::cuda::RowShape r;
+  r.items = segments <= 1024 ? 1 : 4;
+  r.hw_cluster = merge;
+  const int max_threads = 1024;
+  const int max_cluster = !merge ? (1 << 20) : (sm90 ? 16 : 1);
+  const int64_t threads_needed = (segments + r.items - 1) / r.items;
+  int cluster = 1;
+  while (cluster < max_cluster && threads_needed > int64_t(256) * cluster) cluster *= 2;
+  const int64_t per_block = (threads_needed + cluster - 1) / cluster;
+  if (per_block <= max_threads) {
+    r.cluster = cluster;
+    r.threads = static_cast<int>(std::max<int64_t>(32, (per_block + 31) / 32 * 32));
+    r.pieces = 1;
+  } else {
+    r.cluster = max_cluster;
+    r.threads = max_threads;
+    r.pieces = static_cast<int>((threads_needed + int64_t(max_cluster) * max_threads - 1) /
+                                (int64_t(max_cluster) * max_threads));
+  }
+  if (r.cluster == 1) r.hw_cluster = false;
+  return r;
+}
+
+StraightPlan straight_plan(Job job, int64_t N, int64_t V, DType dtype, const Options& o, const DeviceFacts& dev,
+                           int clusters) {
+  using namespace fusedce::cuda;
+  StraightPlan s;
+  const bool forward = job != Job::kBackward, grad = job != Job::kForward;
+  const bool mean = o.reduction == Reduction::kMean, weighted = o.class_weight.data != nullptr;
+  const int vec = dtype == DType::kFloat32 ? 4 : 8;
+  const int64_t segments = (V + vec - 1 + vec - 1) / vec;
+  s.stream = N > 0 && dev.sm90 && forward;
+  const int nchunks = static_cast<int>((segments + kChunkSegs - 1) / kChunkSegs);
+  if (s.stream) {
+    int per = nchunks;
+    if (N <= 1024 && (!grad || N < dev.sms)) {
+      int64_t best = INT64_MAX;
+      for (int c = std::max(1, (nchunks + 63) / 64); c <= nchunks; ++c) {
+        const int64_t cost = (N * ((nchunks + c - 1) / c) + dev.sms - 1) / dev.sms * (c + 1);
+        if (cost < best) {
+          best = cost;
+          per = c;
+        }
+      }
+    }
+    s.chunks_per_split = per;
+    s.splits = (nchunks + per - 1) / per;
+    s.grid = static_cast<int>(std::min<int64_t>(N * s.splits, dev.sms));
+  }
+  s.finish = s.stream && dev.sms <= 1024;
+  s.count_den = s.finish && grad && mean && s.splits == 1 && !weighted && !o.check_targets && N <= 32768;
+  s.prepare = (mean && grad && !s.count_den) || weighted || o.check_targets;
+  s.count_rows = mean && !s.prepare && !s.count_den;
+  const bool metrics = forward && o.compute_metrics;
+  const bool extras = o.softcap > 0.0f || o.label_smoothing != 0.0f || metrics || weighted || o.logit_scale < 0.0f;
+  bool finalized = false;
+  if (s.stream) {
+    s.opts = !extras ? 0 : (o.softcap > 0.0f || o.logit_scale < 0.0f) ? 2 : 1;
+    const int64_t row_bytes = V * (dtype == DType::kFloat32 ? 4 : 2);
+    const bool want_halves =
+        grad && s.splits == 1 && s.chunks_per_split >= 2 && int64_t(dev.sms) * row_bytes > int64_t(dev.l2_bytes);
+    s.groups = s.splits == 1 && !want_halves ? (s.chunks_per_split <= 2 ? 2 : 1) : 1;
+    s.kernel_grad = grad && s.splits == 1;
+    if (want_halves && clusters > 0) {
+      s.halves = 2;
+      s.chunks_per_split = (s.chunks_per_split + 1) / 2;
+      s.grid = 2 * static_cast<int>(std::min<int64_t>(N, clusters));
+    }
+    s.grad_backwards = int64_t(dev.sms) * row_bytes / s.halves > int64_t(dev.l2_bytes);
+    s.split_merge = s.splits > 1 && !s.finish;
+    finalized = s.finish || s.splits > 1;
+    if (grad && s.splits > 1) {
+      s.row_pass = true;
+      s.row = straight_rows(segments, false, dev.sm90);
+    }
+  } else if (N > 0) {
+    s.row_pass = true;
+    s.row = straight_rows(segments, forward, dev.sm90);
+  }
+  s.finalize = !finalized && forward && (o.reduction != Reduction::kNone || o.compute_metrics);
+  return s;
+}
+
+TEST(Plan, DefaultsMatchAStraightDerivationOverTheTestedShapes) {
+  float weights[1] = {1.0f};
+  Options all, none, weighted, negative, smooth;
+  all.label_smoothing = 0.1f;
+  all.z_loss = 1e-3f;
+  all.softcap = 25.0f;
+  all.compute_metrics = true;
+  none.reduction = Reduction::kNone;
+  weighted.class_weight = fusedce::vector(weights, DType::kFloat32, 1);
+  negative.logit_scale = -0.5f;
+  smooth.label_smoothing = 0.05f;
+  smooth.compute_metrics = true;
+  smooth.reduction = Reduction::kSum;
+  const int64_t rows[] = {0, 1, 3, 40, 131, 132, 140, 150, 257, 300, 555, 700, 1024, 1025, 1100, 2000, 4096, 8192, 16384};
+  const int64_t vocab[] = {1,     5,     7,      127,    1024,   4099,   8000,   16387,  24001,
+                           32000, 32003, 50257,  61081,  65537,  128256, 131071, 262144, 262147};
+  int checked = 0;
+  for (const DeviceFacts& dev : {h200(), a100()}) {
+    for (const int clusters : {0, 66}) {
+      for (const Job job : {Job::kForward, Job::kForwardBackward, Job::kBackward}) {
+        for (const DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+          for (const Options& o : {Options{}, all, none, weighted, negative, smooth}) {
+            for (const int64_t N : rows) {
+              for (const int64_t V : vocab) {
+                const StraightPlan want = straight_plan(job, N, V, d, o, dev, clusters);
+                CePlan got = plan(job, N, V, d, o, dev);
+                fusedce::cuda::settle_halves(got, N, clusters, dev);
+                SCOPED_TRACE("job " + std::to_string(int(job)) + " N=" + std::to_string(N) + " V=" +
+                             std::to_string(V) + " dtype " + std::to_string(int(d)) + " clusters " +
+                             std::to_string(clusters) + " sm90 " + std::to_string(dev.sm90));
+                ASSERT_EQ(got.stream, want.stream);
+                ASSERT_EQ(got.prepare, want.prepare);
+                ASSERT_EQ(got.count_rows, want.count_rows);
+                ASSERT_EQ(got.split_merge, want.split_merge);
+                ASSERT_EQ(got.finalize, want.finalize);
+                ASSERT_EQ(got.row_pass, want.row_pass);
+                if (want.row_pass) {
+                  ASSERT_EQ(got.row.items, want.row.items);
+                  ASSERT_EQ(got.row.threads, want.row.threads);
+                  ASSERT_EQ(got.row.cluster, want.row.cluster);
+                  ASSERT_EQ(got.row.pieces, want.row.pieces);
+                  ASSERT_EQ(got.row.hw_cluster, want.row.hw_cluster);
+                }
+                if (!want.stream) continue;
+                ASSERT_EQ(got.sp.splits, want.splits);
+                ASSERT_EQ(got.sp.chunks_per_split, want.chunks_per_split);
+                ASSERT_EQ(got.sp.grid, want.grid);
+                ASSERT_EQ(got.sp.opts, want.opts);
+                ASSERT_EQ(got.sp.grad, want.kernel_grad);
+                ASSERT_EQ(got.sp.groups, want.groups);
+                ASSERT_EQ(got.sp.halves, want.halves);
+                ASSERT_EQ(got.sp.grad_backwards, want.grad_backwards);
+                ASSERT_TRUE(got.sp.async_reduce);
+                ASSERT_EQ(got.sp.finish, want.finish);
+                ASSERT_EQ(got.sp.count_den, want.count_den);
+                ++checked;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 1000);
+}
+
 }  // namespace
 }  // namespace fusedce_test
