@@ -40,7 +40,8 @@ __device__ __forceinline__ void zero_row_grad(const RowParams& p, int64_t row, i
 /// alias, and a copy lets every field stay in a register across the stores.
 template <typename S, typename T>
 __device__ __forceinline__ void gradient_sweep(const StreamParams& sp, int64_t row, const ItemGeometry<T> g,
-                                               const StreamItem<T> it, float lse, float g_chain,
+                                               const StreamItem<T> it, bool weighted, bool softcap, float lse,
+                                               float g_chain,
                                                const StreamRing& ring, RingPos& at, RingPos row_at, int ring0,
                                                int ring1, int gtid, int lane, bool in_ring) {
   using E = Elem<T>;
@@ -48,8 +49,6 @@ __device__ __forceinline__ void gradient_sweep(const StreamParams& sp, int64_t r
   const RowParams& p = sp.row;
   const int V = static_cast<int>(p.vocab);
   const detail::LossConstants& c = it.c;
-  const bool softcap = it.softcap;
-  const bool weighted = it.weighted;
   const int t = it.t;
   T* dx = static_cast<T*>(p.dlogits) + row * p.dlogits_stride;
   const bool same_layout = row_offset(dx) == g.off;

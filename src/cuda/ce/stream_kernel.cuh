@@ -150,7 +150,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     }
     const ItemGeometry<T> g(p, row, split, sp.chunks_per_split);
     if (!ours) continue;  // another group's item (in its own ring)
-    const StreamItem<T> it = item_setup<S>(walk, g, row, t64, cs.gtid);
+    const bool weighted = weighted_of<S>(p), softcap = softcap_of<S>(p);
+    const StreamItem<T> it = item_setup<S>(walk, g, row, t64, cs.gtid, weighted);
     const bool in_ring = kept_in_ring<S>(walk, g);
     const RingPos row_at = at;  // the row's first stage (a row kept in the ring is read there again)
     // Statistics sweep: each stage waited for, this thread's segments read (one pass, or one per
@@ -166,21 +167,21 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
         g.fetch_chunk(seg, buf, ch, sb, S::gthreads, V, it.fill);
         token ^= stage_token(seg);
         if (!in_ring && q == S::groups - 1) release_stage(&ring.empty[at.stage], token, lane, V);
-        fold_pass<S>(st, seg, g, it, p, V, ch, sb, metrics);
+        fold_pass<S>(st, seg, g, it, p, V, ch, sb, weighted, softcap, metrics);
       }
     }
-    RowPartial mine = sweep_partial<S>(st, g, it, V, cs.gtid, metrics);
+    RowPartial mine = sweep_partial<S>(st, g, it, V, cs.gtid, softcap, metrics);
     mine = warp_fold(mine, metrics);
     if (async) {
-      reduce_async<S>(red, cs, mine, p, row, it, metrics);
+      reduce_async<S>(red, cs, mine, p, row, it, weighted, softcap, metrics);
       ++cs.seq;
       continue;
     }
-    const float lse_here = reduce_sync<S>(red, cs, hseq, mine, walk, row, split, it, metrics);
+    const float lse_here = reduce_sync<S>(red, cs, hseq, mine, walk, row, split, it, weighted, softcap, metrics);
     cs.parity ^= 1;
     if (!grad) continue;
     const float lse = sync_row_lse<S>(red, cs, walk, lse_here);
-    gradient_sweep<S>(sp, row, g, it, lse, g_chain, ring, at, row_at, ring0, ring1, cs.gtid, lane, in_ring);
+    gradient_sweep<S>(sp, row, g, it, weighted, softcap, lse, g_chain, ring, at, row_at, ring0, ring1, cs.gtid, lane, in_ring);
   }
   if (sp.finish && (sp.fin.loss_out || sp.fin.num_correct_out)) finish_batch(sp, &den_count, finish_scratch);
 #endif

@@ -90,18 +90,18 @@ struct Consumer {
 
 /// The target's z, carried in the partial of the one thread that loaded the target logit.
 template <typename T>
-__device__ __forceinline__ void attach_target(RowPartial& b, const StreamItem<T> it) {
+__device__ __forceinline__ void attach_target(RowPartial& b, const StreamItem<T> it, bool softcap) {
   if (it.holds_t) {
-    b.z_target = transform(Elem<T>::to_float(it.x_t), it.c, it.softcap);
+    b.z_target = transform(Elem<T>::to_float(it.x_t), it.c, softcap);
     b.has_target = 1;
   }
 }
 
 template <typename T>
 __device__ __forceinline__ void write_item_results(const RowParams& p, int64_t row, const RowPartial& b,
-                                                   const StreamItem<T> it, bool metrics) {
+                                                   const StreamItem<T> it, bool weighted, bool metrics) {
   write_row_results(p, row, b, detail::lse_value(b.st), b.has_target ? b.z_target : NAN, it.c, it.w_t, it.t,
-                    it.weighted, metrics);
+                    weighted, metrics);
 }
 
 /// Asynchronous reduction (forward over whole rows): each warp posts its partial and counts
@@ -114,11 +114,12 @@ __device__ __forceinline__ void write_item_results(const RowParams& p, int64_t r
 /// flight; the folding warp is among the slowest.
 template <typename S, typename T>
 __device__ __forceinline__ void reduce_async(const ReduceShared sh, const Consumer cs, RowPartial mine,
-                                             const RowParams& p, int64_t row, const StreamItem<T> it, bool metrics) {
+                                             const RowParams& p, int64_t row, const StreamItem<T> it, bool weighted,
+                                             bool softcap, bool metrics) {
   const int slot = static_cast<int>(cs.seq % kReduceSlots);
   int last = 0;
   if (cs.lane == 0) {
-    attach_target(mine, it);  // the target rides in warp 0's partial (lane 0 keeps it through the fold)
+    attach_target(mine, it, softcap);  // the target rides in warp 0's partial (lane 0 keeps it through the fold)
     sh.warp_part[slot][cs.warp] = mine;
     __threadfence_block();  // the partial is visible before the count that announces it
     last = atomicAdd(&sh.arrivals[slot][cs.gi], 1) == S::gwarps - 1;
@@ -130,7 +131,7 @@ __device__ __forceinline__ void reduce_async(const ReduceShared sh, const Consum
   b = warp_fold(b, metrics);
   if (cs.lane == 0) {
     sh.arrivals[slot][cs.gi] = 0;
-    write_item_results(p, row, b, it, metrics);
+    write_item_results(p, row, b, it, weighted, metrics);
   }
 }
 
@@ -169,7 +170,7 @@ __device__ __forceinline__ bool every_warp_folds(const StreamWalk& walk) {
 template <typename S, typename T>
 __device__ __forceinline__ float reduce_sync(const ReduceShared sh, const Consumer cs, uint32_t& hseq,
                                              const RowPartial mine, const StreamWalk walk, int64_t row, int split,
-                                             const StreamItem<T> it, bool metrics) {
+                                             const StreamItem<T> it, bool weighted, bool softcap, bool metrics) {
   const StreamParams& sp = walk.sp;
   const RowParams& p = sp.row;
   const bool grad = grad_here<S>(sp);
@@ -184,7 +185,7 @@ __device__ __forceinline__ float reduce_sync(const ReduceShared sh, const Consum
     b = warp_fold(b, metrics);
     if (every_warp) lse_here = detail::lse_value(b.st);
     if (cs.warp == cs.gwarp0 && cs.lane == 0) {
-      attach_target(b, it);
+      attach_target(b, it, softcap);
       if (walk.halves) b = exchange_halves(sh, hseq, b, walk.crank, metrics);
       if (sp.splits > 1) {
         // Publish this split's partial and move on: the row's last split to finish folds the
@@ -196,7 +197,7 @@ __device__ __forceinline__ float reduce_sync(const ReduceShared sh, const Consum
           split_last = arrive_tagged(&sp.counters[1 + row], sp.tag) == static_cast<uint32_t>(sp.splits);
         }
       } else if (walk.crank == 0) {  // one half writes the row's results
-        write_item_results(p, row, b, it, metrics);
+        write_item_results(p, row, b, it, weighted, metrics);
       }
       if (grad && !every_warp) *sh.row_part = b;  // the halves' gradient sweep's lse
     }
@@ -208,7 +209,7 @@ __device__ __forceinline__ float reduce_sync(const ReduceShared sh, const Consum
       const RowPartial a = fold_split_partials(parts, sp.splits, cs.lane, metrics);
       if (cs.lane == 0) {
         clear_tagged(&sp.counters[1 + row]);
-        write_item_results(p, row, a, it, metrics);
+        write_item_results(p, row, a, it, weighted, metrics);
       }
     }
   }

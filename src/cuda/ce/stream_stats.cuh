@@ -28,8 +28,6 @@ template <typename T>
 struct StreamItem {
   bool valid_t;
   int t;           // the target, or -1
-  bool weighted;   // class weights (options variants)
-  bool softcap;    // (general variant)
   float w_t;       // the target's class weight (1 unweighted, NaN for a bad target)
   float g_up;      // the upstream gradient of the row (gradient)
   detail::LossConstants c;
@@ -39,25 +37,36 @@ struct StreamItem {
   T x_t;           // ... here
 };
 
+/// Class weights (options variants) and the soft-cap (general variant). The kernel forms both
+/// once per item and hands them to the parts as plain flags, not as StreamItem fields: a flag
+/// carried through the item's copies reached the sweeps' branches on it in another form, and the
+/// 16-bit gradient kernels spilled more.
+template <typename S>
+__device__ __forceinline__ bool weighted_of(const RowParams& p) {
+  return S::kExtras && p.class_weight != nullptr;
+}
+template <typename S>
+__device__ __forceinline__ bool softcap_of(const RowParams& p) {
+  return S::kGeneral && p.softcap;  // the planner picks the general variant for it
+}
+
 /// The item's set-up. The target logit is loaded by the one thread whose item holds it and only
 /// used at the end, so its latency hides behind the sweep; it is read before this row's
 /// barriers, hence before any of its gradient stores (in place). So is the upstream gradient.
 template <typename S, typename T>
 __device__ __forceinline__ StreamItem<T> item_setup(const StreamWalk& walk, const ItemGeometry<T>& g, int64_t row,
-                                                    int64_t t64, int gtid) {
+                                                    int64_t t64, int gtid, bool weighted) {
   using E = Elem<T>;
   const RowParams& p = walk.sp.row;
   const int V = static_cast<int>(p.vocab);
   StreamItem<T> it;
   it.valid_t = t64 >= 0 && t64 < V;
   it.t = it.valid_t ? static_cast<int>(t64) : -1;
-  it.weighted = S::kExtras && p.class_weight != nullptr;
-  it.softcap = S::kGeneral && p.softcap;  // the planner picks the general variant for it
-  it.w_t = !it.valid_t ? NAN : (it.weighted ? p.class_weight[it.t * p.weight_stride] : 1.0f);
+  it.w_t = !it.valid_t ? NAN : (weighted ? p.class_weight[it.t * p.weight_stride] : 1.0f);
   // The upstream gradient, loaded now so its latency hides behind the statistics sweep.
   it.g_up = grad_here<S>(walk.sp) && p.grad_loss ? p.grad_loss[p.grad_scalar ? 0 : row * p.grad_stride] : 1.0f;
   it.c = p.c;
-  if (it.weighted && p.batch) it.c.weight_sum = p.batch->weight_sum;
+  if (weighted && p.batch) it.c.weight_sum = p.batch->weight_sum;
   it.fill = E::from_float(it.c.logit_scale > 0.0f ? -INFINITY : INFINITY);
   it.a_log2 = __fmul_rn(it.c.logit_scale, kLog2e);
   const int item_lo = g.c0 * kChunkSegs * S::kVec - g.off, item_hi = g.c1 * kChunkSegs * S::kVec - g.off;
@@ -142,12 +151,12 @@ __device__ __forceinline__ float smooth_term(int sg, const ItemGeometry<T>& g, c
 template <typename S, typename T>
 __device__ __forceinline__ void fold_plain_pass(SweepState& st, const Segment<T> (&seg)[kSegsPerThread],
                                                 const ItemGeometry<T>& g, const StreamItem<T> it,
-                                                const RowParams& p, int V, int ch, int sb, bool metrics) {
+                                                const RowParams& p, int V, int ch, int sb, bool weighted,
+                                                bool metrics) {
   using E = Elem<T>;
   constexpr int kVec = S::kVec;
   constexpr bool kExtras = S::kExtras;
   const float a_log2 = it.a_log2;
-  const bool weighted = it.weighted;
   float xmax[kSegsPerThread];
   float xm = -INFINITY;
 #pragma unroll
@@ -209,11 +218,11 @@ __device__ __forceinline__ void fold_plain_pass(SweepState& st, const Segment<T>
 template <typename S, typename T>
 __device__ __forceinline__ void fold_general_pass(SweepState& st, const Segment<T> (&seg)[kSegsPerThread],
                                                   const ItemGeometry<T>& g, const StreamItem<T> it,
-                                                  const RowParams& p, int V, int ch, int sb, bool metrics) {
+                                                  const RowParams& p, int V, int ch, int sb, bool weighted,
+                                                  bool softcap, bool metrics) {
   using E = Elem<T>;
   constexpr int kVec = S::kVec;
   const detail::LossConstants& c = it.c;
-  const bool softcap = it.softcap;
   constexpr int kHalves = sizeof(T) == 2 ? 2 : 1;
   constexpr int kPer = kSegsPerThread / kHalves;
 #pragma unroll
@@ -244,7 +253,7 @@ __device__ __forceinline__ void fold_general_pass(SweepState& st, const Segment<
           if (j0 + e < 0 || j0 + e >= V) zc[k][e] = -INFINITY;
         }
       }
-      if (p.smoothing) st.smooth += smooth_term(sg, g, p, V, it.weighted, [&](int e) { return zc[k][e]; });
+      if (p.smoothing) st.smooth += smooth_term(sg, g, p, V, weighted, [&](int e) { return zc[k][e]; });
       float mx[kVec];
 #pragma unroll
       for (int e = 0; e < kVec; ++e) mx[e] = zc[k][e];
@@ -310,12 +319,11 @@ struct ArgmaxElem {
 };
 template <typename S, typename T>
 __device__ __forceinline__ ArgmaxElem resolve_argmax(const detail::SegmentArgmax amax, const ItemGeometry<T> g,
-                                                     const StreamItem<T> it, int V, int gtid) {
+                                                     const StreamItem<T> it, int V, int gtid, bool softcap) {
   using E = Elem<T>;
   constexpr int kVec = S::kVec;
   const T fill = it.fill;
   const detail::LossConstants c = it.c;
-  const bool softcap = it.softcap;
   auto values_of = [&](int sg) {
     const Segment<T> sgm = load_segment(g.x, sg, g.off, V, fill);
     return [=](int e) {
@@ -353,11 +361,11 @@ __device__ __forceinline__ ArgmaxElem resolve_argmax(const detail::SegmentArgmax
 template <typename S, typename T>
 __device__ __forceinline__ void fold_pass(SweepState& st, const Segment<T> (&seg)[kSegsPerThread],
                                           const ItemGeometry<T>& g, const StreamItem<T> it, const RowParams& p, int V,
-                                          int ch, int sb, bool metrics) {
+                                          int ch, int sb, bool weighted, bool softcap, bool metrics) {
   if constexpr (!S::kGeneral) {
-    fold_plain_pass<S>(st, seg, g, it, p, V, ch, sb, metrics);
+    fold_plain_pass<S>(st, seg, g, it, p, V, ch, sb, weighted, metrics);
   } else {
-    fold_general_pass<S>(st, seg, g, it, p, V, ch, sb, metrics);
+    fold_general_pass<S>(st, seg, g, it, p, V, ch, sb, weighted, softcap, metrics);
   }
 }
 
@@ -365,7 +373,8 @@ __device__ __forceinline__ void fold_pass(SweepState& st, const Segment<T> (&seg
 /// raw-logit units, z = x * scale), with the argmax's element resolved (metrics).
 template <typename S, typename T>
 __device__ __forceinline__ RowPartial sweep_partial(const SweepState& st, const ItemGeometry<T>& g,
-                                                    const StreamItem<T> it, int V, int gtid, bool metrics) {
+                                                    const StreamItem<T> it, int V, int gtid, bool softcap,
+                                                    bool metrics) {
   const detail::LossConstants& c = it.c;
   RowPartial mine = empty_partial();
   const float unit = S::kGeneral ? 1.0f : c.logit_scale;
@@ -373,7 +382,7 @@ __device__ __forceinline__ RowPartial sweep_partial(const SweepState& st, const 
                              float(st.run_ez * unit)};
   mine.smooth = st.smooth * unit;
   if (metrics) {
-    const ArgmaxElem best = resolve_argmax<S>(st.amax, g, it, V, gtid);
+    const ArgmaxElem best = resolve_argmax<S>(st.amax, g, it, V, gtid, softcap);
     mine.amax_v = best.v;
     mine.amax_i = best.i;
   }
