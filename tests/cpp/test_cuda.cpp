@@ -463,14 +463,19 @@ TEST(CudaStream, ConsumerGroupsGradientAgreesWithCpu) {
 // explicit choices and against the CPU backend: the synchronous row reduction (racecheck follows
 // its barriers; the asynchronous handoff it cannot), two consumer groups forced (with the
 // gradient too), both, and the row kernel for forward jobs (the path of GPUs before sm_90).
+// Every option at once here with the grid's soft-cap of 10: both backends form tanh as
+// 1 - 2 / (e^2y + 1), whose absolute error (about 1e-7, from different exp and reciprocal
+// approximations) the cap multiplies; at a cap of 25 two such errors reach the loss tolerance of a
+// row whose lse is near 0 (V = 1: lse is the one capped logit), which says nothing about the plan.
 void expect_small_problems_agree(const Choices& choices) {
   std::mt19937_64 rng = test_rng();
-  fusedce::Options none;
+  fusedce::Options none, all = all_options();
   none.reduction = fusedce::Reduction::kNone;
+  all.softcap = 10.0f;
   const Shape shapes[] = {{3, 7}, {257, 127}, {257, 1024}, {1, 1}};
   for (const Shape& sh : shapes) {
     for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
-      for (const fusedce::Options& o : {fusedce::Options{}, all_options(), none}) {
+      for (const fusedce::Options& o : {fusedce::Options{}, all, none}) {
         for (bool grad : {false, true}) {
           SCOPED_TRACE("N=" + std::to_string(sh.N) + " V=" + std::to_string(sh.V) + " " + dtype_tag(d) +
                        (grad ? " fwd+grad" : " forward"));
