@@ -3,17 +3,20 @@
 # builds a reference tree and this one (sm_90), runs this tree's CUDA gtests, then the logits
 # cross-entropy benchmark (fusedce_bench) of the reference and of this tree in turn, ROUNDS times
 # each (ref, this, ref, this, ...), and prints each shape and job's median over the rounds with
-# the change; a job more than 2% slower is flagged and fails the run.
+# the change; a job more than 2% slower is flagged and fails the run. STEPS=bits: the same calls
+# through the public API built against both trees (scripts/ab_bits.cpp), every result compared bit
+# for bit (a change that only moves code must leave them all).
 #
 # Here (no GPU), the reference's sources, e.g. main before the change:
 #   rm -rf build-ref-src && mkdir build-ref-src && git archive REF | tar -x -C build-ref-src
 # On the GPU machine (carry build-ref-src, and .deps where GoogleTest is not installed; the
-# builds stay in build-ab/ between calls of a warm machine), in two calls of under 10 minutes:
+# builds stay in build-ab/ between calls of a warm machine), in three calls of under 10 minutes:
 #   STEPS=tests bash scripts/ab_check.sh      (builds this tree; its CUDA tests)
-#   STEPS=bench bash scripts/ab_check.sh      (builds the reference; the benchmarks)
+#   STEPS=bits bash scripts/ab_check.sh       (builds the reference; the same bits?)
+#   STEPS=bench bash scripts/ab_check.sh      (the benchmarks)
 # Env: REF_DIR (build-ref-src), ROUNDS (2), BENCH_ARGS (to both benchmarks, e.g. --quick or
 # --shapes ...), GTEST_FILTER ('*cuda*:*Cuda*'), TEST_TIMEOUT (seconds a test shard, 300),
-# STEPS ("tests bench"), OUT (build-ab/out), AB_CUTLASS (OFF: the CUTLASS headers are fetched at
+# STEPS ("tests bits bench"), OUT (build-ab/out), AB_CUTLASS (OFF: the CUTLASS headers are fetched at
 # configure time, which the GPU machine cannot; the logits kernels do not use them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +26,7 @@ rounds=${ROUNDS:-2}
 mkdir -p "$out"
 status=0
 step() { echo "== $*  ($(date +%T))"; }
-want() { [[ " ${STEPS:-tests bench} " == *" $1 "* ]]; }
+want() { [[ " ${STEPS:-tests bits bench} " == *" $1 "* ]]; }
 gtest_arg=()
 [ -d .deps/googletest ] && gtest_arg=(-DFUSEDCE_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
 
@@ -40,25 +43,54 @@ step "build (sm_90): this tree, and the reference in $ref"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
 build . build-ab/this fusedce_bench fusedce_tests fusedce_grid_tests fusedce_cuda_tests ||
   { grep -E "error" "$out/build_this.log" | head -20; exit 1; }
-if want bench; then
+if want bench || want bits; then
   [ -f "$ref/CMakeLists.txt" ] || { echo "ab_check: no reference sources in $ref (see the head of this script)"; exit 1; }
   build "$ref" build-ab/ref-build fusedce_bench || { grep -E "error" "$out/build_ref-build.log" | head -20; exit 1; }
 fi
 
 if want tests; then
   step "CUDA gtests of this tree (4 shards each, filter ${GTEST_FILTER:-*cuda*:*Cuda*})"
-  pids=()
+  pids=() names=()
   for t in build-ab/this/tests/cpp/fusedce_{tests,grid_tests,cuda_tests}; do
     for i in 0 1 2 3; do
-      GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$i timeout -k 5 "${TEST_TIMEOUT:-300}" "$t" \
+      # Line-buffered, so that a shard stopped by the timeout still shows the test it was in.
+      GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$i timeout -k 5 "${TEST_TIMEOUT:-300}" stdbuf -oL -eL "$t" \
         --gtest_filter="${GTEST_FILTER:-*cuda*:*Cuda*}" > "$out/gtest_$(basename "$t")_$i.log" 2>&1 &
-      pids+=($!)
+      pids+=($!) names+=("$(basename "$t")_$i")
     done
   done
-  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  for k in "${!pids[@]}"; do
+    rc=0
+    wait "${pids[$k]}" || rc=$?
+    [ $rc -eq 0 ] && continue
+    status=1
+    log="$out/gtest_${names[$k]}.log"
+    echo "shard ${names[$k]}: exit $rc$([ $rc -ge 124 ] && echo " (timed out after ${TEST_TIMEOUT:-300} s)");" \
+      "last test started: $(grep -E '^\[ RUN' "$log" | tail -1 | sed 's/^\[ RUN *\] //')"
+  done
+  grep -hE "^\[ +OK \] .*\(([0-9]{5,}) ms\)" "$out"/gtest_*_[0-3].log | sort -t'(' -k2 -rn | head -8 |
+    sed 's/^/slowest: /'
   cat "$out"/gtest_*_[0-3].log > "$out/gtest.log" && rm -f "$out"/gtest_*_[0-3].log
   grep -hE "^\[  (PASSED|FAILED)  \]|tests? ran" "$out/gtest.log" | sort | uniq -c
   grep -hE "^\[  FAILED  \].*\(" "$out/gtest.log" | head -30
+fi
+
+if want bits; then
+  step "bit-for-bit A/B: scripts/ab_bits.cpp against the reference's library and this tree's"
+  for side in ref this; do
+    dir=build-ab/this inc=.
+    [ $side = ref ] && dir=build-ab/ref-build inc=$ref
+    nvcc -std=c++17 -O2 -I"$inc/include" scripts/ab_bits.cpp "$dir/libfusedce.a" -lcublasLt -lpthread \
+      -o "$out/ab_bits_$side" > "$out/ab_bits_build_$side.log" 2>&1 || { tail -5 "$out/ab_bits_build_$side.log"; exit 1; }
+    timeout -k 5 "${BITS_TIMEOUT:-400}" "$out/ab_bits_$side" > "$out/bits_$side.txt" || status=1
+  done
+  if diff "$out/bits_ref.txt" "$out/bits_this.txt" > "$out/bits.diff"; then
+    echo "bits: $(grep -c . "$out/bits_this.txt") calls, every output the same bits as the reference"
+  else
+    status=1
+    echo "bits: $(grep -c '^>' "$out/bits.diff") of $(grep -c . "$out/bits_this.txt") calls differ from the reference:"
+    grep '^>' "$out/bits.diff" | head -20
+  fi
 fi
 
 if want bench; then
