@@ -80,8 +80,12 @@ if want bits; then
   for side in ref this; do
     dir=build-ab/this inc=.
     [ $side = ref ] && dir=build-ab/ref-build inc=$ref
-    nvcc -std=c++17 -O2 -I"$inc/include" scripts/ab_bits.cpp "$dir/libfusedce.a" -lcublasLt -lpthread \
-      -o "$out/ab_bits_$side" > "$out/ab_bits_build_$side.log" 2>&1 || { tail -5 "$out/ab_bits_build_$side.log"; exit 1; }
+    # Linked as that tree links fusedce_bench (its CUDA runtime, cuBLASLt, and the CPU BLAS it found).
+    link=$(ninja -C "$dir" -t commands bench/fusedce_bench | grep -E -- "-o bench/fusedce_bench( |$)" | tail -1 |
+      sed -E 's/.*-o bench\/fusedce_bench //; s/ && :.*//; s# libfusedce\.a # '"$dir"'/libfusedce.a #')
+    { nvcc -std=c++17 -O2 -I"$inc/include" -c scripts/ab_bits.cpp -o "$out/ab_bits_$side.o" &&
+      c++ "$out/ab_bits_$side.o" -o "$out/ab_bits_$side" $link; } > "$out/ab_bits_build_$side.log" 2>&1 ||
+      { tail -5 "$out/ab_bits_build_$side.log"; exit 1; }
     timeout -k 5 "${BITS_TIMEOUT:-400}" "$out/ab_bits_$side" > "$out/bits_$side.txt" || status=1
   done
   if diff "$out/bits_ref.txt" "$out/bits_this.txt" > "$out/bits.diff"; then
