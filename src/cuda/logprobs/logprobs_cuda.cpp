@@ -19,9 +19,9 @@
 #include <string>
 
 #include "common/logprob_call.h"
-#include "cuda/gemm.h"
+#include "cuda/linear/gemm.h"
 #include "cuda/host_util.h"
-#include "cuda/linear.h"
+#include "cuda/linear/linear.h"
 #include "cuda/logprobs/logprobs_kernels.h"
 
 namespace fusedce {
