@@ -14,6 +14,8 @@
 #   STEPS=tests bash scripts/ab_check.sh      (builds this tree; its CUDA tests)
 #   STEPS=bits bash scripts/ab_check.sh       (builds the reference; the same bits?)
 #   STEPS=bench bash scripts/ab_check.sh      (the benchmarks)
+# or, with everything built here (scripts/pack_ab.sh), in one call without compiling:
+#   PREBUILT=build-pack/ab.txz bash scripts/ab_check.sh       (carry build-pack)
 # Env: REF_DIR (build-ref-src), ROUNDS (2), BENCH_ARGS (to both benchmarks, e.g. --quick or
 # --shapes ...), GTEST_FILTER ('*cuda*:*Cuda*'), TEST_TIMEOUT (seconds a test shard, 300),
 # STEPS ("tests bits bench"), OUT (build-ab/out), AB_CUTLASS (OFF: the CUTLASS headers are fetched at
@@ -39,13 +41,18 @@ build() {  # build SRC DIR TARGETS...
     cmake --build "$dir" -j "$(nproc)" --target "$@" > "$out/build_$(basename "$dir").log" 2>&1
 }
 
-step "build (sm_90): this tree, and the reference in $ref"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
-build . build-ab/this fusedce_bench fusedce_tests fusedce_grid_tests fusedce_cuda_tests ||
-  { grep -E "error" "$out/build_this.log" | head -20; exit 1; }
-if want bench || want bits; then
-  [ -f "$ref/CMakeLists.txt" ] || { echo "ab_check: no reference sources in $ref (see the head of this script)"; exit 1; }
-  build "$ref" build-ab/ref-build fusedce_bench || { grep -E "error" "$out/build_ref-build.log" | head -20; exit 1; }
+if [ -n "${PREBUILT:-}" ]; then
+  step "prebuilt binaries: $PREBUILT (scripts/pack_ab.sh)"
+  mkdir -p build-ab && tar -C build-ab -xf "$PREBUILT" || exit 1
+else
+  step "build (sm_90): this tree, and the reference in $ref"
+  build . build-ab/this fusedce_bench fusedce_tests fusedce_grid_tests fusedce_cuda_tests ||
+    { grep -E "error" "$out/build_this.log" | head -20; exit 1; }
+  if want bench || want bits; then
+    [ -f "$ref/CMakeLists.txt" ] || { echo "ab_check: no reference sources in $ref (see the head of this script)"; exit 1; }
+    build "$ref" build-ab/ref-build fusedce_bench || { grep -E "error" "$out/build_ref-build.log" | head -20; exit 1; }
+  fi
 fi
 
 if want tests; then
@@ -78,6 +85,10 @@ fi
 if want bits; then
   step "bit-for-bit A/B: scripts/ab_bits.cpp against the reference's library and this tree's"
   for side in ref this; do
+    if [ -x "build-ab/bin/ab_bits_$side" ]; then  # prebuilt
+      timeout -k 5 "${BITS_TIMEOUT:-400}" "build-ab/bin/ab_bits_$side" > "$out/bits_$side.txt" || status=1
+      continue
+    fi
     dir=build-ab/this inc=.
     [ $side = ref ] && dir=build-ab/ref-build inc=$ref
     # Linked as that tree links fusedce_bench (its CUDA runtime, cuBLASLt, and the CPU BLAS it found).
