@@ -1,7 +1,7 @@
 // racecheck probe: does compute-sanitizer's racecheck accept the stream kernel's ring protocol?
 //
 // The stream kernel reports write-after-read hazards between a bulk copy into a ring stage and
-// the consumers' earlier reads of that stage, once the ring wraps (bench/NOTES.md). This probe
+// the consumers' earlier reads of that stage, once the ring wraps (docs/performance.md). This probe
 // runs the same protocol, stripped down, in two forms:
 //   bulk:    a producer thread waits on the stage's `empty` mbarrier, then cp.async.bulk fills
 //            the stage and completes on its `full` mbarrier (the stream kernel's protocol);
