@@ -562,9 +562,10 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (profile) {
-    // For ncu: the cases whose gaps the notes explain, each run twice (warm-up, then the one to
-    // read), nothing timed. bf16: forward 64 x 262144 (few rows), forward 16384 x 32000 (short
-    // rows), forward and fwd+grad 8192 x 128256, and the soft-cap's forward (the slowest option).
+    // For ncu: the cases whose gaps docs/performance.md explains, each run twice (warm-up, then
+    // the one to read), nothing timed. bf16: forward 64 x 262144 (few rows), forward 16384 x 32000
+    // (short rows), forward and fwd+grad 8192 x 128256, and the soft-cap's forward (the slowest
+    // option).
     struct Case { int64_t N, V; bool grad; float softcap; };
     for (const Case k : {Case{64, 262144, false, 0.0f}, Case{16384, 32000, false, 0.0f},
                          Case{8192, 128256, false, 0.0f}, Case{8192, 128256, true, 0.0f},

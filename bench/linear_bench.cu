@@ -6,7 +6,11 @@
 // FLOPs counted: 6 N H V (the floor's three products). Extra memory: the workspace the call asks
 // for (linear_cross_entropy_workspace_size), given to it explicitly, so nothing else is taken.
 // Timing: CUDA events, after warm-up, median of `iters` runs.
-// Usage: fusedce_linear_bench [--quick] [--check]
+// Usage: fusedce_linear_bench [--quick] [--csv FILE] [--profile N H V]
+//   --csv FILE: one line per row of the printed table (bench/make_results.py reads it into
+//   bench/RESULTS.md): gpu, N, H, V, dtype, ignored (the share of ignored targets), variant
+//   (default, skip_ignored, low_memory, chunks_448MiB, all_options), fused_ms, fused_tflops,
+//   floor_ms, floor_tflops (the floor's GEMM rate), x_floor, workspace_mib.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -130,7 +134,10 @@ struct Shape {
   bool half_ignored;
 };
 
-void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory) {
+// The name of each mode of `bench` in the CSV (bench/make_results.py knows these names).
+const char* const kModeNames[] = {"default", "skip_ignored", "low_memory", "chunks_448MiB", "all_options"};
+
+void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory, const char* gpu, FILE* csv) {
   const int64_t N = s.N, H = s.H, V = s.V;
   bf16 *hid, *w, *gh, *gw, *full;
   CK(cudaMalloc(&hid, N * H * 2));
@@ -218,6 +225,12 @@ void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory) {
                 lo.low_memory ? " low_memory" : mode == 3 ? " 448 MiB chunks" : all ? " all options" : s.half_ignored ? (skip ? " half ignored, skip_ignored" : " half ignored") : "", t_fused,
                 flops / t_fused / 1e9, t_floor, flops / t_floor / 1e9, t_fused / t_floor, ws_bytes / 1048576.0);
     std::fflush(stdout);
+    if (csv) {
+      std::fprintf(csv, "%s,%lld,%lld,%lld,bfloat16,%s,%s,%.4f,%.1f,%.4f,%.1f,%.4f,%.1f\n", gpu, (long long)N, (long long)H,
+                   (long long)V, s.half_ignored ? "0.5" : "0", kModeNames[mode], t_fused, flops / t_fused / 1e9, t_floor,
+                   flops / t_floor / 1e9, t_fused / t_floor, ws_bytes / 1048576.0);
+      std::fflush(csv);
+    }
     CK(cudaFree(ws));
   }
   for (void* p : {(void*)hid, (void*)w, (void*)gh, (void*)gw, (void*)dt, (void*)loss, (void*)lse, (void*)bias, (void*)gb,
@@ -231,14 +244,32 @@ void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory) {
 int main(int argc, char** argv) {
   // --quick: fewer shapes and runs. --profile N H V: one shape, one timed run of each mode (for
   // ncu: the per-kernel times of the fused call beside the bare products').
+  // --csv FILE: the table's rows as CSV too.
   bool quick = false;
   Shape one{0, 0, 0, false};
+  const char* csv_path = nullptr;
   for (int i = 1; i < argc; ++i) {
-    quick |= std::strcmp(argv[i], "--quick") == 0;
-    if (std::strcmp(argv[i], "--profile") == 0 && i + 3 < argc) {
+    if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else if (std::strcmp(argv[i], "--profile") == 0 && i + 3 < argc) {
       one = Shape{std::atoll(argv[i + 1]), std::atoll(argv[i + 2]), std::atoll(argv[i + 3]), false};
       i += 3;
+    } else if (std::strcmp(argv[i], "--csv") == 0 && i + 1 < argc) {
+      csv_path = argv[++i];
+    } else {
+      std::fprintf(stderr, "fusedce_linear_bench: unknown or incomplete argument \"%s\"\n"
+                           "usage: fusedce_linear_bench [--quick] [--csv FILE] [--profile N H V]\n", argv[i]);
+      return 2;
     }
+  }
+  FILE* csv = nullptr;
+  if (csv_path) {
+    csv = std::fopen(csv_path, "w");
+    if (!csv) {
+      std::fprintf(stderr, "fusedce_linear_bench: --csv: cannot write \"%s\"\n", csv_path);
+      return 2;
+    }
+    std::fprintf(csv, "gpu,N,H,V,dtype,ignored,variant,fused_ms,fused_tflops,floor_ms,floor_tflops,x_floor,workspace_mib\n");
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -248,13 +279,14 @@ int main(int argc, char** argv) {
   std::printf("|---|---|---|---|---|---|\n");
   BareGemm bare;
   if (one.N > 0) {
-    bench(one, bare, 0, true);
+    bench(one, bare, 0, true, prop.name, nullptr);
     return 0;
   }
   const int iters = quick ? 3 : 10;
   std::vector<Shape> shapes = {{4096, 4096, 128256, false}, {8192, 4096, 128256, false}, {16384, 2304, 256000, false},
                                {8192, 4096, 151936, false}, {8192, 4096, 128256, true}};
   if (!quick) shapes.push_back({32768, 4096, 128256, false});
-  for (const Shape& s : shapes) bench(s, bare, iters, true);
+  for (const Shape& s : shapes) bench(s, bare, iters, true, prop.name, csv);
+  if (csv) std::fclose(csv);
   return 0;
 }

@@ -1,7 +1,7 @@
 // racecheck probe: does compute-sanitizer's racecheck accept the stream kernel's ring protocol?
 //
 // The stream kernel reports write-after-read hazards between a bulk copy into a ring stage and
-// the consumers' earlier reads of that stage, once the ring wraps (bench/NOTES.md). This probe
+// the consumers' earlier reads of that stage, once the ring wraps (docs/performance.md). This probe
 // runs the same protocol, stripped down, in two forms:
 //   bulk:    a producer thread waits on the stage's `empty` mbarrier, then cp.async.bulk fills
 //            the stage and completes on its `full` mbarrier (the stream kernel's protocol);
@@ -12,10 +12,10 @@
 //   compute-sanitizer --tool racecheck fusedce_race_probe bulk   (and: ... generic)
 // If racecheck flags `bulk` but not `generic`, it does not model the mbarrier ordering of
 // async-proxy writes, and the stream kernel's report is the same false positive.
-// Outcome (H200, 2026-11-29): racecheck flags both forms (bulk 8 hazards, generic 4), with
-// correct sums, so it cannot judge a ring. The stream kernel's report was nonetheless a real
-// hazard: its consumers arrived on `empty` before their shared-memory reads had returned (fixed
-// by release_stage in src/cuda/ce/stream_producer.cuh). The consumer loop below arrives the same
+// What it shows on an H200: racecheck flags both forms (bulk 8 hazards, generic 4) with correct
+// sums, so it cannot judge a ring. A hazard in a ring can still be real: a consumer must not
+// arrive on `empty` before its shared-memory reads have returned (the stream kernel's
+// release_stage in src/cuda/ce/stream_producer.cuh makes the arrive depend on the loaded words). The consumer loop below arrives the same
 // way (its sums are only checked, not timed under load); do not copy it into a kernel.
 #include <cuda_runtime.h>
 

@@ -18,10 +18,13 @@
 # (`fusedce_bench --sweep-splits`); "ab" runs the benchmark as is and with each variant
 # of the launcher's plan named in AB_VARIANTS (fusedce_bench --variant, see the step); "options"
 # times each option alone (`fusedce_bench --options`).
-# All steps take about 20 minutes on an H200, more than one 10-minute device call: the sessions
-# so far ran two calls, STEPS="tests sanitizer bench linear" with CTEST_ARGS='-R (cuda|Cuda)'
-# (~7 min), then STEPS="python report demo" TORCH_CUDA_ARCHS=90 PYTEST_ARGS="-k cuda"
-# REPORT_ARGS=--quick (~5 min). Carry .deps (GoogleTest) and .whl (peers) with them.
+# All steps take about 20 minutes on an H200, more than one 10-minute device call, so the work is
+# split in two calls: STEPS="tests sanitizer bench linear" with CTEST_ARGS='-R (cuda|Cuda)'
+# (~7 min), then STEPS="python peers report demo" TORCH_CUDA_ARCHS=90 PYTEST_ARGS="-k cuda"
+# REPORT_ARGS=--quick (~5 min). Carry .deps (GoogleTest) and .whl (peers) with them. The bench,
+# linear and peers steps write the CSV files bench/RESULTS.md is made from (bench.csv,
+# linear_bench.csv, ce_peers.csv: copy them into bench/h200 and run bench/make_results.py).
+# PEERS_ARGS goes to the peers step's `python -m fusedce.bench --only ce` (e.g. --quick).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -30,11 +33,11 @@ build=build-gpu
 status=0
 step() { echo "== $*  ($(date +%T))"; }
 # The device tool returns at most 8 files from $OUT: on exit, more than that are packed into
-# logs.tgz (everything), and only it and the benchmark tables (bench*.md) stay beside it.
+# logs.tgz (everything), and only it, the benchmark tables (bench*.md) and the CSV files stay beside it.
 pack_logs() {
   [ "$(find "$out" -maxdepth 1 -type f | wc -l)" -le 8 ] && return
   tar -C "$out" -czf /tmp/gpu_check_logs.tgz . && mv /tmp/gpu_check_logs.tgz "$out/logs.tgz"
-  find "$out" -mindepth 1 -maxdepth 1 ! -name logs.tgz ! -name 'bench*.md' -exec rm -rf {} +
+  find "$out" -mindepth 1 -maxdepth 1 ! -name logs.tgz ! -name 'bench*.md' ! -name '*.csv' -exec rm -rf {} +
   [ "$(find "$out" -maxdepth 1 -type f | wc -l)" -le 8 ] || find "$out" -maxdepth 1 -name 'bench*.md' -delete
 }
 trap pack_logs EXIT
@@ -114,7 +117,7 @@ for tool in memcheck racecheck; do
   # Rows of several chunks, several rows a block: every stage of the stream kernel's ring turns
   # over, with the gradient's second sweep (the grid's sizes above fit one chunk a row: the ring
   # never wraps there). memcheck only: racecheck flags every wrap of an mbarrier ring, even the
-  # probe's ring of plain shared stores (bench/race_probe.cu `generic`, H200 2026-11-29), so its
+  # probe's ring of plain shared stores (bench/race_probe.cu `generic`), so its
   # count says nothing here; the ring's order is checked by results (CudaStream.MetricsLeave*).
   # With it the stream kernel's own finish over split rows (stale workspace, counters).
   if [ $tool = memcheck ]; then
@@ -181,12 +184,17 @@ fi
 fi
 
 if want peers; then
-step "peers (same machine, same run)"
+step "peers: cross-entropy over logits against every importable peer (python -m fusedce.bench --only ce)"
 # Liger-Kernel travels as a wheel in .whl/, flash-attn's Triton cross-entropy as a file in
-# .whl/peers/ (carry .whl); torch and triton are on the machine.
+# .whl/peers/ (carry .whl); torch and triton are on the machine. The CSV is bench/h200/ce_peers.csv's
+# successor; the folder (table and plots) is archived.
 FUSEDCE_PEER_FLASH_ATTN_CE=${FUSEDCE_PEER_FLASH_ATTN_CE:-$PWD/.whl/peers/flash_attn_ce.py} \
+  FUSEDCE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
   FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
-  python3 bench/peers_ce.py ${BENCH_ARGS:-} 2>&1 | tee "$out/peers.md" || status=1
+  timeout ${REPORT_TIMEOUT:-3000} python3 -m fusedce.bench --device cuda --only ce --no-progress --out "$out/peers" \
+  ${PEERS_ARGS:-} 2>&1 | tee "$out/peers.log" || status=1
+[ -f "$out/peers/results.csv" ] && cp "$out/peers/results.csv" "$out/ce_peers.csv"
+tar -C "$out" -czf "$out/peers.tgz" peers && rm -rf "$out/peers"
 fi
 
 if want report; then
@@ -208,7 +216,7 @@ fi
 
 if want linear; then
 step "linear cross-entropy benchmark (fused vs the bare GEMM floor of the same run)"
-"$build/bench/fusedce_linear_bench" ${BENCH_ARGS:-} 2>&1 | tee "$out/linear_bench.md" || status=1
+"$build/bench/fusedce_linear_bench" ${BENCH_ARGS:-} --csv "$out/linear_bench.csv" 2>&1 | tee "$out/linear_bench.md" || status=1
 fi
 
 if want profile; then
@@ -249,7 +257,7 @@ done
 fi
 
 if want ce_profile; then
-step "ncu: the cross-entropy kernels at the shapes whose gaps bench/NOTES.md explains"
+step "ncu: the cross-entropy kernels at the shapes whose gaps docs/performance.md explains"
 # DRAM bytes against the formula (forward N V elem read; with the gradient as much again written):
 # more read than that with the gradient means its second sweep missed L2.
 ncu --clock-control none -k regex:ce_ --section SpeedOfLight --section Occupancy --section WarpStateStats \

@@ -203,7 +203,7 @@ TEST_P(SpecialValues, ExtremeMagnitudes) {
 // once per chunk or row: stream_kernel.cuh, plain_grad_exp). 20011 classes: three 32 KB chunks a
 // row on the stream kernel, so the reference moves between chunks. Not larger: the gradient is
 // formed from a float32 lse, whose rounding alone moves p by up to half an ulp of lse (1.2e-4
-// relative at lse ~ 3000, where both backends fail float32's 1e-5; bench/NOTES.md).
+// relative at lse ~ 3000, where both backends fail float32's 1e-5; docs/performance.md).
 TEST_P(SpecialValues, SoftmaxOverLargeLogits) {
   fusedce::Options o = per_row(set());
   o.softcap = 0.0f;  // tanh saturates near 100: float32 ties would move the argmax, not the point here

@@ -3,8 +3,8 @@
 // with a scalar factor of exactly 1 (the common case: a mean or sum loss whose backward starts
 // at 1) every block returns at once, and an item whose row factor is 1 is skipped without
 // touching the row. Otherwise 2 * V * sizeof(T) bytes per row (read + write), bandwidth-bound.
-// (One block per item, each returning at once, took ~90 us at 8192 x 128256 bf16: 131072
-// blocks launched to do nothing; H200, torch op fwd+grad 1.33 ms against 1.17 for the C++ call.)
+// (Persistent blocks, not one block per item: at 8192 x 128256 that would launch 131072 blocks
+// that return at once, about 90 us of GPU time in every torch-op backward.)
 #pragma once
 
 #include "cuda/ce/kernels.h"

@@ -21,7 +21,7 @@ namespace cuda {
 /// every groups-th item of the block on its own (its own ring stages, reduction slots and
 /// barrier), a chunk in `groups` passes of kSegsPerThread segments a thread. The per-row costs
 /// (item set-up, the warp and row folds) are paid by fewer warps per row: with 2 chunks a row
-/// they were about as many instructions as the row's elements. Never with halves or splits (the
+/// they are about as many instructions as the row's elements. Never with halves or splits (the
 /// planner).
 template <typename T, bool kGradT, int kOpts, int kGroups>
 struct StreamShape {
