@@ -611,6 +611,11 @@ def test_opcheck(device):
     ]
     for op, args in checks:
         torch.library.opcheck(op, args)
+    # lp_bwd_ writes lp_bwd's dlogits over its logits, and tells autograd (the version counter)
+    x = logits.clone()
+    version = x._version
+    ops.lp_bwd_(x, t, lse, lp, ent, g, g, 0, 45, 0.8, IGNORE)
+    assert torch.equal(x, ops.lp_bwd(logits, t, lse, lp, ent, g, g, 0, 45, 0.8, IGNORE)) and x._version > version
 
 
 @pytest.mark.parametrize("device", DEVICES)
