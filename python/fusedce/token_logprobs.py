@@ -258,7 +258,7 @@ class _KeptLinearLogprobs(torch.autograd.Function):
         if need_w:
             grads[1] = dlogits.T @ h
         if need_b:
-            grads[2] = dlogits.sum(0, dtype=torch.float32).to(dlogits.dtype)
+            grads[2] = dlogits.sum(0)  # a 16-bit sum accumulates in float32, rounded once
         return tuple(grads)
 
 
