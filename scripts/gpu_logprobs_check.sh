@@ -43,7 +43,7 @@ fi
 if want bench; then
   step "benchmark: log-probabilities"
   FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python "$py" -m fusedce.bench --device cuda --no-progress \
-    ${BENCH_ARGS:---only logprobs --peers fusedce,torch,torch-compile} --out "$out/bench_logprobs" 2>&1 | tail -40
+    ${BENCH_ARGS:---only logprobs --peers fusedce,fusedce-keep,torch,torch-compile} --out "$out/bench_logprobs" 2>&1 | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 exit $status

@@ -113,8 +113,9 @@ FUSEDCE_TORCH_LIBRARY_IMPL(CPU, m) {
 }
 
 FUSEDCE_TORCH_LIBRARY_IMPL(ADInplaceOrView, m) {
+  // lp_bwd_ is defined in lp_binding.cpp
   for (const char* op : {"ce_fwd_out", "ce_fwd_bwd_out", "ce_fwd_bwd_inplace", "ce_bwd_out", "ce_rescale_",
-                         "lce_fwd_out", "lce_fwd_bwd_out"}) {
+                         "lce_fwd_out", "lce_fwd_bwd_out", "lp_bwd_"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&fusedce_torch::bump_versions_of_written>());
   }
 }

@@ -61,5 +61,6 @@ FUSEDCE_TORCH_LIBRARY_IMPL(CUDA, m) {
   m.impl("llp_stats", &fusedce_torch::llp_stats<Ctx>);
   m.impl("lp_merge", &fusedce_torch::lp_merge<Ctx>);
   m.impl("lp_bwd", &fusedce_torch::lp_bwd<Ctx>);
+  m.impl("lp_bwd_", &fusedce_torch::lp_bwd_<Ctx>);
   m.impl("llp_bwd", &fusedce_torch::llp_bwd<Ctx>);
 }

@@ -14,6 +14,7 @@
 //   lp_merge(gathered = every rank's stats in rank order)
 //                                            -> logprob, entropy, lse: float32 (N,)
 //   lp_bwd(logits, ..., grad_logprob (N,), grad_entropy (N,)?) -> dlogits (N, V_local)
+//   lp_bwd_(logits, ...)                     -> (): dlogits written over the logits
 //   llp_bwd(hidden, weight, bias, ...)       -> grad_hidden (N, H) float32 (this rank's part),
 //                                               grad_weight, grad_bias (or empty (0,))
 #include <ATen/Parallel.h>
@@ -44,6 +45,8 @@ FUSEDCE_TORCH_LIBRARY_FRAGMENT(m) {
         ") -> (Tensor logprob, Tensor entropy, Tensor lse)");
   m.def("lp_bwd(Tensor logits, Tensor target, Tensor lse, Tensor logprob, Tensor entropy, Tensor grad_logprob, "
         "Tensor? grad_entropy, " FUSEDCE_LP_ARGS ") -> Tensor");
+  m.def("lp_bwd_(Tensor(a!) logits, Tensor target, Tensor lse, Tensor logprob, Tensor entropy, "
+        "Tensor grad_logprob, Tensor? grad_entropy, " FUSEDCE_LP_ARGS ") -> ()");
   m.def("llp_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor lse, Tensor logprob, "
         "Tensor entropy, Tensor grad_logprob, Tensor? grad_entropy, " FUSEDCE_LP_ARGS
         ", int chunk_budget_bytes, bool need_grad_hidden, bool need_grad_weight, bool need_grad_bias) -> "
@@ -56,5 +59,6 @@ FUSEDCE_TORCH_LIBRARY_IMPL(CPU, m) {
   m.impl("llp_stats", &fusedce_torch::llp_stats<Ctx>);
   m.impl("lp_merge", &fusedce_torch::lp_merge<Ctx>);
   m.impl("lp_bwd", &fusedce_torch::lp_bwd<Ctx>);
+  m.impl("lp_bwd_", &fusedce_torch::lp_bwd_<Ctx>);
   m.impl("llp_bwd", &fusedce_torch::llp_bwd<Ctx>);
 }

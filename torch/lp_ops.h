@@ -126,26 +126,49 @@ std::tuple<Tensor, Tensor, Tensor> lp_merge(const Tensor& gathered, const Tensor
   return {logprob, entropy, lse};
 }
 
-// Step 3 over logits: dlogits (N, V_local) in the logits' dtype, for the upstream gradients
-// grad_logprob (N,) and grad_entropy (N,) or None, float32.
+// Step 3 over logits into dlogits (N, V_local) in the logits' dtype, for the upstream gradients
+// grad_logprob (N,) and grad_entropy (N,) or None, float32. dlogits may be the logits' own
+// buffer (lp_bwd_): every backend reads each element before writing it, in the thread that
+// writes it (src/cpu/kernels_impl.h lp_grad_rows_t: a row chunk loaded, then stored;
+// src/cuda/logprobs/logprobs_kernels.cu lp_backward_kernel: element j read, then written).
 template <class Ctx>
-Tensor lp_bwd(const Tensor& logits, const Tensor& target, const Tensor& lse, const Tensor& logprob,
-              const Tensor& entropy, const Tensor& grad_logprob, const OptTensor& grad_entropy, int64_t vocab_start,
-              int64_t vocab_total, double temperature, int64_t ignore_index) {
+void lp_bwd_into(const Tensor& logits, const Tensor& target, const Tensor& lse, const Tensor& logprob,
+                 const Tensor& entropy, const Tensor& grad_logprob, const OptTensor& grad_entropy,
+                 int64_t vocab_start, int64_t vocab_total, double temperature, int64_t ignore_index,
+                 const Tensor& dlogits, const char* op) {
   Ctx ctx(logits, "logits");
   const fusedce::MatrixView x = matrix_of(logits, "logits");
   check_inputs(logits, target);
   const fusedce::LogprobOutputs fwd = lp_outputs_of(logits, "logits", lse, logprob, entropy);
   check_same_device(grad_logprob, "grad_logprob", logits);
-  Tensor dlogits = at::empty(logits.sizes(), logits.options());
   check_status(fusedce::logprobs_backward(ctx.device(), x, vector_of(target, "target"),
                                           fusedce::ShardSpec{vocab_start, vocab_total},
                                           logprob_options_of(temperature, ignore_index), fwd,
                                           vector_of(grad_logprob, "grad_logprob"),
                                           optional_vector(grad_entropy, "grad_entropy", logits, "logits"),
                                           matrix_of(dlogits, "dlogits")),
-               "lp_bwd");
+               op);
+}
+
+// Step 3 over logits: a new dlogits tensor.
+template <class Ctx>
+Tensor lp_bwd(const Tensor& logits, const Tensor& target, const Tensor& lse, const Tensor& logprob,
+              const Tensor& entropy, const Tensor& grad_logprob, const OptTensor& grad_entropy, int64_t vocab_start,
+              int64_t vocab_total, double temperature, int64_t ignore_index) {
+  Tensor dlogits = at::empty(logits.sizes(), logits.options());
+  lp_bwd_into<Ctx>(logits, target, lse, logprob, entropy, grad_logprob, grad_entropy, vocab_start, vocab_total,
+                   temperature, ignore_index, dlogits, "lp_bwd");
   return dlogits;
+}
+
+// Step 3 over logits, in place: the logits are overwritten with dlogits (no second (N, V)
+// buffer). The caller owns the logits (fusedce.linear_logprobs(keep_logits=True) saves its own).
+template <class Ctx>
+void lp_bwd_(const Tensor& logits, const Tensor& target, const Tensor& lse, const Tensor& logprob,
+             const Tensor& entropy, const Tensor& grad_logprob, const OptTensor& grad_entropy, int64_t vocab_start,
+             int64_t vocab_total, double temperature, int64_t ignore_index) {
+  lp_bwd_into<Ctx>(logits, target, lse, logprob, entropy, grad_logprob, grad_entropy, vocab_start, vocab_total,
+                   temperature, ignore_index, logits, "lp_bwd_");
 }
 
 // Step 3 of the linear form: this rank's part of grad_hidden (float32 (N, H): the sum over ranks

@@ -1,6 +1,7 @@
 """Fake (meta) kernels of the log-probability ops of torch/lp_binding.cpp.
 
-The ops (``lp_stats``, ``llp_stats``, ``lp_merge``, ``lp_bwd``, ``llp_bwd``) are the steps of
+The ops (``lp_stats``, ``llp_stats``, ``lp_merge``, ``lp_bwd``, ``llp_bwd``, and ``lp_bwd_``, which
+writes ``lp_bwd``'s dlogits over its logits argument) are the steps of
 fusedce/logprobs.h; python/fusedce/token_logprobs.py strings them together (with the collectives of
 fusedce.distributed between them for a vocabulary-parallel head). They have no autograd formula:
 the autograd.Functions of logprobs.py call the backward ops, because a gradient needs the merged
@@ -62,3 +63,9 @@ def _llp_bwd_fake(hidden, weight, bias, target, lse, logprob, entropy, grad_logp
         weight.new_empty(weight.shape) if need_grad_weight else hidden.new_empty((0,)),
         bias.new_empty(bias.shape) if need_grad_bias else hidden.new_empty((0,)),
     )
+
+
+@torch.library.register_fake(_library.qualified("lp_bwd_"))
+def _lp_bwd_inplace_fake(logits, target, lse, logprob, entropy, grad_logprob, grad_entropy, vocab_start,
+                         vocab_total, temperature, ignore_index):
+    _check_rows(logits, target, "logits")

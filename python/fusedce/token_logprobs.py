@@ -11,7 +11,10 @@ One implementation for a single device and a vocabulary-parallel head (the core'
 fusedce/logprobs.h): statistics of this rank's columns, a merge of every rank's (a single device
 is a world of 1, with no collective), and the gradients from the merged values. The linear form
 never stores the (N, V) logits: the forward folds them chunk by chunk, the backward forms each
-chunk again.
+chunk again (four matrix products for forward and backward). With ``keep_logits=True`` it forms
+the logits once in hidden's dtype, runs the logits form's steps over them and keeps them for the
+backward, which writes dlogits over them and takes the two gradient products from there (three
+products, for (N, V_local) logits held between forward and backward).
 """
 
 import torch
@@ -19,7 +22,7 @@ import torch
 from . import _library, distributed
 from ._checks import _INF, _real, _representable, check_target_values, ignore_index_of, unit_stride_vector
 from .functional import _rows
-from .ops import call_below_autograd, ops
+from .ops import _graph_is_kept, call_below_autograd, ops
 
 _LINEAR = "fusedce.linear_logprobs"
 _LOGITS = "fusedce.logprobs"
@@ -73,6 +76,14 @@ def _check_budget(chunk_budget_bytes, where):
                                                and 0 < chunk_budget_bytes < 2**63):
         raise ValueError(f"{where}: chunk_budget_bytes must be None (the default) or a positive int "
                          f"below 2**63, got {chunk_budget_bytes!r}")
+
+
+def _check_keep_logits(keep_logits, chunk_budget_bytes, where):
+    if not isinstance(keep_logits, bool):
+        raise TypeError(f"{where}: keep_logits must be a bool, got {type(keep_logits).__name__}")
+    if keep_logits and chunk_budget_bytes is not None:
+        raise ValueError(f"{where}: chunk_budget_bytes bounds the logit chunks of keep_logits=False; "
+                         "keep_logits=True forms all the (N, V) logits at once: give one or the other")
 
 
 def _check_token_values(t, vocab, ignore_index, device, check_tokens, where):
@@ -166,6 +177,91 @@ class _LinearLogprobs(torch.autograd.Function):
         return tuple(grads)
 
 
+# Bytes of float32 per block of the CPU's float32 product of 16-bit matrices (_float32_product):
+# what the block upcasts, whatever the shapes.
+_FLOAT32_PRODUCT_BLOCK_BYTES = 64 << 20
+
+
+def _has_float32_mm(a):
+    """torch.mm(a, b, out_dtype=torch.float32) for 16-bit a, b: CUDA, torch >= 2.8 (aten::mm.dtype)."""
+    return a.device.type == "cuda" and "dtype" in torch.ops.aten.mm.overloads()
+
+
+def _float32_product(a, b):
+    """a @ b in float32, for a grad_hidden that the ranks sum before rounding it once, without a
+    float32 copy of a (N, V_local) or b (V_local, H). 16-bit on CUDA: cuBLAS's float32 accumulator
+    written out as float32 (torch.mm's out_dtype). Elsewhere (the CPU has no such kernel): by
+    blocks of the shared dimension, each block of a and b upcast and its product added in float32,
+    a block at most _FLOAT32_PRODUCT_BLOCK_BYTES of float32."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if _has_float32_mm(a):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    k = a.shape[1]
+    step = max(1, _FLOAT32_PRODUCT_BLOCK_BYTES // (4 * max(1, a.shape[0] + b.shape[1])))
+    out = a.new_zeros((a.shape[0], b.shape[1]), dtype=torch.float32)
+    for k0 in range(0, k, step):
+        out.addmm_(a[:, k0:k0 + step].float(), b[k0:k0 + step].float())
+    return out
+
+
+def _kept_forward(h, w, bias, target, process_group, shard, temperature, ignore_index, layout):
+    """keep_logits=True's forward: the logits (N, V_local) formed once in hidden's dtype, then the
+    logits form's steps over them. Returns logprob, entropy, lse and the logits."""
+    logits = torch.nn.functional.linear(h, w, bias)
+    stats = call_below_autograd(ops.lp_stats.default, logits, target, *shard, temperature, ignore_index)
+    logprob, entropy, lse = _merged(stats, target, process_group, shard, temperature, ignore_index, layout)
+    return logprob, entropy, lse, logits
+
+
+class _KeptLinearLogprobs(torch.autograd.Function):
+    """The linear form with its logits kept (keep_logits=True), over hidden (N, H), this rank's
+    rows weight (V_local, H) and bias (V_local,) or None. Backward: dlogits written over the saved
+    logits (lp_bwd_; into a new buffer when the graph is kept for another backward), then
+    grad_hidden = dlogits @ weight, grad_weight = dlogits.T @ hidden, grad_bias = the column sums
+    of dlogits, each with float32 accumulation and returned in the parameter dtype; for a
+    vocabulary-parallel head, grad_hidden is this rank's float32 part, all-reduced (sum) and
+    rounded once."""
+
+    @staticmethod
+    def forward(ctx, h, w, bias, target, process_group, shard, temperature, ignore_index, layout):
+        logprob, entropy, lse, logits = _kept_forward(h, w, bias, target, process_group, shard, temperature,
+                                                      ignore_index, layout)
+        ctx.save_for_backward(h, w, logits, target, lse, logprob, entropy)
+        ctx.args = (process_group, shard, temperature, ignore_index)
+        ctx.set_materialize_grads(False)
+        return logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        grads = [None] * 9
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if (grad_logprob is None and grad_entropy is None) or not (need_h or need_w or need_b):
+            return tuple(grads)
+        h, w, logits, target, lse, logprob, entropy = ctx.saved_tensors
+        process_group, shard, temperature, ignore_index = ctx.args
+        g_lp = torch.zeros_like(logprob) if grad_logprob is None else _upstream(grad_logprob, logprob)
+        args = (target, lse, logprob, entropy, g_lp, _upstream(grad_entropy, entropy), *shard, temperature,
+                ignore_index)
+        if _graph_is_kept():  # a later backward reads the logits again
+            dlogits = ops.lp_bwd(logits, *args)
+        else:
+            ops.lp_bwd_(logits, *args)
+            dlogits = logits
+        if need_h:
+            if process_group is not None:
+                # The sum over ranks of every rank's float32 part, rounded once.
+                grad_h = distributed._all_reduce_sum(_float32_product(dlogits, w), process_group)
+                grads[0] = grad_h.to(h.dtype)
+            else:
+                grads[0] = dlogits @ w
+        if need_w:
+            grads[1] = dlogits.T @ h
+        if need_b:
+            grads[2] = dlogits.sum(0)  # a 16-bit sum accumulates in float32, rounded once
+        return tuple(grads)
+
+
 def _shard(local_vocab, process_group, vocab_start, vocab_total, device, where):
     """(shard, layout) of the call: the whole vocabulary for a single device."""
     if process_group is None:
@@ -185,9 +281,9 @@ def _results(logprob, entropy, shape, return_entropy):
 
 def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, return_entropy=False,
                     ignore_index=-100, chunk_budget_bytes=None, check_tokens=False, process_group=None,
-                    vocab_start=None, vocab_total=None):
+                    vocab_start=None, vocab_total=None, keep_logits=False):
     """Per-token log-probabilities (and entropy) of the logits ``hidden @ weight.T + bias`` at a
-    sampling temperature, without ever storing the (N, V) logits.
+    sampling temperature, without ever storing the (N, V) logits (unless ``keep_logits``).
 
     Args:
         hidden: float32, bfloat16 or float16, shape (..., H).
@@ -198,7 +294,8 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
         temperature: z = logits / temperature; finite and > 0.
         return_entropy: also return the per-token entropy of softmax(z).
         ignore_index: positions with this token get logprob 0 and entropy 0, and no gradient.
-        chunk_budget_bytes: scratch memory for logit chunks (None: the core's default).
+        chunk_budget_bytes: scratch memory for logit chunks (None: the core's default); not with
+            ``keep_logits=True`` (ValueError).
         check_tokens: on a GPU, check the token values first (one synchronisation) and raise
             ValueError naming the first bad one; the CPU always checks.
         process_group, vocab_start, vocab_total: a vocabulary-parallel head: ``weight`` (and
@@ -206,6 +303,16 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
             docstring); ``hidden`` and ``tokens`` are the same on every rank. The ranks exchange
             one all-gather of (N + 1, 9) float32 statistics in the forward and one all-reduce of
             the (N, H) float32 grad_hidden in the backward.
+        keep_logits: trade memory for one matrix product. False (the default): the logits are
+            formed chunk by chunk in the forward and again in the backward, four products in
+            all. True: they are formed once, ``F.linear`` in hidden's dtype (this rank's
+            columns for a vocabulary-parallel head), kept from forward to backward ((N, V_local)
+            elements of hidden's dtype) and overwritten there by dlogits, from which the two
+            gradient products come: three products. The backward adds the gradients' own
+            outputs (and a float32 (N, H) part of grad_hidden for a vocabulary-parallel head);
+            when the graph is kept for another backward (``retain_graph=True``), a second
+            (N, V_local) buffer for dlogits. Without a gradient the logits are formed and freed
+            on return (the same values as with one).
 
     Returns:
         logprob, float32 of tokens' shape; or ``(logprob, entropy)`` with ``return_entropy``.
@@ -219,7 +326,7 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
                                     return_entropy=return_entropy, ignore_index=ignore_index,
                                     chunk_budget_bytes=chunk_budget_bytes, check_tokens=check_tokens,
                                     process_group=process_group, vocab_start=vocab_start,
-                                    vocab_total=vocab_total))
+                                    vocab_total=vocab_total, keep_logits=keep_logits))
     where = _LINEAR
     if process_group is None and (vocab_start is not None or vocab_total is not None):
         raise ValueError(f"{where}: vocab_start and vocab_total are only used with a process_group")
@@ -246,6 +353,7 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
         _check_device(value, name, hidden, "hidden", where)
     _check_cuda_build(hidden, "hidden", where)
     _check_budget(chunk_budget_bytes, where)
+    _check_keep_logits(keep_logits, chunk_budget_bytes, where)
     temperature = _temperature(temperature, where)
     ignore_index = ignore_index_of(ignore_index, where)
 
@@ -257,7 +365,12 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
     _check_token_values(t, shard[1], ignore_index, h.device, check_tokens, where)
     budget = int(chunk_budget_bytes or 0)
     grad_on = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
-    if grad_on:
+    if keep_logits and grad_on:
+        logprob, entropy = _KeptLinearLogprobs.apply(h, w, b, t, process_group, shard, temperature, ignore_index,
+                                                     layout)
+    elif keep_logits:
+        logprob, entropy, _, _ = _kept_forward(h, w, b, t, process_group, shard, temperature, ignore_index, layout)
+    elif grad_on:
         logprob, entropy = _LinearLogprobs.apply(h, w, b, t, process_group, shard, temperature, ignore_index,
                                                  budget, layout)
     else:

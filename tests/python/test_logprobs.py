@@ -8,7 +8,9 @@ tolerances are float32 ones for the values, and the dtype's rounding for gradien
 a 16-bit dtype. Collapse: margins of 20-100 nats, where torch's float32 log_softmax gives 0 for
 the target (asserted), and fusedce must give the float64 value to float32 precision, and so must
 the target's gradient (1 - p_t). Vocabulary parallel: gloo groups of 2 and 3 ranks, equal to the
-single-device call. Parametrised over DEVICES (run with -k cuda on a GPU)."""
+single-device call. The linear form's tests run with keep_logits False and True (the logits formed
+once, in the input dtype, and kept for the backward). Parametrised over DEVICES (run with -k cuda
+on a GPU)."""
 
 import datetime
 import json
@@ -19,12 +21,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedce
+from fusedce import token_logprobs
 from conftest import DEVICES, DTYPES
 
 ops = torch.ops.fusedce
 IGNORE = -100
+KEEP = pytest.mark.parametrize("keep_logits", [False, True], ids=["stream", "keep"])
 
 
 # ---- problems and the float64 reference -----------------------------------------------------
@@ -209,7 +214,8 @@ def test_collapse_logits(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
-def test_collapse_linear(device, dtype, temperature):
+@KEEP
+def test_collapse_linear(device, dtype, temperature, keep_logits):
     """Integer-valued logits from one-hot hidden rows (exact in every dtype and in the product's
     float32 accumulation, even when a GPU stores the chunk in bf16)."""
     vocab, hid = 203, 8
@@ -225,7 +231,7 @@ def test_collapse_linear(device, dtype, temperature):
     lp_ref, _ = reference(z64, t)
     assert (torch.log_softmax(z64.float(), -1)[1:, 0] == 0).all()
     hl, wl = h.to(device).requires_grad_(True), w.to(device).requires_grad_(True)
-    lp = fusedce.linear_logprobs(hl, wl, t.to(device), temperature=temperature)
+    lp = fusedce.linear_logprobs(hl, wl, t.to(device), temperature=temperature, keep_logits=keep_logits)
     _close(lp, lp_ref, 1e-41, 1e-5, "collapsed logprob (linear)")
     lp.sum().backward()
     dz = _collapse_dz(z64, t) / temperature
@@ -243,11 +249,12 @@ def test_collapse_linear(device, dtype, temperature):
 @pytest.mark.parametrize("n,hid,vocab", [(19, 24, 301), (5, 8, 1), (0, 16, 40), (40, 32, 1031)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 1.3])
-def test_linear_values_and_gradients(device, dtype, n, hid, vocab, bias, temperature):
+@KEEP
+def test_linear_values_and_gradients(device, dtype, n, hid, vocab, bias, temperature, keep_logits):
     h, w, b, t = _linear_problem(n, hid, vocab, dtype, device, seed=n * 7 + vocab, bias=bias)
     leaves = [x.detach().clone().requires_grad_(True) if x is not None else None for x in (h, w, b)]
     lp, ent = fusedce.linear_logprobs(leaves[0], leaves[1], t, leaves[2], temperature=temperature,
-                                      return_entropy=True)
+                                      return_entropy=True, keep_logits=keep_logits)
     ref64 = [x.detach().double().cpu().requires_grad_(True) if x is not None else None for x in (h, w, b)]
     z64 = torch.nn.functional.linear(ref64[0], ref64[1], ref64[2]) / temperature
     lp_ref, ent_ref = reference(z64, t.cpu())
@@ -297,6 +304,163 @@ def test_linear_chunked_and_leading_dims(device):
 
     for a, c, name in zip(grads(), grads(chunk_budget_bytes=5 * 264 * 4), ("hidden", "weight", "bias")):
         torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---- keep_logits=True: the logits formed once and kept -----------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("vp", [False, True], ids=["whole", "shard"])
+def test_kept_logits_are_the_logits_form_over_f_linear(device, dtype, bias, vp):
+    """keep_logits=True is, bit for bit, the logits form over F.linear's logits in the input
+    dtype, followed by the three products: grad_hidden = dlogits @ weight, grad_weight =
+    dlogits.T @ hidden, grad_bias = dlogits' column sums (float32, rounded once). "shard": the
+    step arguments of one rank's columns (vocab_start, vocab_total) without a process group,
+    whose float32 grad_hidden part comes from _float32_product."""
+    n, hid, vocab = 21, 24, 517
+    h, w, b, t = _linear_problem(n, hid, vocab, dtype, device, seed=17, bias=bias)
+    old, adv = (x.float().to(device) for x in _weights(n, 6))
+    leaves = [x.detach().clone().requires_grad_(True) if x is not None else None for x in (h, w, b)]
+    lp, ent = fusedce.linear_logprobs(leaves[0], leaves[1], t, leaves[2], temperature=0.9, return_entropy=True,
+                                      keep_logits=True)
+    x = torch.nn.functional.linear(h, w, b).detach().requires_grad_(True)
+    lp_x, ent_x = fusedce.logprobs(x, t, temperature=0.9, return_entropy=True)
+    assert torch.equal(lp, lp_x) and torch.equal(ent, ent_x)
+    _objective(lp, ent, old, adv).backward()
+    _objective(lp_x, ent_x, old, adv).backward()
+    dl = x.grad
+    assert torch.equal(leaves[0].grad, dl @ w)
+    assert torch.equal(leaves[1].grad, dl.T @ h)
+    if bias:  # float32 accumulation, rounded once to the dtype
+        one_ulp = {torch.float32: 1e-6, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+        _close(leaves[2].grad, dl.double().sum(0), 1e-6, one_ulp, "grad_bias")
+        if device == "cpu":
+            assert torch.equal(leaves[2].grad, dl.sum(0, dtype=torch.float32).to(dtype))
+    if vp:  # one rank's part of grad_hidden, in float32, as the vocabulary-parallel backward takes it
+        part = token_logprobs._float32_product(dl, w)
+        assert part.dtype == torch.float32
+        _close(part, dl.double() @ w.double(), 1e-6, 1e-5, "float32 grad_hidden part")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kept_logits_against_streamed(device, dtype):
+    """keep_logits True and False: the same values to float32 arithmetic plus the input dtype's
+    rounding of the logits (the kept logits are in the input dtype; the streamed chunks are
+    float32 on the CPU, the input dtype on a GPU), so not the same bits in general."""
+    n, hid, vocab = 33, 40, 2053
+    h, w, b, t = _linear_problem(n, hid, vocab, dtype, device, seed=23, bias=True)
+    runs = {}
+    for keep in (False, True):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (h, w, b)]
+        lp, ent = fusedce.linear_logprobs(*leaves[:2], t, leaves[2], temperature=1.1, return_entropy=True,
+                                          keep_logits=keep)
+        (lp * torch.linspace(-1, 1, n, device=device) + 0.05 * ent).sum().backward()
+        runs[keep] = [lp.detach(), ent.detach()] + [x.grad for x in leaves]
+    # a logit rounded to the dtype moves by up to half its ulp: logprob (z_t - lse) and entropy by
+    # up to about eps * max |z|
+    eps = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+    zmax = torch.nn.functional.linear(h.double(), w.double(), b.double()).abs().max().item() / 1.1
+    vtol = max(2e-5, eps * zmax)
+    for a, c, name in zip(runs[False], runs[True], ("logprob", "entropy", "hidden", "weight", "bias")):
+        assert a.dtype == c.dtype, name
+        if name in ("logprob", "entropy"):
+            _close(c, a, vtol, 1e-5, name)
+        else:
+            atol, rtol = _grad_tol(dtype, a.double())
+            _close(c, a, 4 * atol, 4 * rtol, f"grad_{name}")
+
+
+class _OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kept_logits_overwritten_unless_the_graph_is_kept(device):
+    """One backward writes dlogits over the kept logits (lp_bwd_, no second (N, V) buffer); a
+    backward that keeps the graph (retain_graph=True) writes a new buffer (lp_bwd), so a second
+    backward reads the logits again and gets the same gradients."""
+    h, w, b, t = _linear_problem(12, 16, 301, torch.bfloat16, device, seed=29, bias=True)
+
+    def grads(backwards):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (h, w, b)]
+        lp, ent = fusedce.linear_logprobs(*leaves[:2], t, leaves[2], return_entropy=True, keep_logits=True)
+        obj = (lp * torch.linspace(-1, 1, 12, device=device) + 0.1 * ent).sum()
+        out = []
+        for k in range(backwards):
+            log = _OpLog()
+            with log:
+                obj.backward(retain_graph=k + 1 < backwards)
+            out.append(([x.grad.clone() for x in leaves], [n for n in log.names if n.startswith("fusedce.")]))
+            for x in leaves:
+                x.grad = None
+        return out
+
+    (once, ops_once), = grads(1)
+    assert ops_once == ["fusedce.lp_bwd_"]
+    (first, ops_first), (second, ops_second) = grads(2)
+    assert ops_first == ["fusedce.lp_bwd"] and ops_second == ["fusedce.lp_bwd_"]
+    for a, c, d in zip(once, first, second):
+        assert torch.equal(a, c) and torch.equal(a, d)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@KEEP
+def test_empty_batch_gradients(device, keep_logits):
+    h, w, b, t = _linear_problem(0, 8, 40, torch.bfloat16, device, seed=3, bias=True)
+    leaves = [x.detach().clone().requires_grad_(True) for x in (h, w, b)]
+    lp, ent = fusedce.linear_logprobs(*leaves[:2], t, leaves[2], return_entropy=True, keep_logits=keep_logits)
+    assert lp.shape == ent.shape == (0,)
+    (lp.sum() + ent.sum()).backward()
+    for leaf in leaves:
+        assert leaf.grad.shape == leaf.shape and leaf.grad.dtype == leaf.dtype and (leaf.grad == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_float32_product(device, dtype, monkeypatch):
+    """a @ b in float32 from 16-bit a, b (a vocabulary-parallel rank's part of grad_hidden),
+    against float64: float32's error, well below a 16-bit rounding of the result. On the CPU by
+    blocks of the shared dimension (a small block here: 14 blocks, the last one short)."""
+    n, k, m = 7, 1000, 5
+    monkeypatch.setattr(token_logprobs, "_FLOAT32_PRODUCT_BLOCK_BYTES", 4 * (n + m) * 73)
+    g = torch.Generator().manual_seed(37)
+    a = torch.randn(n, k, generator=g).to(dtype).to(device)
+    b = torch.randn(k, m, generator=g).to(dtype).to(device)
+    got = token_logprobs._float32_product(a, b)
+    want = a.double() @ b.double()
+    assert got.dtype == torch.float32 and got.shape == (n, m)
+    _close(got, want, 1e-4, 1e-5, "float32 product")
+    assert (got.double() - want).abs().max() < (want.to(dtype).double() - want).abs().max() / 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_kept_logits_backward_holds_one_logits_buffer():
+    """The backward of keep_logits=True adds no (N, V) buffer to the kept logits: its peak above
+    the start of the backward is the gradients' outputs (and cuBLAS's workspace), well under the
+    logits' size."""
+    n, hid, vocab = 4096, 256, 32768
+    h, w, _, t = _linear_problem(n, hid, vocab, torch.bfloat16, "cuda", seed=41, peaked=False)
+    hl, wl = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    lp, ent = fusedce.linear_logprobs(hl, wl, t, return_entropy=True, keep_logits=True)
+    obj = (lp + 0.1 * ent).sum()
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    obj.backward()
+    torch.cuda.synchronize()
+    added = torch.cuda.max_memory_allocated() - start
+    logits_bytes = n * vocab * 2
+    grads_bytes = (n + vocab) * hid * 2
+    assert added < grads_bytes + logits_bytes // 4, (added, logits_bytes, grads_bytes)
 
 
 # ---- beyond 2^31 elements (GPU: the logits alone are 4.3 GB) --------------------------------
@@ -359,11 +523,12 @@ def test_linear_beyond_2_31_logits():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_only_entropy_or_only_logprob_has_a_gradient(device):
+@KEEP
+def test_only_entropy_or_only_logprob_has_a_gradient(device, keep_logits):
     h, w, b, t = _linear_problem(10, 8, 50, torch.float32, device, seed=9, bias=True)
     for pick in (0, 1):
         hl = h.detach().clone().requires_grad_(True)
-        out = fusedce.linear_logprobs(hl, w, t, b, return_entropy=True, temperature=0.9)
+        out = fusedce.linear_logprobs(hl, w, t, b, return_entropy=True, temperature=0.9, keep_logits=keep_logits)
         out[pick].sum().backward()
         h64 = h.double().cpu().requires_grad_(True)
         ref = reference(torch.nn.functional.linear(h64, w.double().cpu(), b.double().cpu()) / 0.9, t.cpu())
@@ -372,13 +537,16 @@ def test_only_entropy_or_only_logprob_has_a_gradient(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_no_grad_and_frozen_head(device):
+@KEEP
+def test_no_grad_and_frozen_head(device, keep_logits):
     h, w, b, t = _linear_problem(9, 8, 60, torch.float32, device, seed=2)
     with torch.no_grad():
-        a = fusedce.linear_logprobs(h.requires_grad_(True), w, t)
+        a = fusedce.linear_logprobs(h.requires_grad_(True), w, t, keep_logits=keep_logits)
     assert not a.requires_grad
     hl = h.detach().clone().requires_grad_(True)
-    lp = fusedce.linear_logprobs(hl, w, t)
+    lp = fusedce.linear_logprobs(hl, w, t, keep_logits=keep_logits)
+    if keep_logits:  # the same computation with and without a gradient: the same bits
+        assert torch.equal(lp.detach(), a)
     torch.testing.assert_close(lp.detach(), a)
     lp.sum().backward()
     assert hl.grad is not None and w.grad is None
@@ -420,6 +588,10 @@ def test_bad_input_is_named():
         fusedce.linear_logprobs(h, w, t, chunk_budget_bytes=0)
     with pytest.raises(ValueError, match="process_group"):
         fusedce.linear_logprobs(h, w, t, vocab_total=30)
+    with pytest.raises(ValueError, match="chunk_budget_bytes.*keep_logits"):
+        fusedce.linear_logprobs(h, w, t, chunk_budget_bytes=1 << 20, keep_logits=True)
+    with pytest.raises(TypeError, match="keep_logits must be a bool"):
+        fusedce.linear_logprobs(h, w, t, keep_logits=1)
 
 
 # ---- the ops --------------------------------------------------------------------------------
@@ -437,20 +609,27 @@ def test_opcheck(device):
         (ops.llp_stats.default, (h, w, b, t, 0, 45, 0.8, IGNORE, 0)),
         (ops.lp_merge.default, (stats, t, 0, 45, 0.8, IGNORE)),
         (ops.lp_bwd.default, (logits, t, lse, lp, ent, g, g, 0, 45, 0.8, IGNORE)),
+        (ops.lp_bwd_.default, (logits.clone(), t, lse, lp, ent, g, None, 0, 45, 0.8, IGNORE)),
         (ops.llp_bwd.default, (h, w, b, t, lse, lp, ent, g, None, 0, 45, 0.8, IGNORE, 0, True, True, True)),
     ]
     for op, args in checks:
         torch.library.opcheck(op, args)
+    # lp_bwd_ writes lp_bwd's dlogits over its logits, and tells autograd (the version counter)
+    x = logits.clone()
+    version = x._version
+    ops.lp_bwd_(x, t, lse, lp, ent, g, g, 0, 45, 0.8, IGNORE)
+    assert torch.equal(x, ops.lp_bwd(logits, t, lse, lp, ent, g, g, 0, 45, 0.8, IGNORE)) and x._version > version
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_compile_matches_eager(device):
+@KEEP
+def test_compile_matches_eager(device, keep_logits):
     torch._dynamo.reset()
     h, w, b, t = _linear_problem(16, 16, 131, torch.float32, device, seed=8, bias=True)
     old, adv = (x.float().to(device) for x in _weights(16, 3))
 
     def step(h, w, b):
-        lp, ent = fusedce.linear_logprobs(h, w, t, b, temperature=0.9, return_entropy=True)
+        lp, ent = fusedce.linear_logprobs(h, w, t, b, temperature=0.9, return_entropy=True, keep_logits=keep_logits)
         return _objective(lp, ent, old, adv)
 
     def run(fn):
@@ -476,14 +655,16 @@ def _vp_cases(world, rank, group):
     sizes = [vocab // world + (1 if r < vocab % world else 0) for r in range(world)]
     starts = [sum(sizes[:r]) for r in range(world)]
     v0, v1 = starts[rank], starts[rank] + sizes[rank]
-    for dtype, with_bias, temperature in ((torch.float32, True, 0.8), (torch.bfloat16, False, 1.0)):
+    for dtype, with_bias, temperature, keep in ((torch.float32, True, 0.8, False), (torch.bfloat16, False, 1.0, False),
+                                                (torch.float32, True, 0.8, True), (torch.bfloat16, True, 1.0, True),
+                                                (torch.float16, False, 1.2, True)):
         h, w, b, t = _linear_problem(n, hid, vocab, dtype, "cpu", seed=11, bias=with_bias)
         old, adv = (x.float() for x in _weights(n, 5))
 
         def run(w_part, b_part, **kw):
             leaves = [x.detach().clone().requires_grad_(True) if x is not None else None for x in (h, w_part, b_part)]
             lp, ent = fusedce.linear_logprobs(leaves[0], leaves[1], t, leaves[2], temperature=temperature,
-                                              return_entropy=True, **kw)
+                                              return_entropy=True, keep_logits=keep, **kw)
             _objective(lp, ent, old, adv).backward()
             return lp.detach(), ent.detach(), [x.grad if x is not None else None for x in leaves]
 

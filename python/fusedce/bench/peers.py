@@ -95,6 +95,25 @@ _fusedce_low_memory = _fusedce_linear_variant(
     low_memory=True)
 
 
+def _fusedce_keep_logits(device):
+    """fusedce.linear_logprobs(keep_logits=True): the logits formed once in the input dtype and
+    kept from forward to backward ((N, V) elements more memory), three matrix products instead of
+    four. Without a gradient (the forward row) the same logits, freed on return."""
+    import fusedce
+
+    if device == "cuda" and not fusedce.with_cuda:
+        raise Unavailable("this build of fusedce has no CUDA kernels")
+    llp = getattr(fusedce, "linear_logprobs", None)
+    if llp is None:
+        raise Unavailable(f"fusedce {fusedce.__version__} has no linear_logprobs yet")
+    try:
+        llp(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, dtype=torch.int64), keep_logits=True)
+    except TypeError as e:
+        raise Unavailable(f"fusedce {fusedce.__version__}: linear_logprobs has no keep_logits ({e})") from None
+    return {"logprobs": lambda h, w, t, entropy: (
+        llp(h, w, t, return_entropy=True, keep_logits=True) if entropy else (llp(h, w, t, keep_logits=True), None))}, {}
+
+
 def _torch_ce(x, t):
     """As transformers' ForCausalLMLoss calls it: the logits upcast to float32 first."""
     return F.cross_entropy(x.float(), t)
@@ -201,6 +220,7 @@ REGISTRY = [
     ("fusedce", "fusedce", _fusedce, ("ce", "linear", "logprobs"), False),
     ("fusedce-skip", "fusedce skip_ignored", _fusedce_skip, ("linear",), False),
     ("fusedce-lowmem", "fusedce low_memory", _fusedce_low_memory, ("linear",), False),
+    ("fusedce-keep", "fusedce keep_logits", _fusedce_keep_logits, ("logprobs",), False),
     ("torch", "torch eager", _torch, ("ce", "linear", "logprobs"), False),
     ("torch-compile", "torch.compile", _torch_compile, ("ce", "linear", "logprobs"), False),
     ("torch-lce", "torch F.linear_cross_entropy", _torch_lce, ("linear",), False),
