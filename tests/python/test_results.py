@@ -106,9 +106,14 @@ def test_a_commit_the_csv_cannot_carry_is_required(bench_copy):
 
 def test_the_manifest_overrides_the_csv_commit():
     """A run from an uncommitted tree says '<parent>-dirty'; the manifest names the commit."""
+    manifest = json.loads((BENCH / "h200" / "runs.json").read_text())
+    entry = next(s for s in manifest["sources"] if s["file"] == "logprobs.csv")
+    with open(BENCH / "h200" / "logprobs.csv", newline="") as f:
+        csv_commit = next(csv.DictReader(f))["fusedce_commit"]
+    assert csv_commit.endswith("-dirty") and entry["commit"] != csv_commit
     text = (BENCH / "RESULTS.md").read_text()
     data_line = text.split("`h200/logprobs.csv`")[1].splitlines()[0]
-    assert "commit a7d061d" in data_line and "-dirty" not in data_line
+    assert f"commit {entry['commit']}" in data_line and "-dirty" not in data_line
 
 
 def _csv_header_written_by(source):
