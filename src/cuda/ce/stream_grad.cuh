@@ -32,6 +32,14 @@ __device__ __forceinline__ void zero_row_grad(const RowParams& p, int64_t row, i
   for (int s = gtid; s < dseg; s += S::gthreads) store_segment(dx, s, doff, V, zero);
 }
 
+/// Per-class smoothing weights in the gradient (class weights with label smoothing), formed from
+/// the parameters where the sweep branches on it: a flag carried in from the item's set-up made
+/// the compiler merge the weights' loads with the unweighted path (register copies per element)
+/// and the 16-bit options gradient kernels spill 16 bytes more.
+__device__ __forceinline__ bool class_smoothing(const RowParams& p) {
+  return p.class_weight != nullptr && p.smoothing;
+}
+
 /// The gradient sweep over the item's chunks, in the producer's order (backwards when
 /// StreamParams::grad_backwards, except for a row kept in the ring, whose stages are read again
 /// from row_at, already waited for and not released since). `at` moves past the row's second
@@ -40,7 +48,7 @@ __device__ __forceinline__ void zero_row_grad(const RowParams& p, int64_t row, i
 /// alias, and a copy lets every field stay in a register across the stores.
 template <typename S, typename T>
 __device__ __forceinline__ void gradient_sweep(const StreamParams& sp, int64_t row, const ItemGeometry<T> g,
-                                               const StreamItem<T> it, bool weighted, bool softcap, float lse,
+                                               const StreamItem<T> it, bool softcap, float lse,
                                                float g_chain,
                                                const StreamRing& ring, RingPos& at, RingPos row_at, int ring0,
                                                int ring1, int gtid, int lane, bool in_ring) {
@@ -78,10 +86,10 @@ __device__ __forceinline__ void gradient_sweep(const StreamParams& sp, int64_t r
         if (!inner && s >= g.nseg) continue;
         const int j0 = s * kVec - g.off;
         Segment<T> out;
-        if (S::kExtras && (softcap || (weighted && p.smoothing))) {
+        if (S::kExtras && (softcap || class_smoothing(p))) {
           // Per-element dz/dx (soft-cap) or per-class smoothing weight; class weights alone only
           // scale the row (through g_a, g_bt) and take the plain arithmetic below.
-          out = options_grad_segment(seg[k], j0, p, lse, rg, c, softcap, weighted && p.smoothing);
+          out = options_grad_segment(seg[k], j0, p, lse, rg, c, softcap, class_smoothing(p));
         } else {
           // dx = g a scale p - g eps/V scale, p = exp(x scale - lse): the same arithmetic on the
           // plain path and with options that leave dz/dx = scale (smoothing, z-loss, metrics).
