@@ -25,6 +25,8 @@ def _float32(value):
 
 
 def _real(value, name, where):
+    if type(value) is float:  # the usual case, with nothing to convert
+        return value
     # A bool is an int to Python, but softcap=True is a slip, not a cap of 1.
     if isinstance(value, (str, bytes, bool)) or (isinstance(value, torch.Tensor) and value.numel() != 1):
         raise TypeError(f"{where}: {name} must be a real number, got {value!r}")
@@ -52,6 +54,8 @@ def ignore_index_of(value, where):
     """`value` as the int64 the core compares targets with. Integers only (anything with
     __index__: int, a numpy integer, a one-element integer tensor), as F.cross_entropy takes them;
     not bool, and not a float, which int() would truncate."""
+    if type(value) is int and _INT64_MIN <= value <= _INT64_MAX:  # the usual case
+        return value
     if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise TypeError(f"{where}: ignore_index must be an integer, got the bool {value!r}")
     try:
