@@ -515,6 +515,7 @@ def linear_cross_entropy_rows(h, w, bias, target, class_weight, options, compute
     if grad_on and any(x is not None and x.requires_grad for x in (h, w, bias)):
         return VocabParallelLinearCrossEntropy.apply(h, w, bias, t, class_weight, process_group, shard,
                                                      options, compute_metrics, linear, layout)
-    stats = ops.lce_shard_stats(h, w, bias, t, class_weight, *shard, *options.op_args(), *linear, compute_metrics)
+    stats = ops.lce_shard_stats(h, w, bias, t, class_weight, *shard, *options.op_args(), *linear,
+                                compute_metrics)
     return _merge_shards(stats, t, class_weight, shard, options, compute_metrics, process_group,
                          *layout)[:4]

@@ -210,7 +210,8 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
         needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
                  grad_on and bias is not None and bias.requires_grad)
         if any(needs):
-            loss, lse, num_correct, entropy_sum = FusedLinearCrossEntropy.apply(*tensors, options, *flags, *needs)
+            loss, lse, num_correct, entropy_sum = FusedLinearCrossEntropy.apply(
+                *tensors, options, *flags, *needs)
         else:
             loss, lse, num_correct, entropy_sum = call_below_autograd(
                 ops.lce_fwd.default, *tensors, *options.op_args(), *flags)

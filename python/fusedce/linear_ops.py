@@ -60,9 +60,9 @@ def _lce_fwd_fake(hidden, weight, bias, target, class_weight, options, shift_seq
 
 
 @register_fake("lce_fwd_bwd")
-def _lce_fwd_bwd_fake(hidden, weight, bias, target, class_weight, options, shift_seq_len, chunk_budget_bytes,
-                      low_memory, skip_ignored, grad_loss, compute_metrics, need_grad_hidden, need_grad_weight,
-                      need_grad_bias):
+def _lce_fwd_bwd_fake(hidden, weight, bias, target, class_weight, options, shift_seq_len,
+                      chunk_budget_bytes, low_memory, skip_ignored, grad_loss, compute_metrics,
+                      need_grad_hidden, need_grad_weight, need_grad_bias):
     _check_fake_inputs(hidden, weight, target)
     torch._check(not need_grad_bias or bias is not None,
                  lambda: "fusedce: need_grad_bias is set but bias is not given")
@@ -170,8 +170,9 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, class_weight, options, shift_seq_len, chunk_budget_bytes,
-                low_memory, skip_ignored, compute_metrics, need_grad_hidden, need_grad_weight, need_grad_bias):
+    def forward(ctx, hidden, weight, bias, target, class_weight, options, shift_seq_len,
+                chunk_budget_bytes, low_memory, skip_ignored, compute_metrics, need_grad_hidden,
+                need_grad_weight, need_grad_bias):
         args = (*options.op_args(), shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored)
         ctx.needs = (need_grad_hidden, need_grad_weight, need_grad_bias)
         ctx.fused = gradients_factor(options.reduction, need_grad_weight, need_grad_bias)
@@ -191,7 +192,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        grads = [None] * 14
+        grads = [None] * 14  # one per argument of forward
         if grad_loss is None:
             return tuple(grads)
         g = _upstream(grad_loss)

@@ -223,7 +223,7 @@ class FusedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        grads = [None] * 6
+        grads = [None] * 6  # one per argument of forward
         if grad_loss is not None and ctx.needs_input_grad[0]:
             kept = _graph_is_kept()
             if ctx.inplace is not None:
