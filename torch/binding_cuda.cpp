@@ -1,4 +1,4 @@
-// CUDA kernels of the fusedce torch ops (schemas in binding.cpp): the same wrappers as on the
+// CUDA kernels of the fusedce torch ops (the op list in registry.h): the same wrappers as on the
 // CPU, run under a device guard for the logits' GPU, on torch's current stream, with workspace
 // from torch's caching allocator. Plain C++: torch's CUDA headers never meet nvcc.
 #include <c10/cuda/CUDAGuard.h>
@@ -7,10 +7,7 @@
 
 #include "ops_namespace.h"
 
-#include "linear_ops.h"
-#include "lp_ops.h"
-#include "ops.h"
-#include "vp_ops.h"
+#include "registry.h"
 
 namespace fusedce_torch {
 namespace {
@@ -38,29 +35,4 @@ class CudaContext {
 }  // namespace
 }  // namespace fusedce_torch
 
-FUSEDCE_TORCH_LIBRARY_IMPL(CUDA, m) {
-  using Ctx = fusedce_torch::CudaContext;
-  m.impl("ce_fwd_out", &fusedce_torch::ce_fwd_out<Ctx>);
-  m.impl("ce_fwd_bwd_out", &fusedce_torch::ce_fwd_bwd_out<Ctx>);
-  m.impl("ce_fwd_bwd_inplace", &fusedce_torch::ce_fwd_bwd_inplace<Ctx>);
-  m.impl("ce_bwd_out", &fusedce_torch::ce_bwd_out<Ctx>);
-  m.impl("ce_rescale_", &fusedce_torch::ce_rescale_<Ctx>);
-  m.impl("ce_fwd", &fusedce_torch::ce_fwd<Ctx>);
-  m.impl("ce_fwd_bwd", &fusedce_torch::ce_fwd_bwd<Ctx>);
-  m.impl("ce_bwd", &fusedce_torch::ce_bwd<Ctx>);
-  m.impl("lce_fwd_out", &fusedce_torch::lce_fwd_out<Ctx>);
-  m.impl("lce_fwd_bwd_out", &fusedce_torch::lce_fwd_bwd_out<Ctx>);
-  m.impl("lce_fwd", &fusedce_torch::lce_fwd<Ctx>);
-  m.impl("lce_fwd_bwd", &fusedce_torch::lce_fwd_bwd<Ctx>);
-  m.impl("ce_shard_stats", &fusedce_torch::ce_shard_stats<Ctx>);
-  m.impl("ce_shard_merge", &fusedce_torch::ce_shard_merge<Ctx>);
-  m.impl("ce_shard_bwd", &fusedce_torch::ce_shard_bwd<Ctx>);
-  m.impl("lce_shard_stats", &fusedce_torch::lce_shard_stats<Ctx>);
-  m.impl("lce_shard_bwd", &fusedce_torch::lce_shard_bwd<Ctx>);
-  m.impl("lp_stats", &fusedce_torch::lp_stats<Ctx>);
-  m.impl("llp_stats", &fusedce_torch::llp_stats<Ctx>);
-  m.impl("lp_merge", &fusedce_torch::lp_merge<Ctx>);
-  m.impl("lp_bwd", &fusedce_torch::lp_bwd<Ctx>);
-  m.impl("lp_bwd_", &fusedce_torch::lp_bwd_<Ctx>);
-  m.impl("llp_bwd", &fusedce_torch::llp_bwd<Ctx>);
-}
+FUSEDCE_TORCH_LIBRARY_IMPL(CUDA, m) { fusedce_torch::register_kernels<fusedce_torch::CudaContext>(m); }

@@ -42,29 +42,6 @@ inline void check_linear_inputs(const Tensor& hidden, const Tensor& weight, cons
   }
 }
 
-// fusedce::Options of a linear call; `class_weight` must outlive the call.
-inline fusedce::Options linear_options_of(const Tensor& hidden, const OptTensor& class_weight,
-                                          int64_t ignore_index, c10::string_view reduction,
-                                          double label_smoothing, double logit_scale, double softcap,
-                                          double z_loss) {
-  fusedce::Options o;
-  o.ignore_index = ignore_index;
-  o.reduction = reduction_of(std::string(reduction.data(), reduction.size()));
-  o.label_smoothing = static_cast<float>(label_smoothing);
-  o.logit_scale = static_cast<float>(logit_scale);
-  o.softcap = static_cast<float>(softcap);
-  o.z_loss = static_cast<float>(z_loss);
-  if (class_weight.has_value()) {
-    check_same_device(*class_weight, "class_weight", hidden, "hidden");
-    TORCH_CHECK_VALUE(class_weight->scalar_type() == at::kFloat,
-                      "fusedce: class_weight must be float32, got ", class_weight->scalar_type());
-    TORCH_CHECK_VALUE(class_weight->dim() == 1, "fusedce: class_weight must be 1-D (V,), got shape ",
-                      class_weight->sizes());
-    o.class_weight = vector_of(*class_weight, "class_weight");
-  }
-  return o;
-}
-
 inline fusedce::LinearOptions linear_only_options(int64_t shift_seq_len, int64_t chunk_budget_bytes,
                                                   bool low_memory, bool skip_ignored) {
   TORCH_CHECK_VALUE(chunk_budget_bytes >= 0, "fusedce: chunk_budget_bytes must be >= 0 (0 = default), got ",
@@ -75,24 +52,6 @@ inline fusedce::LinearOptions linear_only_options(int64_t shift_seq_len, int64_t
   l.low_memory = low_memory;
   l.skip_ignored = skip_ignored;
   return l;
-}
-
-inline fusedce::ForwardOutputs linear_outputs_of(const Tensor& hidden, const Tensor& loss, const Tensor& lse,
-                                                 const OptTensor& num_correct, const OptTensor& entropy_sum,
-                                                 fusedce::Options* o) {
-  fusedce::ForwardOutputs out;
-  check_same_device(loss, "loss", hidden, "hidden");
-  check_same_device(lse, "lse", hidden, "hidden");
-  out.loss = vector_of(loss, "loss");
-  out.lse = vector_of(lse, "lse");
-  o->compute_metrics = metrics_requested(num_correct, entropy_sum);
-  if (o->compute_metrics) {
-    check_same_device(*num_correct, "num_correct", hidden, "hidden");
-    check_same_device(*entropy_sum, "entropy_sum", hidden, "hidden");
-    out.num_correct = vector_of(*num_correct, "num_correct");
-    out.entropy_sum = vector_of(*entropy_sum, "entropy_sum");
-  }
-  return out;
 }
 
 // The core's scratch (logit chunks, the float32 grad_weight accumulator, ...) taken from torch's
@@ -118,17 +77,15 @@ inline Tensor contiguous_bias(const OptTensor& bias) { return bias.has_value() ?
 
 template <class Ctx>
 void lce_fwd_out(const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
-                 const OptTensor& class_weight, int64_t ignore_index, c10::string_view reduction,
-                 double label_smoothing, double logit_scale, double softcap, double z_loss,
-                 int64_t shift_seq_len, int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored, const Tensor& loss,
+                 const OptTensor& class_weight, fusedce::Options o, int64_t shift_seq_len,
+                 int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored, const Tensor& loss,
                  const Tensor& lse, const OptTensor& num_correct, const OptTensor& entropy_sum) {
   Ctx ctx(hidden, "hidden");
   const fusedce::MatrixView h = linear_matrix_of(hidden, "hidden", "(N, H)");
   check_linear_inputs(hidden, weight, bias, target);
   const fusedce::MatrixView w = linear_matrix_of(weight, "weight", "(V, H)");
-  fusedce::Options o = linear_options_of(hidden, class_weight, ignore_index, reduction, label_smoothing,
-                                         logit_scale, softcap, z_loss);
-  const fusedce::ForwardOutputs out = linear_outputs_of(hidden, loss, lse, num_correct, entropy_sum, &o);
+  o = with_class_weight(o, class_weight, "class_weight", hidden, "hidden");
+  const fusedce::ForwardOutputs out = outputs_of(hidden, "hidden", loss, lse, num_correct, entropy_sum, &o);
   const fusedce::LinearOptions lo = linear_only_options(shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored);
   const Tensor ws = linear_workspace(hidden, fusedce::Job::kForward, ctx.device(), h, w, o, lo, {});
   const Tensor bias_c = contiguous_bias(bias);
@@ -142,19 +99,17 @@ void lce_fwd_out(const Tensor& hidden, const Tensor& weight, const OptTensor& bi
 // gradient grad_loss ((N,) for 'none', 0-D or (1,) otherwise; absent = 1).
 template <class Ctx>
 void lce_fwd_bwd_out(const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
-                     const OptTensor& class_weight, int64_t ignore_index, c10::string_view reduction,
-                     double label_smoothing, double logit_scale, double softcap, double z_loss,
-                     int64_t shift_seq_len, int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored,
-                     const OptTensor& grad_loss, const Tensor& loss, const Tensor& lse,
+                     const OptTensor& class_weight, fusedce::Options o, int64_t shift_seq_len,
+                     int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored, const OptTensor& grad_loss,
+                     const Tensor& loss, const Tensor& lse,
                      const OptTensor& num_correct, const OptTensor& entropy_sum, const OptTensor& grad_hidden,
                      const OptTensor& grad_weight, const OptTensor& grad_bias) {
   Ctx ctx(hidden, "hidden");
   const fusedce::MatrixView h = linear_matrix_of(hidden, "hidden", "(N, H)");
   check_linear_inputs(hidden, weight, bias, target);
   const fusedce::MatrixView w = linear_matrix_of(weight, "weight", "(V, H)");
-  fusedce::Options o = linear_options_of(hidden, class_weight, ignore_index, reduction, label_smoothing,
-                                         logit_scale, softcap, z_loss);
-  const fusedce::ForwardOutputs out = linear_outputs_of(hidden, loss, lse, num_correct, entropy_sum, &o);
+  o = with_class_weight(o, class_weight, "class_weight", hidden, "hidden");
+  const fusedce::ForwardOutputs out = outputs_of(hidden, "hidden", loss, lse, num_correct, entropy_sum, &o);
   TORCH_CHECK_VALUE(!grad_bias.has_value() || bias.has_value(), "fusedce: grad_bias is given but bias is not");
   fusedce::VectorView g;
   if (grad_loss.has_value()) {
@@ -185,14 +140,6 @@ void lce_fwd_bwd_out(const Tensor& hidden, const Tensor& weight, const OptTensor
 
 // ---- functional ops: allocate the outputs, then run the out variant -----------------------
 
-inline Tensor empty_linear_loss(const Tensor& hidden, c10::string_view reduction) {
-  const auto opts = hidden.options().dtype(at::kFloat);
-  if (reduction_of(std::string(reduction.data(), reduction.size())) == fusedce::Reduction::kNone) {
-    return at::empty({hidden.size(0)}, opts);
-  }
-  return at::empty({}, opts);
-}
-
 inline void check_hidden_2d(const Tensor& hidden) {
   TORCH_CHECK_VALUE(hidden.dim() == 2, "fusedce: hidden must be 2-D (N, H), got shape ", hidden.sizes());
 }
@@ -200,16 +147,15 @@ inline void check_hidden_2d(const Tensor& hidden) {
 template <class Ctx>
 std::tuple<Tensor, Tensor, Tensor, Tensor> lce_fwd(
     const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
-    const OptTensor& class_weight, int64_t ignore_index, c10::string_view reduction, double label_smoothing,
-    double logit_scale, double softcap, double z_loss, int64_t shift_seq_len, int64_t chunk_budget_bytes,
+    const OptTensor& class_weight, fusedce::Options o, int64_t shift_seq_len, int64_t chunk_budget_bytes,
     bool low_memory, bool skip_ignored, bool compute_metrics) {
   check_hidden_2d(hidden);
-  Tensor loss = empty_linear_loss(hidden, reduction);
+  Tensor loss = empty_loss(hidden, hidden.size(0), o.reduction);
   Tensor lse = at::empty({hidden.size(0)}, hidden.options().dtype(at::kFloat));
   auto [num_correct, entropy_sum] = empty_metrics(hidden, compute_metrics);
-  lce_fwd_out<Ctx>(hidden, weight, bias, target, class_weight, ignore_index, reduction, label_smoothing,
-                   logit_scale, softcap, z_loss, shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored, loss, lse,
-                   if_metrics(num_correct, compute_metrics), if_metrics(entropy_sum, compute_metrics));
+  lce_fwd_out<Ctx>(hidden, weight, bias, target, class_weight, o, shift_seq_len, chunk_budget_bytes, low_memory,
+                   skip_ignored, loss, lse, if_metrics(num_correct, compute_metrics),
+                   if_metrics(entropy_sum, compute_metrics));
   return {loss, lse, num_correct, entropy_sum};
 }
 
@@ -217,14 +163,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> lce_fwd(
 template <class Ctx>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> lce_fwd_bwd(
     const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
-    const OptTensor& class_weight, int64_t ignore_index, c10::string_view reduction, double label_smoothing,
-    double logit_scale, double softcap, double z_loss, int64_t shift_seq_len, int64_t chunk_budget_bytes,
+    const OptTensor& class_weight, fusedce::Options o, int64_t shift_seq_len, int64_t chunk_budget_bytes,
     bool low_memory, bool skip_ignored, const OptTensor& grad_loss, bool compute_metrics, bool need_grad_hidden,
     bool need_grad_weight, bool need_grad_bias) {
   check_hidden_2d(hidden);
   TORCH_CHECK_VALUE(weight.dim() == 2, "fusedce: weight must be 2-D (V, H), got shape ", weight.sizes());
   TORCH_CHECK_VALUE(!need_grad_bias || bias.has_value(), "fusedce: need_grad_bias is set but bias is not given");
-  Tensor loss = empty_linear_loss(hidden, reduction);
+  Tensor loss = empty_loss(hidden, hidden.size(0), o.reduction);
   Tensor lse = at::empty({hidden.size(0)}, hidden.options().dtype(at::kFloat));
   auto [num_correct, entropy_sum] = empty_metrics(hidden, compute_metrics);
   // Each its own tensor: outputs of a functional op must not alias one another.
@@ -232,9 +177,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> lce_fwd_bwd(
   Tensor grad_hidden = need_grad_hidden ? at::empty(hidden.sizes(), hidden.options()) : none();
   Tensor grad_weight = need_grad_weight ? at::empty(weight.sizes(), weight.options()) : none();
   Tensor grad_bias = need_grad_bias ? at::empty(bias->sizes(), bias->options()) : none();
-  lce_fwd_bwd_out<Ctx>(hidden, weight, bias, target, class_weight, ignore_index, reduction, label_smoothing,
-                       logit_scale, softcap, z_loss, shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored, grad_loss, loss,
-                       lse, if_metrics(num_correct, compute_metrics), if_metrics(entropy_sum, compute_metrics),
+  lce_fwd_bwd_out<Ctx>(hidden, weight, bias, target, class_weight, o, shift_seq_len, chunk_budget_bytes,
+                       low_memory, skip_ignored, grad_loss, loss, lse, if_metrics(num_correct, compute_metrics),
+                       if_metrics(entropy_sum, compute_metrics),
                        need_grad_hidden ? OptTensor(grad_hidden) : OptTensor(),
                        need_grad_weight ? OptTensor(grad_weight) : OptTensor(),
                        need_grad_bias ? OptTensor(grad_bias) : OptTensor());

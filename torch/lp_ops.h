@@ -1,11 +1,10 @@
-// The kernels behind the log-probability torch ops (schemas in lp_binding.cpp): wrap tensors into
+// The kernels behind the log-probability torch ops (schemas in registry.h): wrap tensors into
 // the core's views, check what the core cannot see (devices, dimensions), call the three steps of
 // fusedce/logprobs.h. No arithmetic on tensor data and no communication here: the Python front
 // end (python/fusedce/token_logprobs.py) calls step 2 on one rank's statistics for a single device, or
 // on every rank's, all-gathered, for a vocabulary-parallel head.
 //
-// Each op is a template over a device context `Ctx`, as in ops.h (CPU: lp_binding.cpp, CUDA:
-// binding_cuda.cpp).
+// Each op is a template over a device context `Ctx`, as in ops.h.
 #pragma once
 
 #include <fusedce/logprobs.h>

@@ -2,7 +2,8 @@
 // core cannot see (devices, dimensions, strides of torch tensors), call the core, and turn a
 // non-ok Status into a Python exception. No arithmetic on tensor data happens here.
 //
-// Each op is a template over a device context `Ctx` (binding.cpp: CPU, binding_cuda.cpp: CUDA)
+// Each op is a template over a device context `Ctx` (binding.cpp: CPU, binding_cuda.cpp: CUDA;
+// the op list and schemas in registry.h)
 // that provides:
 //   Ctx ctx(const at::Tensor& like, const char* name);  // device guard for `like`'s device,
 //                                      // held for the call; `name` for error messages
@@ -21,6 +22,8 @@
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include "options.h"
 
 namespace fusedce_torch {
 
@@ -77,37 +80,6 @@ inline fusedce::VectorView vector_of(const Tensor& t, const char* name) {
                          dtype_of(t, name), t.numel(), stride);
 }
 
-inline fusedce::Reduction reduction_of(const std::string& r) {
-  if (r == "mean") return fusedce::Reduction::kMean;
-  if (r == "sum") return fusedce::Reduction::kSum;
-  if (r == "none") return fusedce::Reduction::kNone;
-  TORCH_CHECK_VALUE(false, "fusedce: reduction must be 'none', 'sum' or 'mean', got '", r, "'");
-  return fusedce::Reduction::kMean;  // unreachable
-}
-
-// The options every op shares. `weight` (class weights) must outlive the call.
-inline fusedce::Options options_of(const Tensor& logits, const OptTensor& weight,
-                                   int64_t ignore_index, const std::string& reduction,
-                                   double label_smoothing, double logit_scale, double softcap,
-                                   double z_loss) {
-  fusedce::Options o;
-  o.ignore_index = ignore_index;
-  o.reduction = reduction_of(reduction);
-  o.label_smoothing = static_cast<float>(label_smoothing);
-  o.logit_scale = static_cast<float>(logit_scale);
-  o.softcap = static_cast<float>(softcap);
-  o.z_loss = static_cast<float>(z_loss);
-  if (weight.has_value()) {
-    check_same_device(*weight, "weight", logits);
-    TORCH_CHECK_VALUE(weight->scalar_type() == at::kFloat, "fusedce: weight must be float32, got ",
-                      weight->scalar_type());
-    TORCH_CHECK_VALUE(weight->dim() == 1, "fusedce: weight must be 1-D (V,), got shape ",
-                      weight->sizes());
-    o.class_weight = vector_of(*weight, "weight");
-  }
-  return o;
-}
-
 inline void check_status(const fusedce::Status& s, const char* op) {
   if (s.ok()) return;
   switch (s.code()) {
@@ -151,29 +123,38 @@ fusedce::Workspace workspace_for(fusedce::Job job, Ctx& ctx, const Tensor& like,
 }
 
 // ---- out-variant ops: write only into the given buffers -----------------------------------
+//
+// Every op that takes the options takes them as one fusedce::Options `o` (the schema's six
+// arguments, converted by schema_kernel in options.h); the class weights are attached here.
 
-template <class Ctx>
-void ce_fwd_out(const Tensor& logits, const Tensor& target, const OptTensor& weight,
-                int64_t ignore_index, c10::string_view reduction, double label_smoothing,
-                double logit_scale, double softcap, double z_loss, const Tensor& loss,
-                const Tensor& lse, const OptTensor& num_correct, const OptTensor& entropy_sum) {
-  Ctx ctx(logits, "logits");
-  const fusedce::MatrixView x = matrix_of(logits, "logits");
-  check_inputs(logits, target);
-  fusedce::Options o = options_of(logits, weight, ignore_index, std::string(reduction.data(), reduction.size()),
-                                  label_smoothing, logit_scale, softcap, z_loss);
+// loss and lse (and the metrics when both buffers are given) as the core's forward outputs.
+inline fusedce::ForwardOutputs outputs_of(const Tensor& like, const char* like_name, const Tensor& loss,
+                                          const Tensor& lse, const OptTensor& num_correct,
+                                          const OptTensor& entropy_sum, fusedce::Options* o) {
   fusedce::ForwardOutputs out;
-  check_out(loss, "loss", logits);
-  check_out(lse, "lse", logits);
+  check_same_device(loss, "loss", like, like_name);
+  check_same_device(lse, "lse", like, like_name);
   out.loss = vector_of(loss, "loss");
   out.lse = vector_of(lse, "lse");
-  o.compute_metrics = metrics_requested(num_correct, entropy_sum);
-  if (o.compute_metrics) {
-    check_out(*num_correct, "num_correct", logits);
-    check_out(*entropy_sum, "entropy_sum", logits);
+  o->compute_metrics = metrics_requested(num_correct, entropy_sum);
+  if (o->compute_metrics) {
+    check_same_device(*num_correct, "num_correct", like, like_name);
+    check_same_device(*entropy_sum, "entropy_sum", like, like_name);
     out.num_correct = vector_of(*num_correct, "num_correct");
     out.entropy_sum = vector_of(*entropy_sum, "entropy_sum");
   }
+  return out;
+}
+
+template <class Ctx>
+void ce_fwd_out(const Tensor& logits, const Tensor& target, const OptTensor& weight, fusedce::Options o,
+                const Tensor& loss, const Tensor& lse, const OptTensor& num_correct,
+                const OptTensor& entropy_sum) {
+  Ctx ctx(logits, "logits");
+  const fusedce::MatrixView x = matrix_of(logits, "logits");
+  check_inputs(logits, target);
+  o = with_class_weight(o, weight, "weight", logits, "logits");
+  const fusedce::ForwardOutputs out = outputs_of(logits, "logits", loss, lse, num_correct, entropy_sum, &o);
   Tensor ws_holder;
   const fusedce::Workspace ws =
       workspace_for(fusedce::Job::kForward, ctx, logits, x.rows, x.cols, o, &ws_holder);
@@ -184,30 +165,15 @@ void ce_fwd_out(const Tensor& logits, const Tensor& target, const OptTensor& wei
 // Forward with the gradient for an upstream gradient of 1 in the same sweep. `dlogits` is
 // either a separate buffer or (inplace) the logits themselves.
 template <class Ctx>
-void ce_fwd_bwd_impl(const Tensor& logits, const Tensor& target, const OptTensor& weight,
-                     int64_t ignore_index, c10::string_view reduction, double label_smoothing,
-                     double logit_scale, double softcap, double z_loss, const Tensor& loss,
-                     const Tensor& lse, const OptTensor& num_correct,
-                     const OptTensor& entropy_sum, const Tensor& dlogits, bool inplace,
-                     const char* op) {
+void ce_fwd_bwd_impl(const Tensor& logits, const Tensor& target, const OptTensor& weight, fusedce::Options o,
+                     const Tensor& loss, const Tensor& lse, const OptTensor& num_correct,
+                     const OptTensor& entropy_sum, const Tensor& dlogits, bool inplace, const char* op) {
   Ctx ctx(logits, "logits");
   const fusedce::MatrixView x = matrix_of(logits, "logits");
   check_inputs(logits, target);
-  fusedce::Options o = options_of(logits, weight, ignore_index, std::string(reduction.data(), reduction.size()),
-                                  label_smoothing, logit_scale, softcap, z_loss);
+  o = with_class_weight(o, weight, "weight", logits, "logits");
   o.inplace_grad = inplace;
-  fusedce::ForwardOutputs out;
-  check_out(loss, "loss", logits);
-  check_out(lse, "lse", logits);
-  out.loss = vector_of(loss, "loss");
-  out.lse = vector_of(lse, "lse");
-  o.compute_metrics = metrics_requested(num_correct, entropy_sum);
-  if (o.compute_metrics) {
-    check_out(*num_correct, "num_correct", logits);
-    check_out(*entropy_sum, "entropy_sum", logits);
-    out.num_correct = vector_of(*num_correct, "num_correct");
-    out.entropy_sum = vector_of(*entropy_sum, "entropy_sum");
-  }
+  const fusedce::ForwardOutputs out = outputs_of(logits, "logits", loss, lse, num_correct, entropy_sum, &o);
   check_out(dlogits, "dlogits", logits);
   TORCH_CHECK_VALUE(dlogits.sizes() == logits.sizes(), "fusedce: dlogits must have the logits' shape ",
                     logits.sizes(), ", got ", dlogits.sizes());
@@ -221,37 +187,28 @@ void ce_fwd_bwd_impl(const Tensor& logits, const Tensor& target, const OptTensor
 }
 
 template <class Ctx>
-void ce_fwd_bwd_out(const Tensor& logits, const Tensor& target, const OptTensor& weight,
-                    int64_t ignore_index, c10::string_view reduction, double label_smoothing,
-                    double logit_scale, double softcap, double z_loss, const Tensor& loss,
-                    const Tensor& lse, const OptTensor& num_correct, const OptTensor& entropy_sum,
-                    const Tensor& dlogits) {
-  ce_fwd_bwd_impl<Ctx>(logits, target, weight, ignore_index, reduction, label_smoothing,
-                       logit_scale, softcap, z_loss, loss, lse, num_correct, entropy_sum, dlogits,
+void ce_fwd_bwd_out(const Tensor& logits, const Tensor& target, const OptTensor& weight, fusedce::Options o,
+                    const Tensor& loss, const Tensor& lse, const OptTensor& num_correct,
+                    const OptTensor& entropy_sum, const Tensor& dlogits) {
+  ce_fwd_bwd_impl<Ctx>(logits, target, weight, o, loss, lse, num_correct, entropy_sum, dlogits,
                        /*inplace=*/false, "ce_fwd_bwd");
 }
 
 template <class Ctx>
 void ce_fwd_bwd_inplace(const Tensor& logits, const Tensor& target, const OptTensor& weight,
-                        int64_t ignore_index, c10::string_view reduction, double label_smoothing,
-                        double logit_scale, double softcap, double z_loss, const Tensor& loss,
-                        const Tensor& lse, const OptTensor& num_correct,
-                        const OptTensor& entropy_sum) {
-  ce_fwd_bwd_impl<Ctx>(logits, target, weight, ignore_index, reduction, label_smoothing,
-                       logit_scale, softcap, z_loss, loss, lse, num_correct, entropy_sum, logits,
+                        fusedce::Options o, const Tensor& loss, const Tensor& lse,
+                        const OptTensor& num_correct, const OptTensor& entropy_sum) {
+  ce_fwd_bwd_impl<Ctx>(logits, target, weight, o, loss, lse, num_correct, entropy_sum, logits,
                        /*inplace=*/true, "ce_fwd_bwd_inplace");
 }
 
 template <class Ctx>
-void ce_bwd_out(const Tensor& logits, const Tensor& target, const OptTensor& weight,
-                const Tensor& lse, const Tensor& grad_loss, int64_t ignore_index,
-                c10::string_view reduction, double label_smoothing, double logit_scale,
-                double softcap, double z_loss, const Tensor& dlogits) {
+void ce_bwd_out(const Tensor& logits, const Tensor& target, const OptTensor& weight, const Tensor& lse,
+                const Tensor& grad_loss, fusedce::Options o, const Tensor& dlogits) {
   Ctx ctx(logits, "logits");
   const fusedce::MatrixView x = matrix_of(logits, "logits");
   check_inputs(logits, target);
-  const fusedce::Options o = options_of(logits, weight, ignore_index, std::string(reduction.data(), reduction.size()),
-                                        label_smoothing, logit_scale, softcap, z_loss);
+  o = with_class_weight(o, weight, "weight", logits, "logits");
   check_same_device(lse, "lse", logits);
   check_same_device(grad_loss, "grad_loss", logits);
   check_out(dlogits, "dlogits", logits);
@@ -283,12 +240,10 @@ void ce_rescale_(const Tensor& grad_loss, const Tensor& dlogits) {
 
 // ---- functional ops: allocate the outputs, then run the out variant -----------------------
 
-inline Tensor empty_loss(const Tensor& logits, c10::string_view reduction) {
-  const auto opts = logits.options().dtype(at::kFloat);
-  if (reduction_of(std::string(reduction.data(), reduction.size())) == fusedce::Reduction::kNone) {
-    return at::empty({logits.size(0)}, opts);
-  }
-  return at::empty({}, opts);
+// float32 loss of `rows` rows: (rows,) for 'none', 0-D otherwise.
+inline Tensor empty_loss(const Tensor& like, int64_t rows, fusedce::Reduction reduction) {
+  const auto opts = like.options().dtype(at::kFloat);
+  return reduction == fusedce::Reduction::kNone ? at::empty({rows}, opts) : at::empty({}, opts);
 }
 
 // num_correct / entropy_sum: 0-D when asked for, else empty (0,) tensors that cost nothing.
@@ -302,50 +257,43 @@ inline OptTensor if_metrics(const Tensor& t, bool compute_metrics) {
   return compute_metrics ? OptTensor(t) : OptTensor();
 }
 
+inline void check_logits_2d(const Tensor& logits) {
+  TORCH_CHECK_VALUE(logits.dim() == 2, "fusedce: logits must be 2-D (rows, V), got shape ", logits.sizes());
+}
+
 template <class Ctx>
 std::tuple<Tensor, Tensor, Tensor, Tensor> ce_fwd(const Tensor& logits, const Tensor& target,
-                                                  const OptTensor& weight, int64_t ignore_index,
-                                                  c10::string_view reduction, double label_smoothing,
-                                                  double logit_scale, double softcap, double z_loss,
+                                                  const OptTensor& weight, fusedce::Options o,
                                                   bool compute_metrics) {
-  TORCH_CHECK_VALUE(logits.dim() == 2, "fusedce: logits must be 2-D (rows, V), got shape ",
-                    logits.sizes());
-  Tensor loss = empty_loss(logits, reduction);
+  check_logits_2d(logits);
+  Tensor loss = empty_loss(logits, logits.size(0), o.reduction);
   Tensor lse = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
   auto [num_correct, entropy_sum] = empty_metrics(logits, compute_metrics);
-  ce_fwd_out<Ctx>(logits, target, weight, ignore_index, reduction, label_smoothing, logit_scale,
-                  softcap, z_loss, loss, lse, if_metrics(num_correct, compute_metrics),
+  ce_fwd_out<Ctx>(logits, target, weight, o, loss, lse, if_metrics(num_correct, compute_metrics),
                   if_metrics(entropy_sum, compute_metrics));
   return {loss, lse, num_correct, entropy_sum};
 }
 
 template <class Ctx>
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ce_fwd_bwd(
-    const Tensor& logits, const Tensor& target, const OptTensor& weight, int64_t ignore_index,
-    c10::string_view reduction, double label_smoothing, double logit_scale, double softcap,
-    double z_loss, bool compute_metrics) {
-  TORCH_CHECK_VALUE(logits.dim() == 2, "fusedce: logits must be 2-D (rows, V), got shape ",
-                    logits.sizes());
-  Tensor loss = empty_loss(logits, reduction);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ce_fwd_bwd(const Tensor& logits, const Tensor& target,
+                                                              const OptTensor& weight, fusedce::Options o,
+                                                              bool compute_metrics) {
+  check_logits_2d(logits);
+  Tensor loss = empty_loss(logits, logits.size(0), o.reduction);
   Tensor lse = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
   auto [num_correct, entropy_sum] = empty_metrics(logits, compute_metrics);
   Tensor dlogits = at::empty(logits.sizes(), logits.options());
-  ce_fwd_bwd_out<Ctx>(logits, target, weight, ignore_index, reduction, label_smoothing,
-                      logit_scale, softcap, z_loss, loss, lse, if_metrics(num_correct, compute_metrics),
+  ce_fwd_bwd_out<Ctx>(logits, target, weight, o, loss, lse, if_metrics(num_correct, compute_metrics),
                       if_metrics(entropy_sum, compute_metrics), dlogits);
   return {loss, lse, num_correct, entropy_sum, dlogits};
 }
 
 template <class Ctx>
-Tensor ce_bwd(const Tensor& logits, const Tensor& target, const OptTensor& weight,
-              const Tensor& lse, const Tensor& grad_loss, int64_t ignore_index,
-              c10::string_view reduction, double label_smoothing, double logit_scale,
-              double softcap, double z_loss) {
-  TORCH_CHECK_VALUE(logits.dim() == 2, "fusedce: logits must be 2-D (rows, V), got shape ",
-                    logits.sizes());
+Tensor ce_bwd(const Tensor& logits, const Tensor& target, const OptTensor& weight, const Tensor& lse,
+              const Tensor& grad_loss, fusedce::Options o) {
+  check_logits_2d(logits);
   Tensor dlogits = at::empty(logits.sizes(), logits.options());
-  ce_bwd_out<Ctx>(logits, target, weight, lse, grad_loss, ignore_index, reduction,
-                  label_smoothing, logit_scale, softcap, z_loss, dlogits);
+  ce_bwd_out<Ctx>(logits, target, weight, lse, grad_loss, o, dlogits);
   return dlogits;
 }
 

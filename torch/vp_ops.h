@@ -1,17 +1,14 @@
-// The kernels behind the vocabulary-parallel torch ops (schemas in vp_binding.cpp): wrap tensors
+// The kernels behind the vocabulary-parallel torch ops (schemas in registry.h): wrap tensors
 // into the core's views, check what the core cannot see, call the three steps of
 // fusedce/vocab_parallel.h. No arithmetic on tensor data and no communication happens here: the
 // Python front end (python/fusedce/distributed.py) all-gathers the statistics between step 1 and
 // step 2 with torch.distributed.
 //
-// Each op is a template over a device context `Ctx`, as in ops.h (a CPU one in vp_binding.cpp; a
-// CUDA registration only needs binding_cuda.cpp's context and three m.impl lines once the core
-// has a CUDA backend for these steps).
+// Each op is a template over a device context `Ctx`, as in ops.h.
 #pragma once
 
 #include <fusedce/vocab_parallel.h>
 
-#include <string>
 #include <tuple>
 
 #include "linear_ops.h"
@@ -23,21 +20,14 @@ inline fusedce::ShardSpec shard_of(int64_t vocab_start, int64_t vocab_total) {
   return fusedce::ShardSpec{vocab_start, vocab_total};
 }
 
-inline std::string reduction_string(c10::string_view reduction) {
-  return std::string(reduction.data(), reduction.size());
-}
-
 // Step 1: the shard's per-row statistics, float32 (N + 1, kShardStatsWidth).
 template <class Ctx>
 Tensor ce_shard_stats(const Tensor& logits, const Tensor& target, const OptTensor& weight,
-                      int64_t vocab_start, int64_t vocab_total, int64_t ignore_index,
-                      c10::string_view reduction, double label_smoothing, double logit_scale,
-                      double softcap, double z_loss, bool compute_metrics) {
+                      int64_t vocab_start, int64_t vocab_total, fusedce::Options o, bool compute_metrics) {
   Ctx ctx(logits, "logits");
   const fusedce::MatrixView x = matrix_of(logits, "logits");
   check_inputs(logits, target);
-  fusedce::Options o = options_of(logits, weight, ignore_index, reduction_string(reduction),
-                                  label_smoothing, logit_scale, softcap, z_loss);
+  o = with_class_weight(o, weight, "weight", logits, "logits");
   o.compute_metrics = compute_metrics;
   Tensor stats = at::empty({logits.size(0) + 1, fusedce::kShardStatsWidth},
                            logits.options().dtype(at::kFloat));
@@ -56,8 +46,7 @@ Tensor ce_shard_stats(const Tensor& logits, const Tensor& target, const OptTenso
 template <class Ctx>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ce_shard_merge(
     const Tensor& gathered, const Tensor& target, const OptTensor& weight, int64_t vocab_start,
-    int64_t vocab_total, int64_t ignore_index, c10::string_view reduction, double label_smoothing,
-    double logit_scale, double softcap, double z_loss, bool compute_metrics) {
+    int64_t vocab_total, fusedce::Options o, bool compute_metrics) {
   Ctx ctx(gathered, "gathered");
   check_same_device(target, "target", gathered, "gathered");
   TORCH_CHECK_VALUE(gathered.dim() == 2 && gathered.size(1) == fusedce::kShardStatsWidth &&
@@ -69,8 +58,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ce_shard_merge(
   const int64_t n = target.size(0);
   TORCH_CHECK_VALUE(gathered.size(0) >= n + 1 && gathered.size(0) % (n + 1) == 0, "fusedce: gathered has ",
                     gathered.size(0), " rows, which is not world * (N + 1) for the target's N = ", n);
-  fusedce::Options o = options_of(gathered, weight, ignore_index, reduction_string(reduction),
-                                  label_smoothing, logit_scale, softcap, z_loss);
+  o = with_class_weight(o, weight, "weight", gathered, "gathered");
   o.compute_metrics = compute_metrics;
   const auto f32 = gathered.options().dtype(at::kFloat);
   Tensor loss = o.reduction == fusedce::Reduction::kNone ? at::empty({n}, f32) : at::empty({}, f32);
@@ -100,14 +88,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ce_shard_merge(
 template <class Ctx>
 Tensor ce_shard_bwd(const Tensor& logits, const Tensor& target, const OptTensor& weight,
                     const Tensor& lse, const Tensor& row_weight, const Tensor& batch,
-                    const Tensor& grad_loss, int64_t vocab_start, int64_t vocab_total,
-                    int64_t ignore_index, c10::string_view reduction, double label_smoothing,
-                    double logit_scale, double softcap, double z_loss) {
+                    const Tensor& grad_loss, int64_t vocab_start, int64_t vocab_total, fusedce::Options o) {
   Ctx ctx(logits, "logits");
   const fusedce::MatrixView x = matrix_of(logits, "logits");
   check_inputs(logits, target);
-  const fusedce::Options o = options_of(logits, weight, ignore_index, reduction_string(reduction),
-                                        label_smoothing, logit_scale, softcap, z_loss);
+  o = with_class_weight(o, weight, "weight", logits, "logits");
   check_same_device(lse, "lse", logits);
   check_same_device(row_weight, "row_weight", logits);
   check_same_device(batch, "batch", logits);
@@ -128,17 +113,15 @@ Tensor ce_shard_bwd(const Tensor& logits, const Tensor& target, const OptTensor&
 // stored beyond one chunk). target: the effective (already shifted) global targets.
 template <class Ctx>
 Tensor lce_shard_stats(const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
-                       const OptTensor& class_weight, int64_t vocab_start, int64_t vocab_total, int64_t ignore_index,
-                       c10::string_view reduction, double label_smoothing, double logit_scale, double softcap,
-                       double z_loss, int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored,
+                       const OptTensor& class_weight, int64_t vocab_start, int64_t vocab_total, fusedce::Options o,
+                       int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored,
                        bool compute_metrics) {
   Ctx ctx(hidden, "hidden");
   check_hidden_2d(hidden);
   const fusedce::MatrixView h = linear_matrix_of(hidden, "hidden", "(N, H)");
   check_linear_inputs(hidden, weight, bias, target);
   const fusedce::MatrixView w = linear_matrix_of(weight, "weight", "(V_local, H)");
-  fusedce::Options o = linear_options_of(hidden, class_weight, ignore_index, reduction, label_smoothing,
-                                         logit_scale, softcap, z_loss);
+  o = with_class_weight(o, class_weight, "class_weight", hidden, "hidden");
   o.compute_metrics = compute_metrics;
   const fusedce::LinearOptions lo = linear_only_options(0, chunk_budget_bytes, low_memory, skip_ignored);
   Tensor stats = at::empty({hidden.size(0) + 1, fusedce::kShardStatsWidth}, hidden.options().dtype(at::kFloat));
@@ -163,8 +146,7 @@ template <class Ctx>
 std::tuple<Tensor, Tensor, Tensor> lce_shard_bwd(
     const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
     const OptTensor& class_weight, const Tensor& lse, const Tensor& row_weight, const Tensor& batch,
-    const Tensor& grad_loss, int64_t vocab_start, int64_t vocab_total, int64_t ignore_index,
-    c10::string_view reduction, double label_smoothing, double logit_scale, double softcap, double z_loss,
+    const Tensor& grad_loss, int64_t vocab_start, int64_t vocab_total, fusedce::Options o,
     int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored, bool need_grad_hidden, bool need_grad_weight,
     bool need_grad_bias) {
   Ctx ctx(hidden, "hidden");
@@ -173,8 +155,7 @@ std::tuple<Tensor, Tensor, Tensor> lce_shard_bwd(
   check_linear_inputs(hidden, weight, bias, target);
   const fusedce::MatrixView w = linear_matrix_of(weight, "weight", "(V_local, H)");
   TORCH_CHECK_VALUE(!need_grad_bias || bias.has_value(), "fusedce: need_grad_bias is set but bias is not given");
-  const fusedce::Options o = linear_options_of(hidden, class_weight, ignore_index, reduction, label_smoothing,
-                                               logit_scale, softcap, z_loss);
+  o = with_class_weight(o, class_weight, "class_weight", hidden, "hidden");
   check_same_device(lse, "lse", hidden, "hidden");
   check_same_device(row_weight, "row_weight", hidden, "hidden");
   check_same_device(batch, "batch", hidden, "hidden");

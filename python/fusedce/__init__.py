@@ -7,7 +7,7 @@ hidden states and a head's weight without ever storing the logits;
 ``fusedce.linear_logprobs`` / ``fusedce.logprobs`` give per-token log-probabilities and entropy
 with gradients (reinforcement-learning post-training);
 ``fusedce.transformers.apply()`` puts them under every causal LM of Hugging Face transformers.
-The ops behind them are ``torch.ops.fusedce.*`` (schemas in torch/binding.cpp).
+The ops behind them are ``torch.ops.fusedce.*`` (schemas in torch/registry.h).
 """
 
 import os as _os

@@ -1,6 +1,6 @@
-"""Checks shared by the Python front ends: the scalar options as the kernels will hold them, the
-optional device-side check of target values, and the layout fixes the core cannot take (rows or
-vectors with stride 0)."""
+"""Checks shared by the Python front ends: scalar arguments as the kernels will hold them (the
+options' checks in _options.py are built from these), the optional device-side check of target
+values, and the layout fixes the core cannot take (rows or vectors with stride 0)."""
 
 import operator
 import struct
@@ -25,6 +25,8 @@ def _float32(value):
 
 
 def _real(value, name, where):
+    if type(value) is float:  # the usual case, with nothing to convert
+        return value
     # A bool is an int to Python, but softcap=True is a slip, not a cap of 1.
     if isinstance(value, (str, bytes, bool)) or (isinstance(value, torch.Tensor) and value.numel() != 1):
         raise TypeError(f"{where}: {name} must be a real number, got {value!r}")
@@ -52,6 +54,8 @@ def ignore_index_of(value, where):
     """`value` as the int64 the core compares targets with. Integers only (anything with
     __index__: int, a numpy integer, a one-element integer tensor), as F.cross_entropy takes them;
     not bool, and not a float, which int() would truncate."""
+    if type(value) is int and _INT64_MIN <= value <= _INT64_MAX:  # the usual case
+        return value
     if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise TypeError(f"{where}: ignore_index must be an integer, got the bool {value!r}")
     try:
@@ -62,40 +66,6 @@ def ignore_index_of(value, where):
     if not _INT64_MIN <= index <= _INT64_MAX:
         raise ValueError(f"{where}: ignore_index must fit in int64, got {index}")
     return index
-
-
-def scalar_options(where, ignore_index, label_smoothing, logit_scale, softcap, z_loss):
-    """(ignore_index, label_smoothing, logit_scale, softcap, z_loss) as the ops take them (softcap
-    0 = off), after checking that each means, once in the kernels' float32, what was asked for.
-
-    label_smoothing is narrowed to float32 without a check beyond its range, as PyTorch's own
-    kernels narrow it (a float32 loss scales its smoothing term by the float32 value); the other
-    three are fusedce's own options, and a value that float32 cannot hold to its precision is
-    refused rather than turned into a different option (a softcap of 1e-50 would become 0, off)."""
-    ignore_index = ignore_index_of(ignore_index, where)
-    label_smoothing = _real(label_smoothing, "label_smoothing", where)
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{where}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    logit_scale = _real(logit_scale, "logit_scale", where)
-    if not (-_INF < logit_scale < _INF and logit_scale != 0.0):
-        raise ValueError(f"{where}: logit_scale must be finite and non-zero, got {logit_scale!r}")
-    _representable(logit_scale, "logit_scale", where, "use a magnitude in [1.2e-38, 3.4e38]")
-    if softcap is None:
-        softcap = 0.0
-    else:
-        softcap = _real(softcap, "softcap", where)
-        if not 0.0 < softcap < _INF:
-            raise ValueError(f"{where}: softcap must be None (off) or finite and > 0, got {softcap!r}")
-        _representable(softcap, "softcap", where, "use a value in [1.2e-38, 3.4e38], or None (off)")
-        # The kernels evaluate tanh(x * (logit_scale / softcap)) with that ratio in float32 (taken
-        # here in double: the same up to float32's rounding of the two).
-        _representable(logit_scale / softcap, "logit_scale / softcap", where,
-                       f"logit_scale={logit_scale!r} and softcap={softcap!r} are too far apart")
-    z_loss = _real(z_loss, "z_loss", where)
-    if not 0.0 <= z_loss < _INF:
-        raise ValueError(f"{where}: z_loss must be finite and >= 0, got {z_loss!r}")
-    _representable(z_loss, "z_loss", where, "use 0 (off) or a value in [1.2e-38, 3.4e38]")
-    return ignore_index, label_smoothing, logit_scale, softcap, z_loss
 
 
 def check_target_values(target, vocab, ignore_index, where, *, shift_seq_len=0):

@@ -94,7 +94,6 @@ from ._checks import check_target_values
 from .ops import _upstream, ops
 from .vp_ops import STATS_WIDTH as _STATS_WIDTH
 
-_REDUCTIONS = ("none", "sum", "mean")
 
 
 # ---- the process group and the shard layout -----------------------------------------------
@@ -300,7 +299,7 @@ def _merge_shards(stats, target, weight, shard, options, compute_metrics, proces
     the rank-order merge (the same bits on every rank). Returns loss, lse, num_correct,
     entropy_sum, row_weight, batch."""
     gathered = gather_checked(stats, target, shard, process_group, where, local_vocab, rule)
-    return ops.ce_shard_merge(gathered, target, weight, *shard, *options, compute_metrics)
+    return ops.ce_shard_merge(gathered, target, weight, *shard, *options.op_args(), compute_metrics)
 
 
 def gather_checked(stats, target, shard, process_group, where="fusedce", local_vocab=None, rule=0):
@@ -396,13 +395,13 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     rank). Backward: this rank's dlogits from the merged lse; no communication.
 
     Arguments: logits (N, V_local), target (N,) global indices, weight (V_local,) or None, the
-    process group, shard = (vocab_start, vocab_total), the six options of ops.py, compute_metrics.
+    process group, shard = (vocab_start, vocab_total), options (a CeOptions), compute_metrics.
     Returns loss, lse, num_correct, entropy_sum (only the loss is differentiable).
     """
 
     @staticmethod
     def forward(ctx, logits, target, weight, process_group, shard, options, compute_metrics, layout):
-        stats = ops.ce_shard_stats(logits, target, weight, *shard, *options, compute_metrics)
+        stats = ops.ce_shard_stats(logits, target, weight, *shard, *options.op_args(), compute_metrics)
         loss, lse, num_correct, entropy_sum, row_weight, batch = _merge_shards(
             stats, target, weight, shard, options, compute_metrics, process_group, *layout)
         ctx.save_for_backward(logits, target, weight, lse, row_weight, batch)
@@ -417,7 +416,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         if grad_loss is not None and ctx.needs_input_grad[0]:
             logits, target, weight, lse, row_weight, batch = ctx.saved_tensors
             grads[0] = ops.ce_shard_bwd(logits, target, weight, lse, row_weight, batch,
-                                        _upstream(grad_loss), *ctx.shard, *ctx.options)
+                                        _upstream(grad_loss), *ctx.shard, *ctx.options.op_args())
         return tuple(grads)
 
 
@@ -430,12 +429,12 @@ def cross_entropy_rows(x, target, weight, options, compute_metrics, *, process_g
     shard = shard_layout(x.shape[1], process_group, vocab_start, vocab_total, device=x.device,
                          where="fusedce.cross_entropy")
     if check_targets:
-        check_target_values(target, shard[1], options[0], "fusedce.cross_entropy")
+        check_target_values(target, shard[1], options.ignore_index, "fusedce.cross_entropy")
     layout = ("fusedce.cross_entropy", x.shape[1], _layout_rule(vocab_start, vocab_total))
     if torch.is_grad_enabled() and x.requires_grad:
         return VocabParallelCrossEntropy.apply(x, target, weight, process_group, shard, options,
                                                compute_metrics, layout)
-    stats = ops.ce_shard_stats(x, target, weight, *shard, *options, compute_metrics)
+    stats = ops.ce_shard_stats(x, target, weight, *shard, *options.op_args(), compute_metrics)
     return _merge_shards(stats, target, weight, shard, options, compute_metrics, process_group,
                          *layout)[:4]
 
@@ -453,15 +452,15 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
     one all-reduce (sum) of the float32 grad_hidden.
 
     Arguments: hidden (N, H), weight (V_local, H), bias (V_local,) or None, target (N,) global
-    indices (already shifted), class_weight (V_local,) or None, the process group, shard, the six
-    options, compute_metrics, linear = (chunk_budget_bytes, low_memory, skip_ignored), layout.
+    indices (already shifted), class_weight (V_local,) or None, the process group, shard, options
+    (a CeOptions), compute_metrics, linear = (chunk_budget_bytes, low_memory, skip_ignored), layout.
     Returns loss, lse, num_correct, entropy_sum.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, process_group, shard, options,
                 compute_metrics, linear, layout):
-        stats = ops.lce_shard_stats(hidden, weight, bias, target, class_weight, *shard, *options,
+        stats = ops.lce_shard_stats(hidden, weight, bias, target, class_weight, *shard, *options.op_args(),
                                     *linear, compute_metrics)
         loss, lse, num_correct, entropy_sum, row_weight, batch = _merge_shards(
             stats, target, class_weight, shard, options, compute_metrics, process_group, *layout)
@@ -480,7 +479,7 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
         hidden, weight, bias, target, class_weight, lse, row_weight, batch = ctx.saved_tensors
         grad_h, grad_w, grad_b = ops.lce_shard_bwd(
             hidden, weight, bias, target, class_weight, lse, row_weight, batch, _upstream(grad_loss),
-            *ctx.shard, *ctx.options, *ctx.linear, need_h, need_w, need_b)
+            *ctx.shard, *ctx.options.op_args(), *ctx.linear, need_h, need_w, need_b)
         if need_h:
             # The sum over ranks of every rank's part, in float32, rounded once.
             grads[0] = _all_reduce_sum(grad_h, ctx.process_group).to(hidden.dtype)
@@ -503,19 +502,20 @@ def linear_cross_entropy_rows(h, w, bias, target, class_weight, options, compute
                               check_targets=False, where="fusedce.linear_cross_entropy"):
     """The vocabulary-parallel path of fusedce.linear_cross_entropy, after its argument checks:
     h (N, H), w this rank's rows (V_local, H) of the head, bias (V_local,) or None, target (N,)
-    unshifted, class_weight (V_local,) float32 or None, the six options, linear =
+    unshifted, class_weight (V_local,) float32 or None, options (a CeOptions), linear =
     (chunk_budget_bytes, low_memory, skip_ignored) as the single-device ops take them. Returns
     loss, lse, num_correct, entropy_sum over the full vocabulary."""
     shard = shard_layout(w.shape[0], process_group, vocab_start, vocab_total, device=h.device,
                          where=where)
     if check_targets:
-        check_target_values(target, shard[1], options[0], where, shift_seq_len=shift_seq_len)
-    t = _shifted(target, shift_seq_len, options[0])
+        check_target_values(target, shard[1], options.ignore_index, where, shift_seq_len=shift_seq_len)
+    t = _shifted(target, shift_seq_len, options.ignore_index)
     layout = (where, w.shape[0], _layout_rule(vocab_start, vocab_total))
     grad_on = torch.is_grad_enabled()
     if grad_on and any(x is not None and x.requires_grad for x in (h, w, bias)):
         return VocabParallelLinearCrossEntropy.apply(h, w, bias, t, class_weight, process_group, shard,
                                                      options, compute_metrics, linear, layout)
-    stats = ops.lce_shard_stats(h, w, bias, t, class_weight, *shard, *options, *linear, compute_metrics)
+    stats = ops.lce_shard_stats(h, w, bias, t, class_weight, *shard, *options.op_args(), *linear,
+                                compute_metrics)
     return _merge_shards(stats, t, class_weight, shard, options, compute_metrics, process_group,
                          *layout)[:4]

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from . import _library, distributed, dtensor
-from ._checks import check_target_values, scalar_options, unit_stride_vector
+from ._checks import check_target_values, unit_stride_vector
+from ._options import CeOptions
 from .ops import FusedCrossEntropy, InplaceWrite, Overwritten, call_below_autograd, ops
 
-_REDUCTIONS = ("none", "sum", "mean")
 _NAME = "fusedce.cross_entropy"
 
 
@@ -167,8 +167,9 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
         raise TypeError(f"{_NAME}: logits must be a tensor, got {type(logits).__name__}")
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"{_NAME}: target must be a tensor, got {type(target).__name__}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"{_NAME}: reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
+    options = CeOptions.checked(_NAME, ignore_index=ignore_index, reduction=reduction,
+                                label_smoothing=label_smoothing, logit_scale=logit_scale,
+                                softcap=softcap, z_loss=z_loss)
     if process_group is None and (vocab_start is not None or vocab_total is not None):
         raise ValueError(f"{_NAME}: vocab_start and vocab_total are only used with a process_group "
                          "(vocabulary-parallel logits)")
@@ -183,7 +184,6 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
     if logits.is_cuda and not _library.with_cuda:
         raise RuntimeError(f"{_NAME}: logits are on a CUDA device but this build of fusedce has no "
                            "CUDA kernels (it was built without nvcc or with a CPU-only torch)")
-    options = scalar_options(_NAME, ignore_index, label_smoothing, logit_scale, softcap, z_loss)
     class_dim = _class_dim(logits, target)
     vocab = logits.shape[1 if class_dim == 1 or (class_dim is None and logits.dim() > 1) else -1]
     if vocab < 1:
@@ -207,35 +207,36 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
         if process_group is not None:
             raise ValueError(f"{_NAME}: process_group is not available for {fallback}")
         if check_targets and class_dim is not None:
-            check_target_values(target, vocab, options[0], _NAME)
-        return _pytorch_cross_entropy(logits, target, weight, class_dim, options, reduction,
-                                      bool(return_metrics))
+            check_target_values(target, vocab, options.ignore_index, _NAME)
+        return _pytorch_cross_entropy(logits, target, weight, class_dim, options, bool(return_metrics))
 
     if weight is not None:
         weight = unit_stride_vector(weight.to(torch.float32))
     x = _rows(logits if class_dim == -1 else logits.movedim(1, -1), vocab)
     t = unit_stride_vector(target if target.dim() == 1 else target.reshape(-1))
     if check_targets and process_group is None:
-        check_target_values(t, vocab, options[0], _NAME)
-    args = (x, t, weight, options[0], reduction, *options[1:], bool(return_metrics))
+        check_target_values(t, vocab, options.ignore_index, _NAME)
+    compute_metrics = bool(return_metrics)
 
     if process_group is not None:
         if inplace_backward:
             raise ValueError(f"{_NAME}: inplace_backward is not available with process_group")
         loss, lse, num_correct, entropy_sum = distributed.cross_entropy_rows(
-            x, t, weight, args[3:9], args[9], process_group=process_group, vocab_start=vocab_start,
+            x, t, weight, options, compute_metrics, process_group=process_group, vocab_start=vocab_start,
             vocab_total=vocab_total, check_targets=bool(check_targets))
     elif torch.is_grad_enabled() and logits.requires_grad:
         write = None
         if inplace_backward and not torch.compiler.is_compiling():
             Overwritten.check(x, _NAME)
             write = InplaceWrite()
-        loss, lse, num_correct, entropy_sum = FusedCrossEntropy.apply(*args, write)
+        loss, lse, num_correct, entropy_sum = FusedCrossEntropy.apply(x, t, weight, options, compute_metrics,
+                                                                      write)
         if write is not None:
             Overwritten.apply(x)
             write.version = x._version
     else:
-        loss, lse, num_correct, entropy_sum = call_below_autograd(ops.ce_fwd.default, *args)
+        loss, lse, num_correct, entropy_sum = call_below_autograd(ops.ce_fwd.default, x, t, weight,
+                                                                  *options.op_args(), compute_metrics)
 
     if reduction == "none":
         loss = loss.view(target.shape)
@@ -244,12 +245,12 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
     return loss
 
 
-def _pytorch_cross_entropy(logits, target, weight, class_dim, options, reduction, return_metrics):
+def _pytorch_cross_entropy(logits, target, weight, class_dim, options, return_metrics):
     """The fallback: F.cross_entropy itself on what the kernels do not take (class_dim None:
     class probabilities; else float64 logits with class indices), with fusedce's own options
     applied around it by the contract's formulas (docs/contract.md, "Per-row loss") in the
     logits' dtype. With only PyTorch's options the result is F.cross_entropy's, bit for bit."""
-    ignore_index, label_smoothing, logit_scale, softcap, z_loss = options
+    ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss = options.op_args()
     probabilities = class_dim is None
     if return_metrics and probabilities:
         raise ValueError(f"{_NAME}: return_metrics needs class-index targets")

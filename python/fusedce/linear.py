@@ -9,8 +9,9 @@ picks the op; every number comes from the core (linear_cross_entropy.h).
 import torch
 
 from . import _library, distributed, dtensor
-from ._checks import check_target_values, scalar_options, unit_stride_vector
-from .functional import _REDUCTIONS, _rows
+from ._checks import check_target_values, unit_stride_vector
+from ._options import CeOptions
+from .functional import _rows
 from .linear_ops import FusedLinearCrossEntropy, call_below_autograd, ops
 
 _NAME = "fusedce.linear_cross_entropy"
@@ -32,15 +33,15 @@ def _check_same_device(value, name, hidden):
         _fail(f"{name} is on {value.device} but hidden is on {hidden.device}")
 
 
-def _check_arguments(hidden, weight, target, bias, class_weight, reduction, softcap,
-                     chunk_budget_bytes):
-    """Metadata checks only (shapes, dtypes, devices): nothing here reads tensor values."""
+def _check_tensors(hidden, weight, target, bias, class_weight):
     for value, name, optional in ((hidden, "hidden", False), (weight, "weight", False),
                                   (target, "target", False), (bias, "bias", True),
                                   (class_weight, "class_weight", True)):
         _check_tensor(value, name, optional)
-    if reduction not in _REDUCTIONS:
-        _fail(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
+
+
+def _check_arguments(hidden, weight, target, bias, class_weight, chunk_budget_bytes):
+    """Metadata checks only (shapes, dtypes, devices): nothing here reads tensor values."""
     if hidden.dim() < 1 or hidden.shape[-1] < 1:
         _fail(f"hidden must have shape (..., H) with H >= 1, got {tuple(hidden.shape)}")
     hidden_size = hidden.shape[-1]
@@ -66,8 +67,6 @@ def _check_arguments(hidden, weight, target, bias, class_weight, reduction, soft
     if hidden.device.type == "cuda" and not _library.with_cuda:
         raise RuntimeError(f"{_NAME}: hidden is on a CUDA device but this build of fusedce has no "
                            "CUDA kernels (it was built without nvcc or with a CPU-only torch)")
-    if softcap is not None and not softcap > 0:
-        _fail(f"softcap must be None (off) or > 0, got {softcap}")
     if chunk_budget_bytes is not None and not (isinstance(chunk_budget_bytes, int)
                                                and not isinstance(chunk_budget_bytes, bool)
                                                and 0 < chunk_budget_bytes < 2**63):
@@ -181,10 +180,11 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
                 vocab_start=vocab_start, vocab_total=vocab_total))
     if process_group is None and (vocab_start is not None or vocab_total is not None):
         _fail("vocab_start and vocab_total are only used with a process_group (vocabulary-parallel weight)")
-    _check_arguments(hidden, weight, target, bias, class_weight, reduction, softcap,
-                     chunk_budget_bytes)
-    ignore_index, label_smoothing, logit_scale, softcap, z_loss = scalar_options(
-        _NAME, ignore_index, label_smoothing, logit_scale, softcap, z_loss)
+    _check_tensors(hidden, weight, target, bias, class_weight)
+    options = CeOptions.checked(_NAME, ignore_index=ignore_index, reduction=reduction,
+                                label_smoothing=label_smoothing, logit_scale=logit_scale,
+                                softcap=softcap, z_loss=z_loss)
+    _check_arguments(hidden, weight, target, bias, class_weight, chunk_budget_bytes)
     if class_weight is not None:
         class_weight = unit_stride_vector(class_weight.to(torch.float32))
 
@@ -194,7 +194,6 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
     t = unit_stride_vector(target.reshape(-1))
     shift_seq_len = _sequence_length(hidden) if shift else 0
     linear = (int(chunk_budget_bytes or 0), bool(low_memory), bool(skip_ignored))
-    options = (ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss)
     if process_group is not None:
         # The same core, per shard: its linear shard statistics and gradients, with the merge
         # and the collectives of fusedce.distributed between them.
@@ -204,16 +203,18 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
             shift_seq_len=int(shift_seq_len), check_targets=check_targets, where=_NAME)
     else:
         if check_targets:
-            check_target_values(t, weight.shape[0], ignore_index, _NAME, shift_seq_len=shift_seq_len)
-        args = (h, w, unit_stride_vector(bias), t, class_weight, *options, int(shift_seq_len), *linear,
-                bool(return_metrics))
+            check_target_values(t, weight.shape[0], options.ignore_index, _NAME, shift_seq_len=shift_seq_len)
+        tensors = (h, w, unit_stride_vector(bias), t, class_weight)
+        flags = (int(shift_seq_len), *linear, bool(return_metrics))
         grad_on = torch.is_grad_enabled()
         needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
                  grad_on and bias is not None and bias.requires_grad)
         if any(needs):
-            loss, lse, num_correct, entropy_sum = FusedLinearCrossEntropy.apply(*args, *needs)
+            loss, lse, num_correct, entropy_sum = FusedLinearCrossEntropy.apply(
+                *tensors, options, *flags, *needs)
         else:
-            loss, lse, num_correct, entropy_sum = call_below_autograd(ops.lce_fwd.default, *args)
+            loss, lse, num_correct, entropy_sum = call_below_autograd(
+                ops.lce_fwd.default, *tensors, *options.op_args(), *flags)
 
     if reduction == "none":
         loss = loss.view(target.shape)

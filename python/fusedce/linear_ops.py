@@ -1,5 +1,5 @@
 """Fake (meta) kernels and autograd formulas for the fused linear cross-entropy ops of
-torch/binding.cpp (``lce_fwd``, ``lce_fwd_bwd`` and their ``_out`` variants), and the autograd
+torch/registry.h (``lce_fwd``, ``lce_fwd_bwd`` and their ``_out`` variants), and the autograd
 Function behind :func:`fusedce.linear_cross_entropy`.
 
 As in ops.py, nothing here computes anything: the loss and every gradient come from the core.
@@ -10,22 +10,22 @@ weight or bias requiring grad: each row's upstream gradient weighs that row's co
 grad_weight differently, so the backward recomputes with the core's per-row ``grad_loss``.
 
 Argument order shared by every lce op: hidden (N, H), weight (V, H), bias (V,) or None,
-target (N,), class_weight (V,) or None, then the options ignore_index, reduction,
-label_smoothing, logit_scale, softcap (0 = off), z_loss, shift_seq_len, chunk_budget_bytes,
-low_memory, skip_ignored.
+target (N,), class_weight (V,) or None, then the options (CeOptions.op_args(); one CeOptions in
+the fake kernels) and the linear options shift_seq_len, chunk_budget_bytes, low_memory,
+skip_ignored.
 """
 
 import torch
 
 from . import _library
-
+from ._options import options_in, options_position, register_fake
 from .ops import _graph_is_kept, _upstream, call_below_autograd, ops
 
-# hidden, weight, bias, target, class_weight and the nine options.
-_NUM_LEADING = 15
-# lce_fwd: + compute_metrics; lce_fwd_bwd: + grad_loss, compute_metrics and three need flags.
-_NUM_ARGS_FWD = _NUM_LEADING + 1
-_NUM_ARGS_FWD_BWD = _NUM_LEADING + 5
+# Where the options start (after hidden, weight, bias, target, class_weight), and the number of
+# arguments of lce_fwd and lce_fwd_bwd (one gradient each in their autograd formulas).
+_OPTIONS_AT = options_position(ops.lce_fwd.default._schema)
+_NUM_ARGS_FWD = len(ops.lce_fwd.default._schema.arguments)
+_NUM_ARGS_FWD_BWD = len(ops.lce_fwd_bwd.default._schema.arguments)
 
 
 def _forward_outputs(hidden, reduction, compute_metrics):
@@ -52,17 +52,15 @@ def _check_fake_inputs(hidden, weight, target):
 # ---- fake kernels: shapes and dtypes only --------------------------------------------------
 
 
-@torch.library.register_fake(_library.qualified("lce_fwd"))
-def _lce_fwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                  label_smoothing, logit_scale, softcap, z_loss, shift_seq_len, chunk_budget_bytes,
+@register_fake("lce_fwd")
+def _lce_fwd_fake(hidden, weight, bias, target, class_weight, options, shift_seq_len, chunk_budget_bytes,
                   low_memory, skip_ignored, compute_metrics):
     _check_fake_inputs(hidden, weight, target)
-    return _forward_outputs(hidden, reduction, compute_metrics)
+    return _forward_outputs(hidden, options.reduction, compute_metrics)
 
 
-@torch.library.register_fake(_library.qualified("lce_fwd_bwd"))
-def _lce_fwd_bwd_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                      label_smoothing, logit_scale, softcap, z_loss, shift_seq_len,
+@register_fake("lce_fwd_bwd")
+def _lce_fwd_bwd_fake(hidden, weight, bias, target, class_weight, options, shift_seq_len,
                       chunk_budget_bytes, low_memory, skip_ignored, grad_loss, compute_metrics,
                       need_grad_hidden, need_grad_weight, need_grad_bias):
     _check_fake_inputs(hidden, weight, target)
@@ -73,19 +71,17 @@ def _lce_fwd_bwd_fake(hidden, weight, bias, target, class_weight, ignore_index, 
         weight.new_empty(weight.shape) if need_grad_weight else hidden.new_empty((0,)),
         bias.new_empty(bias.shape) if need_grad_bias else hidden.new_empty((0,)),
     )
-    return (*_forward_outputs(hidden, reduction, compute_metrics), *grads)
+    return (*_forward_outputs(hidden, options.reduction, compute_metrics), *grads)
 
 
-@torch.library.register_fake(_library.qualified("lce_fwd_out"))
-def _lce_fwd_out_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                      label_smoothing, logit_scale, softcap, z_loss, shift_seq_len,
-                      chunk_budget_bytes, low_memory, skip_ignored, loss, lse, num_correct, entropy_sum):
+@register_fake("lce_fwd_out")
+def _lce_fwd_out_fake(hidden, weight, bias, target, class_weight, options, shift_seq_len, chunk_budget_bytes,
+                      low_memory, skip_ignored, loss, lse, num_correct, entropy_sum):
     _check_fake_inputs(hidden, weight, target)
 
 
-@torch.library.register_fake(_library.qualified("lce_fwd_bwd_out"))
-def _lce_fwd_bwd_out_fake(hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                          label_smoothing, logit_scale, softcap, z_loss, shift_seq_len,
+@register_fake("lce_fwd_bwd_out")
+def _lce_fwd_bwd_out_fake(hidden, weight, bias, target, class_weight, options, shift_seq_len,
                           chunk_budget_bytes, low_memory, skip_ignored, grad_loss, loss, lse, num_correct,
                           entropy_sum, grad_hidden, grad_weight, grad_bias):
     _check_fake_inputs(hidden, weight, target)
@@ -105,16 +101,16 @@ def _recompute_grads(ctx, grad_loss):
     need_b = need_b and bias is not None
     if not (need_h or need_w or need_b):
         return None, None, None
-    out = ops.lce_fwd_bwd(hidden, weight, bias, target, class_weight, *ctx.options,
+    out = ops.lce_fwd_bwd(hidden, weight, bias, target, class_weight, *ctx.options.op_args(), *ctx.linear,
                           _upstream(grad_loss), False, need_h, need_w, need_b)
     grad_h, grad_w, grad_b = out[4:]
     return grad_h if need_h else None, grad_w if need_w else None, grad_b if need_b else None
 
 
 def _setup_lce(ctx, inputs, output):
-    hidden, weight, bias, target, class_weight = inputs[:5]
-    ctx.save_for_backward(hidden, weight, bias, target, class_weight)
-    ctx.options = inputs[5:_NUM_LEADING]
+    tensors, ctx.options, rest = options_in(_OPTIONS_AT, inputs)
+    ctx.save_for_backward(*tensors)
+    ctx.linear = rest[:4]  # shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
 
@@ -167,37 +163,36 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     (reduction='none' with weight or bias requiring grad) the forward runs ``lce_fwd`` alone and
     the backward calls ``lce_fwd_bwd`` with the per-row upstream gradient.
 
-    Arguments: hidden (N, H), weight, bias, target (N,), class_weight, the nine options,
+    Arguments: hidden (N, H), weight, bias, target (N,), class_weight, options (a CeOptions), the
+    linear options shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored, then
     compute_metrics, need_grad_hidden, need_grad_weight, need_grad_bias. Returns loss, lse,
     num_correct, entropy_sum (only the loss is differentiable).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, class_weight, ignore_index, reduction,
-                label_smoothing, logit_scale, softcap, z_loss, shift_seq_len, chunk_budget_bytes,
-                low_memory, skip_ignored, compute_metrics, need_grad_hidden, need_grad_weight,
-                need_grad_bias):
-        options = (ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss,
-                   shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored)
+    def forward(ctx, hidden, weight, bias, target, class_weight, options, shift_seq_len,
+                chunk_budget_bytes, low_memory, skip_ignored, compute_metrics, need_grad_hidden,
+                need_grad_weight, need_grad_bias):
+        args = (*options.op_args(), shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored)
         ctx.needs = (need_grad_hidden, need_grad_weight, need_grad_bias)
-        ctx.fused = gradients_factor(reduction, need_grad_weight, need_grad_bias)
+        ctx.fused = gradients_factor(options.reduction, need_grad_weight, need_grad_bias)
         if ctx.fused:
             loss, lse, num_correct, entropy_sum, grad_h, grad_w, grad_b = call_below_autograd(
-                ops.lce_fwd_bwd.default, hidden, weight, bias, target, class_weight, *options, None,
+                ops.lce_fwd_bwd.default, hidden, weight, bias, target, class_weight, *args, None,
                 compute_metrics, need_grad_hidden, need_grad_weight, need_grad_bias)
             ctx.save_for_backward(grad_h, grad_w, grad_b)
         else:
             loss, lse, num_correct, entropy_sum = call_below_autograd(
-                ops.lce_fwd.default, hidden, weight, bias, target, class_weight, *options, compute_metrics)
+                ops.lce_fwd.default, hidden, weight, bias, target, class_weight, *args, compute_metrics)
             ctx.save_for_backward(hidden, weight, bias, target, class_weight)
-            ctx.options = options
+            ctx.args = args
         ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
         ctx.set_materialize_grads(False)
         return loss, lse, num_correct, entropy_sum
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        grads = [None] * 19
+        grads = [None] * 14  # one per argument of forward
         if grad_loss is None:
             return tuple(grads)
         g = _upstream(grad_loss)
@@ -208,8 +203,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                     grads[i] = _scale_saved(saved, g, keep)
         else:
             hidden, weight, bias, target, class_weight = ctx.saved_tensors
-            out = ops.lce_fwd_bwd(hidden, weight, bias, target, class_weight, *ctx.options, g,
-                                  False, *ctx.needs)
+            out = ops.lce_fwd_bwd(hidden, weight, bias, target, class_weight, *ctx.args, g, False, *ctx.needs)
             for i, (need, grad) in enumerate(zip(ctx.needs, out[4:])):
                 if need:
                     grads[i] = grad

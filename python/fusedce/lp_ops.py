@@ -1,4 +1,4 @@
-"""Fake (meta) kernels of the log-probability ops of torch/lp_binding.cpp.
+"""Fake (meta) kernels of the log-probability ops of torch/registry.h.
 
 The ops (``lp_stats``, ``llp_stats``, ``lp_merge``, ``lp_bwd``, ``llp_bwd``, and ``lp_bwd_``, which
 writes ``lp_bwd``'s dlogits over its logits argument) are the steps of

@@ -1,4 +1,4 @@
-"""Fake (meta) kernels and autograd formulas for the ops of torch/binding.cpp.
+"""Fake (meta) kernels and autograd formulas for the ce_* ops of torch/registry.h.
 
 The ops themselves (schemas, CPU and CUDA kernels) live in the C++ extension; this module only
 tells torch.compile the shapes of their outputs and tells autograd how to differentiate them.
@@ -6,18 +6,21 @@ Nothing here computes anything: gradients come from the core, formed during the 
 (``ce_fwd_bwd``) or from the saved log-sum-exp (``ce_bwd``), and are scaled by the upstream
 gradient with ``ce_rescale_``.
 
-Argument order shared by every op (see binding.cpp): logits (N, V), target (N,), weight (V,) or
-None, ignore_index, reduction, label_smoothing, logit_scale, softcap (0 = off), z_loss.
+Argument order shared by every op (see torch/registry.h): logits (N, V), target (N,), weight (V,)
+or None, the options (CeOptions.op_args(): ignore_index, reduction, label_smoothing,
+logit_scale, softcap (0 = off), z_loss). The fake kernels take the options as one CeOptions.
 """
 
 import torch
 
 from . import _library
+from ._options import options_in, options_position, register_fake
 
 ops = _library.ops()
 
-# Arguments of ce_fwd / ce_fwd_bwd: logits, target, weight, 6 options, compute_metrics.
-_NUM_ARGS_FWD = 10
+# Arguments of ce_fwd / ce_fwd_bwd: logits, target, weight, the options, compute_metrics.
+_NUM_ARGS_FWD = len(ops.ce_fwd.default._schema.arguments)
+_OPTIONS_AT = options_position(ops.ce_fwd.default._schema)
 
 _below_autograd = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
 
@@ -40,7 +43,7 @@ def _loss_shape(logits, reduction):
 
 
 def _empty_outputs(logits, reduction, compute_metrics):
-    """loss, lse, num_correct, entropy_sum as the functional ops allocate them (binding.cpp)."""
+    """loss, lse, num_correct, entropy_sum as the functional ops allocate them (torch/ops.h)."""
     n = logits.shape[0]
     metrics_shape = () if compute_metrics else (0,)
     return (
@@ -62,49 +65,41 @@ def _check_fake_inputs(logits, target):
 # ---- fake kernels: shapes and dtypes only --------------------------------------------------
 
 
-@torch.library.register_fake(_library.qualified("ce_fwd"))
-def _ce_fwd_fake(logits, target, weight, ignore_index, reduction, label_smoothing, logit_scale,
-                 softcap, z_loss, compute_metrics):
+@register_fake("ce_fwd")
+def _ce_fwd_fake(logits, target, weight, options, compute_metrics):
     _check_fake_inputs(logits, target)
-    return _empty_outputs(logits, reduction, compute_metrics)
+    return _empty_outputs(logits, options.reduction, compute_metrics)
 
 
-@torch.library.register_fake(_library.qualified("ce_fwd_bwd"))
-def _ce_fwd_bwd_fake(logits, target, weight, ignore_index, reduction, label_smoothing,
-                     logit_scale, softcap, z_loss, compute_metrics):
+@register_fake("ce_fwd_bwd")
+def _ce_fwd_bwd_fake(logits, target, weight, options, compute_metrics):
     _check_fake_inputs(logits, target)
-    return (*_empty_outputs(logits, reduction, compute_metrics), logits.new_empty(logits.shape))
+    return (*_empty_outputs(logits, options.reduction, compute_metrics), logits.new_empty(logits.shape))
 
 
-@torch.library.register_fake(_library.qualified("ce_bwd"))
-def _ce_bwd_fake(logits, target, weight, lse, grad_loss, ignore_index, reduction,
-                 label_smoothing, logit_scale, softcap, z_loss):
+@register_fake("ce_bwd")
+def _ce_bwd_fake(logits, target, weight, lse, grad_loss, options):
     _check_fake_inputs(logits, target)
     return logits.new_empty(logits.shape)
 
 
-@torch.library.register_fake(_library.qualified("ce_fwd_out"))
-def _ce_fwd_out_fake(logits, target, weight, ignore_index, reduction, label_smoothing,
-                     logit_scale, softcap, z_loss, loss, lse, num_correct, entropy_sum):
+@register_fake("ce_fwd_out")
+def _ce_fwd_out_fake(logits, target, weight, options, loss, lse, num_correct, entropy_sum):
     _check_fake_inputs(logits, target)
 
 
-@torch.library.register_fake(_library.qualified("ce_fwd_bwd_out"))
-def _ce_fwd_bwd_out_fake(logits, target, weight, ignore_index, reduction, label_smoothing,
-                         logit_scale, softcap, z_loss, loss, lse, num_correct, entropy_sum,
-                         dlogits):
+@register_fake("ce_fwd_bwd_out")
+def _ce_fwd_bwd_out_fake(logits, target, weight, options, loss, lse, num_correct, entropy_sum, dlogits):
     _check_fake_inputs(logits, target)
 
 
-@torch.library.register_fake(_library.qualified("ce_fwd_bwd_inplace"))
-def _ce_fwd_bwd_inplace_fake(logits, target, weight, ignore_index, reduction, label_smoothing,
-                             logit_scale, softcap, z_loss, loss, lse, num_correct, entropy_sum):
+@register_fake("ce_fwd_bwd_inplace")
+def _ce_fwd_bwd_inplace_fake(logits, target, weight, options, loss, lse, num_correct, entropy_sum):
     _check_fake_inputs(logits, target)
 
 
-@torch.library.register_fake(_library.qualified("ce_bwd_out"))
-def _ce_bwd_out_fake(logits, target, weight, lse, grad_loss, ignore_index, reduction,
-                     label_smoothing, logit_scale, softcap, z_loss, dlogits):
+@register_fake("ce_bwd_out")
+def _ce_bwd_out_fake(logits, target, weight, lse, grad_loss, options, dlogits):
     _check_fake_inputs(logits, target)
 
 
@@ -156,10 +151,9 @@ torch.library.register_autograd(_library.qualified("ce_fwd_bwd"), _backward_ce_f
 
 
 def _setup_ce_fwd(ctx, inputs, output):
-    logits, target, weight, *options, _compute_metrics = inputs
+    (logits, target, weight), ctx.options, _ = options_in(_OPTIONS_AT, inputs)
     loss, lse, num_correct, entropy_sum = output
     ctx.save_for_backward(logits, target, weight, lse)
-    ctx.options = options
     ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
     ctx.set_materialize_grads(False)
 
@@ -168,7 +162,7 @@ def _backward_ce_fwd(ctx, grad_loss, *unused):
     grads = [None] * _NUM_ARGS_FWD
     if grad_loss is not None and ctx.needs_input_grad[0]:
         logits, target, weight, lse = ctx.saved_tensors
-        grads[0] = ops.ce_bwd(logits, target, weight, lse, _upstream(grad_loss), *ctx.options)
+        grads[0] = ops.ce_bwd(logits, target, weight, lse, _upstream(grad_loss), *ctx.options.op_args())
     return tuple(grads)
 
 
@@ -205,25 +199,23 @@ class FusedCrossEntropy(torch.autograd.Function):
     recorded in ``inplace`` (an InplaceWrite) after the marking: any later in-place change of
     the gradient they hold is refused as autograd refuses it for saved tensors.
 
-    Arguments: logits, target, weight, the six options, compute_metrics, inplace (None, or an
-    InplaceWrite to write over the logits). Returns loss, lse, num_correct, entropy_sum (only the
-    loss is differentiable).
+    Arguments: logits, target, weight, options (a CeOptions), compute_metrics, inplace (None, or
+    an InplaceWrite to write over the logits). Returns loss, lse, num_correct, entropy_sum (only
+    the loss is differentiable).
     """
 
     @staticmethod
-    def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing,
-                logit_scale, softcap, z_loss, compute_metrics, inplace):
-        options = (ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss)
+    def forward(ctx, logits, target, weight, options, compute_metrics, inplace):
         ctx.inplace = inplace
         if inplace is not None:
-            loss, lse, num_correct, entropy_sum = _empty_outputs(logits, reduction, compute_metrics)
-            ops.ce_fwd_bwd_inplace(logits, target, weight, *options, loss, lse,
+            loss, lse, num_correct, entropy_sum = _empty_outputs(logits, options.reduction, compute_metrics)
+            ops.ce_fwd_bwd_inplace(logits, target, weight, *options.op_args(), loss, lse,
                                    num_correct if compute_metrics else None,
                                    entropy_sum if compute_metrics else None)
             ctx.dlogits = logits  # now holds the gradient
         else:
             loss, lse, num_correct, entropy_sum, dlogits = call_below_autograd(
-                ops.ce_fwd_bwd.default, logits, target, weight, *options, compute_metrics)
+                ops.ce_fwd_bwd.default, logits, target, weight, *options.op_args(), compute_metrics)
             ctx.save_for_backward(dlogits)
         ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
         ctx.set_materialize_grads(False)
@@ -231,7 +223,7 @@ class FusedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        grads = [None] * (_NUM_ARGS_FWD + 1)
+        grads = [None] * 6  # one per argument of forward
         if grad_loss is not None and ctx.needs_input_grad[0]:
             kept = _graph_is_kept()
             if ctx.inplace is not None:

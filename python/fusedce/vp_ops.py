@@ -1,4 +1,4 @@
-"""Fake (meta) kernels of the vocabulary-parallel ops of torch/vp_binding.cpp.
+"""Fake (meta) kernels of the vocabulary-parallel ops of torch/registry.h.
 
 The ops (``ce_shard_stats``, ``ce_shard_merge``, ``ce_shard_bwd``, and the linear form's
 ``lce_shard_stats`` and ``lce_shard_bwd``) are the steps of fusedce/vocab_parallel.h;
@@ -7,12 +7,13 @@ distributed.py call ``ce_shard_bwd`` in their backward, because a gradient needs
 statistics of every rank, which no single op sees.
 
 Arguments shared by the three: target (N,) of global class indices, weight (V_local,) or None,
-vocab_start, vocab_total, then the options (docs/contract.md, "Options") as in ops.py.
+vocab_start, vocab_total, then the options (docs/contract.md, "Options") as in ops.py; the fake
+kernels take them as one CeOptions.
 """
 
 import torch
 
-from . import _library
+from ._options import register_fake
 
 # Floats per row of shard statistics (fusedce::kShardStatsWidth in fusedce/vocab_parallel.h).
 STATS_WIDTH = 9
@@ -26,16 +27,14 @@ def _check_rows(logits, target):
     )
 
 
-@torch.library.register_fake(_library.qualified("ce_shard_stats"))
-def _ce_shard_stats_fake(logits, target, weight, vocab_start, vocab_total, ignore_index, reduction,
-                         label_smoothing, logit_scale, softcap, z_loss, compute_metrics):
+@register_fake("ce_shard_stats")
+def _ce_shard_stats_fake(logits, target, weight, vocab_start, vocab_total, options, compute_metrics):
     _check_rows(logits, target)
     return logits.new_empty((logits.shape[0] + 1, STATS_WIDTH), dtype=torch.float32)
 
 
-@torch.library.register_fake(_library.qualified("ce_shard_merge"))
-def _ce_shard_merge_fake(gathered, target, weight, vocab_start, vocab_total, ignore_index,
-                         reduction, label_smoothing, logit_scale, softcap, z_loss, compute_metrics):
+@register_fake("ce_shard_merge")
+def _ce_shard_merge_fake(gathered, target, weight, vocab_start, vocab_total, options, compute_metrics):
     n = target.shape[0]
     torch._check(gathered.dim() == 2 and gathered.shape[1] == STATS_WIDTH,
                  lambda: f"fusedce: gathered must be (world * (N + 1), {STATS_WIDTH})")
@@ -44,7 +43,7 @@ def _ce_shard_merge_fake(gathered, target, weight, vocab_start, vocab_total, ign
     metrics_shape = () if compute_metrics else (0,)
     f32 = dict(dtype=torch.float32)
     return (
-        gathered.new_empty((n,) if reduction == "none" else (), **f32),
+        gathered.new_empty((n,) if options.reduction == "none" else (), **f32),
         gathered.new_empty((n,), **f32),
         gathered.new_empty(metrics_shape, dtype=torch.int64),
         gathered.new_empty(metrics_shape, **f32),
@@ -53,10 +52,9 @@ def _ce_shard_merge_fake(gathered, target, weight, vocab_start, vocab_total, ign
     )
 
 
-@torch.library.register_fake(_library.qualified("ce_shard_bwd"))
-def _ce_shard_bwd_fake(logits, target, weight, lse, row_weight, batch, grad_loss, vocab_start,
-                       vocab_total, ignore_index, reduction, label_smoothing, logit_scale, softcap,
-                       z_loss):
+@register_fake("ce_shard_bwd")
+def _ce_shard_bwd_fake(logits, target, weight, lse, row_weight, batch, grad_loss, vocab_start, vocab_total,
+                       options):
     _check_rows(logits, target)
     return logits.new_empty(logits.shape)
 
@@ -70,19 +68,17 @@ def _check_linear_rows(hidden, weight, target):
     )
 
 
-@torch.library.register_fake(_library.qualified("lce_shard_stats"))
-def _lce_shard_stats_fake(hidden, weight, bias, target, class_weight, vocab_start, vocab_total,
-                          ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss,
+@register_fake("lce_shard_stats")
+def _lce_shard_stats_fake(hidden, weight, bias, target, class_weight, vocab_start, vocab_total, options,
                           chunk_budget_bytes, low_memory, skip_ignored, compute_metrics):
     _check_linear_rows(hidden, weight, target)
     return hidden.new_empty((hidden.shape[0] + 1, STATS_WIDTH), dtype=torch.float32)
 
 
-@torch.library.register_fake(_library.qualified("lce_shard_bwd"))
+@register_fake("lce_shard_bwd")
 def _lce_shard_bwd_fake(hidden, weight, bias, target, class_weight, lse, row_weight, batch, grad_loss,
-                        vocab_start, vocab_total, ignore_index, reduction, label_smoothing, logit_scale,
-                        softcap, z_loss, chunk_budget_bytes, low_memory, skip_ignored, need_grad_hidden,
-                        need_grad_weight, need_grad_bias):
+                        vocab_start, vocab_total, options, chunk_budget_bytes, low_memory, skip_ignored,
+                        need_grad_hidden, need_grad_weight, need_grad_bias):
     _check_linear_rows(hidden, weight, target)
     none = hidden.new_empty((0,))
     return (

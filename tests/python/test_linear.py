@@ -495,7 +495,7 @@ def test_process_group_hands_every_option_to_distributed(monkeypatch):
     assert seen["h"].shape == (8, 8) and seen["w"] is w and seen["bias"] is b
     assert torch.equal(seen["target"], t.reshape(-1))
     assert torch.equal(seen["class_weight"], cw)
-    assert seen["options"] == (2, "sum", 0.1, 0.5, 3.0, 1e-3)
+    assert seen["options"].op_args() == (2, "sum", 0.1, 0.5, 3.0, 1e-3)
     assert seen["compute_metrics"] is True
     assert seen["linear"] == (1 << 20, True, True)
     assert seen["shift_seq_len"] == 4 and seen["check_targets"] is True
