@@ -58,6 +58,7 @@
 #include <string>
 #include <vector>
 
+#include "autograd.h"
 #include "linear_ops.h"
 #include "lp_ops.h"
 #include "ops.h"
@@ -109,6 +110,10 @@ void for_each_op(Add&& add) {
   add("ce_bwd(Tensor logits, Tensor target, Tensor? weight, Tensor lse, Tensor grad_loss, "
       FUSEDCE_CE_ARGS ") -> Tensor",
       cpp_function<&ce_bwd<Ctx>>());
+  // ce_fwd's device kernel; its Autograd kernel (autograd.h) forms the gradient with the loss.
+  add("ce_loss(Tensor logits, Tensor target, Tensor? weight, " FUSEDCE_CE_ARGS
+      ", bool compute_metrics) -> (Tensor loss, Tensor lse, Tensor num_correct, Tensor entropy_sum)",
+      cpp_function<&ce_fwd<Ctx>>());
 
   // linear cross-entropy
   add("lce_fwd_out(" FUSEDCE_LCE_ARGS
@@ -193,8 +198,8 @@ inline std::string op_name(const char* schema) {
   return s.substr(0, s.find('('));
 }
 
-// Every schema, with Ctx's kernels under the CPU key and, for the ops that write into an
-// argument, the version-bumping ADInplaceOrView kernel.
+// Every schema, with Ctx's kernels under the CPU key, for the ops that write into an argument the
+// version-bumping ADInplaceOrView kernel, and ce_loss's C++ autograd.
 template <class Ctx>
 void define_ops(torch::Library& m) {
   for_each_op<Ctx>([&](const char* schema, torch::CppFunction kernel) {
@@ -207,6 +212,7 @@ void define_ops(torch::Library& m) {
                              torch::CppFunction::makeFromBoxedFunction<&bump_versions_of_written>()));
     }
   });
+  m.impl("ce_loss", torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(ce_loss_autograd)));
 }
 
 // Ctx's kernels of every op, in a TORCH_LIBRARY_IMPL block of their dispatch key.

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from . import _library, distributed, dtensor
 from ._checks import check_target_values, unit_stride_vector
 from ._options import CeOptions
-from .ops import FusedCrossEntropy, InplaceWrite, Overwritten, call_below_autograd, ops
+from .ops import FusedCrossEntropy, InplaceWrite, Overwritten, ops
 
 _NAME = "fusedce.cross_entropy"
 
@@ -224,19 +224,16 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
         loss, lse, num_correct, entropy_sum = distributed.cross_entropy_rows(
             x, t, weight, options, compute_metrics, process_group=process_group, vocab_start=vocab_start,
             vocab_total=vocab_total, check_targets=bool(check_targets))
-    elif torch.is_grad_enabled() and logits.requires_grad:
-        write = None
-        if inplace_backward and not torch.compiler.is_compiling():
-            Overwritten.check(x, _NAME)
-            write = InplaceWrite()
+    elif inplace_backward and torch.is_grad_enabled() and logits.requires_grad and not torch.compiler.is_compiling():
+        Overwritten.check(x, _NAME)
+        write = InplaceWrite()
         loss, lse, num_correct, entropy_sum = FusedCrossEntropy.apply(x, t, weight, options, compute_metrics,
                                                                       write)
-        if write is not None:
-            Overwritten.apply(x)
-            write.version = x._version
+        Overwritten.apply(x)
+        write.version = x._version
     else:
-        loss, lse, num_correct, entropy_sum = call_below_autograd(ops.ce_fwd.default, x, t, weight,
-                                                                  *options.op_args(), compute_metrics)
+        # With or without grad: the loss's autograd is ce_loss's own, in C++ (torch/autograd.h).
+        loss, lse, num_correct, entropy_sum = ops.ce_loss.default(x, t, weight, *options.op_args(), compute_metrics)
 
     if reduction == "none":
         loss = loss.view(target.shape)

@@ -71,6 +71,12 @@ def _ce_fwd_fake(logits, target, weight, options, compute_metrics):
     return _empty_outputs(logits, options.reduction, compute_metrics)
 
 
+@register_fake("ce_loss")
+def _ce_loss_fake(logits, target, weight, options, compute_metrics):
+    _check_fake_inputs(logits, target)
+    return _empty_outputs(logits, options.reduction, compute_metrics)
+
+
 @register_fake("ce_fwd_bwd")
 def _ce_fwd_bwd_fake(logits, target, weight, options, compute_metrics):
     _check_fake_inputs(logits, target)

@@ -7,6 +7,8 @@ import torch
 
 import fusedce  # noqa: F401  (loads the ops)
 from conftest import DEVICES, make_problem, make_weight
+from fusedce._options import CeOptions
+from fusedce.ops import FusedCrossEntropy
 
 ops = torch.ops.fusedce
 
@@ -59,6 +61,34 @@ def test_ce_fwd(device, dtype, name, opts, metrics, requires_grad):
 def test_ce_fwd_bwd(device, dtype, name, opts, metrics, requires_grad):
     x, t, w, o = _inputs(device, dtype, opts, weighted=name != "plain")
     torch.library.opcheck(ops.ce_fwd_bwd.default, (x.requires_grad_(requires_grad), t, w, *o, metrics))
+
+
+@parametrize("device", DEVICES)
+@dtypes
+@cases
+@parametrize("metrics", [False, True])
+@parametrize("requires_grad", [False, True])
+def test_ce_loss(device, dtype, name, opts, metrics, requires_grad):
+    """ce_loss, the op whose autograd is C++ (torch/autograd.h): its schema, fake kernel,
+    autograd registration (opcheck's test_autograd_registration) and its gradient: the bits of
+    the Python autograd.Function it replaces (ce_fwd_bwd, then ce_rescale_ by the upstream
+    gradient)."""
+    x, t, w, o = _inputs(device, dtype, opts, weighted=name != "plain")
+    torch.library.opcheck(ops.ce_loss.default, (x.requires_grad_(requires_grad), t, w, *o, metrics))
+    if requires_grad:
+        loss = ops.ce_loss.default(x, t, w, *o, metrics)[0]
+        upstream = torch.rand_like(loss) + 0.5
+        (grad,) = torch.autograd.grad(loss, x, upstream)
+        xp = x.detach().requires_grad_()
+        reference = FusedCrossEntropy.apply(xp, t, w, CeOptions(*o), metrics, None)[0]
+        (expected,) = torch.autograd.grad(reference, xp, upstream)
+        torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+        # The saved dlogits is scaled in place once; a kept graph scales a copy each time.
+        loss = ops.ce_loss.default(x, t, w, *o, metrics)[0]
+        first = torch.autograd.grad(loss, x, upstream, retain_graph=True)[0]
+        second = torch.autograd.grad(loss, x, upstream)[0]
+        torch.testing.assert_close(first, expected, rtol=0, atol=0)
+        torch.testing.assert_close(second, expected, rtol=0, atol=0)
 
 
 @parametrize("device", DEVICES)

@@ -36,7 +36,7 @@ def test_every_op_with_options_takes_them_in_the_python_order():
     # every op of the cross-entropy families (a renamed argument would drop one from this list)
     assert with_options == sorted([
         "ce_bwd", "ce_bwd_out", "ce_fwd", "ce_fwd_bwd", "ce_fwd_bwd_inplace", "ce_fwd_bwd_out",
-        "ce_fwd_out", "ce_shard_bwd", "ce_shard_merge", "ce_shard_stats", "lce_fwd", "lce_fwd_bwd",
+        "ce_fwd_out", "ce_loss", "ce_shard_bwd", "ce_shard_merge", "ce_shard_stats", "lce_fwd", "lce_fwd_bwd",
         "lce_fwd_bwd_out", "lce_fwd_out", "lce_shard_bwd", "lce_shard_stats"])
 
 
