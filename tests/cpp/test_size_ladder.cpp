@@ -53,7 +53,9 @@ TEST(SizeLadder, InvariantsOverCapacities) {
       ASSERT_GE(b, 0);
       ASSERT_LT(b, l.rungs);
       EXPECT_GE(l.size[b], rest) << cap << " " << rest;
-      if (b > 0) EXPECT_LT(l.size[b - 1], rest) << cap << " " << rest;
+      if (b > 0) {
+        EXPECT_LT(l.size[b - 1], rest) << cap << " " << rest;
+      }
       EXPECT_LE(l.size[b] - rest, (cap + 7) / 8 + 127) << cap << " " << rest;
     }
   }
