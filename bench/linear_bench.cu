@@ -6,7 +6,12 @@
 // FLOPs counted: 6 N H V (the floor's three products). Extra memory: the workspace the call asks
 // for (linear_cross_entropy_workspace_size), given to it explicitly, so nothing else is taken.
 // Timing: CUDA events, after warm-up, median of `iters` runs.
-// Usage: fusedce_linear_bench [--quick] [--csv FILE] [--profile N H V]
+// Usage: fusedce_linear_bench [--quick] [--csv FILE] [--profile N H V] [--graph [N H V]]
+//   --graph: skip_ignored with and without CUDA graph capture at one shape (default
+//   8192 x 4096 x 128256), every target valid and half of them ignored, on a stream of its own:
+//   eager (the synced path), captured once and replayed, and the cost of a graph of one's own
+//   per call (capture + instantiate + launch + destroy), with capture and instantiation timed
+//   on the host.
 //   --csv FILE: one line per row of the printed table (bench/make_results.py reads it into
 //   bench/RESULTS.md): gpu, N, H, V, dtype, ignored (the share of ignored targets), variant
 //   (default, skip_ignored, low_memory, chunks_448MiB, all_options), fused_ms, fused_tflops,
@@ -16,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -239,6 +245,133 @@ void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory, cons
   }
 }
 
+/// Milliseconds of fn's GPU work on `stream`: median of `iters` after two warm-ups.
+template <typename F>
+double stream_ms(cudaStream_t stream, F&& fn, int iters) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  fn();
+  fn();
+  CK(cudaStreamSynchronize(stream));
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(a, stream));
+    fn();
+    CK(cudaEventRecord(b, stream));
+    CK(cudaEventSynchronize(b));
+    float t;
+    CK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+double host_ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// --graph: skip_ignored eager (synced) against captured (conditional nodes sized on the device).
+void bench_graph(int64_t N, int64_t H, int64_t V, int iters) {
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  bf16 *hid, *w, *gh, *gw;
+  CK(cudaMalloc(&hid, N * H * 2));
+  CK(cudaMalloc(&w, V * H * 2));
+  CK(cudaMalloc(&gh, N * H * 2));
+  CK(cudaMalloc(&gw, V * H * 2));
+  fill_random<<<1024, 256>>>(hid, N * H, 1.0f, 1);
+  fill_random<<<1024, 256>>>(w, V * H, 2.0f / std::sqrt(float(H)), 2);
+  std::vector<int64_t> all(N), half(N);
+  std::mt19937 rng(11);
+  for (int64_t i = 0; i < N; ++i) {
+    all[i] = int64_t(rng() % V);
+    half[i] = i % 2 ? -100 : all[i];
+  }
+  int64_t* dt;
+  float *loss, *lse;
+  CK(cudaMalloc(&dt, N * 8));
+  CK(cudaMalloc(&loss, 4));
+  CK(cudaMalloc(&lse, N * 4));
+  CK(cudaDeviceSynchronize());
+  fusedce::Options o;
+  fusedce::LinearOptions lo;
+  lo.skip_ignored = true;
+  fusedce::LinearGrads g;
+  g.grad_hidden = fusedce::matrix(gh, DType::kBFloat16, N, H);
+  g.grad_weight = fusedce::matrix(gw, DType::kBFloat16, V, H);
+  const fusedce::Device dev = fusedce::Device::cuda(0, stream);
+  const size_t ws_bytes = fusedce::linear_cross_entropy_workspace_size(fusedce::Job::kForwardBackward, dev, N, H, V,
+                                                                       DType::kBFloat16, o, lo, g);
+  void* ws;
+  CK(cudaMalloc(&ws, ws_bytes));
+  fusedce::ForwardOutputs out;
+  out.loss = fusedce::vector(loss, DType::kFloat32, 1);
+  out.lse = fusedce::vector(lse, DType::kFloat32, N);
+  auto call = [&] {
+    ok(fusedce::linear_cross_entropy_forward_backward(dev, fusedce::matrix(hid, DType::kBFloat16, N, H),
+                                                      fusedce::matrix(w, DType::kBFloat16, V, H), {},
+                                                      fusedce::vector(dt, DType::kInt64, N), o, lo, out, {}, g,
+                                                      fusedce::Workspace{ws, ws_bytes}));
+  };
+  auto set_targets = [&](const std::vector<int64_t>& t) {
+    CK(cudaMemcpyAsync(dt, t.data(), N * 8, cudaMemcpyHostToDevice, stream));
+    CK(cudaStreamSynchronize(stream));
+  };
+  double capture_ms = 0.0, instantiate_ms = 0.0;
+  size_t nodes = 0;
+  auto capture = [&](cudaGraphExec_t* exec) {
+    cudaGraph_t graph;
+    auto t0 = std::chrono::steady_clock::now();
+    CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    call();
+    CK(cudaStreamEndCapture(stream, &graph));
+    capture_ms = host_ms_since(t0);
+    CK(cudaGraphGetNodes(graph, nullptr, &nodes));
+    t0 = std::chrono::steady_clock::now();
+    CK(cudaGraphInstantiate(exec, graph, 0));
+    instantiate_ms = host_ms_since(t0);
+    CK(cudaGraphDestroy(graph));
+  };
+  std::printf("\n# skip_ignored, %lld x %lld x %lld bfloat16, forward + grad_hidden + grad_weight, own stream\n",
+              (long long)N, (long long)H, (long long)V);
+  std::printf("| targets | eager (synced) | captured replay | own graph per call (capture + instantiate + launch) |"
+              " host: capture | host: instantiate | top-level nodes |\n|---|---|---|---|---|---|---|\n");
+  double eager[2], replay[2];
+  for (int h = 0; h < 2; ++h) {
+    set_targets(h ? half : all);
+    eager[h] = stream_ms(stream, call, iters);
+    cudaGraphExec_t exec;
+    capture(&exec);
+    replay[h] = stream_ms(stream, [&] { CK(cudaGraphLaunch(exec, stream)); }, iters);
+    CK(cudaGraphExecDestroy(exec));
+    const double own = stream_ms(stream, [&] {
+      cudaGraphExec_t e;
+      capture(&e);
+      CK(cudaGraphLaunch(e, stream));
+      CK(cudaGraphExecDestroy(e));
+    }, iters);
+    std::printf("| %s | %.3f ms | %.3f ms | %.3f ms | %.3f ms | %.3f ms | %zu |\n", h ? "half ignored" : "all valid",
+                eager[h], replay[h], own, capture_ms, instantiate_ms, nodes);
+    std::fflush(stdout);
+  }
+  // One graph, the count changing under it: captured with every target valid, replayed on half.
+  set_targets(all);
+  cudaGraphExec_t exec;
+  capture(&exec);
+  set_targets(half);
+  const double follow = stream_ms(stream, [&] { CK(cudaGraphLaunch(exec, stream)); }, iters);
+  CK(cudaGraphExecDestroy(exec));
+  std::printf("\nhalf ignored / all valid: eager %.3f, captured replay %.3f (graph captured on all-valid targets, "
+              "replayed on half-ignored: %.3f ms, %.3f of all valid)\n",
+              eager[1] / eager[0], replay[1] / replay[0], follow, follow / replay[0]);
+  for (void* p : {(void*)hid, (void*)w, (void*)gh, (void*)gw, (void*)dt, (void*)loss, (void*)lse, ws}) CK(cudaFree(p));
+  CK(cudaStreamDestroy(stream));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -248,9 +381,16 @@ int main(int argc, char** argv) {
   bool quick = false;
   Shape one{0, 0, 0, false};
   const char* csv_path = nullptr;
+  Shape graph{0, 0, 0, true};
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
+    } else if (std::strcmp(argv[i], "--graph") == 0) {
+      graph = Shape{8192, 4096, 128256, true};
+      if (i + 3 < argc && argv[i + 1][0] != '-') {
+        graph = Shape{std::atoll(argv[i + 1]), std::atoll(argv[i + 2]), std::atoll(argv[i + 3]), true};
+        i += 3;
+      }
     } else if (std::strcmp(argv[i], "--profile") == 0 && i + 3 < argc) {
       one = Shape{std::atoll(argv[i + 1]), std::atoll(argv[i + 2]), std::atoll(argv[i + 3]), false};
       i += 3;
@@ -258,7 +398,8 @@ int main(int argc, char** argv) {
       csv_path = argv[++i];
     } else {
       std::fprintf(stderr, "fusedce_linear_bench: unknown or incomplete argument \"%s\"\n"
-                           "usage: fusedce_linear_bench [--quick] [--csv FILE] [--profile N H V]\n", argv[i]);
+                           "usage: fusedce_linear_bench [--quick] [--csv FILE] [--profile N H V] [--graph [N H V]]\n",
+                   argv[i]);
       return 2;
     }
   }
@@ -277,6 +418,10 @@ int main(int argc, char** argv) {
   std::printf("# TFLOP/s count 6 N H V; floor = the three bare cuBLASLt products of the same run\n\n");
   std::printf("| N x H x V | fused fwd+bwd | TFLOP/s | floor (bare GEMMs) | x floor | workspace (all extra memory) |\n");
   std::printf("|---|---|---|---|---|---|\n");
+  if (graph.N > 0) {
+    bench_graph(graph.N, graph.H, graph.V, quick ? 3 : 10);
+    return 0;
+  }
   BareGemm bare;
   if (one.N > 0) {
     bench(one, bare, 0, true, prop.name, nullptr);

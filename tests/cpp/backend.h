@@ -35,6 +35,23 @@ class Backend {
   virtual void copy_to_host(void* dst, const void* src, size_t bytes) = 0;
   /// Waits until work enqueued on device() is finished.
   virtual void synchronize() = 0;
+  /// CUDA graph capture of what the entry points enqueue on device(): capture_begin starts a
+  /// global-mode capture (torch.cuda.graph's default), capture_end instantiates the graph
+  /// (*nodes: its top-level node count), replay launches it and waits. false, with the reason,
+  /// where the backend has no graphs or a step fails. Buffers must not be touched in between.
+  virtual bool capture_begin(std::string* why) {
+    *why = "no graph capture on this backend";
+    return false;
+  }
+  virtual bool capture_end(size_t* nodes, std::string* why) {
+    (void)nodes;
+    *why = "no graph capture on this backend";
+    return false;
+  }
+  virtual bool replay(std::string* why) {
+    *why = "no graph capture on this backend";
+    return false;
+  }
 };
 
 /// The backend of `kind`, or nullptr with the reason in *why_not (not built with that backend,

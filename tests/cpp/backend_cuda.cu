@@ -42,8 +42,43 @@ class CudaBackend final : public Backend {
   }
   void synchronize() override { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
 
+  bool capture_begin(std::string* why) override {
+    drop_graph();
+    return ok(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture", why);
+  }
+  bool capture_end(size_t* nodes, std::string* why) override {
+    cudaGraph_t g = nullptr;
+    if (!ok(cudaStreamEndCapture(stream_, &g), "cudaStreamEndCapture", why)) return false;
+    graph_ = g;
+    *nodes = 0;
+    if (!ok(cudaGraphGetNodes(graph_, nullptr, nodes), "cudaGraphGetNodes", why)) return false;
+    return ok(cudaGraphInstantiate(&exec_, graph_, 0), "cudaGraphInstantiate", why);
+  }
+  bool replay(std::string* why) override {
+    if (exec_ == nullptr) {
+      *why = "no instantiated graph";
+      return false;
+    }
+    return ok(cudaGraphLaunch(exec_, stream_), "cudaGraphLaunch", why) &&
+           ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize after the replay", why);
+  }
+
  private:
+  static bool ok(cudaError_t e, const char* what, std::string* why) {
+    if (e == cudaSuccess) return true;
+    *why = std::string(what) + ": " + cudaGetErrorString(e);
+    cudaGetLastError();
+    return false;
+  }
+  void drop_graph() {
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (graph_) cudaGraphDestroy(graph_);
+    exec_ = nullptr;
+    graph_ = nullptr;
+  }
   cudaStream_t stream_ = nullptr;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
 };
 
 }  // namespace

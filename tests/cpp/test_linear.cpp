@@ -4,15 +4,19 @@
 // grad_bias = colsum(dX).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
+#include <cstdio>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "fusedce/fusedce.h"
 #include "backend.h"
+#include "cuda/linear/size_ladder.h"
 #include "problem.h"
 
 namespace fusedce_test {
@@ -588,6 +592,287 @@ TEST(LinearBadInput, NamesTheArgument) {
   s = call(H, fusedce::matrix(w.data(), DType::kFloat32, 10, 8), {}, {});
   EXPECT_EQ(s.code(), fusedce::StatusCode::kTargetOutOfRange);
   EXPECT_NE(s.message().find("target[2] = 10"), std::string::npos) << s.message();
+}
+
+// skip_ignored under CUDA graph capture (src/cuda/linear/linear_cuda.cpp, "Under CUDA graph
+// capture"): the call is captured once on the backend's stream, and the graph is replayed with
+// other targets in the same buffers, so the count of valid rows changes between replays and the
+// work must follow it. Each replay is checked against the float64 reference and against the
+// eager (synced) skip_ignored call on the same targets: bit for bit where the two run the same
+// chunks (the count on a rung of the size ladder, or every row valid), else within a reordered
+// float32 sum. Every option is on (label smoothing, logit scale, soft-cap, z-loss, class weights,
+// bias, metrics). Prints the plan of each step, so that one run shows where a failure sits.
+struct CaptureCase {
+  std::string name;
+  int64_t N, H, V;
+  int64_t chunk_rows;  // > 0: a budget of this many rows per chunk; 0: the default (one chunk)
+  Reduction reduction;
+  std::vector<int64_t> counts;  // valid rows of each step (the first is captured, then replays)
+  std::vector<bool> same_bits;  // whether that step must match the synced call bit for bit
+};
+
+std::vector<CaptureCase> capture_cases() {
+  // N = 300 in one chunk: rungs 128, 256, 300. Counts: on a rung, one past it, none, all, a
+  // single row. N = 1000 (not a multiple of 128), V = 1000 (TMA-aligned: the bf16 grad_weight's
+  // last product is the CUTLASS kernel on Hopper) in chunks of 256 (rungs 128, 256; the last
+  // chunk 232: rungs 128, 232): 768 = three whole chunks (the synced path's chunks too), 600 and
+  // 129 (other chunks than the synced path's), all 1000, none.
+  return {
+      {"one_chunk_odd_V", 300, 72, 1001, 0, Reduction::kMean, {128, 129, 0, 300, 1, 256},
+       {true, false, true, true, false, true}},
+      {"one_chunk_none", 300, 40, 515, 0, Reduction::kNone, {256, 257, 300, 0}, {true, false, true, true}},
+      {"chunks", 1000, 64, 1000, 256, Reduction::kMean, {768, 600, 1000, 0, 129, 768},
+       {true, false, true, true, false, true}},
+      {"chunks_sum_odd_V", 1000, 24, 333, 256, Reduction::kSum, {1000, 513, 768}, {true, false, true}},
+  };
+}
+
+class LinearCapture : public ::testing::TestWithParam<std::tuple<CaptureCase, DType>> {};
+
+TEST_P(LinearCapture, SkipIgnoredFollowsTheDeviceCount) {
+  const CaptureCase& cc = std::get<0>(GetParam());
+  const DType d = std::get<1>(GetParam());
+  std::string why;
+  Backend* backend = find_backend(BackendKind::kCuda, &why);
+  if (backend == nullptr) GTEST_SKIP() << why;
+  const int64_t N = cc.N, H = cc.H, V = cc.V;
+  const size_t el = elem_size(d);
+  const bool cuda16 = d != DType::kFloat32;
+  LinCase lc;
+  lc.name = cc.name;
+  lc.N = N;
+  lc.H = H;
+  lc.V = V;
+  lc.bias = true;
+  lc.o.reduction = cc.reduction;
+  lc.o.label_smoothing = 0.1f;
+  lc.o.logit_scale = 0.9f;
+  lc.o.softcap = 5.0f;
+  lc.o.z_loss = 1e-3f;
+  lc.o.compute_metrics = true;
+
+  std::mt19937_64 rng = test_rng();
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<uint8_t> hid(N * H * el), w(V * H * el), b(V * el);
+  std::vector<double> hd(N * H), wd(V * H), bd(V), cwd(V);
+  for (int64_t k = 0; k < N * H; ++k) {
+    store_value(hid.data(), d, k, normal(rng));
+    hd[k] = load_value(hid.data(), d, k);
+  }
+  const float wscale = 2.0f / std::sqrt(static_cast<float>(H));
+  for (int64_t k = 0; k < V * H; ++k) {
+    store_value(w.data(), d, k, normal(rng) * wscale * (rng() % 50 == 0 ? 4.0f : 1.0f));
+    wd[k] = load_value(w.data(), d, k);
+  }
+  for (int64_t j = 0; j < V; ++j) {
+    store_value(b.data(), d, j, normal(rng));
+    bd[j] = load_value(b.data(), d, j);
+  }
+  std::vector<float> cw(V);
+  for (int64_t j = 0; j < V; ++j) {
+    cw[j] = 0.25f + static_cast<float>(rng() % 100) / 50.0f;
+    cwd[j] = cw[j];
+  }
+  std::vector<float> up;
+  if (cc.reduction == Reduction::kNone) {
+    up.resize(N);
+    for (auto& u : up) u = 0.5f + static_cast<float>(rng() % 100) / 100.0f;
+  } else {
+    up = {1.75f};
+  }
+  const std::vector<double> upd(up.begin(), up.end());
+  // Targets with exactly `count` valid rows, at random positions.
+  auto targets_with = [&](int64_t count) {
+    std::vector<int64_t> t(N, -100), order(N);
+    for (int64_t i = 0; i < N; ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), rng);
+    for (int64_t k = 0; k < count; ++k) t[order[k]] = static_cast<int64_t>(rng() % V);
+    return t;
+  };
+
+  // Buffers that stay put across the capture and its replays.
+  DeviceBuffer d_hid = DeviceBuffer::from_vector(*backend, hid), d_w = DeviceBuffer::from_vector(*backend, w),
+               d_b = DeviceBuffer::from_vector(*backend, b), d_cw = DeviceBuffer::from_vector(*backend, cw),
+               d_up = DeviceBuffer::from_vector(*backend, up), d_t(*backend, N * 8);
+  const int64_t loss_n = cc.reduction == Reduction::kNone ? N : 1;
+  DeviceBuffer d_loss(*backend, loss_n * 4), d_lse(*backend, N * 4), d_ent(*backend, 4), d_cor(*backend, 8),
+      d_gh(*backend, N * H * el), d_gw(*backend, V * H * el), d_gb(*backend, V * el);
+  fusedce::Options o = lc.o;
+  o.class_weight = fusedce::vector(d_cw.data(), DType::kFloat32, V);
+  fusedce::ForwardOutputs out;
+  out.loss = fusedce::vector(d_loss.data(), DType::kFloat32, loss_n);
+  out.lse = fusedce::vector(d_lse.data(), DType::kFloat32, N);
+  out.num_correct = fusedce::vector(d_cor.data(), DType::kInt64, 1);
+  out.entropy_sum = fusedce::vector(d_ent.data(), DType::kFloat32, 1);
+  fusedce::LinearOptions lo;
+  lo.skip_ignored = true;
+  // Bytes per row of the plan's chunk (logits row padded to 16 bytes, gathered hidden and
+  // grad_hidden rows): a budget of chunk_rows rows.
+  const int64_t ld = (V * int64_t(el) + 15) / 16 * 16;
+  if (cc.chunk_rows > 0) lo.chunk_budget_bytes = size_t(cc.chunk_rows) * size_t(ld + 2 * H * int64_t(el));
+  fusedce::LinearGrads g;
+  g.grad_hidden = fusedce::matrix(d_gh.data(), d, N, H);
+  g.grad_weight = fusedce::matrix(d_gw.data(), d, V, H);
+  g.grad_bias = fusedce::vector(d_gb.data(), d, V);
+  auto enqueue = [&]() {
+    return fusedce::linear_cross_entropy_forward_backward(
+        backend->device(), fusedce::matrix(d_hid.data(), d, N, H), fusedce::matrix(d_w.data(), d, V, H),
+        fusedce::vector(d_b.data(), d, V), fusedce::vector(d_t.data(), DType::kInt64, N), o, lo, out,
+        up.size() == 1 ? fusedce::vector(d_up.data(), DType::kFloat32, 1) : fusedce::vector(d_up.data(), DType::kFloat32, N),
+        g);
+  };
+  auto poison = [&]() {
+    for (DeviceBuffer* buf : {&d_loss, &d_lse, &d_ent, &d_cor, &d_gh, &d_gw, &d_gb}) buf->fill(0xCD);
+  };
+  auto read = [&]() {
+    LinRun r;
+    r.loss = d_loss.to_host_as<float>();
+    r.loss.resize(loss_n);
+    r.lse = d_lse.to_host_as<float>();
+    r.lse.resize(N);
+    d_ent.download(&r.entropy, 4);
+    d_cor.download(&r.correct, 8);
+    r.gh = d_gh.to_host();
+    r.gh.resize(N * H * el);
+    r.gw = d_gw.to_host();
+    r.gw.resize(V * H * el);
+    r.gb = d_gb.to_host();
+    r.gb.resize(V * el);
+    return r;
+  };
+  auto widen = [&](const std::vector<uint8_t>& buf, int64_t n) {
+    std::vector<double> v(n);
+    for (int64_t k = 0; k < n; ++k) v[k] = load_value(buf.data(), d, k);
+    return v;
+  };
+  auto first_difference = [](const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, size_t unit) {
+    for (size_t k = 0; k < std::min(a.size(), b.size()); ++k) {
+      if (a[k] != b[k]) return std::to_string(k / unit);
+    }
+    return std::string(a.size() == b.size() ? "none" : "sizes differ");
+  };
+  auto as_bytes = [](const std::vector<float>& v) {
+    std::vector<uint8_t> out(v.size() * 4);
+    std::memcpy(out.data(), v.data(), out.size());
+    return out;
+  };
+
+  const int64_t step = cc.chunk_rows > 0 ? cc.chunk_rows : N;
+  std::ostringstream plan;
+  plan << cc.name << " " << fusedce::dtype_name(d) << ": N " << N << " H " << H << " V " << V << ", chunks of " << step
+       << " rows, rungs";
+  for (int64_t p0 = 0; p0 < N; p0 += step) {
+    const fusedce::cuda::SizeLadder l = fusedce::cuda::size_ladder(std::min(step, N - p0));
+    plan << " [";
+    for (int r = 0; r < l.rungs; ++r) plan << (r ? " " : "") << l.size[r];
+    plan << "]";
+  }
+  std::printf("%s\n", plan.str().c_str());
+
+  bool captured = false;
+  for (size_t s = 0; s < cc.counts.size(); ++s) {
+    const int64_t count = cc.counts[s];
+    const std::vector<int64_t> tgt = targets_with(count);
+    d_t.upload(tgt.data(), N * 8);
+    const std::string tag = " (step " + std::to_string(s) + ", " + std::to_string(count) + " valid rows)";
+    SCOPED_TRACE(plan.str() + tag);
+
+    poison();
+    fusedce::Status st = enqueue();
+    backend->synchronize();
+    ASSERT_TRUE(st.ok()) << "synced call: " << st.message();
+    const LinRun synced = read();
+
+    poison();
+    if (!captured) {
+      ASSERT_TRUE(backend->capture_begin(&why)) << why;
+      st = enqueue();
+      size_t nodes = 0;
+      const bool ended = backend->capture_end(&nodes, &why);
+      ASSERT_TRUE(st.ok()) << "captured call: " << st.message();
+      ASSERT_TRUE(ended) << why;
+      std::printf("  captured: %zu top-level graph nodes\n", nodes);
+      captured = true;
+    }
+    ASSERT_TRUE(backend->replay(&why)) << why;
+    const LinRun got = read();
+
+    // Against the float64 reference.
+    const RefResult ref = reference(lc, hd, wd, bd, tgt, cwd, upd, cuda16 ? d : DType::kFloat32);
+    const Tol lt = cuda16 ? loss_tol_cuda16(d) : loss_tol(d);
+    const Tol gt = cuda16 ? grad_tol_cuda16(d) : grad_tol(d);
+    std::vector<double> gl(got.loss.begin(), got.loss.end()), glse(got.lse.begin(), got.lse.end());
+    expect_close("loss" + tag, gl, cc.reduction == Reduction::kNone ? ref.loss_rows : std::vector<double>{ref.loss}, lt);
+    expect_close("lse" + tag, glse, ref.lse, lt);
+    EXPECT_NEAR(got.entropy, ref.entropy, (cuda16 ? 1e-3 : 2e-5) * (std::fabs(ref.entropy) + N)) << tag;
+    EXPECT_NEAR(static_cast<double>(got.correct), static_cast<double>(ref.correct), cuda16 ? 1.0 : 0.0) << tag;
+    expect_close("grad_hidden" + tag, widen(got.gh, N * H), ref.gh, gt);
+    expect_close("grad_weight" + tag, widen(got.gw, V * H), ref.gw, gt);
+    expect_close("grad_bias" + tag, widen(got.gb, V), ref.gb, gt);
+
+    // Against the synced call on the same targets.
+    const std::vector<uint8_t> gloss = as_bytes(got.loss), sloss = as_bytes(synced.loss);
+    const std::vector<uint8_t> glse_b = as_bytes(got.lse), slse_b = as_bytes(synced.lse);
+    std::printf("  step %zu: %lld valid rows: loss %.9g (synced %.9g), entropy %.9g (%.9g), correct %lld (%lld); first "
+                "differing element vs synced: loss %s, lse %s, grad_hidden %s, grad_weight %s, grad_bias %s\n",
+                s, static_cast<long long>(count), got.loss[0], synced.loss[0], got.entropy, synced.entropy,
+                static_cast<long long>(got.correct), static_cast<long long>(synced.correct),
+                first_difference(gloss, sloss, 4).c_str(), first_difference(glse_b, slse_b, 4).c_str(),
+                first_difference(got.gh, synced.gh, el).c_str(), first_difference(got.gw, synced.gw, el).c_str(),
+                first_difference(got.gb, synced.gb, el).c_str());
+    if (cc.same_bits[s]) {
+      EXPECT_EQ(gloss, sloss) << "loss" << tag;
+      EXPECT_EQ(glse_b, slse_b) << "lse" << tag;
+      EXPECT_EQ(0, std::memcmp(&got.entropy, &synced.entropy, 4)) << "entropy" << tag;
+      EXPECT_EQ(got.correct, synced.correct) << "num_correct" << tag;
+      EXPECT_EQ(got.gh, synced.gh) << "grad_hidden" << tag;
+      EXPECT_EQ(got.gw, synced.gw) << "grad_weight" << tag;
+      EXPECT_EQ(got.gb, synced.gb) << "grad_bias" << tag;
+    } else {
+      // Other row counts in the products: a reordered float32 sum, then one rounding to the dtype.
+      const Tol near = cuda16 ? Tol{8e-3, 1e-3} : Tol{1e-5, 1e-6};
+      std::vector<double> sl(synced.loss.begin(), synced.loss.end()), slse(synced.lse.begin(), synced.lse.end());
+      expect_close("loss vs synced" + tag, gl, sl, near);
+      expect_close("lse vs synced" + tag, glse, slse, near);
+      expect_close("grad_hidden vs synced" + tag, widen(got.gh, N * H), widen(synced.gh, N * H), near);
+      expect_close("grad_weight vs synced" + tag, widen(got.gw, V * H), widen(synced.gw, V * H), near);
+      expect_close("grad_bias vs synced" + tag, widen(got.gb, V), widen(synced.gb, V), near);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Linear, LinearCapture,
+                         ::testing::Combine(::testing::ValuesIn(capture_cases()),
+                                            ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param).name + "_" + fusedce::dtype_name(std::get<1>(info.param));
+                         });
+
+// check_targets reads the target check back on the host: refused under capture, by name.
+TEST(LinearCaptureErrors, CheckTargetsIsRefusedByName) {
+  std::string why;
+  Backend* backend = find_backend(BackendKind::kCuda, &why);
+  if (backend == nullptr) GTEST_SKIP() << why;
+  const int64_t N = 16, H = 8, V = 40;
+  const DType d = DType::kFloat32;
+  std::vector<float> hid(N * H, 0.5f), w(V * H, 0.25f);
+  std::vector<int64_t> tgt(N, 3);
+  DeviceBuffer d_hid = DeviceBuffer::from_vector(*backend, hid), d_w = DeviceBuffer::from_vector(*backend, w),
+               d_t = DeviceBuffer::from_vector(*backend, tgt), d_loss(*backend, 4);
+  fusedce::Options o;
+  o.check_targets = true;
+  fusedce::LinearOptions lo;
+  lo.skip_ignored = true;
+  fusedce::ForwardOutputs out;
+  out.loss = fusedce::vector(d_loss.data(), DType::kFloat32, 1);
+  ASSERT_TRUE(backend->capture_begin(&why)) << why;
+  const fusedce::Status st = fusedce::linear_cross_entropy_forward(
+      backend->device(), fusedce::matrix(d_hid.data(), d, N, H), fusedce::matrix(d_w.data(), d, V, H), {},
+      fusedce::vector(d_t.data(), DType::kInt64, N), o, lo, out);
+  size_t nodes = 0;
+  backend->capture_end(&nodes, &why);  // the capture is over either way
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("check_targets"), std::string::npos) << st.message();
 }
 
 }  // namespace

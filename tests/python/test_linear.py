@@ -457,6 +457,62 @@ def test_cuda_graph_captures_forward_and_backward(kw):
             assert torch.equal(a, e)
 
 
+@requires_cuda
+def test_cuda_graph_skip_ignored_follows_the_targets():
+    # skip_ignored under torch.cuda.graph: the products are sized on the device from the count of
+    # valid rows (no host sync), so one captured graph serves targets with any count. Each replay
+    # with new targets in the captured buffer matches an eager skip_ignored call on them: bit for
+    # bit where the eager chunks have the size ladder's sizes (300 rows in one chunk: rungs 128,
+    # 256, 300; and no valid row), else within a reordered float32 sum; and matches the call
+    # without skip_ignored within the bf16 tolerance.
+    n, vocab = 300, 1001
+    h0, w0, b0, t0 = make_linear_problem((n,), 40, vocab, torch.bfloat16, "cuda", bias=True)
+    h = h0.clone().requires_grad_(True)
+    w = w0.clone().requires_grad_(True)
+    b = b0.clone().requires_grad_(True)
+    t = t0.clone()
+    kw = dict(label_smoothing=0.1, z_loss=1e-4, softcap=20.0)
+
+    def step(skip=True):
+        loss = fusedce.linear_cross_entropy(h, w, t, b, skip_ignored=skip, **kw)
+        return (loss, *torch.autograd.grad(loss, (h, w, b)))
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+
+    def targets(valid):
+        new = torch.full((n,), -100, dtype=t.dtype, device="cuda")
+        rows = torch.randperm(n, generator=gen, device="cuda")[:valid]
+        new[rows] = torch.randint(0, vocab, (valid,), generator=gen, device="cuda", dtype=t.dtype)
+        return new
+
+    t.copy_(targets(200))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for valid, same_bits in [(128, True), (129, False), (300, True), (1, False), (0, True), (256, True)]:
+        with torch.no_grad():
+            t.copy_(targets(valid))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [x.clone() for x in captured]
+        eager = step()
+        names = ("loss", "grad_hidden", "grad_weight", "grad_bias")
+        for name, a, e in zip(names, got, eager):
+            if same_bits:
+                assert torch.equal(a, e) or (valid == 0 and name == "loss" and a.isnan() and e.isnan()), (valid, name)
+            else:
+                torch.testing.assert_close(a.float(), e.float(), rtol=1e-2, atol=1e-3, msg=f"{valid} valid rows: {name}")
+        if valid > 0:
+            for name, a, e in zip(names, got, step(skip=False)):
+                torch.testing.assert_close(a.float(), e.float(), rtol=2e-2, atol=1e-3, msg=f"{valid} valid rows: {name}")
+
+
 @pytest.mark.parametrize("dtype,factor", [(torch.float32, 1.001), (torch.bfloat16, 1.05)], ids=str)
 def test_budget_catches_a_wrong_gradient(dtype, factor):
     # The tolerances above can fail: gradients off by 0.1 % in float32 (5 % in bfloat16, whose

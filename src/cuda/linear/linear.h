@@ -54,6 +54,11 @@ struct LinearGatherParams {
   int64_t* target_out;  // (n,) or null
   float* grad_out;      // (n,) or null (forward only)
   void* hidden_out;     // (n, H) dense, or null
+  // Device-sized chunks (skip_ignored under graph capture): positions at or past *count are
+  // padding of the chunk's rung: target ignore_index, upstream gradient 0, hidden row zeros (so
+  // they contribute exact zeros to every product). Null: every position is real.
+  const int64_t* count;
+  int64_t ignore_index;
 };
 
 /// Per chunk: each position's results back to its row.
@@ -69,6 +74,7 @@ struct LinearScatterParams {
   void* gh_out;
   int64_t gh_stride, H;
   DType dtype;
+  const int64_t* count;  // positions at or past *count are padding: nothing written. Null: none.
 };
 
 /// The end of a call: the reduced loss (rows in a fixed order), metric sums over chunks, and
@@ -114,6 +120,31 @@ struct ConvertParams {
   int64_t rows, cols, dst_stride;
   DType dtype;
 };
+
+// Conditional graph nodes (CUDA 12.8+ SWITCH) for skip_ignored under capture; not on HIP, whose
+// build has no linear path (linear_none.cpp), nor on older toolkits.
+#if !defined(__HIP__) && defined(CUDART_VERSION) && CUDART_VERSION >= 12080
+#define FUSEDCE_GRAPH_SWITCH 1
+#else
+#define FUSEDCE_GRAPH_SWITCH 0
+#endif
+
+#if FUSEDCE_GRAPH_SWITCH
+/// What the tiny kernel before a conditional node reads to set the node's branch from the
+/// device's count of valid rows (size_ladder.h).
+struct LinearBranchParams {
+  cudaGraphConditionalHandle handle;
+  const int64_t* count;
+  enum Kind : int {
+    kChunk,   // LadderBranch::of(size, rungs, capacity, *count - p0)
+    kFinish,  // 0: no valid row; 1: the valid rows fit in the first chunk (capacity); 2: more
+  } kind;
+  int64_t p0, capacity;
+  int rungs;
+  int64_t size[8];
+};
+void launch_linear_branch(const LinearBranchParams& p, cudaStream_t stream);
+#endif
 
 void launch_linear_prepare(const LinearPrepareParams& p, cudaStream_t stream);
 void launch_linear_gather(const LinearGatherParams& p, cudaStream_t stream);

@@ -19,14 +19,49 @@
 // more than one token chunk). 8 N H V flops instead of 6: the price of the bound.
 // The logits never exist beyond one chunk (chunk_budget_bytes). The reduction, the mean's
 // denominator and every upstream-gradient factor live in device memory: no host sync, except
-// with skip_ignored (rows with an ignored target are dropped before any product, which needs
-// their count on the host) and with check_targets. Every sum has a fixed order: the loss sums the
-// rows in row order, the products accumulate chunk after chunk, so results are the same bits run
-// to run (they depend on the chunk size, which depends only on the arguments).
+// with check_targets and with skip_ignored outside graph capture (below). Every sum has a fixed
+// order: the loss sums the rows in row order, the products accumulate chunk after chunk, so
+// results are the same bits run to run (they depend on the chunk size, which depends only on the
+// arguments, and with skip_ignored on the count of valid rows).
+//
+// skip_ignored: the prepare kernel compacts the rows whose target is not ignored (idx, count on
+// the device), and the products run over those positions only.
+//   Eager (the stream is not capturing): the count is read back (one host sync) and the chunks
+//   are sized on it: balanced_rows(count, chunk_rows) rows each.
+//   Under CUDA graph capture (cudaStreamIsCapturing): no sync. The chunks are planned for the
+//   worst case (every row valid, balanced_rows(N, chunk_rows) rows each) and each one is a
+//   conditional SWITCH node (CUDA 12.8+) whose branch a one-thread kernel sets from the device's
+//   count (size_ladder.h): no body when the chunk has no valid row, else the body captured for
+//   the smallest rung of the chunk's size ladder (eighths of it in whole 128-row tiles) that
+//   holds its rows, or the full body when later chunks follow. Positions past the count inside a
+//   rung are padding: the gather gives them target ignore_index, upstream gradient 0 and zero
+//   hidden rows, so their logits are finite, their dlogits exact zeros, and they add exact zeros
+//   to grad_weight and grad_bias (the products' K) and nothing to the loss or metrics; the
+//   scatter skips them. The finish (clear the unwritten sums, or round grad_weight from its
+//   accumulator) is a SWITCH on the count too. The bodies are captured on a stream of our own
+//   with cudaStreamBeginCaptureToGraph into the node's body graphs; every cuBLASLt product uses
+//   the workspace's preallocated cuBLASLt workspace, and its heuristic runs on the host while the
+//   body is captured (once per rung: a captured call pays 8 heuristic queries per product where
+//   an eager one pays 1). Bits: a chunk that runs at rung r computes exactly what the synced path
+//   computes for a chunk of r rows whose last positions are ignored rows; so where the synced
+//   path's chunks have the rungs' sizes (count on a rung of a one-chunk plan, or every row valid)
+//   the results are the same bits. Elsewhere the products and the cross-entropy pass run at
+//   another row count than the synced path's, cuBLASLt may pick another kernel (tile, split-K)
+//   for it, and the last bits of the logits, grad_hidden, grad_weight and grad_bias may differ
+//   within the float32 rounding of a reordered sum (the padding's zeros add nothing).
+//   check_targets (a host read) is refused under capture, naming it; low_memory's second pass is
+//   sized on the host and refused under capture with skip_ignored.
+//   Eager calls keep the synced path rather than capturing, instantiating and launching a graph of
+//   their own per call: that costs a capture of every rung's bodies (8x the host work of the
+//   products' heuristics and launches) and an instantiation of a graph of ~10 nodes per rung per
+//   chunk, per call, since the pointers change from call to call (nothing to cache). Whether that
+//   beats one sync is measured by bench/linear_bench.cu's skip_ignored rows (eager synced,
+//   capture + instantiate + launch per call, and replay).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <climits>
+#include <map>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -37,6 +72,7 @@
 #include "cuda/linear/gemm.h"
 #include "cuda/host_util.h"
 #include "cuda/linear/linear.h"
+#include "cuda/linear/size_ladder.h"
 
 namespace fusedce {
 namespace cuda {
@@ -270,9 +306,16 @@ class LinearRun {
         p_(plan),
         ws_(ws),
         stream_(static_cast<cudaStream_t>(call.device.stream)),
+        dev_(call.device),
         cutlass_(plan.dtype == DType::kBFloat16 && cutlass_products_available(call.device.index)) {}
 
   Status run() {
+    if (p_.compact) {
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      const cudaError_t e = cudaStreamIsCapturing(stream_, &capture);
+      if (e != cudaSuccess) return device_error(e, "asking whether the stream is capturing a CUDA graph");
+      if (capture == cudaStreamCaptureStatusActive) return run_captured();
+    }
     FUSEDCE_TRY(prepare());
     int64_t positions = p_.N;
     if (p_.compact) FUSEDCE_TRY(read_count(&positions));
@@ -428,6 +471,8 @@ class LinearRun {
     gq.target_out = at_as<int64_t>(p_.target_c);
     gq.grad_out = p_.grad ? at_as<float>(p_.grad_p) + p0 : nullptr;
     gq.hidden_out = p_.compact ? at(p_.hidden_c) : nullptr;
+    gq.count = padded_ ? &scalars()->count : nullptr;
+    gq.ignore_index = c_.options.ignore_index;
     launch_linear_gather(gq, stream_);
     FUSEDCE_TRY(last_error("the gather kernel"));
 
@@ -472,10 +517,10 @@ class LinearRun {
     }
     const Workspace ce_ws{at(p_.ce_ws), p_.ce_ws_bytes};
     if (p_.grad) {
-      FUSEDCE_TRY(cross_entropy_forward_backward(c_.device, L, t, p_.ce_options, out,
+      FUSEDCE_TRY(cross_entropy_forward_backward(dev_, L, t, p_.ce_options, out,
                                                  vector(at_as<float>(p_.grad_p) + p0, DType::kFloat32, nc), L, ce_ws));
     } else {
-      FUSEDCE_TRY(cross_entropy_forward(c_.device, L, t, p_.ce_options, out, ce_ws));
+      FUSEDCE_TRY(cross_entropy_forward(dev_, L, t, p_.ce_options, out, ce_ws));
     }
 
     // 3. gradients of the chunk
@@ -550,6 +595,7 @@ class LinearRun {
     sq.gh_stride = c_.grads.grad_hidden.row_stride;
     sq.H = p_.H;
     sq.dtype = d;
+    sq.count = padded_ ? &scalars()->count : nullptr;
     launch_linear_scatter(sq, stream_);
     return last_error("the scatter kernel");
   }
@@ -656,18 +702,8 @@ class LinearRun {
   }
 
   Status finish(int64_t chunks) {
-    const size_t el = elem_size(p_.dtype);
     if (chunks == 0) {
-      // No row entered a product: zero gradients (the accumulators were never written).
-      if (p_.grad_weight) {
-        const MatrixView& gw = c_.grads.grad_weight;
-        cudaError_t e = cudaMemset2DAsync(gw.data, size_t(gw.row_stride) * el, 0, size_t(p_.H) * el, size_t(p_.V), stream_);
-        if (e != cudaSuccess) return device_error(e, "clearing grad_weight");
-      }
-      if (p_.grad_bias) {
-        cudaError_t e = cudaMemsetAsync(at(p_.gb_acc), 0, size_t(p_.V) * 4, stream_);
-        if (e != cudaSuccess) return device_error(e, "clearing grad_bias");
-      }
+      FUSEDCE_TRY(clear_unwritten_sums());
       if (p_.metrics) {
         cudaError_t e = cudaMemsetAsync(at(p_.chunk_entropy), 0, 4, stream_);
         if (e == cudaSuccess) e = cudaMemsetAsync(at(p_.chunk_correct), 0, 8, stream_);
@@ -675,6 +711,28 @@ class LinearRun {
       }
       if (!p_.compact && p_.N > 0) return Status(StatusCode::kDeviceError, "internal: rows but no chunk");
     }
+    FUSEDCE_TRY(reduce_rows(std::max<int64_t>(chunks, 1)));
+    if (chunks > 0 && !gw_rounded_) FUSEDCE_TRY(round_grad_weight());
+    return round_grad_bias();
+  }
+
+  /// No row entered a product: zero gradients (the accumulators were never written).
+  Status clear_unwritten_sums() {
+    const size_t el = elem_size(p_.dtype);
+    if (p_.grad_weight) {
+      const MatrixView& gw = c_.grads.grad_weight;
+      cudaError_t e = cudaMemset2DAsync(gw.data, size_t(gw.row_stride) * el, 0, size_t(p_.H) * el, size_t(p_.V), stream_);
+      if (e != cudaSuccess) return device_error(e, "clearing grad_weight");
+    }
+    if (p_.grad_bias) {
+      cudaError_t e = cudaMemsetAsync(at(p_.gb_acc), 0, size_t(p_.V) * 4, stream_);
+      if (e != cudaSuccess) return device_error(e, "clearing grad_bias");
+    }
+    return Status::Ok();
+  }
+
+  /// The loss over the rows (in row order) and the metric sums over `chunks` chunk partials.
+  Status reduce_rows(int64_t chunks) {
     LinearFinishParams f{};
     f.row_loss = at_as<float>(p_.row_loss);
     f.rows = p_.N;
@@ -685,30 +743,212 @@ class LinearRun {
     if (p_.metrics) {
       f.chunk_entropy = at_as<float>(p_.chunk_entropy);
       f.chunk_correct = at_as<int64_t>(p_.chunk_correct);
-      f.chunks = std::max<int64_t>(chunks, 1);
+      f.chunks = chunks;
       f.entropy_out = static_cast<float*>(c_.out.entropy_sum.data);
       f.correct_out = static_cast<int64_t*>(c_.out.num_correct.data);
     }
     launch_linear_finish(f, stream_);
-    FUSEDCE_TRY(last_error("the finish kernel"));
-    if (p_.gw_via_acc && chunks > 0 && !gw_rounded_) {
-      const MatrixView& gw = c_.grads.grad_weight;
-      launch_convert(ConvertParams{at_as<float>(p_.gw_acc), gw.data, p_.V, p_.H, gw.row_stride, p_.dtype}, stream_);
-      FUSEDCE_TRY(last_error("rounding grad_weight"));
+    return last_error("the finish kernel");
+  }
+
+  /// 16-bit grad_weight from its float32 accumulator (nothing to do without one).
+  Status round_grad_weight() {
+    if (!p_.gw_via_acc) return Status::Ok();
+    const MatrixView& gw = c_.grads.grad_weight;
+    launch_convert(ConvertParams{at_as<float>(p_.gw_acc), gw.data, p_.V, p_.H, gw.row_stride, p_.dtype}, stream_);
+    return last_error("rounding grad_weight");
+  }
+
+  Status round_grad_bias() {
+    if (!p_.grad_bias) return Status::Ok();
+    const VectorView& gb = c_.grads.grad_bias;
+    // A (V,) vector with stride s is a (V, 1) matrix with row stride s.
+    launch_convert(ConvertParams{at_as<float>(p_.gb_acc), gb.data, p_.V, 1, gb.stride, p_.dtype}, stream_);
+    return last_error("rounding grad_bias");
+  }
+
+  // ---- skip_ignored under CUDA graph capture (see the top of the file) ----
+
+  Status run_captured() {
+    if (c_.options.check_targets) {
+      return Status(StatusCode::kInvalidArgument,
+                    "check_targets: reading the target check back needs a host sync, which CUDA graph capture "
+                    "forbids; check the targets before capturing, or capture without check_targets");
     }
+    if (p_.low_memory) {
+      return Status(StatusCode::kUnsupported,
+                    "skip_ignored with low_memory under CUDA graph capture: the vocabulary-sliced grad_weight pass "
+                    "is sized on the host; capture without one of them");
+    }
+#if FUSEDCE_GRAPH_SWITCH
+    int driver = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess || driver < 12080) {
+      (void)cudaGetLastError();
+      return Status(StatusCode::kUnsupported,
+                    "skip_ignored under CUDA graph capture needs conditional (SWITCH) graph nodes: a CUDA 12.8+ "
+                    "driver (this one reports " + std::to_string(driver) + ")");
+    }
+    FUSEDCE_TRY(body_stream(c_.device.index, &body_stream_));
+    padded_ = true;
+    FUSEDCE_TRY(prepare());
     if (p_.grad_bias) {
-      const VectorView& gb = c_.grads.grad_bias;
-      // A (V,) vector with stride s is a (V, 1) matrix with row stride s.
-      launch_convert(ConvertParams{at_as<float>(p_.gb_acc), gb.data, p_.V, 1, gb.stride, p_.dtype}, stream_);
-      FUSEDCE_TRY(last_error("rounding grad_bias"));
+      launch_fill_ones(at(p_.ones), p_.chunk_rows, p_.dtype, stream_);
+      FUSEDCE_TRY(last_error("filling the ones vector"));
     }
+    if (p_.pad_weight) FUSEDCE_TRY(pad_weight());
+    // Chunks that do not run leave zero metric partials; finish sums every planned chunk's.
+    const int64_t step = balanced_rows(std::max<int64_t>(p_.N, 1), p_.chunk_rows);
+    const int64_t chunks = p_.N > 0 ? (p_.N + step - 1) / step : 0;
+    if (p_.metrics) {
+      cudaError_t e = cudaMemsetAsync(at(p_.chunk_entropy), 0, size_t(p_.max_chunks) * 4, stream_);
+      if (e == cudaSuccess) e = cudaMemsetAsync(at(p_.chunk_correct), 0, size_t(p_.max_chunks) * 8, stream_);
+      if (e != cudaSuccess) return device_error(e, "clearing the metric partials");
+    }
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      const int64_t p0 = chunk * step, capacity = std::min(step, p_.N - p0);
+      const SizeLadder ladder = size_ladder(capacity);
+      LinearBranchParams q{};
+      q.count = &scalars()->count;
+      q.kind = LinearBranchParams::kChunk;
+      q.p0 = p0;
+      q.capacity = capacity;
+      q.rungs = ladder.rungs;
+      for (int r = 0; r < ladder.rungs; ++r) q.size[r] = ladder.size[r];
+      // Branch r < rungs: the chunk holds the last valid row, at rung r's rows; branch rungs:
+      // full, and later chunks follow (the same bodies the synced path runs for those rows).
+      FUSEDCE_TRY(add_switch(q, static_cast<unsigned>(ladder.rungs + 1), [&](unsigned b) {
+        const bool full = b == static_cast<unsigned>(ladder.rungs);
+        return run_chunk(p0, full ? capacity : ladder.size[b], chunk, !full);
+      }));
+    }
+    // As finish(), on the device's count: 0 valid rows: the sums the products never wrote are
+    // cleared; rows in the first chunk only: its product left grad_weight in the accumulator;
+    // more: the last chunk's product rounded it itself where gw_rounded_ says so.
+    LinearBranchParams q{};
+    q.count = &scalars()->count;
+    q.kind = LinearBranchParams::kFinish;
+    q.capacity = step;
+    const bool rounded_by_last = gw_rounded_;
+    FUSEDCE_TRY(add_switch(q, 3, [&](unsigned b) {
+      if (b == 0) return clear_unwritten_sums();
+      if (b == 1 || !rounded_by_last) return round_grad_weight();
+      return Status::Ok();
+    }));
+    FUSEDCE_TRY(reduce_rows(std::max<int64_t>(chunks, 1)));
+    return round_grad_bias();
+#else
+    return Status(StatusCode::kUnsupported,
+                  "skip_ignored under CUDA graph capture needs conditional (SWITCH) graph nodes, which this build "
+                  "lacks (CUDA 12.8+ toolkit)");
+#endif
+  }
+
+#if FUSEDCE_GRAPH_SWITCH
+  /// The stream that captures the bodies of conditional nodes: one per thread and device, made
+  /// on first use (in relaxed capture mode: creating a stream is not a stream operation, but a
+  /// global-mode capture elsewhere would refuse it otherwise) and kept for the thread's life.
+  static Status body_stream(int device, cudaStream_t* out) {
+    struct Streams {
+      std::map<int, cudaStream_t> by_device;
+      ~Streams() {
+        for (auto& s : by_device) (void)cudaStreamDestroy(s.second);
+      }
+    };
+    thread_local Streams streams;
+    auto it = streams.by_device.find(device);
+    if (it != streams.by_device.end()) {
+      *out = it->second;
+      return Status::Ok();
+    }
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaError_t e = cudaThreadExchangeStreamCaptureMode(&mode);
+    if (e != cudaSuccess) return device_error(e, "relaxing the capture mode");
+    cudaStream_t s = nullptr;
+    e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    const cudaError_t back = cudaThreadExchangeStreamCaptureMode(&mode);
+    if (e != cudaSuccess) return device_error(e, "creating the stream that captures conditional bodies");
+    if (back != cudaSuccess) return device_error(back, "restoring the capture mode");
+    streams.by_device[device] = s;
+    *out = s;
     return Status::Ok();
   }
+
+  /// The capture's graph and its current dependencies on `stream`.
+  struct CaptureTail {
+    cudaGraph_t graph = nullptr;
+    const cudaGraphNode_t* deps = nullptr;
+    const cudaGraphEdgeData* edges = nullptr;
+    size_t count = 0;
+  };
+  static cudaError_t capture_tail(cudaStream_t stream, CaptureTail* t) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+#if CUDART_VERSION >= 13000
+    cudaError_t e = cudaStreamGetCaptureInfo(stream, &status, nullptr, &t->graph, &t->deps, &t->edges, &t->count);
+#else
+    cudaError_t e = cudaStreamGetCaptureInfo_v3(stream, &status, nullptr, &t->graph, &t->deps, &t->edges, &t->count);
+#endif
+    if (e == cudaSuccess && status != cudaStreamCaptureStatusActive) e = cudaErrorStreamCaptureInvalidated;
+    return e;
+  }
+
+  /// Adds to the capture on stream_ a tiny kernel that sets a SWITCH condition from the device's
+  /// count (q), then the SWITCH node with `branches` bodies, body b captured from what
+  /// `body(b)` enqueues on the body stream; the caller's stream continues after the node.
+  /// A body that fails ends its capture before the error is returned.
+  template <typename Body>
+  Status add_switch(LinearBranchParams q, unsigned branches, Body&& body) {
+    CaptureTail tail;
+    cudaError_t e = capture_tail(stream_, &tail);
+    if (e != cudaSuccess) return device_error(e, "reading the stream's capture");
+    e = cudaGraphConditionalHandleCreate(&q.handle, tail.graph, 0, 0);
+    if (e != cudaSuccess) return device_error(e, "creating a conditional handle");
+    launch_linear_branch(q, stream_);
+    FUSEDCE_TRY(last_error("the branch kernel"));
+    e = capture_tail(stream_, &tail);
+    if (e != cudaSuccess) return device_error(e, "reading the stream's capture");
+    cudaGraphNodeParams np{};
+    np.type = cudaGraphNodeTypeConditional;
+    np.conditional.handle = q.handle;
+    np.conditional.type = cudaGraphCondTypeSwitch;
+    np.conditional.size = branches;
+    cudaGraphNode_t node = nullptr;
+#if CUDART_VERSION >= 13000
+    e = cudaGraphAddNode(&node, tail.graph, tail.deps, tail.edges, tail.count, &np);
+#else
+    e = cudaGraphAddNode_v2(&node, tail.graph, tail.deps, tail.edges, tail.count, &np);
+#endif
+    if (e != cudaSuccess) return device_error(e, "adding a conditional node");
+    const cudaStream_t outer = stream_;
+    for (unsigned b = 0; b < branches; ++b) {
+      e = cudaStreamBeginCaptureToGraph(body_stream_, np.conditional.phGraph_out[b], nullptr, nullptr, 0,
+                                        cudaStreamCaptureModeRelaxed);
+      if (e != cudaSuccess) return device_error(e, "capturing a conditional body");
+      stream_ = body_stream_;
+      dev_.stream = body_stream_;
+      const Status s = body(b);
+      stream_ = outer;
+      dev_.stream = outer;
+      cudaGraph_t captured = nullptr;
+      e = cudaStreamEndCapture(body_stream_, &captured);
+      if (!s.ok()) return s;
+      if (e != cudaSuccess) return device_error(e, "ending the capture of a conditional body");
+    }
+#if CUDART_VERSION >= 13000
+    e = cudaStreamUpdateCaptureDependencies(stream_, &node, nullptr, 1, cudaStreamSetCaptureDependencies);
+#else
+    e = cudaStreamUpdateCaptureDependencies_v2(stream_, &node, nullptr, 1, cudaStreamSetCaptureDependencies);
+#endif
+    return e == cudaSuccess ? Status::Ok() : device_error(e, "continuing the capture after a conditional node");
+  }
+#endif
 
   const detail::LinearCall& c_;
   const LinearPlan& p_;
   char* ws_;
-  cudaStream_t stream_;
+  cudaStream_t stream_;       // where work is enqueued: the caller's, or a conditional body's
+  Device dev_;                // the caller's device with stream_ (the cross-entropy calls')
+  cudaStream_t body_stream_ = nullptr;
+  bool padded_ = false;       // chunks at rungs of the size ladder: gather / scatter read the count
   const bool cutlass_;       // bfloat16 on a GPU the CUTLASS product runs on
   bool gw_rounded_ = false;  // the last product wrote the 16-bit grad_weight itself
 };

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cuda/linear/linear.h"
+#include "cuda/linear/size_ladder.h"
 #include "cuda/vec.cuh"
 
 namespace fusedce {
@@ -133,6 +134,17 @@ size_t elem_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 /// One block per position: the row's target, upstream gradient and (compacting) hidden row.
 __global__ void linear_gather_kernel(const LinearGatherParams p, size_t elem) {
   const int64_t k = blockIdx.x;
+  if (p.count && p.p0 + k >= *p.count) {  // padding of a device-sized chunk: exact zeros
+    if (threadIdx.x == 0) {
+      if (p.target_out) p.target_out[k] = p.ignore_index;
+      if (p.grad_out) p.grad_out[k] = 0.0f;
+    }
+    if (p.hidden_out) {
+      char* dst = static_cast<char*>(p.hidden_out) + size_t(k) * p.H * elem;
+      for (int64_t b = threadIdx.x; b < p.H * int64_t(elem); b += blockDim.x) dst[b] = 0;
+    }
+    return;
+  }
   const int64_t row = p.idx[p.p0 + k];
   if (threadIdx.x == 0) {
     if (p.target_out) p.target_out[k] = p.eff_target[row];
@@ -156,6 +168,7 @@ __global__ void linear_gather_kernel(const LinearGatherParams p, size_t elem) {
 
 __global__ void linear_scatter_kernel(const LinearScatterParams p, size_t elem) {
   const int64_t k = blockIdx.x;
+  if (p.count && p.p0 + k >= *p.count) return;  // padding of a device-sized chunk
   const int64_t row = p.idx[p.p0 + k];
   if (threadIdx.x == 0) {
     if (p.lse_out) p.lse_out[row * p.lse_stride] = p.lse_in[k];
@@ -302,6 +315,19 @@ __global__ void zero_strided_kernel(float* dst, int64_t n, int64_t stride) {
   }
 }
 
+#if FUSEDCE_GRAPH_SWITCH
+__global__ void linear_branch_kernel(const LinearBranchParams p) {
+  const int64_t count = *p.count;
+  unsigned v;
+  if (p.kind == LinearBranchParams::kChunk) {
+    v = static_cast<unsigned>(LadderBranch::of(p.size, p.rungs, p.capacity, count - p.p0));
+  } else {
+    v = count <= 0 ? 0u : (count <= p.capacity ? 1u : 2u);
+  }
+  cudaGraphSetConditional(p.handle, v);
+}
+#endif
+
 unsigned grid_for(int64_t n, int threads) {
   const int64_t blocks = (n + threads - 1) / threads;
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 4096 ? 4096 : blocks));
@@ -317,6 +343,12 @@ void launch_linear_gather(const LinearGatherParams& p, cudaStream_t stream) {
   if (p.n <= 0) return;
   linear_gather_kernel<<<static_cast<unsigned>(p.n), p.hidden_out ? 256 : 32, 0, stream>>>(p, elem_bytes(p.dtype));
 }
+
+#if FUSEDCE_GRAPH_SWITCH
+void launch_linear_branch(const LinearBranchParams& p, cudaStream_t stream) {
+  linear_branch_kernel<<<1, 1, 0, stream>>>(p);
+}
+#endif
 
 void launch_linear_scatter(const LinearScatterParams& p, cudaStream_t stream) {
   if (p.n <= 0) return;
