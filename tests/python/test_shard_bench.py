@@ -57,7 +57,8 @@ def test_rows_hold_what_their_formulas_say(shard_run):
         assert 0 < float(r["one_device_p10_ms"]) <= one <= float(r["one_device_p90_ms"])
         assert math.isclose(float(r["ideal_ms"]), one / w, rel_tol=1e-9)
         assert math.isclose(float(r["ratio"]), sh * w / one, rel_tol=1e-9)
-        assert math.isclose(float(r["shard_tflops"]), 6 * n * h * math.ceil(v / w) / (sh * 1e-3) / 1e12, rel_tol=1e-9)
+        flops = 6 * n * h * math.ceil(v / w)
+        assert math.isclose(float(r["shard_tflops"]), flops / (sh * 1e-3) / 1e12, rel_tol=1e-9)
         assert int(r["gather_bytes"]) == w * (n + 1) * 9 * 4
         assert int(r["allreduce_bytes"]) == n * h * 4
         assert float(r["gemm_tflops"]) > 0

@@ -279,22 +279,51 @@ def _release(device):
         torch.cuda.empty_cache()
 
 
+def measure_one_device(hidden, weight, target, options, l2, repeat, warmup, device):
+    """(median, p10, p90, peak MB, loss) of the one-device call's forward + backward."""
+    run, inputs = fwd_bwd(lambda h, w: fusedce.linear_cross_entropy(h, w, target, **options),
+                          _copies(hidden, weight, l2))
+    loss = float(run(0)[0].detach())
+    return (*_timed(run, inputs, repeat, warmup, device), loss)
+
+
+def _fill_world(row, problem, options, one, l2, repeat, warmup, device):
+    """Row fields of one world size, given the one-device numbers `one` (or its failure text)."""
+    hidden, weight, target = problem
+    n, h = row.tokens, row.hidden
+    if not isinstance(one, str):
+        row.one_device_ms, row.one_device_p10_ms, row.one_device_p90_ms, row.one_device_peak_extra_mb, _ = one
+        row.one_device_tflops = _tflops(n, h, row.vocab, one[0])
+        row.ideal_ms = one[0] / row.world
+    if row.vocab_local == 0:
+        row.status, row.note = "skipped", f"torch.chunk's layout of {row.vocab} columns leaves a rank empty"
+        return
+    if isinstance(one, str):
+        row.status, row.note = "failed", f"one-device call: {one}"
+        return
+    try:
+        median, p10, p90, peak, loss = measure_world(hidden, weight, target, row.world, options, l2,
+                                                     repeat, warmup, device)
+    except Exception as e:  # the row says why
+        row.status, row.note = "failed", _failure(e)
+        return
+    row.shard_ms, row.shard_p10_ms, row.shard_p90_ms, row.shard_peak_extra_mb = median, p10, p90, peak
+    row.ratio = median * row.world / one[0]
+    row.shard_tflops = _tflops(n, h, row.vocab_local, median)
+    row.loss_rel_diff = abs(loss - one[4]) / abs(one[4]) if one[4] else abs(loss)
+
+
 def run_case(case, dtype, device, repeat, warmup, l2, worlds=WORLDS, variants=VARIANTS, progress=None):
     """The rows of one head and dtype: per variant, the one-device call once, then each world."""
     rows = []
     base = dict(kind="shard", case=case.label, model=case.model, tokens=case.tokens, hidden=case.hidden,
                 vocab=case.vocab, masked=case.masked, dtype=dtype_name(dtype))
-    hidden, weight, target = make_linear(case, dtype, device)
+    problem = make_linear(case, dtype, device)
     for variant, options in variants.items():
-        one = None
         try:
-            run, inputs = fwd_bwd(lambda h, w: fusedce.linear_cross_entropy(h, w, target, **options),
-                                  _copies(hidden, weight, l2))
-            one_loss = float(run(0)[0].detach())
-            one = _timed(run, inputs, repeat, warmup, device)
-            del run, inputs
+            one = measure_one_device(*problem, options, l2, repeat, warmup, device)
         except Exception as e:  # every world's row says why
-            one_error = _failure(e)
+            one = _failure(e)
         _release(device)
         for world in worlds:
             if progress is not None:
@@ -303,25 +332,8 @@ def run_case(case, dtype, device, repeat, warmup, l2, worlds=WORLDS, variants=VA
             row = ShardRow(variant=variant, world=world, rank=0, vocab_local=layout[0][1] if layout else 0,
                            status="ok", runs=repeat, gather_bytes=gather_bytes(case.tokens, world),
                            allreduce_bytes=allreduce_bytes(case.tokens, case.hidden), **base)
-            if one is not None:
-                row.one_device_ms, row.one_device_p10_ms, row.one_device_p90_ms, row.one_device_peak_extra_mb = one
-                row.one_device_tflops = _tflops(case.tokens, case.hidden, case.vocab, one[0])
-                row.ideal_ms = one[0] / world
-            if layout is None:
-                row.status, row.note = "skipped", f"torch.chunk's layout of {case.vocab} columns leaves a rank empty"
-            elif one is None:
-                row.status, row.note = "failed", f"one-device call: {one_error}"
-            else:
-                try:
-                    median, p10, p90, peak, loss = measure_world(hidden, weight, target, world, options, l2,
-                                                                 repeat, warmup, device)
-                    row.shard_ms, row.shard_p10_ms, row.shard_p90_ms, row.shard_peak_extra_mb = median, p10, p90, peak
-                    row.ratio = median * world / one[0]
-                    row.shard_tflops = _tflops(case.tokens, case.hidden, row.vocab_local, median)
-                    row.loss_rel_diff = abs(loss - one_loss) / abs(one_loss) if one_loss else abs(loss)
-                except Exception as e:
-                    row.status, row.note = "failed", _failure(e)
-                _release(device)
+            _fill_world(row, problem, options, one, l2, repeat, warmup, device)
+            _release(device)
             rows.append(row)
             if progress is not None:
                 progress.advance()
