@@ -19,6 +19,11 @@ Formats:
                   with the machine, torch, commit, date and ceilings in every row; shown as one row
                   per case and job, each implementation's ms and peak extra memory, and fusedce's
                   speed-up over every other implementation, with its geometric mean.
+  fusedce.bench shard
+                  python -m fusedce.bench --only shard's results.csv: one row per head x dtype x
+                  variant x world size W, one rank's forward + backward beside the one-device call
+                  of the same run; shown as one row per head, variant and W with the ratio
+                  per-shard time x W / one-device time and the bytes the collectives would move.
 Standard library only: it runs wherever the repository is checked out.
 """
 
@@ -293,7 +298,56 @@ def render_peers(path, name, entry):
     return out
 
 
-RENDERERS = {"fusedce_bench": render_ce_bench, "linear_bench": render_linear_bench, "fusedce.bench": render_peers}
+# python -m fusedce.bench --only shard's results.csv
+
+SHARD_COLUMNS = ["case", "dtype", "variant", "world", "vocab_local", "status", "note", "runs", "one_device_ms",
+                 "shard_ms", "ideal_ms", "ratio", "gather_bytes", "allreduce_bytes", "loss_rel_diff",
+                 "device_name", "torch_version", "fusedce_commit", "date", "gemm_tflops"]
+
+
+def shard_table(rows):
+    """One dtype's rows as a table, and the geometric mean of the ratio per variant and W."""
+    header = ["case", "variant", "W", "columns per rank", "one-device ms", "per-shard ms", "ideal 1/W ms",
+              "per-shard x W / one-device", "gather bytes", "all-reduce bytes", "loss diff"]
+    body, ratios = [], {}
+    for r in rows:
+        line = [r["case"], r["variant"], r["world"], r["vocab_local"]]
+        if r["status"] != "ok":
+            body.append(line + ["", f"{r['status']}: {r['note']}", "", "", r["gather_bytes"],
+                                r["allreduce_bytes"], ""])
+            continue
+        ratios.setdefault((r["variant"], r["world"]), []).append(float(r["ratio"]))
+        body.append(line + [ms(float(r["one_device_ms"])), ms(float(r["shard_ms"])), ms(float(r["ideal_ms"])),
+                            f"{float(r['ratio']):.3f}", r["gather_bytes"], r["allreduce_bytes"],
+                            f"{float(r['loss_rel_diff']):.1e}"])
+    out = table(header, body)
+    if ratios:
+        means = [f"{variant} W={world} {math.exp(sum(map(math.log, xs)) / len(xs)):.3f}"
+                 for (variant, world), xs in ratios.items()]
+        out += ["", "Per-shard time x W / one-device time, geometric mean over the heads: "
+                + ", ".join(means) + "."]
+    return out
+
+
+def render_shard(path, name, entry):
+    rows = read_csv(path, SHARD_COLUMNS)
+    commit = entry.get("commit") or one_value(rows, "fusedce_commit", name)
+    date = entry.get("date") or one_value(rows, "date", name)[:10]
+    machine = f"{one_value(rows, 'device_name', name)}, torch {one_value(rows, 'torch_version', name)}"
+    dtypes = ordered(r["dtype"] for r in rows)
+    tflops = {d: float(one_value([r for r in rows if r["dtype"] == d], "gemm_tflops", name)) for d in dtypes}
+    gemm = ", ".join(f"{d} GEMM {rate(tflops[d])} TFLOP/s" for d in dtypes)
+    out = source_lines(name, entry, machine, commit, date, gemm)
+    runs = ordered(r["runs"] for r in rows if r["status"] == "ok")
+    if runs:
+        out.append(f"- timed runs per row: {', '.join(runs)}")
+    for dtype in dtypes:
+        out += ["", f"**{dtype}**", ""] + shard_table([r for r in rows if r["dtype"] == dtype])
+    return out
+
+
+RENDERERS = {"fusedce_bench": render_ce_bench, "linear_bench": render_linear_bench, "fusedce.bench": render_peers,
+             "fusedce.bench shard": render_shard}
 
 
 def render_source(bench_dir, folder, entry):

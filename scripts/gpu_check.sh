@@ -25,6 +25,10 @@
 # linear and peers steps write the CSV files bench/RESULTS.md is made from (bench.csv,
 # linear_bench.csv, ce_peers.csv: copy them into bench/h200 and run bench/make_results.py).
 # PEERS_ARGS goes to the peers step's `python -m fusedce.bench --only ce` (e.g. --quick).
+# The opt-in step "shard" times one rank of the vocabulary-parallel linear cross-entropy at
+# W = 2, 4, 8 beside the one-device call (`python -m fusedce.bench --only shard`, SHARD_ARGS
+# added, e.g. --repeat 50) and writes linear_shard.csv; alone (STEPS=shard TORCH_CUDA_ARCHS=90)
+# it builds the torch extension first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
@@ -166,7 +170,7 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site
 fi
 
-if want python || want peers || want report || want demo; then
+if want python || want peers || want report || want demo || want shard; then
 step "Python front end on the GPU (the machine's torch)"
 if python3 -c "import torch, pytest" 2>/dev/null; then
   cmake -S . -B build-gpu-torch -G Ninja -DCMAKE_BUILD_TYPE=Release -DFUSEDCE_CUDA=ON -DFUSEDCE_TORCH=ON \
@@ -205,6 +209,16 @@ FUSEDCE_PEER_FLASH_ATTN_CE=${FUSEDCE_PEER_FLASH_ATTN_CE:-$PWD/.whl/peers/flash_a
   timeout ${REPORT_TIMEOUT:-3000} python3 -m fusedce.bench --no-progress --out "$out/report" ${REPORT_ARGS:-} 2>&1 | tee "$out/report.log" || status=1
 # One archive: the device tool brings back only a few files per call.
 tar -C "$out" -czf "$out/report.tgz" report && rm -rf "$out/report"
+fi
+
+if want shard; then
+step "per shard: the vocabulary-parallel linear cross-entropy, one rank (python -m fusedce.bench --only shard)"
+FUSEDCE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
+  FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
+  timeout ${REPORT_TIMEOUT:-3000} python3 -m fusedce.bench --device cuda --only shard --no-progress \
+  --out "$out/shard" ${SHARD_ARGS:-} 2>&1 | tee "$out/shard.log" || status=1
+[ -f "$out/shard/results.csv" ] && cp "$out/shard/results.csv" "$out/linear_shard.csv"
+rm -rf "$out/shard"
 fi
 
 if want demo; then

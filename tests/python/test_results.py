@@ -150,3 +150,28 @@ def test_a_fresh_python_benchmark_csv_renders(tmp_path):
     assert "**Cross-entropy over logits, float32**" in text
     assert re.search(r"\| 64 x 32000 \| forward \| [0-9.]+ \| [0-9.]+ \| [0-9.]+x \|", text)
     assert "geometric-mean speed-up, forward" in text
+
+
+def test_a_fresh_shard_benchmark_csv_renders(tmp_path):
+    """What python -m fusedce.bench --only shard writes is what the generator reads, with the
+    ratio and the bytes of every row."""
+    run = tmp_path / "run"
+    bench_main.main(["--device", "cpu", "--only", "shard", "--quick", "--repeat", "1", "--warmup", "0",
+                     "--no-progress", "--out", str(run)])
+    for folder in make_results.SOURCE_DIRS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "runs.json").write_text(json.dumps({"sources": []}))
+    shutil.copy(run / "results.csv", tmp_path / "cpu" / "results.csv")
+    (tmp_path / "cpu" / "runs.json").write_text(json.dumps({"sources": [
+        {"file": "results.csv", "format": "fusedce.bench shard", "title": "Per shard",
+         "command": "python -m fusedce.bench --only shard"}]}))
+    text = make_results.render(str(tmp_path))
+    assert "**float32**" in text
+    with open(run / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6
+    for r in rows:
+        line = (rf"\| 64 x 32 x 1000 \| {r['variant']} \| {r['world']} \| {r['vocab_local']} \| [0-9.]+ \| [0-9.]+ "
+                rf"\| [0-9.]+ \| {float(r['ratio']):.3f} \| {r['gather_bytes']} \| {r['allreduce_bytes']} \|")
+        assert re.search(line, text), line
+    assert "geometric mean over the heads: default W=2 " in text

@@ -2,7 +2,7 @@
 models: time, achieved bandwidth or FLOP rate against ceilings measured in the same run, peak
 extra memory and the error against float64.
 
-    python -m fusedce.bench [--out DIR] [--quick] [--only ce|linear] [--peers LIST]
+    python -m fusedce.bench [--out DIR] [--quick] [--only ce|linear|logprobs|shard] [--peers LIST]
                             [--shapes 8192x128256,8192x4096x128256:masked] [--dtypes bfloat16]
                             [--repeat N] [--warmup N] [--device cuda|cpu] [--threads N]
 
@@ -21,6 +21,11 @@ device-to-device copy bandwidth (read + write); linear cross-entropy TFLOP/s by 
 large torch.matmul in the same dtype; log-probabilities TFLOP/s by 2*N*H*V (forward) and 6*N*H*V. On a GPU: CUDA events after warm-up, inputs smaller than 3x
 the L2 rotated among copies. Without a GPU the CPU path runs against PyTorch's CPU path, at
 smaller sizes. --out DIR writes results.csv, results.md and PNG plots (matplotlib) there.
+
+--only shard is a group of its own (fusedce only, its own CSV columns, no plots): one rank of the
+vocabulary-parallel linear cross-entropy at W = 2, 4, 8 ranks, forward + backward, beside the
+one-device call in the same run, the collectives stood in for (fusedce/bench/shard.py says how);
+--shapes takes NxHxV there.
 """
 
 import argparse
@@ -37,6 +42,7 @@ import fusedce
 from . import cases as cases_mod
 from . import peers as peers_mod
 from . import report
+from . import shard as shard_mod
 from .measure import copy_ceiling_gbs, device_name, gemm_ceiling_tflops, l2_bytes
 from .runner import Progress, count_units, dtype_name, run_benchmark
 
@@ -50,8 +56,9 @@ def parse_args(argv):
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", metavar="DIR", help="folder for results.csv, results.md and the plots")
     p.add_argument("--quick", action="store_true", help="a few small cases and fewer runs")
-    p.add_argument("--only", choices=("ce", "linear", "logprobs"),
-                   help="only cross-entropy over logits, only linear, or only the log-probabilities")
+    p.add_argument("--only", choices=("ce", "linear", "logprobs", "shard"),
+                   help="only cross-entropy over logits, only linear, only the log-probabilities, or "
+                        "the vocabulary-parallel linear form per shard (a group of its own)")
     p.add_argument("--peers", default=",".join(peers_mod.PEER_IDS),
                    help=f"comma-separated, from {','.join(peers_mod.PEER_IDS)} (default: all)")
     p.add_argument("--shapes", help="NxV (cross-entropy) and NxHxV (linear), comma-separated, each "
@@ -77,7 +84,11 @@ def parse_args(argv):
         p.error("--dtypes: none given")
     a.peers = [s.strip() for s in a.peers.split(",") if s.strip()]
     try:
-        a.cases = cases_mod.parse_shapes(a.shapes) if a.shapes else cases_mod.default_cases(a.device, a.quick)
+        if a.only == "shard":
+            a.cases = (shard_mod.as_shard_cases(cases_mod.parse_shapes(a.shapes)) if a.shapes
+                       else shard_mod.default_cases(a.device, a.quick))
+        else:
+            a.cases = cases_mod.parse_shapes(a.shapes) if a.shapes else cases_mod.default_cases(a.device, a.quick)
     except ValueError as e:
         p.error(str(e))
     unknown = sorted(set(a.peers) - set(peers_mod.PEER_IDS))
@@ -117,12 +128,8 @@ def measure_ceilings(device, dtypes, cases, quick):
     return copy_ceiling_gbs(device, quick), gemm
 
 
-def main(argv=None):
-    a = parse_args(sys.argv[1:] if argv is None else argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    started = time.time()
-    peers = peers_mod.load(a.peers, a.device)
+def run_meta(a):
+    """The machine, torch, fusedce and the ceilings measured now: every CSV row carries them."""
     copy_gbs, gemm = measure_ceilings(a.device, a.dtypes, a.cases, a.quick)
     meta = {
         "device": a.device,
@@ -135,6 +142,43 @@ def main(argv=None):
         "gemm_tflops": gemm,
     }
     meta["ceiling_text"] = report.ceiling_text(meta)
+    return meta
+
+
+def write_outputs(out_dir, text, write_csv):
+    os.makedirs(out_dir, exist_ok=True)
+    write_csv(os.path.join(out_dir, "results.csv"))
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(text + "\n")
+
+
+def main_shard(a, started):
+    """--only shard: its own rows, table and CSV."""
+    meta = run_meta(a)
+    progress = Progress(shard_mod.count_units(a.cases, a.dtypes), enabled=not a.no_progress)
+    try:
+        rows = shard_mod.run_shard_benchmark(a.cases, a.dtypes, a.device, a.repeat, a.warmup,
+                                             l2_bytes(a.device), progress)
+    finally:
+        progress.close()
+    text = shard_mod.table(rows, meta) + "\n\n" + shard_mod.summary(rows)
+    print(text)
+    if a.out:
+        write_outputs(a.out, text, lambda path: shard_mod.write_csv(rows, meta, path))
+        print(f"\nwrote results.csv, results.md to {a.out}")
+    print(f"({time.time() - started:.0f} s)")
+
+
+def main(argv=None):
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    started = time.time()
+    if a.only == "shard":
+        return main_shard(a, started)
+    peers = peers_mod.load(a.peers, a.device)
+    meta = run_meta(a)
+    copy_gbs, gemm = meta["copy_gbs"], meta["gemm_tflops"]
     ceilings = {"copy": copy_gbs, **{dt: gemm[dtype_name(dt)] for dt in a.dtypes if dtype_name(dt) in gemm}}
     progress = Progress(count_units(a.cases, a.dtypes, peers), enabled=not a.no_progress)
     try:
@@ -147,10 +191,7 @@ def main(argv=None):
     text = report.table(rows, meta) + "\n\n" + (compact + "\n\n" if compact else "") + report.summary(rows)
     print(text)
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        report.write_csv(rows, meta, os.path.join(a.out, "results.csv"))
-        with open(os.path.join(a.out, "results.md"), "w") as f:
-            f.write(text + "\n")
+        write_outputs(a.out, text, lambda path: report.write_csv(rows, meta, path))
         plots = report.plot(rows, meta, a.out)
         written = ["results.csv", "results.md"] + ([os.path.basename(p) for p in plots]
                                                    if isinstance(plots, list) else [])

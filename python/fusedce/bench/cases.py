@@ -37,8 +37,9 @@ SEQUENCE = 2048  # tokens per sequence of a masked batch; its first half is the 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One problem: kind 'ce' (tokens x vocab logits), 'linear' (tokens x hidden x vocab) or
-    'logprobs' (the same shape, per-token log-probabilities)."""
+    """One problem: kind 'ce' (tokens x vocab logits), 'linear' (tokens x hidden x vocab),
+    'logprobs' (the same shape, per-token log-probabilities) or 'shard' (the same shape, split
+    by vocabulary over W ranks: bench/shard.py)."""
 
     kind: str
     tokens: int
@@ -48,7 +49,7 @@ class Case:
 
     @property
     def model(self):
-        if self.kind in ("linear", "logprobs"):
+        if self.kind in ("linear", "logprobs", "shard"):
             return HEADS.get((self.hidden, self.vocab), "")
         return VOCABS.get(self.vocab, "")
 
