@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import fusedce
+from fusedce._options import CeOptions
+from fusedce.ops import FusedCrossEntropy
 
 
 def per_call_us(fn, n=300):
@@ -37,15 +39,20 @@ def main():
     for n, v in [(64, 262144), (1, 128256), (1, 128), (4096, 32000)]:
         x = (torch.randn(n, v, device=a.device) * 2).to(dt).requires_grad_()
         t = torch.randint(0, v, (n,), device=a.device)
+        opts = CeOptions()
+        args = opts.op_args()
         jobs = {
             "eager fwd+bwd": lambda: F.cross_entropy(x, t).backward(),
+            # The op level: the Python autograd.Function against ce_loss's C++ autograd.
+            "op: Python Function fwd+bwd": lambda: FusedCrossEntropy.apply(x, t, None, opts, False, None)[0].backward(),
+            "op: ce_loss fwd+bwd": lambda: torch.ops.fusedce.ce_loss.default(x, t, None, *args, False)[0].backward(),
             "fusedce fwd+bwd": lambda: fusedce.cross_entropy(x, t).backward(),
             "eager fwd (no grad)": lambda: F.cross_entropy(x.detach(), t),
             "fusedce fwd (no grad)": lambda: fusedce.cross_entropy(x.detach(), t),
         }
         for name, fn in jobs.items():
             host, wall = per_call_us(fn)
-            print(f"{n} x {v} {name:24s} host {host:8.1f} us/call, wall {wall:8.1f} us/call")
+            print(f"{n} x {v} {name:30s} host {host:8.1f} us/call, wall {wall:8.1f} us/call")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(50):
                 fusedce.cross_entropy(x, t).backward()
