@@ -64,7 +64,10 @@ How things are timed:
   than 3x the L2 rotated among copies; each answer first checked against float64 (WRONG past its
   dtype's tolerance, never in a speed-up). Peak extra MB: device memory beyond the inputs and the
   gradients returned. Speed-up: the other implementation's time over fusedce's. Masked cases
-  ignore half the targets (the first half of every 2048-token sequence)."""
+  ignore half the targets (the first half of every 2048-token sequence). Its `--only shard`
+  group times one rank of the vocabulary-parallel linear form on one GPU (rank 0, the largest
+  block of `torch.chunk`'s split, its whole call with the collectives stood in for: no
+  communication is timed) beside the one-device call at the full vocabulary."""
 
 KIND_TITLES = {"ce": "Cross-entropy over logits", "linear": "Linear cross-entropy",
                "logprobs": "Log-probabilities"}
