@@ -510,6 +510,10 @@ def linear_cross_entropy_rows(h, w, bias, target, class_weight, options, compute
     if check_targets:
         check_target_values(target, shard[1], options.ignore_index, where, shift_seq_len=shift_seq_len)
     t = _shifted(target, shift_seq_len, options.ignore_index)
+    if linear[2] and not torch.compiler.is_compiling():
+        return _kept_rows_only(h, w, bias, t, class_weight, options, compute_metrics, linear,
+                               process_group=process_group, vocab_start=vocab_start,
+                               vocab_total=vocab_total, where=where)
     layout = (where, w.shape[0], _layout_rule(vocab_start, vocab_total))
     grad_on = torch.is_grad_enabled()
     if grad_on and any(x is not None and x.requires_grad for x in (h, w, bias)):
@@ -519,3 +523,23 @@ def linear_cross_entropy_rows(h, w, bias, target, class_weight, options, compute
                                 compute_metrics)
     return _merge_shards(stats, t, class_weight, shard, options, compute_metrics, process_group,
                          *layout)[:4]
+
+
+def _kept_rows_only(h, w, bias, t, class_weight, options, compute_metrics, linear, **kw):
+    """skip_ignored in the vocabulary-parallel form: the steps run over the positions whose
+    (shifted) target is not ignored, gathered here, as the single-device CUDA path gathers them
+    (one device-to-host read of their count). Every rank holds the same targets, so every rank
+    keeps the same rows and the collectives stay the same size. The per-row outputs go back to
+    their positions (0 at ignored rows, as the full call gives); the batch sums and the mean's
+    denominator see only kept rows either way; the gradient of an ignored row of h is 0. Under
+    torch.compile every row runs (the same numbers; a count known only on the device would
+    break the graph)."""
+    keep = (t != options.ignore_index).nonzero().squeeze(1)
+    loss, lse, num_correct, entropy_sum = linear_cross_entropy_rows(
+        h.index_select(0, keep), w, bias, t.index_select(0, keep), class_weight, options,
+        compute_metrics, (linear[0], linear[1], False), **kw)
+    n = t.shape[0]
+    if options.reduction == "none":
+        loss = loss.new_zeros(n).index_copy(0, keep, loss)
+    lse = lse.new_zeros(n).index_copy(0, keep, lse)
+    return loss, lse, num_correct, entropy_sum

@@ -494,6 +494,43 @@ def test_group_of_one_linear(device, group_of_one):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_group_of_one_linear_skip_ignored(device, reduction, group_of_one):
+    """skip_ignored in the vocabulary-parallel form (the rows gathered by the front end, on
+    CUDA too): the loss, lse and gradients of the call over every row, 0 at ignored rows."""
+    _needs_vp_kernels(device)
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(3, 13, HIDDEN, generator=g).to(device)
+    wt = torch.randn(97, HIDDEN, generator=g).to(device)
+    b = torch.randn(97, generator=g).to(device)
+    t = torch.randint(0, 97, (3, 13), generator=g)
+    t[0, :9] = -100  # a prompt-masked sequence
+    t[2, 4] = -100
+    t = t.to(device)
+    opts = dict(label_smoothing=0.1, z_loss=1e-3, reduction=reduction)
+    grad = torch.rand(3, 13, generator=g).to(device) if reduction == "none" else None
+
+    def call(skip):
+        return _linear_loss_and_grads(
+            lambda hh, ww, bb: fusedce.vocab_parallel_linear_cross_entropy(
+                hh, ww, t, bb, process_group=group_of_one, shift=True, return_metrics=True,
+                skip_ignored=skip, **opts),
+            (h, wt, b), ("hidden", "weight", "bias"), grad)
+
+    (loss, m), grads = call(True)
+    (ref, ref_m), ref_grads = call(False)
+    assert loss.shape == ref.shape
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m["lse"], ref_m["lse"], rtol=1e-5, atol=1e-6)
+    assert m["num_correct_tokens"] == ref_m["num_correct_tokens"]
+    torch.testing.assert_close(m["entropy_sum"], ref_m["entropy_sum"], rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(grads, ref_grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    ignored = _shift(t) == -100
+    assert (grads[0][ignored] == 0).all() and (m["lse"].view(3, 13)[ignored] == 0).all()
+
+
 def test_group_of_one_module(group_of_one):
     x, t = make_problem((4, 5), 50, ignore_index=7)
     loss_fn = fusedce.CrossEntropyLoss(ignore_index=7, label_smoothing=0.05, process_group=group_of_one)
