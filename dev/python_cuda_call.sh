@@ -9,6 +9,6 @@ cmake -S . -B build-gpu-torch -G Ninja -DCMAKE_BUILD_TYPE=Release -DFUSEDCE_CUDA
   -DPython_EXECUTABLE="$(command -v python3)" > "$out/torch_build.log" 2>&1 &&
   cmake --build build-gpu-torch -j 16 >> "$out/torch_build.log" 2>&1 || { tail -20 "$out/torch_build.log"; exit 1; }
 FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest ${PYTEST_PATHS:-tests/python} \
-  -k "${PYTEST_K:-cuda}" -q -p no:cacheprovider --durations=5 -x ${PYTEST_ARGS:-} > "$out/pytest.log" 2>&1
+  -k "${PYTEST_K:-cuda}" -q -p no:cacheprovider --durations=5 --maxfail=5 ${PYTEST_ARGS:-} > "$out/pytest.log" 2>&1
 echo "pytest rc $?"; grep -E "passed|failed|error" "$out/pytest.log" | tail -3; grep -E "^FAILED|^ERROR|Error" "$out/pytest.log" | head -20
 sed -n '/slowest/,/^$/p' "$out/pytest.log" | head -8
