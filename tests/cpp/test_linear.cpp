@@ -273,6 +273,54 @@ std::vector<LinCase> cases() {
   return v;
 }
 
+/// One random problem's inputs in the test's dtype and, read back from it, in float64: hidden
+/// N(0, 1); weights scaled to logits of a few units with one entry in 50 four times larger (so
+/// the softmax is not flat); bias N(0, 1); class weights in [0.25, 2.23) when asked for; the
+/// upstream gradient, one per row (reduction none) or one scalar.
+struct LinInputs {
+  std::vector<uint8_t> hid, w, b;
+  std::vector<double> hd, wd, bd, cwd, upd;
+  std::vector<float> cw, up;
+};
+
+LinInputs random_inputs(int64_t N, int64_t H, int64_t V, DType d, bool class_weight, bool per_row_up,
+                        std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  LinInputs in;
+  in.hid.resize(N * H * elem_size(d));
+  in.w.resize(V * H * elem_size(d));
+  in.b.resize(V * elem_size(d));
+  in.hd.resize(N * H);
+  in.wd.resize(V * H);
+  in.bd.resize(V);
+  for (int64_t k = 0; k < N * H; ++k) {
+    store_value(in.hid.data(), d, k, normal(rng));
+    in.hd[k] = load_value(in.hid.data(), d, k);
+  }
+  const float wscale = 2.0f / std::sqrt(static_cast<float>(H));
+  for (int64_t k = 0; k < V * H; ++k) {
+    store_value(in.w.data(), d, k, normal(rng) * wscale * (rng() % 50 == 0 ? 4.0f : 1.0f));
+    in.wd[k] = load_value(in.w.data(), d, k);
+  }
+  for (int64_t j = 0; j < V; ++j) {
+    store_value(in.b.data(), d, j, normal(rng));
+    in.bd[j] = load_value(in.b.data(), d, j);
+  }
+  if (class_weight) {
+    in.cw.resize(V);
+    for (auto& x : in.cw) x = 0.25f + static_cast<float>(rng() % 100) / 50.0f;
+    in.cwd.assign(in.cw.begin(), in.cw.end());
+  }
+  if (per_row_up) {
+    in.up.resize(N);
+    for (auto& u : in.up) u = 0.5f + static_cast<float>(rng() % 100) / 100.0f;
+  } else {
+    in.up = {1.75f};
+  }
+  in.upd.assign(in.up.begin(), in.up.end());
+  return in;
+}
+
 class LinearGrid : public ::testing::TestWithParam<std::tuple<LinCase, DType, BackendKind>> {};
 
 TEST_P(LinearGrid, MatchesFloat64Reference) {
@@ -283,45 +331,16 @@ TEST_P(LinearGrid, MatchesFloat64Reference) {
   if (backend == nullptr) GTEST_SKIP() << why;
   const bool cuda16 = backend->kind() == BackendKind::kCuda && d != DType::kFloat32;
   std::mt19937_64 rng = test_rng();
-  std::normal_distribution<float> normal(0.0f, 1.0f);
   const int64_t N = lc.N, H = lc.H, V = lc.V;
-  std::vector<uint8_t> hid(N * H * elem_size(d)), w(V * H * elem_size(d)), b(V * elem_size(d));
-  std::vector<double> hd(N * H), wd(V * H), bd(V), cwd;
-  // Logits of order a few units, with a few outliers so the softmax is not flat.
-  for (int64_t k = 0; k < N * H; ++k) {
-    store_value(hid.data(), d, k, normal(rng));
-    hd[k] = load_value(hid.data(), d, k);
-  }
-  const float wscale = 2.0f / std::sqrt(static_cast<float>(H));
-  for (int64_t k = 0; k < V * H; ++k) {
-    store_value(w.data(), d, k, normal(rng) * wscale * (rng() % 50 == 0 ? 4.0f : 1.0f));
-    wd[k] = load_value(w.data(), d, k);
-  }
-  for (int64_t j = 0; j < V; ++j) {
-    store_value(b.data(), d, j, normal(rng));
-    bd[j] = load_value(b.data(), d, j);
-  }
+  const LinInputs in = random_inputs(N, H, V, d, lc.name.rfind("class_weight", 0) == 0,
+                                     lc.o.reduction == Reduction::kNone, rng);
   std::vector<int64_t> tgt(N);
   for (auto& t : tgt) t = rng() % 10 < 3 ? -100 : static_cast<int64_t>(rng() % V);
   tgt[lc.shift > 0 ? 1 : 0] = static_cast<int64_t>(rng() % V);  // at least one row counts
-  std::vector<float> cw;
-  if (lc.name.rfind("class_weight", 0) == 0) {
-    cw.resize(V);
-    for (auto& x : cw) x = 0.25f + static_cast<float>(rng() % 100) / 50.0f;
-    cwd.assign(cw.begin(), cw.end());
-  }
-  std::vector<float> up;
-  if (lc.o.reduction == Reduction::kNone) {
-    up.resize(N);
-    for (auto& u : up) u = 0.5f + static_cast<float>(rng() % 100) / 100.0f;
-  } else {
-    up = {1.75f};
-  }
-  const std::vector<double> upd(up.begin(), up.end());
-  const RefResult ref = reference(lc, hd, wd, bd, tgt, cwd, upd, cuda16 ? d : DType::kFloat32);
+  const RefResult ref = reference(lc, in.hd, in.wd, in.bd, tgt, in.cwd, in.upd, cuda16 ? d : DType::kFloat32);
 
   fusedce::Status st;
-  const LinRun got = run(*backend, lc, d, hid, w, b, tgt, cw, up, true, &st);
+  const LinRun got = run(*backend, lc, d, in.hid, in.w, in.b, tgt, in.cw, in.up, true, &st);
   ASSERT_TRUE(st.ok()) << st.message();
   std::vector<double> gl(got.loss.begin(), got.loss.end()), glse(got.lse.begin(), got.lse.end());
   const Tol lt = cuda16 ? loss_tol_cuda16(d) : loss_tol(d);
@@ -341,7 +360,7 @@ TEST_P(LinearGrid, MatchesFloat64Reference) {
   if (lc.bias) expect_close("grad_bias", widen(got.gb, V), ref.gb, gt);
 
   // Metrics on or off: loss and every gradient bit for bit the same.
-  const LinRun plain = run(*backend, lc, d, hid, w, b, tgt, cw, up, false, &st);
+  const LinRun plain = run(*backend, lc, d, in.hid, in.w, in.b, tgt, in.cw, in.up, false, &st);
   ASSERT_TRUE(st.ok()) << st.message();
   EXPECT_EQ(0, std::memcmp(plain.loss.data(), got.loss.data(), got.loss.size() * sizeof(float)));
   EXPECT_EQ(plain.gh, got.gh);
@@ -350,7 +369,7 @@ TEST_P(LinearGrid, MatchesFloat64Reference) {
 
   // Ignored rows dropped before the products: the same results (on the GPU, other chunks, so
   // within tolerance rather than bit for bit), and zeros where rows were skipped.
-  const LinRun skipped = run(*backend, lc, d, hid, w, b, tgt, cw, up, true, &st, /*skip_ignored=*/true);
+  const LinRun skipped = run(*backend, lc, d, in.hid, in.w, in.b, tgt, in.cw, in.up, true, &st, /*skip_ignored=*/true);
   ASSERT_TRUE(st.ok()) << st.message();
   std::vector<double> sl(skipped.loss.begin(), skipped.loss.end()), slse(skipped.lse.begin(), skipped.lse.end());
   expect_close("loss (skip_ignored)", sl, lc.o.reduction == Reduction::kNone ? ref.loss_rows : std::vector<double>{ref.loss}, lt);
@@ -372,7 +391,7 @@ TEST_P(LinearGrid, MatchesFloat64Reference) {
   for (size_t budget : budgets) {
     for (bool skip : {false, true}) {
       const std::string tag = " (low_memory, budget " + std::to_string(budget) + (skip ? ", skip_ignored)" : ")");
-      const LinRun lm = run(*backend, lc, d, hid, w, b, tgt, cw, up, true, &st, skip, /*low_memory=*/true, budget);
+      const LinRun lm = run(*backend, lc, d, in.hid, in.w, in.b, tgt, in.cw, in.up, true, &st, skip, /*low_memory=*/true, budget);
       ASSERT_TRUE(st.ok()) << st.message();
       std::vector<double> ml(lm.loss.begin(), lm.loss.end()), mlse(lm.lse.begin(), lm.lse.end());
       expect_close("loss" + tag, ml, lc.o.reduction == Reduction::kNone ? ref.loss_rows : std::vector<double>{ref.loss}, lt);
@@ -391,7 +410,7 @@ TEST_P(LinearGrid, MatchesFloat64Reference) {
       for (int64_t pad : {int64_t(0), int64_t(5)}) {
         if (budget == 0 && pad == 0) continue;  // the default run above
         const std::string tag = " (budget " + std::to_string(budget) + ", row stride H + " + std::to_string(pad) + ")";
-        const LinRun cr = run(*backend, lc, d, hid, w, b, tgt, cw, up, true, &st, false, false, budget, pad);
+        const LinRun cr = run(*backend, lc, d, in.hid, in.w, in.b, tgt, in.cw, in.up, true, &st, false, false, budget, pad);
         ASSERT_TRUE(st.ok()) << st.message();
         std::vector<double> cl(cr.loss.begin(), cr.loss.end()), clse(cr.lse.begin(), cr.lse.end());
         expect_close("loss" + tag, cl, lc.o.reduction == Reduction::kNone ? ref.loss_rows : std::vector<double>{ref.loss}, lt);
@@ -652,35 +671,7 @@ TEST_P(LinearCapture, SkipIgnoredFollowsTheDeviceCount) {
   lc.o.compute_metrics = true;
 
   std::mt19937_64 rng = test_rng();
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<uint8_t> hid(N * H * el), w(V * H * el), b(V * el);
-  std::vector<double> hd(N * H), wd(V * H), bd(V), cwd(V);
-  for (int64_t k = 0; k < N * H; ++k) {
-    store_value(hid.data(), d, k, normal(rng));
-    hd[k] = load_value(hid.data(), d, k);
-  }
-  const float wscale = 2.0f / std::sqrt(static_cast<float>(H));
-  for (int64_t k = 0; k < V * H; ++k) {
-    store_value(w.data(), d, k, normal(rng) * wscale * (rng() % 50 == 0 ? 4.0f : 1.0f));
-    wd[k] = load_value(w.data(), d, k);
-  }
-  for (int64_t j = 0; j < V; ++j) {
-    store_value(b.data(), d, j, normal(rng));
-    bd[j] = load_value(b.data(), d, j);
-  }
-  std::vector<float> cw(V);
-  for (int64_t j = 0; j < V; ++j) {
-    cw[j] = 0.25f + static_cast<float>(rng() % 100) / 50.0f;
-    cwd[j] = cw[j];
-  }
-  std::vector<float> up;
-  if (cc.reduction == Reduction::kNone) {
-    up.resize(N);
-    for (auto& u : up) u = 0.5f + static_cast<float>(rng() % 100) / 100.0f;
-  } else {
-    up = {1.75f};
-  }
-  const std::vector<double> upd(up.begin(), up.end());
+  const LinInputs in = random_inputs(N, H, V, d, true, cc.reduction == Reduction::kNone, rng);
   // Targets with exactly `count` valid rows, at random positions.
   auto targets_with = [&](int64_t count) {
     std::vector<int64_t> t(N, -100), order(N);
@@ -691,9 +682,9 @@ TEST_P(LinearCapture, SkipIgnoredFollowsTheDeviceCount) {
   };
 
   // Buffers that stay put across the capture and its replays.
-  DeviceBuffer d_hid = DeviceBuffer::from_vector(*backend, hid), d_w = DeviceBuffer::from_vector(*backend, w),
-               d_b = DeviceBuffer::from_vector(*backend, b), d_cw = DeviceBuffer::from_vector(*backend, cw),
-               d_up = DeviceBuffer::from_vector(*backend, up), d_t(*backend, N * 8);
+  DeviceBuffer d_hid = DeviceBuffer::from_vector(*backend, in.hid), d_w = DeviceBuffer::from_vector(*backend, in.w),
+               d_b = DeviceBuffer::from_vector(*backend, in.b), d_cw = DeviceBuffer::from_vector(*backend, in.cw),
+               d_up = DeviceBuffer::from_vector(*backend, in.up), d_t(*backend, N * 8);
   const int64_t loss_n = cc.reduction == Reduction::kNone ? N : 1;
   DeviceBuffer d_loss(*backend, loss_n * 4), d_lse(*backend, N * 4), d_ent(*backend, 4), d_cor(*backend, 8),
       d_gh(*backend, N * H * el), d_gw(*backend, V * H * el), d_gb(*backend, V * el);
@@ -718,7 +709,7 @@ TEST_P(LinearCapture, SkipIgnoredFollowsTheDeviceCount) {
     return fusedce::linear_cross_entropy_forward_backward(
         backend->device(), fusedce::matrix(d_hid.data(), d, N, H), fusedce::matrix(d_w.data(), d, V, H),
         fusedce::vector(d_b.data(), d, V), fusedce::vector(d_t.data(), DType::kInt64, N), o, lo, out,
-        up.size() == 1 ? fusedce::vector(d_up.data(), DType::kFloat32, 1) : fusedce::vector(d_up.data(), DType::kFloat32, N),
+        in.up.size() == 1 ? fusedce::vector(d_up.data(), DType::kFloat32, 1) : fusedce::vector(d_up.data(), DType::kFloat32, N),
         g);
   };
   auto poison = [&]() {
@@ -798,7 +789,7 @@ TEST_P(LinearCapture, SkipIgnoredFollowsTheDeviceCount) {
     const LinRun got = read();
 
     // Against the float64 reference.
-    const RefResult ref = reference(lc, hd, wd, bd, tgt, cwd, upd, cuda16 ? d : DType::kFloat32);
+    const RefResult ref = reference(lc, in.hd, in.wd, in.bd, tgt, in.cwd, in.upd, cuda16 ? d : DType::kFloat32);
     const Tol lt = cuda16 ? loss_tol_cuda16(d) : loss_tol(d);
     const Tol gt = cuda16 ? grad_tol_cuda16(d) : grad_tol(d);
     std::vector<double> gl(got.loss.begin(), got.loss.end()), glse(got.lse.begin(), got.lse.end());

@@ -33,11 +33,21 @@ __device__ __forceinline__ void zero_row_grad(const RowParams& p, int64_t row, i
 }
 
 /// Per-class smoothing weights in the gradient (class weights with label smoothing), formed from
-/// the parameters where the sweep branches on it: a flag carried in from the item's set-up made
-/// the compiler merge the weights' loads with the unweighted path (register copies per element)
-/// and the 16-bit options gradient kernels spill 16 bytes more.
+/// the parameters where the sweep uses it: a flag carried in from the item's set-up made the
+/// compiler merge the weights' loads with the unweighted path (register copies per element) and
+/// the 16-bit options gradient kernels spill 16 bytes more.
 __device__ __forceinline__ bool class_smoothing(const RowParams& p) {
   return p.class_weight != nullptr && p.smoothing;
+}
+
+/// Whether the gradient needs the per-element form (options_grad_segment): a per-element dz/dx
+/// (soft-cap) or per-class smoothing weights. Decided once per row, outside the sweep: tested
+/// per segment, the compiler reloaded the two parameters before every segment's branch (to save
+/// registers), and the branch cut the segment's exponentials off from the loads and conversions
+/// they were interleaved with; the one-group options kernels lost 3-5% to the stalls.
+template <typename S>
+__device__ __forceinline__ bool per_element_grad(const RowParams& p, bool softcap) {
+  return S::kExtras && (softcap || class_smoothing(p));
 }
 
 /// The gradient sweep over the item's chunks, in the producer's order (backwards when
@@ -46,7 +56,9 @@ __device__ __forceinline__ bool class_smoothing(const RowParams& p) {
 /// copy when there is one.
 /// `g` and `it` are taken by value: the sweep stores to global memory, which a reference could
 /// alias, and a copy lets every field stay in a register across the stores.
-template <typename S, typename T>
+/// kPerElement: per_element_grad's answer for the row; the sweep is compiled once for each, so
+/// that the common form has no option branch inside it.
+template <typename S, typename T, bool kPerElement>
 __device__ __forceinline__ void gradient_sweep(const StreamParams& sp, int64_t row, const ItemGeometry<T> g,
                                                const StreamItem<T> it, bool softcap, float lse,
                                                float g_chain,
@@ -86,7 +98,7 @@ __device__ __forceinline__ void gradient_sweep(const StreamParams& sp, int64_t r
         if (!inner && s >= g.nseg) continue;
         const int j0 = s * kVec - g.off;
         Segment<T> out;
-        if (S::kExtras && (softcap || class_smoothing(p))) {
+        if (kPerElement) {
           // Per-element dz/dx (soft-cap) or per-class smoothing weight; class weights alone only
           // scale the row (through g_a, g_bt) and take the plain arithmetic below.
           out = options_grad_segment(seg[k], j0, p, lse, rg, c, softcap, class_smoothing(p));

@@ -181,7 +181,13 @@ __global__ void __launch_bounds__(kStreamThreads, 1) ce_stream_kernel(const Stre
     cs.parity ^= 1;
     if (!grad) continue;
     const float lse = sync_row_lse<S>(red, cs, walk, lse_here);
-    gradient_sweep<S>(sp, row, g, it, softcap, lse, g_chain, ring, at, row_at, ring0, ring1, cs.gtid, lane, in_ring);
+    if (per_element_grad<S>(p, softcap)) {
+      gradient_sweep<S, T, true>(sp, row, g, it, softcap, lse, g_chain, ring, at, row_at, ring0, ring1, cs.gtid,
+                                 lane, in_ring);
+    } else {
+      gradient_sweep<S, T, false>(sp, row, g, it, softcap, lse, g_chain, ring, at, row_at, ring0, ring1, cs.gtid,
+                                  lane, in_ring);
+    }
   }
   if (sp.finish && (sp.fin.loss_out || sp.fin.num_correct_out)) finish_batch(sp, &den_count, finish_scratch);
 #endif
