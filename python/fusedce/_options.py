@@ -43,7 +43,24 @@ class CeOptions:
         kernels narrow it (a float32 loss scales its smoothing term by the float32 value); the
         other three are fusedce's own options, and a value that float32 cannot hold to its
         precision is refused rather than turned into a different option (a softcap of 1e-50
-        would become 0, off)."""
+        would become 0, off).
+
+        Options already checked are looked up instead (every call of a training loop passes the
+        same ones): the key holds each value's type beside it, so that 0, 0.0 and False, equal
+        as dict keys, stay apart, and only plain int, float, str and None values are kept."""
+        key = (ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss)
+        types = tuple(map(type, key))
+        known = _CHECKED.get((key, types)) if _SIMPLE.issuperset(types) else None
+        if known is not None:
+            return known
+        options = cls._check(where, ignore_index, reduction, label_smoothing, logit_scale, softcap,
+                             z_loss)
+        if _SIMPLE.issuperset(types) and len(_CHECKED) < _CHECKED_MAX:
+            _CHECKED[(key, types)] = options
+        return options
+
+    @classmethod
+    def _check(cls, where, ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss):
         if reduction not in REDUCTIONS:
             raise ValueError(f"{where}: reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
         ignore_index = ignore_index_of(ignore_index, where)
@@ -76,6 +93,12 @@ class CeOptions:
         return (self.ignore_index, self.reduction, self.label_smoothing, self.logit_scale,
                 self.softcap, self.z_loss)
 
+
+# checked()'s memory of valid options: (values, their types) -> CeOptions. Bounded, so that a
+# program sweeping an option over many values does not grow it without end.
+_CHECKED = {}
+_CHECKED_MAX = 256
+_SIMPLE = frozenset((int, float, str, type(None)))
 
 OPTION_NAMES = tuple(field.name for field in dataclasses.fields(CeOptions))
 NUM_OPTIONS = len(OPTION_NAMES)

@@ -72,3 +72,17 @@ def test_the_core_checks_the_ranges_for_callers_of_the_ops():
         with pytest.raises(ValueError, match=match):
             ops.ce_fwd(x, t, None, *args, False)
     assert fusedce.cross_entropy(x, t).shape == ()
+
+
+def test_checked_options_are_remembered_by_value_and_type():
+    """checked() looks options it has seen up again; a value equal as a dict key but of another
+    type (False for 0, True for 1) is still checked, and still refused."""
+    first = CeOptions.checked("t", label_smoothing=0.0, softcap=1)
+    assert CeOptions.checked("t", label_smoothing=0.0, softcap=1) is first
+    assert CeOptions.checked("t", label_smoothing=0, softcap=1.0) == first
+    with pytest.raises(TypeError, match="softcap"):
+        CeOptions.checked("t", label_smoothing=0.0, softcap=True)
+    with pytest.raises(TypeError, match="label_smoothing"):
+        CeOptions.checked("t", label_smoothing=False, softcap=1)
+    with pytest.raises(ValueError, match="reduction"):
+        CeOptions.checked("t", reduction="Mean")
