@@ -35,6 +35,7 @@
 #define cudaError_t hipError_t
 #define cudaErrorNotSupported hipErrorNotSupported
 #define cudaFreeAsync hipFreeAsync
+#define cudaFuncAttribute hipFuncAttribute
 #define cudaFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
 #define cudaFuncSetAttribute(kernel, attr, value) \
   hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), attr, value)

@@ -89,17 +89,22 @@ cudaError_t launch_in_clusters_of_two(StreamKernel kernel, int grid, const Strea
 }
 #endif
 
-/// cudaFuncSetAttribute once per kernel and device: it costs microseconds of host time, which a
-/// few-rows call (tens of microseconds of GPU time) would otherwise wait on.
-cudaError_t allow_stream_smem(const void* kernel, int device) {
+/// cudaFuncSetAttribute once per kernel, device and attribute: it costs microseconds of host
+/// time, which a few-rows call (tens of microseconds of GPU time) would otherwise wait on.
+cudaError_t set_attribute_once(const void* kernel, int device, cudaFuncAttribute attr, int value) {
+  struct Done {
+    const void* kernel;
+    int device;
+    cudaFuncAttribute attr;
+  };
   static std::mutex mu;
-  static std::vector<std::pair<const void*, int>> done;
+  static std::vector<Done> done;
   std::lock_guard<std::mutex> lock(mu);
-  for (const auto& d : done) {
-    if (d.first == kernel && d.second == device) return cudaSuccess;
+  for (const Done& d : done) {
+    if (d.kernel == kernel && d.device == device && d.attr == attr) return cudaSuccess;
   }
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kStreamSmemBytes));
-  if (e == cudaSuccess) done.emplace_back(kernel, device);
+  cudaError_t e = cudaFuncSetAttribute(kernel, attr, value);
+  if (e == cudaSuccess) done.push_back({kernel, device, attr});
   return e;
 }
 
@@ -131,10 +136,11 @@ DeviceFacts device_facts(int index) {
   return f;
 }
 
-Status launch_row_kernel(RowKernel kernel, const RowShape& shape, const RowParams& params,
+Status launch_row_kernel(RowKernel kernel, const RowShape& shape, const RowParams& params, int device,
                          cudaStream_t stream) {
 #if FUSEDCE_PLATFORM_HIP
   // No thread-block clusters on AMD GPUs (plan_rows never asks for one there): a plain launch.
+  (void)device;
   if (shape.hw_cluster) return Status(StatusCode::kUnsupported, "thread-block clusters need an sm_90 GPU");
   kernel<<<static_cast<unsigned>(params.rows * shape.cluster), shape.threads, 0, stream>>>(params);
   cudaError_t e = cudaGetLastError();
@@ -147,7 +153,8 @@ Status launch_row_kernel(RowKernel kernel, const RowShape& shape, const RowParam
   cudaLaunchAttribute attr[1];
   if (shape.hw_cluster) {
     if (shape.cluster > 8) {
-      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+      cudaError_t e = set_attribute_once(reinterpret_cast<const void*>(kernel), device,
+                                         cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
       if (e != cudaSuccess) return device_error(e, "allowing clusters of 16 blocks");
     }
     attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -313,7 +320,8 @@ Status launch_stream(CePlan plan, const DeviceFacts& dev, const detail::CeCall& 
                      const BatchParams& bp, char* base, cudaStream_t stream) {
   const DType dtype = call.logits.dtype;
   const StreamKernel kernel = select_stream_kernel(dtype, plan.sp.grad, plan.sp.opts, plan.sp.groups);
-  cudaError_t e = allow_stream_smem(reinterpret_cast<const void*>(kernel), call.device.index);
+  cudaError_t e = set_attribute_once(reinterpret_cast<const void*>(kernel), call.device.index,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kStreamSmemBytes));
   if (e != cudaSuccess) return device_error(e, "raising the stream kernel's shared memory limit");
   if (plan.sp.want_halves) settle_halves(plan, p.rows, clusters_of_two(kernel, call.device.index), dev);
   const StreamParams sp = stream_params(plan, call, p, bp, base);
@@ -339,7 +347,7 @@ Status launch_stream(CePlan plan, const DeviceFacts& dev, const detail::CeCall& 
     g.cluster = plan.row.cluster;
     g.pieces = plan.row.pieces;
     RowKernel k = select_row_kernel(dtype, plan.row.items, false, true, plan.extras);
-    return launch_row_kernel(k, plan.row, g, stream);
+    return launch_row_kernel(k, plan.row, g, call.device.index, stream);
   }
   return Status::Ok();
 }
@@ -408,7 +416,7 @@ Status run(const detail::CeCall& call, const PlanChoices& choices) {
     p.cluster = plan.row.cluster;
     p.pieces = plan.row.pieces;
     RowKernel k = select_row_kernel(L.dtype, plan.row.items, plan.row_forward, plan.row_grad, plan.extras);
-    const Status s = launch_row_kernel(k, plan.row, p, stream);
+    const Status s = launch_row_kernel(k, plan.row, p, call.device.index, stream);
     if (!s.ok()) return s;
   }
   if (plan.finalize) {
