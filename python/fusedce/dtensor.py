@@ -83,6 +83,15 @@ def any_dtensor(*values):
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def plain(*values):
+    """Whether every one of `values` is None or a plain tensor or parameter (by type alone): the
+    usual call, told apart without any_dtensor's look-ups."""
+    for value in values:
+        if value is not None and type(value) not in _PLAIN:
+            return False
+    return True
+
+
 def _describe(value):
     if is_dtensor(value):
         return f"a DTensor with placements {tuple(value.placements)}"

@@ -35,6 +35,10 @@ def _class_dim(logits, target):
     for class indices of shape (N, d1, ...) against (N, C, d1, ...) logits; None for class
     probabilities of logits' own shape (PyTorch's layout throughout). Raises ValueError when the
     shapes fit neither, or fit both ways (C == d1 == ... == dk), where only the caller knows."""
+    if logits.dim() == 2 and target.dim() == 1 and not target.is_floating_point():
+        # (N, C) with (N,) class indices, the usual call: only classes last can fit.
+        if target.shape[0] == logits.shape[0]:
+            return -1
     if target.is_floating_point():
         if target.shape == logits.shape:
             return None
@@ -142,7 +146,7 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
     logits require grad, and the backward only scales it by the upstream gradient (no work at
     all when that is 1). When the logits do not require grad, only the forward runs.
     """
-    if dtensor.any_dtensor(logits, target, weight):
+    if not dtensor.plain(logits, target, weight) and dtensor.any_dtensor(logits, target, weight):
         # Logits sharded as loss_parallel hands them over: the vocabulary-parallel form below,
         # on the local tensors (fusedce.dtensor).
         return dtensor.cross_entropy(cross_entropy, logits, target, weight, dict(
