@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "common/call.h"
@@ -275,7 +276,15 @@ Status backward_linear(const Problem& p) {
   const std::vector<detail::LpRowGrad> g = row_grads(p);
   const int64_t M = static_cast<int64_t>(p.rows.size()), H = p.H, V = p.V;
   const int threads = c.device.num_threads;
-  std::vector<float> gw(want_gw ? V * H : 0, 0.0f), gb(want_gb ? V : 0, 0.0f);
+  // grad_weight is summed in the output itself when it is float32, else in a float32 buffer
+  // rounded into it once at the end; the first chunk's product writes it, later ones add (no
+  // zero fill: over the whole (V, H) that costs as much as a product).
+  const MatrixView& gwo = gr.grad_weight;
+  const bool gw_in_place = want_gw && gwo.dtype == DType::kFloat32;
+  std::unique_ptr<float[]> gw_acc(want_gw && !gw_in_place && M > 0 ? new float[V * H] : nullptr);
+  float* const gw = gw_in_place ? static_cast<float*>(gwo.data) : gw_acc.get();
+  const int64_t gw_ld = gw_in_place ? gwo.row_stride : H;
+  std::vector<float> gb(want_gb ? V : 0, 0.0f);
   if (want_gh) {
     const MatrixView& gh = gr.grad_hidden;
     for (int64_t i = 0; i < p.N; ++i) {
@@ -299,7 +308,7 @@ Status backward_linear(const Problem& p) {
         parallel_for(vblocks, 1, threads, [&](int64_t b, int64_t e) {
           for (int64_t blk = b; blk < e; ++blk) {
             const int64_t v0 = blk * kVocabBlock, vb = std::min(kVocabBlock, V - v0);
-            if (want_gw) ops.tn(vb, H, rc, z + v0, V, lc.hidden(), H, gw.data() + v0 * H, H, i0 > 0);
+            if (want_gw) ops.tn(vb, H, rc, z + v0, V, lc.hidden(), H, gw + v0 * gw_ld, gw_ld, i0 > 0);
             if (want_gb) {
               for (int64_t r = 0; r < rc; ++r) {
                 for (int64_t v = 0; v < vb; ++v) gb[v0 + v] += z[r * V + v0 + v];
@@ -324,11 +333,10 @@ Status backward_linear(const Problem& p) {
       }
     }
   }
-  if (want_gw) {
-    const MatrixView& w = gr.grad_weight;
+  if (want_gw && (M == 0 || !gw_in_place)) {  // an empty batch's zeros, or a 16-bit rounding
     parallel_for(V, kVocabBlock, threads, [&](int64_t b, int64_t e) {
       for (int64_t v = b; v < e; ++v) {
-        for (int64_t h = 0; h < H; ++h) store_elem(w.data, w.dtype, v * w.row_stride + h, gw[v * H + h]);
+        for (int64_t h = 0; h < H; ++h) store_elem(gwo.data, gwo.dtype, v * gwo.row_stride + h, M == 0 ? 0.0f : gw[v * H + h]);
       }
     });
   }

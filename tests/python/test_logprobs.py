@@ -413,12 +413,15 @@ def test_kept_logits_overwritten_unless_the_graph_is_kept(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows", [0, 5], ids=["empty", "all_ignored"])
 @KEEP
-def test_empty_batch_gradients(device, keep_logits):
-    h, w, b, t = _linear_problem(0, 8, 40, torch.bfloat16, device, seed=3, bias=True)
+def test_empty_batch_gradients(device, keep_logits, dtype, rows):
+    h, w, b, t = _linear_problem(rows, 8, 40, dtype, device, seed=3, bias=True)
+    t = torch.full_like(t, IGNORE)
     leaves = [x.detach().clone().requires_grad_(True) for x in (h, w, b)]
     lp, ent = fusedce.linear_logprobs(*leaves[:2], t, leaves[2], return_entropy=True, keep_logits=keep_logits)
-    assert lp.shape == ent.shape == (0,)
+    assert lp.shape == ent.shape == (rows,)
     (lp.sum() + ent.sum()).backward()
     for leaf in leaves:
         assert leaf.grad.shape == leaf.shape and leaf.grad.dtype == leaf.dtype and (leaf.grad == 0).all()
