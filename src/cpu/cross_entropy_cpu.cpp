@@ -8,6 +8,7 @@
 
 #include "common/call.h"
 #include "common/constants.h"
+#include "cpu/fresh_pages.h"
 #include "cpu/kernels.h"
 #include "cpu/thread_pool.h"
 
@@ -145,6 +146,9 @@ Status run(const detail::CeCall& call) {
   a.g_chain = o.reduction == Reduction::kMean ? static_cast<float>(1.0 / denominator) : 1.0f;
   a.dlogits = static_cast<char*>(call.dlogits.data);
   a.dlogits_stride = call.dlogits.row_stride;
+  if (gradient && N > 0 && call.dlogits.data != L.data) {
+    prefer_huge_pages(call.dlogits.data, size_t((N - 1) * call.dlogits.row_stride + V) * dtype_size(call.dlogits.dtype));
+  }
   a.row_loss = row_loss.data();
   a.row_lse = row_lse.data();
   a.row_entropy = row_entropy.data();

@@ -23,6 +23,7 @@
 #include "common/call.h"
 #include "common/constants.h"
 #include "cpu/elements.h"
+#include "cpu/fresh_pages.h"
 #include "cpu/gemm.h"
 #include "cpu/kernels.h"
 #include "cpu/thread_pool.h"
@@ -73,7 +74,7 @@ F32Matrix as_float32(const MatrixView& m, int threads) {
 struct GradWeightSink {
   float* data = nullptr;
   int64_t ld = 0;
-  std::vector<float> acc;
+  ScratchFloats acc;  // written by the first chunk, added to by the others
 };
 
 /// The call after dropping ignored rows: what every chunk needs.
@@ -189,8 +190,9 @@ Status run_linear(const detail::LinearCall& call) {
     if (g.grad_weight.dtype == DType::kFloat32) {
       gw.data = static_cast<float*>(g.grad_weight.data);
       gw.ld = g.grad_weight.row_stride;
+      if (M > 0) prefer_huge_pages(gw.data, size_t((V - 1) * gw.ld + H) * sizeof(float));
     } else {
-      gw.acc.resize(V * H);
+      gw.acc = ScratchFloats(M > 0 ? V * H : 0);
       gw.data = gw.acc.data();
       gw.ld = H;
     }
@@ -198,7 +200,8 @@ Status run_linear(const detail::LinearCall& call) {
   std::vector<float> gb(want_gb ? V : 0, 0.0f);
   std::vector<float> lse(M), loss_row(M), entropy(o.compute_metrics ? M : 0);
   std::vector<uint8_t> correct(o.compute_metrics ? M : 0);
-  std::vector<float> z(M > 0 ? rows_per_chunk * V : 0), hc(rows_per_chunk * H), ghc(want_gh ? rows_per_chunk * H : 0);
+  ScratchFloats z(M > 0 ? rows_per_chunk * V : 0);
+  std::vector<float> hc(rows_per_chunk * H), ghc(want_gh ? rows_per_chunk * H : 0);
 
   for (int64_t i0 = 0; i0 < M; i0 += rows_per_chunk) {
     const int64_t mc = std::min(rows_per_chunk, M - i0);
@@ -306,7 +309,7 @@ Status run_linear(const detail::LinearCall& call) {
       for (int64_t h = 0; h < H; ++h) store_elem(gh.data, gh.dtype, i * gh.row_stride + h, 0.0f);
     }
   }
-  if (want_gw && (M == 0 || !gw.acc.empty())) {
+  if (want_gw && (M == 0 || gw.acc.data() != nullptr)) {
     const MatrixView& w = g.grad_weight;
     parallel_for(V, kVocabBlock, threads, [&](int64_t b, int64_t e) {
       for (int64_t v = b; v < e; ++v) {

@@ -18,13 +18,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #include "common/call.h"
 #include "common/logprob_call.h"
 #include "common/logprob_math.h"
 #include "cpu/elements.h"
+#include "cpu/fresh_pages.h"
 #include "cpu/gemm.h"
 #include "cpu/kernels.h"
 #include "cpu/thread_pool.h"
@@ -102,7 +102,7 @@ class LinearChunks {
     }
     const int64_t cap = std::min<int64_t>(rows_, std::max<int64_t>(static_cast<int64_t>(p.rows.size()), 1));
     hc_.resize(cap * p.H);
-    z_.resize(cap * p.V);
+    z_ = ScratchFloats(cap * p.V);
   }
 
   int64_t rows() const { return rows_; }
@@ -141,7 +141,8 @@ class LinearChunks {
   int64_t rows_ = 1;
   const float* w_ = nullptr;
   int64_t ld_ = 0;
-  std::vector<float> w_copy_, bias_, hc_, z_;
+  std::vector<float> w_copy_, bias_, hc_;
+  ScratchFloats z_;
 };
 
 /// Row-kernel arguments over the valid rows of the logits form.
@@ -281,9 +282,10 @@ Status backward_linear(const Problem& p) {
   // zero fill: over the whole (V, H) that costs as much as a product).
   const MatrixView& gwo = gr.grad_weight;
   const bool gw_in_place = want_gw && gwo.dtype == DType::kFloat32;
-  std::unique_ptr<float[]> gw_acc(want_gw && !gw_in_place && M > 0 ? new float[V * H] : nullptr);
-  float* const gw = gw_in_place ? static_cast<float*>(gwo.data) : gw_acc.get();
+  ScratchFloats gw_acc(want_gw && !gw_in_place && M > 0 ? V * H : 0);
+  float* const gw = gw_in_place ? static_cast<float*>(gwo.data) : gw_acc.data();
   const int64_t gw_ld = gw_in_place ? gwo.row_stride : H;
+  if (gw_in_place && M > 0) prefer_huge_pages(gw, size_t((V - 1) * gw_ld + H) * sizeof(float));
   std::vector<float> gb(want_gb ? V : 0, 0.0f);
   if (want_gh) {
     const MatrixView& gh = gr.grad_hidden;

@@ -1,0 +1,36 @@
+// Large buffers that a call writes in full: their first writes fault in fresh memory page by
+// page, and on a VM a 4 KiB page's fault costs more than writing it (measured on a 2-core KVM
+// guest: 128 MiB of grad_weight written by the products took 74 ms on fresh pages against 27 ms
+// on pages already present). Where the kernel allows it, such buffers are backed by 2 MiB pages
+// instead, 512 times fewer faults. A hint only: contents and results are unchanged, and a
+// system without transparent huge pages (or not Linux) simply ignores it.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+namespace fusedce {
+namespace cpu {
+
+/// Asks for 2 MiB pages over the whole 2 MiB pages inside [data, data + bytes) (Linux
+/// madvise(MADV_HUGEPAGE); nothing for ranges below two such pages). Call it before the first
+/// write: pages already present keep their size.
+void prefer_huge_pages(void* data, size_t bytes);
+
+/// A float32 scratch buffer of n elements, left uninitialised (every element is written before
+/// it is read), with prefer_huge_pages applied.
+class ScratchFloats {
+ public:
+  ScratchFloats() = default;
+  explicit ScratchFloats(size_t n);
+  float* data() { return data_.get(); }
+  const float* data() const { return data_.get(); }
+  float& operator[](size_t i) { return data_[i]; }
+  const float& operator[](size_t i) const { return data_[i]; }
+
+ private:
+  std::unique_ptr<float[]> data_;
+};
+
+}  // namespace cpu
+}  // namespace fusedce
