@@ -13,8 +13,9 @@ namespace fusedce {
 namespace cpu {
 
 /// Asks for 2 MiB pages over the whole 2 MiB pages inside [data, data + bytes) (Linux
-/// madvise(MADV_HUGEPAGE); nothing for ranges below two such pages). Call it before the first
-/// write: pages already present keep their size.
+/// madvise(MADV_HUGEPAGE)) when the range is 32 MiB or more and its first page is not yet
+/// present (fresh memory); nothing otherwise. Call it before the first write: pages already
+/// present keep their size.
 void prefer_huge_pages(void* data, size_t bytes);
 
 /// A float32 scratch buffer of n elements, left uninitialised (every element is written before
