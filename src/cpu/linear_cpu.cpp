@@ -33,7 +33,6 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kVocabBlock = 256;   // vocabulary rows per product task
-constexpr int64_t kHiddenBlock = 128;  // hidden columns per grad_hidden task
 constexpr int64_t kRowBlock = 64;      // chunk rows per grad_hidden task
 constexpr size_t kDefaultBudget = size_t(128) << 20;    // float32 logits of one chunk
 // At most this many rows per chunk: grad_weight is then summed in two levels (within a chunk by
@@ -183,7 +182,8 @@ Status run_linear(const detail::LinearCall& call) {
 
   const int64_t M = static_cast<int64_t>(p.rows.size());
   const int64_t rows_per_chunk = chunk_rows(call, V, M);
-  const int64_t vblocks = (V + kVocabBlock - 1) / kVocabBlock, hblocks = (H + kHiddenBlock - 1) / kHiddenBlock;
+  const int64_t hidden_block = grad_hidden_block(H);
+  const int64_t vblocks = (V + kVocabBlock - 1) / kVocabBlock, hblocks = (H + hidden_block - 1) / hidden_block;
   const F32Matrix W = as_float32(call.weight, threads);
   GradWeightSink gw;
   if (want_gw) {
@@ -251,13 +251,14 @@ Status run_linear(const detail::LinearCall& call) {
       });
     }
     if (want_gh) {
-      // Tasks of kRowBlock rows x kHiddenBlock columns, so that a narrow hidden size still fills
-      // the pool; each output element is one product's sum over V, whatever the split.
+      // Tasks of kRowBlock rows x hidden_block columns (grad_hidden_block), so that a narrow
+      // hidden size still fills the pool; each output element is one product's sum over V,
+      // whatever the split.
       const int64_t rblocks = (mc + kRowBlock - 1) / kRowBlock;
       parallel_for(rblocks * hblocks, 1, threads, [&](int64_t b, int64_t e) {
         for (int64_t blk = b; blk < e; ++blk) {
           const int64_t r0 = (blk / hblocks) * kRowBlock, rb = std::min(kRowBlock, mc - r0);
-          const int64_t h0 = (blk % hblocks) * kHiddenBlock, hb = std::min(kHiddenBlock, H - h0);
+          const int64_t h0 = (blk % hblocks) * hidden_block, hb = std::min(hidden_block, H - h0);
           gemm_ops.nn(rb, hb, V, z.data() + r0 * V, V, W.data + h0, W.ld, ghc.data() + r0 * H + h0, H);
         }
       });

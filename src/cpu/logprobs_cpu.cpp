@@ -36,12 +36,11 @@ namespace {
 // The linear form's chunks: float32 logits of at most kDefaultBudget bytes and kMaxChunkRows rows
 // (grad_weight is summed within a chunk by one product, chunk after chunk into float32, as the
 // linear cross-entropy does); products by blocks of kVocabBlock vocabulary rows, kRowBlock rows
-// and kHiddenBlock hidden columns.
+// and grad_hidden_block(H) hidden columns.
 constexpr size_t kDefaultBudget = size_t(128) << 20;
 constexpr int64_t kMaxChunkRows = 256;
 constexpr int64_t kVocabBlock = 256;
 constexpr int64_t kRowBlock = 64;
-constexpr int64_t kHiddenBlock = 128;
 
 float float_at(const VectorView& v, int64_t i) { return static_cast<const float*>(v.data)[i * v.stride]; }
 float& float_ref(const VectorView& v, int64_t i) { return static_cast<float*>(v.data)[i * v.stride]; }
@@ -297,7 +296,8 @@ Status backward_linear(const Problem& p) {
     LinearChunks lc(p);
     const GemmOps& ops = lc.ops();
     std::vector<float> ghc(want_gh ? lc.rows() * H : 0);
-    const int64_t vblocks = (V + kVocabBlock - 1) / kVocabBlock, hblocks = (H + kHiddenBlock - 1) / kHiddenBlock;
+    const int64_t hidden_block = grad_hidden_block(H);
+    const int64_t vblocks = (V + kVocabBlock - 1) / kVocabBlock, hblocks = (H + hidden_block - 1) / hidden_block;
     for (int64_t i0 = 0; i0 < M; i0 += lc.rows()) {
       const int64_t rc = std::min(lc.rows(), M - i0);
       float* z = lc.form(i0, rc);
@@ -324,7 +324,7 @@ Status backward_linear(const Problem& p) {
         parallel_for(rblocks * hblocks, 1, threads, [&](int64_t b, int64_t e) {
           for (int64_t blk = b; blk < e; ++blk) {
             const int64_t r0 = (blk / hblocks) * kRowBlock, rb = std::min(kRowBlock, rc - r0);
-            const int64_t h0 = (blk % hblocks) * kHiddenBlock, hb = std::min(kHiddenBlock, H - h0);
+            const int64_t h0 = (blk % hblocks) * hidden_block, hb = std::min(hidden_block, H - h0);
             ops.nn(rb, hb, V, z + r0 * V, V, lc.weight() + h0, lc.weight_ld(), ghc.data() + r0 * H + h0, H);
           }
         });
