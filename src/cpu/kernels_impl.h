@@ -74,9 +74,14 @@ inline vf loadv(const float* p) {
   return v;
 }
 inline void storev(float* p, vf v) { memcpy(p, &v, sizeof(v)); }
+// x in every lane, bit for bit (-0 and NaN payloads kept): an integer vector op with a scalar,
+// which compiles to one broadcast (a loop over lanes compiled to one masked insert per lane).
 inline vf splatv(float x) {
+  int32_t bits;
+  memcpy(&bits, &x, sizeof(bits));
+  const vi b = vi{} + bits;
   vf v;
-  for (int k = 0; k < kLanes; ++k) v[k] = x;
+  memcpy(&v, &b, sizeof(v));
   return v;
 }
 
@@ -293,6 +298,8 @@ void row_gradient(const RowArgs& a, const T* x, T* dx, int64_t t, float lse, con
                   float* buf) {
   const int64_t V = a.vocab;
   const LossConstants& c = a.c;
+  const vf g_a = splatv(rg.g_a), g_c = splatv(rg.g_c), lse_v = splatv(lse), one = splatv(1.0f);
+  const vf scale = splatv(c.logit_scale), inv_cap = splatv(1.0f / c.softcap);
   for (int64_t j0 = 0; j0 < V; j0 += kChunk) {
     const int64_t n = std::min(kChunk, V - j0), n8 = round_up_lanes(n);
     load_chunk(x + j0, n, buf);
@@ -302,7 +309,7 @@ void row_gradient(const RowArgs& a, const T* x, T* dx, int64_t t, float lse, con
     const float z_t = has_target ? buf[t - j0] : 0.0f;
     for (int64_t k = 0; k < n8; k += kLanes) {
       const vf z = loadv(buf + k);
-      vf w = splatv(1.0f);
+      vf w = one;
       if (a.class_weight) {
         if (k + kLanes <= n) {
           w = loadv(a.class_weight + j0 + k);
@@ -312,12 +319,12 @@ void row_gradient(const RowArgs& a, const T* x, T* dx, int64_t t, float lse, con
           w = loadv(tail);
         }
       }
-      vf d = splatv(rg.g_a) * vexp(z - splatv(lse)) - splatv(rg.g_c) * w;
+      vf d = g_a * vexp(z - lse_v) - g_c * w;
       if (kSoftcap) {
-        const vf u = z * splatv(1.0f / c.softcap);
-        d *= splatv(c.logit_scale) * (splatv(1.0f) - u * u);
+        const vf u = z * inv_cap;
+        d *= scale * (one - u * u);
       } else {
-        d *= splatv(c.logit_scale);
+        d *= scale;
       }
       storev(buf + k, d);
     }
