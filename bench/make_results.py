@@ -221,6 +221,7 @@ PEERS_COLUMNS = ["kind", "job", "case", "model", "dtype", "peer", "status", "not
                  "peak_extra_mb", "correct", "device_name", "torch_version", "fusedce_commit", "date",
                  "copy_gbs", "gemm_tflops"]
 FUSEDCE = "fusedce"
+FLOOR = "floor (3 bare products)"  # python -m fusedce.bench's floor peer: the bare products, timed only
 
 
 def ok(r):
@@ -249,13 +250,17 @@ def peer_ceilings(rows, name):
 
 
 def render_peer_group(rows, with_memory):
-    """One table: rows of one kind and dtype, one line per case and job."""
+    """One table: rows of one kind and dtype, one line per case and job. With the floor (the
+    bare products) in the run, each fusedce variant's time over the floor's too."""
     peers = ordered(r["peer"] for r in rows if r["status"] != "unavailable")
-    others = [p for p in peers if not p.startswith(FUSEDCE)]  # fusedce's own variants get no speed-up
+    # fusedce's own variants get no speed-up; the floor is no implementation to beat
+    others = [p for p in peers if not p.startswith(FUSEDCE) and p != FLOOR]
+    ours = [p for p in peers if p.startswith(FUSEDCE)] if FLOOR in peers else []
     lines_of = ordered((r["case"], r["job"]) for r in rows)
     cell = {(r["case"], r["job"], r["peer"]): r for r in rows}
     unit = "ms (peak extra MB)" if with_memory else "ms"
-    header = ["case", "job"] + [f"{p} {unit}" for p in peers] + [f"vs {p}" for p in others]
+    header = (["case", "job"] + [f"{p} {unit}" for p in peers] + [f"vs {p}" for p in others]
+              + [f"{p} x floor" for p in ours])
     jobs = ordered(job for _, job in lines_of)
     body, ratios = [], {(job, p): [] for job in jobs for p in others}
     for case, job in lines_of:
@@ -269,6 +274,11 @@ def render_peer_group(rows, with_memory):
                 line.append(f"{x:.2f}x")
             else:
                 line.append("")
+        floor = cell.get((case, job, FLOOR))
+        for p in ours:
+            r = cell.get((case, job, p))
+            good = floor is not None and r is not None and ok(floor) and ok(r)
+            line.append(f"{float(r['median_ms']) / float(floor['median_ms']):.3f}" if good else "")
         body.append(line)
     out = table(header, body)
     per_job = []

@@ -196,3 +196,25 @@ def test_unknown_peer_is_refused_and_gpu_only_peers_are_explained_on_the_cpu():
     loaded = {p.id: p for p in peers.load(["liger", "unsloth", "flash-attn"], "cpu")}
     for p in loaded.values():
         assert not p.fns and all(reason for reason in p.reasons.values())
+
+
+def test_floor_and_all_options_are_timed_not_checked(tmp_path, capsys):
+    """The floor (three bare products) and fusedce with every option compute something other
+    than the reference on purpose: their rows carry times and no error, are never marked wrong,
+    never count in a speed-up, and the compact table gives each fusedce variant over the floor."""
+    bench_main.main(["--device", "cpu", "--only", "linear", "--shapes", "8x32x100",
+                     "--peers", "fusedce,fusedce-all,torch,floor", "--repeat", "2", "--warmup", "0",
+                     "--no-progress", "--out", str(tmp_path)])
+    text = capsys.readouterr().out
+    with open(tmp_path / "results.csv", newline="") as f:
+        rows = {r["peer"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"fusedce", "fusedce all options", "torch eager", "floor (3 bare products)"}
+    for name in ("fusedce all options", "floor (3 bare products)"):
+        r = rows[name]
+        assert r["status"] == "ok" and float(r["median_ms"]) > 0
+        assert r["loss_err"] == "" and r["correct"] == ""
+    assert rows["fusedce"]["correct"] == "True" and float(rows["fusedce"]["loss_err"]) < 1e-5
+    assert "WRONG:" not in text and not any(line.endswith("WRONG |") for line in text.splitlines())
+    assert "| fusedce x floor | fusedce all options x floor |" in text
+    assert "vs floor" not in text and "vs fusedce all options" not in text
+    assert "fusedce vs torch eager" in text and "fusedce vs floor" not in text

@@ -152,6 +152,25 @@ def test_a_fresh_python_benchmark_csv_renders(tmp_path):
     assert "geometric-mean speed-up, forward" in text
 
 
+def test_the_floor_renders_as_a_ratio_not_a_peer(tmp_path):
+    """A run with the floor (the bare products): each fusedce variant over the floor, no speed-up
+    over the floor and no geometric mean that counts it."""
+    run = tmp_path / "run"
+    bench_main.main(["--device", "cpu", "--only", "linear", "--shapes", "8x32x100", "--peers",
+                     "fusedce,fusedce-all,torch,floor", "--repeat", "1", "--warmup", "0", "--no-progress",
+                     "--out", str(run)])
+    for folder in make_results.SOURCE_DIRS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "runs.json").write_text(json.dumps({"sources": []}))
+    shutil.copy(run / "results.csv", tmp_path / "cpu" / "results.csv")
+    (tmp_path / "cpu" / "runs.json").write_text(json.dumps({"sources": [
+        {"file": "results.csv", "format": "fusedce.bench", "title": "CPU", "command": "python -m fusedce.bench"}]}))
+    text = make_results.render(str(tmp_path))
+    assert "| fusedce x floor | fusedce all options x floor |" in text
+    assert re.search(r"\| 8 x 32 x 100 \| fwd\+bwd \|( [0-9.]+ \|){4} [0-9.]+x \| [0-9.]+ \| [0-9.]+ \|", text)
+    assert "vs floor" not in text and "floor (3 bare products) (" not in text.split("speed-up,")[-1]
+
+
 def test_a_fresh_shard_benchmark_csv_renders(tmp_path):
     """What python -m fusedce.bench --only shard writes is what the generator reads, with the
     ratio and the bytes of every row."""

@@ -34,6 +34,7 @@ class Peer:
     name: str
     fns: dict
     reasons: dict
+    checked: bool = True  # False: a different computation, timed only (floor, all options)
 
     def offers(self, kind):
         return kind in self.fns or kind in self.reasons
@@ -93,6 +94,50 @@ _fusedce_low_memory = _fusedce_linear_variant(
     """low_memory=True: all extra memory under 512 MiB, grad_weight formed slice by slice of the
     vocabulary from recomputed logits (about 4/3 of the default's flops on a GPU).""",
     low_memory=True)
+
+
+def _fusedce_all_options(device):
+    """fusedce.linear_cross_entropy with every option that changes its work: a bias (with its
+    gradient), label smoothing, z-loss, logit scale, soft-cap and the metrics. A different loss
+    from the other rows', so it is timed, not checked here (the tests check it)."""
+    import fusedce
+
+    if device == "cuda" and not fusedce.with_cuda:
+        raise Unavailable("this build of fusedce has no CUDA kernels")
+    biases = {}
+
+    def call(h, w, t):
+        key = (w.shape[0], w.dtype, w.device)
+        if key not in biases:
+            g = torch.Generator(device="cpu").manual_seed(3)
+            biases[key] = (0.5 * torch.randn(w.shape[0], generator=g)).to(w.device, w.dtype).requires_grad_(True)
+        b = biases[key]
+        b.grad = None
+        loss, _ = fusedce.linear_cross_entropy(h, w, t, b, label_smoothing=0.1, z_loss=1e-4, logit_scale=0.9,
+                                               softcap=30.0, return_metrics=True)
+        return loss
+    return {"linear": call}, {}
+
+
+class _BareProducts(torch.autograd.Function):
+    """The three matrix products of a linear cross-entropy's forward and backward at full size
+    and nothing else (the logits stand in for their gradient): the floor a fused call is held to."""
+
+    @staticmethod
+    def forward(ctx, h, w):
+        logits = h @ w.t()
+        ctx.save_for_backward(h, w, logits)
+        return logits.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, w, dlogits = ctx.saved_tensors
+        return dlogits @ w, dlogits.t() @ h
+
+
+def _floor(device):
+    """The floor: the three bare products (torch.matmul, cuBLAS) of the same shape, timed only."""
+    return {"linear": lambda h, w, t: _BareProducts.apply(h, w)}, {}
 
 
 def _fusedce_keep_logits(device):
@@ -220,6 +265,7 @@ REGISTRY = [
     ("fusedce", "fusedce", _fusedce, ("ce", "linear", "logprobs"), False),
     ("fusedce-skip", "fusedce skip_ignored", _fusedce_skip, ("linear",), False),
     ("fusedce-lowmem", "fusedce low_memory", _fusedce_low_memory, ("linear",), False),
+    ("fusedce-all", "fusedce all options", _fusedce_all_options, ("linear",), False),
     ("fusedce-keep", "fusedce keep_logits", _fusedce_keep_logits, ("logprobs",), False),
     ("torch", "torch eager", _torch, ("ce", "linear", "logprobs"), False),
     ("torch-compile", "torch.compile", _torch_compile, ("ce", "linear", "logprobs"), False),
@@ -227,10 +273,13 @@ REGISTRY = [
     ("liger", "liger-kernel", _liger, ("ce", "linear"), True),
     ("cce", "cut-cross-entropy", _cce, ("linear",), False),
     ("quack", "quack", _quack, ("ce", "linear"), True),
+    ("floor", "floor (3 bare products)", _floor, ("linear",), False),
     ("unsloth", "unsloth", _unsloth, ("ce",), True),
     ("flash-attn", "flash-attn", _flash_attn, ("ce",), True),
 ]
 PEER_IDS = [entry[0] for entry in REGISTRY]
+# Timed, not checked against the reference: they compute something else on purpose.
+UNCHECKED = {"fusedce-all", "floor"}
 
 
 def load(ids, device):
@@ -250,5 +299,5 @@ def load(ids, device):
             fns, reasons = {}, {k: str(e) for k in kinds}
         except Exception as e:  # an import that fails for any reason is reported, not raised
             fns, reasons = {}, {k: f"{type(e).__name__}: {e}".splitlines()[0] for k in kinds}
-        peers.append(Peer(pid, name, fns, reasons))
+        peers.append(Peer(pid, name, fns, reasons, checked=pid not in UNCHECKED))
     return peers

@@ -11,6 +11,7 @@ from .runner import Row
 
 FUSEDCE = "fusedce"
 BASELINE = "torch eager"
+FLOOR = "floor (3 bare products)"
 
 
 def _ms(row):
@@ -87,20 +88,25 @@ def speedups(rows):
 def versus(rows, job="fwd+bwd"):
     """A compact table of one job: per case, each implementation's median ms, then fusedce's
     speed-up over each implementation that is not one of its own variants (their median over
-    fusedce's: above 1, fusedce is faster), from the same run."""
+    fusedce's: above 1, fusedce is faster), from the same run; with the floor measured, each
+    fusedce variant's time over the floor's."""
     done = [r for r in rows if r.job == job and r.status == "ok"]
     peers = list(dict.fromkeys(r.peer for r in done))
-    others = [p for p in peers if not p.startswith(FUSEDCE)]
-    if FUSEDCE not in peers or not others:
+    others = [p for p in peers if not p.startswith(FUSEDCE) and p != FLOOR]
+    ours_all = [p for p in peers if p.startswith(FUSEDCE)] if FLOOR in peers else []
+    if FUSEDCE not in peers or not (others or ours_all):
         return ""
-    lines = [f"{job}, median ms (fusedce's speed-up):",
-             "| case | dtype | " + " | ".join(peers) + " | " + " | ".join(f"vs {p}" for p in others) + " |",
-             "|---|---|" + "---|" * (len(peers) + len(others))]
+    lines = [f"{job}, median ms (fusedce's speed-up" + ("; x floor: time over the floor's" if ours_all else "") + "):",
+             "| case | dtype | " + " | ".join(peers) + " | " + " | ".join(f"vs {p}" for p in others)
+             + "".join(f" | {p} x floor" for p in ours_all) + " |",
+             "|---|---|" + "---|" * (len(peers) + len(others) + len(ours_all))]
     for key in dict.fromkeys((r.kind, r.case, r.dtype) for r in done):
         at = {r.peer: r for r in done if (r.kind, r.case, r.dtype) == key}
         ours = at.get(FUSEDCE)
+        floor = at.get(FLOOR)
         ms = [_num(at[p].median_ms, ".1f") if p in at else "" for p in peers]
         xs = [f"{at[p].median_ms / ours.median_ms:.2f}x" if ours is not None and p in at else "" for p in others]
+        xs += [f"{at[p].median_ms / floor.median_ms:.3f}" if floor is not None and p in at else "" for p in ours_all]
         lines.append(f"| {key[1]} | {key[2]} | " + " | ".join(ms) + " | " + " | ".join(xs) + " |")
     return "\n".join(lines)
 
@@ -111,7 +117,7 @@ def summary(rows):
         what = {"ce": "cross-entropy", "linear": "linear cross-entropy"}.get(kind, "log-probabilities")
         lines.append(f"fusedce vs {peer}, {what} {job}: geometric-mean speed-up {x:.2f}x over "
                      f"{n} row{'' if n == 1 else 's'}")
-    wrong = [r for r in rows if r.status == "ok" and not r.correct]
+    wrong = [r for r in rows if r.status == "ok" and r.correct is False]
     for r in wrong:
         lines.append(f"WRONG: {r.peer} on {r.case} {r.dtype} {r.job}: loss error {r.loss_err:.2e}"
                      + ("" if r.grad_err is None else f", gradient error {r.grad_err:.2e}"))
