@@ -52,9 +52,10 @@ void nt(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const floa
 // The tile kernel dh: E (rc x H) += G (rc x vt) . B (vt x H), here with rc <- rows of A,
 // vt <- a k tile, H <- n.
 void nn(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-        int64_t ldc) {
+        int64_t ldc, bool accumulate) {
   const TileKernels t = tiles();
   std::vector<float> acc(m * n, 0.0f), g(kRows * kCols), b(kCols * n);
+  if (accumulate) pack(C, ldc, m, n, acc.data());
   for (int64_t k0 = 0; k0 < k; k0 += kCols) {
     const int64_t kc = std::min(kCols, k - k0);
     pack(B + k0 * ldb, ldb, kc, n, b.data());

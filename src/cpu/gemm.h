@@ -16,9 +16,9 @@ struct GemmOps {
   /// C (m x n) = A (m x k) . B^T, B (n x k). Leading dimensions in elements.
   void (*nt)(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
              int64_t ldc);
-  /// C (m x n) = A (m x k) . B (k x n).
+  /// C (m x n) = A (m x k) . B (k x n) (+ C when accumulate).
   void (*nn)(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-             int64_t ldc);
+             int64_t ldc, bool accumulate);
   /// C (m x n) = A^T . B (+ C when accumulate), A (k x m), B (k x n).
   void (*tn)(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
              int64_t ldc, bool accumulate);

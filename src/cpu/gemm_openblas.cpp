@@ -108,8 +108,8 @@ void nt(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const floa
 }
 
 void nn(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-        int64_t ldc) {
-  sgemm(kNoTrans, kNoTrans, m, n, k, A, lda, B, ldb, 0.0f, C, ldc);
+        int64_t ldc, bool accumulate) {
+  sgemm(kNoTrans, kNoTrans, m, n, k, A, lda, B, ldb, accumulate ? 1.0f : 0.0f, C, ldc);
 }
 
 void tn(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,

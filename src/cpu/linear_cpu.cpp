@@ -259,7 +259,7 @@ Status run_linear(const detail::LinearCall& call) {
         for (int64_t blk = b; blk < e; ++blk) {
           const int64_t r0 = (blk / hblocks) * kRowBlock, rb = std::min(kRowBlock, mc - r0);
           const int64_t h0 = (blk % hblocks) * hidden_block, hb = std::min(hidden_block, H - h0);
-          gemm_ops.nn(rb, hb, V, z.data() + r0 * V, V, W.data + h0, W.ld, ghc.data() + r0 * H + h0, H);
+          gemm_ops.nn(rb, hb, V, z.data() + r0 * V, V, W.data + h0, W.ld, ghc.data() + r0 * H + h0, H, false);
         }
       });
       const MatrixView& gh = g.grad_hidden;

@@ -325,7 +325,7 @@ Status backward_linear(const Problem& p) {
           for (int64_t blk = b; blk < e; ++blk) {
             const int64_t r0 = (blk / hblocks) * kRowBlock, rb = std::min(kRowBlock, rc - r0);
             const int64_t h0 = (blk % hblocks) * hidden_block, hb = std::min(hidden_block, H - h0);
-            ops.nn(rb, hb, V, z + r0 * V, V, lc.weight() + h0, lc.weight_ld(), ghc.data() + r0 * H + h0, H);
+            ops.nn(rb, hb, V, z + r0 * V, V, lc.weight() + h0, lc.weight_ld(), ghc.data() + r0 * H + h0, H, false);
           }
         });
         const MatrixView& gh = gr.grad_hidden;

@@ -19,7 +19,7 @@ namespace {
 
 using fusedce::cpu::GemmOps;
 
-enum class Op { kNT, kNN, kTN, kTNAccumulate };
+enum class Op { kNT, kNN, kNNAccumulate, kTN, kTNAccumulate };
 
 struct Shape {
   int64_t m, n, k;
@@ -29,6 +29,7 @@ const char* op_name(Op op) {
   switch (op) {
     case Op::kNT: return "nt";
     case Op::kNN: return "nn";
+    case Op::kNNAccumulate: return "nn_accumulate";
     case Op::kTN: return "tn";
     default: return "tn_accumulate";
   }
@@ -55,7 +56,8 @@ void check(const GemmOps& ops, Op op, Shape s) {
     for (int64_t c = 0; c < b_cols; ++c) B[r * ldb + c] = normal(rng);
   }
   std::vector<float> C0(C.size(), kPoison);
-  if (op == Op::kTNAccumulate) {
+  const bool accumulate = op == Op::kNNAccumulate || op == Op::kTNAccumulate;
+  if (accumulate) {
     for (int64_t i = 0; i < s.m; ++i) {
       for (int64_t j = 0; j < s.n; ++j) C[i * ldc + j] = C0[i * ldc + j] = 4.0f * normal(rng);
     }
@@ -64,7 +66,8 @@ void check(const GemmOps& ops, Op op, Shape s) {
   auto b = [&](int64_t p, int64_t j) { return static_cast<double>(b_trans ? B[j * ldb + p] : B[p * ldb + j]); };
   switch (op) {
     case Op::kNT: ops.nt(s.m, s.n, s.k, A.data(), lda, B.data(), ldb, C.data(), ldc); break;
-    case Op::kNN: ops.nn(s.m, s.n, s.k, A.data(), lda, B.data(), ldb, C.data(), ldc); break;
+    case Op::kNN: ops.nn(s.m, s.n, s.k, A.data(), lda, B.data(), ldb, C.data(), ldc, false); break;
+    case Op::kNNAccumulate: ops.nn(s.m, s.n, s.k, A.data(), lda, B.data(), ldb, C.data(), ldc, true); break;
     case Op::kTN: ops.tn(s.m, s.n, s.k, A.data(), lda, B.data(), ldb, C.data(), ldc, false); break;
     case Op::kTNAccumulate: ops.tn(s.m, s.n, s.k, A.data(), lda, B.data(), ldb, C.data(), ldc, true); break;
   }
@@ -80,7 +83,7 @@ void check(const GemmOps& ops, Op op, Shape s) {
         }
         continue;
       }
-      double ref = op == Op::kTNAccumulate ? C0[i * ldc + j] : 0.0, mag = std::fabs(ref);
+      double ref = accumulate ? C0[i * ldc + j] : 0.0, mag = std::fabs(ref);
       for (int64_t p = 0; p < s.k; ++p) {
         ref += a(i, p) * b(p, j);
         mag += std::fabs(a(i, p) * b(p, j));
@@ -102,7 +105,7 @@ const std::vector<Shape>& shapes() {
 }
 
 void check_all(const GemmOps& ops) {
-  for (Op op : {Op::kNT, Op::kNN, Op::kTN, Op::kTNAccumulate}) {
+  for (Op op : {Op::kNT, Op::kNN, Op::kNNAccumulate, Op::kTN, Op::kTNAccumulate}) {
     for (const Shape& s : shapes()) check(ops, op, s);
   }
 }
