@@ -3,18 +3,26 @@
 //   Over logits: the row kernels (kernels_impl.h, the cross-entropy rows' vectorised exp and
 //     staging) read each valid row once per step, forming z = x / temperature chunk by chunk.
 //   The linear form: chunks of rows (at most kMaxChunkRows, float32 logits within the budget)
-//     whose logits come from the build's matrix products (cpu/gemm.h: OpenBLAS or the core's own),
-//     one product per vocabulary block, plus the bias in place; the same row kernels then read
-//     the chunk's rows (step 1) or turn them into dz / temperature in place (step 3).
+//     whose logits come from the build's matrix products (cpu/gemm.h: OpenBLAS or the core's own)
+//     plus the bias in place; the same row kernels then read them (step 1) or turn them into
+//     dz / temperature in place (step 3).
 //   step 1: each row's chunks folded into its LpState in column order (a float state per chunk,
-//     folded into a double one per row: no compounding over V);
+//     folded into a double one per row: no compounding over V); the linear form's chunk logits
+//     by vocabulary blocks of kVocabBlock rows;
 //   step 2: the gathered states of every rank folded in rank order, finished per row;
-//   step 3: over logits the rows' gradients are the dlogits rows; the linear form then takes
-//     grad_weight (float32, chunks added in row order) and grad_bias by vocabulary blocks and
-//     grad_hidden by row x hidden blocks. Block sizes are fixed by the shapes, so results do not
-//     depend on the thread count.
+//   step 3: over logits the rows' gradients are the dlogits rows. The linear form goes block by
+//     block of weight rows W_b (backward_block_rows: sized to stay in a core's cache), each block
+//     on one thread: its logits z_b = hidden_chunk @ W_b.T (+ bias_b), turned into dz_b in place
+//     by the row kernel over the block's columns, then grad_weight_b (+)= dz_b.T @ hidden_chunk
+//     (float32, chunks added in row order), grad_bias_b += column sums and a grad_hidden partial
+//     += dz_b @ W_b. The blocks fall into a number of groups fixed by the shape, each with its
+//     own partial summed in block order; the partials are added in group order. Block and group
+//     sizes are fixed by the shapes, so results do not depend on the thread count. A fresh
+//     grad_weight is faulted in by a pass of its own first (fault_in_fresh, fresh_pages.h).
 // Memory traffic over logits: one read of the (N, V) logits in step 1; one read and one write of
-// (N, V) in step 3.
+// (N, V) in step 3. The linear form reads the weight once per chunk in step 1, and once per chunk
+// in step 3, where it also writes grad_weight (and reads it from the second chunk on); step 3
+// stores nothing of size (rows, V), only a (rows, H) grad_hidden partial per group.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -35,12 +43,16 @@ namespace {
 
 // The linear form's chunks: float32 logits of at most kDefaultBudget bytes and kMaxChunkRows rows
 // (grad_weight is summed within a chunk by one product, chunk after chunk into float32, as the
-// linear cross-entropy does); products by blocks of kVocabBlock vocabulary rows, kRowBlock rows
-// and grad_hidden_block(H) hidden columns.
+// linear cross-entropy does); the statistics' products by blocks of kVocabBlock vocabulary rows.
+// The backward's blocks: at most kVocabBlock weight rows of at most kBackwardBlockBytes (1 MiB
+// measured 2% faster than 256 KiB and the same as 2 MiB at 64 x 1024 x 32000), in at most
+// kMaxGroups groups (each holds a (rows, H) grad_hidden partial: 16 give 2 threads an even split
+// within a block or so, and 4 MiB at 64 rows x 1024).
 constexpr size_t kDefaultBudget = size_t(128) << 20;
 constexpr int64_t kMaxChunkRows = 256;
 constexpr int64_t kVocabBlock = 256;
-constexpr int64_t kRowBlock = 64;
+constexpr size_t kBackwardBlockBytes = size_t(1) << 20;
+constexpr int64_t kMaxGroups = 16;
 
 float float_at(const VectorView& v, int64_t i) { return static_cast<const float*>(v.data)[i * v.stride]; }
 float& float_ref(const VectorView& v, int64_t i) { return static_cast<float*>(v.data)[i * v.stride]; }
@@ -72,9 +84,10 @@ Status build_problem(const detail::LogprobCall& c, Problem* p) {
   return Status::Ok();
 }
 
-/// The linear form's logits, chunk by chunk: (rc x V, row-major) hidden rows @ weight.T [+ bias],
-/// the product through the build's matrix products by vocabulary blocks (the row kernels divide
-/// by the temperature). The weight is read in place when float32, else converted once per call.
+/// The linear form's operands, chunk by chunk: the chunk's hidden rows (float32, rc x H), the
+/// weight (read in place when float32, else converted once per call) and the bias; and its
+/// logits (rc x V, row-major) hidden rows @ weight.T [+ bias], the product through the build's
+/// matrix products by vocabulary blocks (the row kernels divide by the temperature).
 class LinearChunks {
  public:
   explicit LinearChunks(const Problem& p) : p_(p), ops_(gemm()), threads_(p.call->device.num_threads) {
@@ -99,35 +112,48 @@ class LinearChunks {
       bias_.resize(p.V);
       for (int64_t v = 0; v < p.V; ++v) bias_[v] = load_elem(c.bias.data, c.bias.dtype, v * c.bias.stride);
     }
-    const int64_t cap = std::min<int64_t>(rows_, std::max<int64_t>(static_cast<int64_t>(p.rows.size()), 1));
-    hc_.resize(cap * p.H);
-    z_ = ScratchFloats(cap * p.V);
+    capacity_ = std::min<int64_t>(rows_, std::max<int64_t>(static_cast<int64_t>(p.rows.size()), 1));
+    hc_.resize(capacity_ * p.H);
   }
 
   int64_t rows() const { return rows_; }
+  /// Rows of the largest chunk of this call: min(rows(), valid rows).
+  int64_t capacity() const { return capacity_; }
   const float* hidden() const { return hc_.data(); }
   const float* weight() const { return w_; }
   int64_t weight_ld() const { return ld_; }
   const GemmOps& ops() const { return ops_; }
 
-  /// Logits of valid rows [i0, i0 + rc), rc <= rows().
-  float* form(int64_t i0, int64_t rc) {
+  /// The hidden rows of valid rows [i0, i0 + rc), rc <= rows(), into hidden().
+  void gather(int64_t i0, int64_t rc) {
     const detail::LogprobCall& c = *p_.call;
-    const int64_t H = p_.H, V = p_.V;
+    const int64_t H = p_.H;
     for (int64_t r = 0; r < rc; ++r) {
       const int64_t base = p_.rows[i0 + r] * c.hidden.row_stride;
       for (int64_t h = 0; h < H; ++h) hc_[r * H + h] = load_elem(c.hidden.data, c.hidden.dtype, base + h);
     }
+  }
+
+  /// z (rc x vb, leading dimension ldz) = hidden() @ weight rows [v0, v0 + vb).T [+ bias].
+  void logits_block(int64_t rc, int64_t v0, int64_t vb, float* z, int64_t ldz) const {
+    ops_.nt(rc, vb, p_.H, hc_.data(), p_.H, w_ + v0 * ld_, ld_, z, ldz);
+    if (bias_.empty()) return;
+    for (int64_t r = 0; r < rc; ++r) {
+      float* zr = z + r * ldz;
+      for (int64_t v = 0; v < vb; ++v) zr[v] += bias_[v0 + v];
+    }
+  }
+
+  /// Logits of valid rows [i0, i0 + rc), rc <= rows().
+  float* form(int64_t i0, int64_t rc) {
+    const int64_t V = p_.V;
+    gather(i0, rc);
+    if (z_.data() == nullptr) z_ = ScratchFloats(capacity_ * V);
     const int64_t blocks = (V + kVocabBlock - 1) / kVocabBlock;
     parallel_for(blocks, 1, threads_, [&](int64_t b, int64_t e) {
       for (int64_t blk = b; blk < e; ++blk) {
-        const int64_t v0 = blk * kVocabBlock, vb = std::min(kVocabBlock, V - v0);
-        ops_.nt(rc, vb, H, hc_.data(), H, w_ + v0 * ld_, ld_, z_.data() + v0, V);
-        if (bias_.empty()) continue;
-        for (int64_t r = 0; r < rc; ++r) {
-          float* zr = z_.data() + r * V + v0;
-          for (int64_t v = 0; v < vb; ++v) zr[v] += bias_[v0 + v];
-        }
+        const int64_t v0 = blk * kVocabBlock;
+        logits_block(rc, v0, std::min(kVocabBlock, V - v0), z_.data() + v0, V);
       }
     });
     return z_.data();
@@ -137,7 +163,7 @@ class LinearChunks {
   const Problem& p_;
   const GemmOps ops_;
   const int threads_;
-  int64_t rows_ = 1;
+  int64_t rows_ = 1, capacity_ = 1;
   const float* w_ = nullptr;
   int64_t ld_ = 0;
   std::vector<float> w_copy_, bias_, hc_;
@@ -269,11 +295,124 @@ Status backward_logits(const Problem& p) {
   return Status::Ok();
 }
 
+/// Vocabulary rows per block of the linear backward: about kBackwardBlockBytes of float32 weight
+/// rows (a multiple of 16, between 16 and kVocabBlock), so that the block stays in a core's
+/// cache across the three products that read it.
+int64_t backward_block_rows(int64_t H) {
+  const int64_t rows = int64_t(kBackwardBlockBytes / (sizeof(float) * size_t(std::max<int64_t>(H, 1)))) / 16 * 16;
+  return std::min(kVocabBlock, std::max<int64_t>(16, rows));
+}
+
+/// Where the linear backward's sums go: grad_weight's float32 accumulator (the output itself or
+/// a buffer), grad_bias's, and whether grad_hidden is wanted.
+struct BackwardSinks {
+  float* gw = nullptr;  // (V, H), leading dimension gw_ld; null when not wanted
+  int64_t gw_ld = 0;
+  float* gb = nullptr;  // (V,); null when not wanted
+  bool gh = false;
+};
+
+/// The linear form's backward, one chunk of rows at a time, blocked over the vocabulary: per
+/// block of weight rows W_b (backward_block_rows), its logits z_b = hidden_chunk @ W_b.T (+ b_b)
+/// turn into dz_b / temperature in place (the row kernel over the block's columns), then
+/// grad_weight_b (+)= dz_b.T @ hidden_chunk, grad_bias_b += column sums and a grad_hidden
+/// partial += dz_b @ W_b, while W_b is still in cache: the weight is read from memory once per
+/// chunk. The blocks fall into a number of groups fixed by the shape (consecutive blocks, at
+/// most kMaxGroups), each summed in block order into its own grad_hidden partial by one thread;
+/// the partials are then added in group order, so results do not depend on the thread count.
+class BlockedBackward {
+ public:
+  BlockedBackward(const Problem& p, LinearChunks& lc, const BackwardSinks& sinks)
+      : p_(p),
+        lc_(lc),
+        sinks_(sinks),
+        grads_(row_grads(p)),
+        kernels_(best_row_kernels()),
+        threads_(p.call->device.num_threads),
+        block_(backward_block_rows(p.H)),
+        blocks_((p.V + block_ - 1) / block_),
+        groups_(std::min(blocks_, kMaxGroups)),
+        partials_(sinks.gh ? groups_ * lc.capacity() * p.H : 0) {}
+
+  /// Every gradient of valid rows [i0, i0 + rc), rc <= lc.rows().
+  void chunk(int64_t i0, int64_t rc) {
+    lc_.gather(i0, rc);
+    parallel_for(groups_, 1, threads_, [&](int64_t b, int64_t e) {
+      for (int64_t g = b; g < e; ++g) group(g, i0, rc);
+    });
+    if (sinks_.gh) store_hidden(i0, rc);
+  }
+
+ private:
+  /// Blocks [g * blocks / groups, (g + 1) * blocks / groups), in order, on this thread.
+  void group(int64_t g, int64_t i0, int64_t rc) {
+    ScratchFloats dz(rc * block_);
+    std::vector<int64_t> targets(rc);
+    float* partial = sinks_.gh ? partials_.data() + g * rc * p_.H : nullptr;
+    const int64_t first = g * blocks_ / groups_, last = (g + 1) * blocks_ / groups_;
+    for (int64_t blk = first; blk < last; ++blk) block(blk, i0, rc, dz.data(), targets.data(), partial, blk > first);
+  }
+
+  /// One block's products and gradient rows; dz (rc x vb) and targets (rc) are scratch.
+  void block(int64_t blk, int64_t i0, int64_t rc, float* dz, int64_t* targets, float* partial, bool add_partial) const {
+    const GemmOps& ops = lc_.ops();
+    const int64_t H = p_.H, v0 = blk * block_, vb = std::min(block_, p_.V - v0);
+    lc_.logits_block(rc, v0, vb, dz, vb);
+    for (int64_t r = 0; r < rc; ++r) targets[r] = p_.targets[i0 + r] - v0;  // outside [0, vb): not here
+    LpRowArgs a{};
+    a.x = reinterpret_cast<const char*>(dz);
+    a.dtype = DType::kFloat32;
+    a.vocab = vb;
+    a.stride = vb;
+    a.targets = targets;
+    a.scale = p_.inv_t;
+    a.grad = grads_.data() + i0;
+    a.dx = reinterpret_cast<char*>(dz);  // dz / temperature in place of the logits
+    a.dx_stride = vb;
+    kernels_.lp_grad(a, 0, rc);
+    if (sinks_.gw != nullptr) ops.tn(vb, H, rc, dz, vb, lc_.hidden(), H, sinks_.gw + v0 * sinks_.gw_ld, sinks_.gw_ld, i0 > 0);
+    if (sinks_.gb != nullptr) {
+      for (int64_t r = 0; r < rc; ++r) {
+        for (int64_t v = 0; v < vb; ++v) sinks_.gb[v0 + v] += dz[r * vb + v];
+      }
+    }
+    if (partial != nullptr) {
+      ops.nn(rc, H, vb, dz, vb, lc_.weight() + v0 * lc_.weight_ld(), lc_.weight_ld(), partial, H, add_partial);
+    }
+  }
+
+  /// grad_hidden of the chunk's rows: the groups' partials added in group order.
+  void store_hidden(int64_t i0, int64_t rc) {
+    const int64_t H = p_.H;
+    const MatrixView& gh = p_.call->grads.grad_hidden;
+    parallel_for(rc, 1, threads_, [&](int64_t b, int64_t e) {
+      std::vector<float> row(H);
+      for (int64_t r = b; r < e; ++r) {
+        std::copy(partials_.data() + r * H, partials_.data() + (r + 1) * H, row.begin());
+        for (int64_t g = 1; g < groups_; ++g) {
+          const float* part = partials_.data() + (g * rc + r) * H;
+          for (int64_t h = 0; h < H; ++h) row[h] += part[h];
+        }
+        const int64_t base = p_.rows[i0 + r] * gh.row_stride;
+        for (int64_t h = 0; h < H; ++h) store_elem(gh.data, gh.dtype, base + h, row[h]);
+      }
+    });
+  }
+
+  const Problem& p_;
+  LinearChunks& lc_;
+  const BackwardSinks sinks_;
+  const std::vector<detail::LpRowGrad> grads_;
+  const RowKernels& kernels_;
+  const int threads_;
+  const int64_t block_, blocks_, groups_;
+  ScratchFloats partials_;  // groups x chunk rows x H
+};
+
 Status backward_linear(const Problem& p) {
   const detail::LogprobCall& c = *p.call;
   const LinearGrads& gr = c.grads;
   const bool want_gw = !gr.grad_weight.empty(), want_gb = !gr.grad_bias.empty(), want_gh = !gr.grad_hidden.empty();
-  const std::vector<detail::LpRowGrad> g = row_grads(p);
   const int64_t M = static_cast<int64_t>(p.rows.size()), H = p.H, V = p.V;
   const int threads = c.device.num_threads;
   // grad_weight is summed in the output itself when it is float32, else in a float32 buffer
@@ -286,7 +425,7 @@ Status backward_linear(const Problem& p) {
   const int64_t gw_ld = gw_in_place ? gwo.row_stride : H;
   if (want_gw && M > 0) fault_in_fresh(gw, size_t((V - 1) * gw_ld + H), threads);
   std::vector<float> gb(want_gb ? V : 0, 0.0f);
-  if (want_gh) {
+  if (want_gh) {  // ignored rows' zeros; the chunks overwrite the valid rows
     const MatrixView& gh = gr.grad_hidden;
     for (int64_t i = 0; i < p.N; ++i) {
       for (int64_t h = 0; h < H; ++h) store_elem(gh.data, gh.dtype, i * gh.row_stride + h, 0.0f);
@@ -294,46 +433,8 @@ Status backward_linear(const Problem& p) {
   }
   if (M > 0) {
     LinearChunks lc(p);
-    const GemmOps& ops = lc.ops();
-    std::vector<float> ghc(want_gh ? lc.rows() * H : 0);
-    const int64_t hidden_block = grad_hidden_block(H);
-    const int64_t vblocks = (V + kVocabBlock - 1) / kVocabBlock, hblocks = (H + hidden_block - 1) / hidden_block;
-    for (int64_t i0 = 0; i0 < M; i0 += lc.rows()) {
-      const int64_t rc = std::min(lc.rows(), M - i0);
-      float* z = lc.form(i0, rc);
-      LpRowArgs a = chunk_rows(p, z, i0);  // dz / temperature in place of the logits
-      a.grad = g.data() + i0;
-      a.dx = reinterpret_cast<char*>(z);
-      a.dx_stride = V;
-      run_lp_grad_rows(a, rc, threads);
-      if (want_gw || want_gb) {
-        parallel_for(vblocks, 1, threads, [&](int64_t b, int64_t e) {
-          for (int64_t blk = b; blk < e; ++blk) {
-            const int64_t v0 = blk * kVocabBlock, vb = std::min(kVocabBlock, V - v0);
-            if (want_gw) ops.tn(vb, H, rc, z + v0, V, lc.hidden(), H, gw + v0 * gw_ld, gw_ld, i0 > 0);
-            if (want_gb) {
-              for (int64_t r = 0; r < rc; ++r) {
-                for (int64_t v = 0; v < vb; ++v) gb[v0 + v] += z[r * V + v0 + v];
-              }
-            }
-          }
-        });
-      }
-      if (want_gh) {
-        const int64_t rblocks = (rc + kRowBlock - 1) / kRowBlock;
-        parallel_for(rblocks * hblocks, 1, threads, [&](int64_t b, int64_t e) {
-          for (int64_t blk = b; blk < e; ++blk) {
-            const int64_t r0 = (blk / hblocks) * kRowBlock, rb = std::min(kRowBlock, rc - r0);
-            const int64_t h0 = (blk % hblocks) * hidden_block, hb = std::min(hidden_block, H - h0);
-            ops.nn(rb, hb, V, z + r0 * V, V, lc.weight() + h0, lc.weight_ld(), ghc.data() + r0 * H + h0, H, false);
-          }
-        });
-        const MatrixView& gh = gr.grad_hidden;
-        for (int64_t r = 0; r < rc; ++r) {
-          for (int64_t h = 0; h < H; ++h) store_elem(gh.data, gh.dtype, p.rows[i0 + r] * gh.row_stride + h, ghc[r * H + h]);
-        }
-      }
-    }
+    BlockedBackward bw(p, lc, BackwardSinks{want_gw ? gw : nullptr, gw_ld, want_gb ? gb.data() : nullptr, want_gh});
+    for (int64_t i0 = 0; i0 < M; i0 += lc.rows()) bw.chunk(i0, std::min(lc.rows(), M - i0));
   }
   if (want_gw && (M == 0 || !gw_in_place)) {  // an empty batch's zeros, or a 16-bit rounding
     parallel_for(V, kVocabBlock, threads, [&](int64_t b, int64_t e) {

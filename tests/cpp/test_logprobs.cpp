@@ -7,10 +7,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "common/numeric.h"
 #include "fusedce/fusedce.h"
 #include "backend.h"
 
@@ -271,6 +273,201 @@ INSTANTIATE_TEST_SUITE_P(Forms, Logprobs,
                                   (std::get<1>(info.param) ? "_linear" : "_logits") + "_world" +
                                   std::to_string(std::get<2>(info.param));
                          });
+
+// ---- the CPU linear backward, blocked over the vocabulary --------------------------------------
+//
+// The CPU forms the logits again in the backward, block by block of weight rows (at most 256;
+// fewer past H = 1024, 1 MiB of them), and takes every gradient of a block while it is in cache;
+// grad_hidden partials of groups of blocks (at most 16 groups) are added in group order. These
+// cases put the vocabulary below, at and past one block, past 16 blocks (uneven groups) and at
+// one column; several token chunks; bias, entropy and temperature; 16-bit inputs (grad_weight
+// and grad_bias in their dtype, accumulated in float32 and rounded once); strided views; no
+// rows and all rows ignored. Each is run on one thread and on two, which must agree bit for
+// bit, and against float64 formed from the same inputs.
+
+struct BlockCase {
+  const char* name;
+  int64_t n, h, v;
+  bool bias, entropy;
+  float temperature;
+  size_t budget;  // chunk_budget_bytes (0: the default)
+  DType dtype;    // of hidden, weight, bias, grad_weight and grad_bias (grad_hidden: float32)
+  bool all_ignored;
+};
+
+double to_double(const std::vector<uint16_t>& bits, size_t i, DType dtype) {
+  return dtype == DType::kBFloat16 ? fusedce::detail::bf16_to_float(bits[i]) : fusedce::detail::fp16_to_float(bits[i]);
+}
+
+/// x rounded to a 16-bit dtype in place (the reference sees the values the backend reads), and
+/// its bits; float32 leaves x as it is.
+std::vector<uint16_t> round_to(std::vector<float>& x, DType dtype) {
+  std::vector<uint16_t> bits;
+  if (dtype == DType::kFloat32) return bits;
+  for (float& e : x) {
+    bits.push_back(dtype == DType::kBFloat16 ? fusedce::detail::float_to_bf16(e) : fusedce::detail::float_to_fp16(e));
+    e = static_cast<float>(to_double(bits, bits.size() - 1, dtype));
+  }
+  return bits;
+}
+
+void* data_of(std::vector<float>& f, std::vector<uint16_t>& b) {
+  return b.empty() ? static_cast<void*>(f.data()) : static_cast<void*>(b.data());
+}
+
+/// A gradient output of `count` elements in `dtype` (float32 or 16-bit), poisoned, with a gap of
+/// `pad` elements after each row of `cols`.
+struct GradOut {
+  DType dtype;
+  int64_t rows, cols, ld;
+  std::vector<float> f;
+  std::vector<uint16_t> b;
+  GradOut(DType d, int64_t r, int64_t c, int64_t pad) : dtype(d), rows(r), cols(c), ld(c + pad) {
+    if (d == DType::kFloat32) f.assign(std::max<int64_t>(r * ld, 1), -7.0f);
+    else b.assign(std::max<int64_t>(r * ld, 1), 0x7777);
+  }
+  void* data() { return dtype == DType::kFloat32 ? static_cast<void*>(f.data()) : static_cast<void*>(b.data()); }
+  double at(int64_t r, int64_t c) const {
+    const size_t i = r * ld + c;
+    return dtype == DType::kFloat32 ? f[i] : to_double(b, i, dtype);
+  }
+  bool same_bits(const GradOut& o) const { return f == o.f && b == o.b; }
+};
+
+struct BlockRun {
+  GradOut gh, gw, gb;
+};
+
+void run_block_case(const BlockCase& c) {
+  SCOPED_TRACE(c.name);
+  const int64_t n = c.n, h = c.h, v = c.v, pad = 3;
+  std::mt19937 rng(static_cast<uint32_t>(n * 131 + v * 7 + h));
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> hid(std::max<int64_t>(n * (h + pad), 1)), w(v * (h + pad)), bias(2 * v);
+  for (float& x : hid) x = nd(rng);
+  const float ws = 2.0f / std::sqrt(static_cast<float>(h));
+  for (float& x : w) x = nd(rng) * ws;
+  for (float& x : bias) x = nd(rng);
+  std::vector<uint16_t> hid16 = round_to(hid, c.dtype), w16 = round_to(w, c.dtype), bias16 = round_to(bias, c.dtype);
+  std::vector<int64_t> target(std::max<int64_t>(n, 1));
+  for (int64_t i = 0; i < n; ++i) target[i] = c.all_ignored || i % 4 == 3 ? kIgnore : static_cast<int64_t>(rng() % v);
+  std::vector<float> g_lp(std::max<int64_t>(n, 1)), g_h(std::max<int64_t>(n, 1));
+  for (int64_t i = 0; i < n; ++i) {
+    g_lp[i] = nd(rng);
+    g_h[i] = nd(rng);
+  }
+  const auto hv = fusedce::matrix(data_of(hid, hid16), c.dtype, n, h, h + pad);
+  const auto wv = fusedce::matrix(data_of(w, w16), c.dtype, v, h, h + pad);
+  const fusedce::VectorView bv = c.bias ? fusedce::vector(data_of(bias, bias16), c.dtype, v, 2) : fusedce::VectorView{};
+  const auto tv = fusedce::vector(target.data(), DType::kInt64, n);
+  fusedce::LogprobOptions o;
+  o.temperature = c.temperature;
+  std::vector<float> stats((n + 1) * kW), fwd(3 * std::max<int64_t>(n, 1));
+  const auto sv = fusedce::matrix(stats.data(), DType::kFloat32, n + 1, kW);
+  ASSERT_TRUE(fusedce::linear_logprobs_stats(fusedce::Device::cpu(2), hv, wv, bv, tv, {0, v}, o, c.budget, sv).ok());
+  fusedce::LogprobOutputs lo;
+  lo.logprob = fusedce::vector(fwd.data(), DType::kFloat32, n);
+  lo.entropy = fusedce::vector(fwd.data() + n, DType::kFloat32, n);
+  lo.lse = fusedce::vector(fwd.data() + 2 * n, DType::kFloat32, n);
+  ASSERT_TRUE(fusedce::logprobs_merge(fusedce::Device::cpu(2), sv, 1, tv, {0, v}, o, lo).ok());
+
+  auto backward = [&](int threads) {
+    BlockRun r{GradOut(DType::kFloat32, n, h, pad), GradOut(c.dtype, v, h, pad), GradOut(c.dtype, v, 1, 1)};
+    fusedce::LinearGrads g;
+    g.grad_hidden = fusedce::matrix(r.gh.data(), DType::kFloat32, n, h, h + pad);
+    g.grad_weight = fusedce::matrix(r.gw.data(), c.dtype, v, h, h + pad);
+    if (c.bias) g.grad_bias = fusedce::vector(r.gb.data(), c.dtype, v, 2);
+    const fusedce::VectorView ge = c.entropy ? fusedce::vector(g_h.data(), DType::kFloat32, n) : fusedce::VectorView{};
+    EXPECT_TRUE(fusedce::linear_logprobs_backward(fusedce::Device::cpu(threads), hv, wv, bv, tv, {0, v}, o, c.budget,
+                                                  lo, fusedce::vector(g_lp.data(), DType::kFloat32, n), ge, g)
+                    .ok());
+    return r;
+  };
+  const BlockRun one = backward(1), two = backward(2);
+  EXPECT_TRUE(one.gh.same_bits(two.gh)) << "grad_hidden differs between 1 and 2 threads";
+  EXPECT_TRUE(one.gw.same_bits(two.gw)) << "grad_weight differs between 1 and 2 threads";
+  EXPECT_TRUE(one.gb.same_bits(two.gb)) << "grad_bias differs between 1 and 2 threads";
+
+  // float64: dz and its magnitude before cancellation (as in test_large_logprobs.cpp), then the
+  // three products and their magnitudes.
+  std::vector<double> dz(n * v, 0.0), mag(n * v, 0.0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (target[i] == kIgnore) continue;
+    std::vector<double> z(v);
+    double m = -INFINITY;
+    for (int64_t j = 0; j < v; ++j) {
+      double acc = c.bias ? bias[2 * j] : 0.0;
+      for (int64_t k = 0; k < h; ++k) acc += double(hid[i * (h + pad) + k]) * double(w[j * (h + pad) + k]);
+      z[j] = acc / c.temperature;
+      m = std::max(m, z[j]);
+    }
+    double s = 0.0;
+    for (int64_t j = 0; j < v; ++j) s += std::exp(z[j] - m);
+    const double lse = m + std::log(s);
+    double ent = 0.0;
+    for (int64_t j = 0; j < v; ++j) ent -= std::exp(z[j] - lse) * (z[j] - lse);
+    const double glp = g_lp[i], gh = c.entropy ? g_h[i] : 0.0;
+    for (int64_t j = 0; j < v; ++j) {
+      const double lp = z[j] - lse, p = std::exp(lp), at_t = j == target[i] ? 1.0 : 0.0;
+      dz[i * v + j] = (glp * (at_t - p) - gh * p * (lp + ent)) / c.temperature;
+      mag[i * v + j] = (p * (std::abs(glp) + std::abs(gh) * (std::abs(lp) + ent)) + at_t * std::abs(glp)) / c.temperature;
+    }
+  }
+  // float32 products of float32 logits (8 ulps of each summed term's magnitude), then the
+  // output's rounding: half an ulp of the dtype, relative.
+  const double round = c.dtype == DType::kFloat32 ? 0.0 : c.dtype == DType::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+  auto close = [&](double got, double want, double scale, const std::string& what, bool rounded = true) {
+    const double tol = 5e-6 * scale + (rounded ? round * std::abs(want) : 0.0) + (c.dtype == DType::kFloat16 ? std::ldexp(1.0, -24) : 1e-30);
+    EXPECT_LE(std::abs(got - want), tol) << what << ": got " << got << ", want " << want;
+    return std::abs(got - want) <= tol;
+  };
+  int bad = 0;
+  for (int64_t i = 0; i < n && bad < 5; ++i) {
+    for (int64_t k = 0; k < h && bad < 5; ++k) {
+      double want = 0.0, scale = 0.0;
+      for (int64_t j = 0; j < v; ++j) {
+        want += dz[i * v + j] * w[j * (h + pad) + k];
+        scale += mag[i * v + j] * std::abs(w[j * (h + pad) + k]);
+      }
+      bad += !close(one.gh.at(i, k), want, scale, "grad_hidden[" + std::to_string(i) + ", " + std::to_string(k) + "]", false);
+    }
+  }
+  for (int64_t j = 0; j < v && bad < 5; ++j) {
+    for (int64_t k = 0; k < h && bad < 5; ++k) {
+      double want = 0.0, scale = 0.0;
+      for (int64_t i = 0; i < n; ++i) {
+        want += dz[i * v + j] * hid[i * (h + pad) + k];
+        scale += mag[i * v + j] * std::abs(hid[i * (h + pad) + k]);
+      }
+      bad += !close(one.gw.at(j, k), want, scale, "grad_weight[" + std::to_string(j) + ", " + std::to_string(k) + "]");
+    }
+    if (c.bias) {
+      double want = 0.0, scale = 0.0;
+      for (int64_t i = 0; i < n; ++i) {
+        want += dz[i * v + j];
+        scale += mag[i * v + j];
+      }
+      bad += !close(one.gb.at(j, 0), want, scale, "grad_bias[" + std::to_string(j) + "]");
+    }
+  }
+}
+
+TEST(LinearLogprobsCpuBlocks, GradientsMatchFloat64OnAnyThreadCount) {
+  const size_t rows5 = 5 * 4133 * 4;  // 5 rows per chunk at V = 4133
+  const BlockCase cases[] = {
+      {"V below one block", 37, 24, 100, true, true, 0.7f, 0, DType::kFloat32, false},
+      {"V of one block", 19, 24, 256, false, false, 1.0f, 0, DType::kFloat32, false},
+      {"V one past a block", 19, 24, 257, true, false, 1.0f, 0, DType::kFloat32, false},
+      {"17 blocks, uneven groups, chunks of 5 rows", 23, 24, 4133, true, true, 1.3f, rows5, DType::kFloat32, false},
+      {"17 blocks, bfloat16 outputs", 23, 24, 4133, true, true, 1.3f, rows5, DType::kBFloat16, false},
+      {"17 blocks, float16 outputs", 23, 24, 4133, true, true, 0.9f, 0, DType::kFloat16, false},
+      {"wide hidden: blocks of 224 rows", 9, 1100, 500, true, true, 1.0f, 0, DType::kFloat32, false},
+      {"one column", 6, 16, 1, true, true, 1.0f, 0, DType::kFloat32, false},
+      {"no rows", 0, 16, 300, true, true, 1.0f, 0, DType::kFloat32, false},
+      {"all rows ignored", 7, 16, 300, true, true, 1.0f, 0, DType::kBFloat16, true},
+  };
+  for (const BlockCase& c : cases) run_block_case(c);
+}
 
 TEST(LogprobsBadInput, ArgumentsAreNamed) {
   std::vector<float> x(3 * 4, 0.0f), stats(4 * kW);
