@@ -190,12 +190,12 @@ Status run_linear(const detail::LinearCall& call) {
     if (g.grad_weight.dtype == DType::kFloat32) {
       gw.data = static_cast<float*>(g.grad_weight.data);
       gw.ld = g.grad_weight.row_stride;
-      if (M > 0) prefer_huge_pages(gw.data, size_t((V - 1) * gw.ld + H) * sizeof(float));
     } else {
       gw.acc = ScratchFloats(M > 0 ? V * H : 0);
       gw.data = gw.acc.data();
       gw.ld = H;
     }
+    if (M > 0) fault_in_fresh(gw.data, size_t((V - 1) * gw.ld + H), threads);
   }
   std::vector<float> gb(want_gb ? V : 0, 0.0f);
   std::vector<float> lse(M), loss_row(M), entropy(o.compute_metrics ? M : 0);
