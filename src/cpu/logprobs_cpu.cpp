@@ -388,7 +388,11 @@ class BlockedBackward {
     parallel_for(rc, 1, threads_, [&](int64_t b, int64_t e) {
       std::vector<float> row(H);
       for (int64_t r = b; r < e; ++r) {
-        std::copy(partials_.data() + r * H, partials_.data() + (r + 1) * H, row.begin());
+        if (groups_ == 0) {  // a shard without columns
+          std::fill(row.begin(), row.end(), 0.0f);
+        } else {
+          std::copy(partials_.data() + r * H, partials_.data() + (r + 1) * H, row.begin());
+        }
         for (int64_t g = 1; g < groups_; ++g) {
           const float* part = partials_.data() + (g * rc + r) * H;
           for (int64_t h = 0; h < H; ++h) row[h] += part[h];
@@ -423,7 +427,7 @@ Status backward_linear(const Problem& p) {
   ScratchFloats gw_acc(want_gw && !gw_in_place && M > 0 ? V * H : 0);
   float* const gw = gw_in_place ? static_cast<float*>(gwo.data) : gw_acc.data();
   const int64_t gw_ld = gw_in_place ? gwo.row_stride : H;
-  if (want_gw && M > 0) fault_in_fresh(gw, size_t((V - 1) * gw_ld + H), threads);
+  if (want_gw && M > 0 && V > 0) fault_in_fresh(gw, size_t((V - 1) * gw_ld + H), threads);
   std::vector<float> gb(want_gb ? V : 0, 0.0f);
   if (want_gh) {  // ignored rows' zeros; the chunks overwrite the valid rows
     const MatrixView& gh = gr.grad_hidden;

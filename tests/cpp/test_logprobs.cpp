@@ -469,6 +469,30 @@ TEST(LinearLogprobsCpuBlocks, GradientsMatchFloat64OnAnyThreadCount) {
   for (const BlockCase& c : cases) run_block_case(c);
 }
 
+/// A shard that holds none of the vocabulary's columns (weight of 0 rows): grad_hidden is zero on
+/// every row, and nothing else is written.
+TEST(LinearLogprobsCpuBlocks, ShardWithoutColumns) {
+  const int64_t n = 5, h = 8, total = 10;
+  std::vector<float> hid(n * h, 1.0f), w(1, 0.0f), gw(1, -7.0f), gh(n * h, -7.0f), g_lp(n, 1.0f), fwd(3 * n, 0.5f);
+  std::vector<int64_t> target{0, 3, kIgnore, 9, 4};
+  fusedce::LogprobOutputs lo;
+  lo.logprob = fusedce::vector(fwd.data(), DType::kFloat32, n);
+  lo.entropy = fusedce::vector(fwd.data() + n, DType::kFloat32, n);
+  lo.lse = fusedce::vector(fwd.data() + 2 * n, DType::kFloat32, n);
+  fusedce::LinearGrads g;
+  g.grad_hidden = fusedce::matrix(gh.data(), DType::kFloat32, n, h);
+  g.grad_weight = fusedce::matrix(gw.data(), DType::kFloat32, 0, h);
+  for (int threads : {1, 2}) {
+    const fusedce::Status s = fusedce::linear_logprobs_backward(
+        fusedce::Device::cpu(threads), fusedce::matrix(hid.data(), DType::kFloat32, n, h),
+        fusedce::matrix(w.data(), DType::kFloat32, 0, h), {}, fusedce::vector(target.data(), DType::kInt64, n),
+        {total, total}, {}, 0, lo, fusedce::vector(g_lp.data(), DType::kFloat32, n), {}, g);
+    ASSERT_TRUE(s.ok()) << s.message();
+    for (float x : gh) EXPECT_EQ(x, 0.0f);
+    EXPECT_EQ(gw[0], -7.0f);
+  }
+}
+
 TEST(LogprobsBadInput, ArgumentsAreNamed) {
   std::vector<float> x(3 * 4, 0.0f), stats(4 * kW);
   std::vector<int64_t> t{0, 1, 9};
