@@ -45,14 +45,12 @@ namespace {
 // (grad_weight is summed within a chunk by one product, chunk after chunk into float32, as the
 // linear cross-entropy does); the statistics' products by blocks of kVocabBlock vocabulary rows.
 // The backward's blocks: at most kVocabBlock weight rows of at most kBackwardBlockBytes (1 MiB
-// measured 2% faster than 256 KiB and the same as 2 MiB at 64 x 1024 x 32000), in at most
-// kMaxGroups groups (each holds a (rows, H) grad_hidden partial: 16 give 2 threads an even split
-// within a block or so, and 4 MiB at 64 rows x 1024).
+// measured 2% faster than 256 KiB and the same as 2 MiB at 64 x 1024 x 32000), in groups that
+// each hold a (rows, H) float32 grad_hidden partial (backward_groups).
 constexpr size_t kDefaultBudget = size_t(128) << 20;
 constexpr int64_t kMaxChunkRows = 256;
 constexpr int64_t kVocabBlock = 256;
 constexpr size_t kBackwardBlockBytes = size_t(1) << 20;
-constexpr int64_t kMaxGroups = 16;
 
 float float_at(const VectorView& v, int64_t i) { return static_cast<const float*>(v.data)[i * v.stride]; }
 float& float_ref(const VectorView& v, int64_t i) { return static_cast<float*>(v.data)[i * v.stride]; }
@@ -303,6 +301,18 @@ int64_t backward_block_rows(int64_t H) {
   return std::min(kVocabBlock, std::max<int64_t>(16, rows));
 }
 
+/// Groups of the linear backward's blocks (each summed by one thread into its own partial): as
+/// many as kPartialBytes of (rows, H) partials hold, at least kMinGroups (work for the threads
+/// of a many-core pool) and at most kMaxGroups (the partials are added row by row at the end),
+/// never more than the blocks. Fixed by the shape: the sums' order does not depend on threads.
+/// 64 rows x 1024: 64 groups, 16 MiB; 256 rows x 1024: 16 groups (64 measured 3% slower there).
+int64_t backward_groups(int64_t blocks, int64_t rows, int64_t H) {
+  constexpr size_t kPartialBytes = size_t(16) << 20;
+  constexpr int64_t kMinGroups = 16, kMaxGroups = 64;
+  const int64_t fit = int64_t(kPartialBytes / (sizeof(float) * size_t(std::max<int64_t>(rows * H, 1))));
+  return std::min(blocks, std::min(kMaxGroups, std::max(kMinGroups, fit)));
+}
+
 /// Where the linear backward's sums go: grad_weight's float32 accumulator (the output itself or
 /// a buffer), grad_bias's, and whether grad_hidden is wanted.
 struct BackwardSinks {
@@ -317,8 +327,8 @@ struct BackwardSinks {
 /// turn into dz_b / temperature in place (the row kernel over the block's columns), then
 /// grad_weight_b (+)= dz_b.T @ hidden_chunk, grad_bias_b += column sums and a grad_hidden
 /// partial += dz_b @ W_b, while W_b is still in cache: the weight is read from memory once per
-/// chunk. The blocks fall into a number of groups fixed by the shape (consecutive blocks, at
-/// most kMaxGroups), each summed in block order into its own grad_hidden partial by one thread;
+/// chunk. The blocks fall into a number of groups fixed by the shape (consecutive blocks,
+/// backward_groups), each summed in block order into its own grad_hidden partial by one thread;
 /// the partials are then added in group order, so results do not depend on the thread count.
 class BlockedBackward {
  public:
@@ -331,7 +341,7 @@ class BlockedBackward {
         threads_(p.call->device.num_threads),
         block_(backward_block_rows(p.H)),
         blocks_((p.V + block_ - 1) / block_),
-        groups_(std::min(blocks_, kMaxGroups)),
+        groups_(backward_groups(blocks_, lc.capacity(), p.H)),
         partials_(sinks.gh ? groups_ * lc.capacity() * p.H : 0) {}
 
   /// Every gradient of valid rows [i0, i0 + rc), rc <= lc.rows().

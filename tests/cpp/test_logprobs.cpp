@@ -278,9 +278,9 @@ INSTANTIATE_TEST_SUITE_P(Forms, Logprobs,
 //
 // The CPU forms the logits again in the backward, block by block of weight rows (at most 256;
 // fewer past H = 1024, 1 MiB of them), and takes every gradient of a block while it is in cache;
-// grad_hidden partials of groups of blocks (at most 16 groups) are added in group order. These
-// cases put the vocabulary below, at and past one block, past 16 blocks (uneven groups) and at
-// one column; several token chunks; bias, entropy and temperature; 16-bit inputs (grad_weight
+// grad_hidden partials of groups of blocks (16 to 64 groups) are added in group order. These
+// cases put the vocabulary below, at and past one block, past 64 blocks (groups of one and two
+// blocks) and at one column; several token chunks; bias, entropy and temperature; 16-bit inputs (grad_weight
 // and grad_bias in their dtype, accumulated in float32 and rounded once); strided views; no
 // rows and all rows ignored. Each is run on one thread and on two, which must agree bit for
 // bit, and against float64 formed from the same inputs.
@@ -453,14 +453,14 @@ void run_block_case(const BlockCase& c) {
 }
 
 TEST(LinearLogprobsCpuBlocks, GradientsMatchFloat64OnAnyThreadCount) {
-  const size_t rows5 = 5 * 4133 * 4;  // 5 rows per chunk at V = 4133
+  const size_t rows5 = 5 * 20000 * 4;  // 5 rows per chunk at V = 20000
   const BlockCase cases[] = {
       {"V below one block", 37, 24, 100, true, true, 0.7f, 0, DType::kFloat32, false},
       {"V of one block", 19, 24, 256, false, false, 1.0f, 0, DType::kFloat32, false},
       {"V one past a block", 19, 24, 257, true, false, 1.0f, 0, DType::kFloat32, false},
-      {"17 blocks, uneven groups, chunks of 5 rows", 23, 24, 4133, true, true, 1.3f, rows5, DType::kFloat32, false},
-      {"17 blocks, bfloat16 outputs", 23, 24, 4133, true, true, 1.3f, rows5, DType::kBFloat16, false},
-      {"17 blocks, float16 outputs", 23, 24, 4133, true, true, 0.9f, 0, DType::kFloat16, false},
+      {"79 blocks in 64 groups, chunks of 5 rows", 23, 24, 20000, true, true, 1.3f, rows5, DType::kFloat32, false},
+      {"79 blocks, bfloat16", 23, 24, 20000, true, true, 1.3f, rows5, DType::kBFloat16, false},
+      {"79 blocks, float16", 23, 24, 20000, true, true, 0.9f, 0, DType::kFloat16, false},
       {"wide hidden: blocks of 224 rows", 9, 1100, 500, true, true, 1.0f, 0, DType::kFloat32, false},
       {"one column", 6, 16, 1, true, true, 1.0f, 0, DType::kFloat32, false},
       {"no rows", 0, 16, 300, true, true, 1.0f, 0, DType::kFloat32, false},
