@@ -53,9 +53,12 @@ void prefer_huge_pages(void* data, size_t bytes) {
 #endif
 }
 
-void fault_in_fresh(float* data, size_t count, int max_threads) {
+void fault_in_fresh(float* data, int64_t rows, int64_t cols, int64_t ld, int max_threads) {
+  if (rows <= 0 || cols <= 0) return;
+  const size_t count = size_t(rows - 1) * size_t(ld) + size_t(cols);
   if (!large_and_fresh(data, count * sizeof(float))) return;
   prefer_huge_pages(data, count * sizeof(float));
+  if (ld != cols) return;
   constexpr size_t kPage = 4096 / sizeof(float);
   const int64_t pages = static_cast<int64_t>((count + kPage - 1) / kPage);
   parallel_for(pages, 512, max_threads, [&](int64_t b, int64_t e) {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 
 namespace fusedce {
@@ -18,15 +19,17 @@ namespace cpu {
 /// present keep their size.
 void prefer_huge_pages(void* data, size_t bytes);
 
-/// For a buffer the caller then overwrites in full: prefer_huge_pages, and when the range is
-/// fresh (32 MiB or more, first page not present) its pages faulted in now, one zero written
-/// per 4 KiB page on up to max_threads threads. The kernel zeroes a fresh page at its first
+/// For a (rows, cols) float matrix with row stride ld that the caller then overwrites in full:
+/// prefer_huge_pages over its span, and when the span is fresh (32 MiB or more, first page not
+/// present) its pages faulted in now, one zero written per 4 KiB page on up to max_threads
+/// threads. Only a dense matrix (ld == cols) is faulted in: a strided one's gaps between rows are
+/// not the caller's to write. The kernel zeroes a fresh page at its first
 /// write; inside the products that read and write around it, those faults measured about twice
 /// as costly as in a pass of their own (the linear log-probabilities' backward at
 /// 64 x 1024 x 32000, 128 MiB of grad_weight, 2 threads of a 2-core KVM guest: 92 ms with the
 /// faults in the products, 81 ms with them in this pass, 70 ms on memory already present).
 /// Contents afterwards: unspecified.
-void fault_in_fresh(float* data, size_t count, int max_threads);
+void fault_in_fresh(float* data, int64_t rows, int64_t cols, int64_t ld, int max_threads);
 
 /// A float32 scratch buffer of n elements, left uninitialised (every element is written before
 /// it is read), with prefer_huge_pages applied.

@@ -195,7 +195,7 @@ Status run_linear(const detail::LinearCall& call) {
       gw.data = gw.acc.data();
       gw.ld = H;
     }
-    if (M > 0 && V > 0) fault_in_fresh(gw.data, size_t((V - 1) * gw.ld + H), threads);
+    if (M > 0) fault_in_fresh(gw.data, V, H, gw.ld, threads);
   }
   std::vector<float> gb(want_gb ? V : 0, 0.0f);
   std::vector<float> lse(M), loss_row(M), entropy(o.compute_metrics ? M : 0);

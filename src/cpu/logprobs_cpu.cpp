@@ -437,7 +437,7 @@ Status backward_linear(const Problem& p) {
   ScratchFloats gw_acc(want_gw && !gw_in_place && M > 0 ? V * H : 0);
   float* const gw = gw_in_place ? static_cast<float*>(gwo.data) : gw_acc.data();
   const int64_t gw_ld = gw_in_place ? gwo.row_stride : H;
-  if (want_gw && M > 0 && V > 0) fault_in_fresh(gw, size_t((V - 1) * gw_ld + H), threads);
+  if (want_gw && M > 0) fault_in_fresh(gw, V, H, gw_ld, threads);
   std::vector<float> gb(want_gb ? V : 0, 0.0f);
   if (want_gh) {  // ignored rows' zeros; the chunks overwrite the valid rows
     const MatrixView& gh = gr.grad_hidden;

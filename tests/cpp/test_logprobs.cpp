@@ -6,6 +6,10 @@
 // whose max occurs more than once; the gradient of g_lp * logprob + g_H * entropy; bad input named.
 #include <gtest/gtest.h>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -492,6 +496,78 @@ TEST(LinearLogprobsCpuBlocks, ShardWithoutColumns) {
     EXPECT_EQ(gw[0], -7.0f);
   }
 }
+
+#if defined(__linux__)
+/// A fresh anonymous mapping of at least `bytes` (never touched: its pages are not present).
+struct FreshMapping {
+  void* p = MAP_FAILED;
+  size_t n = 0;
+  explicit FreshMapping(size_t bytes) : n(bytes) {
+    p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  }
+  ~FreshMapping() {
+    if (p != MAP_FAILED) munmap(p, n);
+  }
+  float* floats() const { return static_cast<float*>(p); }
+};
+
+/// A float32 grad_weight that is a strided view (row stride past H) into a large buffer whose
+/// first pages were never touched, as a fresh allocation's are, while the gaps between its
+/// later rows hold the caller's data: the CPU linear backwards prepare a fresh grad_weight's
+/// pages before their products, and must leave those gaps alone (they are not the output's).
+TEST(LinearCpuFreshGradWeight, StridedGapsAreNotWritten) {
+  const int64_t n = 4, h = 512, v = 16384, ld = h + 100;  // 40 MiB span: a "large and fresh" buffer
+  const size_t span = size_t(v - 1) * ld + h;
+  std::vector<float> hid(n * h), w(v * h), g_lp(n, 1.0f), fwd(3 * n, 0.0f), gh(n * h);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 0.05f);
+  for (float& x : hid) x = nd(rng);
+  for (float& x : w) x = nd(rng);
+  std::vector<int64_t> target{1, 17, 9000, 16383};
+  const auto gap_value = [](int64_t r, int64_t j) { return float(r * 7 + j) + 0.25f; };
+  for (int job = 0; job < 2; ++job) {
+    FreshMapping buf(span * sizeof(float));
+    ASSERT_NE(buf.p, MAP_FAILED);
+    float* gw = buf.floats();
+    for (int64_t r = v / 2; r < v - 1; ++r) {  // the caller's data, in the second half's gaps only
+      for (int64_t j = h; j < ld; ++j) gw[r * ld + j] = gap_value(r, j);
+    }
+    fusedce::LinearGrads g;
+    g.grad_hidden = fusedce::matrix(gh.data(), DType::kFloat32, n, h);
+    g.grad_weight = fusedce::matrix(gw, DType::kFloat32, v, h, ld);
+    const auto hv = fusedce::matrix(hid.data(), DType::kFloat32, n, h);
+    const auto wv = fusedce::matrix(w.data(), DType::kFloat32, v, h);
+    const auto tv = fusedce::vector(target.data(), DType::kInt64, n);
+    fusedce::Status s;
+    if (job == 0) {
+      fusedce::LogprobOutputs lo;
+      lo.logprob = fusedce::vector(fwd.data(), DType::kFloat32, n);
+      lo.entropy = fusedce::vector(fwd.data() + n, DType::kFloat32, n);
+      lo.lse = fusedce::vector(fwd.data() + 2 * n, DType::kFloat32, n);
+      std::vector<float> stats((n + 1) * kW);
+      const auto sv = fusedce::matrix(stats.data(), DType::kFloat32, n + 1, kW);
+      ASSERT_TRUE(fusedce::linear_logprobs_stats(fusedce::Device::cpu(2), hv, wv, {}, tv, {0, v}, {}, 0, sv).ok());
+      ASSERT_TRUE(fusedce::logprobs_merge(fusedce::Device::cpu(2), sv, 1, tv, {0, v}, {}, lo).ok());
+      s = fusedce::linear_logprobs_backward(fusedce::Device::cpu(2), hv, wv, {}, tv, {0, v}, {}, 0, lo,
+                                            fusedce::vector(g_lp.data(), DType::kFloat32, n), {}, g);
+    } else {
+      float loss = 0.0f;
+      fusedce::ForwardOutputs out;
+      out.loss = fusedce::vector(&loss, DType::kFloat32, 1);
+      s = fusedce::linear_cross_entropy_forward_backward(fusedce::Device::cpu(2), hv, wv, {}, tv, {}, {}, out, {}, g);
+    }
+    ASSERT_TRUE(s.ok()) << s.message();
+    int64_t changed = 0;
+    for (int64_t r = v / 2; r < v - 1; ++r) {
+      for (int64_t j = h; j < ld; ++j) changed += gw[r * ld + j] != gap_value(r, j);
+    }
+    EXPECT_EQ(changed, 0) << (job == 0 ? "linear_logprobs_backward" : "linear_cross_entropy_forward_backward");
+    double norm = 0.0;
+    for (int64_t j = 0; j < h; ++j) norm += std::fabs(gw[size_t(target[3]) * ld + j]);
+    EXPECT_GT(norm, 0.0) << "the target's row of grad_weight was written";
+  }
+}
+#endif
 
 TEST(LogprobsBadInput, ArgumentsAreNamed) {
   std::vector<float> x(3 * 4, 0.0f), stats(4 * kW);
