@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "fusedce/cpu_threads.h"
 #include "ops_namespace.h"
 
 #include "registry.h"
@@ -13,9 +14,29 @@ namespace {
 
 struct CpuContext {
   CpuContext(const Tensor&, const char*) {}
-  // The core's thread pool, capped at torch's intra-op thread count.
+  // torch's intra-op thread count (the core's loops run on those threads: below).
   fusedce::Device device() const { return fusedce::Device::cpu(at::get_num_threads()); }
 };
+
+// The core's parallel loops on torch's intra-op threads rather than a pool of the core's own.
+// torch's threads spin for a while after each of its operations; a second pool on the same
+// cores then shares them with spinning threads, and a loss right after a model's forward ran at
+// about 0.55-0.7x its speed (a 2-core VM, cross-entropy over 128 rows, calls alternating with
+// torch.compile's). at::parallel_for splits [0, blocks) among torch's threads; each range is
+// handed to the core, which runs its own fixed blocks in it, so results do not change.
+// ATen's parallel_for is compiled here: under torch's OpenMP backend only an OpenMP build of this
+// file runs it on torch's threads (torch/CMakeLists.txt); otherwise the core keeps its own pool.
+#if !AT_PARALLEL_OPENMP || defined(_OPENMP)
+void torch_parallel_for(int64_t blocks, int threads, void* ctx, void (*body)(void*, int64_t, int64_t)) {
+  (void)threads;  // the core asks for torch's own count (device() above)
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) { body(ctx, begin, end); });
+}
+
+[[maybe_unused]] const bool kUsesTorchThreads = [] {
+  fusedce::set_cpu_parallel_for(&torch_parallel_for);
+  return true;
+}();
+#endif
 
 }  // namespace
 }  // namespace fusedce_torch

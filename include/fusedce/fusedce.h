@@ -1,6 +1,7 @@
 // fusedce: fused cross-entropy kernels. The umbrella header.
 #pragma once
 
+#include "fusedce/cpu_threads.h"
 #include "fusedce/cross_entropy.h"
 #include "fusedce/linear_cross_entropy.h"
 #include "fusedce/logprobs.h"

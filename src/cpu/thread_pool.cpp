@@ -1,5 +1,7 @@
 #include "cpu/thread_pool.h"
 
+#include "fusedce/cpu_threads.h"
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -104,6 +106,18 @@ ThreadPool& pool() {
   return instance;
 }
 
+std::atomic<CpuParallelFor> host_parallel_for{nullptr};
+
+/// What the host's parallel_for runs: the blocks of one parallel_for call, each as fn sees it.
+struct Blocks {
+  int64_t n, grain;
+  const std::function<void(int64_t, int64_t)>* fn;
+  static void run(void* ctx, int64_t begin, int64_t end) {
+    const Blocks& b = *static_cast<const Blocks*>(ctx);
+    for (int64_t k = begin; k < end; ++k) (*b.fn)(k * b.grain, std::min(b.n, (k + 1) * b.grain));
+  }
+};
+
 }  // namespace
 
 int hardware_threads() {
@@ -122,9 +136,19 @@ void parallel_for(int64_t n, int64_t grain, int max_threads,
     for (int64_t b = 0; b < n; b += grain) fn(b, std::min(n, b + grain));
     return;
   }
+  if (const CpuParallelFor host = host_parallel_for.load(std::memory_order_acquire)) {
+    Blocks work{n, grain, &fn};
+    host(blocks, threads, &work, &Blocks::run);
+    return;
+  }
   ThreadPool& p = pool();
   p.run(n, grain, std::min(threads - 1, p.workers()), fn);
 }
 
 }  // namespace cpu
+
+void set_cpu_parallel_for(CpuParallelFor parallel_for) {
+  cpu::host_parallel_for.store(parallel_for, std::memory_order_release);
+}
+
 }  // namespace fusedce

@@ -13,7 +13,8 @@ namespace cpu {
 int hardware_threads();
 
 /// Runs fn(begin, end) over [0, n) split into blocks of `grain` items, on up to `max_threads`
-/// threads (0 = all), the calling thread included. Returns when every block is done.
+/// threads (0 = all), the calling thread included: on the host's threads where one was handed
+/// over (set_cpu_parallel_for), else on this pool. Returns when every block is done.
 void parallel_for(int64_t n, int64_t grain, int max_threads,
                   const std::function<void(int64_t, int64_t)>& fn);
 
