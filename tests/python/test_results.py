@@ -135,18 +135,24 @@ def test_the_cpp_benchmarks_write_the_columns_the_generator_reads():
         assert header == _csv_header_written_by(writer)
 
 
-def test_a_fresh_python_benchmark_csv_renders(tmp_path):
-    """What python -m fusedce.bench writes today is what the generator reads."""
-    run = tmp_path / "run"
-    bench_main.main(["--device", "cpu", "--quick", "--peers", "fusedce,torch", "--repeat", "1",
-                     "--warmup", "0", "--no-progress", "--only", "ce", "--out", str(run)])
+def _render_one_run(tmp_path, run):
+    """bench/RESULTS.md as the generator writes it from one python -m fusedce.bench run (its
+    results.csv in `run`) as the only source, in a scratch copy of the bench folders."""
     for folder in make_results.SOURCE_DIRS:
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "runs.json").write_text(json.dumps({"sources": []}))
     shutil.copy(run / "results.csv", tmp_path / "cpu" / "results.csv")
     (tmp_path / "cpu" / "runs.json").write_text(json.dumps({"sources": [
         {"file": "results.csv", "format": "fusedce.bench", "title": "CPU", "command": "python -m fusedce.bench"}]}))
-    text = make_results.render(str(tmp_path))
+    return make_results.render(str(tmp_path))
+
+
+def test_a_fresh_python_benchmark_csv_renders(tmp_path):
+    """What python -m fusedce.bench writes today is what the generator reads."""
+    run = tmp_path / "run"
+    bench_main.main(["--device", "cpu", "--quick", "--peers", "fusedce,torch", "--repeat", "1",
+                     "--warmup", "0", "--no-progress", "--only", "ce", "--out", str(run)])
+    text = _render_one_run(tmp_path, run)
     assert "**Cross-entropy over logits, float32**" in text
     assert re.search(r"\| 64 x 32000 \| forward \| [0-9.]+ \| [0-9.]+ \| [0-9.]+x \|", text)
     assert "geometric-mean speed-up, forward" in text
@@ -159,13 +165,7 @@ def test_the_floor_renders_as_a_ratio_not_a_peer(tmp_path):
     bench_main.main(["--device", "cpu", "--only", "linear", "--shapes", "8x32x100", "--peers",
                      "fusedce,fusedce-all,torch,floor", "--repeat", "1", "--warmup", "0", "--no-progress",
                      "--out", str(run)])
-    for folder in make_results.SOURCE_DIRS:
-        (tmp_path / folder).mkdir()
-        (tmp_path / folder / "runs.json").write_text(json.dumps({"sources": []}))
-    shutil.copy(run / "results.csv", tmp_path / "cpu" / "results.csv")
-    (tmp_path / "cpu" / "runs.json").write_text(json.dumps({"sources": [
-        {"file": "results.csv", "format": "fusedce.bench", "title": "CPU", "command": "python -m fusedce.bench"}]}))
-    text = make_results.render(str(tmp_path))
+    text = _render_one_run(tmp_path, run)
     assert "| fusedce x floor | fusedce all options x floor |" in text
     assert re.search(r"\| 8 x 32 x 100 \| fwd\+bwd \|( [0-9.]+ \|){4} [0-9.]+x \| [0-9.]+ \| [0-9.]+ \|", text)
     assert "vs floor" not in text and "floor (3 bare products) (" not in text.split("speed-up,")[-1]
