@@ -3,8 +3,9 @@
 // and its own compiler flags).
 //
 // What is fused: per row, one read of the logits from memory, in chunks of kChunk elements
-// staged as float32 in an L1-resident buffer; the chunk's max, its sum of exps, the target logit,
-// the smoothing sum, argmax and entropy terms are taken from that buffer and merged into the
+// staged as float32 in an L1-resident buffer (plain float32 chunks are read in place); the
+// chunk's max, its sum of exps, the target logit, the smoothing sum, argmax and entropy terms
+// are taken from that chunk and merged into the
 // row's running state (online log-sum-exp, no second pass over memory for the max). The gradient
 // sweep re-reads the row (from cache for rows up to a few hundred KB) and writes dlogits once.
 // Nothing of size N x V is stored besides dlogits itself.
@@ -22,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if defined(__F16C__) && defined(__AVX__)
 #include <immintrin.h>
@@ -97,32 +99,43 @@ inline float hmaxv(vf v) {
   return m;
 }
 
-// exp(x) lane by lane: x = k ln2 + r, |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial
-// (truncation < 6e-9), 2^k built in the exponent bits. Below -87.3 (float's smallest normal)
-// the result is 0, -inf gives 0, NaN stays NaN. Written with vector extensions so it compiles
-// to whatever width the instruction set has, and gives the same bits on all of them.
+// exp(x) lane by lane: x = k ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 minimax polynomial
+// (relative error 1.9e-9 on that interval, below float32's rounding), 2^k built in the exponent
+// bits. Below -87.3 (float's smallest normal) the result is 0, -inf gives 0, NaN stays NaN (it
+// runs through r, the polynomial and the final product, and NaN times any scale is NaN). Written
+// with vector extensions so it compiles to whatever width the instruction set has, and gives the
+// same bits on all of them.
 // kSubnormal keeps the subnormal results (down to -103.97, where exp rounds to 0) as std::exp
 // does: 2^k is applied in two halves, each a normal float, so the result is rounded once. It
 // costs a multiply per lane; the log-probabilities need it (a collapsed row's r and entropy are
 // sums of such values), the cross-entropy does not (they vanish against the max's 1).
-template <bool kSubnormal = false>
+// kNonPositive: the caller guarantees x <= 0 or NaN (z - max of a chunk), so the clamp at the
+// top of the range is left out.
+template <bool kSubnormal = false, bool kNonPositive = false>
 inline vf vexp(vf x) {
-  const vf lo = splatv(kSubnormal ? -103.972077f : -87.33654f), hi = splatv(88.37626f);
+  const vf lo = splatv(kSubnormal ? -103.972077f : -87.33654f);
   vf xc = x < lo ? lo : x;
-  xc = xc > hi ? hi : xc;
-  const vf shifter = splatv(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const vf kf = (xc * splatv(1.44269504f) + shifter) - shifter;
+  if (!kNonPositive) {
+    const vf hi = splatv(88.37626f);
+    xc = xc > hi ? hi : xc;
+  }
+  // 1.5 * 2^23: adding it rounds to an integer, which then sits in the sum's low mantissa bits.
+  constexpr int32_t kShifterBits = 0x4B400000;
+  const vf shifter = splatv(12582912.0f);
+  const vf shifted = xc * splatv(1.44269504f) + shifter;
+  const vf kf = shifted - shifter;
   vf r = xc - kf * splatv(0.693145752f);
   r = r - kf * splatv(1.42860677e-6f);
-  vf p = splatv(1.0f / 5040.0f);
-  p = p * r + splatv(1.0f / 720.0f);
-  p = p * r + splatv(1.0f / 120.0f);
-  p = p * r + splatv(1.0f / 24.0f);
-  p = p * r + splatv(1.0f / 6.0f);
-  p = p * r + splatv(0.5f);
+  vf p = splatv(1.38368446e-3f);
+  p = p * r + splatv(8.37481581e-3f);
+  p = p * r + splatv(4.16682251e-2f);
+  p = p * r + splatv(1.66664198e-1f);
+  p = p * r + splatv(4.99999911e-1f);
   p = p * r + splatv(1.0f);
   p = p * r + splatv(1.0f);
-  const vi ki = __builtin_convertvector(kf, vi);
+  vi ki;
+  memcpy(&ki, &shifted, sizeof(ki));
+  ki -= kShifterBits;  // k exactly, |k| <= 150
   vf res;
   if (kSubnormal) {
     const vi k1 = ki >> 1, k2 = ki - k1;  // k in [-150, 128]: both halves in [-75, 64]
@@ -137,9 +150,7 @@ inline vf vexp(vf x) {
     memcpy(&scale, &bits, sizeof(scale));
     res = p * scale;
   }
-  res = x < lo ? splatv(0.0f) : res;
-  res = x != x ? x : res;
-  return res;
+  return x < lo ? splatv(0.0f) : res;
 }
 
 // tanh(y) = 1 - 2 / (exp(2y) + 1): saturates cleanly at +-1 and keeps NaN; absolute error about
@@ -217,13 +228,26 @@ inline float chunk_sum(const float* buf, const float* w, int64_t n) {
   return hsumv(acc);
 }
 
+// Max of buf[0:n8) (n8 a multiple of kLanes), NaN entries passed over. Four running maxima, so
+// the loop is bound by loads rather than by the latency of one chain of max instructions.
 inline float chunk_max(const float* buf, int64_t n8) {
-  vf m = splatv(-kInf);
-  for (int64_t k = 0; k < n8; k += kLanes) {
-    const vf v = loadv(buf + k);
-    m = v > m ? v : m;
+  vf m0 = splatv(-kInf), m1 = m0, m2 = m0, m3 = m0;
+  int64_t k = 0;
+  for (; k + 4 * kLanes <= n8; k += 4 * kLanes) {
+    const vf v0 = loadv(buf + k), v1 = loadv(buf + k + kLanes);
+    const vf v2 = loadv(buf + k + 2 * kLanes), v3 = loadv(buf + k + 3 * kLanes);
+    m0 = v0 > m0 ? v0 : m0;
+    m1 = v1 > m1 ? v1 : m1;
+    m2 = v2 > m2 ? v2 : m2;
+    m3 = v3 > m3 ? v3 : m3;
   }
-  return hmaxv(m);
+  for (; k < n8; k += kLanes) {
+    const vf v = loadv(buf + k);
+    m0 = v > m0 ? v : m0;
+  }
+  m0 = m1 > m0 ? m1 : m0;
+  m2 = m3 > m2 ? m3 : m2;
+  return hmaxv(m2 > m0 ? m2 : m0);
 }
 
 // The chunk's partial state against reference ref: s = sum exp(z - ref), ez = sum exp(z - ref) z.
@@ -233,7 +257,7 @@ inline LseState chunk_state(const float* buf, int64_t n8, float max) {
   vf s = splatv(0.0f), ez = splatv(0.0f);
   for (int64_t k = 0; k < n8; k += kLanes) {
     const vf z = loadv(buf + k);
-    const vf e = vexp(z - splatv(ref));
+    const vf e = vexp<false, true>(z - splatv(ref));  // z <= max (or NaN): z - ref <= 0
     s += e;
     // e == 0 at z == -inf: the term is 0, not 0 * -inf.
     if (kEntropy) ez += e > splatv(0.0f) ? e * z : splatv(0.0f);
@@ -249,6 +273,21 @@ struct RowStats {
   float best;        // z at argmax (NaN when the row holds a NaN)
 };
 
+// z of one chunk for the forward sweep, n8 entries with the padding past n at -inf (neutral for
+// the max and the exp sums). float32 logits that need no transform and fill whole vectors are
+// read where they lie (the staging copy would be a third pass over the chunk); everything else
+// is converted, transformed and padded in buf.
+template <typename T, bool kSoftcap>
+inline const float* forward_chunk(const T* x, int64_t n, int64_t n8, const LossConstants& c, float* buf) {
+  if constexpr (std::is_same<T, float>::value && !kSoftcap) {
+    if (n == n8 && c.logit_scale == 1.0f) return x;
+  }
+  load_chunk(x, n, buf);
+  transform_chunk<kSoftcap>(buf, n8, c);
+  for (int64_t k = n; k < n8; ++k) buf[k] = -kInf;
+  return buf;
+}
+
 // Forward sweep over one row: reads each logit once.
 template <typename T, bool kSoftcap>
 RowStats row_forward(const RowArgs& a, const T* x, int64_t t, float* buf) {
@@ -259,20 +298,18 @@ RowStats row_forward(const RowArgs& a, const T* x, int64_t t, float* buf) {
   int64_t argmax = 0;
   for (int64_t j0 = 0; j0 < V; j0 += kChunk) {
     const int64_t n = std::min(kChunk, V - j0), n8 = round_up_lanes(n);
-    load_chunk(x + j0, n, buf);
-    transform_chunk<kSoftcap>(buf, n8, a.c);
-    if (t >= j0 && t < j0 + n) z_target = buf[t - j0];
-    if (a.smoothing) smooth += chunk_sum(buf, a.class_weight ? a.class_weight + j0 : nullptr, n);
-    for (int64_t k = n; k < n8; ++k) buf[k] = -kInf;  // neutral for max and exp sums
-    const float cmax = chunk_max(buf, n8);
+    const float* z = forward_chunk<T, kSoftcap>(x + j0, n, n8, a.c, buf);
+    if (t >= j0 && t < j0 + n) z_target = z[t - j0];
+    if (a.smoothing) smooth += chunk_sum(z, a.class_weight ? a.class_weight + j0 : nullptr, n);
+    const float cmax = chunk_max(z, n8);
     if (a.metrics) {
       if (cmax > best) {  // strict: ties keep the lowest index
         best = cmax;
-        argmax = j0 + (std::find(buf, buf + n, cmax) - buf);
+        argmax = j0 + (std::find(z, z + n, cmax) - z);
       }
-      detail::lse_accum_add(st, chunk_state<true>(buf, n8, cmax));
+      detail::lse_accum_add(st, chunk_state<true>(z, n8, cmax));
     } else {
-      detail::lse_accum_add(st, chunk_state<false>(buf, n8, cmax));
+      detail::lse_accum_add(st, chunk_state<false>(z, n8, cmax));
     }
   }
   if (a.metrics && st.s != st.s) {
