@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cuda/ce/plan.h"
+#include "cuda/linear/algo_choice.h"
 #include "cuda/sizes.h"
 
 namespace fusedce_test {
@@ -466,6 +467,55 @@ TEST(Plan, DefaultsMatchAStraightDerivationOverTheTestedShapes) {
     }
   }
   EXPECT_GT(checked, 1000);
+}
+
+}  // namespace
+}  // namespace fusedce_test
+
+// ---- cuBLASLt candidate choice of the linear products (src/cuda/linear/algo_choice.h) ----------
+
+namespace fusedce_test {
+namespace {
+
+using fusedce::cuda::AlgoTraits;
+using fusedce::cuda::choose_algorithm;
+using fusedce::cuda::GemmRole;
+using fusedce::cuda::kLtTile176x128;
+using fusedce::cuda::kLtTile256x128;
+
+// A heuristic list as an H200 gave it for the logits product at 4096 x 4096 x 128256: the
+// preferred 176 x 128 / option 2 candidate sixth.
+const std::vector<AlgoTraits> kLogitsList = {{248, 7, 1, 0}, {24, 7, 1, 0}, {23, 4, 1, 0}, {209, 4, 1, 0},
+                                             {31, 7, 1, 0},  {201, 2, 1, 0}, {197, 2, 1, 0}, {32, 4, 1, 0}};
+
+TEST(AlgoChoice, HopperTakesTheRolesPreferredCandidate) {
+  EXPECT_EQ(choose_algorithm(GemmRole::kLogits, 9, 0, kLogitsList.data(), 8), 5);
+  // grad_weight prefers 256 x 128 with option 7: the second entry of the same list.
+  EXPECT_EQ(choose_algorithm(GemmRole::kGradWeight, 9, 0, kLogitsList.data(), 8), 1);
+  static_assert(kLtTile176x128 == 201 && kLtTile256x128 == 24, "the ids of the list above");
+}
+
+TEST(AlgoChoice, FirstCandidateOtherwise) {
+  // No role, grad_hidden, another architecture, or a list without a preferred candidate.
+  EXPECT_EQ(choose_algorithm(GemmRole::kAny, 9, 0, kLogitsList.data(), 8), 0);
+  EXPECT_EQ(choose_algorithm(GemmRole::kGradHidden, 9, 0, kLogitsList.data(), 8), 0);
+  EXPECT_EQ(choose_algorithm(GemmRole::kLogits, 8, 0, kLogitsList.data(), 8), 0);
+  EXPECT_EQ(choose_algorithm(GemmRole::kLogits, 10, 0, kLogitsList.data(), 8), 0);
+  // The list's first five: no 176 x 128 / option 2, so the logits' second preference, 256 x 128 / 7.
+  EXPECT_EQ(choose_algorithm(GemmRole::kLogits, 9, 0, kLogitsList.data(), 5), 1);
+  EXPECT_EQ(choose_algorithm(GemmRole::kLogits, 9, 0, kLogitsList.data(), 1), 0);  // neither
+  EXPECT_EQ(choose_algorithm(GemmRole::kLogits, 9, 0, kLogitsList.data(), 0), 0);
+}
+
+TEST(AlgoChoice, NeverASplitKOrReducingCandidate) {
+  // The preferred tile and option, but summed in split-K parts (other bits): passed over.
+  std::vector<AlgoTraits> list = {{248, 7, 1, 0}, {201, 2, 4, 1}, {201, 2, 1, 2}, {201, 2, 1, 0}};
+  EXPECT_EQ(choose_algorithm(GemmRole::kLogits, 9, 0, list.data(), 4), 3);
+  list.pop_back();
+  EXPECT_EQ(choose_algorithm(GemmRole::kLogits, 9, 0, list.data(), 3), 0);
+  // The second preference, after the first's only entry is a split-K one.
+  list.push_back({24, 7, 1, 0});
+  EXPECT_EQ(choose_algorithm(GemmRole::kLogits, 9, 0, list.data(), 4), 3);
 }
 
 }  // namespace

@@ -54,6 +54,49 @@ uint32_t alignment_of(const void* p) {
   return align;
 }
 
+static_assert(kLtTile256x128 == CUBLASLT_MATMUL_TILE_256x128, "algo_choice.h's tile id");
+static_assert(kLtTile176x128 == CUBLASLT_MATMUL_TILE_176x128, "algo_choice.h's tile id");
+
+/// A candidate's configuration, as choose_algorithm reads it.
+AlgoTraits traits_of(const cublasLtMatmulAlgo_t& algo) {
+  auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr, int32_t fallback) {
+    int32_t v = fallback;
+    size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written) != CUBLAS_STATUS_SUCCESS) {
+      return fallback;
+    }
+    return v;
+  };
+  // A configuration that cannot be read matches no preference (the tile -1).
+  return AlgoTraits{get(CUBLASLT_ALGO_CONFIG_TILE_ID, -1), get(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, -1),
+                    get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM, -1), get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, -1)};
+}
+
+/// The device's compute capability, read once per device.
+Status compute_capability(int device, int* major, int* minor) {
+  static std::mutex mu;
+  static std::map<int, std::pair<int, int>> known;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = known.find(device);
+  if (it == known.end()) {
+    int ma = 0, mi = 0;
+    if (cudaDeviceGetAttribute(&ma, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&mi, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+      return Status(StatusCode::kDeviceError, "reading the device's compute capability");
+    }
+    it = known.emplace(device, std::make_pair(ma, mi)).first;
+  }
+  *major = it->second.first;
+  *minor = it->second.second;
+  return Status::Ok();
+}
+
+#define FUSEDCE_TRY_STATUS(expr)  \
+  do {                            \
+    const Status s_ = (expr);     \
+    if (!s_.ok()) return s_;      \
+  } while (0)
+
 /// RAII for the descriptors of one product.
 struct Descriptors {
   cublasLtMatmulDesc_t op = nullptr;
@@ -110,9 +153,13 @@ Status gemm_whole(const GemmCall& c) {
              "alignment of C");
   FUSEDCE_LT(cublasLtMatmulPreferenceSetAttribute(ds.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d)),
              "alignment of D");
-  cublasLtMatmulHeuristicResult_t heur = {};
+  // The role's preferred candidate among the heuristic's first kCandidates (algo_choice.h);
+  // without a role, its first.
+  constexpr int kCandidates = 8;
+  cublasLtMatmulHeuristicResult_t heur[kCandidates] = {};
   int found = 0;
-  FUSEDCE_LT(cublasLtMatmulAlgoGetHeuristic(lt, ds.op, ds.a, ds.b, ds.d, ds.d, ds.pref, 1, &heur, &found),
+  FUSEDCE_LT(cublasLtMatmulAlgoGetHeuristic(lt, ds.op, ds.a, ds.b, ds.d, ds.d, ds.pref,
+                                            c.role == GemmRole::kAny ? 1 : kCandidates, heur, &found),
              "choosing an algorithm");
   if (found == 0) {
     std::ostringstream os;
@@ -120,9 +167,17 @@ Status gemm_whole(const GemmCall& c) {
        << " operands (alignments " << al_a << ", " << al_b << ", " << al_d << " bytes)";
     return Status(StatusCode::kUnsupported, os.str());
   }
+  int pick = 0;
+  if (found > 1) {
+    AlgoTraits traits[kCandidates];
+    for (int i = 0; i < found; ++i) traits[i] = traits_of(heur[i].algo);
+    int major = 0, minor = 0;
+    FUSEDCE_TRY_STATUS(compute_capability(c.device, &major, &minor));
+    pick = choose_algorithm(c.role, major, minor, traits, found);
+  }
   const float alpha = 1.0f;
   FUSEDCE_LT(cublasLtMatmul(lt, ds.op, &alpha, c.a.data, ds.a, c.b.data, ds.b, &c.beta, c.d, ds.d, c.d, ds.d,
-                            &heur.algo, c.workspace, kGemmWorkspaceBytes, c.stream),
+                            &heur[pick].algo, c.workspace, kGemmWorkspaceBytes, c.stream),
              "the product");
   return Status::Ok();
 }

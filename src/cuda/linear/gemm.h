@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/linear/algo_choice.h"
 #include "fusedce/types.h"
 
 namespace fusedce {
@@ -40,6 +41,7 @@ struct GemmCall {
   void* workspace;  // kGemmWorkspaceBytes
   cudaStream_t stream;
   int device;
+  GemmRole role;  // which candidate algorithm to prefer (algo_choice.h); kAny by default
 };
 
 /// Runs the product; Status names what cuBLASLt refused.
