@@ -443,6 +443,18 @@ class LinearRun {
     return gemm(into_acc);
   }
 
+  /// The logits product's cuBLASLt preference (algo_choice.h): bf16 only, and not under
+  /// low_memory, whose two passes keep cuBLASLt's first candidates so that its second pass
+  /// re-forms the logits by the same kind of kernel.
+  GemmRole logits_role() const {
+    return p_.dtype == DType::kBFloat16 && !p_.low_memory ? GemmRole::kLogits : GemmRole::kAny;
+  }
+  /// grad_weight's: measured for a bf16 grad_weight written directly (one chunk), not for the
+  /// float32 accumulator's products.
+  GemmRole grad_weight_role(bool direct) const {
+    return p_.dtype == DType::kBFloat16 && direct ? GemmRole::kGradWeight : GemmRole::kAny;
+  }
+
   GemmCall base_gemm() const {
     GemmCall g{};
     g.workspace = at(p_.gemm_ws);
@@ -499,9 +511,7 @@ class LinearRun {
     // logit would move that class's probability by up to 6%).
     g.bias = p_.low_memory ? nullptr : c_.bias.data;
     g.bias_dtype = d;
-    // The preferred bf16 candidate (algo_choice.h); low_memory's two passes keep cuBLASLt's
-    // first candidates, so its second pass re-forms the logits by the same kind of kernel.
-    g.role = d == DType::kBFloat16 && !p_.low_memory ? GemmRole::kLogits : GemmRole::kAny;
+    g.role = logits_role();
     FUSEDCE_TRY(gemm(g));
     if (p_.low_memory && c_.bias.data) {
       launch_add_bias(logits, p_.ld_logits, nc, p_.V, c_.bias.data, d, stream_);
@@ -563,9 +573,7 @@ class LinearRun {
       w.n = p_.V;
       w.ld_d = direct ? gw.row_stride : p_.H;
       w.beta = chunk == 0 ? 0.0f : 1.0f;
-      // The preference was measured for a bf16 grad_weight written directly (one chunk), not
-      // for the float32 accumulator's products.
-      w.role = d == DType::kBFloat16 && direct ? GemmRole::kGradWeight : GemmRole::kAny;
+      w.role = grad_weight_role(direct);
       if (last && chunk > 0 && p_.gw_via_acc) {
         FUSEDCE_TRY(last_weight_product(w, hc, ldh, nc));
       } else {
