@@ -214,13 +214,22 @@ const char* raster_name(Raster r) { return r == Raster::AlongM ? "M" : r == Rast
 
 int main(int argc, char** argv) {
   const bool bias_only = argc > 1 && std::string(argv[1]) == "lt-bias";
-  const bool lt_only = bias_only || (argc > 1 && std::string(argv[1]) == "lt");
+  // lt-gradh: grad_hidden's candidates over hidden sizes 2048-5120 at 4096 rows (is a 256 x 96
+  // preference a rule of the hidden size or of one shape?).
+  const bool gradh_only = argc > 1 && std::string(argv[1]) == "lt-gradh";
+  const bool lt_only = bias_only || gradh_only || (argc > 1 && std::string(argv[1]) == "lt");
   struct Shape3 {
     int R, H, V;
   };
   // Chunk shapes of the issue's five calls: 4096 x 4096 x 128256 and the one-chunk 8192 ones
   // as they are; 16384 x 2304 x 256000 in chunks of 4096 rows; 32768 x 4096 x 128256 in 8192.
-  const std::vector<Shape3> shapes = {{4096, 4096, 128256}, {8192, 4096, 128256}, {8192, 4096, 151936}, {4096, 2304, 256000}};
+  std::vector<Shape3> shapes = {{4096, 4096, 128256}, {8192, 4096, 128256}, {8192, 4096, 151936}, {4096, 2304, 256000}};
+  if (gradh_only) {
+    shapes.clear();
+    for (int hs : {2048, 2304, 2560, 3072, 3584, 4096, 5120}) shapes.push_back({4096, hs, 128256});
+    shapes.push_back({4096, 2304, 256000});
+    shapes.push_back({8192, 2304, 256000});
+  }
   size_t big = 0, w_el = 0, h_el = 0;
   for (auto c : shapes) {
     big = std::max(big, size_t(c.R) * c.V);
@@ -266,6 +275,7 @@ int main(int argc, char** argv) {
                        {"grad_w", c.V, c.H, c.R, lg, hid, false, true}};
       for (const P& p : ps) {
         if (bias_only && std::string(p.name) != "logits+bias") continue;
+        if (gradh_only && std::string(p.name) != "grad_h") continue;
         LtProduct lt(h, p.M, p.N, p.K, p.a_rm, p.b_rm, wsb, std::string(p.name) == "logits+bias" ? w : nullptr);
         const int n = int(lt.algos.size());
         std::vector<std::vector<float>> t(n);
