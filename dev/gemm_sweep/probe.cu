@@ -210,6 +210,15 @@ __global__ void max_abs_diff(const bf16* a, const bf16* b, size_t n, float* out)
   atomicMax(reinterpret_cast<int*>(out) + 1, __float_as_int(m));
 }
 
+/// max |d - ref| / max |ref| over n elements (0: the same bits).
+float rel_diff(const bf16* d, const bf16* ref, size_t n, float* scratch, cudaStream_t s) {
+  CK(cudaMemsetAsync(scratch, 0, 8, s));
+  max_abs_diff<<<1024, 256, 0, s>>>(d, ref, n, scratch);
+  float dm[2];
+  CK(cudaMemcpy(dm, scratch, 8, cudaMemcpyDeviceToHost));
+  return dm[0] / std::max(dm[1], 1e-30f);
+}
+
 const char* raster_name(Raster r) { return r == Raster::AlongM ? "M" : r == Raster::AlongN ? "N" : "H"; }
 
 int main(int argc, char** argv) {
@@ -286,12 +295,9 @@ int main(int argc, char** argv) {
         const float m0 = median(t[0]);
         for (int i = 0; i < n; ++i) {
           lt.run(i, p.a, p.b, d1, ws, wsb, s);
-          CK(cudaMemsetAsync(diff, 0, 8, s));
-          max_abs_diff<<<1024, 256, 0, s>>>(d1, d0, size_t(p.M) * p.N, diff);
-          float dm[2];
-          CK(cudaMemcpy(dm, diff, 8, cudaMemcpyDeviceToHost));
+          const float d = rel_diff(d1, d0, size_t(p.M) * p.N, diff, s);
           printf("| %dx%dx%d | %s | #%d | %s | %.3f | %.3f | %s |\n", c.R, c.H, c.V, p.name, i,
-                 describe(lt.algos[i].algo).c_str(), median(t[i]), median(t[i]) / m0, dm[0] == 0 ? "yes" : "no");
+                 describe(lt.algos[i].algo).c_str(), median(t[i]), median(t[i]) / m0, d == 0 ? "yes" : "no");
         }
         fflush(stdout);
       }
@@ -334,11 +340,7 @@ int main(int argc, char** argv) {
       for (int k = 0; k < int(p.cands.size()); ++k) {
         auto& run = p.cands[k].second;
         if (!run(p.M, p.N, p.K, p.a, p.lda, p.b, p.ldb, d1, Raster::Heuristic, 1, ws, wsb, s)) continue;
-        CK(cudaMemsetAsync(diff, 0, 8, s));
-        max_abs_diff<<<1024, 256, 0, s>>>(d1, d0, size_t(p.M) * p.N, diff);
-        float dm[2];
-        CK(cudaMemcpy(dm, diff, 8, cudaMemcpyDeviceToHost));
-        worst_check = std::max(worst_check, dm[0] / std::max(dm[1], 1e-30f));
+        worst_check = std::max(worst_check, rel_diff(d1, d0, size_t(p.M) * p.N, diff, s));
         for (Raster r : rasters) {
           for (int sw : swizzles) {
             const float t = time_it([&] { run(p.M, p.N, p.K, p.a, p.lda, p.b, p.ldb, d1, r, sw, ws, wsb, s); }, s);
