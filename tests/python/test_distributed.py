@@ -11,23 +11,16 @@ loss and metrics bit-identical on every rank; each rank's gradient against its s
 A group of one runs in this process (gloo on the CPU, NCCL for CUDA tensors), parametrized over
 DEVICES: it must equal the plain op. The ops themselves get opcheck."""
 
-import datetime
-import json
-import os
-import time
-import traceback
-import warnings
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import fusedce
 import fusedce.distributed as fdist
 from conftest import (DEVICES, HAS_CUDA, assert_within_budget, error_scales, make_problem,
                       make_weight, torch_cross_entropy)
+from gloo_groups import failures_of, spawn_group
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -360,7 +353,7 @@ def _all_case_keys(world):
     return keys
 
 
-def _run_key(key, world, rank, group):
+def _run_key(key, group, rank, world):
     if key == "compile":
         return _run_compile_case(group)
     if key == "compile_linear":
@@ -370,31 +363,6 @@ def _run_key(key, world, rank, group):
     return run(name, layout, LAYOUTS[world][layout], rank, group)
 
 
-def _run_cases(keys, run_case, rank, world, store_path, out_dir, timeout_s):
-    """One rank of a gloo group: runs `run_case(key, world, rank, group)` for every key in
-    order, records each one's traceback (None when it passed) so the group goes on, and writes
-    them to out_dir/rank{rank}.json."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    results = {}
-    try:
-        for key in keys:
-            try:
-                run_case(key, world, rank, dist.group.WORLD)
-                results[key] = None
-            except BaseException:  # noqa: B036 -- pytest's failures are BaseExceptions
-                results[key] = traceback.format_exc()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
-
-
-def _worker(rank, world, store_path, out_dir):
-    _run_cases(_all_case_keys(world), _run_key, rank, world, store_path, out_dir, timeout_s=120)
-
-
 _GROUP_RESULTS = {}
 
 
@@ -402,30 +370,16 @@ def _group_results(world, tmp_path_factory):
     """Every rank's findings for every case of a world size: one spawned group per world size
     (a spawn costs seconds), run on first use."""
     if world not in _GROUP_RESULTS:
-        for attempt in range(2):
-            out = tmp_path_factory.mktemp(f"world{world}")  # a fresh FileStore each attempt
-            try:
-                mp.spawn(_worker, args=(world, str(out / "store"), str(out)), nprocs=world, join=True)
-                break
-            except mp.ProcessExitedException as e:
-                # A rank killed by a signal before any case ran: seen once in CI on the loaded
-                # 2-core VM (torch 2.15, "terminate called without an active exception" while the
-                # gloo group started), never in 3 local reruns. Retried once, loudly; a crash of
-                # ours repeats and fails the second attempt.
-                if attempt == 1 or e.signal_name is None:
-                    raise
-                warnings.warn(f"gloo group of {world} died by {e.signal_name}; retrying once")
-        _GROUP_RESULTS[world] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+        _GROUP_RESULTS[world] = spawn_group(world, _all_case_keys(world), _run_key,
+                                            tmp_path_factory, timeout_s=120, deadline_s=600)
     return _GROUP_RESULTS[world]
 
 
 @pytest.mark.parametrize("world,key", [(w, k) for w in LAYOUTS for k in _all_case_keys(w)],
                          ids=lambda v: str(v))
 def test_group(world, key, tmp_path_factory):
-    results = _group_results(world, tmp_path_factory)
-    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(results)
-                if res.get(key, "missing") is not None]
-    assert not failures, "\n".join(failures)
+    failures = failures_of(_group_results(world, tmp_path_factory), key)
+    assert not failures, failures
 
 
 # ---- a group of one, in this process ----------------------------------------------------------
@@ -794,7 +748,7 @@ def _agree_problem(world, rank, seed=11):
     return sizes, vocab, z, t, h, w, lo, hi
 
 
-def _run_agree_case(key, world, rank, group):
+def _run_agree_case(key, group, rank, world):
     """Every rank must raise (the expected error on each), then a correct call must give the
     true loss: no rank went on with another call's statistics."""
     sizes, vocab, z, t, h, w, lo, hi = _agree_problem(world, rank)
@@ -839,34 +793,19 @@ def _run_agree_case(key, world, rank, group):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _agree_worker(rank, world, store_path, out_dir):
-    # A short collective timeout: a rank left waiting fails the case instead of hanging.
-    _run_cases(_AGREE_KEYS, _run_agree_case, rank, world, store_path, out_dir, timeout_s=20)
-
-
 _AGREE_RESULTS = {}
 
 
-def _agree_results(world, tmp_path_factory, deadline_s=150):
+def _agree_results(world, tmp_path_factory):
     if world not in _AGREE_RESULTS:
-        out = tmp_path_factory.mktemp(f"agree{world}")
-        ctx = mp.spawn(_agree_worker, args=(world, str(out / "store"), str(out)), nprocs=world,
-                       join=False)
-        start = time.monotonic()
-        while not ctx.join(timeout=1):
-            if time.monotonic() - start > deadline_s:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail(f"the group of {world} did not finish in {deadline_s} s (a hang)")
-        _AGREE_RESULTS[world] = [json.loads((out / f"rank{r}.json").read_text())
-                                 for r in range(world)]
+        # A short collective timeout: a rank left waiting fails the case instead of hanging.
+        _AGREE_RESULTS[world] = spawn_group(world, _AGREE_KEYS, _run_agree_case, tmp_path_factory,
+                                            timeout_s=20, deadline_s=150)
     return _AGREE_RESULTS[world]
 
 
 @pytest.mark.parametrize("world,key", [(w, k) for w in _AGREE_SIZES for k in _AGREE_KEYS],
                          ids=lambda v: str(v))
 def test_group_agrees(world, key, tmp_path_factory):
-    results = _agree_results(world, tmp_path_factory)
-    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(results)
-                if res.get(key, "missing") is not None]
-    assert not failures, "\n".join(failures)
+    failures = failures_of(_agree_results(world, tmp_path_factory), key)
+    assert not failures, failures

@@ -10,20 +10,14 @@ input's placements whose full tensor is the float64 gradient within that budget.
 expected ValueError on every rank (none left waiting: a short collective timeout), then a
 correct call."""
 
-import datetime
-import json
-import os
-import time
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import fusedce
 from conftest import assert_within_budget, error_scales, make_weight, torch_cross_entropy
+from gloo_groups import failures_of, spawn_group
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -307,53 +301,17 @@ def _run_key(key, mesh, rank, world):
     return run(name, mesh, rank, world)
 
 
-def _worker(rank, world, store_path, out_dir, keys_run):
-    """One rank: every case in order, each one's traceback (None when it passed) written to
-    out_dir/rank{rank}.json. A short collective timeout: a rank left waiting fails its case."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
-    results = {}
-    try:
-        mesh = _mesh()
-        for key in _all_keys():
-            try:
-                keys_run(key, mesh, rank, world)
-                results[key] = None
-            except BaseException:  # noqa: B036 -- pytest's failures are BaseExceptions
-                results[key] = traceback.format_exc()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
-
-
-def spawn_group(worker, args, world, out, deadline_s):
-    """mp.spawn of `world` ranks of worker(rank, world, store, out, *args), killed and failed
-    after deadline_s (a hang); returns each rank's json results."""
-    ctx = mp.spawn(worker, args=(world, str(out / "store"), str(out), *args), nprocs=world,
-                   join=False)
-    start = time.monotonic()
-    while not ctx.join(timeout=1):
-        if time.monotonic() - start > deadline_s:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the group of {world} did not finish in {deadline_s} s (a hang)")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-
-
-_RESULTS = {}
-
-
 @pytest.mark.parametrize("world,key", [(w, k) for w in WORLDS for k in _all_keys()],
                          ids=lambda v: str(v))
 def test_dtensor_group(world, key, tmp_path_factory):
     if world not in _RESULTS:
-        _RESULTS[world] = spawn_group(_worker, (_run_key,), world,
-                                      tmp_path_factory.mktemp(f"dtensor{world}"), deadline_s=240)
-    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(_RESULTS[world])
-                if res.get(key, "missing") is not None]
-    assert not failures, "\n".join(failures)
+        _RESULTS[world] = spawn_group(world, _all_keys(), _run_key, tmp_path_factory,
+                                      timeout_s=30, deadline_s=240, context=_mesh)
+    failures = failures_of(_RESULTS[world], key)
+    assert not failures, failures
+
+
+_RESULTS = {}
 
 
 # ---- models: a tensor-parallel lm_head and FSDP2 under fusedce.transformers.apply() ---------------
@@ -466,25 +424,6 @@ def _run_model_case(key, mesh, rank, world):
     _compare_models(model, ref, losses, ref_losses, what)
 
 
-def _model_worker(rank, world, store_path, out_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    results = {}
-    try:
-        mesh = _mesh()
-        for key in MODEL_KEYS:
-            try:
-                _run_model_case(key, mesh, rank, world)
-                results[key] = None
-            except BaseException:  # noqa: B036
-                results[key] = traceback.format_exc()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
-
-
 _MODEL_RESULTS = {}
 
 
@@ -493,11 +432,10 @@ _MODEL_RESULTS = {}
 def test_models(world, key, tmp_path_factory):
     pytest.importorskip("transformers")
     if world not in _MODEL_RESULTS:
-        _MODEL_RESULTS[world] = spawn_group(_model_worker, (), world,
-                                            tmp_path_factory.mktemp(f"models{world}"), deadline_s=300)
-    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(_MODEL_RESULTS[world])
-                if res.get(key, "missing") is not None]
-    assert not failures, "\n".join(failures)
+        _MODEL_RESULTS[world] = spawn_group(world, MODEL_KEYS, _run_model_case, tmp_path_factory,
+                                            timeout_s=60, deadline_s=300, context=_mesh)
+    failures = failures_of(_MODEL_RESULTS[world], key)
+    assert not failures, failures
 
 
 # ---- 2-D device meshes: FSDP2 over "dp" with tensor parallelism over "tp" -------------------------
@@ -726,38 +664,16 @@ def _run_mesh2d_key(key, mesh, rank, world):
     return run(name, mesh, rank, world)
 
 
-def _mesh2d_worker(rank, world, store_path, out_dir, keys, run_key, timeout_s):
-    """One rank of the (2, 2) mesh: every key in order, as _worker does."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    results = {}
-    try:
-        mesh = _mesh2d()
-        for key in keys:
-            try:
-                run_key(key, mesh, rank, world)
-                results[key] = None
-            except BaseException:  # noqa: B036
-                results[key] = traceback.format_exc()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
-
-
 _MESH2D_RESULTS = {}
 
 
 @pytest.mark.parametrize("key", _mesh2d_keys())
 def test_mesh2d(key, tmp_path_factory):
     if "cases" not in _MESH2D_RESULTS:
-        _MESH2D_RESULTS["cases"] = spawn_group(
-            _mesh2d_worker, (_mesh2d_keys(), _run_mesh2d_key, 30), 4,
-            tmp_path_factory.mktemp("mesh2d"), deadline_s=300)
-    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(_MESH2D_RESULTS["cases"])
-                if res.get(key, "missing") is not None]
-    assert not failures, "\n".join(failures)
+        _MESH2D_RESULTS["cases"] = spawn_group(4, _mesh2d_keys(), _run_mesh2d_key, tmp_path_factory,
+                                               timeout_s=30, deadline_s=300, context=_mesh2d)
+    failures = failures_of(_MESH2D_RESULTS["cases"], key)
+    assert not failures, failures
 
 
 # The model of the 1-D model cases on the (2, 2) mesh: lm_head under ColwiseParallel over "tp",
@@ -830,11 +746,10 @@ def test_mesh2d_models(key, tmp_path_factory):
     pytest.importorskip("transformers")
     if "models" not in _MESH2D_MODEL_RESULTS:
         _MESH2D_MODEL_RESULTS["models"] = spawn_group(
-            _mesh2d_worker, (MESH2D_MODEL_KEYS, _run_mesh2d_model_case, 60), 4,
-            tmp_path_factory.mktemp("mesh2d_models"), deadline_s=400)
-    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(_MESH2D_MODEL_RESULTS["models"])
-                if res.get(key, "missing") is not None]
-    assert not failures, "\n".join(failures)
+            4, MESH2D_MODEL_KEYS, _run_mesh2d_model_case, tmp_path_factory, timeout_s=60,
+            deadline_s=400, context=_mesh2d)
+    failures = failures_of(_MESH2D_MODEL_RESULTS["models"], key)
+    assert not failures, failures
 
 
 # ---- torch.compile: DTensor inputs traced whole ---------------------------------------------------
@@ -911,28 +826,10 @@ _COMPILE_RESULTS = {}
 @pytest.mark.parametrize("key", COMPILE_KEYS)
 def test_compile(key, tmp_path_factory):
     if "compile" not in _COMPILE_RESULTS:
-        _COMPILE_RESULTS["compile"] = spawn_group(
-            _compile_worker, (COMPILE_KEYS,), 2, tmp_path_factory.mktemp("compile"),
-            deadline_s=400)
-    failures = [f"rank {r}:\n{res[key]}" for r, res in enumerate(_COMPILE_RESULTS["compile"])
-                if res.get(key, "missing") is not None]
-    assert not failures, "\n".join(failures)
+        _COMPILE_RESULTS["compile"] = spawn_group(2, COMPILE_KEYS, _run_compile_case,
+                                                  tmp_path_factory, timeout_s=120, deadline_s=400,
+                                                  context=_mesh)
+    failures = failures_of(_COMPILE_RESULTS["compile"], key)
+    assert not failures, failures
 
 
-def _compile_worker(rank, world, store_path, out_dir, keys):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    results = {}
-    try:
-        mesh = _mesh()
-        for key in keys:
-            try:
-                _run_compile_case(key, mesh, rank, world)
-                results[key] = None
-            except BaseException:  # noqa: B036
-                results[key] = traceback.format_exc()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()

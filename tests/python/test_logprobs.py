@@ -12,20 +12,15 @@ single-device call. The linear form's tests run with keep_logits False and True 
 once, in the input dtype, and kept for the backward). Parametrised over DEVICES (run with -k cuda
 on a GPU)."""
 
-import datetime
-import json
-import os
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedce
 from fusedce import token_logprobs
 from conftest import DEVICES, DTYPES
+from gloo_groups import failures_of, spawn_group
 
 ops = torch.ops.fusedce
 IGNORE = -100
@@ -712,25 +707,13 @@ def _vp_cases(world, rank, group):
         raise AssertionError("no rank may go on with a bad call")
 
 
-def _vp_worker(rank, world, store, out):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    result = None
-    try:
-        _vp_cases(world, rank, dist.group.WORLD)
-    except BaseException:  # noqa: B036
-        result = traceback.format_exc()
-    finally:
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.destroy_process_group()
+def _vp_case(key, group, rank, world):
+    _vp_cases(world, rank, group)
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 @pytest.mark.parametrize("world", [2, 3])
-def test_vocabulary_parallel_equals_single_device(world, tmp_path):
-    mp.spawn(_vp_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
-    failures = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
-    bad = [f"rank {r}:\n{f}" for r, f in enumerate(failures) if f]
-    assert not bad, "\n".join(bad)
+def test_vocabulary_parallel_equals_single_device(world, tmp_path_factory):
+    results = spawn_group(world, ["vp"], _vp_case, tmp_path_factory, timeout_s=120, deadline_s=400)
+    failures = failures_of(results, "vp")
+    assert not failures, failures
