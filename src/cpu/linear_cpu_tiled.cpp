@@ -21,6 +21,7 @@
 #include "common/call.h"
 #include "common/constants.h"
 #include "cpu/elements.h"
+#include "cpu/forward_outputs.h"
 #include "cpu/kernels.h"
 #include "cpu/thread_pool.h"
 
@@ -374,31 +375,8 @@ Status run_linear_tiled(const detail::LinearCall& call) {
     }
   }
 
-  // ---- forward outputs (per row over all N rows; reductions in double, in row order)
-  const ForwardOutputs& out = call.out;
-  auto put = [](const VectorView& v, int64_t i, float x) { static_cast<float*>(v.data)[i * v.stride] = x; };
-  if (o.reduction == Reduction::kNone) {
-    for (int64_t i = 0; i < N; ++i) put(out.loss, i, 0.0f);
-    for (int64_t i = 0; i < M; ++i) put(out.loss, p.rows[i], loss_row[i]);
-  } else {
-    double total = 0.0;
-    for (int64_t i = 0; i < M; ++i) total += loss_row[i];
-    put(out.loss, 0, static_cast<float>(o.reduction == Reduction::kMean ? total / denominator : total));
-  }
-  if (!out.lse.empty()) {
-    for (int64_t i = 0; i < N; ++i) put(out.lse, i, 0.0f);
-    for (int64_t i = 0; i < M; ++i) put(out.lse, p.rows[i], lse[i]);
-  }
-  if (o.compute_metrics) {
-    int64_t nc = 0;
-    double ent = 0.0;
-    for (int64_t i = 0; i < M; ++i) {
-      nc += correct[i];
-      ent += entropy[i];
-    }
-    static_cast<int64_t*>(out.num_correct.data)[0] = nc;
-    put(out.entropy_sum, 0, static_cast<float>(ent));
-  }
+  // ---- forward outputs
+  write_forward_outputs(call.out, o, denominator, N, ComputedRows{p.rows, loss_row, lse, correct, entropy});
   if (call.job != Job::kForwardBackward) return Status::Ok();
 
   // ---- gradients
