@@ -25,6 +25,13 @@
 # linear and peers steps write the CSV files bench/RESULTS.md is made from (bench.csv,
 # linear_bench.csv, ce_peers.csv: copy them into bench/h200 and run bench/make_results.py).
 # PEERS_ARGS goes to the peers step's `python -m fusedce.bench --only ce` (e.g. --quick).
+# With PREBUILT (binaries from scripts/pack_prebuilt.sh) the default steps are "tests sanitizer
+# python" with PYTEST_ARGS="-k cuda" and TORCH_CUDA_ARCHS=90: every CUDA check of a commit in one
+# device call of under 10 minutes; the torch extension builds in the background meanwhile.
+# The record: every run writes gpu_check.txt (to $OUT and to bench/h200/gpu_check.txt): its first
+# line `commit <full sha>` (git's HEAD, else $GPU_CHECK_COMMIT: the device machine's copy of the
+# tree may come without .git), then the date, the GPU, the steps and each one's pass / fail
+# counts. Commit it with the change it checked.
 # The opt-in step "shard" times one rank of the vocabulary-parallel linear cross-entropy at
 # W = 2, 4, 8 beside the one-device call (`python -m fusedce.bench --only shard`, SHARD_ARGS
 # added, e.g. --repeat 50) and writes linear_shard.csv; alone (STEPS=shard TORCH_CUDA_ARCHS=90)
@@ -37,15 +44,53 @@ build=build-gpu
 status=0
 step() { echo "== $*  ($(date +%T))"; }
 # The device tool returns at most 8 files from $OUT: on exit, more than that are packed into
-# logs.tgz (everything), and only it, the benchmark tables (bench*.md) and the CSV files stay beside it.
+# logs.tgz (everything), and only it, the record (gpu_check.txt), the benchmark tables (bench*.md)
+# and the CSV files stay beside it.
 pack_logs() {
   [ "$(find "$out" -maxdepth 1 -type f | wc -l)" -le 8 ] && return
   tar -C "$out" -czf /tmp/gpu_check_logs.tgz . && mv /tmp/gpu_check_logs.tgz "$out/logs.tgz"
-  find "$out" -mindepth 1 -maxdepth 1 ! -name logs.tgz ! -name 'bench*.md' ! -name '*.csv' -exec rm -rf {} +
+  find "$out" -mindepth 1 -maxdepth 1 ! -name logs.tgz ! -name gpu_check.txt ! -name 'bench*.md' ! -name '*.csv' -exec rm -rf {} +
   [ "$(find "$out" -maxdepth 1 -type f | wc -l)" -le 8 ] || find "$out" -maxdepth 1 -name 'bench*.md' -delete
 }
-trap pack_logs EXIT
-want() { [[ " ${STEPS:-tests sanitizer bench python peers linear report demo} " == *" $1 "* ]]; }
+if [ -n "${PREBUILT:-}" ]; then
+  default_steps="tests sanitizer python"
+  : "${PYTEST_ARGS=-k cuda}" "${TORCH_CUDA_ARCHS:=90}"
+else
+  default_steps="tests sanitizer bench python peers linear report demo"
+fi
+steps=${STEPS:-$default_steps}
+want() { [[ " $steps " == *" $1 "* ]]; }
+
+# The record of the run: gpu_check.txt, one line a fact, each step's counts added as it ends.
+record=$out/gpu_check.txt
+commit=$(git rev-parse HEAD 2>/dev/null || echo "${GPU_CHECK_COMMIT:-unknown}")
+dirty=""
+git rev-parse HEAD > /dev/null 2>&1 && [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] \
+  && dirty=" (tracked files changed since)"
+{
+  echo "commit $commit"
+  echo "tree $([ -n "$dirty" ] && echo "changed from the commit" || echo "as committed (or no .git to ask)")"
+  echo "date $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "gpu $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+  echo "nvcc $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' | head -1)"
+  echo "binaries $([ -n "${PREBUILT:-}" ] && echo "prebuilt ($PREBUILT)" || echo "built here")"
+  echo "steps $steps"
+} > "$record"
+note() { echo "$*" >> "$record"; }
+finish() {
+  local rc=$?
+  note "status $([ "$status" -eq 0 ] && [ "$rc" -eq 0 ] && echo passed || echo FAILED)"
+  mkdir -p bench/h200 && cp "$record" bench/h200/gpu_check.txt
+  pack_logs
+}
+trap finish EXIT
+# Sums "[  PASSED  ] N tests" and "[  FAILED  ] N tests" over gtest logs.
+gtest_counts() {
+  local passed failed
+  passed=$(cat "$@" 2>/dev/null | grep -hoE "^\[  PASSED  \] [0-9]+ tests?" | awk '{s += $4} END {print s + 0}')
+  failed=$(cat "$@" 2>/dev/null | grep -hoE "^\[  FAILED  \] [0-9]+ tests?," | awk '{s += $4} END {print s + 0}')
+  echo "passed $passed failed $failed"
+}
 
 step "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
@@ -56,7 +101,7 @@ if [ -n "${PREBUILT:-}" ]; then
   # call spends no device time compiling. ctest's files name the build machine's paths, so
   # the tests step runs the binaries themselves (gtest shards in parallel) instead.
   step "prebuilt binaries: $PREBUILT"
-  mkdir -p "$build" && tar -C "$build" -xf "$PREBUILT" || exit 1
+  mkdir -p "$build" && tar -C "$build" -xf "$PREBUILT" || { status=1; exit 1; }
 elif want tests || want sanitizer || want bench || want linear || want profile || want ce_profile || want splits || want ab || want options; then
 step "build"
 gtest_arg=()
@@ -66,6 +111,21 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFUSEDCE_CUDA=ON -DF
   || { tail -30 "$out/configure.log"; exit 1; }
 cmake --build "$build" -j 16 ${BUILD_TARGETS:+--target $BUILD_TARGETS} > "$out/build.log" 2>&1 || { grep -E "error" "$out/build.log" | head -30; exit 1; }
 grep -E "spill" "$out/build.log" | sort | uniq -c | head -20
+fi
+
+# The torch extension (for the Python steps) builds in the background while the C++ tests and
+# the sanitizer run; the Python steps wait for it.
+torch_build_pid=""
+build_torch_extension() {
+  cmake -S . -B build-gpu-torch -G Ninja -DCMAKE_BUILD_TYPE=Release -DFUSEDCE_CUDA=ON -DFUSEDCE_TORCH=ON \
+    -DFUSEDCE_TESTS=OFF -DFUSEDCE_EXAMPLES=OFF "-DCMAKE_CUDA_ARCHITECTURES=${TORCH_CUDA_ARCHS:-80-real;90}" \
+    -DPython_EXECUTABLE="$(command -v python3)" > "$out/torch_build.log" 2>&1 &&
+    cmake --build build-gpu-torch -j "${TORCH_BUILD_JOBS:-12}" >> "$out/torch_build.log" 2>&1
+}
+if (want python || want peers || want report || want demo || want shard) && python3 -c "import torch, pytest" 2>/dev/null; then
+  step "torch extension: building in the background"
+  build_torch_extension &
+  torch_build_pid=$!
 fi
 
 if want tests && [ -n "${PREBUILT:-}" ]; then
@@ -80,13 +140,16 @@ for t in "$build"/tests/cpp/fusedce_*tests; do
   done
 done
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+note "gtest (${GTEST_FILTER:-*cuda*:*Cuda*}): $(gtest_counts "$out"/gtest_*_[0-3].log)"
 cat "$out"/gtest_*.log > "$out/gtest.log" && rm -f "$out"/gtest_*_[0-3].log
 grep -hE "^\[  (PASSED|FAILED)  \]|tests? ran" "$out/gtest.log" | sort | uniq -c
 grep -hE "^\[  FAILED  \].*\(" "$out/gtest.log" | head -30
+grep -hE "^\[  FAILED  \].*\(" "$out/gtest.log" | head -20 | sed 's/^/  /' >> "$record"
 elif want tests; then
 step "tests (ctest, GPU present)"
 ctest --test-dir "$build" -j 12 --timeout 900 --output-on-failure ${CTEST_ARGS:-} > "$out/ctest.log" 2>&1 || status=1
 tail -25 "$out/ctest.log"
+note "ctest ${CTEST_ARGS:-}: $(grep -hE "tests passed, [0-9]+ tests? failed out of" "$out/ctest.log" | tail -1)"
 fi
 
 if want sanitizer; then
@@ -130,6 +193,7 @@ for tool in memcheck racecheck; do
       > "$out/sanitizer_${tool}_stages.log" 2>&1 || rc=$?
   fi
   echo "$tool: exit $rc; $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|tests? ran|PASSED|FAILED' "$out"/sanitizer_${tool}_*.log | tr '\n' ' ')"
+  note "$tool (judged): exit $rc; $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$out"/sanitizer_${tool}_*.log | tr '\n' ' ')gtest $(gtest_counts "$out"/sanitizer_${tool}_*.log)"
   [ $rc -eq 0 ] || status=1
 done
 # Two consumer groups forced (with the gradient too): the grid's sizes under memcheck (racecheck
@@ -138,6 +202,7 @@ rc=0
 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/fusedce_cuda_tests" --gtest_filter='CudaSanitize.TwoGroups' \
   > "$out/sanitizer_memcheck_groups.log" 2>&1 || rc=$?
 echo "two groups forced: exit $rc; $(grep -hE 'ERROR SUMMARY|PASSED|FAILED' "$out"/sanitizer_memcheck_groups.log | tr '\n' ' ')"
+note "memcheck, two groups forced (judged): exit $rc; $(grep -hE 'ERROR SUMMARY' "$out"/sanitizer_memcheck_groups.log | tr '\n' ' ')gtest $(gtest_counts "$out"/sanitizer_memcheck_groups.log)"
 [ $rc -eq 0 ] || status=1
 # Informational: racecheck over the layout, value and equivalence tests of fusedce_tests. They
 # run the public API, hence the default plans, whose asynchronous reduction racecheck reports as
@@ -146,6 +211,7 @@ compute-sanitizer --tool racecheck --print-limit 2 "$bin/fusedce_tests" \
   --gtest_filter="${RACECHECK_FILTER:-*cuda*:*Cuda*:-*LinearGrid*:*LinearContract*}" \
   > "$out/sanitizer_racecheck_public.log" 2>&1
 echo "racecheck, public API with the default plans (informational): $(grep -hE 'RACECHECK SUMMARY|PASSED|FAILED' "$out/sanitizer_racecheck_public.log" | tr '\n' ' ')"
+note "racecheck, public API, default plans (informational): $(grep -hE 'RACECHECK SUMMARY' "$out/sanitizer_racecheck_public.log" | tr '\n' ' ')gtest $(gtest_counts "$out/sanitizer_racecheck_public.log")"
 # Informational: racecheck over the default (asynchronous) reduction on one small sweep.
 compute-sanitizer --tool racecheck --print-limit 2 "$bin/fusedce_grid_tests" --gtest_filter='*cuda_bfloat16_V1024_N257_*' \
   > "$out/sanitizer_racecheck_async.log" 2>&1
@@ -161,7 +227,10 @@ fi
 
 if want bench; then
 step "benchmark"
-"$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench.csv" | tee "$out/bench.md" || status=1
+rc=0
+"$build/bench/fusedce_bench" ${BENCH_ARGS:-} --csv "$out/bench.csv" | tee "$out/bench.md" || rc=1
+note "bench: exit $rc"
+[ $rc -eq 0 ] || status=1
 fi
 
 # Carried wheels (peers, and whatever the Python tests need) go to /tmp/site.
@@ -172,18 +241,22 @@ fi
 
 if want python || want peers || want report || want demo || want shard; then
 step "Python front end on the GPU (the machine's torch)"
-if python3 -c "import torch, pytest" 2>/dev/null; then
-  cmake -S . -B build-gpu-torch -G Ninja -DCMAKE_BUILD_TYPE=Release -DFUSEDCE_CUDA=ON -DFUSEDCE_TORCH=ON \
-    -DFUSEDCE_TESTS=OFF -DFUSEDCE_EXAMPLES=OFF "-DCMAKE_CUDA_ARCHITECTURES=${TORCH_CUDA_ARCHS:-80-real;90}" \
-    -DPython_EXECUTABLE="$(command -v python3)" > "$out/torch_build.log" 2>&1 &&
-    cmake --build build-gpu-torch -j 16 >> "$out/torch_build.log" 2>&1 || { tail -20 "$out/torch_build.log"; status=1; }
+if [ -n "$torch_build_pid" ]; then
+  wait "$torch_build_pid" || { tail -20 "$out/torch_build.log"; status=1; note "torch extension build: FAILED"; }
   if want python; then
+    rc=0
     FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} timeout ${PYTEST_TIMEOUT:-3000} python3 -m pytest ${PYTEST_PATHS:-tests/python} -q -rs \
-      -p no:cacheprovider ${PYTEST_ARGS:-} > "$out/pytest.log" 2>&1 || status=1
+      -p no:cacheprovider ${PYTEST_ARGS:-} > "$out/pytest.log" 2>&1 || rc=$?
     tail -5 "$out/pytest.log"
+    grep -hE "^FAILED|^ERROR" "$out/pytest.log" | head -20
+    note "pytest ${PYTEST_PATHS:-tests/python} ${PYTEST_ARGS:-}: exit $rc; $(grep -hE "[0-9]+ (passed|failed)" "$out/pytest.log" | tail -1 | tr -d '=')"
+    grep -hE "^FAILED|^ERROR" "$out/pytest.log" | head -20 | sed 's/^/  /' >> "$record"
+    [ $rc -eq 0 ] || status=1
   fi
 else
   echo "python3 has no torch or pytest here: Python tests not run (carry pytest in .whl/)"
+  note "pytest: not run (python3 has no torch or pytest)"
+  want python && status=1
 fi
 fi
 

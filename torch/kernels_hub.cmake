@@ -53,15 +53,32 @@ print(";".join([torch.__version__.split("+")[0], torch.version.cuda or "",
   set(FUSEDCE_HUB_VARIANT "torch${_tmaj}${_tmin}-${_abi}-${_compute}-${_machine}-linux" PARENT_SCOPE)
 endfunction()
 
-# The namespace (and metadata id) of this build: the backend and the source's git revision.
+# The source revision that names a build: the commit of the sources when they are a git checkout
+# of their own (the repository's top is the project's root), else the project's version. Never
+# the commit of a repository that merely encloses the sources (a tarball unpacked inside another
+# checkout would take that checkout's commit).
+function(fusedce_source_revision out)
+  set(_rev "")
+  execute_process(COMMAND git rev-parse --show-toplevel WORKING_DIRECTORY "${PROJECT_SOURCE_DIR}"
+                  OUTPUT_VARIABLE _top OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE _git)
+  if(_git EQUAL 0 AND NOT _top STREQUAL "")
+    file(REAL_PATH "${_top}" _top)
+    file(REAL_PATH "${PROJECT_SOURCE_DIR}" _root)
+    if(_top STREQUAL _root)
+      execute_process(COMMAND git rev-parse --short=7 HEAD WORKING_DIRECTORY "${PROJECT_SOURCE_DIR}"
+                      OUTPUT_VARIABLE _rev OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    endif()
+  endif()
+  if(_rev STREQUAL "")
+    string(REGEX REPLACE "[^0-9A-Za-z]" "_" _rev "v${PROJECT_VERSION}")
+  endif()
+  set(${out} "${_rev}" PARENT_SCOPE)
+endfunction()
+
+# The namespace (and metadata id) of this build: the backend and the source revision.
 function(fusedce_hub_namespace out)
   _fusedce_hub_facts()
-  execute_process(COMMAND git rev-parse --short=7 HEAD WORKING_DIRECTORY "${PROJECT_SOURCE_DIR}"
-                  OUTPUT_VARIABLE _rev OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE _git)
-  if(NOT _git EQUAL 0 OR _rev STREQUAL "")
-    string(SHA256 _rev "${PROJECT_VERSION}")
-    string(SUBSTRING "${_rev}" 0 7 _rev)
-  endif()
+  fusedce_source_revision(_rev)
   set(${out} "_fusedce_${FUSEDCE_HUB_BACKEND}_${_rev}" PARENT_SCOPE)
   set(FUSEDCE_HUB_BACKEND ${FUSEDCE_HUB_BACKEND} PARENT_SCOPE)
   set(FUSEDCE_HUB_VARIANT ${FUSEDCE_HUB_VARIANT} PARENT_SCOPE)

@@ -36,19 +36,24 @@ def trained_looking(n, h, v, seed, device):
     return hidden.to(device), w.to(device), target.to(device)
 
 
-def gradients(loss_fn, hidden, weight, target):
+def gradients(loss_fn, hidden, weight, target, bias=None):
+    """grad hidden, grad weight (and grad bias when a bias is given), in float64."""
     h = hidden.detach().clone().requires_grad_(True)
     w = weight.detach().clone().requires_grad_(True)
-    loss_fn(h, w, target).backward()
-    return h.grad.double(), w.grad.double()
+    if bias is None:
+        loss_fn(h, w, target).backward()
+        return h.grad.double(), w.grad.double()
+    b = bias.detach().clone().requires_grad_(True)
+    loss_fn(h, w, target, b).backward()
+    return h.grad.double(), w.grad.double(), b.grad.double()
 
 
-def torch_path(h, w, t):
-    return F.cross_entropy(F.linear(h, w).float(), t)
+def torch_path(h, w, t, b=None):
+    return F.cross_entropy(F.linear(h, w, b).float(), t)
 
 
-def fused_path(h, w, t):
-    return fusedce.linear_cross_entropy(h, w, t)
+def fused_path(h, w, t, b=None):
+    return fusedce.linear_cross_entropy(h, w, t, b)
 
 
 def error_stats(g, r):
@@ -73,14 +78,21 @@ def judge(ours, theirs, dtype):
     return problems
 
 
-def compare(device, dtype, seed, fused=fused_path):
+def compare(device, dtype, seed, fused=fused_path, with_bias=False):
+    """with_bias: a bias of N(0, 1) values too (its logits' magnitudes, 8-12 on the confident
+    rows, are where a 16-bit logit's rounding matters most), judged with its gradient."""
     hidden, weight, target = trained_looking(*SHAPE, seed, device)
     hidden, weight = hidden.to(dtype), weight.to(dtype)
-    ref = gradients(lambda h, w, t: F.cross_entropy(F.linear(h, w), t), hidden.double(), weight.double(), target)
-    ours = gradients(fused, hidden, weight, target)
-    theirs = gradients(torch_path, hidden, weight, target)
+    bias = None
+    if with_bias:
+        g = torch.Generator().manual_seed(seed + 1000)
+        bias = torch.randn(SHAPE[2], generator=g).to(device=device, dtype=dtype)
+    ref = gradients(lambda h, w, t, b=None: F.cross_entropy(F.linear(h, w, b), t), hidden.double(), weight.double(),
+                    target, None if bias is None else bias.double())
+    ours = gradients(fused, hidden, weight, target, bias)
+    theirs = gradients(torch_path, hidden, weight, target, bias)
     problems = {}
-    for i, name in enumerate(("grad_hidden", "grad_weight")):
+    for i, name in enumerate(("grad_hidden", "grad_weight", "grad_bias")[: len(ref)]):
         problems[name] = judge(error_stats(ours[i], ref[i]), error_stats(theirs[i], ref[i]), dtype)
     # the rare vocabulary rows alone: the half with the smallest exact gradients
     rare = ref[1].norm(dim=1).argsort()[: SHAPE[2] // 2]
@@ -96,6 +108,14 @@ def test_gradients_as_close_as_pytorch_and_unbiased(device, dtype, seed):
     assert compare(device, dtype, seed) == {}
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gradients_with_bias_as_close_as_pytorch_and_unbiased(device, dtype, seed):
+    """With a bias, against PyTorch's 16-bit F.linear with that bias (its addmm), grad bias too."""
+    assert compare(device, dtype, seed, with_bias=True) == {}
+
+
 def test_judge_catches_a_two_percent_shrink():
     """The check can fail: fusedce's gradients scaled by 0.98 are caught, in the relative error
     and as a systematic share."""
@@ -105,3 +125,23 @@ def test_judge_catches_a_two_percent_shrink():
     problems = compare("cpu", torch.bfloat16, 0, fused=shrunk)
     assert set(problems) == {"grad_hidden", "grad_weight", "grad_weight (rare rows)"}
     assert all(any("systematic share" in p for p in v) for v in problems.values())
+
+
+def test_judge_catches_a_two_percent_shrink_of_grad_bias_alone():
+    """With a bias: grad bias alone 2% too small (the bias passes through an identity whose
+    backward scales by 0.98) is caught, on grad bias alone."""
+    class ShrinkGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return 0.98 * g
+
+    def shrunk_bias(h, w, t, b):
+        return fusedce.linear_cross_entropy(h, w, t, ShrinkGrad.apply(b))
+
+    problems = compare("cpu", torch.bfloat16, 0, fused=shrunk_bias, with_bias=True)
+    assert set(problems) == {"grad_bias"}
+    assert any("systematic share" in p for p in problems["grad_bias"])

@@ -94,3 +94,44 @@ def test_matches_float64(hub):
     count, failed, failures = hub_checks.run(hub, "cpu")
     assert failed == 0, "\n".join(failures)
     assert count > 20
+
+
+def _source_revision(source_dir):
+    """torch/kernels_hub.cmake's fusedce_source_revision for sources at `source_dir` (CMake's
+    script mode, PROJECT_VERSION 0.1.0)."""
+    script = source_dir.parent / f"revision_{source_dir.name}.cmake"
+    script.write_text(f'set(PROJECT_SOURCE_DIR "{source_dir}")\nset(PROJECT_VERSION 0.1.0)\n'
+                      f'include("{ROOT / "torch" / "kernels_hub.cmake"}")\n'
+                      'fusedce_source_revision(rev)\nmessage(STATUS "rev=${rev}")\n')
+    done = subprocess.run(["cmake", "-P", str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return next(line.split("rev=", 1)[1] for line in done.stdout.splitlines() if "rev=" in line)
+
+
+def _git(cwd, *args):
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t")
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_namespace_revision_is_the_sources_own(tmp_path):
+    """A git checkout of the sources is named by its own commit; sources unpacked inside another
+    repository (a tarball in someone's checkout) by the project's version, never by the
+    enclosing repository's commit."""
+    outer = tmp_path / "outer"
+    unpacked = outer / "vendor" / "fusedce-0.1.0"
+    unpacked.mkdir(parents=True)
+    (unpacked / "CMakeLists.txt").write_text("# sources\n")
+    _git(outer, "init", "-q")
+    _git(outer, "add", "-A")
+    _git(outer, "commit", "-q", "-m", "outer")
+    assert _source_revision(unpacked) == "v0_1_0"
+
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / "CMakeLists.txt").write_text("# sources\n")
+    _git(checkout, "init", "-q")
+    _git(checkout, "add", "-A")
+    _git(checkout, "commit", "-q", "-m", "own")
+    assert _source_revision(checkout) == _git(checkout, "rev-parse", "--short=7", "HEAD")
