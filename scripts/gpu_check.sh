@@ -29,8 +29,8 @@
 # python" with PYTEST_ARGS="-k cuda" and TORCH_CUDA_ARCHS=90: every CUDA check of a commit in one
 # device call of under 10 minutes; the torch extension builds in the background meanwhile.
 # The record: every run writes gpu_check.txt (to $OUT and to bench/h200/gpu_check.txt): its first
-# line `commit <full sha>` (git's HEAD, else $GPU_CHECK_COMMIT: the device machine's copy of the
-# tree may come without .git), then the date, the GPU, the steps and each one's pass / fail
+# line `commit <full sha>` ($GPU_CHECK_COMMIT, else git's HEAD: the device machine's copy of the
+# tree may carry a .git of another commit), then the date, the GPU, the steps and each one's pass / fail
 # counts. Commit it with the change it checked.
 # The opt-in step "shard" times one rank of the vocabulary-parallel linear cross-entropy at
 # W = 2, 4, 8 beside the one-device call (`python -m fusedce.bench --only shard`, SHARD_ARGS
@@ -63,13 +63,18 @@ want() { [[ " $steps " == *" $1 "* ]]; }
 
 # The record of the run: gpu_check.txt, one line a fact, each step's counts added as it ends.
 record=$out/gpu_check.txt
-commit=$(git rev-parse HEAD 2>/dev/null || echo "${GPU_CHECK_COMMIT:-unknown}")
-dirty=""
-git rev-parse HEAD > /dev/null 2>&1 && [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] \
-  && dirty=" (tracked files changed since)"
+# GPU_CHECK_COMMIT first: a device machine's copy of the tree can carry a .git of another commit.
+if [ -n "${GPU_CHECK_COMMIT:-}" ]; then
+  commit=$GPU_CHECK_COMMIT
+  tree="as given by GPU_CHECK_COMMIT (the caller's clean checkout of that commit)"
+else
+  commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+  tree="as committed"
+  [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && tree="changed from the commit"
+fi
 {
   echo "commit $commit"
-  echo "tree $([ -n "$dirty" ] && echo "changed from the commit" || echo "as committed (or no .git to ask)")"
+  echo "tree $tree"
   echo "date $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "gpu $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
   echo "nvcc $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' | head -1)"

@@ -51,16 +51,27 @@ Stride with_ld(int64_t ld) {
   return s;
 }
 
-template <class LA, class LB, class Tile, class Cluster>
+// Cooperative: both consumer warpgroups on one tile (each half of its M). Ping-pong: each
+// consumer warpgroup a tile of its own, one's epilogue under the other's main loop.
+struct Coop {
+  using K = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using E = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+struct PingPong {
+  using K = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using E = cutlass::epilogue::TmaWarpSpecialized;
+};
+
+template <class LA, class LB, class Tile, class Cluster, class Sched = Coop, class TileScheduler = void>
 struct Kernel {
   using Epi = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster, cutlass::epilogue::collective::EpilogueTileAuto,
-      float, float, void, RM, 8, bf16, RM, 8, cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+      float, float, void, RM, 8, bf16, RM, 8, typename Sched::E>::CollectiveOp;
   using Main = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, LA, 8, bf16, LB, 8, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-  using GK = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi>;
+      typename Sched::K>::CollectiveOp;
+  using GK = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi, TileScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GK>;
 
   // D (M x N row-major) = A . B; lda / ldb the operands' leading dimensions.
@@ -92,11 +103,32 @@ using C1x2 = Shape<_1, _2, _1>;
 // One product's CUTLASS candidates: (name, runner) for each tile / cluster shape.
 using Runner = std::function<bool(int, int, int, const bf16*, int64_t, const bf16*, int64_t, bf16*, Raster, int, void*,
                                   size_t, cudaStream_t)>;
+using T128x192 = Shape<_128, _192, _64>;
+using T256x192 = Shape<_256, _192, _64>;
 template <class LA, class LB>
 std::vector<std::pair<std::string, Runner>> candidates() {
   return {{"128x256 c2x1", Kernel<LA, LB, T128x256, C2x1>::run},
           {"256x128 c1x2", Kernel<LA, LB, T256x128, C1x2>::run},
           {"128x256 c1x2", Kernel<LA, LB, T128x256, C1x2>::run}};
+}
+// The logits product's extra shapes: V = 128256 is 668 tiles of 192, and 4096 or 8192 rows are
+// whole tiles of 128. Ping-pong 128 x 192 (192 accumulator registers a consumer thread),
+// cooperative 256 x 192.
+template <class LA, class LB>
+std::vector<std::pair<std::string, Runner>> logits_candidates() {
+  auto v = candidates<LA, LB>();
+  v.push_back({"pp 128x192 c2x1", Kernel<LA, LB, T128x192, C2x1, PingPong>::run});
+  v.push_back({"pp 128x192 c1x2", Kernel<LA, LB, T128x192, C1x2, PingPong>::run});
+  v.push_back({"coop 256x192 c2x1", Kernel<LA, LB, T256x192, C2x1>::run});
+  return v;
+}
+// grad_hidden at 4096 rows: 512 tiles of 128 x 256 on 132 SMs (3.9 waves); stream-K splits the
+// last wave's K.
+template <class LA, class LB>
+std::vector<std::pair<std::string, Runner>> grad_h_candidates() {
+  auto v = candidates<LA, LB>();
+  v.push_back({"128x256 c2x1 stream-K", Kernel<LA, LB, T128x256, C2x1, Coop, cutlass::gemm::StreamKScheduler>::run});
+  return v;
 }
 
 template <class F>
@@ -257,6 +289,10 @@ int main(int argc, char** argv) {
   const size_t wsb = size_t(32) << 20;  // the library's cuBLASLt workspace
   void* ws;
   CK(cudaMalloc(&ws, wsb));
+  // CUTLASS's own workspace (stream-K's partial tiles need more than cuBLASLt's 32 MiB).
+  const size_t wsb_c = size_t(512) << 20;
+  void* ws_c;
+  CK(cudaMalloc(&ws_c, wsb_c));
   fill_random<<<1024, 256>>>(hid, h_el, 1.7f, 1);
   fill_random<<<1024, 256>>>(w, w_el, 0.04f, 2);
   fill_random<<<1024, 256>>>(lg, big, 1e-4f, 3);
@@ -315,8 +351,8 @@ int main(int argc, char** argv) {
       std::vector<std::pair<std::string, Runner>> cands;
     };
     std::vector<Prod> prods = {
-        {"logits", c.R, c.V, c.H, hid, w, c.H, c.H, true, false, candidates<RM, CM>()},
-        {"grad_h", c.R, c.H, c.V, lg, w, c.V, c.H, true, true, candidates<RM, RM>()},
+        {"logits", c.R, c.V, c.H, hid, w, c.H, c.H, true, false, logits_candidates<RM, CM>()},
+        {"grad_h", c.R, c.H, c.V, lg, w, c.V, c.H, true, true, grad_h_candidates<RM, RM>()},
         {"grad_w", c.V, c.H, c.R, lg, hid, c.V, c.H, false, true, candidates<CM, RM>()},
     };
     for (auto& p : prods) {
@@ -339,14 +375,26 @@ int main(int argc, char** argv) {
       float best_c_ms = 1e30f, worst_check = 0;
       for (int k = 0; k < int(p.cands.size()); ++k) {
         auto& run = p.cands[k].second;
-        if (!run(p.M, p.N, p.K, p.a, p.lda, p.b, p.ldb, d1, Raster::Heuristic, 1, ws, wsb, s)) continue;
-        worst_check = std::max(worst_check, rel_diff(d1, d0, size_t(p.M) * p.N, diff, s));
+        if (!run(p.M, p.N, p.K, p.a, p.lda, p.b, p.ldb, d1, Raster::Heuristic, 1, ws_c, wsb_c, s)) {
+          (void)cudaGetLastError();
+          fprintf(stderr, "  %dx%dx%d %s %s: cannot run\n", c.R, c.H, c.V, p.name, p.cands[k].first.c_str());
+          continue;
+        }
+        const float check = rel_diff(d1, d0, size_t(p.M) * p.N, diff, s);
+        worst_check = std::max(worst_check, check);
+        float mine = 1e30f;
+        Raster my_r = Raster::Heuristic;
+        int my_sw = 1;
         for (Raster r : rasters) {
           for (int sw : swizzles) {
-            const float t = time_it([&] { run(p.M, p.N, p.K, p.a, p.lda, p.b, p.ldb, d1, r, sw, ws, wsb, s); }, s);
+            const float t = time_it([&] { run(p.M, p.N, p.K, p.a, p.lda, p.b, p.ldb, d1, r, sw, ws_c, wsb_c, s); }, s);
+            if (t < mine) mine = t, my_r = r, my_sw = sw;
             if (t < best_c_ms) best_c_ms = t, best_c = k, best_r = r, best_sw = sw;
           }
         }
+        // Each candidate's best screening time against cuBLASLt #0's (stderr: the table stays on stdout).
+        fprintf(stderr, "  %dx%dx%d %s %-24s raster %s swizzle %d: %.3f ms (%.3f x #0 screen), check %.1e\n", c.R, c.H,
+                c.V, p.name, p.cands[k].first.c_str(), raster_name(my_r), my_sw, mine, mine / t0, check);
       }
       CK(cudaGetLastError());
       // Interleaved rounds: cuBLASLt #0, the best other cuBLASLt, the best CUTLASS.
@@ -356,7 +404,7 @@ int main(int argc, char** argv) {
         if (best_lt >= 0) r1.push_back(time_it([&] { lt.run(best_lt, p.a, p.b, d1, ws, wsb, s); }, s));
         if (best_c >= 0) {
           auto& run = p.cands[best_c].second;
-          r2.push_back(time_it([&] { run(p.M, p.N, p.K, p.a, p.lda, p.b, p.ldb, d1, best_r, best_sw, ws, wsb, s); }, s));
+          r2.push_back(time_it([&] { run(p.M, p.N, p.K, p.a, p.lda, p.b, p.ldb, d1, best_r, best_sw, ws_c, wsb_c, s); }, s));
         }
       }
       const float m0 = median(r0);
