@@ -3,9 +3,11 @@
 # source page) and packs them into build-pack/bins.txz for a device call that spends no time
 # compiling:
 #   bash scripts/pack_prebuilt.sh            (about 3-5 minutes on 2 cores from scratch, plus 2 to pack)
-#   device: PREBUILT=build-pack/bins.txz STEPS="tests sanitizer bench" bash scripts/gpu_check.sh
-#           (carry build-pack; scripts/ce_stalls.sh build-gpu/bench/fusedce_bench after unpacking,
-#           or carry build-sm90/bench/fusedce_bench and pass that)
+#   device: GPU_CHECK_COMMIT=<sha> PREBUILT=build-pack/bins.txz bash scripts/gpu_check.sh
+#           (carry build-pack and .deps: every CUDA gtest, the sanitizer and the Python CUDA tests,
+#           about 8 minutes, writing the record bench/h200/gpu_check.txt; STEPS="tests sanitizer
+#           bench" for the benchmark too; scripts/ce_stalls.sh build-gpu/bench/fusedce_bench after
+#           unpacking, or carry build-sm90/bench/fusedce_bench and pass that)
 # Both build-sm90/ and build-pack/ are ignored by git.
 set -euo pipefail
 cd "$(dirname "$0")/.."

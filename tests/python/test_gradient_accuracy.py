@@ -64,17 +64,22 @@ def error_stats(g, r):
             "proj": ((g - r) @ r / rn2).item()}
 
 
-def judge(ours, theirs, dtype):
+def judge(ours, theirs, dtype, floor=None):
     """fusedce's error stats `ours` against PyTorch's `theirs`: no larger error (5% slack for
     rounding luck), and no systematic share of the gradient beyond a tenth of the dtype's
     rounding unit, or beyond PyTorch's own where that is larger (its 16-bit path has one: on
-    the CPU inputs here its bfloat16 grad hidden comes out 0.13-0.14% too large)."""
+    the CPU inputs here its bfloat16 grad hidden comes out 0.13-0.14% too large). `floor`: the
+    stats of the exact gradient rounded to the dtype, which no path can beat; it matters where a
+    few entries carry the norm (grad bias: on Zipf targets one entry holds 60% of it, so its one
+    rounding shows as a share of up to half a unit)."""
     unit = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}[dtype]
+    floor = floor or {"rel": 0.0, "proj": 0.0}
     problems = []
-    if ours["rel"] > 1.05 * theirs["rel"] + 1e-7:
+    if ours["rel"] > max(1.05 * theirs["rel"], 1.05 * floor["rel"]) + 1e-7:
         problems.append(f"relative error {ours['rel']:.3e} > PyTorch's {theirs['rel']:.3e}")
-    if abs(ours["proj"]) > max(0.1 * unit, 1.25 * abs(theirs["proj"]), 1e-6):
-        problems.append(f"systematic share {ours['proj']:+.3e} (PyTorch's {theirs['proj']:+.3e})")
+    if abs(ours["proj"]) > max(0.1 * unit, 1.25 * abs(theirs["proj"]), 1.25 * abs(floor["proj"]), 1e-6):
+        problems.append(f"systematic share {ours['proj']:+.3e} (PyTorch's {theirs['proj']:+.3e}, "
+                        f"the rounded exact gradient's {floor['proj']:+.3e})")
     return problems
 
 
@@ -93,7 +98,8 @@ def compare(device, dtype, seed, fused=fused_path, with_bias=False):
     theirs = gradients(torch_path, hidden, weight, target, bias)
     problems = {}
     for i, name in enumerate(("grad_hidden", "grad_weight", "grad_bias")[: len(ref)]):
-        problems[name] = judge(error_stats(ours[i], ref[i]), error_stats(theirs[i], ref[i]), dtype)
+        floor = error_stats(ref[i].to(dtype).double(), ref[i])
+        problems[name] = judge(error_stats(ours[i], ref[i]), error_stats(theirs[i], ref[i]), dtype, floor)
     # the rare vocabulary rows alone: the half with the smallest exact gradients
     rare = ref[1].norm(dim=1).argsort()[: SHAPE[2] // 2]
     problems["grad_weight (rare rows)"] = judge(error_stats(ours[1][rare], ref[1][rare]),
@@ -127,9 +133,9 @@ def test_judge_catches_a_two_percent_shrink():
     assert all(any("systematic share" in p for p in v) for v in problems.values())
 
 
-def test_judge_catches_a_two_percent_shrink_of_grad_bias_alone():
-    """With a bias: grad bias alone 2% too small (the bias passes through an identity whose
-    backward scales by 0.98) is caught, on grad bias alone."""
+def test_judge_catches_a_half_percent_shrink_of_grad_bias_alone():
+    """With a bias: grad bias alone 0.5% too small (the bias passes through an identity whose
+    backward scales by 0.995) is caught, on grad bias alone, above its rounding floor."""
     class ShrinkGrad(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
@@ -137,7 +143,7 @@ def test_judge_catches_a_two_percent_shrink_of_grad_bias_alone():
 
         @staticmethod
         def backward(ctx, g):
-            return 0.98 * g
+            return 0.995 * g
 
     def shrunk_bias(h, w, t, b):
         return fusedce.linear_cross_entropy(h, w, t, ShrinkGrad.apply(b))
