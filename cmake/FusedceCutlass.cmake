@@ -1,16 +1,16 @@
 # CUTLASS / CuTe C++ headers for the Hopper matrix-product kernels, fetched at configure time
-# from the package index (the nvidia-cutlass wheel carries them), at one pinned version checked
-# by its SHA-256. Nothing of CUTLASS is kept in the repository.
+# from the package index by package name (the nvidia-cutlass wheel carries them), at one pinned
+# version checked by its SHA-256. Nothing of CUTLASS is kept in the repository.
 #
 # Where the wheel comes from, first match wins:
 #   1. FUSEDCE_CUTLASS_WHEEL: a wheel file already here (machines without internet: carry it);
 #   2. .deps/ of the source tree: a wheel an earlier configure downloaded;
-#   3. a download from the package index's file host, into .deps/ (checked as above).
+#   3. `pip download nvidia-cutlass==<version> --no-deps` into .deps/, through the Python found
+#      here (the package index pip is set up for; checked as above).
 # Sets FUSEDCE_CUTLASS_INCLUDE_DIR (the directory holding cutlass/ and cute/).
 
 set(FUSEDCE_CUTLASS_VERSION 4.2.0.0)
 set(FUSEDCE_CUTLASS_SHA256 f9599ada45c7bcb6bf53f7d3f0a7d154183e53451c01bfa59eecd37dd4a693f6)
-set(FUSEDCE_CUTLASS_URL "https://files.pythonhosted.org/packages/21/6b/e86fc2fd536dd4b8bd2209aa31d7002610c501b0802337787eac9c9b328c/nvidia_cutlass-4.2.0.0-py3-none-any.whl")
 set(_fusedce_cutlass_name nvidia_cutlass-${FUSEDCE_CUTLASS_VERSION}-py3-none-any.whl)
 set(FUSEDCE_CUTLASS_WHEEL "" CACHE FILEPATH "A local ${_fusedce_cutlass_name} (offline builds)")
 
@@ -19,17 +19,41 @@ set(_fusedce_cutlass_wheel ${FUSEDCE_CUTLASS_WHEEL})
 if(NOT _fusedce_cutlass_wheel)
   set(_fusedce_cutlass_wheel ${_fusedce_cutlass_cache}/${_fusedce_cutlass_name})
   if(NOT EXISTS ${_fusedce_cutlass_wheel})
-    message(STATUS "fusedce: downloading nvidia-cutlass ${FUSEDCE_CUTLASS_VERSION} (CUTLASS headers)")
-    file(DOWNLOAD ${FUSEDCE_CUTLASS_URL} ${_fusedce_cutlass_wheel}.part
-         EXPECTED_HASH SHA256=${FUSEDCE_CUTLASS_SHA256} STATUS _fusedce_dl TLS_VERIFY ON)
-    list(GET _fusedce_dl 0 _fusedce_dl_code)
-    if(NOT _fusedce_dl_code EQUAL 0)
-      file(REMOVE ${_fusedce_cutlass_wheel}.part)
-      message(FATAL_ERROR "fusedce: could not download nvidia-cutlass ${FUSEDCE_CUTLASS_VERSION} (${_fusedce_dl}); "
+    # Python_EXECUTABLE when the build names one (scikit-build-core, the torch extension);
+    # else python3 on the PATH, found under a name of its own so that no later
+    # find_package(Python) inherits this choice.
+    set(_fusedce_pip_python "${Python_EXECUTABLE}")
+    if(NOT _fusedce_pip_python)
+      find_program(_fusedce_pip_python_found NAMES python3 python)
+      set(_fusedce_pip_python "${_fusedce_pip_python_found}")
+    endif()
+    if(NOT _fusedce_pip_python)
+      message(FATAL_ERROR "fusedce: no Python to fetch nvidia-cutlass ${FUSEDCE_CUTLASS_VERSION} with pip; "
                           "pass -DFUSEDCE_CUTLASS_WHEEL=<path to ${_fusedce_cutlass_name}> "
                           "or -DFUSEDCE_CUTLASS=OFF (cuBLASLt products only)")
     endif()
-    file(RENAME ${_fusedce_cutlass_wheel}.part ${_fusedce_cutlass_wheel})
+    message(STATUS "fusedce: pip download nvidia-cutlass==${FUSEDCE_CUTLASS_VERSION} (CUTLASS headers)")
+    set(_fusedce_cutlass_tmp ${_fusedce_cutlass_cache}/pip-download)
+    file(REMOVE_RECURSE ${_fusedce_cutlass_tmp})
+    execute_process(
+      COMMAND "${_fusedce_pip_python}" -m pip download --quiet --no-deps --only-binary=:all:
+              --dest "${_fusedce_cutlass_tmp}" "nvidia-cutlass==${FUSEDCE_CUTLASS_VERSION}"
+      RESULT_VARIABLE _fusedce_pip OUTPUT_VARIABLE _fusedce_pip_out ERROR_VARIABLE _fusedce_pip_out)
+    if(NOT _fusedce_pip EQUAL 0 OR NOT EXISTS ${_fusedce_cutlass_tmp}/${_fusedce_cutlass_name})
+      file(REMOVE_RECURSE ${_fusedce_cutlass_tmp})
+      message(FATAL_ERROR "fusedce: pip could not download nvidia-cutlass ${FUSEDCE_CUTLASS_VERSION} "
+                          "(${_fusedce_pip_out}); pass -DFUSEDCE_CUTLASS_WHEEL=<path to ${_fusedce_cutlass_name}> "
+                          "or -DFUSEDCE_CUTLASS=OFF (cuBLASLt products only)")
+    endif()
+    # Checked before it takes the cache's name: a wrong file never looks like a good download.
+    file(SHA256 ${_fusedce_cutlass_tmp}/${_fusedce_cutlass_name} _fusedce_cutlass_sum)
+    if(NOT _fusedce_cutlass_sum STREQUAL FUSEDCE_CUTLASS_SHA256)
+      file(REMOVE_RECURSE ${_fusedce_cutlass_tmp})
+      message(FATAL_ERROR "fusedce: pip's nvidia-cutlass ${FUSEDCE_CUTLASS_VERSION} has SHA-256 "
+                          "${_fusedce_cutlass_sum}, expected ${FUSEDCE_CUTLASS_SHA256}")
+    endif()
+    file(RENAME ${_fusedce_cutlass_tmp}/${_fusedce_cutlass_name} ${_fusedce_cutlass_wheel})
+    file(REMOVE_RECURSE ${_fusedce_cutlass_tmp})
   endif()
 endif()
 
