@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv-newest
-.venv-newest/bin/pip install -q --upgrade torch transformers accelerate pytest scikit-build-core ninja matplotlib tqdm kernels
+.venv-newest/bin/pip install -q --upgrade torch transformers accelerate pytest scikit-build-core ninja matplotlib tqdm kernels trl
 mkdir -p build-newest
 .venv-newest/bin/pip freeze > build-newest/freeze.txt
 .venv-newest/bin/python -c "import torch, transformers; print('newest: torch', torch.__version__, '| transformers', transformers.__version__)"
