@@ -518,6 +518,36 @@ def test_probability_targets_are_pytorchs(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_float64_metrics_count_what_the_contract_counts(device):
+    """The float64 fallback's metrics against counts written here, on a problem that can tell:
+    about half the counted rows on their argmax (so num_correct_tokens is far from 0), and
+    ignored rows whose argmax is ignore_index itself (a count that forgot to drop them, or that
+    counted them, is off). Classes last and classes at dim 1 (PyTorch's layout)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(40, 30, generator=g, dtype=torch.float64) * 2
+    argmax = x.argmax(-1)
+    t = torch.randint(0, 30, (40,), generator=g)
+    t[::2] = argmax[::2]
+    ignored = torch.zeros(40, dtype=torch.bool)
+    ignored[1::5] = True
+    x[ignored, 7] = x[ignored].max(-1).values + 3.0  # their argmax is the ignore_index
+    t[ignored] = 7
+    keep = t != 7  # a row is ignored by its target alone (an argmax-7 row set above is too)
+    want_correct = int(((x.argmax(-1) == t) & keep).sum())
+    logp = torch.log_softmax(x, -1)
+    want_entropy = float((-(logp.exp() * logp).sum(-1))[keep].sum())
+    want_lse = torch.where(keep, torch.logsumexp(x, -1), 0.0)
+    assert 10 <= want_correct < int(keep.sum())
+    for layout in ("last", "dim1"):
+        xl = (x.view(8, 5, 30) if layout == "last" else x.view(8, 5, 30).movedim(-1, 1)).to(device)
+        tl = t.view(8, 5).to(device)
+        _, m = fusedce.cross_entropy(xl, tl, ignore_index=7, return_metrics=True)
+        assert m["num_correct_tokens"].item() == want_correct, layout
+        assert abs(m["entropy_sum"].item() - want_entropy) <= 1e-5 * abs(want_entropy), layout
+        torch.testing.assert_close(m["lse"].cpu().reshape(-1).double(), want_lse, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_float64_logits_are_pytorchs(device):
     # float64 logits go to F.cross_entropy itself (classes last flattened for it): its float64
     # result and gradient, bit for bit; fusedce's own options by the contract's formulas.
