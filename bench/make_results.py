@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Writes bench/RESULTS.md from the benchmarks' CSV files, so the tables cannot drift from the data.
 
-    python3 bench/make_results.py            # rewrite bench/RESULTS.md
-    python3 bench/make_results.py --check    # exit 1 if bench/RESULTS.md differs from what it would write
+    python3 bench/make_results.py            # rewrite bench/RESULTS.md and README's generated figures
+    python3 bench/make_results.py --check    # exit 1 if either differs from what it would write
     python3 bench/make_results.py --out FILE
 
 Sources: each folder in SOURCE_DIRS has a manifest, runs.json, listing its CSV files in the order
@@ -390,25 +390,106 @@ def render(bench_dir=BENCH):
     return "\n".join(lines) + "\n"
 
 
+# ---- README's figures ---------------------------------------------------------------------------
+#
+# A block of README.md between "<!-- make_results: NAME -->" and "<!-- /make_results -->" is written
+# by README_BLOCKS[NAME] from the same manifests and CSVs, so that a new run's CSV cannot leave a
+# stale figure in README (--check fails until the block is regenerated).
+
+README = os.path.join(os.path.dirname(BENCH), "README.md")
+
+
+def _manifest_entry(bench_dir, folder, file):
+    with open(os.path.join(bench_dir, folder, "runs.json")) as f:
+        for entry in json.load(f)["sources"]:
+            if entry.get("file") == file:
+                return entry
+    raise SourceError(f"{folder}/runs.json lists no {file}")
+
+
+def readme_ce_kernels(bench_dir=BENCH):
+    """The README bullet of the cross-entropy kernels (h200/ce_kernels.csv), bf16."""
+    name = "h200/ce_kernels.csv"
+    entry = _manifest_entry(bench_dir, "h200", "ce_kernels.csv")
+    rows = read_csv(os.path.join(bench_dir, "h200", "ce_kernels.csv"), CE_BENCH_COLUMNS)
+    cell = {(r["N"], r["V"], r["dtype"], r["job"]): r for r in rows}
+
+    def get(n, v, job):
+        r = cell.get((str(n), str(v), "bfloat16", job))
+        if r is None:
+            raise SourceError(f"{name}: no bfloat16 {n} x {v} {job} row (README quotes it)")
+        share = float(r["frac_read"] if job == "forward" else r["frac_copy"])
+        return ms_fine(float(r["median_ms"])), f"{100 * share:.1f}%"
+
+    big_f, big_fg, short_f, short_fg, few_f = (get(8192, 128256, "forward"), get(8192, 128256, "fwd+grad"),
+                                               get(16384, 32000, "forward"), get(16384, 32000, "fwd+grad"),
+                                               get(64, 262144, "forward"))
+    return (f"- Cross-entropy over logits, the kernels (`fusedce_bench`, commit {required(entry, 'commit', name)}): "
+            f"forward at 8192 x\n"
+            f"  128256 bf16 in {big_f[0]} ms ({big_f[1]} of the streaming-read bandwidth), forward + gradient in "
+            f"{big_fg[0]} ms\n"
+            f"  ({big_fg[1]} of the copy bandwidth: some of the gradient sweep's re-reads miss L2,\n"
+            f"  [docs/performance.md](docs/performance.md)). Short rows (16384 x 32000) at {short_f[1]} of read "
+            f"forward\n"
+            f"  and {short_fg[1]} of copy with the gradient; few rows (64 x 262144 forward, {few_f[0]} ms) at "
+            f"{few_f[1]}: there\n"
+            f"  the per-call fixed costs dominate.")
+
+
+README_BLOCKS = {"ce_kernels": readme_ce_kernels}
+
+
+def render_readme(readme_text, bench_dir=BENCH):
+    """readme_text with every make_results block rewritten from the data."""
+    out, pos = [], 0
+    while True:
+        start = readme_text.find("<!-- make_results: ", pos)
+        if start < 0:
+            break
+        head_end = readme_text.index("-->", start) + 3
+        block = readme_text[start + len("<!-- make_results: "):head_end - 3].strip()
+        if block not in README_BLOCKS:
+            raise SourceError(f"README.md: unknown make_results block {block!r}; known: {', '.join(README_BLOCKS)}")
+        end = readme_text.find("<!-- /make_results -->", head_end)
+        if end < 0:
+            raise SourceError(f"README.md: make_results block {block!r} is not closed")
+        out += [readme_text[pos:head_end], "\n", README_BLOCKS[block](bench_dir), "\n"]
+        pos = end
+    out.append(readme_text[pos:])
+    return "".join(out)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=RESULTS, help="where to write (default bench/RESULTS.md)")
-    p.add_argument("--check", action="store_true", help="compare with --out instead of writing it")
+    p.add_argument("--readme", default=README, help="README whose make_results blocks are rewritten too")
+    p.add_argument("--check", action="store_true", help="compare with --out and --readme instead of writing them")
     a = p.parse_args(argv)
     try:
         text = render()
+        with open(a.readme) as f:
+            readme_now = f.read()
+        readme = render_readme(readme_now)
     except (SourceError, OSError, KeyError, ValueError) as e:
         print(f"make_results: {e}", file=sys.stderr)
         return 2
     if a.check:
+        stale = False
         with open(a.out) as f:
             if f.read() != text:
                 print(f"make_results: {a.out} differs from its CSVs; run python3 bench/make_results.py",
                       file=sys.stderr)
-                return 1
-        return 0
+                stale = True
+        if readme != readme_now:
+            print(f"make_results: {a.readme}'s figures differ from the CSVs; run python3 bench/make_results.py",
+                  file=sys.stderr)
+            stale = True
+        return 1 if stale else 0
     with open(a.out, "w") as f:
         f.write(text)
+    if readme != readme_now:
+        with open(a.readme, "w") as f:
+            f.write(readme)
     return 0
 
 
