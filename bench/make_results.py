@@ -436,7 +436,30 @@ def readme_ce_kernels(bench_dir=BENCH):
             f"  the per-call fixed costs dominate.")
 
 
-README_BLOCKS = {"ce_kernels": readme_ce_kernels}
+def readme_cpu(bench_dir=BENCH):
+    """The README bullet of the CPU run (cpu/results.csv): fusedce's speed-up ranges."""
+    name = "cpu/results.csv"
+    rows = read_csv(os.path.join(bench_dir, "cpu", "results.csv"), ["kind", "job", "case", "peer", "status", "median_ms"])
+    ms = {(r["kind"], r["job"], r["case"], r["peer"]): float(r["median_ms"]) for r in rows if r["status"] == "ok"}
+
+    def span(kind, job, peer):
+        ratios = [ms[(k, j, c, peer)] / t for (k, j, c, p), t in ms.items()
+                  if (k, j, p) == (kind, job, "fusedce") and (k, j, c, peer) in ms]
+        if not ratios:
+            raise SourceError(f"{name}: no {kind} {job} rows of fusedce and {peer} (README quotes them)")
+        lo, hi = min(ratios), max(ratios)
+        return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
+
+    return (f"- cross-entropy {span('ce', 'fwd+bwd', 'torch.compile')} torch.compile's speed with the backward "
+            f"and {span('ce', 'forward', 'torch.compile')}\n"
+            f"  forward ({span('ce', 'fwd+bwd', 'torch eager')} and {span('ce', 'forward', 'torch eager')} eager's); "
+            f"the linear path {span('linear', 'fwd+bwd', 'torch eager')} eager's at 16-64\n"
+            f"  rows; per-token log-probabilities with their backward {span('logprobs', 'fwd+bwd', 'torch eager')} "
+            f"eager's, with the entropy too\n"
+            f"  {span('logprobs', 'fwd+bwd+entropy', 'torch eager')}.")
+
+
+README_BLOCKS = {"ce_kernels": readme_ce_kernels, "cpu": readme_cpu}
 
 
 def render_readme(readme_text, bench_dir=BENCH):

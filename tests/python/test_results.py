@@ -87,7 +87,7 @@ def test_check_flags_a_stale_file(tmp_path):
 
 def test_readme_figures_are_what_the_csvs_give():
     readme = (ROOT / "README.md").read_text()
-    assert "<!-- make_results: ce_kernels -->" in readme
+    assert "<!-- make_results: ce_kernels -->" in readme and "<!-- make_results: cpu -->" in readme
     assert make_results.render_readme(readme) == readme, (
         "README.md's generated figures differ from the CSVs: run python3 bench/make_results.py")
 
@@ -107,6 +107,22 @@ def test_a_changed_csv_value_changes_the_readme(bench_copy, tmp_path):
     copy = tmp_path / "README.md"
     copy.write_text(readme.replace("128256 bf16 in 0.", "128256 bf16 in 9.", 1))
     assert make_results.main(["--check", "--readme", str(copy)]) == 1
+
+
+def test_the_cpu_ranges_follow_the_csv(bench_copy):
+    """A fusedce forward 10x slower at one shape shows in the CPU block's forward range."""
+    def edit(rows):
+        for r in rows:
+            if (r["kind"], r["job"], r["case"], r["peer"]) == ("ce", "forward", "128 x 32000", "fusedce"):
+                r["median_ms"] = str(10 * float(r["median_ms"]))
+
+    readme = (ROOT / "README.md").read_text()
+    before = make_results.readme_cpu()
+    _edit_csv(bench_copy / "cpu" / "results.csv", edit)
+    after = make_results.readme_cpu(str(bench_copy))
+    assert "with the backward and 1.33-2.27x\n  forward" in before
+    assert "with the backward and 0.19-2.27x\n  forward" in after  # 1.86x / 10 at 128 x 32000
+    assert before in readme and after not in readme
 
 
 def test_a_readme_figure_without_its_row_is_refused(bench_copy):
