@@ -149,7 +149,8 @@ note "gtest (${GTEST_FILTER:-*cuda*:*Cuda*}): $(gtest_counts "$out"/gtest_*_[0-3
 cat "$out"/gtest_*.log > "$out/gtest.log" && rm -f "$out"/gtest_*_[0-3].log
 grep -hE "^\[  (PASSED|FAILED)  \]|tests? ran" "$out/gtest.log" | sort | uniq -c
 grep -hE "^\[  FAILED  \].*\(" "$out/gtest.log" | head -30
-grep -hE "^\[  FAILED  \].*\(" "$out/gtest.log" | head -20 | sed 's/^/  /' >> "$record"
+grep -hE "^\[  FAILED  \].*\(" "$out/gtest.log" | sed 's/, where GetParam().*//; s/ ([0-9]* ms)$//' | sort -u | head -20 \
+  | sed 's/^/  /' >> "$record"
 elif want tests; then
 step "tests (ctest, GPU present)"
 ctest --test-dir "$build" -j 12 --timeout 900 --output-on-failure ${CTEST_ARGS:-} > "$out/ctest.log" 2>&1 || status=1
