@@ -23,9 +23,14 @@ generically (no model's forward is copied):
   operation on it and the loss function checks them against that transform on sample values.
 - A model that does anything else with the marker (another operation, reading its shape,
   passing it elsewhere than to its loss), or whose ``lm_head`` sees other positions than its
-  labels name (Git's image tokens), declines the fused loss: the call is run again unarmed
-  from the same random state, with a warning, and that model stays on the logits path. Never a
-  different loss, never an error that the model would not raise without fusedce.
+  labels name (Git's image tokens), declines the fused loss within the same call, with a
+  warning: from that point the logits are real (lm_head's product of the hidden states it was
+  given, with the operations the model applied since replayed on it), the model's forward goes
+  on over them, and its loss is the logits' loss; that model stays on the logits path. The
+  model's forward runs once (a forward that changes buffers, a cache or counters changes them
+  once). Only when lm_head's weight is no longer whole by then (FSDP freed its gathered copy)
+  or the head is tensor-parallel is the call run again unarmed from the same random state.
+  Never a different loss, never an error that the model would not raise without fusedce.
 - A tensor-parallel ``lm_head`` (``ColwiseParallel(use_local_output=False)``: its weight a
   DTensor sharded on dim 0 during the call) computes the loss through the DTensor form of
   ``linear_cross_entropy`` (vocabulary-parallel over the mesh) and returns an empty DTensor
@@ -114,7 +119,10 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
     own dtype: no float32 copy, no (N, V) buffer besides the gradient. Given the marker of an
     armed ``lm_head`` (``fused_linear``), it returns the loss the head computed."""
     if isinstance(logits, _PendingLogits):
-        return logits.consume(labels, vocab_size, shift_labels, num_items_in_batch)
+        loss, real = logits.consume(labels, vocab_size, shift_labels, num_items_in_batch)
+        if real is None:
+            return loss
+        logits = real  # declined within the call: the loss of the real logits, below
     call = _compiled.current
     if call is not None and call.loss is not None and not call.consumed:
         return call.consume(logits, labels, vocab_size, shift_labels, num_items_in_batch)
@@ -380,10 +388,12 @@ def _eager_call(self, args, kwargs, plan=False):
 
 def _armed_call(self, args, kwargs, plan=False):
     """Arm lm_head for a training call with labels (fused_linear), run the model, disarm. If
-    the model declines the fused loss (_Decline, or lm_head's output never reached the loss
-    function), the call runs again unarmed from the same random state, so the caller gets
-    exactly what the model computes without the fused loss. With `plan`, the outcome is
-    recorded for the model's compiled calls (_record_plan)."""
+    the model declines the fused loss, it does so within the call (_Pending.decline: the
+    logits become real where the model uses them), so the caller gets exactly what the model
+    computes without the fused loss, from one run of its forward. Only a _Decline that escapes
+    (a head whose gathered weight is gone, a tensor-parallel head) runs the call again unarmed
+    from the same random state. With `plan`, the outcome is recorded for the model's compiled
+    calls (_record_plan)."""
     pending = _arm(self, args, kwargs)
     if pending is None:
         if plan:
@@ -397,13 +407,16 @@ def _armed_call(self, args, kwargs, plan=False):
     # turns a DTensor marker into its output layout): registered last, so it runs last.
     seen = head.register_forward_hook(lambda module, inputs, output: pending.saw_output(output))
     outer, _armed.pending = getattr(_armed, "pending", None), pending
-    reason = None
+    reason = rerun = None
     try:
         out = torch.nn.Module.__call__(self, *args, **kwargs)
-        if pending.head_called and not pending.consumed:
-            reason = "never passes lm_head's output to its loss function"
+        if pending.head_called and not pending.consumed and pending.declined is None:
+            pending.declined = "never passes lm_head's output to its loss function"
+        if pending.declined is not None:
+            out = pending.real_output(out)
+            reason = pending.declined
     except _Decline as e:
-        reason = str(e)
+        reason = rerun = str(e)
     finally:
         _armed.pending = outer
         seen.remove()
@@ -424,6 +437,8 @@ def _armed_call(self, args, kwargs, plan=False):
         _warned.add(name)
         warnings.warn(f"fusedce.transformers: {name} {reason}; its loss is computed from the "
                       "logits instead of the fused linear loss", stacklevel=3)
+    if rerun is None:
+        return out
     _set_rng_state(rng)
     return torch.nn.Module.__call__(self, *args, **kwargs)
 
@@ -727,6 +742,13 @@ class _Pending:
         self.head_called = self.consumed = self.closed = False
         self.dtensor_marker = None  # the DTensor marker of a tensor-parallel head
         self.head_output = None  # what lm_head's call returned (after its hooks)
+        # What a decline within the call needs: lm_head's inputs as its forward saw them, every
+        # followed operation on the marker (func, args, kwargs) in order, the real tensor of
+        # each marker depth once made, and the reason once declined.
+        self.hidden = self.weight = self.bias = None
+        self.ops = []
+        self.real = {}
+        self.declined = None
 
     def saw_output(self, output):
         if self.head_output is None and self.head_called:
@@ -743,8 +765,8 @@ class _Pending:
                       f"{self.head.weight.shape[0]}")
         self.check_steps()
         self.consumed = True
-        # Collected only now: a call that declines before this point is run again over the
-        # logits, whose loss collects its own metrics, so each loss counts once.
+        # Collected only now: a call that declines before this point computes its loss over the
+        # real logits, which collects its own metrics, so each loss counts once.
         if self.metrics is not None:
             _collect(*self.metrics, True)  # armed only with gradients enabled
         return self.loss
@@ -768,6 +790,59 @@ class _Pending:
     def fail(self, what):
         raise _Decline(what)
 
+    def decline(self, reason):
+        """Decline within the call: from now on every marker of this call stands for its real
+        logits (materialize)."""
+        if self.declined is None:
+            self.declined = reason
+
+    def materialize(self, marker):
+        """The real tensor a marker stands for: lm_head's forward of the hidden states it was
+        given (its weight as it was in that call, under the call's autocast), then the
+        operations recorded up to the marker, replayed in order. Raises _Decline when the
+        weight's storage is gone (FSDP frees a gathered weight after the head's call)."""
+        depth = marker._depth
+        if depth in self.real:
+            return self.real[depth]
+        if 0 not in self.real:
+            for t in (self.weight, self.bias):
+                if t is not None and (dtensor.is_dtensor(t) or t.untyped_storage().size() == 0):
+                    raise _Decline("uses its logits in a way the fused loss does not follow, after "
+                                   "lm_head's gathered weight was released")
+            with torch._C.DisableTorchFunctionSubclass():
+                self.real[0] = F.linear(self.hidden, self.weight, self.bias)
+        start = max(d for d in self.real if d <= depth)
+        x = self.real[start]
+        for d in range(start + 1, depth + 1):
+            func, args, kwargs = self.ops[d - 1]
+            args = [x if isinstance(a, _PendingLogits) else a for a in args]
+            with torch._C.DisableTorchFunctionSubclass():
+                x = func(*args, **kwargs)
+            self.real[d] = x
+        return x
+
+    def realize(self, value):
+        """`value` with every marker of this call replaced by its real tensor (one level of
+        tuples, lists and dict values: the arguments of an operation)."""
+        if isinstance(value, _PendingLogits) and getattr(value, "_pending", None) is self:
+            return self.materialize(value)
+        if isinstance(value, (tuple, list)):
+            return type(value)(self.realize(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self.realize(v) for k, v in value.items()}
+        return value
+
+    def real_output(self, out):
+        """The model's output with the markers it holds (its logits) made real."""
+        if isinstance(out, dict):  # a ModelOutput (an OrderedDict)
+            for key, value in list(out.items()):
+                if isinstance(value, _PendingLogits) and getattr(value, "_pending", None) is self:
+                    out[key] = self.materialize(value)
+            return out
+        if isinstance(out, tuple):
+            return tuple(self.realize(v) for v in out)
+        return self.realize(out)
+
     def record(self, func, args, kwargs, source):
         """Note an operation on the marker `source`; only a chain of scalings, tanh and dtype
         casts is followed (what Gemma's softcap and Cohere's or Granite's scale are made of)."""
@@ -789,6 +864,7 @@ class _Pending:
             pass  # the same values
         else:
             self.fail(f"applies {name} to its logits")
+        self.ops.append((func, tuple(args), dict(kwargs)))
 
     def check_steps(self):
         """The recorded operations equal the config's transform on sample logits."""
@@ -832,9 +908,11 @@ def _fused_head_forward(head, pending, hidden):
     target, shift = _head_target(pending.labels, pending.shift_labels, hidden)
     if target.shape != hidden.shape[:-1]:
         # lm_head sees other positions than the labels name (Git prepends its image tokens
-        # and slices them off the logits before its loss).
-        pending.fail(f"calls lm_head on {tuple(hidden.shape[:-1])} positions while its labels "
-                     f"are {tuple(target.shape)}")
+        # and slices them off the logits before its loss): the real logits, declined here.
+        pending.decline(f"calls lm_head on {tuple(hidden.shape[:-1])} positions while its labels "
+                        f"are {tuple(target.shape)}")
+        return torch.nn.Linear.forward(head, hidden)
+    pending.hidden, pending.weight, pending.bias = hidden, head.weight, head.bias
     loss, pending.metrics = _head_loss(head, hidden, target, shift, pending.ignore_index,
                                        pending.num_items_in_batch, pending.logit_scale,
                                        pending.softcap)
@@ -847,6 +925,7 @@ def _fused_head_forward(head, pending, hidden):
         return pending.dtensor_marker
     marker = hidden.new_empty((*hidden.shape[:-1], 0)).as_subclass(_PendingLogits)
     marker._pending = pending
+    marker._depth = 0
     pending.latest = marker
     return marker
 
@@ -927,30 +1006,46 @@ class _PendingLogits(torch.Tensor):
             if name in _HARMLESS_ATTRIBUTES:
                 with torch._C.DisableTorchFunctionSubclass():
                     return func(*args, **kwargs)
-        try:
-            with torch._C.DisableTorchFunctionSubclass():
-                out = func(*args, **kwargs)
-        except Exception as e:
-            raise _Decline(f"applies {name} to its logits") from e
-        if not isinstance(out, torch.Tensor):
-            # shape, size, numel, item, ...: the marker's answer is not the logits'
-            pending.fail(f"reads {name} of its logits")
-        pending.record(func, args, kwargs, source)
-        marker = out.as_subclass(cls)
-        marker._pending = pending
-        pending.latest = marker
-        return marker
+        if pending.declined is None:
+            try:
+                with torch._C.DisableTorchFunctionSubclass():
+                    out = func(*args, **kwargs)
+                if not isinstance(out, torch.Tensor):
+                    # shape, size, numel, item, ...: the marker's answer is not the logits'
+                    pending.fail(f"reads {name} of its logits")
+                pending.record(func, args, kwargs, source)
+            except _Decline as e:
+                pending.decline(str(e))
+            except Exception:
+                pending.decline(f"applies {name} to its logits")
+            else:
+                marker = out.as_subclass(cls)
+                marker._pending = pending
+                marker._depth = len(pending.ops)
+                pending.latest = marker
+                return marker
+        # Declined within the call: the operation on the real logits.
+        args, kwargs = pending.realize(args), pending.realize(kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
     def consume(self, labels, vocab_size, shift_labels, num_items_in_batch):
-        """The loss computed in lm_head, once the loss function's arguments and the operations
-        since lm_head are checked to be those the fused loss assumed."""
+        """(loss, None): the loss computed in lm_head, once the loss function's arguments and
+        the operations since lm_head are checked to be those the fused loss assumed; or
+        (None, logits): the call declined (now or earlier), and the loss function computes
+        the loss of these real logits."""
         pending = getattr(self, "_pending", None)
         if pending is None or pending.closed or pending.consumed:
             raise RuntimeError("fusedce.transformers: logits from an earlier fused_linear call "
                                "were passed to a loss function")  # no call to fall back to
-        if self is not pending.latest:
-            pending.fail("passes an earlier version of its logits to its loss")
-        return pending.finish(labels, vocab_size, shift_labels, num_items_in_batch)
+        if pending.declined is None:
+            try:
+                if self is not pending.latest:
+                    pending.fail("passes an earlier version of its logits to its loss")
+                return pending.finish(labels, vocab_size, shift_labels, num_items_in_batch), None
+            except _Decline as e:
+                pending.decline(str(e))
+        return None, pending.materialize(self)
 
 
 # ---- metrics: token accuracy and entropy from the fused call ------------------------------------

@@ -248,6 +248,44 @@ def test_an_undeclared_logit_transform_falls_back_to_the_logits(spy):
     assert_same_training_signal(second, theirs)
 
 
+def test_a_declining_model_runs_its_forward_once(spy, monkeypatch):
+    # The model reads its logits' shape in a hook of lm_head (the marker cannot answer that)
+    # and keeps a count of its forward passes in a buffer: the call declines within itself
+    # (the logits are made real where the hook reads them), the buffer moves by one per call,
+    # and the loss and gradients are transformers' own. (Running the call again, as an earlier
+    # fallback did, moved the buffer twice.)
+    monkeypatch.setattr(fct, "_warned", set())  # the warning comes once per class and process
+    model = tiny_llama(seed=7)
+    model.config.attention_dropout = 0.2
+    model.train()
+    model.register_buffer("forwards", torch.zeros((), dtype=torch.int64))
+    def count(module, inputs):
+        model.forwards.add_(1)
+
+    widths = []
+
+    def read_width(module, inputs, output):
+        widths.append(output.shape[-1])
+
+    model.model.embed_tokens.register_forward_pre_hook(count)
+    model.lm_head.register_forward_hook(read_width)
+    data = [batch(2, 8, seed=4, pad_from=[8, 6])]
+    fct.apply()
+    try:
+        torch.manual_seed(1)
+        with pytest.warns(UserWarning, match="reads shape of its logits"):
+            ours = loss_and_grads(model, data)
+        assert model.forwards.item() == 1
+        assert widths == [VOCAB]
+        assert fct.serving(model) == "logits"
+    finally:
+        fct.revert()
+    torch.manual_seed(1)
+    theirs = loss_and_grads(model, data)
+    assert model.forwards.item() == 2
+    assert_same_training_signal(ours, theirs)
+
+
 # Models that compute their own cross-entropy (never self.loss_function), causal and
 # encoder-decoder: apply() serves their CrossEntropyLoss over the logits (TokenCrossEntropyLoss),
 # with the loss and gradients they compute without it.
