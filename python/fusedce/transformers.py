@@ -425,6 +425,10 @@ def _armed_call(self, args, kwargs, plan=False):
         else:
             head.forward = previous
         pending.closed = True
+        # The output's marker keeps its _Pending alive as long as the caller keeps the output:
+        # it must not keep the hidden states, the weight or real logits alive with it.
+        pending.hidden = pending.weight = pending.bias = None
+        pending.ops, pending.real = [], {}
     if reason is None:
         if plan:
             _record_plan(self, pending)
