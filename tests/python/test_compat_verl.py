@@ -140,3 +140,28 @@ def test_tensor_parallel_group_matches_the_whole_head(tmp_path_factory):
     results = spawn_group(2, ["tp"], _tp_case, tmp_path_factory, timeout_s=120, deadline_s=400)
     failures = failures_of(results, "tp")
     assert not failures, failures
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n,vocab", [(0, 50), (7, 1), (5, 3)], ids=["no_tokens", "V1", "V3"])
+def test_awkward_shapes(device, n, vocab):
+    """No tokens (empty outputs, zero gradients), a vocabulary of one (log-prob 0, entropy 0,
+    zero gradients) and of three, against the float64 reference."""
+    h, w, labels = policy_problem((n,), 8, vocab, torch.float32, device, seed=n + vocab)
+    hl, wl = (x.detach().clone().requires_grad_(True) for x in (h, w))
+    lp, ent = linear_cross_entropy(hl, wl, labels, 0.9)
+    hr, wr = (x.detach().double().cpu().requires_grad_(True) for x in (h, w))
+    lp_ref, ent_ref = verl_reference(hr, wr, labels.cpu(), 0.9)
+    assert lp.shape == ent.shape == (n,)
+    torch.testing.assert_close(lp.double().cpu(), lp_ref.detach(), rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(ent.double().cpu(), ent_ref.detach(), rtol=2e-5, atol=2e-5)
+    objective(lp, ent, 3).backward()
+    if n:
+        objective(lp_ref, ent_ref, 3).backward()
+        torch.testing.assert_close(hl.grad.double().cpu(), hr.grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(wl.grad.double().cpu(), wr.grad, rtol=1e-4, atol=1e-6)
+    else:
+        assert hl.grad.shape == h.shape and not hl.grad.any()
+        assert wl.grad.shape == w.shape and not wl.grad.any()
+    if vocab == 1 and n:
+        assert not lp.any() and not ent.any() and not wl.grad.any()

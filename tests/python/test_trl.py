@@ -93,6 +93,19 @@ def test_head_matches_trls_kernel(bias, temperature, logit_scale, outputs):
             assert error(x, r) <= max(2 * error(y, r), floor), (f"grad {name}", error(x, r), error(y, r))
 
 
+@pytest.mark.parametrize("n,vocab", [(0, 40), (6, 1), (9, 3)], ids=["no_tokens", "V1", "V3"])
+def test_head_on_awkward_shapes(n, vocab):
+    """No tokens, a vocabulary of one and of three: every output and gradient against float64."""
+    h, w, b, t = head_problem(n, 8, vocab, seed=2, bias=True)
+    ours, our_grads = run_head(fused_trl.FusedceLogProbHead, h, w, b, t, 0.8, 1.5, OUTPUTS)
+    ref, ref_grads = run_head(Float64Head, h.double(), w.double(), b.double(), t, 0.8, 1.5, OUTPUTS)
+    for name, x, r in zip(OUTPUTS, ours, ref):
+        assert x.shape == (n,), name
+        torch.testing.assert_close(x.double(), r.double(), rtol=1e-5, atol=2e-5, msg=lambda m: f"{name}: {m}")
+    for name, x, r in zip(("hidden", "weight", "bias"), our_grads, ref_grads):
+        torch.testing.assert_close(x.double(), r, rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {name}: {m}")
+
+
 def test_calls_fusedce_cannot_serve_go_to_trl():
     """A soft-cap, is_top1 or a logit scale of 0: TRL's own kernel, bit for bit."""
     h, w, b, t = head_problem(11, 16, 97, seed=5, bias=True)
