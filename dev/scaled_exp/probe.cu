@@ -1,0 +1,604 @@
+// Experiment: the logits product with the cross-entropy's statistics in its epilogue, written by
+// hand on CUTLASS's persistent ping-pong main loop (128 x 192 tiles, cluster 2 x 1), instead of an
+// epilogue visitor tree. Does the epilogue hide under the other warpgroup's main loop, so that
+// the product costs what the plain product costs?
+//
+// Per tile (rows i, vocabulary columns j of one 192-wide tile t), from the float32 accumulators
+// in registers, in two phases:
+//   1. m_it = max_j z_ij (in-thread, then across the quad of lanes that holds a row);
+//      k_it = ceil(m_it log2 e), an integer, so that later rescaling by 2^(k_it - k) is exact;
+//   2. E_ij = 2^(z_ij log2 e - k_it) written in bf16 (E <= 1: the row's largest terms keep
+//      bf16's full precision; bf16 has float32's exponent range, so nothing flushes that
+//      matters); the partials S_it = sum_j E_ij (unrounded) and U_it = sum_j E_ij z_ij (the
+//      entropy's), and the exact float32 logit of the row's target if it falls in the tile.
+// A merge over the (rows x tiles) partials gives lse_i = ln 2 (K_i + log2 sum_t S_it 2^(k_it - K_i))
+// with K_i = max_t k_it, and the entropy lse_i - sum_t 2^(k_it - K_i) U_it / sum_t 2^(k_it - K_i) S_it.
+// The gradient products can then form dlogits = E 2^(k_it) e^(-lse_i) - onehot on load (a
+// power-of-two factor per (row, tile)), so no pass over the (rows x V) logits remains.
+//
+// Timed against cuBLASLt's plain bf16 logits product and CUTLASS's own ping-pong and cooperative
+// kernels writing plain logits (interleaved rounds, medians); checked against float64 (E, lse,
+// entropy, target logit) before timing.
+//
+// Build (here, no GPU): dev/scaled_exp/build.sh <cutlass include dir> [out]
+// Run (GPU): the binary; one line a shape.
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/detail.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+
+using namespace cute;
+using bf16 = cutlass::bfloat16_t;
+using RM = cutlass::layout::RowMajor;
+using CM = cutlass::layout::ColumnMajor;
+using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+
+#define CK(x)                                                 \
+  do {                                                        \
+    cudaError_t e_ = (x);                                     \
+    if (e_ != cudaSuccess) {                                  \
+      printf("%s: %s\n", #x, cudaGetErrorString(e_));         \
+      exit(1);                                                \
+    }                                                         \
+  } while (0)
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/// What the epilogue writes. Partials are (rows x tiles), row-major with ld `tiles`.
+struct ScaledExpOut {
+  __nv_bfloat16* e = nullptr;  // rows x V, ld ldE
+  int64_t ldE = 0;
+  float* k = nullptr;        // per (row, tile): the integer offset k_it
+  float* s = nullptr;        // per (row, tile): sum_j E_ij (float32, unrounded E)
+  float* u = nullptr;        // per (row, tile): sum_j E_ij z_ij
+  int tiles = 0;
+  const int* target = nullptr;  // per row; -1: none
+  float* target_logit = nullptr;
+};
+
+/// The epilogue: operator-style (CUTLASS's sm90 kernels call it through
+/// Sm90TmaWarpSpecializedAdapter), on the consumer warpgroup's accumulators in registers.
+/// What the epilogue does, to split its cost: everything; the statistics without storing E; or
+/// plain bf16 logits through the same register-to-global stores (no statistics).
+enum class Mode { Full, NoStore, Plain };
+
+template <class BlockShape, Mode kMode>
+class ScaledExpEpilogue {
+ public:
+  struct ThreadEpilogueOp {
+    using ElementOutput = bf16;
+    using ElementAccumulator = float;
+    using ElementCompute = float;
+    using ElementD = bf16;
+    static constexpr int kCount = 2;
+    struct Params {};
+  };
+  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementC = bf16;
+  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
+  using ElementD = bf16;
+  using StrideD = StrideC;
+  using ElementOutput = bf16;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementScalar = float;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  struct SharedStorage {};
+  using TensorStorage = SharedStorage;
+  using Arguments = ScaledExpOut;
+  using Params = ScaledExpOut;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) { return a; }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& p, Arguments const& a) {
+    return get<1>(p) % 2 == 0 && a.ldE % 2 == 0;  // bf16 pairs stored as one 32-bit word
+  }
+
+  CUTLASS_HOST_DEVICE ScaledExpEpilogue(Params const& p, SharedStorage const& = SharedStorage()) : params(p) {}
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem, BlockShapeMNK, BlockCoordMNKL blk_coord,
+                                 cute::Tensor<FrgEngine, FrgLayout> const& acc_in, TiledMma tiled_mma, ResidueMNK,
+                                 int thread_idx, char*) {
+    constexpr float kLog2e = 1.4426950408889634f;
+    const int M = get<0>(problem), N = get<1>(problem);
+    constexpr int BM = size<0>(BlockShapeMNK{}), BN = size<1>(BlockShapeMNK{});
+    const int m_tile = get<0>(blk_coord), n_tile = get<1>(blk_coord);
+    auto& acc = const_cast<cute::Tensor<FrgEngine, FrgLayout>&>(acc_in);
+
+    // The accumulator fragment of a 64 x N warpgroup product: value mode (2, 2, N/8) =
+    // (column pair, row half, column group); then MMA_M, MMA_N. A row of the tile sits in one
+    // quad of lanes; a thread holds rows (m, v1): 2 * MMA_M of them.
+    static_assert(rank(FrgLayout{}) == 3 && rank<0>(FrgLayout{}) == 3, "sm90 accumulator layout expected");
+    constexpr int V0 = size<0, 0>(FrgLayout{}), V1 = size<0, 1>(FrgLayout{}), V2 = size<0, 2>(FrgLayout{});
+    constexpr int MM = size<1>(FrgLayout{}), MN = size<2>(FrgLayout{});
+    static_assert(V0 == 2 && V1 == 2, "sm90 accumulator value mode (2, 2, N/8) expected");
+    constexpr int kRows = V1 * MM;
+
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    Tensor cD = make_identity_tensor(make_shape(Int<BM>{}, Int<BN>{}));
+    Tensor tCcD = thr_mma.partition_C(cD);  // same shape as acc: each value's (row, col) in the tile
+    const int row0 = m_tile * BM, col0 = n_tile * BN;
+
+    float rmax[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) rmax[r] = -INFINITY;
+    if constexpr (kMode != Mode::Plain)
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < MM; ++m)
+      CUTLASS_PRAGMA_UNROLL
+      for (int v1 = 0; v1 < V1; ++v1)
+        CUTLASS_PRAGMA_UNROLL
+        for (int n = 0; n < MN; ++n)
+          CUTLASS_PRAGMA_UNROLL
+          for (int v2 = 0; v2 < V2; ++v2)
+            CUTLASS_PRAGMA_UNROLL
+            for (int v0 = 0; v0 < V0; ++v0) {
+              auto c = make_coord(make_coord(v0, v1, v2), m, n);
+              const bool in = col0 + get<1>(tCcD(c)) < N;
+              rmax[m * V1 + v1] = fmaxf(rmax[m * V1 + v1], in ? acc(c) : -INFINITY);
+            }
+    float koff[kRows], ssum[kRows], usum[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 1));
+      rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 2));
+      koff[r] = ceilf(rmax[r] * kLog2e);
+      ssum[r] = 0.0f;
+      usum[r] = 0.0f;
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < MM; ++m)
+      CUTLASS_PRAGMA_UNROLL
+      for (int v1 = 0; v1 < V1; ++v1) {
+        const int r = m * V1 + v1;
+        const int row = row0 + get<0>(tCcD(make_coord(make_coord(0, v1, 0), m, 0)));
+        CUTLASS_PRAGMA_UNROLL
+        for (int n = 0; n < MN; ++n)
+          CUTLASS_PRAGMA_UNROLL
+          for (int v2 = 0; v2 < V2; ++v2) {
+            auto c0 = make_coord(make_coord(0, v1, v2), m, n);
+            auto c1 = make_coord(make_coord(1, v1, v2), m, n);
+            const int col = get<1>(tCcD(c0));  // even
+            const bool in = col0 + col < N;    // N even: the pair is in or out together
+            const float z0 = acc(c0), z1 = acc(c1);
+            if constexpr (kMode == Mode::Plain) {
+              if (in && row < M)
+                *reinterpret_cast<__nv_bfloat162*>(params.e + row * params.ldE + col0 + col) = __floats2bfloat162_rn(z0, z1);
+              continue;
+            }
+            const float e0 = in ? ex2(fmaf(z0, kLog2e, -koff[r])) : 0.0f;
+            const float e1 = in ? ex2(fmaf(z1, kLog2e, -koff[r])) : 0.0f;
+            ssum[r] += e0 + e1;
+            usum[r] = fmaf(e0, z0, fmaf(e1, z1, usum[r]));
+            if (kMode == Mode::Full && in && row < M) {
+              __nv_bfloat162 p = __floats2bfloat162_rn(e0, e1);
+              *reinterpret_cast<__nv_bfloat162*>(params.e + row * params.ldE + col0 + col) = p;
+            }
+          }
+      }
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      ssum[r] += __shfl_xor_sync(0xffffffffu, ssum[r], 1);
+      ssum[r] += __shfl_xor_sync(0xffffffffu, ssum[r], 2);
+      usum[r] += __shfl_xor_sync(0xffffffffu, usum[r], 1);
+      usum[r] += __shfl_xor_sync(0xffffffffu, usum[r], 2);
+    }
+    if (kMode != Mode::Plain && (thread_idx & 3) == 0) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int m = 0; m < MM; ++m)
+        CUTLASS_PRAGMA_UNROLL
+        for (int v1 = 0; v1 < V1; ++v1) {
+          const int r = m * V1 + v1;
+          const int row = row0 + get<0>(tCcD(make_coord(make_coord(0, v1, 0), m, 0)));
+          if (row < M) {
+            const int64_t at = int64_t(row) * params.tiles + n_tile;
+            params.k[at] = koff[r];
+            params.s[at] = ssum[r];
+            params.u[at] = usum[r];
+          }
+        }
+    }
+  }
+
+ private:
+  Params params;
+};
+
+template <class Stride>
+Stride with_ld(int64_t ld) {
+  Stride s{};
+  if constexpr (!is_static<remove_cvref_t<decltype(get<0>(s))>>::value) get<0>(s) = ld;
+  if constexpr (!is_static<remove_cvref_t<decltype(get<1>(s))>>::value) get<1>(s) = ld;
+  return s;
+}
+
+using Tile192 = Shape<_128, _192, _64>;
+using Cluster21 = Shape<_2, _1, _1>;
+
+// The product with the scaled-exp epilogue: ping-pong (each consumer warpgroup its own tile;
+// one warpgroup's epilogue runs while the other's main loop does).
+template <Mode kMode>
+struct ExpKernel {
+  using Epi = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<ScaledExpEpilogue<Tile192, kMode>>;
+  using Main = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, RM, 8, bf16, CM, 8, float, Tile192, Cluster21,
+      cutlass::gemm::collective::StageCountAuto, cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+  using GK = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GK>;
+};
+
+// The same product writing plain bf16 logits with CUTLASS's TMA epilogue.
+template <class Tile, class KSched, class ESched>
+struct PlainKernel {
+  using Epi = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster21, cutlass::epilogue::collective::EpilogueTileAuto,
+      float, float, void, RM, 8, bf16, RM, 8, ESched>::CollectiveOp;
+  using Main = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, RM, 8, bf16, CM, 8, float, Tile, Cluster21,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
+      KSched>::CollectiveOp;
+  using GK = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GK>;
+};
+using PlainPingPong = PlainKernel<Tile192, cutlass::gemm::KernelTmaWarpSpecializedPingpong, cutlass::epilogue::TmaWarpSpecialized>;
+using PlainCoop = PlainKernel<Shape<_256, _192, _64>, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                              cutlass::epilogue::TmaWarpSpecializedCooperative>;
+
+cutlass::KernelHardwareInfo hw_info() {
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = 0;
+  hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
+  return hw;
+}
+
+template <class G>
+struct Runner {
+  typename G::Gemm gemm;
+  bool ok = false;
+  bool init(typename G::Gemm::Arguments args, Raster raster, int swizzle, void* ws, size_t wsb, cudaStream_t s) {
+    args.scheduler.raster_order = raster;
+    args.scheduler.max_swizzle_size = swizzle;
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
+    if (G::Gemm::get_workspace_size(args) > wsb) return false;
+    ok = gemm.initialize(args, ws, s) == cutlass::Status::kSuccess;
+    return ok;
+  }
+  void run(cudaStream_t s) { gemm.run(s); }
+};
+
+template <class G>
+typename G::Gemm::Arguments exp_args(int M, int N, int K, const bf16* A, const bf16* W, ScaledExpOut out) {
+  using GK = typename G::GK;
+  return {cutlass::gemm::GemmUniversalMode::kGemm,
+          {M, N, K, 1},
+          {A, with_ld<typename GK::StrideA>(K), W, with_ld<typename GK::StrideB>(K)},
+          out,
+          hw_info()};
+}
+
+template <class G>
+typename G::Gemm::Arguments plain_args(int M, int N, int K, const bf16* A, const bf16* W, bf16* D) {
+  using GK = typename G::GK;
+  typename G::Gemm::Arguments a{cutlass::gemm::GemmUniversalMode::kGemm,
+                                {M, N, K, 1},
+                                {A, with_ld<typename GK::StrideA>(K), W, with_ld<typename GK::StrideB>(K)},
+                                {{}, nullptr, with_ld<typename GK::StrideC>(N), D, with_ld<typename GK::StrideD>(N)},
+                                hw_info()};
+  a.epilogue.thread.alpha = 1.0f;
+  a.epilogue.thread.beta = 0.0f;
+  return a;
+}
+
+/// The merge of the per-tile partials: one warp a row. lse, entropy.
+__global__ void merge_rows(const float* k, const float* s, const float* u, int tiles, int M, float* lse, float* ent) {
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;
+  const float* kr = k + int64_t(row) * tiles;
+  float K = -INFINITY;
+  for (int t = lane; t < tiles; t += 32) K = fmaxf(K, kr[t]);
+  for (int o = 16; o > 0; o /= 2) K = fmaxf(K, __shfl_xor_sync(0xffffffffu, K, o));
+  float S = 0, U = 0;
+  for (int t = lane; t < tiles; t += 32) {
+    const float f = exp2f(kr[t] - K);  // exact: an integer power of two
+    S = fmaf(s[int64_t(row) * tiles + t], f, S);
+    U = fmaf(u[int64_t(row) * tiles + t], f, U);
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    S += __shfl_xor_sync(0xffffffffu, S, o);
+    U += __shfl_xor_sync(0xffffffffu, U, o);
+  }
+  if (lane == 0) {
+    const float l = 0.69314718055994531f * (K + log2f(S));
+    lse[row] = l;
+    ent[row] = l - U / S;
+  }
+}
+
+/// The target's logit per row, h_i . w_{t_i} in float32 (one warp a row): a gather of N rows of
+/// the weight, so the epilogue's inner loop carries no compare against the target.
+__global__ void target_dot(const bf16* A, const bf16* W, const int* tgt, int M, int K, float* out) {
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;
+  const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(A + int64_t(row) * K);
+  const __nv_bfloat162* w = reinterpret_cast<const __nv_bfloat162*>(W + int64_t(tgt[row]) * K);
+  float acc = 0;
+  for (int j = lane; j < K / 2; j += 32) {
+    const float2 x = __bfloat1622float2(a[j]), y = __bfloat1622float2(w[j]);
+    acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
+  }
+  for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) out[row] = acc;
+}
+
+__global__ void fill_random(bf16* p, size_t n, float scale, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    x ^= x >> 15;
+    const float u = (x & 0xffff) / 65536.0f + (x >> 16) / 65536.0f - 1.0f;
+    p[i] = bf16(u * scale);
+  }
+}
+
+__global__ void fill_targets(int* t, int M, int V, uint32_t seed) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < M) t[i] = int((uint32_t(i) * 2654435761u ^ seed) % uint32_t(V));
+}
+
+/// float64 reference per row from float32 logits z (cuBLASLt, float32 out): lse, entropy; and
+/// the worst relative error of E against 2^(z log2 e - k) with the kernel's k. One block a row.
+__global__ void check_rows(const float* z, int N, const __nv_bfloat16* E, const float* kpart, int tiles, int tile_n,
+                           const float* lse, const float* ent, const int* target, const float* tlogit, float* worst) {
+  const int row = blockIdx.x;
+  const float* zr = z + int64_t(row) * N;
+  __shared__ double red[256];
+  double m = -INFINITY;
+  for (int j = threadIdx.x; j < N; j += blockDim.x) m = fmax(m, double(zr[j]));
+  red[threadIdx.x] = m;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) red[threadIdx.x] = fmax(red[threadIdx.x], red[threadIdx.x + w]);
+    __syncthreads();
+  }
+  m = red[0];
+  __syncthreads();
+  double s = 0, zs = 0;
+  float we = 0;
+  for (int j = threadIdx.x; j < N; j += blockDim.x) {
+    const double e = exp(double(zr[j]) - m);
+    s += e;
+    zs += e * zr[j];
+    const double k = kpart[int64_t(row) * tiles + j / tile_n];
+    const double ref = exp2(double(zr[j]) * 1.4426950408889634 - k);
+    const double got = double(__bfloat162float(E[int64_t(row) * N + j]));
+    we = fmaxf(we, float(fabs(got - ref) / fmax(ref, 1e-30)));
+  }
+  red[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
+    __syncthreads();
+  }
+  s = red[0];
+  __syncthreads();
+  red[threadIdx.x] = zs;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
+    __syncthreads();
+  }
+  zs = red[0];
+  atomicMax(reinterpret_cast<int*>(&worst[0]), __float_as_int(we));
+  if (threadIdx.x == 0) {
+    const double l = m + log(s);
+    const double h = l - zs / s;
+    atomicMax(reinterpret_cast<int*>(&worst[1]), __float_as_int(float(fabs(lse[row] - l))));
+    atomicMax(reinterpret_cast<int*>(&worst[2]), __float_as_int(float(fabs(ent[row] - h))));
+    atomicMax(reinterpret_cast<int*>(&worst[3]), __float_as_int(float(fabs(tlogit[row] - zr[target[row]]))));
+  }
+}
+
+template <class F>
+float time_it(F f, cudaStream_t s, int reps = 15) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int i = 0; i < 3; ++i) f();
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(a, s);
+    f();
+    cudaEventRecord(b, s);
+    cudaEventSynchronize(b);
+    float ms;
+    cudaEventElapsedTime(&ms, a, b);
+    t.push_back(ms);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+/// cuBLASLt: row-major D (M x N) = A (M x K, row-major) W^T (W: N x K row-major); D's type dt.
+struct Lt {
+  cublasLtHandle_t h;
+  Lt() { cublasLtCreate(&h); }
+  float run(int M, int N, int K, const bf16* A, const bf16* W, void* D, cudaDataType_t dt, void* ws, size_t wsb,
+            cudaStream_t s, bool timed) {
+    cublasLtMatmulDesc_t op;
+    cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t));
+    cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n));
+    cublasLtMatrixLayout_t la, lb, ld;
+    cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, K, N, K);
+    cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, K, M, K);
+    cublasLtMatrixLayoutCreate(&ld, dt, N, M, N);
+    cublasLtMatmulPreference_t pref;
+    cublasLtMatmulPreferenceCreate(&pref);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb));
+    cublasLtMatmulHeuristicResult_t r;
+    int found = 0;
+    cublasLtMatmulAlgoGetHeuristic(h, op, la, lb, ld, ld, pref, 1, &r, &found);
+    if (found == 0) return -1;
+    float alpha = 1, beta = 0;
+    auto f = [&] { cublasLtMatmul(h, op, &alpha, W, la, A, lb, &beta, D, ld, D, ld, &r.algo, ws, wsb, s); };
+    return timed ? time_it(f, s) : (f(), 0.0f);
+  }
+};
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+/// A CUTLASS kernel under test: its best raster order and swizzle from a screening pass, then
+/// timed in the interleaved rounds.
+template <class G>
+struct Candidate {
+  Runner<G> r;
+  bool ok = false;
+  Raster raster = Raster::AlongN;
+  int swizzle = 1;
+  float screen(typename G::Gemm::Arguments const& args, void* ws, size_t wsb, cudaStream_t s) {
+    float best = 1e30f;
+    for (Raster ra : {Raster::AlongM, Raster::AlongN})
+      for (int sw : {1, 2, 8}) {
+        Runner<G> t;
+        if (!t.init(args, ra, sw, ws, wsb, s)) continue;
+        const float ms = time_it([&] { t.run(s); }, s, 5);
+        if (ms < best) best = ms, raster = ra, swizzle = sw;
+      }
+    ok = best < 1e30f && r.init(args, raster, swizzle, ws, wsb, s);
+    return best;
+  }
+  float time(cudaStream_t s) { return ok ? time_it([&] { r.run(s); }, s) : -1.0f; }
+  const char* config() const {
+    static char buf[8][32];
+    static int i = 0;
+    i = (i + 1) % 8;
+    snprintf(buf[i], 32, "%s/%d", raster == Raster::AlongM ? "M" : "N", swizzle);
+    return buf[i];
+  }
+};
+
+int main() {
+  struct Case {
+    int M, K, N;  // rows (tokens), hidden, vocabulary
+  };
+  const std::vector<Case> cases = {{4096, 4096, 128256}, {8192, 4096, 128256}, {8192, 4096, 151936},
+                                   {4096, 2304, 256000}, {1000, 512, 5002}};
+  size_t max_mn = 0, max_nk = 0, max_mk = 0, max_m = 0, max_mt = 0;
+  for (auto c : cases) {
+    max_mn = std::max(max_mn, size_t(c.M) * c.N);
+    max_nk = std::max(max_nk, size_t(c.N) * c.K);
+    max_mk = std::max(max_mk, size_t(c.M) * c.K);
+    max_m = std::max(max_m, size_t(c.M));
+    max_mt = std::max(max_mt, size_t(c.M) * ((c.N + 191) / 192));
+  }
+  bf16 *A, *W, *D;
+  float *Z, *kp, *sp, *up, *lse, *ent, *tl, *worst;
+  int* tgt;
+  CK(cudaMalloc(&A, max_mk * 2));
+  CK(cudaMalloc(&W, max_nk * 2));
+  CK(cudaMalloc(&D, max_mn * 2));
+  CK(cudaMalloc(&Z, max_mn * 4));
+  CK(cudaMalloc(&kp, max_mt * 4));
+  CK(cudaMalloc(&sp, max_mt * 4));
+  CK(cudaMalloc(&up, max_mt * 4));
+  CK(cudaMalloc(&lse, max_m * 4));
+  CK(cudaMalloc(&ent, max_m * 4));
+  CK(cudaMalloc(&tl, max_m * 4));
+  CK(cudaMalloc(&tgt, max_m * 4));
+  CK(cudaMalloc(&worst, 16));
+  const size_t wsb = size_t(64) << 20;
+  char* ws;
+  CK(cudaMalloc(&ws, 6 * wsb));
+  fill_random<<<1024, 256>>>(A, max_mk, 1.7f, 1);
+  fill_random<<<1024, 256>>>(W, max_nk, 0.04f, 2);
+  cudaStream_t s;
+  cudaStreamCreate(&s);
+  Lt lt;
+  std::printf("| M x K x N | E rel err, lse abs err, entropy abs err, target abs err | cuBLASLt ms | CUTLASS coop 256x192 plain | ping-pong 128x192 plain (TMA epilogue) | ping-pong, hand epilogue: plain stores | exp, statistics, no E store | full | merge + target dot | full / cuBLASLt | full / ping-pong plain |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (auto c : cases) {
+    const int tiles = (c.N + 191) / 192;
+    fill_targets<<<(c.M + 255) / 256, 256, 0, s>>>(tgt, c.M, c.N, 7);
+    ScaledExpOut out{reinterpret_cast<__nv_bfloat16*>(D), c.N, kp, sp, up, tiles, tgt, tl};
+    Candidate<ExpKernel<Mode::Full>> full;
+    Candidate<ExpKernel<Mode::NoStore>> nostore;
+    Candidate<ExpKernel<Mode::Plain>> hand;
+    Candidate<PlainPingPong> pp;
+    Candidate<PlainCoop> co;
+    full.screen(exp_args<ExpKernel<Mode::Full>>(c.M, c.N, c.K, A, W, out), ws, wsb, s);
+    nostore.screen(exp_args<ExpKernel<Mode::NoStore>>(c.M, c.N, c.K, A, W, out), ws + wsb, wsb, s);
+    hand.screen(exp_args<ExpKernel<Mode::Plain>>(c.M, c.N, c.K, A, W, out), ws + 2 * wsb, wsb, s);
+    pp.screen(plain_args<PlainPingPong>(c.M, c.N, c.K, A, W, D), ws + 3 * wsb, wsb, s);
+    co.screen(plain_args<PlainCoop>(c.M, c.N, c.K, A, W, D), ws + 4 * wsb, wsb, s);
+    auto merge = [&] {
+      merge_rows<<<(c.M + 7) / 8, 256, 0, s>>>(kp, sp, up, tiles, c.M, lse, ent);
+      target_dot<<<(c.M + 7) / 8, 256, 0, s>>>(A, W, tgt, c.M, c.K, tl);
+    };
+    float werr[4] = {-1, -1, -1, -1};
+    if (full.ok) {
+      full.r.run(s);
+      merge();
+      lt.run(c.M, c.N, c.K, A, W, Z, CUDA_R_32F, ws + 5 * wsb, wsb, s, false);
+      CK(cudaMemsetAsync(worst, 0, 16, s));
+      check_rows<<<c.M, 256, 0, s>>>(Z, c.N, reinterpret_cast<__nv_bfloat16*>(D), kp, tiles, 192, lse, ent, tgt, tl, worst);
+      CK(cudaStreamSynchronize(s));
+      CK(cudaGetLastError());
+      CK(cudaMemcpy(werr, worst, 16, cudaMemcpyDeviceToHost));
+    }
+    std::vector<float> t_lt, t_co, t_pp, t_hand, t_ns, t_full, t_mg;
+    for (int round = 0; round < 3; ++round) {
+      t_lt.push_back(lt.run(c.M, c.N, c.K, A, W, D, CUDA_R_16BF, ws + 5 * wsb, wsb, s, true));
+      t_co.push_back(co.time(s));
+      t_pp.push_back(pp.time(s));
+      t_hand.push_back(hand.time(s));
+      t_ns.push_back(nostore.time(s));
+      t_full.push_back(full.time(s));
+      t_mg.push_back(time_it(merge, s));
+    }
+    CK(cudaStreamSynchronize(s));
+    CK(cudaGetLastError());
+    const float a = median(t_lt), f = median(t_full), p = median(t_pp);
+    std::printf("| %d x %d x %d | %s%.2e, %.2e, %.2e, %.2e | %.3f | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f | %.3f | %.3f |\n",
+                c.M, c.K, c.N, full.ok ? "" : "FAILED TO RUN ", werr[0], werr[1], werr[2], werr[3], a, median(t_co),
+                co.config(), p, pp.config(), median(t_hand), hand.config(), median(t_ns), nostore.config(), f,
+                full.config(), median(t_mg), f / a, f / p);
+    std::fflush(stdout);
+  }
+  return 0;
+}
