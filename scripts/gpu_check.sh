@@ -270,7 +270,7 @@ step "peers: cross-entropy over logits against every importable peer (python -m 
 # successor; the folder (table and plots) is archived.
 FUSEDCE_PEER_FLASH_ATTN_CE=${FUSEDCE_PEER_FLASH_ATTN_CE:-$PWD/.whl/peers/flash_attn_ce.py} \
   FUSEDCE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
-  FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
+  PYTHONPATH=$(python3 tests/python/build_tree.py build-gpu-torch):${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
   timeout ${REPORT_TIMEOUT:-3000} python3 -m fusedce.bench --device cuda --only ce --no-progress --out "$out/peers" \
   ${PEERS_ARGS:-} 2>&1 | tee "$out/peers.log" || status=1
 [ -f "$out/peers/results.csv" ] && cp "$out/peers/results.csv" "$out/ce_peers.csv"
@@ -281,7 +281,7 @@ if want report; then
 step "benchmark report: python -m fusedce.bench against every importable peer"
 FUSEDCE_PEER_FLASH_ATTN_CE=${FUSEDCE_PEER_FLASH_ATTN_CE:-$PWD/.whl/peers/flash_attn_ce.py} \
   FUSEDCE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
-  FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
+  PYTHONPATH=$(python3 tests/python/build_tree.py build-gpu-torch):${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
   timeout ${REPORT_TIMEOUT:-3000} python3 -m fusedce.bench --no-progress --out "$out/report" ${REPORT_ARGS:-} 2>&1 | tee "$out/report.log" || status=1
 # One archive: the device tool brings back only a few files per call.
 tar -C "$out" -czf "$out/report.tgz" report && rm -rf "$out/report"
@@ -290,7 +290,7 @@ fi
 if want shard; then
 step "per shard: the vocabulary-parallel linear cross-entropy, one rank (python -m fusedce.bench --only shard)"
 FUSEDCE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
-  FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
+  PYTHONPATH=$(python3 tests/python/build_tree.py build-gpu-torch):${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
   timeout ${REPORT_TIMEOUT:-3000} python3 -m fusedce.bench --device cuda --only shard --no-progress \
   --out "$out/shard" ${SHARD_ARGS:-} 2>&1 | tee "$out/shard.log" || status=1
 [ -f "$out/shard/results.csv" ] && cp "$out/shard/results.csv" "$out/linear_shard.csv"
@@ -299,7 +299,7 @@ fi
 
 if want demo; then
 step "demo: python -m fusedce.demo --device cuda"
-FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
+PYTHONPATH=$(python3 tests/python/build_tree.py build-gpu-torch):${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
   timeout ${DEMO_TIMEOUT:-3000} python3 -m fusedce.demo --device cuda --out "$out/demo" ${DEMO_ARGS:-} 2>&1 | tail -40 | tee "$out/demo.log" || status=1
 tar -C "$out" -czf "$out/demo.tgz" demo && rm -rf "$out/demo"
 fi
