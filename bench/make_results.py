@@ -424,7 +424,7 @@ def readme_ce_kernels(bench_dir=BENCH):
     big_f, big_fg, short_f, short_fg, few_f = (get(8192, 128256, "forward"), get(8192, 128256, "fwd+grad"),
                                                get(16384, 32000, "forward"), get(16384, 32000, "fwd+grad"),
                                                get(64, 262144, "forward"))
-    return (f"- Cross-entropy over logits, the kernels (`fusedce_bench`, commit {required(entry, 'commit', name)}): "
+    return (f"- Cross-entropy over logits, the kernels (`fusedce_bench`): "
             f"forward at 8192 x\n"
             f"  128256 bf16 in {big_f[0]} ms ({big_f[1]} of the streaming-read bandwidth), forward + gradient in "
             f"{big_fg[0]} ms\n"

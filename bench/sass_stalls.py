@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Summarise ncu's per-SASS-instruction stall samples (scripts/ce_stalls.sh's stalls_sass.csv.gz).
+"""Summarise ncu's per-SASS-instruction stall samples (stalls_sass.csv.gz of scripts/gpu_check.sh's step
+`stalls`).
 
 For one profiled launch (--block K: the K-th "Kernel Name" block of the CSV): stall reasons summed
 over the kernel, and the instructions holding the most samples with their reasons and, around

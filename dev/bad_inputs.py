@@ -15,7 +15,7 @@ Each case runs in a worker process; a crash or a hang (60 s) of one case is reco
 and the survey goes on with a fresh worker from the next case.
 
 Run (CPU, a build tree of the extension):
-    FUSEDCE_BUILD_DIR=<build dir> PYTHONPATH=python python dev/bad_inputs.py > dev/bad_inputs_cpu.md
+    PYTHONPATH=$(python tests/python/build_tree.py <build dir>) python dev/bad_inputs.py > bad_inputs.md
 """
 
 import json

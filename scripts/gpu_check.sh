@@ -13,7 +13,11 @@
 # DEMO_TIMEOUT (seconds) bound those steps. The opt-in step "profile" runs ncu over one fused
 # linear call (PROFILE_SHAPE="N H V") and prints the per-kernel times (bench/ncu_summary.py);
 # "ce_profile" runs ncu's speed-of-light, occupancy, warp-state and memory sections over the
-# cross-entropy kernels of `fusedce_bench --profile`; "splits" times few-rows forwards over the
+# cross-entropy kernels of `fusedce_bench --profile`, and "stalls" its per-SASS-instruction stall
+# samples of the stream kernel (stalls_sass.csv.gz, read by bench/sass_stalls.py; a benchmark built
+# with -lineinfo, as scripts/pack_prebuilt.sh builds it); "hub" builds the Kernels Hub package's
+# CUDA variant and runs tests/python/hub_checks.py on it (kernels and what it pulls in carried
+# as wheels in .whl/, docs/distribution.md); "splits" times few-rows forwards over the
 # stream kernel's chunks per split (PlanChoices::split_chunks), per call and per call inside a CUDA graph
 # (`fusedce_bench --sweep-splits`); "ab" runs the benchmark as is and with each variant
 # of the launcher's plan named in AB_VARIANTS (fusedce_bench --variant, see the step); "options"
@@ -107,7 +111,7 @@ if [ -n "${PREBUILT:-}" ]; then
   # the tests step runs the binaries themselves (gtest shards in parallel) instead.
   step "prebuilt binaries: $PREBUILT"
   mkdir -p "$build" && tar -C "$build" -xf "$PREBUILT" || { status=1; exit 1; }
-elif want tests || want sanitizer || want bench || want linear || want profile || want ce_profile || want splits || want ab || want options; then
+elif want tests || want sanitizer || want bench || want linear || want profile || want ce_profile || want stalls || want splits || want ab || want options; then
 step "build"
 gtest_arg=()
 [ -d .deps/googletest ] && gtest_arg=(-DFUSEDCE_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
@@ -190,7 +194,7 @@ for tool in memcheck racecheck; do
   # Rows of several chunks, several rows a block: every stage of the stream kernel's ring turns
   # over, with the gradient's second sweep (the grid's sizes above fit one chunk a row: the ring
   # never wraps there). memcheck only: racecheck flags every wrap of an mbarrier ring, even the
-  # probe's ring of plain shared stores (bench/race_probe.cu `generic`), so its
+  # probe's ring of plain shared stores (dev/race_probe/probe.cu `generic`), so its
   # count says nothing here; the ring's order is checked by results (CudaStream.MetricsLeave*).
   # With it the stream kernel's own finish over split rows (stale workspace, counters).
   if [ $tool = memcheck ]; then
@@ -222,13 +226,6 @@ note "racecheck, public API, default plans (informational): $(grep -hE 'RACECHEC
 compute-sanitizer --tool racecheck --print-limit 2 "$bin/fusedce_grid_tests" --gtest_filter='*cuda_bfloat16_V1024_N257_*' \
   > "$out/sanitizer_racecheck_async.log" 2>&1
 echo "racecheck, asynchronous reduction (informational): $(grep -hE 'RACECHECK SUMMARY|PASSED|FAILED' "$out/sanitizer_racecheck_async.log" | tr '\n' ' ')"
-# Informational: does racecheck accept the ring protocol itself (bench/race_probe.cu)?
-if [ -x "$build/bench/fusedce_race_probe" ]; then
-  for form in bulk generic; do
-    compute-sanitizer --tool racecheck "$build/bench/fusedce_race_probe" $form > "$out/sanitizer_race_probe_$form.log" 2>&1
-    echo "race probe ($form): $(grep -hE 'sum|RACECHECK SUMMARY' "$out/sanitizer_race_probe_$form.log" | tr '\n' ' ')"
-  done
-fi
 fi
 
 if want bench; then
@@ -273,7 +270,7 @@ step "peers: cross-entropy over logits against every importable peer (python -m 
 # successor; the folder (table and plots) is archived.
 FUSEDCE_PEER_FLASH_ATTN_CE=${FUSEDCE_PEER_FLASH_ATTN_CE:-$PWD/.whl/peers/flash_attn_ce.py} \
   FUSEDCE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
-  FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
+  PYTHONPATH=$(python3 tests/python/build_tree.py build-gpu-torch):${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
   timeout ${REPORT_TIMEOUT:-3000} python3 -m fusedce.bench --device cuda --only ce --no-progress --out "$out/peers" \
   ${PEERS_ARGS:-} 2>&1 | tee "$out/peers.log" || status=1
 [ -f "$out/peers/results.csv" ] && cp "$out/peers/results.csv" "$out/ce_peers.csv"
@@ -284,7 +281,7 @@ if want report; then
 step "benchmark report: python -m fusedce.bench against every importable peer"
 FUSEDCE_PEER_FLASH_ATTN_CE=${FUSEDCE_PEER_FLASH_ATTN_CE:-$PWD/.whl/peers/flash_attn_ce.py} \
   FUSEDCE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
-  FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
+  PYTHONPATH=$(python3 tests/python/build_tree.py build-gpu-torch):${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
   timeout ${REPORT_TIMEOUT:-3000} python3 -m fusedce.bench --no-progress --out "$out/report" ${REPORT_ARGS:-} 2>&1 | tee "$out/report.log" || status=1
 # One archive: the device tool brings back only a few files per call.
 tar -C "$out" -czf "$out/report.tgz" report && rm -rf "$out/report"
@@ -293,7 +290,7 @@ fi
 if want shard; then
 step "per shard: the vocabulary-parallel linear cross-entropy, one rank (python -m fusedce.bench --only shard)"
 FUSEDCE_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
-  FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
+  PYTHONPATH=$(python3 tests/python/build_tree.py build-gpu-torch):${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
   timeout ${REPORT_TIMEOUT:-3000} python3 -m fusedce.bench --device cuda --only shard --no-progress \
   --out "$out/shard" ${SHARD_ARGS:-} 2>&1 | tee "$out/shard.log" || status=1
 [ -f "$out/shard/results.csv" ] && cp "$out/shard/results.csv" "$out/linear_shard.csv"
@@ -302,7 +299,7 @@ fi
 
 if want demo; then
 step "demo: python -m fusedce.demo --device cuda"
-FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
+PYTHONPATH=$(python3 tests/python/build_tree.py build-gpu-torch):${PYTHONPATH:-} PYTHONUNBUFFERED=1 \
   timeout ${DEMO_TIMEOUT:-3000} python3 -m fusedce.demo --device cuda --out "$out/demo" ${DEMO_ARGS:-} 2>&1 | tail -40 | tee "$out/demo.log" || status=1
 tar -C "$out" -czf "$out/demo.tgz" demo && rm -rf "$out/demo"
 fi
@@ -357,5 +354,35 @@ ncu --clock-control none -k regex:ce_ --section SpeedOfLight --section Occupancy
   --section MemoryWorkloadAnalysis --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
   "$build/bench/fusedce_bench" --profile > "$out/ce_profile.txt" 2> "$out/ncu_ce.err" || status=1
 grep -E "profiled|ce_.*kernel|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Warp Cycles Per Issued|Stall|Grid Size|L2 Hit|dram__bytes|lts__t_sector_hit" "$out/ce_profile.txt" | head -200
+fi
+
+if want stalls; then
+step "ncu: where the stream kernel's warps wait (fusedce_bench --profile, per-SASS stall samples)"
+# Launches 0-9 of the stream kernel: per case a warm-up, then the one to read (odd indices).
+rc=0
+ncu --clock-control none -k regex:ce_stream_kernel --launch-skip 1 --launch-count 7 \
+  --section SpeedOfLight --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis \
+  --import-source yes -f -o "$out/stalls" "$build/bench/fusedce_bench" --profile > "$out/stalls_run.log" 2>&1 || rc=1
+if [ $rc -eq 0 ]; then
+  ncu -i "$out/stalls.ncu-rep" --page details > "$out/stalls_details.txt" 2>&1
+  ncu -i "$out/stalls.ncu-rep" --page source --csv --print-source sass 2> "$out/stalls_src.err" | gzip > "$out/stalls_sass.csv.gz"
+  grep -E "ce_stream_kernel|Duration|DRAM Throughput|Warp Cycles Per Issued|Issued Warp|Stall|L2 Hit" "$out/stalls_details.txt" | head -80
+else
+  tail -20 "$out/stalls_run.log"; status=1
+fi
+rm -f "$out/stalls.ncu-rep"
+fi
+
+if want hub; then
+step "Kernels Hub package: the CUDA variant built against this machine's torch, checked on the GPU"
+rc=0
+HF_HUB_OFFLINE=1 FUSEDCE_PYTHON=$(command -v python3) bash scripts/build_kernels_hub.sh --cuda /tmp/fusedce-hub \
+  > "$out/hub_build.log" 2>&1 || { tail -30 "$out/hub_build.log"; rc=1; }
+if [ $rc -eq 0 ]; then
+  HF_HUB_OFFLINE=1 python3 tests/python/hub_checks.py /tmp/fusedce-hub --backend cuda > "$out/hub_checks.log" 2>&1 || rc=1
+  tail -20 "$out/hub_checks.log"
+fi
+note "hub: exit $rc"
+[ $rc -eq 0 ] || status=1
 fi
 exit $status

@@ -6,8 +6,7 @@
 #   device: GPU_CHECK_COMMIT=<sha> PREBUILT=build-pack/bins.txz bash scripts/gpu_check.sh
 #           (carry build-pack and .deps: every CUDA gtest, the sanitizer and the Python CUDA tests,
 #           about 8 minutes, writing the record bench/h200/gpu_check.txt; STEPS="tests sanitizer
-#           bench" for the benchmark too; scripts/ce_stalls.sh build-gpu/bench/fusedce_bench after
-#           unpacking, or carry build-sm90/bench/fusedce_bench and pass that)
+#           bench" for the benchmark too, STEPS=stalls for the stream kernel's stall samples)
 # Both build-sm90/ and build-pack/ are ignored by git.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -19,10 +19,9 @@ struct CpuContext {
 };
 
 // The core's parallel loops on torch's intra-op threads rather than a pool of the core's own.
-// torch's threads spin for a while after each of its operations; a second pool on the same
-// cores then shares them with spinning threads, and a loss right after a model's forward ran at
-// about 0.55-0.7x its speed (a 2-core VM, cross-entropy over 128 rows, calls alternating with
-// torch.compile's). at::parallel_for splits [0, blocks) among torch's threads; each range is
+// torch's threads spin for a while after each of its operations, so a second pool on the same
+// cores would share them with spinning threads (docs/performance.md, "CPU memory and threads").
+// at::parallel_for splits [0, blocks) among torch's threads; each range is
 // handed to the core, which runs its own fixed blocks in it, so results do not change.
 // ATen's parallel_for is compiled here: under torch's OpenMP backend only an OpenMP build of this
 // file runs it on torch's threads (torch/CMakeLists.txt); otherwise the core keeps its own pool.

@@ -1,5 +1,10 @@
 // The CPU cross-entropy forward alone, for counting instructions (callgrind) and timing the row
 // loop on one thread: logits of a trained-looking spread, float32, repeated calls.
+// Build against a configured tree, then run (median time and read rate; under
+// `valgrind --tool=callgrind` for an instruction count):
+//   g++ -O2 -std=c++17 -Iinclude dev/cpu_rowloop/forward_bench.cpp build/libfusedce.a \
+//     build/fusedce_openblas/*.a -lpthread -o /tmp/fwd_bench
+//   /tmp/fwd_bench N V reps threads
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>

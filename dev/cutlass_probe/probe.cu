@@ -1,9 +1,11 @@
 // Experiment: CUTLASS sm90 GEMM configurations against cuBLASLt on the three products of the
 // linear cross-entropy (logits, grad_hidden, grad_weight), bf16 in, float32 accumulation.
-// Build: see dev/cutlass_probe/build.sh. Prints the median of CUDA-event timings per config.
-// h200_probe.txt: a first run on a constant bit pattern (CUTLASS looked 3-5% ahead; pingpong
-// 128 x 256 tiles serialize their WGMMAs for want of registers); in the library on random data it
-// ran behind cuBLASLt, hence random inputs here.
+// Prints the median of CUDA-event timings per config. The inputs are random: on a constant bit
+// pattern the products run at other speeds than on real data (docs/performance.md).
+// Build (no GPU needed; the CUTLASS include dir is the one CMake unpacks from the pinned wheel,
+// e.g. build-sm90/_deps/cutlass-4.2.0.0/cutlass_library/source/include):
+//   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG -I<cutlass include dir> \
+//     dev/cutlass_probe/probe.cu -o build-probe/cutlass_probe -lcublasLt
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 

@@ -12,7 +12,10 @@
 // one-hot term becomes an exact per-row correction. This probe measures what the epilogue costs
 // and checks its numbers against float64.
 //
-// Build (here, no GPU needed): dev/exp_epilogue/build.sh <cutlass include dir> [out]
+// Build (no GPU needed; the CUTLASS include dir is the one CMake unpacks from the pinned wheel,
+// e.g. build-sm90/_deps/cutlass-4.2.0.0/cutlass_library/source/include):
+//   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG -I<cutlass include dir> \
+//     dev/exp_epilogue/probe.cu -o build-probe/exp_epilogue -lcublasLt
 // Run (GPU): the binary; prints per shape the check and the median times.
 #include <cublasLt.h>
 #include <cuda_runtime.h>

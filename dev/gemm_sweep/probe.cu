@@ -10,7 +10,11 @@
 // in interleaved rounds (medians of rounds). Each CUTLASS candidate is checked against
 // cuBLASLt's output first (max |diff| / max |ref|, bf16 output).
 //
-// Build (here): dev/gemm_sweep/build.sh <cutlass include dir> [out]. Run (GPU): the binary.
+// Build (no GPU needed; the CUTLASS include dir is the one CMake unpacks from the pinned wheel,
+// e.g. build-sm90/_deps/cutlass-4.2.0.0/cutlass_library/source/include):
+//   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG -I<cutlass include dir> \
+//     dev/gemm_sweep/probe.cu -o build-probe/gemm_sweep -lcublasLt
+// Run (GPU): the binary.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 

@@ -10,14 +10,6 @@ with gradients (reinforcement-learning post-training);
 The ops behind them are ``torch.ops.fusedce.*`` (schemas in torch/registry.h).
 """
 
-import os as _os
-
-# A CMake build tree (-DFUSEDCE_TORCH=ON) used without installing: FUSEDCE_BUILD_DIR=<build dir>
-# with PYTHONPATH=<repo>/python takes the extension and its build facts from <build dir>/torch.
-# Only the package named fusedce: the Kernels Hub package's copy always uses its own library.
-if __name__ == "fusedce" and _os.environ.get("FUSEDCE_BUILD_DIR"):
-    __path__.insert(0, _os.path.join(_os.path.abspath(_os.environ["FUSEDCE_BUILD_DIR"]), "torch"))
-
 from . import _library  # noqa: E402
 
 _library.load()

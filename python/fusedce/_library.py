@@ -10,7 +10,8 @@ import torch
 
 def _locate():
     """The first directory of the package's search path that holds a build: the installed
-    package, the install of an editable checkout, or $FUSEDCE_BUILD_DIR/torch (put first)."""
+    package, the install of an editable checkout, or a CMake build tree's folder laid out by
+    tests/python/build_tree.py."""
     package = sys.modules[__name__.rpartition(".")[0]]  # fusedce, or the Kernels Hub's copy
 
     for directory in package.__path__:
@@ -23,7 +24,8 @@ def _locate():
     raise ImportError(
         "fusedce: the torch extension is not built; install the package with "
         "`pip install --no-build-isolation .` (or `-e .`) in an environment that has torch, or "
-        "point FUSEDCE_BUILD_DIR at a CMake build directory configured with -DFUSEDCE_TORCH=ON")
+        "run from a CMake build directory configured with -DFUSEDCE_TORCH=ON through "
+        "`PYTHONPATH=$(python tests/python/build_tree.py <build dir>)`")
 
 
 _info, _path = _locate()

@@ -29,8 +29,7 @@ def call_below_autograd(overload, *args):
     """``overload(*args)`` past the autograd dispatch key, for a call that builds no graph: no
     input requires grad, or it runs inside an autograd.Function's forward. The ops' autograd
     kernels (register_autograd below) are Python and cost host time on every call, graph or
-    not: 49 -> 18 us a call of ce_fwd on the 2-core VM (1 x 2 logits, CPU), which is what a
-    small GPU problem waits for. Traced under torch.compile, the plain call (a context manager
+    not, which is what a small GPU problem waits for (docs/performance.md, "Host time"). Traced under torch.compile, the plain call (a context manager
     there is a graph break, and the trace has no autograd cost)."""
     if _below_autograd is None or torch.compiler.is_compiling():
         return overload(*args)

@@ -1,7 +1,6 @@
 // Large buffers that a call writes in full: their first writes fault in fresh memory page by
-// page, and on a VM a 4 KiB page's fault costs more than writing it (measured on a 2-core KVM
-// guest: 128 MiB of grad_weight written by the products took 74 ms on fresh pages against 27 ms
-// on pages already present). Where the kernel allows it, such buffers are backed by 2 MiB pages
+// page, and on a VM a 4 KiB page's fault can cost more than writing it (docs/performance.md,
+// "CPU memory and threads"). Where the kernel allows it, such buffers are backed by 2 MiB pages
 // instead, 512 times fewer faults. A hint only: contents and results are unchanged, and a
 // system without transparent huge pages (or not Linux) simply ignores it.
 #pragma once
@@ -23,11 +22,8 @@ void prefer_huge_pages(void* data, size_t bytes);
 /// prefer_huge_pages over its span, and when the span is fresh (32 MiB or more, first page not
 /// present) its pages faulted in now, one zero written per 4 KiB page on up to max_threads
 /// threads. Only a dense matrix (ld == cols) is faulted in: a strided one's gaps between rows are
-/// not the caller's to write. The kernel zeroes a fresh page at its first
-/// write; inside the products that read and write around it, those faults measured about twice
-/// as costly as in a pass of their own (the linear log-probabilities' backward at
-/// 64 x 1024 x 32000, 128 MiB of grad_weight, 2 threads of a 2-core KVM guest: 92 ms with the
-/// faults in the products, 81 ms with them in this pass, 70 ms on memory already present).
+/// not the caller's to write. The kernel zeroes a fresh page at its first write; taken in a pass
+/// of their own, those faults do not stall the products that read and write around them.
 /// Contents afterwards: unspecified.
 void fault_in_fresh(float* data, int64_t rows, int64_t cols, int64_t ld, int max_threads);
 

@@ -173,19 +173,43 @@ RefResult reference(const LinCase& lc, const std::vector<double>& hid, const std
 }
 
 struct Tol {
-  double rtol, atol;
+  double rtol, atol;  // allowed |got - ref|: rtol |ref| + atol max|ref| (+ the reference's budget)
+  double floor = 0.0; // + an absolute floor
 };
 Tol loss_tol(DType) { return {2e-5, 2e-6}; }
 // The CUDA backend's 16-bit logits: the reference rounds them too, but its double sums may round
 // a logit one unit of the dtype away from the GPU's float32 sums (rarely; on a target logit that
 // moves the row's loss by that unit).
 Tol loss_tol_cuda16(DType d) { return d == DType::kBFloat16 ? Tol{8e-3, 1e-3} : Tol{1e-3, 2e-4}; }
-// The GPU's float32 sums may round a logit one unit of the dtype away from the reference's
-// double sums (as for the loss); in bfloat16 that moves a dominant logit's dlogit by about 1% of
-// the largest gradient entry.
-Tol grad_tol_cuda16(DType d) { return d == DType::kBFloat16 ? Tol{2e-2, 1e-2} : Tol{2e-3, 1e-3}; }
-// Gradients: float32 sums over H or N terms, then one rounding to the dtype.
-Tol grad_tol(DType d) { return d == DType::kFloat32 ? Tol{1e-4, 1e-5} : d == DType::kBFloat16 ? Tol{1e-2, 4e-3} : Tol{2e-3, 1e-3}; }
+
+/// Unit roundoff of a dtype: rounding to nearest moves a value x by at most u |x| (2^-24 float32,
+/// 2^-8 bfloat16, 2^-11 float16; float16 below 2^-14 by at most half its subnormal step 2^-24).
+double unit_roundoff(DType d) {
+  return std::ldexp(1.0, d == DType::kFloat32 ? -24 : d == DType::kBFloat16 ? -8 : -11);
+}
+
+/// Gradients, formed in float32 and rounded once to the dtype: rtol = u of the dtype (that one
+/// rounding, relative to the element); atol = 2 sqrt(K) float32 roundoffs of the output's
+/// largest magnitude, K = N + H + V the summed length of the sums behind an element (the logits
+/// over H, grad_hidden over V, grad_weight and grad_bias over N), whose float32 rounding errors
+/// add like a random walk, twice that for margin; float16's subnormal floor. The CPU grid's worst
+/// elements (K up to 2064) reach u relative in 16 bits and 1.9e-6 of the largest in float32
+/// (sqrt(K) u32 is 2.7e-6 there), so a 0.5% bfloat16 scale error or a 1e-5 float32 one fails.
+Tol grad_tol(DType d, const LinCase& lc) {
+  const double u32 = unit_roundoff(DType::kFloat32);
+  return {unit_roundoff(d), 2 * std::sqrt(static_cast<double>(lc.N + lc.H + lc.V)) * u32,
+          d == DType::kFloat16 ? std::ldexp(1.0, -25) : 0.0};
+}
+// The CUDA backend's 16-bit path keeps logits and dlogits in the dtype, and the reference rounds
+// them as it does, so the relative part is grad_tol's (the output's one rounding). What the
+// reference cannot reproduce is a value its double sums round one unit of the dtype away from
+// the GPU's float32 sums: a flipped logit or dlogit moves an element by up to a few units of the
+// largest term (in bfloat16 a dominant logit's dlogit by about 1% of the largest gradient
+// entry): atol 2.56 u in bfloat16 (1e-2), 2 u in float16 (about 1e-3).
+Tol grad_tol_cuda16(DType d, const LinCase& lc) {
+  const Tol cpu = grad_tol(d, lc);
+  return {cpu.rtol, d == DType::kBFloat16 ? 1e-2 : 2 * unit_roundoff(d), cpu.floor};
+}
 
 /// `budget` (empty, or one per element): what the reference's rounding bound adds to element k.
 void expect_close(const std::string& what, const std::vector<double>& got, const std::vector<double>& ref, Tol t,
@@ -194,7 +218,7 @@ void expect_close(const std::string& what, const std::vector<double>& got, const
   for (double v : ref) scale = std::max(scale, std::fabs(v));
   int bad = 0;
   for (size_t k = 0; k < ref.size(); ++k) {
-    const double allowed = t.rtol * std::fabs(ref[k]) + t.atol * scale + (budget.empty() ? 0.0 : budget[k]);
+    const double allowed = t.rtol * std::fabs(ref[k]) + t.atol * scale + t.floor + (budget.empty() ? 0.0 : budget[k]);
     if (std::isnan(ref[k]) && std::isnan(got[k])) continue;  // NaN must meet NaN
     if (!(std::fabs(got[k] - ref[k]) <= allowed)) {
       if (++bad <= 3) ADD_FAILURE() << what << "[" << k << "]: got " << got[k] << ", reference " << ref[k] << " (allowed " << allowed << ")";
@@ -438,7 +462,7 @@ TEST_P(LinearGrid, MatchesFloat64Reference) {
     for (int64_t k = 0; k < n; ++k) v[k] = load_value(buf.data(), d, k);
     return v;
   };
-  const Tol gt = cuda16 ? grad_tol_cuda16(d) : grad_tol(d);
+  const Tol gt = cuda16 ? grad_tol_cuda16(d, lc) : grad_tol(d, lc);
   expect_close("grad_hidden", widen(got.gh, N * H), ref.gh, gt, ref.gh_b);
   expect_close("grad_weight", widen(got.gw, V * H), ref.gw, gt, ref.gw_b);
   if (lc.bias) expect_close("grad_bias", widen(got.gb, V), ref.gb, gt, ref.gb_b);
@@ -873,7 +897,7 @@ TEST_P(LinearCapture, SkipIgnoredFollowsTheDeviceCount) {
     // Against the float64 reference.
     const RefResult ref = reference(lc, in.hd, in.wd, in.bd, tgt, in.cwd, in.upd, cuda16 ? d : DType::kFloat32);
     const Tol lt = cuda16 ? loss_tol_cuda16(d) : loss_tol(d);
-    const Tol gt = cuda16 ? grad_tol_cuda16(d) : grad_tol(d);
+    const Tol gt = cuda16 ? grad_tol_cuda16(d, lc) : grad_tol(d, lc);
     std::vector<double> gl(got.loss.begin(), got.loss.end()), glse(got.lse.begin(), got.lse.end());
     expect_close("loss" + tag, gl, cc.reduction == Reduction::kNone ? ref.loss_rows : std::vector<double>{ref.loss}, lt, cc.reduction == Reduction::kNone ? ref.loss_rows_b : std::vector<double>{ref.loss_b});
     expect_close("lse" + tag, glse, ref.lse, lt, ref.lse_b);

@@ -1,12 +1,33 @@
 """Shared helpers of the Python tests: devices, problem generation, the float64 reference, and
 the error-budget comparison (fusedce's error against float64 judged by PyTorch's own error in
-the same dtype)."""
+the same dtype).
 
-import pytest
-import torch
-import torch.nn.functional as F
+FUSEDCE_BUILD_DIR=<CMake build dir> (configured with -DFUSEDCE_TORCH=ON) runs the tests on that
+build instead of an installed package: its package folder (build_tree.py, in a temporary folder)
+goes first on sys.path, and on PYTHONPATH for the processes the tests start."""
 
-import fusedce
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+
+# Processes the tests start inherit the folder through PYTHONPATH (FUSEDCE_TEST_TREE names it).
+if os.environ.get("FUSEDCE_BUILD_DIR") and not os.environ.get("FUSEDCE_TEST_TREE"):
+    import build_tree
+
+    _tree = tempfile.mkdtemp(prefix="fusedce-build-tree-")
+    atexit.register(shutil.rmtree, _tree, True)
+    build_tree.package_folder(os.environ["FUSEDCE_BUILD_DIR"], _tree)
+    sys.path.insert(0, _tree)
+    os.environ["FUSEDCE_TEST_TREE"] = _tree
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_tree, os.environ.get("PYTHONPATH")) if p)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import fusedce  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available() and fusedce.with_cuda
 DEVICES = [

@@ -201,8 +201,7 @@ void* advance(void* p, int64_t elems, DType d) { return static_cast<char*>(p) + 
 
 // cuBLASLt serves a product at full speed only when every extent that is contiguous in memory
 // is a whole number of 16-byte segments; otherwise it falls back to kernels several times
-// slower (an H200, bf16, 8192 x 2048 x 50257: 5-6x on the logits and grad_hidden products). A
-// vocabulary such as GPT-2's 50257 is such an extent. The product then runs as a head of whole
+// slower (docs/architecture.md gives the figures). A vocabulary such as GPT-2's 50257 is such an extent. The product then runs as a head of whole
 // segments and a tail of the rest (under 16 bytes): each part at its own best speed.
 //   m (rows of D, contiguous in D, and in A untransposed) and n (contiguous in B transposed):
 //   the parts write disjoint blocks of D, so the result is the same as one product's.

@@ -1,5 +1,5 @@
-// The CUDA backend of fused linear cross-entropy, first design (docs/architecture.md, "GPU
-// backend"): token chunks, each
+// The CUDA backend of fused linear cross-entropy (docs/architecture.md, "GPU backend"): token
+// chunks, each
 //   1. logits chunk (rows, V) = hidden_chunk . weight^T (+ bias), cuBLASLt, in the input dtype;
 //   2. the cross-entropy kernel of the logits (reduction none, every option) turns it into the
 //      rows' loss, lse, metrics and, in place, dlogits scaled by each row's upstream gradient;
@@ -51,12 +51,9 @@
 //   within the float32 rounding of a reordered sum (the padding's zeros add nothing).
 //   check_targets (a host read) is refused under capture, naming it; low_memory's second pass is
 //   sized on the host and refused under capture with skip_ignored.
-//   Eager calls keep the synced path rather than capturing, instantiating and launching a graph of
-//   their own per call: that costs a capture of every rung's bodies (8x the host work of the
-//   products' heuristics and launches) and an instantiation of a graph of ~10 nodes per rung per
-//   chunk, per call, since the pointers change from call to call (nothing to cache). Whether that
-//   beats one sync is measured by bench/linear_bench.cu's skip_ignored rows (eager synced,
-//   capture + instantiate + launch per call, and replay).
+//   Eager calls keep the synced path: a graph of their own would be captured (every rung's
+//   bodies) and instantiated anew per call, since the pointers change from call to call
+//   (bench/linear_bench.cu's skip_ignored rows time both).
 #include <cuda_runtime.h>
 
 #include <algorithm>

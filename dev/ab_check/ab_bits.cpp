@@ -1,7 +1,7 @@
 // Bit-for-bit A/B of the cross-entropy over logits on a GPU: every output of a fixed set of calls
 // (dtypes, shapes of each kernel regime, option sets, forward and forward + gradient) through the
 // public API only, on deterministic inputs, as one hash line per call. Built against two trees
-// (scripts/ab_check.sh, STEPS=bits), the two lists must be equal line for line: a change that
+// (dev/ab_check/ab_check.sh, STEPS=bits), the two lists must be equal line for line: a change that
 // only moves code leaves every bit of every result where it was.
 //
 // Usage: ab_bits  (prints "<case> <hash of loss, lse, metrics, dlogits>" per call)

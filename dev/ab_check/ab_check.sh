@@ -4,24 +4,24 @@
 # cross-entropy benchmark (fusedce_bench) of the reference and of this tree in turn, ROUNDS times
 # each (ref, this, ref, this, ...), and prints each shape and job's median over the rounds with
 # the change; a job more than 2% slower is flagged and fails the run. STEPS=bits: the same calls
-# through the public API built against both trees (scripts/ab_bits.cpp), every result compared bit
+# through the public API built against both trees (dev/ab_check/ab_bits.cpp), every result compared bit
 # for bit (a change that only moves code must leave them all).
 #
 # Here (no GPU), the reference's sources, e.g. main before the change:
 #   rm -rf build-ref-src && mkdir build-ref-src && git archive REF | tar -x -C build-ref-src
 # On the GPU machine (carry build-ref-src, and .deps where GoogleTest is not installed; the
 # builds stay in build-ab/ between calls of a warm machine), in three calls of under 10 minutes:
-#   STEPS=tests bash scripts/ab_check.sh      (builds this tree; its CUDA tests)
-#   STEPS=bits bash scripts/ab_check.sh       (builds the reference; the same bits?)
-#   STEPS=bench bash scripts/ab_check.sh      (the benchmarks)
-# or, with everything built here (scripts/pack_ab.sh), in one call without compiling:
-#   PREBUILT=build-pack/ab.txz bash scripts/ab_check.sh       (carry build-pack)
+#   STEPS=tests bash dev/ab_check/ab_check.sh      (builds this tree; its CUDA tests)
+#   STEPS=bits bash dev/ab_check/ab_check.sh       (builds the reference; the same bits?)
+#   STEPS=bench bash dev/ab_check/ab_check.sh      (the benchmarks)
+# or, with everything built here (dev/ab_check/pack_ab.sh), in one call without compiling:
+#   PREBUILT=build-pack/ab.txz bash dev/ab_check/ab_check.sh       (carry build-pack)
 # Env: REF_DIR (build-ref-src), ROUNDS (2), BENCH_ARGS (to both benchmarks, e.g. --quick or
 # --shapes ...), GTEST_FILTER ('*cuda*:*Cuda*'), TEST_TIMEOUT (seconds a test shard, 300),
 # STEPS ("tests bits bench"), OUT (build-ab/out), AB_CUTLASS (OFF: the CUTLASS headers are fetched at
 # configure time, which the GPU machine cannot; the logits kernels do not use them).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${OUT:-build-ab/out}
 ref=${REF_DIR:-build-ref-src}
 rounds=${ROUNDS:-2}
@@ -43,7 +43,7 @@ build() {  # build SRC DIR TARGETS...
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
 if [ -n "${PREBUILT:-}" ]; then
-  step "prebuilt binaries: $PREBUILT (scripts/pack_ab.sh)"
+  step "prebuilt binaries: $PREBUILT (dev/ab_check/pack_ab.sh)"
   mkdir -p build-ab && tar -C build-ab -xf "$PREBUILT" || exit 1
 else
   step "build (sm_90): this tree, and the reference in $ref"
@@ -83,7 +83,7 @@ if want tests; then
 fi
 
 if want bits; then
-  step "bit-for-bit A/B: scripts/ab_bits.cpp against the reference's library and this tree's"
+  step "bit-for-bit A/B: dev/ab_check/ab_bits.cpp against the reference's library and this tree's"
   for side in ref this; do
     if [ -x "build-ab/bin/ab_bits_$side" ]; then  # prebuilt
       timeout -k 5 "${BITS_TIMEOUT:-400}" "build-ab/bin/ab_bits_$side" > "$out/bits_$side.txt" || status=1
@@ -94,7 +94,7 @@ if want bits; then
     # Linked as that tree links fusedce_bench (its CUDA runtime, cuBLASLt, and the CPU BLAS it found).
     link=$(ninja -C "$dir" -t commands bench/fusedce_bench | grep -E -- "-o bench/fusedce_bench( |$)" | tail -1 |
       sed -E 's/.*-o bench\/fusedce_bench //; s/ && :.*//; s# libfusedce\.a # '"$dir"'/libfusedce.a #')
-    { nvcc -std=c++17 -O2 -I"$inc/include" -c scripts/ab_bits.cpp -o "$out/ab_bits_$side.o" &&
+    { nvcc -std=c++17 -O2 -I"$inc/include" -c dev/ab_check/ab_bits.cpp -o "$out/ab_bits_$side.o" &&
       c++ "$out/ab_bits_$side.o" -o "$out/ab_bits_$side" $link; } > "$out/ab_bits_build_$side.log" 2>&1 ||
       { tail -5 "$out/ab_bits_build_$side.log"; exit 1; }
     timeout -k 5 "${BITS_TIMEOUT:-400}" "$out/ab_bits_$side" > "$out/bits_$side.txt" || status=1

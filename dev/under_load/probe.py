@@ -5,7 +5,7 @@ torch.profiler (CUPTI) recording every kernel, and nvidia-smi sampling clocks an
 ncu times each kernel alone, at the clocks of an idle chip; a training step runs them back to
 back on a hot one. This says which kernels take the difference.
 
-    FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python python3 dev/linear_call/under_load.py 16384 2304 256000
+    PYTHONPATH=$(python3 tests/python/build_tree.py build-gpu-torch) python3 dev/under_load/probe.py 16384 2304 256000
 """
 import collections
 import re

@@ -8,8 +8,9 @@
 //   generic: the same barriers, but the producer warp fills the stage with ordinary shared
 //            stores before arriving on `full` (no async proxy).
 // Consumers (4 warps) read a stage, __syncwarp, and one lane per warp arrives on `empty`.
-// Both forms check their sums against the host. Run each under racecheck:
-//   compute-sanitizer --tool racecheck fusedce_race_probe bulk   (and: ... generic)
+// Both forms check their sums against the host. Build, then run each under racecheck:
+//   nvcc -std=c++17 -O2 -arch=sm_90 -Isrc dev/race_probe/probe.cu -o build-probe/race_probe
+//   compute-sanitizer --tool racecheck build-probe/race_probe bulk   (and: ... generic)
 // If racecheck flags `bulk` but not `generic`, it does not model the mbarrier ordering of
 // async-proxy writes, and the stream kernel's report is the same false positive.
 // What it shows on an H200: racecheck flags both forms (bulk 8 hazards, generic 4) with correct
