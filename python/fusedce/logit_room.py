@@ -46,7 +46,7 @@ _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 def kept_bytes(rows, local_vocab, dtype):
     """Bytes of the kept logits: ``rows x local_vocab`` elements of ``dtype`` (F.linear's output)."""
-    return int(rows) * int(local_vocab) * torch.empty((), dtype=dtype).element_size()
+    return int(rows) * int(local_vocab) * dtype.itemsize
 
 
 def room_bytes(local_vocab, hidden_size, dtype, grad_weight, device_type, chunk_budget_bytes=None):

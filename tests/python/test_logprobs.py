@@ -620,7 +620,7 @@ def test_opcheck(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@KEEP
+@pytest.mark.parametrize("keep_logits", [False, True, None], ids=["stream", "keep", "default"])
 def test_compile_matches_eager(device, keep_logits):
     torch._dynamo.reset()
     h, w, b, t = _linear_problem(16, 16, 131, torch.float32, device, seed=8, bias=True)
