@@ -9,9 +9,11 @@ float32 rounds to 0 once the margin passes ~16.6 nats), and so does its gradient
 
 One implementation for a single device and a vocabulary-parallel head (the core's three steps,
 fusedce/logprobs.h): statistics of this rank's columns, a merge of every rank's (a single device
-is a world of 1, with no collective), and the gradients from the merged values. The linear form
-never stores the (N, V) logits: the forward folds them chunk by chunk, the backward forms each
-chunk again (four matrix products for forward and backward). With ``keep_logits=True`` it forms
+is a world of 1, with no collective), and the gradients from the merged values. With
+``keep_logits=False`` the linear form never stores the (N, V) logits: the forward folds them chunk
+by chunk, the backward forms each chunk again (four matrix products for forward and backward).
+The default (``keep_logits=None``) keeps them where they fit the memory bound of that form
+(logit_room.py) and recomputes past it. With ``keep_logits=True`` it forms
 the logits once in hidden's dtype, runs the logits form's steps over them and keeps them for the
 backward, which writes dlogits over them and takes the two gradient products from there (three
 products, for (N, V_local) logits held between forward and backward).
@@ -19,7 +21,7 @@ products, for (N, V_local) logits held between forward and backward).
 
 import torch
 
-from . import _library, distributed
+from . import _library, distributed, logit_room
 from ._checks import _INF, _real, _representable, check_target_values, ignore_index_of, unit_stride_vector
 from .functional import _rows
 from .ops import _graph_is_kept, call_below_autograd, ops
@@ -79,8 +81,9 @@ def _check_budget(chunk_budget_bytes, where):
 
 
 def _check_keep_logits(keep_logits, chunk_budget_bytes, where):
-    if not isinstance(keep_logits, bool):
-        raise TypeError(f"{where}: keep_logits must be a bool, got {type(keep_logits).__name__}")
+    if keep_logits is not None and not isinstance(keep_logits, bool):
+        raise TypeError(f"{where}: keep_logits must be None (the default) or a bool, got "
+                        f"{type(keep_logits).__name__}")
     if keep_logits and chunk_budget_bytes is not None:
         raise ValueError(f"{where}: chunk_budget_bytes bounds the logit chunks of keep_logits=False; "
                          "keep_logits=True forms all the (N, V) logits at once: give one or the other")
@@ -281,9 +284,9 @@ def _results(logprob, entropy, shape, return_entropy):
 
 def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, return_entropy=False,
                     ignore_index=-100, chunk_budget_bytes=None, check_tokens=False, process_group=None,
-                    vocab_start=None, vocab_total=None, keep_logits=False):
+                    vocab_start=None, vocab_total=None, keep_logits=None):
     """Per-token log-probabilities (and entropy) of the logits ``hidden @ weight.T + bias`` at a
-    sampling temperature, without ever storing the (N, V) logits (unless ``keep_logits``).
+    sampling temperature, storing the (N, V) logits only where they fit the memory budget.
 
     Args:
         hidden: float32, bfloat16 or float16, shape (..., H).
@@ -294,8 +297,9 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
         temperature: z = logits / temperature; finite and > 0.
         return_entropy: also return the per-token entropy of softmax(z).
         ignore_index: positions with this token get logprob 0 and entropy 0, and no gradient.
-        chunk_budget_bytes: scratch memory for logit chunks (None: the core's default); not with
-            ``keep_logits=True`` (ValueError).
+        chunk_budget_bytes: memory for logits (None: the core's default): the most the
+            recomputing form's chunks hold, and with ``keep_logits=None`` the room the kept
+            logits must fit; not with ``keep_logits=True`` (ValueError).
         check_tokens: on a GPU, check the token values first (one synchronisation) and raise
             ValueError naming the first bad one; the CPU always checks.
         process_group, vocab_start, vocab_total: a vocabulary-parallel head: ``weight`` (and
@@ -303,12 +307,16 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
             docstring); ``hidden`` and ``tokens`` are the same on every rank. The ranks exchange
             one all-gather of (N + 1, 9) float32 statistics in the forward and one all-reduce of
             the (N, H) float32 grad_hidden in the backward.
-        keep_logits: trade memory for one matrix product. False (the default): the logits are
-            formed chunk by chunk in the forward and again in the backward, four products in
-            all. True: they are formed once, ``F.linear`` in hidden's dtype (this rank's
-            columns for a vocabulary-parallel head), kept from forward to backward ((N, V_local)
-            elements of hidden's dtype) and overwritten there by dlogits, from which the two
-            gradient products come: three products. The backward adds the gradients' own
+        keep_logits: trade memory for one matrix product. None (the default): True where the
+            kept logits fit the recomputing form's memory bound, else False
+            (fusedce.logit_room: the linear cross-entropy's rule for its chunks, or
+            ``chunk_budget_bytes``), so the default is the faster form within that bound.
+            False: the logits are formed chunk by chunk in the forward and again in the
+            backward, four products in all. True: they are formed once, ``F.linear`` in
+            hidden's dtype (this rank's columns for a vocabulary-parallel head), kept from
+            forward to backward ((N, V_local) elements of hidden's dtype) and overwritten
+            there by dlogits, from which the two gradient products come: three products. The
+            backward adds the gradients' own
             outputs (and a float32 (N, H) part of grad_hidden for a vocabulary-parallel head);
             when the graph is kept for another backward (``retain_graph=True``), a second
             (N, V_local) buffer for dlogits. Without a gradient the logits are formed and freed
@@ -365,6 +373,10 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
     _check_token_values(t, shard[1], ignore_index, h.device, check_tokens, where)
     budget = int(chunk_budget_bytes or 0)
     grad_on = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
+    if keep_logits is None:
+        keep_logits = logit_room.keeps_logits(h.shape[0], hidden_size, w.shape[0], h.dtype,
+                                              torch.is_grad_enabled() and weight.requires_grad, h.device.type,
+                                              chunk_budget_bytes)
     if keep_logits and grad_on:
         logprob, entropy = _KeptLinearLogprobs.apply(h, w, b, t, process_group, shard, temperature, ignore_index,
                                                      layout)

@@ -296,10 +296,10 @@ def test_linear_values_and_gradients(device, dtype, n, hid, vocab, bias, tempera
 @pytest.mark.parametrize("device", DEVICES)
 def test_linear_chunked_and_leading_dims(device):
     h, w, b, t = _linear_problem(24, 16, 257, torch.float32, device, seed=5, bias=True)
-    full = fusedce.linear_logprobs(h, w, t, b, return_entropy=True)
+    full = fusedce.linear_logprobs(h, w, t, b, return_entropy=True, keep_logits=False)
     # a budget of a few rows of logits: several chunks (5 rows each on the CPU)
     chunked = fusedce.linear_logprobs(h.view(2, 12, 16), w, t.view(2, 12), b, return_entropy=True,
-                                      chunk_budget_bytes=5 * 264 * 4)
+                                      chunk_budget_bytes=5 * 264 * 4, keep_logits=False)
     for a, c in zip(full, chunked):
         assert c.shape == (2, 12)
         torch.testing.assert_close(c.reshape(-1), a, rtol=1e-6, atol=1e-6)
@@ -307,7 +307,7 @@ def test_linear_chunked_and_leading_dims(device):
     # the gradients summed over chunks equal the one-chunk call's
     def grads(**kw):
         hh, ww, bb = (x.detach().clone().requires_grad_(True) for x in (h, w, b))
-        lp, ent = fusedce.linear_logprobs(hh, ww, t, bb, return_entropy=True, **kw)
+        lp, ent = fusedce.linear_logprobs(hh, ww, t, bb, return_entropy=True, keep_logits=False, **kw)
         (lp * torch.linspace(-1, 1, lp.numel(), device=lp.device) + 0.1 * ent).sum().backward()
         return hh.grad, ww.grad, bb.grad
 
@@ -606,7 +606,7 @@ def test_bad_input_is_named():
         fusedce.linear_logprobs(h, w, t, vocab_total=30)
     with pytest.raises(ValueError, match="chunk_budget_bytes.*keep_logits"):
         fusedce.linear_logprobs(h, w, t, chunk_budget_bytes=1 << 20, keep_logits=True)
-    with pytest.raises(TypeError, match="keep_logits must be a bool"):
+    with pytest.raises(TypeError, match="keep_logits must be None \\(the default\\) or a bool"):
         fusedce.linear_logprobs(h, w, t, keep_logits=1)
 
 
@@ -638,7 +638,7 @@ def test_opcheck(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@KEEP
+@pytest.mark.parametrize("keep_logits", [False, True, None], ids=["stream", "keep", "default"])
 def test_compile_matches_eager(device, keep_logits):
     torch._dynamo.reset()
     h, w, b, t = _linear_problem(16, 16, 131, torch.float32, device, seed=8, bias=True)
@@ -673,7 +673,7 @@ def _vp_cases(world, rank, group):
     v0, v1 = starts[rank], starts[rank] + sizes[rank]
     for dtype, with_bias, temperature, keep in ((torch.float32, True, 0.8, False), (torch.bfloat16, False, 1.0, False),
                                                 (torch.float32, True, 0.8, True), (torch.bfloat16, True, 1.0, True),
-                                                (torch.float16, False, 1.2, True)):
+                                                (torch.float16, False, 1.2, True), (torch.bfloat16, True, 0.9, None)):
         h, w, b, t = _linear_problem(n, hid, vocab, dtype, "cpu", seed=11, bias=with_bias)
         old, adv = (x.float() for x in _weights(n, 5))
 

@@ -140,23 +140,31 @@ def _floor(device):
     return {"linear": lambda h, w, t: _BareProducts.apply(h, w)}, {}
 
 
-def _fusedce_keep_logits(device):
-    """fusedce.linear_logprobs(keep_logits=True): the logits formed once in the input dtype and
-    kept from forward to backward ((N, V) elements more memory), three matrix products instead of
-    four. Without a gradient (the forward row) the same logits, freed on return."""
-    import fusedce
+def _fusedce_forced(keep):
+    """A loader for fusedce.linear_logprobs with keep_logits forced to `keep` (the default,
+    None, picks one of the two by the memory rule of fusedce.logit_room). True: the logits
+    formed once in the input dtype and kept from forward to backward ((N, V) elements more
+    memory), three matrix products instead of four; without a gradient (the forward row) the
+    same logits, freed on return. False: the logits formed chunk by chunk, again in the
+    backward."""
 
-    if device == "cuda" and not fusedce.with_cuda:
-        raise Unavailable("this build of fusedce has no CUDA kernels")
-    llp = getattr(fusedce, "linear_logprobs", None)
-    if llp is None:
-        raise Unavailable(f"fusedce {fusedce.__version__} has no linear_logprobs yet")
-    try:
-        llp(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, dtype=torch.int64), keep_logits=True)
-    except TypeError as e:
-        raise Unavailable(f"fusedce {fusedce.__version__}: linear_logprobs has no keep_logits ({e})") from None
-    return {"logprobs": lambda h, w, t, entropy: (
-        llp(h, w, t, return_entropy=True, keep_logits=True) if entropy else (llp(h, w, t, keep_logits=True), None))}, {}
+    def load(device):
+        import fusedce
+
+        if device == "cuda" and not fusedce.with_cuda:
+            raise Unavailable("this build of fusedce has no CUDA kernels")
+        llp = getattr(fusedce, "linear_logprobs", None)
+        if llp is None:
+            raise Unavailable(f"fusedce {fusedce.__version__} has no linear_logprobs yet")
+        try:
+            llp(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, dtype=torch.int64), keep_logits=keep)
+        except TypeError as e:
+            raise Unavailable(f"fusedce {fusedce.__version__}: linear_logprobs has no keep_logits ({e})") from None
+        return {"logprobs": lambda h, w, t, entropy: (
+            llp(h, w, t, return_entropy=True, keep_logits=keep) if entropy
+            else (llp(h, w, t, keep_logits=keep), None))}, {}
+
+    return load
 
 
 def _torch_ce(x, t):
@@ -266,7 +274,8 @@ REGISTRY = [
     ("fusedce-skip", "fusedce skip_ignored", _fusedce_skip, ("linear",), False),
     ("fusedce-lowmem", "fusedce low_memory", _fusedce_low_memory, ("linear",), False),
     ("fusedce-all", "fusedce all options", _fusedce_all_options, ("linear",), False),
-    ("fusedce-keep", "fusedce keep_logits", _fusedce_keep_logits, ("logprobs",), False),
+    ("fusedce-keep", "fusedce keep_logits", _fusedce_forced(True), ("logprobs",), False),
+    ("fusedce-recompute", "fusedce keep_logits=False", _fusedce_forced(False), ("logprobs",), False),
     ("torch", "torch eager", _torch, ("ce", "linear", "logprobs"), False),
     ("torch-compile", "torch.compile", _torch_compile, ("ce", "linear", "logprobs"), False),
     ("torch-lce", "torch F.linear_cross_entropy", _torch_lce, ("linear",), False),
