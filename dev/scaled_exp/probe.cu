@@ -20,7 +20,10 @@
 // kernels writing plain logits (interleaved rounds, medians); checked against float64 (E, lse,
 // entropy, target logit) before timing.
 //
-// Build (here, no GPU): dev/scaled_exp/build.sh <cutlass include dir> [out]
+// Build (here, no GPU; the include dir is the one CMake unpacks from the pinned CUTLASS wheel,
+// e.g. build-sm90/_deps/cutlass-4.2.0.0/cutlass_library/source/include):
+//   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG -lineinfo -I<cutlass include dir> \
+//     dev/scaled_exp/probe.cu -o build-probe/scaled_exp -lcublasLt
 // Run (GPU): the binary; one line a shape.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
