@@ -25,8 +25,8 @@ per-token log-probabilities. Three parts, each its own CSV:
 
 Run on a GPU from the repository root (the carried wheels installed to /tmp/site first):
 
-    PYTHONPATH=python:/tmp/site FUSEDCE_BUILD_DIR=<build> python3 bench/trl_post_training.py \\
-        --out bench/h200
+    PYTHONPATH=$(python3 tests/python/build_tree.py <build>):/tmp/site \\
+        python3 bench/trl_post_training.py --out bench/h200
 
 --smoke runs every part at tiny shapes (the CPU's default), for the test that keeps this script
 working (tests/python/test_trl_bench.py). Only the modules a part needs are imported: the kernel
