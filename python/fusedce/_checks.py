@@ -119,7 +119,7 @@ def check_same_device(value, name, ref, ref_name, where, verb="is"):
 
 def check_cuda_build(x, name, where, verb="is"):
     """RuntimeError when `x` is on a CUDA device and this build has no CUDA kernels."""
-    if x.device.type == "cuda" and not _library.with_cuda:
+    if x.is_cuda and not _library.with_cuda:
         raise RuntimeError(f"{where}: {name} {verb} on a CUDA device but this build of fusedce has no "
                            "CUDA kernels (it was built without nvcc or with a CPU-only torch)")
 

@@ -124,7 +124,14 @@ class LinearOptions:
         sequence of S rows (all rows for (N, H) or (H,) hidden)."""
         check_chunk_budget(chunk_budget_bytes, where)
         seq_len = (hidden.shape[-2] if hidden.dim() >= 2 else 1) if shift else 0
-        return cls(int(seq_len), int(chunk_budget_bytes or 0), bool(low_memory), bool(skip_ignored))
+        key = (int(seq_len), int(chunk_budget_bytes or 0), bool(low_memory), bool(skip_ignored))
+        known = _LINEAR.get(key)  # the same values every call of a training loop
+        if known is None:
+            known = cls(*key)
+            if len(_LINEAR) >= _CHECKED_MAX:
+                _LINEAR.clear()
+            _LINEAR[key] = known
+        return known
 
     def op_args(self):
         """The four op arguments of lce_fwd / lce_fwd_bwd, in schema order."""
@@ -169,6 +176,13 @@ class VocabParallel:
     vocab_total: object = None
     order: Optional[Tuple[int, ...]] = None
     source: str = "process_group"
+
+    @classmethod
+    def of(cls, process_group, vocab_start, vocab_total):
+        """The spec of a call's keywords (SINGLE_DEVICE, one object, when none is given)."""
+        if process_group is None and vocab_start is None and vocab_total is None:
+            return SINGLE_DEVICE
+        return cls(process_group, vocab_start, vocab_total)
 
     @property
     def rule(self):
@@ -230,6 +244,31 @@ class Call:
     strict: bool = False
     keep_logits: bool = False
     return_entropy: bool = False
+
+    @classmethod
+    def of(cls, where, options, linear=None, parallel=SINGLE_DEVICE, compute_metrics=False,
+           check_targets=False, inplace_backward=False, strict=False, keep_logits=False,
+           return_entropy=False):
+        """The Call of these objects and flags, the same object again for the same ones (every
+        call of a training loop builds the same one): found by the identities of options, linear
+        and parallel and the flags' values, and checked to hold those very objects."""
+        key = (where, id(options), id(linear), id(parallel), compute_metrics, check_targets,
+               inplace_backward, strict, keep_logits, return_entropy)
+        known = _CALLS.get(key)
+        if (known is not None and known.options is options and known.linear is linear
+                and known.parallel is parallel):
+            return known
+        call = cls(where, options, linear, parallel, compute_metrics, check_targets, inplace_backward,
+                   strict, keep_logits, return_entropy)
+        if len(_CALLS) >= _CHECKED_MAX:
+            _CALLS.clear()
+        _CALLS[key] = call
+        return call
+
+
+# The memories of LinearOptions.checked and Call.of, bounded as Options.checked's is.
+_LINEAR = {}
+_CALLS = {}
 
 
 # checked()'s memory of valid options: (values, their types) -> Options. Bounded, so that a

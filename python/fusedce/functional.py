@@ -6,6 +6,8 @@ errors, and picks the op; every number comes from the core. What the core does n
 (class-probability targets, float64 logits) goes to PyTorch's own implementation instead.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -159,14 +161,14 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
     all when that is 1). When the logits do not require grad, only the forward runs.
     """
     def call_of(parallel):  # the call object, built once, where the router runs the call
-        return Call(_NAME, Options.checked(_NAME, ignore_index=ignore_index, reduction=reduction,
+        return Call.of(_NAME, Options.checked(_NAME, ignore_index=ignore_index, reduction=reduction,
                                            label_smoothing=label_smoothing, logit_scale=logit_scale,
                                            softcap=softcap, z_loss=z_loss),
                     parallel=parallel, compute_metrics=bool(return_metrics), check_targets=bool(check_targets),
                     inplace_backward=bool(inplace_backward), strict=bool(strict))
 
-    return route(_NAME, lambda *args: _cross_entropy(call_of, *args), (logits, target, weight),
-                 VocabParallel(process_group, vocab_start, vocab_total), target=target,
+    return route(_NAME, functools.partial(_cross_entropy, call_of), (logits, target, weight),
+                 VocabParallel.of(process_group, vocab_start, vocab_total), target=target,
                  device=getattr(logits, "device", None), dtensor_form=dtensor.cross_entropy)
 
 

@@ -6,6 +6,8 @@ This layer flattens hidden's leading dimensions (without a copy where the stride
 picks the op; every number comes from the core (linear_cross_entropy.h).
 """
 
+import functools
+
 import torch
 
 from . import distributed, dtensor
@@ -126,16 +128,16 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
     side never looks at tensor values otherwise.
     """
     def call_of(hidden, parallel):  # the call object, built once, where the router runs the call
-        return Call(_NAME, Options.checked(_NAME, ignore_index=ignore_index, reduction=reduction,
+        return Call.of(_NAME, Options.checked(_NAME, ignore_index=ignore_index, reduction=reduction,
                                            label_smoothing=label_smoothing, logit_scale=logit_scale,
                                            softcap=softcap, z_loss=z_loss),
                     LinearOptions.checked(_NAME, hidden, shift=shift, chunk_budget_bytes=chunk_budget_bytes,
                                           low_memory=low_memory, skip_ignored=skip_ignored),
                     parallel, compute_metrics=bool(return_metrics), check_targets=bool(check_targets))
 
-    return route(_NAME, lambda *args: _linear_cross_entropy(call_of, *args),
+    return route(_NAME, functools.partial(_linear_cross_entropy, call_of),
                  (hidden, weight, target, bias, class_weight),
-                 VocabParallel(process_group, vocab_start, vocab_total), target=target,
+                 VocabParallel.of(process_group, vocab_start, vocab_total), target=target,
                  device=getattr(hidden, "device", None), dtensor_form=dtensor.linear_cross_entropy)
 
 

@@ -17,6 +17,8 @@ backward, which writes dlogits over them and takes the two gradient products fro
 products, for (N, V_local) logits held between forward and backward).
 """
 
+import functools
+
 import torch
 
 from . import distributed
@@ -292,13 +294,13 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
     def call_of(parallel):  # the call object, built once, where the router runs the call
         check_chunk_budget(chunk_budget_bytes, _LINEAR)
         _check_keep_logits(keep_logits, chunk_budget_bytes, _LINEAR)
-        return Call(_LINEAR, LogprobOptions.checked(_LINEAR, temperature=temperature, ignore_index=ignore_index),
+        return Call.of(_LINEAR, LogprobOptions.checked(_LINEAR, temperature=temperature, ignore_index=ignore_index),
                     LinearOptions(chunk_budget_bytes=int(chunk_budget_bytes or 0)), parallel,
                     check_targets=bool(check_tokens), keep_logits=keep_logits,
                     return_entropy=bool(return_entropy))
 
-    return route(_LINEAR, lambda *args: _linear_logprobs(call_of, *args), (hidden, weight, tokens, bias),
-                 VocabParallel(process_group, vocab_start, vocab_total), target=tokens,
+    return route(_LINEAR, functools.partial(_linear_logprobs, call_of), (hidden, weight, tokens, bias),
+                 VocabParallel.of(process_group, vocab_start, vocab_total), target=tokens,
                  device=getattr(hidden, "device", None), dtensor_form=None)
 
 
@@ -369,11 +371,11 @@ def logprobs(logits, tokens, *, temperature=1.0, return_entropy=False, ignore_in
         respect to logits (the gradient has the logits' dtype).
     """
     def call_of(parallel):  # the call object, built once, where the router runs the call
-        return Call(_LOGITS, LogprobOptions.checked(_LOGITS, temperature=temperature, ignore_index=ignore_index),
+        return Call.of(_LOGITS, LogprobOptions.checked(_LOGITS, temperature=temperature, ignore_index=ignore_index),
                     parallel=parallel, check_targets=bool(check_tokens), return_entropy=bool(return_entropy))
 
-    return route(_LOGITS, lambda *args: _logprobs(call_of, *args), (logits, tokens),
-                 VocabParallel(process_group, vocab_start, vocab_total), target=tokens,
+    return route(_LOGITS, functools.partial(_logprobs, call_of), (logits, tokens),
+                 VocabParallel.of(process_group, vocab_start, vocab_total), target=tokens,
                  device=getattr(logits, "device", None), dtensor_form=None)
 
 

@@ -143,3 +143,24 @@ def test_vocab_parallel_rules_and_keywords():
     with pytest.raises(ValueError, match="f: vocab_start and vocab_total are only used with a process_group!"):
         VocabParallel(vocab_start=0).check_single("f", "!")
     VocabParallel("g", 0).check_single("f")
+
+
+def test_call_and_linear_options_are_remembered_for_the_same_objects():
+    """Call.of and LinearOptions.checked give the same object again for the same inputs (every
+    call of a training loop), and a new one for any other option, flag or spec."""
+    from fusedce._options import Call
+
+    o, other = Options.checked("t"), Options.checked("t", reduction="sum")
+    h = torch.zeros(2, 3, 4)
+    lin = LinearOptions.checked("t", h, shift=True)
+    assert LinearOptions.checked("t", h, shift=True) is lin
+    assert LinearOptions.checked("t", h, shift=True, low_memory=True) == LinearOptions(3, 0, True, False)
+    first = Call.of("t", o, lin, compute_metrics=True)
+    assert Call.of("t", o, lin, compute_metrics=True) is first
+    assert Call.of("t", o, lin) == Call("t", o, lin)
+    assert Call.of("t", other, lin, compute_metrics=True).options is other
+    spec = VocabParallel("g", 0, 8)
+    assert Call.of("t", o, lin, spec, compute_metrics=True).parallel is spec
+    assert Call.of("u", o, lin, compute_metrics=True).where == "u"
+    assert VocabParallel.of(None, None, None) is VocabParallel.of(None, None, None)
+    assert VocabParallel.of(None, None, 8) == VocabParallel(None, None, 8)
