@@ -123,11 +123,3 @@ def check_cuda_build(x, name, where, verb="is"):
         raise RuntimeError(f"{where}: {name} {verb} on a CUDA device but this build of fusedce has no "
                            "CUDA kernels (it was built without nvcc or with a CPU-only torch)")
 
-
-def check_chunk_budget(chunk_budget_bytes, where):
-    """None, or a positive int the core's size_t holds (not a bool)."""
-    if chunk_budget_bytes is not None and not (isinstance(chunk_budget_bytes, int)
-                                               and not isinstance(chunk_budget_bytes, bool)
-                                               and 0 < chunk_budget_bytes < 2**63):
-        raise ValueError(f"{where}: chunk_budget_bytes must be None (the default) or a positive int "
-                         f"below 2**63, got {chunk_budget_bytes!r}")

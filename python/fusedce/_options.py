@@ -27,7 +27,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _library
-from ._checks import _INF, _real, _representable, check_chunk_budget, ignore_index_of
+from ._checks import _INF, _real, _representable, ignore_index_of
 
 REDUCTIONS = ("none", "sum", "mean")
 
@@ -121,8 +121,13 @@ class LinearOptions:
     def checked(cls, where, hidden, *, shift=False, chunk_budget_bytes=None, low_memory=False,
                 skip_ignored=False):
         """The linear options of a call of `where` over `hidden` (..., S, H): shift=True is a
-        sequence of S rows (all rows for (N, H) or (H,) hidden)."""
-        check_chunk_budget(chunk_budget_bytes, where)
+        sequence of S rows (all rows for (N, H) or (H,) hidden); chunk_budget_bytes None (the
+        core's default) or a positive int the core's size_t holds (not a bool)."""
+        if chunk_budget_bytes is not None and not (isinstance(chunk_budget_bytes, int)
+                                                   and not isinstance(chunk_budget_bytes, bool)
+                                                   and 0 < chunk_budget_bytes < 2**63):
+            raise ValueError(f"{where}: chunk_budget_bytes must be None (the default) or a positive int "
+                             f"below 2**63, got {chunk_budget_bytes!r}")
         seq_len = (hidden.shape[-2] if hidden.dim() >= 2 else 1) if shift else 0
         key = (int(seq_len), int(chunk_budget_bytes or 0), bool(low_memory), bool(skip_ignored))
         known = _LINEAR.get(key)  # the same values every call of a training loop

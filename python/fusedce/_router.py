@@ -3,6 +3,8 @@ call its process group agrees on (fusedce.distributed.agreed_call), or through i
 (fusedce.dtensor), which reads the group and the layout from the DTensors and comes back to the
 same plain run on their local tensors."""
 
+import functools
+
 from . import distributed, dtensor
 
 
@@ -18,5 +20,5 @@ def route(where, run, tensors, parallel, *, target, device, dtensor_form):
     if dtensor_form is not None and not dtensor.plain(*tensors) and dtensor.any_dtensor(*tensors):
         return dtensor_form(run, *tensors, parallel)
     if parallel.group is not None:
-        return distributed.agreed_call(where, parallel, target, device, lambda: run(*tensors, parallel))
+        return distributed.agreed_call(where, parallel, target, device, functools.partial(run, *tensors, parallel))
     return run(*tensors, parallel)

@@ -175,7 +175,8 @@ def _agreed(where, layout, source, target, device, body):
     its outcome agreed by the group of the vocabulary (distributed.agreed_call): an error raised
     by one rank before the call's first collective is raised on every rank."""
     parallel = VocabParallel(layout.group, layout.start, layout.total, layout.order, source)
-    return distributed.agreed_call(where, parallel, _agreement_target(target), device, lambda: body(parallel))
+    return distributed.agreed_call(where, parallel, _agreement_target(target), device,
+                                   functools.partial(body, parallel))
 
 
 def _agreement_target(target):

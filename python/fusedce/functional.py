@@ -162,10 +162,10 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
     """
     def call_of(parallel):  # the call object, built once, where the router runs the call
         return Call.of(_NAME, Options.checked(_NAME, ignore_index=ignore_index, reduction=reduction,
-                                           label_smoothing=label_smoothing, logit_scale=logit_scale,
-                                           softcap=softcap, z_loss=z_loss),
-                    parallel=parallel, compute_metrics=bool(return_metrics), check_targets=bool(check_targets),
-                    inplace_backward=bool(inplace_backward), strict=bool(strict))
+                                              label_smoothing=label_smoothing, logit_scale=logit_scale,
+                                              softcap=softcap, z_loss=z_loss),
+                       parallel=parallel, compute_metrics=bool(return_metrics), check_targets=bool(check_targets),
+                       inplace_backward=bool(inplace_backward), strict=bool(strict))
 
     return route(_NAME, functools.partial(_cross_entropy, call_of), (logits, target, weight),
                  VocabParallel.of(process_group, vocab_start, vocab_total), target=target,

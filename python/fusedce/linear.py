@@ -129,11 +129,11 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
     """
     def call_of(hidden, parallel):  # the call object, built once, where the router runs the call
         return Call.of(_NAME, Options.checked(_NAME, ignore_index=ignore_index, reduction=reduction,
-                                           label_smoothing=label_smoothing, logit_scale=logit_scale,
-                                           softcap=softcap, z_loss=z_loss),
-                    LinearOptions.checked(_NAME, hidden, shift=shift, chunk_budget_bytes=chunk_budget_bytes,
-                                          low_memory=low_memory, skip_ignored=skip_ignored),
-                    parallel, compute_metrics=bool(return_metrics), check_targets=bool(check_targets))
+                                              label_smoothing=label_smoothing, logit_scale=logit_scale,
+                                              softcap=softcap, z_loss=z_loss),
+                       LinearOptions.checked(_NAME, hidden, shift=shift, chunk_budget_bytes=chunk_budget_bytes,
+                                             low_memory=low_memory, skip_ignored=skip_ignored),
+                       parallel, compute_metrics=bool(return_metrics), check_targets=bool(check_targets))
 
     return route(_NAME, functools.partial(_linear_cross_entropy, call_of),
                  (hidden, weight, target, bias, class_weight),

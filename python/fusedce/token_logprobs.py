@@ -22,8 +22,7 @@ import functools
 import torch
 
 from . import distributed
-from ._checks import (check_chunk_budget, check_cuda_build, check_same_device, check_target_values,
-                      check_tensor, unit_stride_vector)
+from ._checks import check_cuda_build, check_same_device, check_target_values, check_tensor, unit_stride_vector
 from ._options import Call, LinearOptions, LogprobOptions, ShardSpec, VocabParallel
 from ._router import route
 from .functional import _rows
@@ -291,13 +290,12 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
         logprob, float32 of tokens' shape; or ``(logprob, entropy)`` with ``return_entropy``.
         Both are differentiable with respect to hidden, weight and bias.
     """
-    def call_of(parallel):  # the call object, built once, where the router runs the call
-        check_chunk_budget(chunk_budget_bytes, _LINEAR)
+    def call_of(hidden, parallel):  # the call object, built once, where the router runs the call
+        linear = LinearOptions.checked(_LINEAR, hidden, chunk_budget_bytes=chunk_budget_bytes)
         _check_keep_logits(keep_logits, chunk_budget_bytes, _LINEAR)
         return Call.of(_LINEAR, LogprobOptions.checked(_LINEAR, temperature=temperature, ignore_index=ignore_index),
-                    LinearOptions(chunk_budget_bytes=int(chunk_budget_bytes or 0)), parallel,
-                    check_targets=bool(check_tokens), keep_logits=keep_logits,
-                    return_entropy=bool(return_entropy))
+                       linear, parallel, check_targets=bool(check_tokens), keep_logits=keep_logits,
+                       return_entropy=bool(return_entropy))
 
     return route(_LINEAR, functools.partial(_linear_logprobs, call_of), (hidden, weight, tokens, bias),
                  VocabParallel.of(process_group, vocab_start, vocab_total), target=tokens,
@@ -306,7 +304,7 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
 
 def _linear_logprobs(call_of, hidden, weight, tokens, bias, parallel):
     """linear_logprobs on plain tensors (with a process group in `parallel`: this rank's rows of
-    the head), its Call built by call_of(parallel) after the tensors' checks."""
+    the head), its Call built by call_of(hidden, parallel) after the tensors' checks."""
     where = _LINEAR
     parallel.check_single(where)
     for value, name, optional in ((hidden, "hidden", False), (weight, "weight", False),
@@ -331,7 +329,7 @@ def _linear_logprobs(call_of, hidden, weight, tokens, bias, parallel):
     for value, name in ((weight, "weight"), (tokens, "tokens"), (bias, "bias")):
         check_same_device(value, name, hidden, "hidden", where)
     check_cuda_build(hidden, "hidden", where)
-    call = call_of(parallel)
+    call = call_of(hidden, parallel)
 
     h = _rows(hidden, hidden_size)
     w = _rows(weight, hidden_size)
@@ -372,7 +370,7 @@ def logprobs(logits, tokens, *, temperature=1.0, return_entropy=False, ignore_in
     """
     def call_of(parallel):  # the call object, built once, where the router runs the call
         return Call.of(_LOGITS, LogprobOptions.checked(_LOGITS, temperature=temperature, ignore_index=ignore_index),
-                    parallel=parallel, check_targets=bool(check_tokens), return_entropy=bool(return_entropy))
+                       parallel=parallel, check_targets=bool(check_tokens), return_entropy=bool(return_entropy))
 
     return route(_LOGITS, functools.partial(_logprobs, call_of), (logits, tokens),
                  VocabParallel.of(process_group, vocab_start, vocab_total), target=tokens,
