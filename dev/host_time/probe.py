@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedce
-from fusedce._options import CeOptions
+from fusedce._options import Call, Options
 from fusedce.ops import FusedCrossEntropy
 
 
@@ -39,12 +39,12 @@ def main():
     for n, v in [(64, 262144), (1, 128256), (1, 128), (4096, 32000)]:
         x = (torch.randn(n, v, device=a.device) * 2).to(dt).requires_grad_()
         t = torch.randint(0, v, (n,), device=a.device)
-        opts = CeOptions()
-        args = opts.op_args()
+        call = Call("probe", Options())
+        args = call.options.op_args()
         jobs = {
             "eager fwd+bwd": lambda: F.cross_entropy(x, t).backward(),
             # The op level: the Python autograd.Function against ce_loss's C++ autograd.
-            "op: Python Function fwd+bwd": lambda: FusedCrossEntropy.apply(x, t, None, opts, False, None)[0].backward(),
+            "op: Python Function fwd+bwd": lambda: FusedCrossEntropy.apply(x, t, None, call, None)[0].backward(),
             "op: ce_loss fwd+bwd": lambda: torch.ops.fusedce.ce_loss.default(x, t, None, *args, False)[0].backward(),
             "fusedce fwd+bwd": lambda: fusedce.cross_entropy(x, t).backward(),
             "eager fwd (no grad)": lambda: F.cross_entropy(x.detach(), t),

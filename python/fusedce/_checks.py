@@ -1,11 +1,14 @@
-"""Checks shared by the Python front ends: scalar arguments as the kernels will hold them (the
-options' checks in _options.py are built from these), the optional device-side check of target
+"""Checks shared by the Python front ends, each written once: what the core cannot see (Python
+types, devices, this build's backends; scalar arguments as the kernels will hold them, from
+which the option objects of _options.py are checked), the optional device-side check of target
 values, and the layout fixes the core cannot take (rows or vectors with stride 0)."""
 
 import operator
 import struct
 
 import torch
+
+from . import _library
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 # Magnitudes that round to a normal float32 (round to nearest, ties to even): at least halfway
@@ -98,3 +101,25 @@ def unit_stride_vector(v):
     if v is not None and v.dim() == 1 and v.stride(0) < 1:
         return v.clone(memory_format=torch.contiguous_format)
     return v
+
+
+def check_tensor(value, name, where, optional=False):
+    """TypeError unless `value` is a tensor (or, `optional`, None)."""
+    if value is None and optional:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a tensor, got {type(value).__name__}")
+
+
+def check_same_device(value, name, ref, ref_name, where, verb="is"):
+    """ValueError unless `value` (None passes) is on `ref`'s device."""
+    if value is not None and value.device != ref.device:
+        raise ValueError(f"{where}: {name} is on {value.device} but {ref_name} {verb} on {ref.device}")
+
+
+def check_cuda_build(x, name, where, verb="is"):
+    """RuntimeError when `x` is on a CUDA device and this build has no CUDA kernels."""
+    if x.is_cuda and not _library.with_cuda:
+        raise RuntimeError(f"{where}: {name} {verb} on a CUDA device but this build of fusedce has no "
+                           "CUDA kernels (it was built without nvcc or with a CPU-only torch)")
+

@@ -91,6 +91,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_target_values
+from ._options import ShardSpec
 from .ops import _upstream, ops
 from .vp_ops import STATS_WIDTH as _STATS_WIDTH
 
@@ -143,30 +144,24 @@ def _summed_local_sizes(local_vocab, process_group, device, where, error=0):
     return sum(sizes)
 
 
-def _layout_rule(vocab_start, vocab_total):
-    """Which row of the layout table applies (index into _RULES); any values, checked or not."""
-    if vocab_start is None:
-        return 0 if vocab_total is None else 1
-    return 2 if vocab_total is not None else 3
-
-
 _RULES = ("equal shards (no vocab_start, no vocab_total)", "torch.chunk's layout (vocab_total only)",
           "vocab_start and vocab_total as given", "vocab_start given, vocab_total summed")
 
 
-def shard_layout(local_vocab, process_group, vocab_start=None, vocab_total=None, *, device="cpu",
-                 where="fusedce"):
-    """(vocab_start, vocab_total) of this rank's shard of `local_vocab` columns, by the rules of
-    the module's docstring. Raises ValueError naming the argument when the layout is impossible."""
-    rank, world = _group_rank_and_size(process_group, where)
+def shard_of(local_vocab, parallel, device, where):
+    """The ShardSpec of this rank's `local_vocab` columns in the call `parallel` (a VocabParallel
+    with a group), by the rules of the module's docstring. Raises ValueError naming the argument
+    when the layout is impossible."""
+    rank, world = _group_rank_and_size(parallel.group, where)
     if local_vocab < 1:
         raise ValueError(f"{where}: every rank must hold at least one column of the vocabulary, "
                          f"rank {rank} holds {local_vocab}")
+    vocab_start, vocab_total, rule = parallel.vocab_start, parallel.vocab_total, parallel.rule
     if vocab_total is not None:
         vocab_total = _as_int(vocab_total, "vocab_total", where)
     if vocab_start is None:
         if vocab_total is None:
-            return rank * local_vocab, world * local_vocab
+            return ShardSpec(rank * local_vocab, world * local_vocab, local_vocab, rule)
         block = -(-vocab_total // world)
         start = rank * block
         expected = max(0, min(block, vocab_total - start))
@@ -175,14 +170,14 @@ def shard_layout(local_vocab, process_group, vocab_start=None, vocab_total=None,
                 f"{where}: with vocab_total={vocab_total} and no vocab_start, rank {rank} of {world} "
                 f"must hold torch.chunk's block of {expected} columns, but it holds {local_vocab}; "
                 "pass vocab_start for another layout")
-        return start, vocab_total
+        return ShardSpec(start, vocab_total, local_vocab, rule)
     vocab_start = _as_int(vocab_start, "vocab_start", where)
     if vocab_total is None:
-        vocab_total = _summed_local_sizes(local_vocab, process_group, device, where)
+        vocab_total = _summed_local_sizes(local_vocab, parallel.group, device, where)
     if vocab_start < 0 or vocab_start + local_vocab > vocab_total:
         raise ValueError(f"{where}: vocab_start ({vocab_start}) + the {local_vocab} local columns must "
                          f"lie within vocab_total ({vocab_total})")
-    return vocab_start, vocab_total
+    return ShardSpec(vocab_start, vocab_total, local_vocab, rule)
 
 
 # ---- collectives ----------------------------------------------------------------------------
@@ -244,11 +239,10 @@ class _AgreedError(ValueError):
     """An error every rank of the group raises for the same call, agreed through its collective."""
 
 
-def _with_layout_row(stats, layout):
+def _with_layout_row(stats, shard):
     """stats with columns 1..8 of row N set to this rank's layout record (see above)."""
-    vocab_start, local_vocab, vocab_total, rule = layout
-    values = (0, *divmod(vocab_start, _LAYOUT_BASE), *divmod(local_vocab, _LAYOUT_BASE),
-              *divmod(vocab_total, _LAYOUT_BASE), rule)
+    values = (0, *divmod(shard.vocab_start, _LAYOUT_BASE), *divmod(shard.local_vocab, _LAYOUT_BASE),
+              *divmod(shard.vocab_total, _LAYOUT_BASE), shard.rule)
     for col, v in enumerate(values, start=1):
         stats[-1, col].fill_(float(v))  # a scalar fill, no host-to-device copy
     return stats
@@ -293,33 +287,33 @@ def _decode_layout(gathered, world, n):
              int(r[5]) * b + int(r[6]), int(r[7])) for r in rows]
 
 
-def _merge_shards(stats, target, weight, shard, options, compute_metrics, process_group,
-                  where="fusedce", local_vocab=None, rule=0):
+def _merge_shards(stats, target, weight, shard, call):
     """Step 2 of the core: the one all-gather of the shard statistics (gather_checked), then
     the rank-order merge (the same bits on every rank). Returns loss, lse, num_correct,
     entropy_sum, row_weight, batch."""
-    gathered = gather_checked(stats, target, shard, process_group, where, local_vocab, rule)
-    return ops.ce_shard_merge(gathered, target, weight, *shard, *options.op_args(), compute_metrics)
+    gathered = gather_checked(stats, target, shard, call.parallel, call.where)
+    return ops.ce_shard_merge(gathered, target, weight, *shard.op_args(), *call.options.op_args(),
+                              call.compute_metrics)
 
 
-def gather_checked(stats, target, shard, process_group, where="fusedce", local_vocab=None, rule=0):
-    """The one all-gather of a rank's (N + 1, 9) statistics (with this rank's layout record in
-    row N) and the check that every rank accepted its arguments and that the shards tile [0, V)
-    in rank order (the same error on every rank otherwise). Returns the gathered block, every
-    rank's statistics in rank order, for a merge step of the core.
+def gather_checked(stats, target, shard, parallel, where):
+    """The one all-gather of a rank's (N + 1, 9) statistics (with this rank's layout record, from
+    its ShardSpec, in row N) and the check that every rank accepted its arguments and that the
+    shards tile [0, V) in rank order, or in the order `parallel` gives (the same error on every
+    rank otherwise). Returns the gathered block, every rank's statistics in rank order, for a
+    merge step of the core.
 
     The check reads the gathered records on the host (one device synchronisation per call under
     NCCL); it is skipped under torch.compile, where the layout and arguments must be right."""
-    if local_vocab is not None:
-        stats = _with_layout_row(stats, (shard[0], local_vocab, shard[1], rule))
+    stats = _with_layout_row(stats, shard)
     _mark_collective("gathered")
-    gathered = _all_gather_rows(stats, process_group)
-    world = dist.get_world_size(process_group)
-    order = _CALL.state.get("order") if in_agreed_call() else None
-    if local_vocab is not None and world == 1:
-        _check_tiling([(0, shard[0], local_vocab, shard[1], rule)], where)  # local, no read
-    elif local_vocab is not None and not torch.compiler.is_compiling():
-        _check_tiling(_decode_layout(gathered, world, target.shape[0]), where, order)
+    gathered = _all_gather_rows(stats, parallel.group)
+    world = dist.get_world_size(parallel.group)
+    record = (0, shard.vocab_start, shard.local_vocab, shard.vocab_total, shard.rule)
+    if world == 1:
+        _check_tiling([record], where)  # local, no read
+    elif not torch.compiler.is_compiling():
+        _check_tiling(_decode_layout(gathered, world, target.shape[0]), where, parallel.order)
     return gathered
 
 
@@ -337,25 +331,19 @@ def _mark_collective(kind):
         _CALL.state[kind] = True
 
 
-def in_agreed_call():
-    return getattr(_CALL, "state", None) is not None
-
-
-def agreed_call(where, process_group, target, device, vocab_start, vocab_total, body,
-                shard_order=None):
+def agreed_call(where, parallel, target, device, body):
     """Run body() (the whole call, from its argument checks on) so that its outcome is agreed by
-    the group: when body raises before its first collective, this rank joins that collective
-    with the error's code (the gather of the statistics, or the all-reduce of the sizes when
-    its layout rule needs one) and re-raises, and every other rank raises too.
+    the group of `parallel` (a VocabParallel): when body raises before its first collective,
+    this rank joins that collective with the error's code (the gather of the statistics, or the
+    all-reduce of the sizes when its layout rule needs one) and re-raises, and every other rank
+    raises too.
 
     Needs what every rank must agree on anyway: the process group and the target's number of
-    entries (the rows of the gather); a rank that cannot even name those raises alone.
-    shard_order: the group's ranks in the order their blocks tile the vocabulary, when that is
-    not rank order (the gather's layout check follows it)."""
+    entries (the rows of the gather); a rank that cannot even name those raises alone."""
     if torch.compiler.is_compiling():
         return body()
     outer = getattr(_CALL, "state", None)
-    _CALL.state = {"reduced": False, "gathered": False, "order": shard_order}
+    _CALL.state = {"reduced": False, "gathered": False}
     try:
         return body()
     except Exception as exc:
@@ -363,7 +351,7 @@ def agreed_call(where, process_group, target, device, vocab_start, vocab_total, 
         if state["gathered"] or isinstance(exc, _AgreedError):
             raise
         try:
-            _rank, world = _group_rank_and_size(process_group, where)
+            _rank, world = _group_rank_and_size(parallel.group, where)
         except Exception:
             raise exc from None
         if world == 1 or not isinstance(target, torch.Tensor):
@@ -373,13 +361,13 @@ def agreed_call(where, process_group, target, device, vocab_start, vocab_total, 
         try:
             # The all-reduce of the sizes, when this rank's rule needs one and it has not run
             # (when it has, every rank passed it and is now on its way to the gather).
-            if _layout_rule(vocab_start, vocab_total) == 3 and not state["reduced"]:
-                _summed_local_sizes(0, process_group, dev, where, error=code)
+            if parallel.rule == 3 and not state["reduced"]:
+                _summed_local_sizes(0, parallel.group, dev, where, error=code)
             else:
                 block = torch.zeros((target.numel() + 1, _STATS_WIDTH), dtype=torch.float32,
                                     device=dev)
                 block[-1, 1] = code
-                _all_gather_rows(block, process_group)
+                _all_gather_rows(block, parallel.group)
         except _AgreedError:
             pass
         raise
@@ -395,50 +383,44 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     rank). Backward: this rank's dlogits from the merged lse; no communication.
 
     Arguments: logits (N, V_local), target (N,) global indices, weight (V_local,) or None, the
-    process group, shard = (vocab_start, vocab_total), options (a CeOptions), compute_metrics.
-    Returns loss, lse, num_correct, entropy_sum (only the loss is differentiable).
+    call (a Call with its VocabParallel), this rank's ShardSpec. Returns loss, lse, num_correct,
+    entropy_sum (only the loss is differentiable).
     """
 
     @staticmethod
-    def forward(ctx, logits, target, weight, process_group, shard, options, compute_metrics, layout):
-        stats = ops.ce_shard_stats(logits, target, weight, *shard, *options.op_args(), compute_metrics)
-        loss, lse, num_correct, entropy_sum, row_weight, batch = _merge_shards(
-            stats, target, weight, shard, options, compute_metrics, process_group, *layout)
+    def forward(ctx, logits, target, weight, call, shard):
+        stats = ops.ce_shard_stats(logits, target, weight, *shard.op_args(), *call.options.op_args(),
+                                   call.compute_metrics)
+        loss, lse, num_correct, entropy_sum, row_weight, batch = _merge_shards(stats, target, weight, shard, call)
         ctx.save_for_backward(logits, target, weight, lse, row_weight, batch)
-        ctx.shard, ctx.options = shard, options
+        ctx.call, ctx.shard = call, shard
         ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
         ctx.set_materialize_grads(False)
         return loss, lse, num_correct, entropy_sum
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        grads = [None] * 8
+        grad = None
         if grad_loss is not None and ctx.needs_input_grad[0]:
             logits, target, weight, lse, row_weight, batch = ctx.saved_tensors
-            grads[0] = ops.ce_shard_bwd(logits, target, weight, lse, row_weight, batch,
-                                        _upstream(grad_loss), *ctx.shard, *ctx.options.op_args())
-        return tuple(grads)
+            grad = ops.ce_shard_bwd(logits, target, weight, lse, row_weight, batch, _upstream(grad_loss),
+                                    *ctx.shard.op_args(), *ctx.call.options.op_args())
+        return grad, None, None, None, None  # nothing for target, weight, call, shard
 
 
-def cross_entropy_rows(x, target, weight, options, compute_metrics, *, process_group, vocab_start,
-                       vocab_total, check_targets=False):
+def cross_entropy_rows(x, target, weight, call):
     """The vocabulary-parallel path of fusedce.cross_entropy, after its argument checks: x is
-    (N, V_local) with unit stride along V, target (N,). Returns loss, lse, num_correct,
-    entropy_sum as the single-device ops do. check_targets: targets are checked against the
-    full vocabulary, [0, vocab_total)."""
-    shard = shard_layout(x.shape[1], process_group, vocab_start, vocab_total, device=x.device,
-                         where="fusedce.cross_entropy")
-    if check_targets:
-        check_target_values(target, shard[1], options.ignore_index, "fusedce.cross_entropy")
-    layout = ("fusedce.cross_entropy", x.shape[1], _layout_rule(vocab_start, vocab_total))
+    (N, V_local) with unit stride along V, target (N,), `call` a Call with its VocabParallel.
+    Returns loss, lse, num_correct, entropy_sum as the single-device ops do. With
+    call.check_targets, targets are checked against the full vocabulary, [0, vocab_total)."""
+    shard = shard_of(x.shape[1], call.parallel, x.device, call.where)
+    if call.check_targets:
+        check_target_values(target, shard.vocab_total, call.options.ignore_index, call.where)
     if torch.is_grad_enabled() and x.requires_grad:
-        return VocabParallelCrossEntropy.apply(x, target, weight, process_group, shard, options,
-                                               compute_metrics, layout)
-    stats = ops.ce_shard_stats(x, target, weight, *shard, *options.op_args(), compute_metrics)
-    return _merge_shards(stats, target, weight, shard, options, compute_metrics, process_group,
-                         *layout)[:4]
-
-
+        return VocabParallelCrossEntropy.apply(x, target, weight, call, shard)
+    stats = ops.ce_shard_stats(x, target, weight, *shard.op_args(), *call.options.op_args(), call.compute_metrics)
+    loss, lse, num_correct, entropy_sum, _, _ = _merge_shards(stats, target, weight, shard, call)
+    return loss, lse, num_correct, entropy_sum
 
 
 # ---- linear cross-entropy over weight shards ----------------------------------------------------
@@ -452,40 +434,39 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
     one all-reduce (sum) of the float32 grad_hidden.
 
     Arguments: hidden (N, H), weight (V_local, H), bias (V_local,) or None, target (N,) global
-    indices (already shifted), class_weight (V_local,) or None, the process group, shard, options
-    (a CeOptions), compute_metrics, linear = (chunk_budget_bytes, low_memory, skip_ignored), layout.
-    Returns loss, lse, num_correct, entropy_sum.
+    indices (already shifted), class_weight (V_local,) or None, the call (a Call: options, linear
+    options, VocabParallel), this rank's ShardSpec. Returns loss, lse, num_correct, entropy_sum.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, class_weight, process_group, shard, options,
-                compute_metrics, linear, layout):
-        stats = ops.lce_shard_stats(hidden, weight, bias, target, class_weight, *shard, *options.op_args(),
-                                    *linear, compute_metrics)
+    def forward(ctx, hidden, weight, bias, target, class_weight, call, shard):
+        stats = ops.lce_shard_stats(hidden, weight, bias, target, class_weight, *shard.op_args(),
+                                    *call.options.op_args(), *call.linear.shard_op_args(), call.compute_metrics)
         loss, lse, num_correct, entropy_sum, row_weight, batch = _merge_shards(
-            stats, target, class_weight, shard, options, compute_metrics, process_group, *layout)
+            stats, target, class_weight, shard, call)
         ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse, row_weight, batch)
-        ctx.process_group, ctx.shard, ctx.options, ctx.linear = process_group, shard, options, linear
+        ctx.call, ctx.shard = call, shard
         ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
         ctx.set_materialize_grads(False)
         return loss, lse, num_correct, entropy_sum
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        grads = [None] * 11
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        if grad_loss is None or not (need_h or need_w or need_b):
-            return tuple(grads)
-        hidden, weight, bias, target, class_weight, lse, row_weight, batch = ctx.saved_tensors
-        grad_h, grad_w, grad_b = ops.lce_shard_bwd(
-            hidden, weight, bias, target, class_weight, lse, row_weight, batch, _upstream(grad_loss),
-            *ctx.shard, *ctx.options.op_args(), *ctx.linear, need_h, need_w, need_b)
-        if need_h:
-            # The sum over ranks of every rank's part, in float32, rounded once.
-            grads[0] = _all_reduce_sum(grad_h, ctx.process_group).to(hidden.dtype)
-        grads[1] = grad_w if need_w else None
-        grads[2] = grad_b if need_b else None
-        return tuple(grads)
+        grad_h = grad_w = grad_b = None
+        if grad_loss is not None and (need_h or need_w or need_b):
+            hidden, weight, bias, target, class_weight, lse, row_weight, batch = ctx.saved_tensors
+            call = ctx.call
+            part_h, part_w, part_b = ops.lce_shard_bwd(
+                hidden, weight, bias, target, class_weight, lse, row_weight, batch, _upstream(grad_loss),
+                *ctx.shard.op_args(), *call.options.op_args(), *call.linear.shard_op_args(),
+                need_h, need_w, need_b)
+            if need_h:
+                # The sum over ranks of every rank's part, in float32, rounded once.
+                grad_h = _all_reduce_sum(part_h, call.parallel.group).to(hidden.dtype)
+            grad_w = part_w if need_w else None
+            grad_b = part_b if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None, None  # nothing for target, class_weight, call, shard
 
 
 def _shifted(target, seq_len, ignore_index):
@@ -497,35 +478,32 @@ def _shifted(target, seq_len, ignore_index):
     return torch.cat([t[:, 1:], torch.full_like(t[:, :1], ignore_index)], dim=1).reshape(-1)
 
 
-def linear_cross_entropy_rows(h, w, bias, target, class_weight, options, compute_metrics, linear, *,
-                              process_group, vocab_start, vocab_total, shift_seq_len=0,
-                              check_targets=False, where="fusedce.linear_cross_entropy"):
+def linear_cross_entropy_rows(h, w, bias, target, class_weight, call):
     """The vocabulary-parallel path of fusedce.linear_cross_entropy, after its argument checks:
     h (N, H), w this rank's rows (V_local, H) of the head, bias (V_local,) or None, target (N,)
-    unshifted, class_weight (V_local,) float32 or None, options (a CeOptions), linear =
-    (chunk_budget_bytes, low_memory, skip_ignored) as the single-device ops take them. Returns
-    loss, lse, num_correct, entropy_sum over the full vocabulary."""
-    shard = shard_layout(w.shape[0], process_group, vocab_start, vocab_total, device=h.device,
-                         where=where)
-    if check_targets:
-        check_target_values(target, shard[1], options.ignore_index, where, shift_seq_len=shift_seq_len)
-    t = _shifted(target, shift_seq_len, options.ignore_index)
-    if linear[2] and not torch.compiler.is_compiling():
-        return _kept_rows_only(h, w, bias, t, class_weight, options, compute_metrics, linear,
-                               process_group=process_group, vocab_start=vocab_start,
-                               vocab_total=vocab_total, where=where)
-    layout = (where, w.shape[0], _layout_rule(vocab_start, vocab_total))
-    grad_on = torch.is_grad_enabled()
-    if grad_on and any(x is not None and x.requires_grad for x in (h, w, bias)):
-        return VocabParallelLinearCrossEntropy.apply(h, w, bias, t, class_weight, process_group, shard,
-                                                     options, compute_metrics, linear, layout)
-    stats = ops.lce_shard_stats(h, w, bias, t, class_weight, *shard, *options.op_args(), *linear,
-                                compute_metrics)
-    return _merge_shards(stats, t, class_weight, shard, options, compute_metrics, process_group,
-                         *layout)[:4]
+    unshifted, class_weight (V_local,) float32 or None, `call` a Call with its linear options and
+    VocabParallel. Returns loss, lse, num_correct, entropy_sum over the full vocabulary."""
+    shard = shard_of(w.shape[0], call.parallel, h.device, call.where)
+    if call.check_targets:
+        check_target_values(target, shard.vocab_total, call.options.ignore_index, call.where,
+                            shift_seq_len=call.linear.shift_seq_len)
+    t = _shifted(target, call.linear.shift_seq_len, call.options.ignore_index)
+    if call.linear.skip_ignored and not torch.compiler.is_compiling():
+        return _kept_rows_only(h, w, bias, t, class_weight, call, shard)
+    return _linear_shard_rows(h, w, bias, t, class_weight, call, shard)
 
 
-def _kept_rows_only(h, w, bias, t, class_weight, options, compute_metrics, linear, **kw):
+def _linear_shard_rows(h, w, bias, t, class_weight, call, shard):
+    """The steps over the rows of h and their (shifted) targets t."""
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (h, w, bias)):
+        return VocabParallelLinearCrossEntropy.apply(h, w, bias, t, class_weight, call, shard)
+    stats = ops.lce_shard_stats(h, w, bias, t, class_weight, *shard.op_args(), *call.options.op_args(),
+                                *call.linear.shard_op_args(), call.compute_metrics)
+    loss, lse, num_correct, entropy_sum, _, _ = _merge_shards(stats, t, class_weight, shard, call)
+    return loss, lse, num_correct, entropy_sum
+
+
+def _kept_rows_only(h, w, bias, t, class_weight, call, shard):
     """skip_ignored in the vocabulary-parallel form: the steps run over the positions whose
     (shifted) target is not ignored, gathered here, as the single-device CUDA path gathers them
     (one device-to-host read of their count). Every rank holds the same targets, so every rank
@@ -534,12 +512,11 @@ def _kept_rows_only(h, w, bias, t, class_weight, options, compute_metrics, linea
     denominator see only kept rows either way; the gradient of an ignored row of h is 0. Under
     torch.compile every row runs (the same numbers; a count known only on the device would
     break the graph)."""
-    keep = (t != options.ignore_index).nonzero().squeeze(1)
-    loss, lse, num_correct, entropy_sum = linear_cross_entropy_rows(
-        h.index_select(0, keep), w, bias, t.index_select(0, keep), class_weight, options,
-        compute_metrics, (linear[0], linear[1], False), **kw)
+    keep = (t != call.options.ignore_index).nonzero().squeeze(1)
+    loss, lse, num_correct, entropy_sum = _linear_shard_rows(
+        h.index_select(0, keep), w, bias, t.index_select(0, keep), class_weight, call, shard)
     n = t.shape[0]
-    if options.reduction == "none":
+    if call.options.reduction == "none":
         loss = loss.new_zeros(n).index_copy(0, keep, loss)
     lse = lse.new_zeros(n).index_copy(0, keep, lse)
     return loss, lse, num_correct, entropy_sum

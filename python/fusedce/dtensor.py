@@ -57,6 +57,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import distributed
+from ._options import VocabParallel
 
 def _dtensor_class():
     """torch's DTensor class, or () (isinstance(x, ()) is False) while torch.distributed.tensor
@@ -161,20 +162,21 @@ def _class_weight_local(value, name, layout, source, what, vocab, mesh, where):
     return value if layout is None else value[layout.start:layout.start + layout.count]
 
 
-def _refuse_layout_keywords(options, where, what):
-    for key in ("process_group", "vocab_start", "vocab_total"):
-        if options.get(key) is not None:
-            raise ValueError(f"{where}: {key} is read from the DTensor {what} (its device mesh and "
-                             "sharding); it cannot be passed with it")
+def _refuse_layout_keywords(parallel, where, what):
+    given = parallel.given()
+    if given is not None:
+        raise ValueError(f"{where}: {given} is read from the DTensor {what} (its device mesh and "
+                         "sharding); it cannot be passed with it")
 
 
-def _agreed(where, layout, target, device, body):
-    """body() with its outcome agreed by the group of the vocabulary (distributed.agreed_call):
-    an error raised by one rank before the call's first collective is raised on every rank. The
-    layout is passed explicitly by the bodies (vocab_start and vocab_total), so the agreement
-    joins the one gather of the statistics, whose check of the shards follows `layout.order`."""
-    return distributed.agreed_call(where, layout.group, target, device, 0, 1, body,
-                                   shard_order=layout.order)
+def _agreed(where, layout, source, target, device, body):
+    """body(parallel) with the VocabParallel of `layout` (vocab_start and vocab_total given, the
+    order of its blocks among the group's ranks; `source` names the sharded input in errors) and
+    its outcome agreed by the group of the vocabulary (distributed.agreed_call): an error raised
+    by one rank before the call's first collective is raised on every rank."""
+    parallel = VocabParallel(layout.group, layout.start, layout.total, layout.order, source)
+    return distributed.agreed_call(where, parallel, _agreement_target(target), device,
+                                   functools.partial(body, parallel))
 
 
 def _agreement_target(target):
@@ -328,15 +330,15 @@ def _block_order(mesh, group, coordinates, blocks):
 # ---- linear cross-entropy: weight sharded on dim 0 -------------------------------------------
 
 
-def linear_cross_entropy(call, hidden, weight, target, bias, options):
-    """``call`` (fusedce.linear_cross_entropy) on the local tensors of a DTensor head: the
-    vocabulary-parallel form for a weight sharded on dim 0 over one or more mesh dimensions
-    (over the group of those dimensions), the single-device call for a replicated one.
-    options: every keyword of the call but bias."""
+def linear_cross_entropy(run, hidden, weight, target, bias, class_weight, parallel):
+    """``run`` (fusedce.linear_cross_entropy's call on plain tensors) on the local tensors of a
+    DTensor head: the vocabulary-parallel form for a weight sharded on dim 0 over one or more
+    mesh dimensions (over the group of those dimensions), the single-device call for a
+    replicated one. parallel: the VocabParallel the caller passed (refused unless empty)."""
     where = "fusedce.linear_cross_entropy"
     if not is_dtensor(weight):
         which = next(n for n, v in (("hidden", hidden), ("target", target), ("bias", bias),
-                                    ("class_weight", options.get("class_weight")))
+                                    ("class_weight", class_weight))
                      if is_dtensor(v))
         raise ValueError(f"{where}: {which} is a DTensor but weight is {_describe(weight)}; "
                          "a DTensor head is a weight sharded on dim 0 (Shard(0), as "
@@ -346,17 +348,18 @@ def linear_cross_entropy(call, hidden, weight, target, bias, options):
     layout = _vocab_layout(weight, 0, "weight", where,
                            "sharded on dim 0 (Shard(0): the vocabulary, as ColwiseParallel "
                            "shards an lm_head)")
-    mesh = weight.device_mesh
+    local = functools.partial(_linear_local, run, hidden, weight, target, bias, class_weight, parallel,
+                              layout, where)
     if layout is None:
-        return _linear_call(call, hidden, weight, target, bias, options, mesh, None, where)
-    body = lambda: _linear_call(call, hidden, weight, target, bias, options, mesh, layout, where)  # noqa: E731
-    return _agreed(where, layout, _agreement_target(target), weight.to_local().device, body)
+        return local(parallel)
+    return _agreed(where, layout, "DTensor weight", target, weight.to_local().device, local)
 
 
-def _linear_call(call, hidden, weight, target, bias, options, mesh, layout, where):
-    """The call on the local tensors: vocabulary-parallel over `layout`, or (layout None: a
-    replicated head) the single-device call."""
-    _refuse_layout_keywords(options, where, "weight")
+def _linear_local(run, hidden, weight, target, bias, class_weight, given, layout, where, parallel):
+    """run on the local tensors: vocabulary-parallel over `layout` (with `parallel`, its spec), or
+    (layout None: a replicated head) the single-device call."""
+    _refuse_layout_keywords(given, where, "weight")
+    mesh = weight.device_mesh
     h = _replicated_local(hidden, "hidden", mesh, where)
     t = _replicated_local(target, "target", mesh, where)
     if bias is not None:
@@ -365,23 +368,19 @@ def _linear_call(call, hidden, weight, target, bias, options, mesh, layout, wher
                              f"({tuple(weight.placements)}), got {_describe(bias)}")
         _same_mesh(bias, "bias", mesh, where)
         bias = bias.to_local()
-    cw = _class_weight_local(options.get("class_weight"), "class_weight", layout, weight,
-                             "weight", weight.shape[0], mesh, where)
-    kwargs = dict(options, class_weight=cw)
-    if layout is not None:
-        kwargs.update(process_group=layout.group, vocab_start=layout.start,
-                      vocab_total=layout.total)
-    return call(h, weight.to_local(), t, bias, **kwargs)
+    cw = _class_weight_local(class_weight, "class_weight", layout, weight, "weight", weight.shape[0], mesh,
+                             where)
+    return run(h, weight.to_local(), t, bias, cw, parallel)
 
 
 # ---- cross-entropy over logits sharded on the class dimension ----------------------------------
 
 
-def cross_entropy(call, logits, target, weight, options):
-    """``call`` (fusedce.cross_entropy) on the local tensors of DTensor logits: the
-    vocabulary-parallel form for logits sharded on their class dimension over one or more mesh
-    dimensions, the single-device call for replicated logits. options: every keyword of the
-    call."""
+def cross_entropy(run, logits, target, weight, parallel):
+    """``run`` (fusedce.cross_entropy's call on plain tensors) on the local tensors of DTensor
+    logits: the vocabulary-parallel form for logits sharded on their class dimension over one
+    or more mesh dimensions, the single-device call for replicated logits. parallel: the
+    VocabParallel the caller passed (refused unless empty)."""
     where = "fusedce.cross_entropy"
     if not is_dtensor(logits):
         which = "target" if is_dtensor(target) else "weight"
@@ -393,15 +392,15 @@ def cross_entropy(call, logits, target, weight, options):
     if class_dim is not None:
         layout = _vocab_layout(logits, class_dim, "logits", where, "sharded on their class "
                                "dimension (the last, or dim 1 of (N, C, d1, ...))")
-        body = lambda: _ce_sharded(call, logits, target, weight, options, mesh, class_dim,  # noqa: E731
-                                   layout, where)
-        return _agreed(where, layout, _agreement_target(target), logits.to_local().device, body)
+        body = functools.partial(_ce_sharded, run, logits, target, weight, parallel, mesh, class_dim, layout,
+                                 where)
+        return _agreed(where, layout, "DTensor logits (the vocabulary-parallel form)", target,
+                       logits.to_local().device, body)
     if _replicated(logits):
-        _refuse_layout_keywords(options, where, "logits")
+        _refuse_layout_keywords(parallel, where, "logits")
         w = _class_weight_local(weight, "weight", None, logits, "logits",
                                 logits.shape[_classes(logits, target)], mesh, where)
-        return call(logits.to_local(), _replicated_local(target, "target", mesh, where), w,
-                    **options)
+        return run(logits.to_local(), _replicated_local(target, "target", mesh, where), w, parallel)
     raise ValueError(f"{where}: logits must be sharded on their class dimension (the last, or dim 1 "
                      f"of (N, C, d1, ...)) or replicated, got {_describe(logits)} of shape "
                      f"{tuple(logits.shape)}")
@@ -456,11 +455,8 @@ def _class_dim(logits, target, shard_dim, where):
                      f"{tuple(target.shape)}")
 
 
-def _ce_sharded(call, logits, target, weight, options, mesh, class_dim, layout, where):
-    _refuse_layout_keywords(options, where, "logits")
-    if options.get("inplace_backward"):
-        raise ValueError(f"{where}: inplace_backward is not available with DTensor logits "
-                         "(the vocabulary-parallel form)")
+def _ce_sharded(run, logits, target, weight, given, mesh, class_dim, layout, where, parallel):
+    _refuse_layout_keywords(given, where, "logits")
     t = _replicated_local(target, "target", mesh, where)
     x = logits.to_local()
     v_local = x.shape[class_dim]
@@ -469,11 +465,8 @@ def _ce_sharded(call, logits, target, weight, options, mesh, class_dim, layout, 
     # ambiguous (fusedce.cross_entropy reads the class dimension from the shapes).
     if class_dim != x.dim() - 1:
         x = x.movedim(class_dim, -1)
-    rows = x.reshape(-1, v_local)
-    out = call(rows, t.reshape(-1), w, **dict(options, process_group=layout.group,
-                                                 vocab_start=layout.start, vocab_total=layout.total))
-    if options.get("reduction", "mean") != "none":
-        return out
-    if isinstance(out, tuple):
-        return out[0].view(target.shape), out[1]
-    return out.view(target.shape)
+    out = run(x.reshape(-1, v_local), t.reshape(-1), w, parallel)
+    loss = out[0] if isinstance(out, tuple) else out
+    if loss.dim() == 1:  # reduction='none': the loss of each of target's entries
+        loss = loss.view(target.shape)
+    return (loss, out[1]) if isinstance(out, tuple) else loss

@@ -6,12 +6,15 @@ errors, and picks the op; every number comes from the core. What the core does n
 (class-probability targets, float64 logits) goes to PyTorch's own implementation instead.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from . import _library, distributed, dtensor
-from ._checks import check_target_values, unit_stride_vector
-from ._options import CeOptions
+from . import distributed, dtensor
+from ._checks import check_cuda_build, check_same_device, check_target_values, check_tensor, unit_stride_vector
+from ._options import Call, Options, VocabParallel
+from ._router import route
 from .ops import FusedCrossEntropy, InplaceWrite, Overwritten, ops
 
 _NAME = "fusedce.cross_entropy"
@@ -27,6 +30,17 @@ def _rows(logits, vocab):
     if x.shape[0] > 1 and ((vocab > 1 and x.stride(1) != 1) or x.stride(0) < vocab):
         x = x.clone(memory_format=torch.contiguous_format)
     return x
+
+
+def _results(out, call, shape):
+    """What a front end returns of the ops' (loss, lse, num_correct, entropy_sum): the loss (of
+    the target's `shape` for reduction='none'), with the metrics when the call computes them."""
+    loss, lse, num_correct, entropy_sum = out
+    if call.options.reduction == "none":
+        loss = loss.view(shape)
+    if call.compute_metrics:
+        return loss, {"num_correct_tokens": num_correct, "entropy_sum": entropy_sum, "lse": lse}
+    return loss
 
 
 def _class_dim(logits, target):
@@ -146,48 +160,33 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
     logits require grad, and the backward only scales it by the upstream gradient (no work at
     all when that is 1). When the logits do not require grad, only the forward runs.
     """
-    if not dtensor.plain(logits, target, weight) and dtensor.any_dtensor(logits, target, weight):
-        # Logits sharded as loss_parallel hands them over: the vocabulary-parallel form below,
-        # on the local tensors (fusedce.dtensor).
-        return dtensor.cross_entropy(cross_entropy, logits, target, weight, dict(
-            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-            logit_scale=logit_scale, softcap=softcap, z_loss=z_loss,
-            inplace_backward=inplace_backward, return_metrics=return_metrics,
-            check_targets=check_targets, strict=strict, process_group=process_group,
-            vocab_start=vocab_start, vocab_total=vocab_total))
-    if (process_group is not None and not torch.compiler.is_compiling()
-            and not distributed.in_agreed_call()):
-        # Every check below may fail on one rank only: the call's outcome is agreed by the group
-        # (distributed.agreed_call), so that every rank raises and none waits or runs on.
-        return distributed.agreed_call(
-            _NAME, process_group, target, getattr(logits, "device", None), vocab_start, vocab_total,
-            lambda: cross_entropy(
-                logits, target, weight, ignore_index=ignore_index, reduction=reduction,
-                label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap,
-                z_loss=z_loss, inplace_backward=inplace_backward, return_metrics=return_metrics,
-                check_targets=check_targets, strict=strict, process_group=process_group,
-                vocab_start=vocab_start, vocab_total=vocab_total))
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"{_NAME}: logits must be a tensor, got {type(logits).__name__}")
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"{_NAME}: target must be a tensor, got {type(target).__name__}")
-    options = CeOptions.checked(_NAME, ignore_index=ignore_index, reduction=reduction,
-                                label_smoothing=label_smoothing, logit_scale=logit_scale,
-                                softcap=softcap, z_loss=z_loss)
-    if process_group is None and (vocab_start is not None or vocab_total is not None):
-        raise ValueError(f"{_NAME}: vocab_start and vocab_total are only used with a process_group "
-                         "(vocabulary-parallel logits)")
+    def call_of(parallel):  # the call object, built once, where the router runs the call
+        return Call.of(_NAME, Options.checked(_NAME, ignore_index=ignore_index, reduction=reduction,
+                                              label_smoothing=label_smoothing, logit_scale=logit_scale,
+                                              softcap=softcap, z_loss=z_loss),
+                       parallel=parallel, compute_metrics=bool(return_metrics), check_targets=bool(check_targets),
+                       inplace_backward=bool(inplace_backward), strict=bool(strict))
+
+    return route(_NAME, functools.partial(_cross_entropy, call_of), (logits, target, weight),
+                 VocabParallel.of(process_group, vocab_start, vocab_total), target=target,
+                 device=getattr(logits, "device", None), dtensor_form=dtensor.cross_entropy)
+
+
+def _cross_entropy(call_of, logits, target, weight, parallel):
+    """The call on plain tensors (with a process group in `parallel`: this rank's columns of the
+    logits), its Call built by call_of(parallel) once logits and target are known to be tensors."""
+    check_tensor(logits, "logits", _NAME)
+    check_tensor(target, "target", _NAME)
+    call = call_of(parallel)
+    parallel.check_single(_NAME, " (vocabulary-parallel logits)")
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"{_NAME}: logits must have shape (..., V) with V >= 1, "
                          f"got {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise ValueError(f"{_NAME}: logits must be float32, bfloat16 or float16 (float64 through "
                          f"PyTorch), got {logits.dtype}")
-    if target.device != logits.device:
-        raise ValueError(f"{_NAME}: target is on {target.device} but logits are on {logits.device}")
-    if logits.is_cuda and not _library.with_cuda:
-        raise RuntimeError(f"{_NAME}: logits are on a CUDA device but this build of fusedce has no "
-                           "CUDA kernels (it was built without nvcc or with a CPU-only torch)")
+    check_same_device(target, "target", logits, "logits", _NAME, verb="are")
+    check_cuda_build(logits, "logits", _NAME, verb="are")
     class_dim = _class_dim(logits, target)
     vocab = logits.shape[1 if class_dim == 1 or (class_dim is None and logits.dim() > 1) else -1]
     if vocab < 1:
@@ -197,61 +196,52 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
         if not isinstance(weight, torch.Tensor) or weight.shape != (vocab,):
             raise ValueError(f"{_NAME}: weight must be a tensor of shape ({vocab},), "
                              f"got {getattr(weight, 'shape', type(weight).__name__)}")
-        if weight.device != logits.device:
-            raise ValueError(f"{_NAME}: weight is on {weight.device} but logits are on "
-                             f"{logits.device}")
+        check_same_device(weight, "weight", logits, "logits", _NAME, verb="are")
 
     fallback = ("class-probability targets" if class_dim is None
                 else "float64 logits" if logits.dtype == torch.float64 else None)
     if fallback is not None:
-        if strict:
+        if call.strict:
             raise ValueError(f"{_NAME}: {fallback} are not computed by the fused kernels (they take "
                              "float32, bfloat16 or float16 logits and class indices), and "
                              "strict=True forbids the fallback to PyTorch")
-        if process_group is not None:
+        if parallel.group is not None:
             raise ValueError(f"{_NAME}: process_group is not available for {fallback}")
-        if check_targets and class_dim is not None:
-            check_target_values(target, vocab, options.ignore_index, _NAME)
-        return _pytorch_cross_entropy(logits, target, weight, class_dim, options, bool(return_metrics))
+        if call.check_targets and class_dim is not None:
+            check_target_values(target, vocab, call.options.ignore_index, _NAME)
+        return _pytorch_cross_entropy(logits, target, weight, class_dim, call)
 
     if weight is not None:
         weight = unit_stride_vector(weight.to(torch.float32))
     x = _rows(logits if class_dim == -1 else logits.movedim(1, -1), vocab)
     t = unit_stride_vector(target if target.dim() == 1 else target.reshape(-1))
-    if check_targets and process_group is None:
-        check_target_values(t, vocab, options.ignore_index, _NAME)
-    compute_metrics = bool(return_metrics)
-
-    if process_group is not None:
-        if inplace_backward:
-            raise ValueError(f"{_NAME}: inplace_backward is not available with process_group")
-        loss, lse, num_correct, entropy_sum = distributed.cross_entropy_rows(
-            x, t, weight, options, compute_metrics, process_group=process_group, vocab_start=vocab_start,
-            vocab_total=vocab_total, check_targets=bool(check_targets))
-    elif inplace_backward and torch.is_grad_enabled() and logits.requires_grad and not torch.compiler.is_compiling():
-        Overwritten.check(x, _NAME)
-        write = InplaceWrite()
-        loss, lse, num_correct, entropy_sum = FusedCrossEntropy.apply(x, t, weight, options, compute_metrics,
-                                                                      write)
-        Overwritten.apply(x)
-        write.version = x._version
+    if parallel.group is not None:
+        if call.inplace_backward:
+            raise ValueError(f"{_NAME}: inplace_backward is not available with {parallel.source}")
+        out = distributed.cross_entropy_rows(x, t, weight, call)
     else:
-        # With or without grad: the loss's autograd is ce_loss's own, in C++ (torch/autograd.h).
-        loss, lse, num_correct, entropy_sum = ops.ce_loss.default(x, t, weight, *options.op_args(), compute_metrics)
+        if call.check_targets:
+            check_target_values(t, vocab, call.options.ignore_index, _NAME)
+        if (call.inplace_backward and torch.is_grad_enabled() and logits.requires_grad
+                and not torch.compiler.is_compiling()):
+            Overwritten.check(x, _NAME)
+            write = InplaceWrite()
+            out = FusedCrossEntropy.apply(x, t, weight, call, write)
+            Overwritten.apply(x)
+            write.version = x._version
+        else:
+            # With or without grad: the loss's autograd is ce_loss's own, in C++ (torch/autograd.h).
+            out = ops.ce_loss.default(x, t, weight, *call.options.op_args(), call.compute_metrics)
+    return _results(out, call, target.shape)
 
-    if reduction == "none":
-        loss = loss.view(target.shape)
-    if return_metrics:
-        return loss, {"num_correct_tokens": num_correct, "entropy_sum": entropy_sum, "lse": lse}
-    return loss
 
-
-def _pytorch_cross_entropy(logits, target, weight, class_dim, options, return_metrics):
+def _pytorch_cross_entropy(logits, target, weight, class_dim, call):
     """The fallback: F.cross_entropy itself on what the kernels do not take (class_dim None:
     class probabilities; else float64 logits with class indices), with fusedce's own options
     applied around it by the contract's formulas (docs/contract.md, "Per-row loss") in the
     logits' dtype. With only PyTorch's options the result is F.cross_entropy's, bit for bit."""
-    ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss = options.op_args()
+    ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss = call.options.op_args()
+    return_metrics = call.compute_metrics
     probabilities = class_dim is None
     if return_metrics and probabilities:
         raise ValueError(f"{_NAME}: return_metrics needs class-index targets")

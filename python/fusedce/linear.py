@@ -6,12 +6,15 @@ This layer flattens hidden's leading dimensions (without a copy where the stride
 picks the op; every number comes from the core (linear_cross_entropy.h).
 """
 
+import functools
+
 import torch
 
-from . import _library, distributed, dtensor
-from ._checks import check_target_values, unit_stride_vector
-from ._options import CeOptions
-from .functional import _rows
+from . import distributed, dtensor
+from ._checks import check_cuda_build, check_same_device, check_target_values, check_tensor, unit_stride_vector
+from ._options import Call, LinearOptions, Options, VocabParallel
+from ._router import route
+from .functional import _results, _rows
 from .linear_ops import FusedLinearCrossEntropy, call_below_autograd, ops
 
 _NAME = "fusedce.linear_cross_entropy"
@@ -21,26 +24,7 @@ def _fail(message):
     raise ValueError(f"{_NAME}: {message}")
 
 
-def _check_tensor(value, name, optional=False):
-    if value is None and optional:
-        return
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{_NAME}: {name} must be a tensor, got {type(value).__name__}")
-
-
-def _check_same_device(value, name, hidden):
-    if value is not None and value.device != hidden.device:
-        _fail(f"{name} is on {value.device} but hidden is on {hidden.device}")
-
-
-def _check_tensors(hidden, weight, target, bias, class_weight):
-    for value, name, optional in ((hidden, "hidden", False), (weight, "weight", False),
-                                  (target, "target", False), (bias, "bias", True),
-                                  (class_weight, "class_weight", True)):
-        _check_tensor(value, name, optional)
-
-
-def _check_arguments(hidden, weight, target, bias, class_weight, chunk_budget_bytes):
+def _check_arguments(hidden, weight, target, bias, class_weight):
     """Metadata checks only (shapes, dtypes, devices): nothing here reads tensor values."""
     if hidden.dim() < 1 or hidden.shape[-1] < 1:
         _fail(f"hidden must have shape (..., H) with H >= 1, got {tuple(hidden.shape)}")
@@ -54,7 +38,7 @@ def _check_arguments(hidden, weight, target, bias, class_weight, chunk_budget_by
               f"got {tuple(target.shape)}")
     for value, name in ((weight, "weight"), (target, "target"), (bias, "bias"),
                         (class_weight, "class_weight")):
-        _check_same_device(value, name, hidden)
+        check_same_device(value, name, hidden, "hidden", _NAME)
     if weight.dtype != hidden.dtype:
         _fail(f"weight must have hidden's dtype ({hidden.dtype}), got {weight.dtype}")
     if bias is not None:
@@ -64,19 +48,7 @@ def _check_arguments(hidden, weight, target, bias, class_weight, chunk_budget_by
             _fail(f"bias must have hidden's dtype ({hidden.dtype}), got {bias.dtype}")
     if class_weight is not None and class_weight.shape != (vocab,):
         _fail(f"class_weight must have shape ({vocab},) (V, from weight), got {tuple(class_weight.shape)}")
-    if hidden.device.type == "cuda" and not _library.with_cuda:
-        raise RuntimeError(f"{_NAME}: hidden is on a CUDA device but this build of fusedce has no "
-                           "CUDA kernels (it was built without nvcc or with a CPU-only torch)")
-    if chunk_budget_bytes is not None and not (isinstance(chunk_budget_bytes, int)
-                                               and not isinstance(chunk_budget_bytes, bool)
-                                               and 0 < chunk_budget_bytes < 2**63):
-        _fail("chunk_budget_bytes must be None (the default) or a positive int below 2**63, "
-              f"got {chunk_budget_bytes!r}")
-
-
-def _sequence_length(hidden):
-    """Rows per sequence for the causal shift: S of (..., S, H); all rows for (N, H) or (H,)."""
-    return hidden.shape[-2] if hidden.dim() >= 2 else 1
+    check_cuda_build(hidden, "hidden", _NAME)
 
 
 def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None,
@@ -155,72 +127,54 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
     ``skip_ignored`` or ``check_targets``): the core reads the targets where it runs; the Python
     side never looks at tensor values otherwise.
     """
-    if dtensor.any_dtensor(hidden, weight, target, bias, class_weight):
-        # A head sharded as ColwiseParallel hands it over: the vocabulary-parallel form below,
-        # on the local tensors (fusedce.dtensor).
-        return dtensor.linear_cross_entropy(linear_cross_entropy, hidden, weight, target, bias, dict(
-            class_weight=class_weight, ignore_index=ignore_index, reduction=reduction,
-            label_smoothing=label_smoothing, logit_scale=logit_scale, softcap=softcap,
-            z_loss=z_loss, shift=shift, return_metrics=return_metrics,
-            chunk_budget_bytes=chunk_budget_bytes, low_memory=low_memory,
-            skip_ignored=skip_ignored, check_targets=check_targets, process_group=process_group,
-            vocab_start=vocab_start, vocab_total=vocab_total))
-    if (process_group is not None and not torch.compiler.is_compiling()
-            and not distributed.in_agreed_call()):
-        # Every check below may fail on one rank only: the outcome is agreed by the group
-        # (distributed.agreed_call), so that every rank raises and none waits or runs on.
-        return distributed.agreed_call(
-            _NAME, process_group, target, getattr(hidden, "device", None), vocab_start, vocab_total,
-            lambda: linear_cross_entropy(
-                hidden, weight, target, bias, class_weight=class_weight, ignore_index=ignore_index,
-                reduction=reduction, label_smoothing=label_smoothing, logit_scale=logit_scale,
-                softcap=softcap, z_loss=z_loss, shift=shift, return_metrics=return_metrics,
-                chunk_budget_bytes=chunk_budget_bytes, low_memory=low_memory,
-                skip_ignored=skip_ignored, check_targets=check_targets, process_group=process_group,
-                vocab_start=vocab_start, vocab_total=vocab_total))
-    if process_group is None and (vocab_start is not None or vocab_total is not None):
-        _fail("vocab_start and vocab_total are only used with a process_group (vocabulary-parallel weight)")
-    _check_tensors(hidden, weight, target, bias, class_weight)
-    options = CeOptions.checked(_NAME, ignore_index=ignore_index, reduction=reduction,
-                                label_smoothing=label_smoothing, logit_scale=logit_scale,
-                                softcap=softcap, z_loss=z_loss)
-    _check_arguments(hidden, weight, target, bias, class_weight, chunk_budget_bytes)
+    def call_of(hidden, parallel):  # the call object, built once, where the router runs the call
+        return Call.of(_NAME, Options.checked(_NAME, ignore_index=ignore_index, reduction=reduction,
+                                              label_smoothing=label_smoothing, logit_scale=logit_scale,
+                                              softcap=softcap, z_loss=z_loss),
+                       LinearOptions.checked(_NAME, hidden, shift=shift, chunk_budget_bytes=chunk_budget_bytes,
+                                             low_memory=low_memory, skip_ignored=skip_ignored),
+                       parallel, compute_metrics=bool(return_metrics), check_targets=bool(check_targets))
+
+    return route(_NAME, functools.partial(_linear_cross_entropy, call_of),
+                 (hidden, weight, target, bias, class_weight),
+                 VocabParallel.of(process_group, vocab_start, vocab_total), target=target,
+                 device=getattr(hidden, "device", None), dtensor_form=dtensor.linear_cross_entropy)
+
+
+def _linear_cross_entropy(call_of, hidden, weight, target, bias, class_weight, parallel):
+    """The call on plain tensors (with a process group in `parallel`: this rank's rows of the
+    head), its Call built by call_of(hidden, parallel) once the tensors are known to be tensors."""
+    parallel.check_single(_NAME, " (vocabulary-parallel weight)")
+    for value, name, optional in ((hidden, "hidden", False), (weight, "weight", False),
+                                  (target, "target", False), (bias, "bias", True),
+                                  (class_weight, "class_weight", True)):
+        check_tensor(value, name, _NAME, optional)
+    call = call_of(hidden, parallel)
+    _check_arguments(hidden, weight, target, bias, class_weight)
     if class_weight is not None:
         class_weight = unit_stride_vector(class_weight.to(torch.float32))
-
     hidden_size = hidden.shape[-1]
     h = _rows(hidden, hidden_size)
     w = _rows(weight, hidden_size)
+    b = unit_stride_vector(bias)
     t = unit_stride_vector(target.reshape(-1))
-    shift_seq_len = _sequence_length(hidden) if shift else 0
-    linear = (int(chunk_budget_bytes or 0), bool(low_memory), bool(skip_ignored))
-    if process_group is not None:
+    if parallel.group is not None:
         # The same core, per shard: its linear shard statistics and gradients, with the merge
         # and the collectives of fusedce.distributed between them.
-        loss, lse, num_correct, entropy_sum = distributed.linear_cross_entropy_rows(
-            h, w, unit_stride_vector(bias), t, class_weight, options, bool(return_metrics), linear,
-            process_group=process_group, vocab_start=vocab_start, vocab_total=vocab_total,
-            shift_seq_len=int(shift_seq_len), check_targets=check_targets, where=_NAME)
+        out = distributed.linear_cross_entropy_rows(h, w, b, t, class_weight, call)
     else:
-        if check_targets:
-            check_target_values(t, weight.shape[0], options.ignore_index, _NAME, shift_seq_len=shift_seq_len)
-        tensors = (h, w, unit_stride_vector(bias), t, class_weight)
-        flags = (int(shift_seq_len), *linear, bool(return_metrics))
+        if call.check_targets:
+            check_target_values(t, w.shape[0], call.options.ignore_index, _NAME,
+                                shift_seq_len=call.linear.shift_seq_len)
         grad_on = torch.is_grad_enabled()
         needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
                  grad_on and bias is not None and bias.requires_grad)
         if any(needs):
-            loss, lse, num_correct, entropy_sum = FusedLinearCrossEntropy.apply(
-                *tensors, options, *flags, *needs)
+            out = FusedLinearCrossEntropy.apply(h, w, b, t, class_weight, call, needs)
         else:
-            loss, lse, num_correct, entropy_sum = call_below_autograd(
-                ops.lce_fwd.default, *tensors, *options.op_args(), *flags)
-
-    if reduction == "none":
-        loss = loss.view(target.shape)
-    if return_metrics:
-        return loss, {"num_correct_tokens": num_correct, "entropy_sum": entropy_sum, "lse": lse}
-    return loss
+            out = call_below_autograd(ops.lce_fwd.default, h, w, b, t, class_weight, *call.options.op_args(),
+                                      *call.linear.op_args(), call.compute_metrics)
+    return _results(out, call, target.shape)
 
 
 def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, *, process_group,

@@ -10,15 +10,15 @@ weight or bias requiring grad: each row's upstream gradient weighs that row's co
 grad_weight differently, so the backward recomputes with the core's per-row ``grad_loss``.
 
 Argument order shared by every lce op: hidden (N, H), weight (V, H), bias (V,) or None,
-target (N,), class_weight (V,) or None, then the options (CeOptions.op_args(); one CeOptions in
-the fake kernels) and the linear options shift_seq_len, chunk_budget_bytes, low_memory,
-skip_ignored.
+target (N,), class_weight (V,) or None, then the options (Options.op_args()) and the linear
+options (LinearOptions.op_args(): shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored);
+the fake kernels and the autograd formulas take them as one Options and one LinearOptions.
 """
 
 import torch
 
 from . import _library
-from ._options import options_in, options_position, register_fake
+from ._options import linear_options_in, options_position, register_fake
 from .ops import _graph_is_kept, _upstream, call_below_autograd, ops
 
 # Where the options start (after hidden, weight, bias, target, class_weight), and the number of
@@ -53,16 +53,14 @@ def _check_fake_inputs(hidden, weight, target):
 
 
 @register_fake("lce_fwd")
-def _lce_fwd_fake(hidden, weight, bias, target, class_weight, options, shift_seq_len, chunk_budget_bytes,
-                  low_memory, skip_ignored, compute_metrics):
+def _lce_fwd_fake(hidden, weight, bias, target, class_weight, options, linear, compute_metrics):
     _check_fake_inputs(hidden, weight, target)
     return _forward_outputs(hidden, options.reduction, compute_metrics)
 
 
 @register_fake("lce_fwd_bwd")
-def _lce_fwd_bwd_fake(hidden, weight, bias, target, class_weight, options, shift_seq_len,
-                      chunk_budget_bytes, low_memory, skip_ignored, grad_loss, compute_metrics,
-                      need_grad_hidden, need_grad_weight, need_grad_bias):
+def _lce_fwd_bwd_fake(hidden, weight, bias, target, class_weight, options, linear, grad_loss,
+                      compute_metrics, need_grad_hidden, need_grad_weight, need_grad_bias):
     _check_fake_inputs(hidden, weight, target)
     torch._check(not need_grad_bias or bias is not None,
                  lambda: "fusedce: need_grad_bias is set but bias is not given")
@@ -75,15 +73,14 @@ def _lce_fwd_bwd_fake(hidden, weight, bias, target, class_weight, options, shift
 
 
 @register_fake("lce_fwd_out")
-def _lce_fwd_out_fake(hidden, weight, bias, target, class_weight, options, shift_seq_len, chunk_budget_bytes,
-                      low_memory, skip_ignored, loss, lse, num_correct, entropy_sum):
+def _lce_fwd_out_fake(hidden, weight, bias, target, class_weight, options, linear, loss, lse, num_correct,
+                      entropy_sum):
     _check_fake_inputs(hidden, weight, target)
 
 
 @register_fake("lce_fwd_bwd_out")
-def _lce_fwd_bwd_out_fake(hidden, weight, bias, target, class_weight, options, shift_seq_len,
-                          chunk_budget_bytes, low_memory, skip_ignored, grad_loss, loss, lse, num_correct,
-                          entropy_sum, grad_hidden, grad_weight, grad_bias):
+def _lce_fwd_bwd_out_fake(hidden, weight, bias, target, class_weight, options, linear, grad_loss, loss, lse,
+                          num_correct, entropy_sum, grad_hidden, grad_weight, grad_bias):
     _check_fake_inputs(hidden, weight, target)
 
 
@@ -94,43 +91,39 @@ def _lce_fwd_bwd_out_fake(hidden, weight, bias, target, class_weight, options, s
 # does not go through here (FusedLinearCrossEntropy below saves the forward's gradients).
 
 
-def _recompute_grads(ctx, grad_loss):
-    """Gradients for hidden, weight, bias of sum(grad_loss * loss), one forward_backward call."""
-    hidden, weight, bias, target, class_weight = ctx.saved_tensors
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    need_b = need_b and bias is not None
-    if not (need_h or need_w or need_b):
+def _recomputed_grads(tensors, options, linear, grad_loss, needs):
+    """Gradients for hidden, weight, bias of sum(grad_loss * loss), one forward_backward call;
+    None where `needs` (one flag per gradient) is False."""
+    if not any(needs):
         return None, None, None
-    out = ops.lce_fwd_bwd(hidden, weight, bias, target, class_weight, *ctx.options.op_args(), *ctx.linear,
-                          _upstream(grad_loss), False, need_h, need_w, need_b)
-    grad_h, grad_w, grad_b = out[4:]
-    return grad_h if need_h else None, grad_w if need_w else None, grad_b if need_b else None
+    *_, grad_h, grad_w, grad_b = ops.lce_fwd_bwd(*tensors, *options.op_args(), *linear.op_args(), grad_loss,
+                                                 False, *needs)
+    return tuple(grad if need else None for need, grad in zip(needs, (grad_h, grad_w, grad_b)))
 
 
 def _setup_lce(ctx, inputs, output):
-    tensors, ctx.options, rest = options_in(_OPTIONS_AT, inputs)
+    tensors, ctx.options, ctx.linear, _ = linear_options_in(_OPTIONS_AT, inputs)
     ctx.save_for_backward(*tensors)
-    ctx.linear = rest[:4]  # shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
 
 
-def _backward_lce_fwd(ctx, grad_loss, *unused):
-    grads = [None] * _NUM_ARGS_FWD
+def _backward_lce(ctx, grad_loss, num_args):
+    grads = (None, None, None)
     if grad_loss is not None:
-        grads[:3] = _recompute_grads(ctx, grad_loss)
-    return tuple(grads)
+        tensors = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        needs = (need_h, need_w, need_b and tensors[2] is not None)
+        grads = _recomputed_grads(tensors, ctx.options, ctx.linear, _upstream(grad_loss), needs)
+    return (*grads, *(None,) * (num_args - 3))  # nothing for the op's other arguments
 
 
-def _backward_lce_fwd_bwd(ctx, grad_loss, *unused):
-    grads = [None] * _NUM_ARGS_FWD_BWD
-    if grad_loss is not None:
-        grads[:3] = _recompute_grads(ctx, grad_loss)
-    return tuple(grads)
-
-
-torch.library.register_autograd(_library.qualified("lce_fwd"), _backward_lce_fwd, setup_context=_setup_lce)
-torch.library.register_autograd(_library.qualified("lce_fwd_bwd"), _backward_lce_fwd_bwd, setup_context=_setup_lce)
+torch.library.register_autograd(_library.qualified("lce_fwd"),
+                                lambda ctx, grad_loss, *unused: _backward_lce(ctx, grad_loss, _NUM_ARGS_FWD),
+                                setup_context=_setup_lce)
+torch.library.register_autograd(_library.qualified("lce_fwd_bwd"),
+                                lambda ctx, grad_loss, *unused: _backward_lce(ctx, grad_loss, _NUM_ARGS_FWD_BWD),
+                                setup_context=_setup_lce)
 
 
 # ---- the training path of fusedce.linear_cross_entropy -------------------------------------
@@ -163,48 +156,40 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     (reduction='none' with weight or bias requiring grad) the forward runs ``lce_fwd`` alone and
     the backward calls ``lce_fwd_bwd`` with the per-row upstream gradient.
 
-    Arguments: hidden (N, H), weight, bias, target (N,), class_weight, options (a CeOptions), the
-    linear options shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored, then
-    compute_metrics, need_grad_hidden, need_grad_weight, need_grad_bias. Returns loss, lse,
-    num_correct, entropy_sum (only the loss is differentiable).
+    Arguments: hidden (N, H), weight, bias, target (N,), class_weight, the call (a Call: its
+    options, linear options and compute_metrics), needs (whether hidden, weight and bias each
+    need their gradient). Returns loss, lse, num_correct, entropy_sum (only the loss is
+    differentiable).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, class_weight, options, shift_seq_len,
-                chunk_budget_bytes, low_memory, skip_ignored, compute_metrics, need_grad_hidden,
-                need_grad_weight, need_grad_bias):
-        args = (*options.op_args(), shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored)
-        ctx.needs = (need_grad_hidden, need_grad_weight, need_grad_bias)
-        ctx.fused = gradients_factor(options.reduction, need_grad_weight, need_grad_bias)
+    def forward(ctx, hidden, weight, bias, target, class_weight, call, needs):
+        tensors = (hidden, weight, bias, target, class_weight)
+        ctx.call, ctx.needs = call, needs
+        ctx.fused = gradients_factor(call.options.reduction, needs[1], needs[2])
         if ctx.fused:
             loss, lse, num_correct, entropy_sum, grad_h, grad_w, grad_b = call_below_autograd(
-                ops.lce_fwd_bwd.default, hidden, weight, bias, target, class_weight, *args, None,
-                compute_metrics, need_grad_hidden, need_grad_weight, need_grad_bias)
+                ops.lce_fwd_bwd.default, *tensors, *call.options.op_args(), *call.linear.op_args(), None,
+                call.compute_metrics, *needs)
             ctx.save_for_backward(grad_h, grad_w, grad_b)
         else:
             loss, lse, num_correct, entropy_sum = call_below_autograd(
-                ops.lce_fwd.default, hidden, weight, bias, target, class_weight, *args, compute_metrics)
-            ctx.save_for_backward(hidden, weight, bias, target, class_weight)
-            ctx.args = args
+                ops.lce_fwd.default, *tensors, *call.options.op_args(), *call.linear.op_args(),
+                call.compute_metrics)
+            ctx.save_for_backward(*tensors)
         ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
         ctx.set_materialize_grads(False)
         return loss, lse, num_correct, entropy_sum
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        grads = [None] * 14  # one per argument of forward
-        if grad_loss is None:
-            return tuple(grads)
-        g = _upstream(grad_loss)
-        if ctx.fused:
-            keep = _graph_is_kept()
-            for i, (need, saved) in enumerate(zip(ctx.needs, ctx.saved_tensors)):
-                if need:
-                    grads[i] = _scale_saved(saved, g, keep)
-        else:
-            hidden, weight, bias, target, class_weight = ctx.saved_tensors
-            out = ops.lce_fwd_bwd(hidden, weight, bias, target, class_weight, *ctx.args, g, False, *ctx.needs)
-            for i, (need, grad) in enumerate(zip(ctx.needs, out[4:])):
-                if need:
-                    grads[i] = grad
-        return tuple(grads)
+        grads = (None, None, None)
+        if grad_loss is not None:
+            g = _upstream(grad_loss)
+            if ctx.fused:
+                keep = _graph_is_kept()
+                grads = tuple(_scale_saved(saved, g, keep) if need else None
+                              for need, saved in zip(ctx.needs, ctx.saved_tensors))
+            else:
+                grads = _recomputed_grads(ctx.saved_tensors, ctx.call.options, ctx.call.linear, g, ctx.needs)
+        return (*grads, None, None, None, None)  # nothing for target, class_weight, call, needs

@@ -7,8 +7,8 @@ Nothing here computes anything: gradients come from the core, formed during the 
 gradient with ``ce_rescale_``.
 
 Argument order shared by every op (see torch/registry.h): logits (N, V), target (N,), weight (V,)
-or None, the options (CeOptions.op_args(): ignore_index, reduction, label_smoothing,
-logit_scale, softcap (0 = off), z_loss). The fake kernels take the options as one CeOptions.
+or None, the options (Options.op_args(): ignore_index, reduction, label_smoothing,
+logit_scale, softcap (0 = off), z_loss). The fake kernels take the options as one Options.
 """
 
 import torch
@@ -143,12 +143,12 @@ def _setup_ce_fwd_bwd(ctx, inputs, output):
 def _backward_ce_fwd_bwd(ctx, grad_loss, *unused):
     # The op returned dlogits to its caller, so its formula scales a copy. fusedce.cross_entropy
     # does not go through here: FusedCrossEntropy keeps dlogits private and scales it in place.
-    grads = [None] * _NUM_ARGS_FWD
+    grad = None
     if grad_loss is not None and ctx.needs_input_grad[0]:
         (dlogits,) = ctx.saved_tensors
-        grads[0] = dlogits.clone()
-        ops.ce_rescale_(_upstream(grad_loss), grads[0])
-    return tuple(grads)
+        grad = dlogits.clone()
+        ops.ce_rescale_(_upstream(grad_loss), grad)
+    return (grad, *(None,) * (_NUM_ARGS_FWD - 1))  # nothing for the op's other arguments
 
 
 torch.library.register_autograd(_library.qualified("ce_fwd_bwd"), _backward_ce_fwd_bwd,
@@ -164,11 +164,11 @@ def _setup_ce_fwd(ctx, inputs, output):
 
 
 def _backward_ce_fwd(ctx, grad_loss, *unused):
-    grads = [None] * _NUM_ARGS_FWD
+    grad = None
     if grad_loss is not None and ctx.needs_input_grad[0]:
         logits, target, weight, lse = ctx.saved_tensors
-        grads[0] = ops.ce_bwd(logits, target, weight, lse, _upstream(grad_loss), *ctx.options.op_args())
-    return tuple(grads)
+        grad = ops.ce_bwd(logits, target, weight, lse, _upstream(grad_loss), *ctx.options.op_args())
+    return (grad, *(None,) * (_NUM_ARGS_FWD - 1))  # nothing for the op's other arguments
 
 
 torch.library.register_autograd(_library.qualified("ce_fwd"), _backward_ce_fwd, setup_context=_setup_ce_fwd)
@@ -204,14 +204,15 @@ class FusedCrossEntropy(torch.autograd.Function):
     recorded in ``inplace`` (an InplaceWrite) after the marking: any later in-place change of
     the gradient they hold is refused as autograd refuses it for saved tensors.
 
-    Arguments: logits, target, weight, options (a CeOptions), compute_metrics, inplace (None, or
-    an InplaceWrite to write over the logits). Returns loss, lse, num_correct, entropy_sum (only
+    Arguments: logits, target, weight, the call (a Call: its options and compute_metrics),
+    inplace (None, or an InplaceWrite to write over the logits). Returns loss, lse, num_correct, entropy_sum (only
     the loss is differentiable).
     """
 
     @staticmethod
-    def forward(ctx, logits, target, weight, options, compute_metrics, inplace):
+    def forward(ctx, logits, target, weight, call, inplace):
         ctx.inplace = inplace
+        options, compute_metrics = call.options, call.compute_metrics
         if inplace is not None:
             loss, lse, num_correct, entropy_sum = _empty_outputs(logits, options.reduction, compute_metrics)
             ops.ce_fwd_bwd_inplace(logits, target, weight, *options.op_args(), loss, lse,
@@ -228,7 +229,7 @@ class FusedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        grads = [None] * 6  # one per argument of forward
+        grad = None
         if grad_loss is not None and ctx.needs_input_grad[0]:
             kept = _graph_is_kept()
             if ctx.inplace is not None:
@@ -250,8 +251,8 @@ class FusedCrossEntropy(torch.autograd.Function):
             if kept:
                 dlogits = dlogits.clone()
             ops.ce_rescale_(_upstream(grad_loss), dlogits)
-            grads[0] = dlogits
-        return tuple(grads)
+            grad = dlogits
+        return grad, None, None, None, None  # nothing for target, weight, call, inplace
 
 
 class Overwritten(torch.autograd.Function):

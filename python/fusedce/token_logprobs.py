@@ -19,10 +19,14 @@ backward, which writes dlogits over them and takes the two gradient products fro
 products, for (N, V_local) logits held between forward and backward).
 """
 
+import functools
+
 import torch
 
-from . import _library, distributed, logit_room
-from ._checks import _INF, _real, _representable, check_target_values, ignore_index_of, unit_stride_vector
+from . import distributed, logit_room
+from ._checks import check_cuda_build, check_same_device, check_target_values, check_tensor, unit_stride_vector
+from ._options import Call, LinearOptions, LogprobOptions, ShardSpec, VocabParallel
+from ._router import route
 from .functional import _rows
 from .ops import _graph_is_kept, call_below_autograd, ops
 
@@ -31,22 +35,6 @@ _LOGITS = "fusedce.logprobs"
 
 
 # ---- checks -------------------------------------------------------------------------------
-
-
-def _temperature(value, where):
-    t = _real(value, "temperature", where)
-    if not 0.0 < t < _INF:
-        raise ValueError(f"{where}: temperature must be finite and > 0, got {value!r}")
-    _representable(t, "temperature", where, "use a value in [1.2e-38, 3.4e38]")
-    _representable(1.0 / t, "1 / temperature", where, "use a value in [3e-38, 8e37]")
-    return t
-
-
-def _check_tensor(value, name, where, optional=False):
-    if value is None and optional:
-        return
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{where}: {name} must be a tensor, got {type(value).__name__}")
 
 
 def _check_tokens(tokens, shape, where):
@@ -61,25 +49,6 @@ def _check_float(x, name, where):
         raise ValueError(f"{where}: {name} must be float32, bfloat16 or float16, got {x.dtype}")
 
 
-def _check_device(value, name, ref, ref_name, where):
-    if value is not None and value.device != ref.device:
-        raise ValueError(f"{where}: {name} is on {value.device} but {ref_name} is on {ref.device}")
-
-
-def _check_cuda_build(x, name, where):
-    if x.device.type == "cuda" and not _library.with_cuda:
-        raise RuntimeError(f"{where}: {name} is on a CUDA device but this build of fusedce has no CUDA "
-                           "kernels (it was built without nvcc or with a CPU-only torch)")
-
-
-def _check_budget(chunk_budget_bytes, where):
-    if chunk_budget_bytes is not None and not (isinstance(chunk_budget_bytes, int)
-                                               and not isinstance(chunk_budget_bytes, bool)
-                                               and 0 < chunk_budget_bytes < 2**63):
-        raise ValueError(f"{where}: chunk_budget_bytes must be None (the default) or a positive int "
-                         f"below 2**63, got {chunk_budget_bytes!r}")
-
-
 def _check_keep_logits(keep_logits, chunk_budget_bytes, where):
     if keep_logits is not None and not isinstance(keep_logits, bool):
         raise TypeError(f"{where}: keep_logits must be None (the default) or a bool, got "
@@ -89,14 +58,15 @@ def _check_keep_logits(keep_logits, chunk_budget_bytes, where):
                          "keep_logits=True forms all the (N, V) logits at once: give one or the other")
 
 
-def _check_token_values(t, vocab, ignore_index, device, check_tokens, where):
+def _check_token_values(t, vocab, call, device):
     """Token values against [0, vocab): always on the CPU (no synchronisation there), on a GPU
     when asked (one synchronisation). Skipped while torch.compile traces (a host read)."""
     if torch.compiler.is_compiling():
         return
-    if check_tokens or device.type == "cpu":
+    where = call.where
+    if call.check_targets or device.type == "cpu":
         try:
-            check_target_values(t, vocab, ignore_index, where)
+            check_target_values(t, vocab, call.options.ignore_index, where)
         except ValueError as exc:
             raise ValueError(str(exc).replace(f"{where}: target[", f"{where}: tokens[", 1)) from None
 
@@ -104,11 +74,11 @@ def _check_token_values(t, vocab, ignore_index, device, check_tokens, where):
 # ---- the steps, and their autograd --------------------------------------------------------
 
 
-def _merged(stats, target, process_group, shard, temperature, ignore_index, layout):
+def _merged(stats, target, call, shard):
     """Step 2: this rank's statistics alone (single device), or every rank's, gathered."""
-    if process_group is not None:
-        stats = distributed.gather_checked(stats, target, shard, process_group, *layout)
-    return ops.lp_merge(stats, target, *shard, temperature, ignore_index)
+    if call.parallel.group is not None:
+        stats = distributed.gather_checked(stats, target, shard, call.parallel, call.where)
+    return ops.lp_merge(stats, target, *shard.op_args(), *call.options.op_args())
 
 
 def _upstream(g, like):
@@ -119,65 +89,72 @@ def _upstream(g, like):
     return g.reshape(-1).to(torch.float32).contiguous()
 
 
+def _upstreams(grad_logprob, grad_entropy, logprob, entropy):
+    """The two upstream gradients as the backward ops take them (a missing logprob's as zeros)."""
+    g_lp = torch.zeros_like(logprob) if grad_logprob is None else _upstream(grad_logprob, logprob)
+    return g_lp, _upstream(grad_entropy, entropy)
+
+
 class _Logprobs(torch.autograd.Function):
-    """Over logits (N, V_local). Returns logprob, entropy (float32 (N,)), both differentiable."""
+    """Over logits (N, V_local), with the call (a Call) and this rank's ShardSpec. Returns
+    logprob, entropy (float32 (N,)), both differentiable."""
 
     @staticmethod
-    def forward(ctx, x, target, process_group, shard, temperature, ignore_index, layout):
-        stats = ops.lp_stats(x, target, *shard, temperature, ignore_index)
-        logprob, entropy, lse = _merged(stats, target, process_group, shard, temperature, ignore_index, layout)
+    def forward(ctx, x, target, call, shard):
+        stats = ops.lp_stats(x, target, *shard.op_args(), *call.options.op_args())
+        logprob, entropy, lse = _merged(stats, target, call, shard)
         ctx.save_for_backward(x, target, lse, logprob, entropy)
-        ctx.args = (shard, temperature, ignore_index)
+        ctx.call, ctx.shard = call, shard
         ctx.set_materialize_grads(False)
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
-        grads = [None] * 7
-        if (grad_logprob is None and grad_entropy is None) or not ctx.needs_input_grad[0]:
-            return tuple(grads)
-        x, target, lse, logprob, entropy = ctx.saved_tensors
-        shard, temperature, ignore_index = ctx.args
-        g_lp = torch.zeros_like(logprob) if grad_logprob is None else _upstream(grad_logprob, logprob)
-        grads[0] = ops.lp_bwd(x, target, lse, logprob, entropy, g_lp, _upstream(grad_entropy, entropy),
-                              *shard, temperature, ignore_index)
-        return tuple(grads)
+        grad = None
+        if (grad_logprob is not None or grad_entropy is not None) and ctx.needs_input_grad[0]:
+            x, target, lse, logprob, entropy = ctx.saved_tensors
+            grad = ops.lp_bwd(x, target, lse, logprob, entropy,
+                              *_upstreams(grad_logprob, grad_entropy, logprob, entropy),
+                              *ctx.shard.op_args(), *ctx.call.options.op_args())
+        return grad, None, None, None  # nothing for target, call, shard
 
 
 class _LinearLogprobs(torch.autograd.Function):
-    """Over hidden (N, H) and this rank's rows weight (V_local, H), bias (V_local,) or None.
-    Backward: the core's gradients (the logits formed again, chunk by chunk), then, for a
-    vocabulary-parallel head, one all-reduce (sum) of the float32 grad_hidden."""
+    """Over hidden (N, H) and this rank's rows weight (V_local, H), bias (V_local,) or None, with
+    the call (a Call: its LogprobOptions, LinearOptions for the chunk budget, VocabParallel) and
+    this rank's ShardSpec. Backward: the core's gradients (the logits formed again, chunk by
+    chunk), then, for a vocabulary-parallel head, one all-reduce (sum) of the float32
+    grad_hidden."""
 
     @staticmethod
-    def forward(ctx, h, w, bias, target, process_group, shard, temperature, ignore_index, budget, layout):
-        stats = ops.llp_stats(h, w, bias, target, *shard, temperature, ignore_index, budget)
-        logprob, entropy, lse = _merged(stats, target, process_group, shard, temperature, ignore_index, layout)
+    def forward(ctx, h, w, bias, target, call, shard):
+        stats = ops.llp_stats(h, w, bias, target, *shard.op_args(), *call.options.op_args(),
+                              call.linear.chunk_budget_bytes)
+        logprob, entropy, lse = _merged(stats, target, call, shard)
         ctx.save_for_backward(h, w, bias, target, lse, logprob, entropy)
-        ctx.args = (process_group, shard, temperature, ignore_index, budget)
+        ctx.call, ctx.shard = call, shard
         ctx.set_materialize_grads(False)
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
-        grads = [None] * 10
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        if (grad_logprob is None and grad_entropy is None) or not (need_h or need_w or need_b):
-            return tuple(grads)
-        h, w, bias, target, lse, logprob, entropy = ctx.saved_tensors
-        process_group, shard, temperature, ignore_index, budget = ctx.args
-        g_lp = torch.zeros_like(logprob) if grad_logprob is None else _upstream(grad_logprob, logprob)
-        grad_h, grad_w, grad_b = ops.llp_bwd(h, w, bias, target, lse, logprob, entropy, g_lp,
-                                             _upstream(grad_entropy, entropy), *shard, temperature,
-                                             ignore_index, budget, need_h, need_w, need_b)
-        if need_h:
-            if process_group is not None:
-                # The sum over ranks of every rank's part, in float32, rounded once.
-                grad_h = distributed._all_reduce_sum(grad_h, process_group)
-            grads[0] = grad_h.to(h.dtype)
-        grads[1] = grad_w if need_w else None
-        grads[2] = grad_b if need_b else None
-        return tuple(grads)
+        grad_h = grad_w = grad_b = None
+        if (grad_logprob is not None or grad_entropy is not None) and (need_h or need_w or need_b):
+            h, w, bias, target, lse, logprob, entropy = ctx.saved_tensors
+            call = ctx.call
+            part_h, part_w, part_b = ops.llp_bwd(
+                h, w, bias, target, lse, logprob, entropy,
+                *_upstreams(grad_logprob, grad_entropy, logprob, entropy), *ctx.shard.op_args(),
+                *call.options.op_args(), call.linear.chunk_budget_bytes, need_h, need_w, need_b)
+            if need_h:
+                if call.parallel.group is not None:
+                    # The sum over ranks of every rank's part, in float32, rounded once.
+                    part_h = distributed._all_reduce_sum(part_h, call.parallel.group)
+                grad_h = part_h.to(h.dtype)
+            grad_w = part_w if need_w else None
+            grad_b = part_b if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None  # nothing for target, call, shard
 
 
 # Bytes of float32 per block of the CPU's float32 product of 16-bit matrices (_float32_product):
@@ -208,75 +185,70 @@ def _float32_product(a, b):
     return out
 
 
-def _kept_forward(h, w, bias, target, process_group, shard, temperature, ignore_index, layout):
+def _kept_forward(h, w, bias, target, call, shard):
     """keep_logits=True's forward: the logits (N, V_local) formed once in hidden's dtype, then the
     logits form's steps over them. Returns logprob, entropy, lse and the logits."""
     logits = torch.nn.functional.linear(h, w, bias)
-    stats = call_below_autograd(ops.lp_stats.default, logits, target, *shard, temperature, ignore_index)
-    logprob, entropy, lse = _merged(stats, target, process_group, shard, temperature, ignore_index, layout)
+    stats = call_below_autograd(ops.lp_stats.default, logits, target, *shard.op_args(), *call.options.op_args())
+    logprob, entropy, lse = _merged(stats, target, call, shard)
     return logprob, entropy, lse, logits
 
 
 class _KeptLinearLogprobs(torch.autograd.Function):
     """The linear form with its logits kept (keep_logits=True), over hidden (N, H), this rank's
-    rows weight (V_local, H) and bias (V_local,) or None. Backward: dlogits written over the saved
-    logits (lp_bwd_; into a new buffer when the graph is kept for another backward), then
-    grad_hidden = dlogits @ weight, grad_weight = dlogits.T @ hidden, grad_bias = the column sums
-    of dlogits, each with float32 accumulation and returned in the parameter dtype; for a
-    vocabulary-parallel head, grad_hidden is this rank's float32 part, all-reduced (sum) and
-    rounded once."""
+    rows weight (V_local, H) and bias (V_local,) or None, with the call and this rank's
+    ShardSpec. Backward: dlogits written over the saved logits (lp_bwd_; into a new buffer when
+    the graph is kept for another backward), then grad_hidden = dlogits @ weight, grad_weight =
+    dlogits.T @ hidden, grad_bias = the column sums of dlogits, each with float32 accumulation
+    and returned in the parameter dtype; for a vocabulary-parallel head, grad_hidden is this
+    rank's float32 part, all-reduced (sum) and rounded once."""
 
     @staticmethod
-    def forward(ctx, h, w, bias, target, process_group, shard, temperature, ignore_index, layout):
-        logprob, entropy, lse, logits = _kept_forward(h, w, bias, target, process_group, shard, temperature,
-                                                      ignore_index, layout)
+    def forward(ctx, h, w, bias, target, call, shard):
+        logprob, entropy, lse, logits = _kept_forward(h, w, bias, target, call, shard)
         ctx.save_for_backward(h, w, logits, target, lse, logprob, entropy)
-        ctx.args = (process_group, shard, temperature, ignore_index)
+        ctx.call, ctx.shard = call, shard
         ctx.set_materialize_grads(False)
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
-        grads = [None] * 9
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = grad_w = grad_b = None
         if (grad_logprob is None and grad_entropy is None) or not (need_h or need_w or need_b):
-            return tuple(grads)
+            return grad_h, grad_w, grad_b, None, None, None
         h, w, logits, target, lse, logprob, entropy = ctx.saved_tensors
-        process_group, shard, temperature, ignore_index = ctx.args
-        g_lp = torch.zeros_like(logprob) if grad_logprob is None else _upstream(grad_logprob, logprob)
-        args = (target, lse, logprob, entropy, g_lp, _upstream(grad_entropy, entropy), *shard, temperature,
-                ignore_index)
+        group = ctx.call.parallel.group
+        args = (target, lse, logprob, entropy, *_upstreams(grad_logprob, grad_entropy, logprob, entropy),
+                *ctx.shard.op_args(), *ctx.call.options.op_args())
         if _graph_is_kept():  # a later backward reads the logits again
             dlogits = ops.lp_bwd(logits, *args)
         else:
             ops.lp_bwd_(logits, *args)
             dlogits = logits
         if need_h:
-            if process_group is not None:
+            if group is not None:
                 # The sum over ranks of every rank's float32 part, rounded once.
-                grad_h = distributed._all_reduce_sum(_float32_product(dlogits, w), process_group)
-                grads[0] = grad_h.to(h.dtype)
+                grad_h = distributed._all_reduce_sum(_float32_product(dlogits, w), group).to(h.dtype)
             else:
-                grads[0] = dlogits @ w
+                grad_h = dlogits @ w
         if need_w:
-            grads[1] = dlogits.T @ h
+            grad_w = dlogits.T @ h
         if need_b:
-            grads[2] = dlogits.sum(0)  # a 16-bit sum accumulates in float32, rounded once
-        return tuple(grads)
+            grad_b = dlogits.sum(0)  # a 16-bit sum accumulates in float32, rounded once
+        return grad_h, grad_w, grad_b, None, None, None  # nothing for target, call, shard
 
 
-def _shard(local_vocab, process_group, vocab_start, vocab_total, device, where):
-    """(shard, layout) of the call: the whole vocabulary for a single device."""
-    if process_group is None:
-        return (0, local_vocab), None
-    shard = distributed.shard_layout(local_vocab, process_group, vocab_start, vocab_total, device=device,
-                                     where=where)
-    return shard, (where, local_vocab, distributed._layout_rule(vocab_start, vocab_total))
+def _shard(local_vocab, call, device):
+    """This rank's ShardSpec: the whole vocabulary for a single device."""
+    if call.parallel.group is None:
+        return ShardSpec.whole(local_vocab)
+    return distributed.shard_of(local_vocab, call.parallel, device, call.where)
 
 
-def _results(logprob, entropy, shape, return_entropy):
+def _results(logprob, entropy, shape, call):
     logprob = logprob.view(shape)
-    return (logprob, entropy.view(shape)) if return_entropy else logprob
+    return (logprob, entropy.view(shape)) if call.return_entropy else logprob
 
 
 # ---- the functions ------------------------------------------------------------------------
@@ -326,21 +298,26 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
         logprob, float32 of tokens' shape; or ``(logprob, entropy)`` with ``return_entropy``.
         Both are differentiable with respect to hidden, weight and bias.
     """
-    if (process_group is not None and not torch.compiler.is_compiling()
-            and not distributed.in_agreed_call()):
-        return distributed.agreed_call(
-            _LINEAR, process_group, tokens, getattr(hidden, "device", None), vocab_start, vocab_total,
-            lambda: linear_logprobs(hidden, weight, tokens, bias, temperature=temperature,
-                                    return_entropy=return_entropy, ignore_index=ignore_index,
-                                    chunk_budget_bytes=chunk_budget_bytes, check_tokens=check_tokens,
-                                    process_group=process_group, vocab_start=vocab_start,
-                                    vocab_total=vocab_total, keep_logits=keep_logits))
+    def call_of(hidden, parallel):  # the call object, built once, where the router runs the call
+        linear = LinearOptions.checked(_LINEAR, hidden, chunk_budget_bytes=chunk_budget_bytes)
+        _check_keep_logits(keep_logits, chunk_budget_bytes, _LINEAR)
+        return Call.of(_LINEAR, LogprobOptions.checked(_LINEAR, temperature=temperature, ignore_index=ignore_index),
+                       linear, parallel, check_targets=bool(check_tokens), keep_logits=keep_logits,
+                       return_entropy=bool(return_entropy))
+
+    return route(_LINEAR, functools.partial(_linear_logprobs, call_of), (hidden, weight, tokens, bias),
+                 VocabParallel.of(process_group, vocab_start, vocab_total), target=tokens,
+                 device=getattr(hidden, "device", None), dtensor_form=None)
+
+
+def _linear_logprobs(call_of, hidden, weight, tokens, bias, parallel):
+    """linear_logprobs on plain tensors (with a process group in `parallel`: this rank's rows of
+    the head), its Call built by call_of(hidden, parallel) after the tensors' checks."""
     where = _LINEAR
-    if process_group is None and (vocab_start is not None or vocab_total is not None):
-        raise ValueError(f"{where}: vocab_start and vocab_total are only used with a process_group")
+    parallel.check_single(where)
     for value, name, optional in ((hidden, "hidden", False), (weight, "weight", False),
                                   (tokens, "tokens", False), (bias, "bias", True)):
-        _check_tensor(value, name, where, optional)
+        check_tensor(value, name, where, optional)
     _check_float(hidden, "hidden", where)
     if hidden.dim() < 1 or hidden.shape[-1] < 1:
         raise ValueError(f"{where}: hidden must have shape (..., H) with H >= 1, got {tuple(hidden.shape)}")
@@ -358,37 +335,33 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
         if bias.dtype != hidden.dtype:
             raise ValueError(f"{where}: bias must have hidden's dtype ({hidden.dtype}), got {bias.dtype}")
     for value, name in ((weight, "weight"), (tokens, "tokens"), (bias, "bias")):
-        _check_device(value, name, hidden, "hidden", where)
-    _check_cuda_build(hidden, "hidden", where)
-    _check_budget(chunk_budget_bytes, where)
-    _check_keep_logits(keep_logits, chunk_budget_bytes, where)
-    temperature = _temperature(temperature, where)
-    ignore_index = ignore_index_of(ignore_index, where)
+        check_same_device(value, name, hidden, "hidden", where)
+    check_cuda_build(hidden, "hidden", where)
+    call = call_of(hidden, parallel)
 
     h = _rows(hidden, hidden_size)
     w = _rows(weight, hidden_size)
     t = unit_stride_vector(tokens.reshape(-1))
     b = unit_stride_vector(bias)
-    shard, layout = _shard(w.shape[0], process_group, vocab_start, vocab_total, h.device, where)
-    _check_token_values(t, shard[1], ignore_index, h.device, check_tokens, where)
-    budget = int(chunk_budget_bytes or 0)
+    shard = _shard(w.shape[0], call, h.device)
+    _check_token_values(t, shard.vocab_total, call, h.device)
     grad_on = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
-    if keep_logits is None:
-        keep_logits = logit_room.keeps_logits(h.shape[0], hidden_size, w.shape[0], h.dtype,
-                                              torch.is_grad_enabled() and weight.requires_grad, h.device.type,
-                                              chunk_budget_bytes)
-    if keep_logits and grad_on:
-        logprob, entropy = _KeptLinearLogprobs.apply(h, w, b, t, process_group, shard, temperature, ignore_index,
-                                                     layout)
-    elif keep_logits:
-        logprob, entropy, _, _ = _kept_forward(h, w, b, t, process_group, shard, temperature, ignore_index, layout)
+    keep = call.keep_logits
+    if keep is None:
+        keep = logit_room.keeps_logits(h.shape[0], hidden_size, w.shape[0], h.dtype,
+                                       torch.is_grad_enabled() and weight.requires_grad, h.device.type,
+                                       call.linear.chunk_budget_bytes or None)
+    if keep and grad_on:
+        logprob, entropy = _KeptLinearLogprobs.apply(h, w, b, t, call, shard)
+    elif keep:
+        logprob, entropy, _, _ = _kept_forward(h, w, b, t, call, shard)
     elif grad_on:
-        logprob, entropy = _LinearLogprobs.apply(h, w, b, t, process_group, shard, temperature, ignore_index,
-                                                 budget, layout)
+        logprob, entropy = _LinearLogprobs.apply(h, w, b, t, call, shard)
     else:
-        stats = call_below_autograd(ops.llp_stats.default, h, w, b, t, *shard, temperature, ignore_index, budget)
-        logprob, entropy, _ = _merged(stats, t, process_group, shard, temperature, ignore_index, layout)
-    return _results(logprob, entropy, tokens.shape, return_entropy)
+        stats = call_below_autograd(ops.llp_stats.default, h, w, b, t, *shard.op_args(), *call.options.op_args(),
+                                    call.linear.chunk_budget_bytes)
+        logprob, entropy, _ = _merged(stats, t, call, shard)
+    return _results(logprob, entropy, tokens.shape, call)
 
 
 def logprobs(logits, tokens, *, temperature=1.0, return_entropy=False, ignore_index=-100, check_tokens=False,
@@ -408,35 +381,38 @@ def logprobs(logits, tokens, *, temperature=1.0, return_entropy=False, ignore_in
         logprob (float32, tokens' shape), or ``(logprob, entropy)``; differentiable with
         respect to logits (the gradient has the logits' dtype).
     """
-    if (process_group is not None and not torch.compiler.is_compiling()
-            and not distributed.in_agreed_call()):
-        return distributed.agreed_call(
-            _LOGITS, process_group, tokens, getattr(logits, "device", None), vocab_start, vocab_total,
-            lambda: logprobs(logits, tokens, temperature=temperature, return_entropy=return_entropy,
-                             ignore_index=ignore_index, check_tokens=check_tokens, process_group=process_group,
-                             vocab_start=vocab_start, vocab_total=vocab_total))
+    def call_of(parallel):  # the call object, built once, where the router runs the call
+        return Call.of(_LOGITS, LogprobOptions.checked(_LOGITS, temperature=temperature, ignore_index=ignore_index),
+                       parallel=parallel, check_targets=bool(check_tokens), return_entropy=bool(return_entropy))
+
+    return route(_LOGITS, functools.partial(_logprobs, call_of), (logits, tokens),
+                 VocabParallel.of(process_group, vocab_start, vocab_total), target=tokens,
+                 device=getattr(logits, "device", None), dtensor_form=None)
+
+
+def _logprobs(call_of, logits, tokens, parallel):
+    """logprobs on plain tensors (with a process group in `parallel`: this rank's columns of the
+    logits), its Call built by call_of(parallel) after the tensors' checks."""
     where = _LOGITS
-    if process_group is None and (vocab_start is not None or vocab_total is not None):
-        raise ValueError(f"{where}: vocab_start and vocab_total are only used with a process_group")
-    _check_tensor(logits, "logits", where)
-    _check_tensor(tokens, "tokens", where)
+    parallel.check_single(where)
+    check_tensor(logits, "logits", where)
+    check_tensor(tokens, "tokens", where)
     _check_float(logits, "logits", where)
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"{where}: logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
     _check_tokens(tokens, logits.shape[:-1], where)
-    _check_device(tokens, "tokens", logits, "logits", where)
-    _check_cuda_build(logits, "logits", where)
-    temperature = _temperature(temperature, where)
-    ignore_index = ignore_index_of(ignore_index, where)
+    check_same_device(tokens, "tokens", logits, "logits", where)
+    check_cuda_build(logits, "logits", where)
+    call = call_of(parallel)
 
     vocab = logits.shape[-1]
     x = _rows(logits, vocab)
     t = unit_stride_vector(tokens.reshape(-1))
-    shard, layout = _shard(vocab, process_group, vocab_start, vocab_total, x.device, where)
-    _check_token_values(t, shard[1], ignore_index, x.device, check_tokens, where)
+    shard = _shard(vocab, call, x.device)
+    _check_token_values(t, shard.vocab_total, call, x.device)
     if torch.is_grad_enabled() and logits.requires_grad:
-        logprob, entropy = _Logprobs.apply(x, t, process_group, shard, temperature, ignore_index, layout)
+        logprob, entropy = _Logprobs.apply(x, t, call, shard)
     else:
-        stats = call_below_autograd(ops.lp_stats.default, x, t, *shard, temperature, ignore_index)
-        logprob, entropy, _ = _merged(stats, t, process_group, shard, temperature, ignore_index, layout)
-    return _results(logprob, entropy, tokens.shape, return_entropy)
+        stats = call_below_autograd(ops.lp_stats.default, x, t, *shard.op_args(), *call.options.op_args())
+        logprob, entropy, _ = _merged(stats, t, call, shard)
+    return _results(logprob, entropy, tokens.shape, call)

@@ -8,7 +8,7 @@ statistics of every rank, which no single op sees.
 
 Arguments shared by the three: target (N,) of global class indices, weight (V_local,) or None,
 vocab_start, vocab_total, then the options (docs/contract.md, "Options") as in ops.py; the fake
-kernels take them as one CeOptions.
+kernels take them as one Options.
 """
 
 import torch

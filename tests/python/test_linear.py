@@ -526,19 +526,19 @@ def test_budget_catches_a_wrong_gradient(dtype, factor):
 
 
 def test_process_group_hands_every_option_to_distributed(monkeypatch):
-    # With a process group the call runs fusedce.distributed's linear rows with every option:
-    # the six loss options, the linear ones as the single-device op takes them, the layout.
+    # With a process group the call runs fusedce.distributed's linear rows with one Call holding
+    # every option: the six loss options, the linear ones as the single-device op takes them,
+    # the layout as passed, the flags.
     import fusedce.distributed as fdist
+    from fusedce._options import LinearOptions, VocabParallel
 
     seen = {}
 
-    def fake(h, w, bias, target, class_weight, options, compute_metrics, linear, **kwargs):
-        seen.update(kwargs, h=h, w=w, bias=bias, target=target, class_weight=class_weight,
-                    options=options, compute_metrics=compute_metrics, linear=linear)
+    def fake(h, w, bias, target, class_weight, call):
+        seen.update(h=h, w=w, bias=bias, target=target, class_weight=class_weight, call=call)
         n = h.shape[0]
         return torch.zeros(()), torch.zeros(n), torch.zeros((), dtype=torch.int64), torch.zeros(())
 
-    monkeypatch.setattr(fdist, "in_agreed_call", lambda: True)  # as inside the agreed call
     monkeypatch.setattr(fdist, "linear_cross_entropy_rows", fake)
     h, w, b, t = make_linear_problem((2, 4), 8, 16, bias=True)
     cw = make_weight(16)
@@ -547,14 +547,15 @@ def test_process_group_hands_every_option_to_distributed(monkeypatch):
               logit_scale=0.5, softcap=3.0, z_loss=1e-3, shift=True, return_metrics=True,
               chunk_budget_bytes=1 << 20, low_memory=True, skip_ignored=True, check_targets=True)
     fusedce.linear_cross_entropy(h, w, t, b, process_group=group, vocab_start=16, vocab_total=48, **kw)
-    assert seen["process_group"] is group and seen["vocab_start"] == 16 and seen["vocab_total"] == 48
+    call = seen["call"]
+    assert call.parallel == VocabParallel(group, 16, 48)
     assert seen["h"].shape == (8, 8) and seen["w"] is w and seen["bias"] is b
     assert torch.equal(seen["target"], t.reshape(-1))
     assert torch.equal(seen["class_weight"], cw)
-    assert seen["options"].op_args() == (2, "sum", 0.1, 0.5, 3.0, 1e-3)
-    assert seen["compute_metrics"] is True
-    assert seen["linear"] == (1 << 20, True, True)
-    assert seen["shift_seq_len"] == 4 and seen["check_targets"] is True
+    assert call.options.op_args() == (2, "sum", 0.1, 0.5, 3.0, 1e-3)
+    assert call.compute_metrics is True and call.check_targets is True
+    assert call.linear == LinearOptions(4, 1 << 20, True, True)
+    assert call.where == "fusedce.linear_cross_entropy"
 
 
 # ---- bad input ------------------------------------------------------------------------------

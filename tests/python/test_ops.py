@@ -7,7 +7,7 @@ import torch
 
 import fusedce  # noqa: F401  (loads the ops)
 from conftest import DEVICES, make_problem, make_weight
-from fusedce._options import CeOptions
+from fusedce._options import Call, Options
 from fusedce.ops import FusedCrossEntropy
 
 ops = torch.ops.fusedce
@@ -80,7 +80,7 @@ def test_ce_loss(device, dtype, name, opts, metrics, requires_grad):
         upstream = torch.rand_like(loss) + 0.5
         (grad,) = torch.autograd.grad(loss, x, upstream)
         xp = x.detach().requires_grad_()
-        reference = FusedCrossEntropy.apply(xp, t, w, CeOptions(*o), metrics, None)[0]
+        reference = FusedCrossEntropy.apply(xp, t, w, Call("test", Options(*o), compute_metrics=metrics), None)[0]
         (expected,) = torch.autograd.grad(reference, xp, upstream)
         torch.testing.assert_close(grad, expected, rtol=0, atol=0)
         # The saved dlogits is scaled in place once; a kept graph scales a copy each time.

@@ -1,13 +1,14 @@
-"""The options' one order: CeOptions (python/fusedce/_options.py) against the schemas the extension
-registered (FUSEDCE_CE_ARGS in torch/options.h), so that the two cannot drift; and the one
-constructor that checks them."""
+"""The options' one order: the option objects (python/fusedce/_options.py: Options, LinearOptions,
+LogprobOptions, ShardSpec) against the schemas the extension registered (FUSEDCE_CE_ARGS in
+torch/options.h), so that the two cannot drift; and the one constructor that checks them."""
 
 import pytest
 import torch
 
 import fusedce
 from fusedce import _library
-from fusedce._options import OPTION_NAMES, CeOptions, options_in, options_position
+from fusedce._options import (LINEAR_NAMES, OPTION_NAMES, LinearOptions, LogprobOptions, Options, ShardSpec,
+                              VocabParallel, linear_options_in, options_in, options_position)
 
 # The schema types of the six, in order (int ignore_index, str reduction, float ...).
 _TYPES = ("int", "str", "float", "float", "float", "float")
@@ -41,20 +42,20 @@ def test_every_op_with_options_takes_them_in_the_python_order():
 
 
 def test_op_args_follow_the_field_order():
-    o = CeOptions(1, "sum", 0.25, 2.0, 30.0, 1e-4)
+    o = Options(1, "sum", 0.25, 2.0, 30.0, 1e-4)
     assert o.op_args() == tuple(getattr(o, n) for n in OPTION_NAMES)
     before, back, after = options_in(3, ("x", "t", None, *o.op_args(), True))
     assert before == ("x", "t", None) and back == o and after == (True,)
 
 
 def test_checked_gives_what_the_kernels_take():
-    o = CeOptions.checked("f", ignore_index=torch.tensor(3), reduction="none", label_smoothing=0.5,
+    o = Options.checked("f", ignore_index=torch.tensor(3), reduction="none", label_smoothing=0.5,
                           logit_scale=2, softcap=None, z_loss=0)
     assert o.op_args() == (3, "none", 0.5, 2.0, 0.0, 0.0)
     assert all(type(v) is t for v, t in zip(o.op_args(), (int, str, float, float, float, float)))
-    assert CeOptions.checked("f") == CeOptions()
+    assert Options.checked("f") == Options()
     with pytest.raises(ValueError, match="f: reduction must be 'none', 'sum' or 'mean', got 'avg'"):
-        CeOptions.checked("f", reduction="avg")
+        Options.checked("f", reduction="avg")
     with pytest.raises(AttributeError):
         o.reduction = "sum"  # frozen: built and checked once
 
@@ -77,12 +78,89 @@ def test_the_core_checks_the_ranges_for_callers_of_the_ops():
 def test_checked_options_are_remembered_by_value_and_type():
     """checked() looks options it has seen up again; a value equal as a dict key but of another
     type (False for 0, True for 1) is still checked, and still refused."""
-    first = CeOptions.checked("t", label_smoothing=0.0, softcap=1)
-    assert CeOptions.checked("t", label_smoothing=0.0, softcap=1) is first
-    assert CeOptions.checked("t", label_smoothing=0, softcap=1.0) == first
+    first = Options.checked("t", label_smoothing=0.0, softcap=1)
+    assert Options.checked("t", label_smoothing=0.0, softcap=1) is first
+    assert Options.checked("t", label_smoothing=0, softcap=1.0) == first
     with pytest.raises(TypeError, match="softcap"):
-        CeOptions.checked("t", label_smoothing=0.0, softcap=True)
+        Options.checked("t", label_smoothing=0.0, softcap=True)
     with pytest.raises(TypeError, match="label_smoothing"):
-        CeOptions.checked("t", label_smoothing=False, softcap=1)
+        Options.checked("t", label_smoothing=False, softcap=1)
     with pytest.raises(ValueError, match="reduction"):
-        CeOptions.checked("t", reduction="Mean")
+        Options.checked("t", reduction="Mean")
+
+
+def _names(op):
+    return [a.name for a in getattr(_library.ops(), op).default._schema.arguments]
+
+
+def test_linear_options_follow_the_lce_schemas():
+    # lce_fwd / lce_fwd_bwd take the four right after the six; the shard ops the last three
+    # (their target comes shifted).
+    for op in ("lce_fwd", "lce_fwd_bwd", "lce_fwd_out", "lce_fwd_bwd_out"):
+        names = _names(op)
+        at = options_position(getattr(_library.ops(), op).default._schema) + len(OPTION_NAMES)
+        assert tuple(names[at:at + len(LINEAR_NAMES)]) == LINEAR_NAMES, op
+    for op in ("lce_shard_stats", "lce_shard_bwd"):
+        names = _names(op)
+        at = names.index("chunk_budget_bytes")
+        assert tuple(names[at:at + 3]) == LINEAR_NAMES[1:], op
+    linear = LinearOptions(4, 1 << 20, True, False)
+    assert linear.op_args() == tuple(getattr(linear, n) for n in LINEAR_NAMES)
+    assert linear.shard_op_args() == linear.op_args()[1:]
+    args = ("h", "w", None, "t", None, *Options().op_args(), *linear.op_args(), True)
+    before, options, back, after = linear_options_in(5, args)
+    assert before == args[:5] and options == Options() and back == linear and after == (True,)
+
+
+def test_linear_options_checked():
+    h = torch.zeros(2, 7, 3)
+    assert LinearOptions.checked("f", h, shift=True, chunk_budget_bytes=64) == LinearOptions(7, 64)
+    assert LinearOptions.checked("f", h[0], shift=True).shift_seq_len == 7
+    assert LinearOptions.checked("f", h[0, 0], shift=True).shift_seq_len == 1
+    assert LinearOptions.checked("f", h, low_memory=1, skip_ignored=1) == LinearOptions(0, 0, True, True)
+    for bad in (0, -1, True, 1.0, 2**63):
+        with pytest.raises(ValueError, match="f: chunk_budget_bytes must be None"):
+            LinearOptions.checked("f", h, chunk_budget_bytes=bad)
+
+
+def test_logprob_and_shard_objects_follow_the_lp_schemas():
+    for op in ("lp_stats", "llp_stats", "lp_merge", "lp_bwd", "llp_bwd", "lp_bwd_"):
+        names = _names(op)
+        at = names.index("vocab_start")
+        assert names[at:at + 4] == ["vocab_start", "vocab_total", "temperature", "ignore_index"], op
+    assert LogprobOptions.checked("f", temperature=2, ignore_index=3).op_args() == (2.0, 3)
+    assert ShardSpec(5, 20, 7, 2).op_args() == (5, 20)
+    assert ShardSpec.whole(9) == ShardSpec(0, 9, 9, None)
+    with pytest.raises(ValueError, match="f: temperature must be finite and > 0"):
+        LogprobOptions.checked("f", temperature=0.0)
+
+
+def test_vocab_parallel_rules_and_keywords():
+    assert [VocabParallel("g", s, t).rule for s, t in ((None, None), (None, 9), (0, 9), (0, None))] == [0, 1, 2, 3]
+    assert VocabParallel().given() is None
+    assert VocabParallel(vocab_total=3).given() == "vocab_total"
+    assert VocabParallel("g", 0).given() == "process_group"
+    with pytest.raises(ValueError, match="f: vocab_start and vocab_total are only used with a process_group!"):
+        VocabParallel(vocab_start=0).check_single("f", "!")
+    VocabParallel("g", 0).check_single("f")
+
+
+def test_call_and_linear_options_are_remembered_for_the_same_objects():
+    """Call.of and LinearOptions.checked give the same object again for the same inputs (every
+    call of a training loop), and a new one for any other option, flag or spec."""
+    from fusedce._options import Call
+
+    o, other = Options.checked("t"), Options.checked("t", reduction="sum")
+    h = torch.zeros(2, 3, 4)
+    lin = LinearOptions.checked("t", h, shift=True)
+    assert LinearOptions.checked("t", h, shift=True) is lin
+    assert LinearOptions.checked("t", h, shift=True, low_memory=True) == LinearOptions(3, 0, True, False)
+    first = Call.of("t", o, lin, compute_metrics=True)
+    assert Call.of("t", o, lin, compute_metrics=True) is first
+    assert Call.of("t", o, lin) == Call("t", o, lin)
+    assert Call.of("t", other, lin, compute_metrics=True).options is other
+    spec = VocabParallel("g", 0, 8)
+    assert Call.of("t", o, lin, spec, compute_metrics=True).parallel is spec
+    assert Call.of("u", o, lin, compute_metrics=True).where == "u"
+    assert VocabParallel.of(None, None, None) is VocabParallel.of(None, None, None)
+    assert VocabParallel.of(None, None, 8) == VocabParallel(None, None, 8)
