@@ -78,9 +78,11 @@ struct ScaledExpOut {
 
 /// The epilogue: operator-style (CUTLASS's sm90 kernels call it through
 /// Sm90TmaWarpSpecializedAdapter), on the consumer warpgroup's accumulators in registers.
-/// What the epilogue does, to split its cost: everything; the statistics without storing E; or
-/// plain bf16 logits through the same register-to-global stores (no statistics).
-enum class Mode { Full, NoStore, Plain };
+/// What the epilogue does, to split its cost: everything (E stored from registers: each lane a
+/// 4-byte word, a quad 16 contiguous bytes of a row); everything with E staged through shared
+/// memory in four 48-column passes and stored in 16-byte pieces along rows; the statistics
+/// without storing E; or plain bf16 logits through the register-to-global stores.
+enum class Mode { Full, Staged, NoStore, Plain };
 
 template <class BlockShape, Mode kMode>
 class ScaledExpEpilogue {
@@ -105,7 +107,12 @@ class ScaledExpEpilogue {
   using ElementScalar = float;
   using GmemTiledCopyC = void;
   using GmemTiledCopyD = void;
-  struct SharedStorage {};
+  // Staging for Mode::Staged: 128 rows of one 48-column pass, rows padded to 112 bytes so that
+  // the 8 rows x 4 lanes of a warp's 4-byte writes fall in 32 distinct banks.
+  static constexpr int kPassCols = 48, kStageLd = kPassCols + 8;
+  struct SharedStorage {
+    alignas(128) __nv_bfloat16 stage[kMode == Mode::Staged ? size<0>(BlockShape{}) * kStageLd : 1];
+  };
   using TensorStorage = SharedStorage;
   using Arguments = ScaledExpOut;
   using Params = ScaledExpOut;
@@ -131,7 +138,7 @@ class ScaledExpEpilogue {
             class TiledMma, class ResidueMNK>
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem, BlockShapeMNK, BlockCoordMNKL blk_coord,
                                  cute::Tensor<FrgEngine, FrgLayout> const& acc_in, TiledMma tiled_mma, ResidueMNK,
-                                 int thread_idx, char*) {
+                                 int thread_idx, char* smem) {
     constexpr float kLog2e = 1.4426950408889634f;
     const int M = get<0>(problem), N = get<1>(problem);
     constexpr int BM = size<0>(BlockShapeMNK{}), BN = size<1>(BlockShapeMNK{});
@@ -179,6 +186,57 @@ class ScaledExpEpilogue {
       ssum[r] = 0.0f;
       usum[r] = 0.0f;
     }
+    if constexpr (kMode == Mode::Staged) {
+      static_assert(MN == 1 && (V2 * 8) % kPassCols == 0, "one MMA along N, whole passes");
+      constexpr int kGroups = kPassCols / 8;  // column groups of 8 per pass
+      auto* stage = reinterpret_cast<SharedStorage*>(smem)->stage;
+      // One barrier per consumer warpgroup (ids after CUTLASS's reserved ones).
+      cutlass::arch::NamedBarrier bar(128, cutlass::canonical_warp_group_idx() & 1);
+      CUTLASS_PRAGMA_UNROLL
+      for (int pass = 0; pass < V2 / kGroups; ++pass) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int m = 0; m < MM; ++m)
+          CUTLASS_PRAGMA_UNROLL
+          for (int v1 = 0; v1 < V1; ++v1) {
+            const int r = m * V1 + v1;
+            const int lrow = get<0>(tCcD(make_coord(make_coord(0, v1, 0), m, 0)));
+            CUTLASS_PRAGMA_UNROLL
+            for (int g = 0; g < kGroups; ++g) {
+              const int v2 = pass * kGroups + g;
+              auto c0 = make_coord(make_coord(0, v1, v2), m, 0);
+              auto c1 = make_coord(make_coord(1, v1, v2), m, 0);
+              const int col = get<1>(tCcD(c0));
+              const bool in = col0 + col < N;
+              const float z0 = acc(c0), z1 = acc(c1);
+              const float e0 = in ? ex2(fmaf(z0, kLog2e, -koff[r])) : 0.0f;
+              const float e1 = in ? ex2(fmaf(z1, kLog2e, -koff[r])) : 0.0f;
+              ssum[r] += e0 + e1;
+              usum[r] = fmaf(e0, z0, fmaf(e1, z1, usum[r]));
+              *reinterpret_cast<__nv_bfloat162*>(stage + lrow * kStageLd + col - pass * kPassCols) =
+                  __floats2bfloat162_rn(e0, e1);
+            }
+          }
+        bar.arrive_and_wait();
+        // 16-byte pieces along rows: 6 a row, 768 a pass, 6 a thread.
+        constexpr int kPieces = kPassCols / 8;
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < BM * kPieces / 128; ++i) {
+          const int piece = thread_idx + 128 * i;
+          const int lrow = piece / kPieces, seg = piece % kPieces;
+          const int row = row0 + lrow, col = col0 + pass * kPassCols + seg * 8;
+          const uint4 v = *reinterpret_cast<const uint4*>(stage + lrow * kStageLd + seg * 8);
+          if (row < M) {
+            if (col + 8 <= N) {
+              *reinterpret_cast<uint4*>(params.e + row * params.ldE + col) = v;
+            } else {
+              const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+              for (int j = 0; j < 8 && col + j < N; ++j) params.e[row * params.ldE + col + j] = h[j];
+            }
+          }
+        }
+        bar.arrive_and_wait();
+      }
+    } else {
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < MM; ++m)
       CUTLASS_PRAGMA_UNROLL
@@ -209,6 +267,7 @@ class ScaledExpEpilogue {
             }
           }
       }
+    }
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
       ssum[r] += __shfl_xor_sync(0xffffffffu, ssum[r], 1);
@@ -255,7 +314,8 @@ struct ExpKernel {
   using Epi = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<ScaledExpEpilogue<Tile192, kMode>>;
   using Main = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, RM, 8, bf16, CM, 8, float, Tile192, Cluster21,
-      cutlass::gemm::collective::StageCountAuto, cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
   using GK = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GK>;
 };
@@ -548,23 +608,25 @@ int main() {
   CK(cudaMalloc(&worst, 16));
   const size_t wsb = size_t(64) << 20;
   char* ws;
-  CK(cudaMalloc(&ws, 6 * wsb));
+  CK(cudaMalloc(&ws, 7 * wsb));
   fill_random<<<1024, 256>>>(A, max_mk, 1.7f, 1);
   fill_random<<<1024, 256>>>(W, max_nk, 0.04f, 2);
   cudaStream_t s;
   cudaStreamCreate(&s);
   Lt lt;
-  std::printf("| M x K x N | E rel err, lse abs err, entropy abs err, target abs err | cuBLASLt ms | CUTLASS coop 256x192 plain | ping-pong 128x192 plain (TMA epilogue) | ping-pong, hand epilogue: plain stores | exp, statistics, no E store | full | merge + target dot | full / cuBLASLt | full / ping-pong plain |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| M x K x N | full: E rel err, lse, entropy, target abs err | staged: the same | cuBLASLt ms | CUTLASS coop 256x192 plain | ping-pong 128x192 plain (TMA epilogue) | ping-pong, hand epilogue: plain stores | exp, statistics, no E store | full | full, E staged | merge + target dot | best full / cuBLASLt | best full / ping-pong plain |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (auto c : cases) {
     const int tiles = (c.N + 191) / 192;
     fill_targets<<<(c.M + 255) / 256, 256, 0, s>>>(tgt, c.M, c.N, 7);
     ScaledExpOut out{reinterpret_cast<__nv_bfloat16*>(D), c.N, kp, sp, up, tiles, tgt, tl};
     Candidate<ExpKernel<Mode::Full>> full;
+    Candidate<ExpKernel<Mode::Staged>> staged;
     Candidate<ExpKernel<Mode::NoStore>> nostore;
     Candidate<ExpKernel<Mode::Plain>> hand;
     Candidate<PlainPingPong> pp;
     Candidate<PlainCoop> co;
     full.screen(exp_args<ExpKernel<Mode::Full>>(c.M, c.N, c.K, A, W, out), ws, wsb, s);
+    staged.screen(exp_args<ExpKernel<Mode::Staged>>(c.M, c.N, c.K, A, W, out), ws + 5 * wsb, wsb, s);
     nostore.screen(exp_args<ExpKernel<Mode::NoStore>>(c.M, c.N, c.K, A, W, out), ws + wsb, wsb, s);
     hand.screen(exp_args<ExpKernel<Mode::Plain>>(c.M, c.N, c.K, A, W, out), ws + 2 * wsb, wsb, s);
     pp.screen(plain_args<PlainPingPong>(c.M, c.N, c.K, A, W, D), ws + 3 * wsb, wsb, s);
@@ -573,34 +635,43 @@ int main() {
       merge_rows<<<(c.M + 7) / 8, 256, 0, s>>>(kp, sp, up, tiles, c.M, lse, ent);
       target_dot<<<(c.M + 7) / 8, 256, 0, s>>>(A, W, tgt, c.M, c.K, tl);
     };
-    float werr[4] = {-1, -1, -1, -1};
-    if (full.ok) {
-      full.r.run(s);
+    // Each full kernel's E and statistics against float64 (worst E relative error, lse, entropy
+    // and target-logit absolute errors); -1: it did not run.
+    lt.run(c.M, c.N, c.K, A, W, Z, CUDA_R_32F, ws + 6 * wsb, wsb, s, false);
+    auto check = [&](auto& cand, float* werr) {
+      for (int i = 0; i < 4; ++i) werr[i] = -1;
+      if (!cand.ok) return;
+      CK(cudaMemsetAsync(D, 0, size_t(c.M) * c.N * 2, s));
+      cand.r.run(s);
       merge();
-      lt.run(c.M, c.N, c.K, A, W, Z, CUDA_R_32F, ws + 5 * wsb, wsb, s, false);
       CK(cudaMemsetAsync(worst, 0, 16, s));
       check_rows<<<c.M, 256, 0, s>>>(Z, c.N, reinterpret_cast<__nv_bfloat16*>(D), kp, tiles, 192, lse, ent, tgt, tl, worst);
       CK(cudaStreamSynchronize(s));
       CK(cudaGetLastError());
       CK(cudaMemcpy(werr, worst, 16, cudaMemcpyDeviceToHost));
-    }
-    std::vector<float> t_lt, t_co, t_pp, t_hand, t_ns, t_full, t_mg;
+    };
+    float werr[4], werr_st[4];
+    check(full, werr);
+    check(staged, werr_st);
+    std::vector<float> t_lt, t_co, t_pp, t_hand, t_ns, t_full, t_st, t_mg;
     for (int round = 0; round < 3; ++round) {
-      t_lt.push_back(lt.run(c.M, c.N, c.K, A, W, D, CUDA_R_16BF, ws + 5 * wsb, wsb, s, true));
+      t_lt.push_back(lt.run(c.M, c.N, c.K, A, W, D, CUDA_R_16BF, ws + 6 * wsb, wsb, s, true));
       t_co.push_back(co.time(s));
       t_pp.push_back(pp.time(s));
       t_hand.push_back(hand.time(s));
       t_ns.push_back(nostore.time(s));
       t_full.push_back(full.time(s));
+      t_st.push_back(staged.time(s));
       t_mg.push_back(time_it(merge, s));
     }
     CK(cudaStreamSynchronize(s));
     CK(cudaGetLastError());
-    const float a = median(t_lt), f = median(t_full), p = median(t_pp);
-    std::printf("| %d x %d x %d | %s%.2e, %.2e, %.2e, %.2e | %.3f | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f | %.3f | %.3f |\n",
-                c.M, c.K, c.N, full.ok ? "" : "FAILED TO RUN ", werr[0], werr[1], werr[2], werr[3], a, median(t_co),
-                co.config(), p, pp.config(), median(t_hand), hand.config(), median(t_ns), nostore.config(), f,
-                full.config(), median(t_mg), f / a, f / p);
+    const float a = median(t_lt), f = median(t_full), st = median(t_st), p = median(t_pp);
+    std::printf("| %d x %d x %d | %.2e, %.2e, %.2e, %.2e | %.2e, %.2e, %.2e, %.2e | %.3f | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f | %.3f | %.3f |\n",
+                c.M, c.K, c.N, werr[0], werr[1], werr[2], werr[3], werr_st[0], werr_st[1], werr_st[2], werr_st[3], a,
+                median(t_co), co.config(), p, pp.config(), median(t_hand), hand.config(), median(t_ns),
+                nostore.config(), f, full.config(), st, staged.config(), median(t_mg), std::min(f, st) / a,
+                std::min(f, st) / p);
     std::fflush(stdout);
   }
   return 0;
