@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "autograd.h"
+#include "distill_ops.h"
 #include "linear_ops.h"
 #include "lp_ops.h"
 #include "ops.h"
@@ -170,6 +171,20 @@ void for_each_op(Add&& add) {
       ", int chunk_budget_bytes, bool need_grad_hidden, bool need_grad_weight, bool need_grad_bias) -> "
       "(Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)",
       cpp_function<&llp_bwd<Ctx>>());
+
+  // distillation (distill_ops.h): a teacher head (ld_*) or its top-k (ldk_*)
+  add("ld_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor teacher_hidden, Tensor teacher_weight, "
+      "Tensor? teacher_bias, Tensor? labels, " FUSEDCE_DISTILL_ARGS ")" FUSEDCE_DISTILL_OUT,
+      cpp_function<&ld_fwd<Ctx>>());
+  add("ld_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor teacher_hidden, Tensor teacher_weight, "
+      "Tensor? teacher_bias, Tensor? labels, Tensor stats, Tensor grad_loss, " FUSEDCE_DISTILL_ARGS FUSEDCE_DISTILL_GRADS,
+      cpp_function<&ld_bwd<Ctx>>());
+  add("ldk_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor teacher_ids, Tensor teacher_logprobs, "
+      "Tensor? labels, " FUSEDCE_DISTILL_ARGS ")" FUSEDCE_DISTILL_OUT,
+      cpp_function<&ldk_fwd<Ctx>>());
+  add("ldk_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor teacher_ids, Tensor teacher_logprobs, "
+      "Tensor? labels, Tensor stats, Tensor grad_loss, " FUSEDCE_DISTILL_ARGS FUSEDCE_DISTILL_GRADS,
+      cpp_function<&ldk_bwd<Ctx>>());
 }
 
 // ADInplaceOrView kernel of every op that writes into its arguments: run the op, then bump the

@@ -3,6 +3,7 @@
 
 #include "fusedce/cpu_threads.h"
 #include "fusedce/cross_entropy.h"
+#include "fusedce/distill.h"
 #include "fusedce/linear_cross_entropy.h"
 #include "fusedce/logprobs.h"
 #include "fusedce/types.h"

@@ -1,0 +1,115 @@
+// fusedce: fused linear knowledge distillation (docs/contract.md, "Distillation"): the divergence
+// between a student head's next-token distribution and a teacher's, from the student's hidden
+// states and head, without the (N, V) logits of either.
+//
+// Per row i whose label is not ignore_index (every row when no labels are given), with a head's
+// logits x = hidden @ weight.T + bias, its transform
+//   y = s * x                      (logit_scale s)
+//   y = c * tanh(s * x / c)        instead, with softcap c > 0
+// and z = y / temperature, p_s = softmax(z_student), p_t = softmax(z_teacher):
+//   beta == 0:      D = KL(p_t || p_s) = sum_j p_t (log p_t - log p_s)             (forward KL)
+//   beta == 1:      D = KL(p_s || p_t)                                              (reverse KL)
+//   0 < beta < 1:   D = beta KL(p_t || m) + (1 - beta) KL(p_s || m),  m = (1 - beta) p_s + beta p_t
+// (the generalized JSD of TRL's distillation trainers; it is 0 at both ends of beta, which are
+// therefore the two KLs instead, as TRL defines them). No temperature^2 factor.
+//   hard_i = logsumexp(y_student) - y_student[label]       cross-entropy at temperature 1
+//   loss_i = (1 - hard_weight) D_i + hard_weight hard_i
+// reduced as the cross-entropy is (none, sum, mean over the rows counted; mean of no rows is
+// NaN with all-zero gradients). entropy_i is the student's entropy of softmax(z), a metric.
+//
+// The top-k form takes the teacher as its top-k token ids (N, K) and log-probabilities (N, K)
+// (entries of -inf are absent) instead of a head. The student's side is its log-softmax over the
+// whole vocabulary at those ids, q_k = z[id_k] - logsumexp(z); TopkNorm says which two sparse
+// distributions the divergence then compares (D summed over their entries, same formulas).
+//
+// Gradients reach the student's hidden, weight and bias only. Nothing of size (N, V) is stored:
+// the rows go in chunks (plan_linear_distill), each chunk's logits of both heads formed, used,
+// dropped; the backward forms them again from the per-row statistics the forward saved.
+#pragma once
+
+#include "fusedce/linear_cross_entropy.h"
+#include "fusedce/types.h"
+
+namespace fusedce {
+
+/// Which sparse distributions the top-k form compares, for teacher entries k (those not -inf)
+/// with log-probabilities t_k and the student's full-vocabulary log-probabilities q_k there.
+enum class TopkNorm : int32_t {
+  kNone = 0,    ///< q_k and t_k as they are (axolotl's KD loss without normalize_topk)
+  kRenorm = 1,  ///< each renormalised over the K entries: q_k - logsumexp(q), t_k - logsumexp(t)
+                ///< (TRL's server distillation without loss_add_tail; axolotl's normalize_topk
+                ///< for a teacher whose K probabilities sum to 1)
+  kTail = 2,    ///< K + 1 entries: the K, and the tail log(1 - sum_k exp(.)), its log-sum clamped
+                ///< to at most -1e-7, for each side (TRL's server distillation, loss_add_tail)
+};
+
+/// A head's transform of its logits before the temperature (docs/contract.md, "Options").
+struct HeadTransform {
+  float logit_scale = 1.0f;  ///< finite, non-zero
+  float softcap = 0.0f;      ///< 0 = off, else finite and > 0
+};
+
+struct DistillOptions {
+  float beta = 0.5f;          ///< in [0, 1]: 0 forward KL, 1 reverse KL, between: generalized JSD
+  float temperature = 1.0f;   ///< finite, > 0; divides both heads' transformed logits
+  float hard_weight = 0.0f;   ///< in [0, 1]; > 0 needs labels
+  int64_t ignore_index = -100;  ///< rows whose label is this are left out (no labels: none is)
+  Reduction reduction = Reduction::kMean;
+  HeadTransform student, teacher;          ///< teacher's: the full form only
+  TopkNorm topk_norm = TopkNorm::kNone;    ///< the top-k form only
+};
+
+/// Floats per row of the statistics the forward saves for the backward: the student's
+/// logsumexp of z, the teacher's (full form), the divergence's auxiliary sum (reverse KL: D;
+/// JSD: KL(p_s || m)), the student's logsumexp at temperature 1 (hard term). 0 at ignored rows.
+constexpr int kDistillStatsWidth = 4;
+
+/// The teacher: a head (hidden (N, H_t), weight (V, H_t) in hidden's dtype, bias (V,) or empty),
+/// or, for the top-k form, ids (N, K) int64 in [0, V) and logprobs (N, K) float32.
+struct DistillTeacher {
+  MatrixView hidden, weight;
+  VectorView bias;
+  MatrixView topk_ids, topk_logprobs;
+
+  bool topk() const { return !topk_ids.empty() || topk_ids.rows != 0 || topk_ids.cols != 0; }
+};
+
+/// A forward's outputs. loss: float32 (N,) for none, (1,) otherwise. The others are float32 (N,)
+/// per row and optional (empty: not written): divergence D, hard (0 without labels or with
+/// hard_weight 0), entropy. stats: float32 (N, kDistillStatsWidth), contiguous, required.
+struct DistillOutputs {
+  VectorView loss, divergence, hard, entropy;
+  MatrixView stats;
+};
+
+/// How the rows go through the core: chunks of `chunk_rows` rows (the last may be smaller),
+/// each holding `heads` float32 logit rows of V per row within the budget (at least one row,
+/// at most kMaxChunkRows); `scratch_bytes` of logits at once. Fixed by the arguments alone.
+struct DistillPlan {
+  int64_t chunk_rows = 0;
+  int64_t chunks = 0;
+  size_t scratch_bytes = 0;
+};
+
+/// The plan for `rows` valid rows of vocabulary `vocab`, `heads` (2 full form, 1 top-k) logit
+/// chunks at once, within chunk_budget_bytes (0: kDistillDefaultBudget).
+DistillPlan plan_linear_distill(int64_t rows, int64_t vocab, int heads, size_t chunk_budget_bytes);
+
+constexpr size_t kDistillDefaultBudget = size_t(128) << 20;
+constexpr int64_t kDistillMaxChunkRows = 256;
+
+/// The forward: the student hidden (N, H), weight (V, H) and bias (V,) or empty, the teacher,
+/// labels (N,) int64 / int32 or empty. CPU only for now: a CUDA device gives kUnsupported.
+Status linear_distill_forward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
+                              const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
+                              const DistillOptions& options, size_t chunk_budget_bytes, const DistillOutputs& out);
+
+/// The backward, from the forward's stats and the upstream gradient of the loss (float32, (N,)
+/// for none, (1,) otherwise): grads.grad_hidden (N, H) float32, grad_weight (V, H) and grad_bias
+/// (V,) in hidden's dtype, each optional (empty: not formed).
+Status linear_distill_backward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
+                               const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
+                               const DistillOptions& options, size_t chunk_budget_bytes, const MatrixView& stats,
+                               const VectorView& grad_loss, const LinearGrads& grads);
+
+}  // namespace fusedce

@@ -1,0 +1,242 @@
+// The entry points of distill.h: the plan, and the forward and backward calls, each built,
+// validated once (every message names the argument) and run.
+#include "fusedce/distill.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+#include <string>
+
+#include "common/call.h"
+#include "common/distill_call.h"
+
+namespace fusedce {
+
+DistillPlan plan_linear_distill(int64_t rows, int64_t vocab, int heads, size_t chunk_budget_bytes) {
+  DistillPlan p;
+  const size_t budget = chunk_budget_bytes != 0 ? chunk_budget_bytes : kDistillDefaultBudget;
+  const size_t row_bytes = size_t(std::max<int64_t>(vocab, 1)) * sizeof(float) * size_t(std::max(heads, 1));
+  const int64_t fit = static_cast<int64_t>(std::min<size_t>(budget / row_bytes, size_t(kDistillMaxChunkRows)));
+  p.chunk_rows = std::max<int64_t>(1, std::min<int64_t>(fit, std::max<int64_t>(rows, 1)));
+  p.chunks = rows <= 0 ? 0 : (rows + p.chunk_rows - 1) / p.chunk_rows;
+  p.scratch_bytes = rows <= 0 ? 0 : size_t(p.chunk_rows) * row_bytes;
+  return p;
+}
+
+namespace detail {
+namespace {
+
+Status invalid(const std::string& msg) { return Status(StatusCode::kInvalidArgument, msg); }
+
+#define FUSEDCE_CHECK(expr)  \
+  do {                       \
+    Status s_ = (expr);      \
+    if (!s_.ok()) return s_; \
+  } while (0)
+
+Status check_options(const DistillOptions& o) {
+  std::ostringstream os;
+  if (!(o.beta >= 0.0f && o.beta <= 1.0f)) {
+    os << "beta must be in [0, 1], got " << o.beta;
+  } else if (!(o.temperature > 0.0f) || !std::isfinite(o.temperature)) {
+    os << "temperature must be finite and > 0, got " << o.temperature;
+  } else if (!(o.hard_weight >= 0.0f && o.hard_weight <= 1.0f)) {
+    os << "hard_weight must be in [0, 1], got " << o.hard_weight;
+  } else if (o.reduction != Reduction::kNone && o.reduction != Reduction::kSum && o.reduction != Reduction::kMean) {
+    os << "reduction must be kNone, kSum or kMean, got " << static_cast<int32_t>(o.reduction);
+  } else if (o.topk_norm != TopkNorm::kNone && o.topk_norm != TopkNorm::kRenorm && o.topk_norm != TopkNorm::kTail) {
+    os << "topk_norm must be kNone, kRenorm or kTail, got " << static_cast<int32_t>(o.topk_norm);
+  } else {
+    const struct {
+      const char* name;
+      const HeadTransform& h;
+    } heads[] = {{"student", o.student}, {"teacher", o.teacher}};
+    for (const auto& h : heads) {
+      if (!std::isfinite(h.h.logit_scale) || h.h.logit_scale == 0.0f) {
+        os << h.name << " logit_scale must be finite and non-zero, got " << h.h.logit_scale;
+        break;
+      }
+      if (!(h.h.softcap >= 0.0f) || !std::isfinite(h.h.softcap)) {
+        os << h.name << " softcap must be finite and >= 0 (0 = off), got " << h.h.softcap;
+        break;
+      }
+    }
+  }
+  return os.str().empty() ? Status::Ok() : invalid(os.str());
+}
+
+/// A head's hidden (N, H), weight (V, H) in hidden's dtype, bias (V,) or empty.
+Status check_head(const char* prefix, const MatrixView& hidden, const MatrixView& weight, const VectorView& bias,
+                  int64_t N, int64_t V) {
+  const std::string h = std::string(prefix) + "hidden", w = std::string(prefix) + "weight",
+                    b = std::string(prefix) + "bias";
+  FUSEDCE_CHECK(check_matrix_arg(h.c_str(), hidden));
+  FUSEDCE_CHECK(check_matrix_arg(w.c_str(), weight));
+  std::ostringstream os;
+  if (hidden.rows != N) {
+    os << h << " must have the student's " << N << " rows, got " << hidden.rows;
+  } else if (weight.dtype != hidden.dtype) {
+    os << w << " must have " << h << "'s dtype (" << dtype_name(hidden.dtype) << "), got " << dtype_name(weight.dtype);
+  } else if (weight.cols != hidden.cols) {
+    os << w << " must have " << h << "'s " << hidden.cols << " columns (H), got " << weight.cols;
+  } else if (weight.rows != V) {
+    os << w << " must have the student's vocabulary of " << V << " rows, got " << weight.rows;
+  }
+  if (!os.str().empty()) return invalid(os.str());
+  if (!bias.empty() || bias.size != 0) FUSEDCE_CHECK(check_vector_arg(b.c_str(), bias, hidden.dtype, V));
+  return Status::Ok();
+}
+
+/// A (N, K) matrix of the top-k teacher: dtype `want`, K >= 1, unit stride along K.
+Status check_topk_matrix(const char* name, const MatrixView& m, DType want, int64_t N, int64_t K) {
+  std::ostringstream os;
+  if (m.dtype != want) {
+    os << name << " must be " << dtype_name(want) << ", got " << dtype_name(m.dtype);
+  } else if (m.rows != N || m.cols != K || m.cols < 1) {
+    os << name << " must be (N, K) = (" << N << ", " << K << ") with K >= 1, got (" << m.rows << ", " << m.cols << ")";
+  } else if (m.rows > 1 && m.row_stride < m.cols) {
+    os << name << " row_stride (" << m.row_stride << ") must be >= K (" << m.cols << ")";
+  } else if (m.rows > 0 && m.data == nullptr) {
+    os << name << " is null but has " << m.rows << " rows";
+  }
+  return os.str().empty() ? Status::Ok() : invalid(os.str());
+}
+
+Status check_teacher(const DistillCall& c) {
+  const DistillTeacher& t = c.teacher;
+  const int64_t N = c.rows(), V = c.vocab();
+  if (!t.topk()) return check_head("teacher_", t.hidden, t.weight, t.bias, N, V);
+  if (!t.hidden.empty() || !t.weight.empty()) return invalid("teacher: give a head or top-k ids, not both");
+  FUSEDCE_CHECK(check_topk_matrix("teacher_ids", t.topk_ids, DType::kInt64, N, t.topk_ids.cols));
+  return check_topk_matrix("teacher_logprobs", t.topk_logprobs, DType::kFloat32, N, t.topk_ids.cols);
+}
+
+Status check_labels(const DistillCall& c) {
+  const VectorView& l = c.labels;
+  if (l.empty() && l.size == 0) {
+    if (c.options.hard_weight > 0.0f) return invalid("hard_weight > 0 needs labels");
+    return Status::Ok();
+  }
+  if (l.dtype != DType::kInt32 && l.dtype != DType::kInt64) return invalid("labels must be int32 or int64");
+  return check_vector_arg("labels", l, l.dtype, c.rows());
+}
+
+Status check_stats(const MatrixView& m, int64_t N) {
+  if (m.dtype != DType::kFloat32 || m.rows != N || m.cols != kDistillStatsWidth ||
+      (m.rows > 1 && m.row_stride != kDistillStatsWidth) || (N > 0 && m.data == nullptr)) {
+    std::ostringstream os;
+    os << "stats must be a contiguous float32 (" << N << ", " << kDistillStatsWidth << ") matrix";
+    return invalid(os.str());
+  }
+  return Status::Ok();
+}
+
+Status check_forward_outputs(const DistillCall& c) {
+  const int64_t N = c.rows();
+  const DistillOutputs& o = c.out;
+  FUSEDCE_CHECK(check_vector_arg("loss", o.loss, DType::kFloat32, c.options.reduction == Reduction::kNone ? N : 1));
+  const struct {
+    const char* name;
+    const VectorView& v;
+  } per_row[] = {{"divergence", o.divergence}, {"hard", o.hard}, {"entropy", o.entropy}};
+  for (const auto& r : per_row) {
+    if (!r.v.empty() || r.v.size != 0) FUSEDCE_CHECK(check_vector_arg(r.name, r.v, DType::kFloat32, N));
+  }
+  return check_stats(o.stats, N);
+}
+
+Status check_backward_args(const DistillCall& c) {
+  const int64_t N = c.rows(), H = c.hidden.cols, V = c.vocab();
+  FUSEDCE_CHECK(check_stats(c.stats, N));
+  FUSEDCE_CHECK(
+      check_vector_arg("grad_loss", c.grad_loss, DType::kFloat32, c.options.reduction == Reduction::kNone ? N : 1));
+  const struct {
+    const char* name;
+    const MatrixView& m;
+    int64_t rows;
+    DType dtype;
+  } mats[] = {{"grad_hidden", c.grads.grad_hidden, N, DType::kFloat32},
+              {"grad_weight", c.grads.grad_weight, V, c.hidden.dtype}};
+  for (const auto& g : mats) {
+    if (g.m.empty() && g.m.rows == 0) continue;
+    FUSEDCE_CHECK(check_matrix_arg(g.name, g.m));
+    if (g.m.dtype != g.dtype || g.m.rows != g.rows || g.m.cols != H) {
+      std::ostringstream os;
+      os << g.name << " must be " << g.rows << " x " << H << " " << dtype_name(g.dtype) << ", got " << g.m.rows
+         << " x " << g.m.cols << " " << dtype_name(g.m.dtype);
+      return invalid(os.str());
+    }
+  }
+  if (!c.grads.grad_bias.empty() || c.grads.grad_bias.size != 0) {
+    if (c.bias.empty()) return invalid("grad_bias is given but bias is not");
+    FUSEDCE_CHECK(check_vector_arg("grad_bias", c.grads.grad_bias, c.hidden.dtype, V));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status validate_distill_call(const DistillCall& c) {
+  if (c.device.type != DeviceType::kCPU && c.device.type != DeviceType::kCUDA) {
+    return invalid("device.type must be kCPU or kCUDA");
+  }
+  FUSEDCE_CHECK(check_options(c.options));
+  FUSEDCE_CHECK(check_matrix_arg("hidden", c.hidden));
+  if (c.weight.rows < 1) return invalid("weight must have at least one row (V >= 1)");
+  FUSEDCE_CHECK(check_head("", c.hidden, c.weight, c.bias, c.rows(), c.vocab()));
+  FUSEDCE_CHECK(check_teacher(c));
+  FUSEDCE_CHECK(check_labels(c));
+  return c.backward ? check_backward_args(c) : check_forward_outputs(c);
+}
+
+}  // namespace detail
+
+namespace {
+
+Status dispatch(const detail::DistillCall& call) {
+  Status s = detail::validate_distill_call(call);
+  if (!s.ok()) return s;
+  if (call.device.type == DeviceType::kCUDA) {
+    return Status(StatusCode::kUnsupported, "device is CUDA but fusedce has no CUDA distillation yet (CPU only)");
+  }
+  return cpu::run_distill(call);
+}
+
+detail::DistillCall make_call(bool backward, const Device& device, const MatrixView& hidden, const MatrixView& weight,
+                              const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
+                              const DistillOptions& options, size_t chunk_budget_bytes) {
+  detail::DistillCall c{};
+  c.backward = backward;
+  c.device = device;
+  c.hidden = hidden;
+  c.weight = weight;
+  c.bias = bias;
+  c.teacher = teacher;
+  c.labels = labels;
+  c.options = options;
+  c.chunk_budget_bytes = chunk_budget_bytes;
+  return c;
+}
+
+}  // namespace
+
+Status linear_distill_forward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
+                              const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
+                              const DistillOptions& options, size_t chunk_budget_bytes, const DistillOutputs& out) {
+  detail::DistillCall c = make_call(false, device, hidden, weight, bias, teacher, labels, options, chunk_budget_bytes);
+  c.out = out;
+  return dispatch(c);
+}
+
+Status linear_distill_backward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
+                               const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
+                               const DistillOptions& options, size_t chunk_budget_bytes, const MatrixView& stats,
+                               const VectorView& grad_loss, const LinearGrads& grads) {
+  detail::DistillCall c = make_call(true, device, hidden, weight, bias, teacher, labels, options, chunk_budget_bytes);
+  c.stats = stats;
+  c.grad_loss = grad_loss;
+  c.grads = grads;
+  return dispatch(c);
+}
+
+}  // namespace fusedce

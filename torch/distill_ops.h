@@ -1,0 +1,251 @@
+// The kernels behind the distillation torch ops (fusedce/distill.h): wrap tensors into the core's
+// views, check what the core cannot see (devices, dimensions), call the forward or the backward.
+// No arithmetic on tensor data here; the autograd lives in python/fusedce/distillation.py and
+// the fake kernels in python/fusedce/distill_ops.py.
+//
+//   ld_fwd(hidden (N, H), weight (V, H), bias (V,)?, teacher_hidden (N, H_t), teacher_weight
+//          (V, H_t), teacher_bias (V,)?, labels (N,)?, FUSEDCE_DISTILL_ARGS)
+//       -> loss ((N,) for none, 0-D otherwise), divergence, hard, entropy (float32 (N,)),
+//          stats (float32 (N, 4): what ld_bwd reads)
+//   ld_bwd(the same inputs, stats, grad_loss, FUSEDCE_DISTILL_ARGS, need_grad_hidden,
+//          need_grad_weight, need_grad_bias) -> grad_hidden (float32), grad_weight, grad_bias
+//          (the student's dtype); empty (0,) when not asked for
+//   ldk_fwd / ldk_bwd: the same with the teacher as teacher_ids (N, K) int64 and
+//          teacher_logprobs (N, K) float32 in place of its head.
+// Each op is a template over a device context `Ctx`, as in ops.h; registry.h lists them.
+#pragma once
+
+#include <fusedce/distill.h>
+
+#include <tuple>
+
+#include "linear_ops.h"
+#include "ops.h"
+
+// The options' schema text, in DistillOptions' order (python/fusedce/_distill_options.py holds
+// the same names and a test compares them), then the chunk budget.
+#define FUSEDCE_DISTILL_ARGS                                                                              \
+  "float beta, float temperature, float hard_weight, int ignore_index, str reduction, "                   \
+  "float student_logit_scale, float student_softcap, float teacher_logit_scale, float teacher_softcap, " \
+  "str topk_norm, int chunk_budget_bytes"
+
+// The ops' results after their arguments: the forward's, and the backward's flags and gradients.
+#define FUSEDCE_DISTILL_OUT " -> (Tensor loss, Tensor divergence, Tensor hard, Tensor entropy, Tensor stats)"
+#define FUSEDCE_DISTILL_GRADS                                                                \
+  ", bool need_grad_hidden, bool need_grad_weight, bool need_grad_bias) -> (Tensor grad_hidden, " \
+  "Tensor grad_weight, Tensor grad_bias)"
+
+// The same arguments as a kernel takes them, and passed on.
+#define FUSEDCE_DISTILL_PARAMS                                                                                   \
+  double beta, double temperature, double hard_weight, int64_t ignore_index, c10::string_view reduction,         \
+      double student_logit_scale, double student_softcap, double teacher_logit_scale, double teacher_softcap, \
+      c10::string_view topk_norm, int64_t chunk_budget_bytes
+#define FUSEDCE_DISTILL_PASS                                                                                    \
+  beta, temperature, hard_weight, ignore_index, reduction, student_logit_scale, student_softcap, teacher_logit_scale, \
+      teacher_softcap, topk_norm, chunk_budget_bytes
+
+namespace fusedce_torch {
+
+inline fusedce::TopkNorm topk_norm_of(c10::string_view n) {
+  if (n == "none") return fusedce::TopkNorm::kNone;
+  if (n == "renorm") return fusedce::TopkNorm::kRenorm;
+  if (n == "tail") return fusedce::TopkNorm::kTail;
+  TORCH_CHECK_VALUE(false, "fusedce: topk_norm must be 'none', 'renorm' or 'tail', got '", n, "'");
+  return fusedce::TopkNorm::kNone;  // unreachable
+}
+
+inline fusedce::DistillOptions distill_options_of(FUSEDCE_DISTILL_PARAMS) {
+  TORCH_CHECK_VALUE(chunk_budget_bytes >= 0, "fusedce: chunk_budget_bytes must be >= 0 (0 = default), got ",
+                    chunk_budget_bytes);
+  fusedce::DistillOptions o;
+  o.beta = static_cast<float>(beta);
+  o.temperature = static_cast<float>(temperature);
+  o.hard_weight = static_cast<float>(hard_weight);
+  o.ignore_index = ignore_index;
+  o.reduction = reduction_of(reduction);
+  o.student = fusedce::HeadTransform{static_cast<float>(student_logit_scale), static_cast<float>(student_softcap)};
+  o.teacher = fusedce::HeadTransform{static_cast<float>(teacher_logit_scale), static_cast<float>(teacher_softcap)};
+  o.topk_norm = topk_norm_of(topk_norm);
+  return o;
+}
+
+// A (N, K) top-k matrix with unit stride along K, of dtype `want`.
+inline fusedce::MatrixView topk_matrix_of(const Tensor& t, const char* name, at::ScalarType want,
+                                          const Tensor& hidden) {
+  check_same_device(t, name, hidden, "hidden");
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.scalar_type() == want && (t.size(1) <= 1 || t.stride(1) == 1), "fusedce: ",
+                    name, " must be a 2-D (N, K) ", want, " tensor with unit stride along K, got ", t.scalar_type(),
+                    " of shape ", t.sizes(), " and strides ", t.strides());
+  const int64_t rows = t.size(0), cols = t.size(1);
+  return fusedce::matrix(t.numel() > 0 ? const_cast<void*>(t.const_data_ptr()) : nullptr, dtype_of(t, name), rows,
+                         cols, rows > 1 ? t.stride(0) : cols);
+}
+
+// The student's head and the labels (checked against hidden), as the core takes them.
+struct StudentViews {
+  fusedce::MatrixView hidden, weight;
+  fusedce::VectorView bias, labels;
+  Tensor bias_c;  // keeps a contiguous copy alive
+};
+
+inline StudentViews student_views(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
+                                  const OptTensor& labels) {
+  check_hidden_2d(hidden);
+  StudentViews s;
+  s.hidden = linear_matrix_of(hidden, "hidden", "(N, H)");
+  check_same_device(weight, "weight", hidden, "hidden");
+  check_on_hidden_device(bias, "bias", hidden);
+  s.weight = linear_matrix_of(weight, "weight", "(V, H)");
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1, "fusedce: bias must be 1-D (V,), got shape ", bias->sizes());
+    s.bias_c = bias->contiguous();
+    s.bias = vector_of(s.bias_c, "bias");
+  }
+  if (labels.has_value()) {
+    check_same_device(*labels, "labels", hidden, "hidden");
+    TORCH_CHECK_VALUE(labels->scalar_type() == at::kLong || labels->scalar_type() == at::kInt,
+                      "fusedce: labels must be int64 or int32 class indices, got ", labels->scalar_type());
+    TORCH_CHECK_VALUE(labels->dim() == 1 && labels->size(0) == hidden.size(0),
+                      "fusedce: labels must be 1-D with one entry per row of hidden (", hidden.size(0),
+                      "), got shape ", labels->sizes());
+    s.labels = vector_of(*labels, "labels");
+  }
+  return s;
+}
+
+// The teacher's head, as the core takes it.
+inline fusedce::DistillTeacher teacher_head(const Tensor& hidden, const Tensor& teacher_hidden,
+                                            const Tensor& teacher_weight, const OptTensor& teacher_bias,
+                                            Tensor* bias_c) {
+  check_same_device(teacher_hidden, "teacher_hidden", hidden, "hidden");
+  check_same_device(teacher_weight, "teacher_weight", hidden, "hidden");
+  check_on_hidden_device(teacher_bias, "teacher_bias", hidden);
+  fusedce::DistillTeacher t;
+  t.hidden = linear_matrix_of(teacher_hidden, "teacher_hidden", "(N, H_t)");
+  t.weight = linear_matrix_of(teacher_weight, "teacher_weight", "(V, H_t)");
+  if (teacher_bias.has_value()) {
+    TORCH_CHECK_VALUE(teacher_bias->dim() == 1, "fusedce: teacher_bias must be 1-D (V,), got shape ",
+                      teacher_bias->sizes());
+    *bias_c = teacher_bias->contiguous();
+    t.bias = vector_of(*bias_c, "teacher_bias");
+  }
+  return t;
+}
+
+inline fusedce::DistillTeacher teacher_topk(const Tensor& hidden, const Tensor& teacher_ids,
+                                            const Tensor& teacher_logprobs) {
+  fusedce::DistillTeacher t;
+  t.topk_ids = topk_matrix_of(teacher_ids, "teacher_ids", at::kLong, hidden);
+  t.topk_logprobs = topk_matrix_of(teacher_logprobs, "teacher_logprobs", at::kFloat, hidden);
+  return t;
+}
+
+inline Tensor empty_distill_stats(const Tensor& hidden) {
+  return at::empty({hidden.size(0), fusedce::kDistillStatsWidth}, hidden.options().dtype(at::kFloat));
+}
+
+inline fusedce::MatrixView distill_stats_view(const Tensor& stats) {
+  return fusedce::matrix(stats.numel() > 0 ? stats.data_ptr() : nullptr, fusedce::DType::kFloat32, stats.size(0),
+                         fusedce::kDistillStatsWidth);
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> distill_forward(const Tensor& hidden, const Tensor& weight,
+                                                                   const OptTensor& bias,
+                                                                   const fusedce::DistillTeacher& teacher,
+                                                                   const OptTensor& labels, FUSEDCE_DISTILL_PARAMS,
+                                                                   const char* op) {
+  Ctx ctx(hidden, "hidden");
+  const StudentViews s = student_views(hidden, weight, bias, labels);
+  const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
+  const int64_t n = hidden.size(0);
+  const auto f32 = hidden.options().dtype(at::kFloat);
+  Tensor loss = o.reduction == fusedce::Reduction::kNone ? at::empty({n}, f32) : at::empty({}, f32);
+  Tensor divergence = at::empty({n}, f32), hard = at::zeros({n}, f32), entropy = at::empty({n}, f32);
+  Tensor stats = empty_distill_stats(hidden);
+  fusedce::DistillOutputs out;
+  out.loss = vector_of(loss, "loss");
+  out.divergence = vector_of(divergence, "divergence");
+  if (o.hard_weight > 0.0f) out.hard = vector_of(hard, "hard");
+  out.entropy = vector_of(entropy, "entropy");
+  out.stats = distill_stats_view(stats);
+  check_status(fusedce::linear_distill_forward(ctx.device(), s.hidden, s.weight, s.bias, teacher, s.labels, o,
+                                               static_cast<size_t>(chunk_budget_bytes), out),
+               op);
+  return {loss, divergence, hard, entropy, stats};
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor> distill_backward(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
+                                                    const fusedce::DistillTeacher& teacher, const OptTensor& labels,
+                                                    const Tensor& stats, const Tensor& grad_loss,
+                                                    FUSEDCE_DISTILL_PARAMS, bool need_grad_hidden,
+                                                    bool need_grad_weight, bool need_grad_bias, const char* op) {
+  Ctx ctx(hidden, "hidden");
+  const StudentViews s = student_views(hidden, weight, bias, labels);
+  const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
+  TORCH_CHECK_VALUE(!need_grad_bias || bias.has_value(), "fusedce: need_grad_bias is set but bias is not given");
+  check_same_device(stats, "stats", hidden, "hidden");
+  check_same_device(grad_loss, "grad_loss", hidden, "hidden");
+  TORCH_CHECK_VALUE(stats.dim() == 2 && stats.size(1) == fusedce::kDistillStatsWidth &&
+                        stats.scalar_type() == at::kFloat && stats.is_contiguous(),
+                    "fusedce: stats must be a contiguous float32 (N, ", fusedce::kDistillStatsWidth,
+                    ") tensor, got ", stats.scalar_type(), " of shape ", stats.sizes());
+  auto none = [&] { return at::empty({0}, hidden.options()); };
+  Tensor grad_hidden = need_grad_hidden ? at::empty(hidden.sizes(), hidden.options().dtype(at::kFloat)) : none();
+  Tensor grad_weight = need_grad_weight ? at::empty(weight.sizes(), weight.options()) : none();
+  Tensor grad_bias = need_grad_bias ? at::empty(bias->sizes(), bias->options()) : none();
+  fusedce::LinearGrads grads;
+  if (need_grad_hidden) grads.grad_hidden = matrix_of(grad_hidden, "grad_hidden");
+  if (need_grad_weight) grads.grad_weight = matrix_of(grad_weight, "grad_weight");
+  if (need_grad_bias) grads.grad_bias = vector_of(grad_bias, "grad_bias");
+  check_status(fusedce::linear_distill_backward(ctx.device(), s.hidden, s.weight, s.bias, teacher, s.labels, o,
+                                                static_cast<size_t>(chunk_budget_bytes), distill_stats_view(stats),
+                                                vector_of(grad_loss, "grad_loss"), grads),
+               op);
+  return {grad_hidden, grad_weight, grad_bias};
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ld_fwd(const Tensor& hidden, const Tensor& weight,
+                                                          const OptTensor& bias, const Tensor& teacher_hidden,
+                                                          const Tensor& teacher_weight, const OptTensor& teacher_bias,
+                                                          const OptTensor& labels, FUSEDCE_DISTILL_PARAMS) {
+  Tensor tb;
+  const fusedce::DistillTeacher t = teacher_head(hidden, teacher_hidden, teacher_weight, teacher_bias, &tb);
+  return distill_forward<Ctx>(hidden, weight, bias, t, labels, FUSEDCE_DISTILL_PASS, "ld_fwd");
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor> ld_bwd(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
+                                          const Tensor& teacher_hidden, const Tensor& teacher_weight,
+                                          const OptTensor& teacher_bias, const OptTensor& labels, const Tensor& stats,
+                                          const Tensor& grad_loss, FUSEDCE_DISTILL_PARAMS, bool need_grad_hidden,
+                                          bool need_grad_weight, bool need_grad_bias) {
+  Tensor tb;
+  const fusedce::DistillTeacher t = teacher_head(hidden, teacher_hidden, teacher_weight, teacher_bias, &tb);
+  return distill_backward<Ctx>(hidden, weight, bias, t, labels, stats, grad_loss, FUSEDCE_DISTILL_PASS,
+                               need_grad_hidden, need_grad_weight, need_grad_bias, "ld_bwd");
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ldk_fwd(const Tensor& hidden, const Tensor& weight,
+                                                           const OptTensor& bias, const Tensor& teacher_ids,
+                                                           const Tensor& teacher_logprobs, const OptTensor& labels,
+                                                           FUSEDCE_DISTILL_PARAMS) {
+  const fusedce::DistillTeacher t = teacher_topk(hidden, teacher_ids, teacher_logprobs);
+  return distill_forward<Ctx>(hidden, weight, bias, t, labels, FUSEDCE_DISTILL_PASS, "ldk_fwd");
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor> ldk_bwd(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
+                                           const Tensor& teacher_ids, const Tensor& teacher_logprobs,
+                                           const OptTensor& labels, const Tensor& stats, const Tensor& grad_loss,
+                                           FUSEDCE_DISTILL_PARAMS, bool need_grad_hidden, bool need_grad_weight,
+                                           bool need_grad_bias) {
+  const fusedce::DistillTeacher t = teacher_topk(hidden, teacher_ids, teacher_logprobs);
+  return distill_backward<Ctx>(hidden, weight, bias, t, labels, stats, grad_loss, FUSEDCE_DISTILL_PASS,
+                               need_grad_hidden, need_grad_weight, need_grad_bias, "ldk_bwd");
+}
+
+}  // namespace fusedce_torch
