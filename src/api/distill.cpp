@@ -114,7 +114,8 @@ Status check_teacher(const DistillCall& c) {
 Status check_labels(const DistillCall& c) {
   const VectorView& l = c.labels;
   if (l.empty() && l.size == 0) {
-    if (c.options.hard_weight > 0.0f) return invalid("hard_weight > 0 needs labels");
+    // (no rows: an empty labels view is indistinguishable from none, and nothing is read)
+    if (c.options.hard_weight > 0.0f && c.rows() > 0) return invalid("hard_weight > 0 needs labels");
     return Status::Ok();
   }
   if (l.dtype != DType::kInt32 && l.dtype != DType::kInt64) return invalid("labels must be int32 or int64");

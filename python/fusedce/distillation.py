@@ -1,0 +1,267 @@
+"""fusedce.linear_distillation / fusedce.linear_distillation_topk: knowledge distillation from a
+teacher's next-token distribution into a student head, without the (N, V) logits of either
+(docs/contract.md, "Distillation"; the core's definitions in include/fusedce/distill.h).
+
+Per counted row (label not ``ignore_index``; every row without labels), z = transform(logits) /
+temperature for each head, p_s = softmax(z_student), p_t = softmax(z_teacher):
+
+* ``divergence="forward_kl"``: KL(p_t || p_s); ``"reverse_kl"``: KL(p_s || p_t);
+  ``"jsd"``: beta KL(p_t || m) + (1 - beta) KL(p_s || m), m = (1 - beta) p_s + beta p_t, beta in
+  [0, 1], whose ends are the two KLs (TRL's generalized JSD, ``ChunkedDivergenceFunction``);
+* ``loss = (1 - hard_weight) * divergence + hard_weight * cross_entropy(student logits at
+  temperature 1, labels)``, reduced by ``reduction`` (mean over the counted rows);
+* no temperature**2 factor (TRL has none; multiply the loss for Hinton's convention).
+
+The top-k form takes the teacher as its top-k ids and log-probabilities per position (entries of
+-inf are absent). The student's side is its log-softmax over the whole vocabulary at those ids;
+``topk_norm`` says which sparse distributions the divergence compares: ``"none"`` as they are
+(axolotl's KD loss), ``"renorm"`` each renormalised over the K entries (TRL's server
+distillation without a tail; axolotl's normalize_topk), ``"tail"`` K + 1 entries with the tail
+log(1 - sum) (TRL's server distillation's default).
+
+Gradients reach the student's hidden, weight and bias; the teacher gets none. CPU only for now.
+"""
+
+import torch
+
+from ._checks import check_cuda_build, check_same_device, check_tensor, unit_stride_vector
+from ._distill_options import DistillOptions
+from ._options import Call, LinearOptions
+from .ops import call_below_autograd, ops
+
+_FULL = "fusedce.linear_distillation"
+_TOPK = "fusedce.linear_distillation_topk"
+
+
+class _LinearDistill(torch.autograd.Function):
+    """Over the student's hidden (N, H), weight (V, H), bias (V,) or None and the teacher (a, b,
+    c) = (hidden, weight, bias) of its head, or (ids, logprobs, None) of its top-k; labels (N,)
+    or None; the Call. Returns loss, divergence, hard, entropy (the last three not
+    differentiable)."""
+
+    @staticmethod
+    def forward(ctx, h, w, bias, a, b, c, labels, call):
+        args = (*call.options.op_args(), call.linear.chunk_budget_bytes)
+        if call.where == _TOPK:
+            out = ops.ldk_fwd(h, w, bias, a, b, labels, *args)
+        else:
+            out = ops.ld_fwd(h, w, bias, a, b, c, labels, *args)
+        loss, divergence, hard, entropy, stats = out
+        ctx.save_for_backward(h, w, bias, a, b, c, labels, stats)
+        ctx.call = call
+        ctx.mark_non_differentiable(divergence, hard, entropy)
+        ctx.set_materialize_grads(False)
+        return loss, divergence, hard, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = grad_w = grad_b = None
+        if grad_loss is not None and (need_h or need_w or need_b):
+            h, w, bias, a, b, c, labels, stats = ctx.saved_tensors
+            call = ctx.call
+            g = grad_loss.reshape(-1).to(torch.float32).contiguous()
+            args = (*call.options.op_args(), call.linear.chunk_budget_bytes, need_h, need_w, need_b)
+            if call.where == _TOPK:
+                part_h, part_w, part_b = ops.ldk_bwd(h, w, bias, a, b, labels, stats, g, *args)
+            else:
+                part_h, part_w, part_b = ops.ld_bwd(h, w, bias, a, b, c, labels, stats, g, *args)
+            grad_h = part_h.to(h.dtype) if need_h else None
+            grad_w = part_w if need_w else None
+            grad_b = part_b if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+# ---- checks ---------------------------------------------------------------------------------
+
+
+def _check_float(x, name, where):
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{where}: {name} must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def _check_head(hidden, weight, bias, prefix, vocab, where):
+    """hidden (..., H) float, weight (V, H) and bias (V,) in its dtype; vocab: V to match, or None."""
+    hn, wn, bn = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
+    for value, name, optional in ((hidden, hn, False), (weight, wn, False), (bias, bn, True)):
+        check_tensor(value, name, where, optional)
+    _check_float(hidden, hn, where)
+    if hidden.dim() < 1 or hidden.shape[-1] < 1:
+        raise ValueError(f"{where}: {hn} must have shape (..., H) with H >= 1, got {tuple(hidden.shape)}")
+    size = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != size or weight.shape[0] < 1:
+        raise ValueError(f"{where}: {wn} must have shape (V, H) with V >= 1 and H = {hn}'s last dimension "
+                         f"({size}), got {tuple(weight.shape)}")
+    if vocab is not None and weight.shape[0] != vocab:
+        raise ValueError(f"{where}: {wn} must have the student's vocabulary of {vocab} rows, got {weight.shape[0]}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"{where}: {wn} must have {hn}'s dtype ({hidden.dtype}), got {weight.dtype}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != hidden.dtype):
+        raise ValueError(f"{where}: {bn} must be ({weight.shape[0]},) in {hn}'s dtype ({hidden.dtype}), got "
+                         f"{tuple(bias.shape)} {bias.dtype}")
+
+
+def _check_labels(labels, shape, where):
+    if labels is None:
+        return
+    check_tensor(labels, "labels", where)
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{where}: labels must be int64 or int32 token indices, got {labels.dtype}")
+    if labels.shape != shape:
+        raise ValueError(f"{where}: labels must have shape {tuple(shape)} (student_hidden's leading "
+                         f"dimensions), got {tuple(labels.shape)}")
+
+
+def _check_device(tensors, hidden, where):
+    for value, name in tensors:
+        check_same_device(value, name, hidden, "student_hidden", where)
+    check_cuda_build(hidden, "student_hidden", where)
+    if hidden.device.type != "cpu":
+        raise NotImplementedError(f"{where}: student_hidden is on {hidden.device}, but the distillation has a CPU "
+                                  "path only so far: its CUDA path (fusedce::linear_distill_* on CUDA) is not "
+                                  "written yet")
+
+
+def _rows(x):
+    """x (..., D) as (N, D) with unit stride along D and rows that do not overlap."""
+    x = x.reshape(-1, x.shape[-1])
+    if x.shape[0] > 1 and ((x.shape[1] > 1 and x.stride(1) != 1) or x.stride(0) < x.shape[1]):
+        x = x.contiguous()
+    return x
+
+
+def _call_of(where, options, chunk_budget_bytes, return_metrics, student_hidden):
+    linear = LinearOptions.checked(where, student_hidden, chunk_budget_bytes=chunk_budget_bytes)
+    return Call.of(where, options, linear, compute_metrics=bool(return_metrics))
+
+
+def _run(call, hidden, weight, bias, teacher, labels, shape):
+    """The call on plain tensors: the autograd.Function when a gradient is wanted, else the op
+    below autograd; the loss (of `shape` for none) and, with metrics, their dict."""
+    h, w = _rows(hidden), weight.contiguous() if weight.stride(-1) != 1 else weight
+    lab = None if labels is None else unit_stride_vector(labels.reshape(-1))
+    b = unit_stride_vector(bias)
+    grad_on = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
+    if grad_on:
+        loss, divergence, hard, entropy = _LinearDistill.apply(h, w, b, *teacher, lab, call)
+    else:
+        args = (*call.options.op_args(), call.linear.chunk_budget_bytes)
+        if call.where == _TOPK:
+            out = call_below_autograd(ops.ldk_fwd.default, h, w, b, teacher[0], teacher[1], lab, *args)
+        else:
+            out = call_below_autograd(ops.ld_fwd.default, h, w, b, *teacher, lab, *args)
+        loss, divergence, hard, entropy, _ = out
+    if call.options.reduction == "none":
+        loss = loss.view(shape)
+    if not call.compute_metrics:
+        return loss
+    return loss, {"divergence": divergence.view(shape), "hard_loss": hard.view(shape), "entropy": entropy.view(shape)}
+
+
+# ---- the functions ------------------------------------------------------------------------
+
+
+def linear_distillation(student_hidden, student_weight, teacher_hidden, teacher_weight, labels=None, *,
+                        divergence="jsd", beta=None, temperature=1.0, ignore_index=-100, hard_weight=0.0,
+                        reduction="mean", student_bias=None, teacher_bias=None, student_logit_scale=1.0,
+                        student_softcap=None, teacher_logit_scale=1.0, teacher_softcap=None,
+                        chunk_budget_bytes=None, return_metrics=False):
+    """The distillation loss between the student's head ``student_hidden @ student_weight.T +
+    student_bias`` and the teacher's, never storing either's (N, V) logits.
+
+    Args:
+        student_hidden: float32, bfloat16 or float16, (..., H).
+        student_weight: (V, H) in student_hidden's dtype; student_bias (V,) or None.
+        teacher_hidden: (..., H_t) with student_hidden's leading dimensions, any H_t;
+            teacher_weight (V, H_t) in its dtype (the same V); teacher_bias (V,) or None.
+        labels: int64 / int32 of the leading shape, or None: rows whose label is
+            ``ignore_index`` are left out; needed for ``hard_weight > 0``.
+        divergence: "jsd" (with beta, None: 0.5), "forward_kl" (KL(teacher || student), beta 0)
+            or "reverse_kl" (KL(student || teacher), beta 1).
+        temperature: divides both heads' logits (after logit_scale and softcap).
+        hard_weight: in [0, 1]: loss = (1 - hard_weight) divergence + hard_weight cross-entropy
+            of the student's logits at temperature 1.
+        reduction: "mean" (over the counted rows; NaN for none), "sum" or "none" (the leading
+            shape, 0 at left-out rows).
+        student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap: each head's
+            transform of its logits, y = s x or c tanh(s x / c) (softcap None: off).
+        chunk_budget_bytes: bytes of float32 logits one chunk of rows may hold, both heads
+            together (None: 128 MiB).
+        return_metrics: also return a dict of per-row float32 values of the leading shape:
+            "divergence", "hard_loss" (0 with hard_weight 0) and "entropy" (the student's, of
+            softmax(z)), not differentiable, 0 at left-out rows.
+
+    Returns:
+        the loss (float32), or ``(loss, metrics)``; differentiable with respect to
+        student_hidden, student_weight and student_bias.
+    """
+    where = _FULL
+    _check_head(student_hidden, student_weight, student_bias, "student_", None, where)
+    _check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher_", student_weight.shape[0], where)
+    shape = student_hidden.shape[:-1]
+    if teacher_hidden.shape[:-1] != shape:
+        raise ValueError(f"{where}: teacher_hidden must have student_hidden's leading dimensions {tuple(shape)}, "
+                         f"got {tuple(teacher_hidden.shape)}")
+    _check_labels(labels, shape, where)
+    _check_device(((student_weight, "student_weight"), (student_bias, "student_bias"),
+                   (teacher_hidden, "teacher_hidden"), (teacher_weight, "teacher_weight"),
+                   (teacher_bias, "teacher_bias"), (labels, "labels")), student_hidden, where)
+    options = DistillOptions.checked(
+        where, divergence=divergence, beta=beta, temperature=temperature, hard_weight=hard_weight,
+        ignore_index=ignore_index, reduction=reduction, has_labels=labels is not None,
+        student_logit_scale=student_logit_scale, student_softcap=student_softcap,
+        teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap)
+    call = _call_of(where, options, chunk_budget_bytes, return_metrics, student_hidden)
+    teacher = (_rows(teacher_hidden).detach(), teacher_weight.detach(), unit_stride_vector(
+        None if teacher_bias is None else teacher_bias.detach()))
+    return _run(call, student_hidden, student_weight, student_bias, teacher, labels, shape)
+
+
+def linear_distillation_topk(student_hidden, student_weight, teacher_ids, teacher_logprobs, labels=None, *,
+                             divergence="forward_kl", beta=None, topk_norm="none", temperature=1.0,
+                             ignore_index=-100, hard_weight=0.0, reduction="mean", student_bias=None,
+                             student_logit_scale=1.0, student_softcap=None, chunk_budget_bytes=None,
+                             return_metrics=False):
+    """The distillation loss against a teacher given as its top-k per position.
+
+    Args:
+        teacher_ids: int64 / int32 (..., K), student_hidden's leading dimensions, ids in [0, V)
+            (repeats allowed: each entry counts).
+        teacher_logprobs: (..., K) floating point (taken as float32): the teacher's
+            log-probabilities at those ids, at the temperature wanted (the temperature here
+            divides the student's logits only); -inf marks an absent entry.
+        topk_norm: "none", "renorm" or "tail" (see the module's docstring).
+        divergence: default "forward_kl", the top-k teacher's usual objective (axolotl's default,
+            TRL's server distillation's top-k path); the other arguments as in
+            :func:`linear_distillation`.
+
+    Returns:
+        the loss, or ``(loss, metrics)``, as :func:`linear_distillation`.
+    """
+    where = _TOPK
+    _check_head(student_hidden, student_weight, student_bias, "student_", None, where)
+    shape = student_hidden.shape[:-1]
+    check_tensor(teacher_ids, "teacher_ids", where)
+    check_tensor(teacher_logprobs, "teacher_logprobs", where)
+    if teacher_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{where}: teacher_ids must be int64 or int32 token indices, got {teacher_ids.dtype}")
+    if not teacher_logprobs.is_floating_point():
+        raise ValueError(f"{where}: teacher_logprobs must be floating point, got {teacher_logprobs.dtype}")
+    if teacher_ids.dim() != len(shape) + 1 or teacher_ids.shape[:-1] != shape or teacher_ids.shape[-1] < 1:
+        raise ValueError(f"{where}: teacher_ids must have shape {(*shape, 'K')} with K >= 1 (student_hidden's "
+                         f"leading dimensions), got {tuple(teacher_ids.shape)}")
+    if teacher_logprobs.shape != teacher_ids.shape:
+        raise ValueError(f"{where}: teacher_logprobs must have teacher_ids's shape {tuple(teacher_ids.shape)}, "
+                         f"got {tuple(teacher_logprobs.shape)}")
+    _check_labels(labels, shape, where)
+    _check_device(((student_weight, "student_weight"), (student_bias, "student_bias"), (teacher_ids, "teacher_ids"),
+                   (teacher_logprobs, "teacher_logprobs"), (labels, "labels")), student_hidden, where)
+    options = DistillOptions.checked(
+        where, divergence=divergence, beta=beta, temperature=temperature, hard_weight=hard_weight,
+        ignore_index=ignore_index, reduction=reduction, has_labels=labels is not None,
+        student_logit_scale=student_logit_scale, student_softcap=student_softcap, topk_norm=topk_norm)
+    call = _call_of(where, options, chunk_budget_bytes, return_metrics, student_hidden)
+    k = teacher_ids.shape[-1]
+    teacher = (teacher_ids.reshape(-1, k).to(torch.int64).contiguous(),
+               teacher_logprobs.detach().reshape(-1, k).to(torch.float32).contiguous(), None)
+    return _run(call, student_hidden, student_weight, student_bias, teacher, labels, shape)
