@@ -49,6 +49,9 @@
 //   llp_bwd(hidden, weight, bias, ...)       -> grad_hidden (N, H) float32 (this rank's part),
 //                                               grad_weight, grad_bias (or empty (0,))
 // No autograd formula either: python/fusedce/token_logprobs.py calls lp_bwd / llp_bwd.
+//
+// The distillation ops (ld_fwd / ld_bwd with a teacher head, ldk_fwd / ldk_bwd with its top-k):
+// torch/distill_ops.h; their autograd is python/fusedce/distillation.py's.
 #pragma once
 
 #include <ATen/core/LegacyTypeDispatch.h>

@@ -311,6 +311,20 @@ def test_topk_normalisations_differ_and_agree_where_they_should():
     assert len({round(v, 4) for v in vals}) == 3
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_opcheck(reduction):
+    """Every distillation op against its schema and fake kernel (torch.library.opcheck)."""
+    ops = torch.ops.fusedce
+    hs, ws, bs, ht, wt, bt, labels = _problem(6, 8, 13, torch.float32, seed=3, bias=True)
+    ids, tlp = _topk_teacher(6, 13, 4, seed=3)
+    args = (0.5, 0.9, 0.25, IGNORE, reduction, 1.0, 0.0, 1.0, 5.0, "tail", 0)
+    g = torch.ones(6 if reduction == "none" else 1)
+    for fwd, bwd, teacher in ((ops.ld_fwd, ops.ld_bwd, (ht, wt, bt)), (ops.ldk_fwd, ops.ldk_bwd, (ids, tlp))):
+        torch.library.opcheck(fwd.default, (hs, ws, bs, *teacher, labels, *args))
+        stats = fwd(hs, ws, bs, *teacher, labels, *args)[4]
+        torch.library.opcheck(bwd.default, (hs, ws, bs, *teacher, labels, stats, g, *args, True, True, True))
+
+
 # ---- arguments ---------------------------------------------------------------------------------
 
 

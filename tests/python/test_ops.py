@@ -239,10 +239,10 @@ def test_lce_fwd_bwd_out(device, dtype, name, opts, with_bias, weighted, metrics
 def test_every_op_is_checked():
     # The vocabulary-parallel ops get theirs in test_distributed.py: ce_shard_* in test_opcheck,
     # lce_shard_* in test_lce_opcheck; the log-probability ops (lp_*, llp_*) in
-    # test_logprobs.py's test_opcheck.
+    # test_logprobs.py's test_opcheck; the distillation ops (ld_*, ldk_*) in test_distillation.py's.
     names = {name for name in dir(ops)
              if not name.startswith("_")
-             and not name.startswith(("ce_shard_", "lce_shard_", "lp_", "llp_"))} - {"name"}
+             and not name.startswith(("ce_shard_", "lce_shard_", "lp_", "llp_", "ld_", "ldk_"))} - {"name"}
     tested = {name[len("test_"):] for name in globals()
               if name.startswith("test_ce_") or name.startswith("test_lce_")}
     assert names <= tested, f"ops without an opcheck test: {sorted(names - tested)}"
