@@ -36,7 +36,7 @@ def apply(fused_linear=True, metrics=False):
     """Route every causal-LM training loss of transformers through fusedce (idempotent; calling
     it again with other arguments switches). With ``fused_linear`` the loss of a call with
     labels and gradients comes from fused linear cross-entropy and the logits are never made
-    (module docstring); without it, from fusedce.cross_entropy over the logits. Models that
+    (the package's docstring); without it, from fusedce.cross_entropy over the logits. Models that
     compute their own cross-entropy get TokenCrossEntropyLoss in either case. With
     ``metrics``, every such loss computed with gradients enabled also adds its token metrics to
     the sums that :func:`token_metrics` and :class:`MetricsCallback` read."""

@@ -7,7 +7,10 @@ import torch
 
 class _Decline(Exception):
     """Raised inside an armed model call when the model does something with lm_head's output
-    that the fused loss does not follow; _model_call then runs the call again unarmed."""
+    that the fused loss does not follow. Caught where the marker or the loss function sees it,
+    it declines the call within itself (_Replay.decline); escaping the model's forward (a
+    tensor-parallel head, a released gathered weight), it has _armed_call run the call again
+    unarmed."""
 
 
 _HARMLESS_ATTRIBUTES = {"device", "dtype", "requires_grad", "is_cuda", "layout"}
