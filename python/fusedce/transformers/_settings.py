@@ -1,0 +1,7 @@
+"""What apply() chose, for every module of the package to read at call time as
+``_settings.<name>`` (apply() and revert() rebind them, so a name imported from here would keep
+its value of the import)."""
+
+original = None  # transformers' ForCausalLMLoss while applied
+fused_linear = False  # apply(fused_linear=...)
+metrics = False  # apply(metrics=...)
