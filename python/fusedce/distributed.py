@@ -293,7 +293,7 @@ def _merge_shards(stats, target, weight, shard, call):
     entropy_sum, row_weight, batch."""
     gathered = gather_checked(stats, target, shard, call.parallel, call.where)
     return ops.ce_shard_merge(gathered, target, weight, *shard.op_args(), *call.options.op_args(),
-                              call.compute_metrics)
+                              call.return_metrics)
 
 
 def gather_checked(stats, target, shard, parallel, where):
@@ -390,7 +390,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, weight, call, shard):
         stats = ops.ce_shard_stats(logits, target, weight, *shard.op_args(), *call.options.op_args(),
-                                   call.compute_metrics)
+                                   call.return_metrics)
         loss, lse, num_correct, entropy_sum, row_weight, batch = _merge_shards(stats, target, weight, shard, call)
         ctx.save_for_backward(logits, target, weight, lse, row_weight, batch)
         ctx.call, ctx.shard = call, shard
@@ -418,7 +418,7 @@ def cross_entropy_rows(x, target, weight, call):
         check_target_values(target, shard.vocab_total, call.options.ignore_index, call.where)
     if torch.is_grad_enabled() and x.requires_grad:
         return VocabParallelCrossEntropy.apply(x, target, weight, call, shard)
-    stats = ops.ce_shard_stats(x, target, weight, *shard.op_args(), *call.options.op_args(), call.compute_metrics)
+    stats = ops.ce_shard_stats(x, target, weight, *shard.op_args(), *call.options.op_args(), call.return_metrics)
     loss, lse, num_correct, entropy_sum, _, _ = _merge_shards(stats, target, weight, shard, call)
     return loss, lse, num_correct, entropy_sum
 
@@ -441,7 +441,7 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, call, shard):
         stats = ops.lce_shard_stats(hidden, weight, bias, target, class_weight, *shard.op_args(),
-                                    *call.options.op_args(), *call.linear.shard_op_args(), call.compute_metrics)
+                                    *call.options.op_args(), *call.linear.shard_op_args(), call.return_metrics)
         loss, lse, num_correct, entropy_sum, row_weight, batch = _merge_shards(
             stats, target, class_weight, shard, call)
         ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse, row_weight, batch)
@@ -498,7 +498,7 @@ def _linear_shard_rows(h, w, bias, t, class_weight, call, shard):
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (h, w, bias)):
         return VocabParallelLinearCrossEntropy.apply(h, w, bias, t, class_weight, call, shard)
     stats = ops.lce_shard_stats(h, w, bias, t, class_weight, *shard.op_args(), *call.options.op_args(),
-                                *call.linear.shard_op_args(), call.compute_metrics)
+                                *call.linear.shard_op_args(), call.return_metrics)
     loss, lse, num_correct, entropy_sum, _, _ = _merge_shards(stats, t, class_weight, shard, call)
     return loss, lse, num_correct, entropy_sum
 
