@@ -5,7 +5,7 @@
 // (python/fusedce/ops.py, linear_ops.py, vp_ops.py, lp_ops.py); ce_loss's autograd is C++
 // (autograd.h, for host time: docs/architecture.md, "Autograd").
 //
-// Every op a front end calls is here, and no other. The ops allocate their outputs; an op whose
+// Every op on a front end's path is here, and no other. The ops allocate their outputs; an op whose
 // name ends in '_' also writes over its first tensor argument (its schema marks it mutated).
 // Argument names are the glossary's (docs/architecture.md, "One name per concept").
 //
