@@ -1,8 +1,10 @@
 // ce_loss: fusedce.cross_entropy's common path as one op whose autograd lives in C++, so that a
 // small call costs the host one dispatch forward and one backward node, as PyTorch's own loss
-// does, instead of a Python autograd.Function on each side.
+// does, instead of a Python autograd kernel on each side. This is the one op whose formula is
+// not registered from Python beside its fake kernel (docs/architecture.md, "Autograd").
 //
-// Without grad (grad mode off, or logits that do not require grad) it is ce_fwd. With grad, the
+// Without grad (grad mode off, or logits that do not require grad) it runs its own device
+// kernel, the forward alone. With grad, the
 // forward runs ce_fwd_bwd (loss and dlogits for an upstream gradient of 1 in one sweep); dlogits
 // never leaves the node, so the backward scales it in place by the upstream gradient
 // (ce_rescale_) and hands it on. Only when the graph is kept for another backward is a copy
@@ -10,8 +12,9 @@
 // that under torch.compile they are traced (their fake kernels are Python's) and in eager mode
 // they go straight to the CPU or CUDA kernel.
 //
-// The in-place form (inplace_backward) and the vocabulary-parallel form keep their Python
-// autograd (python/fusedce/ops.py, distributed.py): they need Python-side bookkeeping.
+// The in-place form (inplace_backward, op ce_fwd_bwd_) and the vocabulary-parallel form keep their
+// Python autograd.Functions (python/fusedce/ops.py, distributed.py): the first writes over a
+// differentiable input, the second strings several ops and collectives together.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -59,15 +62,15 @@ inline bool is_traced(const at::Tensor& t) {
 
 struct CeLossFunction : public torch::autograd::Function<CeLossFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
-                                                const at::Tensor& target, const c10::optional<at::Tensor>& weight,
+                                                const at::Tensor& target, const c10::optional<at::Tensor>& class_weight,
                                                 int64_t ignore_index, c10::string_view reduction,
                                                 double label_smoothing, double logit_scale, double softcap,
-                                                double z_loss, bool compute_metrics) {
+                                                double z_loss, bool return_metrics) {
     static const auto fwd_bwd = library_op<CeFwdBwdSignature>("ce_fwd_bwd");
     at::AutoDispatchBelowADInplaceOrView below;
     auto [loss, lse, num_correct, entropy_sum, dlogits] = fwd_bwd.call(
-        logits, target, weight, ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss,
-        compute_metrics);
+        logits, target, class_weight, ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss,
+        return_metrics);
     ctx->save_for_backward({dlogits});
     ctx->mark_non_differentiable({lse, num_correct, entropy_sum});
     ctx->set_materialize_grads(false);
@@ -99,18 +102,18 @@ struct CeLossFunction : public torch::autograd::Function<CeLossFunction> {
 
 // The Autograd kernel of ce_loss.
 inline CeOutputs ce_loss_autograd(const at::Tensor& logits, const at::Tensor& target,
-                                  const c10::optional<at::Tensor>& weight, int64_t ignore_index,
+                                  const c10::optional<at::Tensor>& class_weight, int64_t ignore_index,
                                   c10::string_view reduction, double label_smoothing, double logit_scale,
-                                  double softcap, double z_loss, bool compute_metrics) {
+                                  double softcap, double z_loss, bool return_metrics) {
   if (!(at::GradMode::is_enabled() && logits.requires_grad())) {
     static const auto fwd = library_op<CeFwdSignature>("ce_loss");
     at::AutoDispatchBelowADInplaceOrView below;
-    return fwd.call(logits, target, weight, ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss,
-                    compute_metrics);
+    return fwd.call(logits, target, class_weight, ignore_index, reduction, label_smoothing, logit_scale, softcap,
+                    z_loss, return_metrics);
   }
-  torch::autograd::variable_list r = CeLossFunction::apply(logits, target, weight, ignore_index, reduction,
+  torch::autograd::variable_list r = CeLossFunction::apply(logits, target, class_weight, ignore_index, reduction,
                                                            label_smoothing, logit_scale, softcap, z_loss,
-                                                           compute_metrics);
+                                                           return_metrics);
   return {r[0], r[1], r[2], r[3]};
 }
 

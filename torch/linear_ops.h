@@ -69,23 +69,29 @@ inline fusedce::Workspace workspace_of(const Tensor& ws) {
   return ws.numel() > 0 ? fusedce::Workspace{ws.data_ptr(), static_cast<size_t>(ws.numel())} : fusedce::Workspace{};
 }
 
-// ---- out-variant ops: write only into the given buffers -----------------------------------
-
 // The GPU adds the bias in the product's epilogue, which reads it densely: a strided bias (a
 // slice of a larger tensor) is copied first. Undefined when there is none.
 inline Tensor contiguous_bias(const OptTensor& bias) { return bias.has_value() ? bias->contiguous() : Tensor(); }
 
+inline void check_hidden_2d(const Tensor& hidden) {
+  TORCH_CHECK_VALUE(hidden.dim() == 2, "fusedce: hidden must be 2-D (N, H), got shape ", hidden.sizes());
+}
+
+// ---- the ops ---------------------------------------------------------------------------------
+
 template <class Ctx>
-void lce_fwd_out(const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
-                 const OptTensor& class_weight, fusedce::Options o, int64_t shift_seq_len,
-                 int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored, const Tensor& loss,
-                 const Tensor& lse, const OptTensor& num_correct, const OptTensor& entropy_sum) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> lce_fwd(
+    const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
+    const OptTensor& class_weight, fusedce::Options o, int64_t shift_seq_len, int64_t chunk_budget_bytes,
+    bool low_memory, bool skip_ignored, bool return_metrics) {
+  check_hidden_2d(hidden);
+  const LossOutputs outputs(hidden, hidden.size(0), o.reduction, return_metrics);
   Ctx ctx(hidden, "hidden");
   const fusedce::MatrixView h = linear_matrix_of(hidden, "hidden", "(N, H)");
   check_linear_inputs(hidden, weight, bias, target);
   const fusedce::MatrixView w = linear_matrix_of(weight, "weight", "(V, H)");
   o = with_class_weight(o, class_weight, "class_weight", hidden, "hidden");
-  const fusedce::ForwardOutputs out = outputs_of(hidden, "hidden", loss, lse, num_correct, entropy_sum, &o);
+  const fusedce::ForwardOutputs out = outputs.views(return_metrics, &o);
   const fusedce::LinearOptions lo = linear_only_options(shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored);
   const Tensor ws = linear_workspace(hidden, fusedce::Job::kForward, ctx.device(), h, w, o, lo, {});
   const Tensor bias_c = contiguous_bias(bias);
@@ -93,42 +99,43 @@ void lce_fwd_out(const Tensor& hidden, const Tensor& weight, const OptTensor& bi
                    ctx.device(), h, w, bias_c.defined() ? vector_of(bias_c, "bias") : fusedce::VectorView{},
                    vector_of(target, "target"), o, lo, out, workspace_of(ws)),
                "lce_fwd");
+  return outputs.tuple();
 }
 
-// Forward with the gradients that are given (an absent one is not formed), for the upstream
-// gradient grad_loss ((N,) for 'none', 0-D or (1,) otherwise; absent = 1).
+// Forward with the gradients asked for (need_grad_*), for the upstream gradient grad_loss ((N,)
+// for 'none', 0-D or (1,) otherwise; absent = 1). Gradients not asked for come back as empty
+// (0,) tensors (a schema cannot return None).
 template <class Ctx>
-void lce_fwd_bwd_out(const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
-                     const OptTensor& class_weight, fusedce::Options o, int64_t shift_seq_len,
-                     int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored, const OptTensor& grad_loss,
-                     const Tensor& loss, const Tensor& lse,
-                     const OptTensor& num_correct, const OptTensor& entropy_sum, const OptTensor& grad_hidden,
-                     const OptTensor& grad_weight, const OptTensor& grad_bias) {
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> lce_fwd_bwd(
+    const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
+    const OptTensor& class_weight, fusedce::Options o, int64_t shift_seq_len, int64_t chunk_budget_bytes,
+    bool low_memory, bool skip_ignored, const OptTensor& grad_loss, bool return_metrics, bool need_grad_hidden,
+    bool need_grad_weight, bool need_grad_bias) {
+  check_hidden_2d(hidden);
+  TORCH_CHECK_VALUE(weight.dim() == 2, "fusedce: weight must be 2-D (V, H), got shape ", weight.sizes());
+  TORCH_CHECK_VALUE(!need_grad_bias || bias.has_value(), "fusedce: need_grad_bias is set but bias is not given");
+  const LossOutputs outputs(hidden, hidden.size(0), o.reduction, return_metrics);
+  // Each its own tensor: outputs of a functional op must not alias one another.
+  auto none = [&] { return at::empty({0}, hidden.options()); };
+  Tensor grad_hidden = need_grad_hidden ? at::empty(hidden.sizes(), hidden.options()) : none();
+  Tensor grad_weight = need_grad_weight ? at::empty(weight.sizes(), weight.options()) : none();
+  Tensor grad_bias = need_grad_bias ? at::empty(bias->sizes(), bias->options()) : none();
+
   Ctx ctx(hidden, "hidden");
   const fusedce::MatrixView h = linear_matrix_of(hidden, "hidden", "(N, H)");
   check_linear_inputs(hidden, weight, bias, target);
   const fusedce::MatrixView w = linear_matrix_of(weight, "weight", "(V, H)");
   o = with_class_weight(o, class_weight, "class_weight", hidden, "hidden");
-  const fusedce::ForwardOutputs out = outputs_of(hidden, "hidden", loss, lse, num_correct, entropy_sum, &o);
-  TORCH_CHECK_VALUE(!grad_bias.has_value() || bias.has_value(), "fusedce: grad_bias is given but bias is not");
+  const fusedce::ForwardOutputs out = outputs.views(return_metrics, &o);
   fusedce::VectorView g;
   if (grad_loss.has_value()) {
     check_same_device(*grad_loss, "grad_loss", hidden, "hidden");
     g = vector_of(*grad_loss, "grad_loss");
   }
   fusedce::LinearGrads grads;
-  if (grad_hidden.has_value()) {
-    check_same_device(*grad_hidden, "grad_hidden", hidden, "hidden");
-    grads.grad_hidden = linear_matrix_of(*grad_hidden, "grad_hidden", "(N, H)");
-  }
-  if (grad_weight.has_value()) {
-    check_same_device(*grad_weight, "grad_weight", hidden, "hidden");
-    grads.grad_weight = linear_matrix_of(*grad_weight, "grad_weight", "(V, H)");
-  }
-  if (grad_bias.has_value()) {
-    check_same_device(*grad_bias, "grad_bias", hidden, "hidden");
-    grads.grad_bias = vector_of(*grad_bias, "grad_bias");
-  }
+  if (need_grad_hidden) grads.grad_hidden = linear_matrix_of(grad_hidden, "grad_hidden", "(N, H)");
+  if (need_grad_weight) grads.grad_weight = linear_matrix_of(grad_weight, "grad_weight", "(V, H)");
+  if (need_grad_bias) grads.grad_bias = vector_of(grad_bias, "grad_bias");
   const fusedce::LinearOptions lo = linear_only_options(shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored);
   const Tensor ws = linear_workspace(hidden, fusedce::Job::kForwardBackward, ctx.device(), h, w, o, lo, grads);
   const Tensor bias_c = contiguous_bias(bias);
@@ -136,54 +143,7 @@ void lce_fwd_bwd_out(const Tensor& hidden, const Tensor& weight, const OptTensor
                    ctx.device(), h, w, bias_c.defined() ? vector_of(bias_c, "bias") : fusedce::VectorView{},
                    vector_of(target, "target"), o, lo, out, g, grads, workspace_of(ws)),
                "lce_fwd_bwd");
-}
-
-// ---- functional ops: allocate the outputs, then run the out variant -----------------------
-
-inline void check_hidden_2d(const Tensor& hidden) {
-  TORCH_CHECK_VALUE(hidden.dim() == 2, "fusedce: hidden must be 2-D (N, H), got shape ", hidden.sizes());
-}
-
-template <class Ctx>
-std::tuple<Tensor, Tensor, Tensor, Tensor> lce_fwd(
-    const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
-    const OptTensor& class_weight, fusedce::Options o, int64_t shift_seq_len, int64_t chunk_budget_bytes,
-    bool low_memory, bool skip_ignored, bool compute_metrics) {
-  check_hidden_2d(hidden);
-  Tensor loss = empty_loss(hidden, hidden.size(0), o.reduction);
-  Tensor lse = at::empty({hidden.size(0)}, hidden.options().dtype(at::kFloat));
-  auto [num_correct, entropy_sum] = empty_metrics(hidden, compute_metrics);
-  lce_fwd_out<Ctx>(hidden, weight, bias, target, class_weight, o, shift_seq_len, chunk_budget_bytes, low_memory,
-                   skip_ignored, loss, lse, if_metrics(num_correct, compute_metrics),
-                   if_metrics(entropy_sum, compute_metrics));
-  return {loss, lse, num_correct, entropy_sum};
-}
-
-// Gradients not asked for come back as empty (0,) tensors (a schema cannot return None).
-template <class Ctx>
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> lce_fwd_bwd(
-    const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
-    const OptTensor& class_weight, fusedce::Options o, int64_t shift_seq_len, int64_t chunk_budget_bytes,
-    bool low_memory, bool skip_ignored, const OptTensor& grad_loss, bool compute_metrics, bool need_grad_hidden,
-    bool need_grad_weight, bool need_grad_bias) {
-  check_hidden_2d(hidden);
-  TORCH_CHECK_VALUE(weight.dim() == 2, "fusedce: weight must be 2-D (V, H), got shape ", weight.sizes());
-  TORCH_CHECK_VALUE(!need_grad_bias || bias.has_value(), "fusedce: need_grad_bias is set but bias is not given");
-  Tensor loss = empty_loss(hidden, hidden.size(0), o.reduction);
-  Tensor lse = at::empty({hidden.size(0)}, hidden.options().dtype(at::kFloat));
-  auto [num_correct, entropy_sum] = empty_metrics(hidden, compute_metrics);
-  // Each its own tensor: outputs of a functional op must not alias one another.
-  auto none = [&] { return at::empty({0}, hidden.options()); };
-  Tensor grad_hidden = need_grad_hidden ? at::empty(hidden.sizes(), hidden.options()) : none();
-  Tensor grad_weight = need_grad_weight ? at::empty(weight.sizes(), weight.options()) : none();
-  Tensor grad_bias = need_grad_bias ? at::empty(bias->sizes(), bias->options()) : none();
-  lce_fwd_bwd_out<Ctx>(hidden, weight, bias, target, class_weight, o, shift_seq_len, chunk_budget_bytes,
-                       low_memory, skip_ignored, grad_loss, loss, lse, if_metrics(num_correct, compute_metrics),
-                       if_metrics(entropy_sum, compute_metrics),
-                       need_grad_hidden ? OptTensor(grad_hidden) : OptTensor(),
-                       need_grad_weight ? OptTensor(grad_weight) : OptTensor(),
-                       need_grad_bias ? OptTensor(grad_bias) : OptTensor());
-  return {loss, lse, num_correct, entropy_sum, grad_hidden, grad_weight, grad_bias};
+  return {outputs.loss, outputs.lse, outputs.num_correct, outputs.entropy_sum, grad_hidden, grad_weight, grad_bias};
 }
 
 }  // namespace fusedce_torch

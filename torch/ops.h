@@ -102,17 +102,6 @@ inline void check_inputs(const Tensor& logits, const Tensor& target) {
                     logits.size(0), "), got shape ", target.sizes());
 }
 
-inline void check_out(const Tensor& t, const char* name, const Tensor& logits) {
-  check_same_device(t, name, logits);
-}
-
-// Metrics are computed when both buffers are given.
-inline bool metrics_requested(const OptTensor& num_correct, const OptTensor& entropy_sum) {
-  TORCH_CHECK_VALUE(num_correct.has_value() == entropy_sum.has_value(),
-                    "fusedce: give both num_correct and entropy_sum, or neither");
-  return num_correct.has_value();
-}
-
 template <class Ctx>
 fusedce::Workspace workspace_for(fusedce::Job job, Ctx& ctx, const Tensor& like, int64_t rows,
                                  int64_t vocab, const fusedce::Options& o, Tensor* holder) {
@@ -122,61 +111,62 @@ fusedce::Workspace workspace_for(fusedce::Job job, Ctx& ctx, const Tensor& like,
   return fusedce::Workspace{holder->data_ptr(), bytes};
 }
 
-// ---- out-variant ops: write only into the given buffers -----------------------------------
+// ---- helpers: run the core into given buffers ---------------------------------------------
 //
 // Every op that takes the options takes them as one fusedce::Options `o` (the schema's six
 // arguments, converted by schema_kernel in options.h); the class weights are attached here.
 
-// loss and lse (and the metrics when both buffers are given) as the core's forward outputs.
-inline fusedce::ForwardOutputs outputs_of(const Tensor& like, const char* like_name, const Tensor& loss,
-                                          const Tensor& lse, const OptTensor& num_correct,
-                                          const OptTensor& entropy_sum, fusedce::Options* o) {
-  fusedce::ForwardOutputs out;
-  check_same_device(loss, "loss", like, like_name);
-  check_same_device(lse, "lse", like, like_name);
-  out.loss = vector_of(loss, "loss");
-  out.lse = vector_of(lse, "lse");
-  o->compute_metrics = metrics_requested(num_correct, entropy_sum);
-  if (o->compute_metrics) {
-    check_same_device(*num_correct, "num_correct", like, like_name);
-    check_same_device(*entropy_sum, "entropy_sum", like, like_name);
-    out.num_correct = vector_of(*num_correct, "num_correct");
-    out.entropy_sum = vector_of(*entropy_sum, "entropy_sum");
+// float32 loss of `rows` rows: (rows,) for 'none', 0-D otherwise.
+inline Tensor empty_loss(const Tensor& like, int64_t rows, fusedce::Reduction reduction) {
+  const auto opts = like.options().dtype(at::kFloat);
+  return reduction == fusedce::Reduction::kNone ? at::empty({rows}, opts) : at::empty({}, opts);
+}
+
+// What the loss ops return besides a gradient: loss, lse (N,), and num_correct (int64) and
+// entropy_sum (float32), 0-D when return_metrics is set, else empty (0,) tensors that cost
+// nothing (a schema cannot return None).
+struct LossOutputs {
+  Tensor loss, lse, num_correct, entropy_sum;
+
+  LossOutputs(const Tensor& like, int64_t rows, fusedce::Reduction reduction, bool return_metrics)
+      : loss(empty_loss(like, rows, reduction)), lse(at::empty({rows}, like.options().dtype(at::kFloat))) {
+    const std::vector<int64_t> shape = return_metrics ? std::vector<int64_t>{} : std::vector<int64_t>{0};
+    num_correct = at::empty(shape, like.options().dtype(at::kLong));
+    entropy_sum = at::empty(shape, like.options().dtype(at::kFloat));
   }
-  return out;
+
+  // The core's view of them; sets o->compute_metrics (the core's name for return_metrics).
+  fusedce::ForwardOutputs views(bool return_metrics, fusedce::Options* o) const {
+    fusedce::ForwardOutputs out;
+    out.loss = vector_of(loss, "loss");
+    out.lse = vector_of(lse, "lse");
+    o->compute_metrics = return_metrics;
+    if (return_metrics) {
+      out.num_correct = vector_of(num_correct, "num_correct");
+      out.entropy_sum = vector_of(entropy_sum, "entropy_sum");
+    }
+    return out;
+  }
+
+  std::tuple<Tensor, Tensor, Tensor, Tensor> tuple() const { return {loss, lse, num_correct, entropy_sum}; }
+};
+
+inline void check_logits_2d(const Tensor& logits) {
+  TORCH_CHECK_VALUE(logits.dim() == 2, "fusedce: logits must be 2-D (rows, V), got shape ", logits.sizes());
 }
 
+// Forward with the gradient for an upstream gradient of 1 in the same sweep, into `dlogits`:
+// a buffer of the logits' shape, or (inplace_backward) the logits themselves.
 template <class Ctx>
-void ce_fwd_out(const Tensor& logits, const Tensor& target, const OptTensor& weight, fusedce::Options o,
-                const Tensor& loss, const Tensor& lse, const OptTensor& num_correct,
-                const OptTensor& entropy_sum) {
+void ce_fwd_bwd_into(const Tensor& logits, const Tensor& target, const OptTensor& class_weight,
+                     fusedce::Options o, bool return_metrics, const LossOutputs& outputs, const Tensor& dlogits,
+                     bool inplace_backward, const char* op) {
   Ctx ctx(logits, "logits");
   const fusedce::MatrixView x = matrix_of(logits, "logits");
   check_inputs(logits, target);
-  o = with_class_weight(o, weight, "weight", logits, "logits");
-  const fusedce::ForwardOutputs out = outputs_of(logits, "logits", loss, lse, num_correct, entropy_sum, &o);
-  Tensor ws_holder;
-  const fusedce::Workspace ws =
-      workspace_for(fusedce::Job::kForward, ctx, logits, x.rows, x.cols, o, &ws_holder);
-  check_status(fusedce::cross_entropy_forward(ctx.device(), x, vector_of(target, "target"), o, out, ws),
-               "ce_fwd");
-}
-
-// Forward with the gradient for an upstream gradient of 1 in the same sweep. `dlogits` is
-// either a separate buffer or (inplace) the logits themselves.
-template <class Ctx>
-void ce_fwd_bwd_impl(const Tensor& logits, const Tensor& target, const OptTensor& weight, fusedce::Options o,
-                     const Tensor& loss, const Tensor& lse, const OptTensor& num_correct,
-                     const OptTensor& entropy_sum, const Tensor& dlogits, bool inplace, const char* op) {
-  Ctx ctx(logits, "logits");
-  const fusedce::MatrixView x = matrix_of(logits, "logits");
-  check_inputs(logits, target);
-  o = with_class_weight(o, weight, "weight", logits, "logits");
-  o.inplace_grad = inplace;
-  const fusedce::ForwardOutputs out = outputs_of(logits, "logits", loss, lse, num_correct, entropy_sum, &o);
-  check_out(dlogits, "dlogits", logits);
-  TORCH_CHECK_VALUE(dlogits.sizes() == logits.sizes(), "fusedce: dlogits must have the logits' shape ",
-                    logits.sizes(), ", got ", dlogits.sizes());
+  o = with_class_weight(o, class_weight, "class_weight", logits, "logits");
+  o.inplace_grad = inplace_backward;
+  const fusedce::ForwardOutputs out = outputs.views(return_metrics, &o);
   const fusedce::MatrixView dx = matrix_of(dlogits, "dlogits");
   Tensor ws_holder;
   const fusedce::Workspace ws =
@@ -186,44 +176,54 @@ void ce_fwd_bwd_impl(const Tensor& logits, const Tensor& target, const OptTensor
                op);
 }
 
-template <class Ctx>
-void ce_fwd_bwd_out(const Tensor& logits, const Tensor& target, const OptTensor& weight, fusedce::Options o,
-                    const Tensor& loss, const Tensor& lse, const OptTensor& num_correct,
-                    const OptTensor& entropy_sum, const Tensor& dlogits) {
-  ce_fwd_bwd_impl<Ctx>(logits, target, weight, o, loss, lse, num_correct, entropy_sum, dlogits,
-                       /*inplace=*/false, "ce_fwd_bwd");
-}
+// ---- the ops ---------------------------------------------------------------------------------
 
+// ce_loss's device kernel: the forward alone (its Autograd kernel, autograd.h, runs ce_fwd_bwd
+// instead when the logits require grad).
 template <class Ctx>
-void ce_fwd_bwd_inplace(const Tensor& logits, const Tensor& target, const OptTensor& weight,
-                        fusedce::Options o, const Tensor& loss, const Tensor& lse,
-                        const OptTensor& num_correct, const OptTensor& entropy_sum) {
-  ce_fwd_bwd_impl<Ctx>(logits, target, weight, o, loss, lse, num_correct, entropy_sum, logits,
-                       /*inplace=*/true, "ce_fwd_bwd_inplace");
-}
-
-template <class Ctx>
-void ce_bwd_out(const Tensor& logits, const Tensor& target, const OptTensor& weight, const Tensor& lse,
-                const Tensor& grad_loss, fusedce::Options o, const Tensor& dlogits) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> ce_loss(const Tensor& logits, const Tensor& target,
+                                                  const OptTensor& class_weight, fusedce::Options o,
+                                                  bool return_metrics) {
+  check_logits_2d(logits);
+  const LossOutputs outputs(logits, logits.size(0), o.reduction, return_metrics);
   Ctx ctx(logits, "logits");
   const fusedce::MatrixView x = matrix_of(logits, "logits");
   check_inputs(logits, target);
-  o = with_class_weight(o, weight, "weight", logits, "logits");
-  check_same_device(lse, "lse", logits);
-  check_same_device(grad_loss, "grad_loss", logits);
-  check_out(dlogits, "dlogits", logits);
-  TORCH_CHECK_VALUE(dlogits.sizes() == logits.sizes(), "fusedce: dlogits must have the logits' shape ",
-                    logits.sizes(), ", got ", dlogits.sizes());
-  const fusedce::MatrixView dx = matrix_of(dlogits, "dlogits");
+  o = with_class_weight(o, class_weight, "class_weight", logits, "logits");
+  const fusedce::ForwardOutputs out = outputs.views(return_metrics, &o);
   Tensor ws_holder;
   const fusedce::Workspace ws =
-      workspace_for(fusedce::Job::kBackward, ctx, logits, x.rows, x.cols, o, &ws_holder);
-  check_status(fusedce::cross_entropy_backward(ctx.device(), x, vector_of(target, "target"),
-                                               vector_of(lse, "lse"), vector_of(grad_loss, "grad_loss"),
-                                               o, dx, ws),
-               "ce_bwd");
+      workspace_for(fusedce::Job::kForward, ctx, logits, x.rows, x.cols, o, &ws_holder);
+  check_status(fusedce::cross_entropy_forward(ctx.device(), x, vector_of(target, "target"), o, out, ws),
+               "ce_loss");
+  return outputs.tuple();
 }
 
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ce_fwd_bwd(const Tensor& logits, const Tensor& target,
+                                                              const OptTensor& class_weight, fusedce::Options o,
+                                                              bool return_metrics) {
+  check_logits_2d(logits);
+  const LossOutputs outputs(logits, logits.size(0), o.reduction, return_metrics);
+  Tensor dlogits = at::empty(logits.sizes(), logits.options());
+  ce_fwd_bwd_into<Ctx>(logits, target, class_weight, o, return_metrics, outputs, dlogits,
+                       /*inplace_backward=*/false, "ce_fwd_bwd");
+  return {outputs.loss, outputs.lse, outputs.num_correct, outputs.entropy_sum, dlogits};
+}
+
+// ce_fwd_bwd with the gradient written over the logits (the schema marks them mutated).
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor, Tensor> ce_fwd_bwd_(const Tensor& logits, const Tensor& target,
+                                                       const OptTensor& class_weight, fusedce::Options o,
+                                                       bool return_metrics) {
+  check_logits_2d(logits);
+  const LossOutputs outputs(logits, logits.size(0), o.reduction, return_metrics);
+  ce_fwd_bwd_into<Ctx>(logits, target, class_weight, o, return_metrics, outputs, logits,
+                       /*inplace_backward=*/true, "ce_fwd_bwd_");
+  return outputs.tuple();
+}
+
+// dlogits *= grad_loss (per row for (N,), else one factor), in place.
 template <class Ctx>
 void ce_rescale_(const Tensor& grad_loss, const Tensor& dlogits) {
   Ctx ctx(dlogits, "dlogits");
@@ -236,65 +236,6 @@ void ce_rescale_(const Tensor& grad_loss, const Tensor& dlogits) {
       workspace_for(fusedce::Job::kRescale, ctx, dlogits, dx.rows, dx.cols, fusedce::Options{}, &ws_holder);
   check_status(fusedce::cross_entropy_rescale_grad(ctx.device(), vector_of(grad_loss, "grad_loss"), dx, ws),
                "ce_rescale_");
-}
-
-// ---- functional ops: allocate the outputs, then run the out variant -----------------------
-
-// float32 loss of `rows` rows: (rows,) for 'none', 0-D otherwise.
-inline Tensor empty_loss(const Tensor& like, int64_t rows, fusedce::Reduction reduction) {
-  const auto opts = like.options().dtype(at::kFloat);
-  return reduction == fusedce::Reduction::kNone ? at::empty({rows}, opts) : at::empty({}, opts);
-}
-
-// num_correct / entropy_sum: 0-D when asked for, else empty (0,) tensors that cost nothing.
-inline std::tuple<Tensor, Tensor> empty_metrics(const Tensor& logits, bool compute_metrics) {
-  const std::vector<int64_t> shape = compute_metrics ? std::vector<int64_t>{} : std::vector<int64_t>{0};
-  return {at::empty(shape, logits.options().dtype(at::kLong)),
-          at::empty(shape, logits.options().dtype(at::kFloat))};
-}
-
-inline OptTensor if_metrics(const Tensor& t, bool compute_metrics) {
-  return compute_metrics ? OptTensor(t) : OptTensor();
-}
-
-inline void check_logits_2d(const Tensor& logits) {
-  TORCH_CHECK_VALUE(logits.dim() == 2, "fusedce: logits must be 2-D (rows, V), got shape ", logits.sizes());
-}
-
-template <class Ctx>
-std::tuple<Tensor, Tensor, Tensor, Tensor> ce_fwd(const Tensor& logits, const Tensor& target,
-                                                  const OptTensor& weight, fusedce::Options o,
-                                                  bool compute_metrics) {
-  check_logits_2d(logits);
-  Tensor loss = empty_loss(logits, logits.size(0), o.reduction);
-  Tensor lse = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
-  auto [num_correct, entropy_sum] = empty_metrics(logits, compute_metrics);
-  ce_fwd_out<Ctx>(logits, target, weight, o, loss, lse, if_metrics(num_correct, compute_metrics),
-                  if_metrics(entropy_sum, compute_metrics));
-  return {loss, lse, num_correct, entropy_sum};
-}
-
-template <class Ctx>
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ce_fwd_bwd(const Tensor& logits, const Tensor& target,
-                                                              const OptTensor& weight, fusedce::Options o,
-                                                              bool compute_metrics) {
-  check_logits_2d(logits);
-  Tensor loss = empty_loss(logits, logits.size(0), o.reduction);
-  Tensor lse = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
-  auto [num_correct, entropy_sum] = empty_metrics(logits, compute_metrics);
-  Tensor dlogits = at::empty(logits.sizes(), logits.options());
-  ce_fwd_bwd_out<Ctx>(logits, target, weight, o, loss, lse, if_metrics(num_correct, compute_metrics),
-                      if_metrics(entropy_sum, compute_metrics), dlogits);
-  return {loss, lse, num_correct, entropy_sum, dlogits};
-}
-
-template <class Ctx>
-Tensor ce_bwd(const Tensor& logits, const Tensor& target, const OptTensor& weight, const Tensor& lse,
-              const Tensor& grad_loss, fusedce::Options o) {
-  check_logits_2d(logits);
-  Tensor dlogits = at::empty(logits.sizes(), logits.options());
-  ce_bwd_out<Ctx>(logits, target, weight, lse, grad_loss, o, dlogits);
-  return dlogits;
 }
 
 }  // namespace fusedce_torch

@@ -1,31 +1,38 @@
 // Every op of the fusedce torch library, written once: its schema and its kernel, a template over
 // the device context (binding.cpp: CPU, binding_cuda.cpp: CUDA). define_ops registers the schemas
 // with the CPU kernels and the ADInplaceOrView kernels; register_kernels adds another device's.
-// Fake (meta) kernels and autograd formulas are registered from Python (python/fusedce/ops.py,
-// linear_ops.py, vp_ops.py, lp_ops.py).
+// Fake (meta) kernels and autograd formulas are registered from Python, beside each other
+// (python/fusedce/ops.py, linear_ops.py, vp_ops.py, lp_ops.py); ce_loss's autograd is C++
+// (autograd.h, for host time: docs/architecture.md, "Autograd").
 //
-// Out variants (*_out, ce_fwd_bwd_inplace, ce_rescale_) only write into the buffers they are
-// given, as their mutation annotations say; functional variants allocate their outputs and are
-// the ones autograd and torch.compile see.
+// Every op on a front end's path is here, and no other. The ops allocate their outputs; an op whose
+// name ends in '_' also writes over its first tensor argument (its schema marks it mutated).
+// Argument names are the glossary's (docs/architecture.md, "One name per concept").
 //
 // Shared arguments: the options FUSEDCE_CE_ARGS (options.h; docs/contract.md, "Options").
 // logits are 2-D (N, V) with unit stride along V (rows may be strided); target is (N,) int64 /
-// int32; weight is float32 (V,). loss is float32, (N,) for 'none' and 0-D otherwise; lse is
-// float32 (N,); num_correct (int64) and entropy_sum (float32) are 0-D, and are written only when
-// both are given (out variants) or compute_metrics is set (functional variants, which otherwise
-// return them empty, of shape (0,)).
+// int32; class_weight is float32 (V,) or None. loss is float32, (N,) for 'none' and 0-D
+// otherwise; lse is float32 (N,); num_correct (int64) and entropy_sum (float32) are 0-D when
+// return_metrics is set, and empty, of shape (0,), otherwise.
 //
-// The linear ops (lce_*) take hidden (N, H), weight (V, H), bias (V,) or None, target (N,),
-// class_weight (V,) or None, the options, then the linear options shift_seq_len,
+//   ce_loss     -> loss, lse, num_correct, entropy_sum: fusedce.cross_entropy's op. Its Autograd
+//                  kernel (autograd.h) runs ce_fwd_bwd when the logits require grad and keeps
+//                  dlogits for its backward, which scales it with ce_rescale_.
+//   ce_fwd_bwd  -> the same and dlogits (N, V), the gradient for an upstream gradient of 1
+//   ce_fwd_bwd_ -> the same as ce_loss, dlogits written over the logits (inplace_backward)
+//   ce_rescale_(grad_loss, dlogits): dlogits *= grad_loss, per row for 'none'
+//
+// The linear ops (lce_*) take hidden (N, H), weight (V, H) (the head), bias (V,) or None,
+// target (N,), class_weight (V,) or None, the options, then the linear options shift_seq_len,
 // chunk_budget_bytes, low_memory, skip_ignored.
 //
 // The vocabulary-parallel ops (the three steps of fusedce/vocab_parallel.h) take logits
-// (N, V_local) and target (N,) of *global* class indices, weight the local slice (V_local,), then
-// vocab_start (global index of the local first column), vocab_total (V of the full vocabulary)
-// and the options; they are functional:
+// (N, V_local) and target (N,) of *global* class indices, class_weight the local slice
+// (V_local,), then vocab_start (global index of the local first column), vocab_total (V of the
+// full vocabulary) and the options:
 //   ce_shard_stats -> stats (N + 1, 9) float32: per-row partial statistics of the shard
 //   ce_shard_merge(gathered = every rank's stats, concatenated in rank order)
-//                  -> loss, lse, num_correct, entropy_sum (as ce_fwd returns them),
+//                  -> loss, lse, num_correct, entropy_sum (as ce_loss returns them),
 //                     row_weight (N,), batch (2,): what ce_shard_bwd needs
 //   ce_shard_bwd   -> dlogits (N, V_local) in the logits' dtype
 // The linear form (hidden (N, H), weight (V_local, H) this rank's rows of the head, bias
@@ -90,65 +97,41 @@ torch::CppFunction cpp_function() {
 template <class Ctx, class Add>
 void for_each_op(Add&& add) {
   // cross-entropy over logits
-  add("ce_fwd_out(Tensor logits, Tensor target, Tensor? weight, " FUSEDCE_CE_ARGS
-      ", Tensor(a!) loss, Tensor(b!) lse, Tensor(c!)? num_correct, Tensor(d!)? entropy_sum) -> ()",
-      cpp_function<&ce_fwd_out<Ctx>>());
-  add("ce_fwd_bwd_out(Tensor logits, Tensor target, Tensor? weight, " FUSEDCE_CE_ARGS
-      ", Tensor(a!) loss, Tensor(b!) lse, Tensor(c!)? num_correct, Tensor(d!)? entropy_sum, "
-      "Tensor(e!) dlogits) -> ()",
-      cpp_function<&ce_fwd_bwd_out<Ctx>>());
-  add("ce_fwd_bwd_inplace(Tensor(e!) logits, Tensor target, Tensor? weight, " FUSEDCE_CE_ARGS
-      ", Tensor(a!) loss, Tensor(b!) lse, Tensor(c!)? num_correct, Tensor(d!)? entropy_sum) -> ()",
-      cpp_function<&ce_fwd_bwd_inplace<Ctx>>());
-  add("ce_bwd_out(Tensor logits, Tensor target, Tensor? weight, Tensor lse, Tensor grad_loss, "
-      FUSEDCE_CE_ARGS ", Tensor(a!) dlogits) -> ()",
-      cpp_function<&ce_bwd_out<Ctx>>());
-  add("ce_rescale_(Tensor grad_loss, Tensor(a!) dlogits) -> ()", cpp_function<&ce_rescale_<Ctx>>());
-  add("ce_fwd(Tensor logits, Tensor target, Tensor? weight, " FUSEDCE_CE_ARGS
-      ", bool compute_metrics) -> (Tensor loss, Tensor lse, Tensor num_correct, Tensor entropy_sum)",
-      cpp_function<&ce_fwd<Ctx>>());
-  add("ce_fwd_bwd(Tensor logits, Tensor target, Tensor? weight, " FUSEDCE_CE_ARGS
-      ", bool compute_metrics) -> (Tensor loss, Tensor lse, Tensor num_correct, Tensor entropy_sum, "
+  add("ce_loss(Tensor logits, Tensor target, Tensor? class_weight, " FUSEDCE_CE_ARGS
+      ", bool return_metrics) -> (Tensor loss, Tensor lse, Tensor num_correct, Tensor entropy_sum)",
+      cpp_function<&ce_loss<Ctx>>());
+  add("ce_fwd_bwd(Tensor logits, Tensor target, Tensor? class_weight, " FUSEDCE_CE_ARGS
+      ", bool return_metrics) -> (Tensor loss, Tensor lse, Tensor num_correct, Tensor entropy_sum, "
       "Tensor dlogits)",
       cpp_function<&ce_fwd_bwd<Ctx>>());
-  add("ce_bwd(Tensor logits, Tensor target, Tensor? weight, Tensor lse, Tensor grad_loss, "
-      FUSEDCE_CE_ARGS ") -> Tensor",
-      cpp_function<&ce_bwd<Ctx>>());
-  // ce_fwd's device kernel; its Autograd kernel (autograd.h) forms the gradient with the loss.
-  add("ce_loss(Tensor logits, Tensor target, Tensor? weight, " FUSEDCE_CE_ARGS
-      ", bool compute_metrics) -> (Tensor loss, Tensor lse, Tensor num_correct, Tensor entropy_sum)",
-      cpp_function<&ce_fwd<Ctx>>());
+  add("ce_fwd_bwd_(Tensor(a!) logits, Tensor target, Tensor? class_weight, " FUSEDCE_CE_ARGS
+      ", bool return_metrics) -> (Tensor loss, Tensor lse, Tensor num_correct, Tensor entropy_sum)",
+      cpp_function<&ce_fwd_bwd_<Ctx>>());
+  add("ce_rescale_(Tensor grad_loss, Tensor(a!) dlogits) -> ()", cpp_function<&ce_rescale_<Ctx>>());
 
   // linear cross-entropy
-  add("lce_fwd_out(" FUSEDCE_LCE_ARGS
-      ", Tensor(a!) loss, Tensor(b!) lse, Tensor(c!)? num_correct, Tensor(d!)? entropy_sum) -> ()",
-      cpp_function<&lce_fwd_out<Ctx>>());
-  add("lce_fwd_bwd_out(" FUSEDCE_LCE_ARGS
-      ", Tensor? grad_loss, Tensor(a!) loss, Tensor(b!) lse, Tensor(c!)? num_correct, "
-      "Tensor(d!)? entropy_sum, Tensor(e!)? grad_hidden, Tensor(f!)? grad_weight, Tensor(g!)? grad_bias) -> ()",
-      cpp_function<&lce_fwd_bwd_out<Ctx>>());
   add("lce_fwd(" FUSEDCE_LCE_ARGS
-      ", bool compute_metrics) -> (Tensor loss, Tensor lse, Tensor num_correct, Tensor entropy_sum)",
+      ", bool return_metrics) -> (Tensor loss, Tensor lse, Tensor num_correct, Tensor entropy_sum)",
       cpp_function<&lce_fwd<Ctx>>());
   add("lce_fwd_bwd(" FUSEDCE_LCE_ARGS
-      ", Tensor? grad_loss, bool compute_metrics, bool need_grad_hidden, bool need_grad_weight, "
+      ", Tensor? grad_loss, bool return_metrics, bool need_grad_hidden, bool need_grad_weight, "
       "bool need_grad_bias) -> (Tensor loss, Tensor lse, Tensor num_correct, Tensor entropy_sum, "
       "Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)",
       cpp_function<&lce_fwd_bwd<Ctx>>());
 
   // vocabulary-parallel steps
-  add("ce_shard_stats(Tensor logits, Tensor target, Tensor? weight, " FUSEDCE_VP_ARGS
-      ", bool compute_metrics) -> Tensor",
+  add("ce_shard_stats(Tensor logits, Tensor target, Tensor? class_weight, " FUSEDCE_VP_ARGS
+      ", bool return_metrics) -> Tensor",
       cpp_function<&ce_shard_stats<Ctx>>());
-  add("ce_shard_merge(Tensor gathered, Tensor target, Tensor? weight, " FUSEDCE_VP_ARGS
-      ", bool compute_metrics) -> (Tensor loss, Tensor lse, Tensor num_correct, Tensor entropy_sum, "
+  add("ce_shard_merge(Tensor gathered, Tensor target, Tensor? class_weight, " FUSEDCE_VP_ARGS
+      ", bool return_metrics) -> (Tensor loss, Tensor lse, Tensor num_correct, Tensor entropy_sum, "
       "Tensor row_weight, Tensor batch)",
       cpp_function<&ce_shard_merge<Ctx>>());
-  add("ce_shard_bwd(Tensor logits, Tensor target, Tensor? weight, Tensor lse, Tensor row_weight, "
+  add("ce_shard_bwd(Tensor logits, Tensor target, Tensor? class_weight, Tensor lse, Tensor row_weight, "
       "Tensor batch, Tensor grad_loss, " FUSEDCE_VP_ARGS ") -> Tensor",
       cpp_function<&ce_shard_bwd<Ctx>>());
   add("lce_shard_stats(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, "
-      FUSEDCE_VP_ARGS ", int chunk_budget_bytes, bool low_memory, bool skip_ignored, bool compute_metrics) -> Tensor",
+      FUSEDCE_VP_ARGS ", int chunk_budget_bytes, bool low_memory, bool skip_ignored, bool return_metrics) -> Tensor",
       cpp_function<&lce_shard_stats<Ctx>>());
   add("lce_shard_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, "
       "Tensor lse, Tensor row_weight, Tensor batch, Tensor grad_loss, " FUSEDCE_VP_ARGS

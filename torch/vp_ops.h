@@ -22,13 +22,13 @@ inline fusedce::ShardSpec shard_of(int64_t vocab_start, int64_t vocab_total) {
 
 // Step 1: the shard's per-row statistics, float32 (N + 1, kShardStatsWidth).
 template <class Ctx>
-Tensor ce_shard_stats(const Tensor& logits, const Tensor& target, const OptTensor& weight,
-                      int64_t vocab_start, int64_t vocab_total, fusedce::Options o, bool compute_metrics) {
+Tensor ce_shard_stats(const Tensor& logits, const Tensor& target, const OptTensor& class_weight,
+                      int64_t vocab_start, int64_t vocab_total, fusedce::Options o, bool return_metrics) {
   Ctx ctx(logits, "logits");
   const fusedce::MatrixView x = matrix_of(logits, "logits");
   check_inputs(logits, target);
-  o = with_class_weight(o, weight, "weight", logits, "logits");
-  o.compute_metrics = compute_metrics;
+  o = with_class_weight(o, class_weight, "class_weight", logits, "logits");
+  o.compute_metrics = return_metrics;
   Tensor stats = at::empty({logits.size(0) + 1, fusedce::kShardStatsWidth},
                            logits.options().dtype(at::kFloat));
   check_status(fusedce::cross_entropy_shard_stats(
@@ -41,12 +41,12 @@ Tensor ce_shard_stats(const Tensor& logits, const Tensor& target, const OptTenso
 
 // Step 2: every rank's statistics, gathered in rank order ((world * (N + 1), kShardStatsWidth)),
 // merged into the loss, lse and metrics of the full vocabulary, plus row_weight (N,) and batch
-// (2,) for step 3. `weight` is the local slice of the class weights (it only says that the loss
+// (2,) for step 3. `class_weight` is the local slice of the class weights (it only says that the loss
 // is weighted: the weights themselves travel in the statistics).
 template <class Ctx>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ce_shard_merge(
-    const Tensor& gathered, const Tensor& target, const OptTensor& weight, int64_t vocab_start,
-    int64_t vocab_total, fusedce::Options o, bool compute_metrics) {
+    const Tensor& gathered, const Tensor& target, const OptTensor& class_weight, int64_t vocab_start,
+    int64_t vocab_total, fusedce::Options o, bool return_metrics) {
   Ctx ctx(gathered, "gathered");
   check_same_device(target, "target", gathered, "gathered");
   TORCH_CHECK_VALUE(gathered.dim() == 2 && gathered.size(1) == fusedce::kShardStatsWidth &&
@@ -58,21 +58,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ce_shard_merge(
   const int64_t n = target.size(0);
   TORCH_CHECK_VALUE(gathered.size(0) >= n + 1 && gathered.size(0) % (n + 1) == 0, "fusedce: gathered has ",
                     gathered.size(0), " rows, which is not world * (N + 1) for the target's N = ", n);
-  o = with_class_weight(o, weight, "weight", gathered, "gathered");
-  o.compute_metrics = compute_metrics;
+  o = with_class_weight(o, class_weight, "class_weight", gathered, "gathered");
+  const LossOutputs outputs(gathered, n, o.reduction, return_metrics);
+  const fusedce::ForwardOutputs out = outputs.views(return_metrics, &o);
   const auto f32 = gathered.options().dtype(at::kFloat);
-  Tensor loss = o.reduction == fusedce::Reduction::kNone ? at::empty({n}, f32) : at::empty({}, f32);
-  Tensor lse = at::empty({n}, f32);
-  auto [num_correct, entropy_sum] = empty_metrics(gathered, compute_metrics);
   Tensor row_weight = at::empty({n}, f32);
   Tensor batch = at::empty({2}, f32);
-  fusedce::ForwardOutputs out;
-  out.loss = vector_of(loss, "loss");
-  out.lse = vector_of(lse, "lse");
-  if (compute_metrics) {
-    out.num_correct = vector_of(num_correct, "num_correct");
-    out.entropy_sum = vector_of(entropy_sum, "entropy_sum");
-  }
   check_status(fusedce::cross_entropy_shard_merge(
                    ctx.device(),
                    fusedce::matrix(gathered.data_ptr(), fusedce::DType::kFloat32, gathered.size(0),
@@ -80,19 +71,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ce_shard_merge(
                    gathered.size(0) / (n + 1), vector_of(target, "target"), shard_of(vocab_start, vocab_total),
                    o, out, vector_of(row_weight, "row_weight"), vector_of(batch, "batch")),
                "ce_shard_merge");
-  return {loss, lse, num_correct, entropy_sum, row_weight, batch};
+  return {outputs.loss, outputs.lse, outputs.num_correct, outputs.entropy_sum, row_weight, batch};
 }
 
 // Step 3: this rank's dlogits from the merged lse, row_weight and batch, for the upstream
 // gradient grad_loss (float32; 0-D or (1,) for 'sum' / 'mean', (N,) for 'none').
 template <class Ctx>
-Tensor ce_shard_bwd(const Tensor& logits, const Tensor& target, const OptTensor& weight,
+Tensor ce_shard_bwd(const Tensor& logits, const Tensor& target, const OptTensor& class_weight,
                     const Tensor& lse, const Tensor& row_weight, const Tensor& batch,
                     const Tensor& grad_loss, int64_t vocab_start, int64_t vocab_total, fusedce::Options o) {
   Ctx ctx(logits, "logits");
   const fusedce::MatrixView x = matrix_of(logits, "logits");
   check_inputs(logits, target);
-  o = with_class_weight(o, weight, "weight", logits, "logits");
+  o = with_class_weight(o, class_weight, "class_weight", logits, "logits");
   check_same_device(lse, "lse", logits);
   check_same_device(row_weight, "row_weight", logits);
   check_same_device(batch, "batch", logits);
@@ -115,14 +106,14 @@ template <class Ctx>
 Tensor lce_shard_stats(const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
                        const OptTensor& class_weight, int64_t vocab_start, int64_t vocab_total, fusedce::Options o,
                        int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored,
-                       bool compute_metrics) {
+                       bool return_metrics) {
   Ctx ctx(hidden, "hidden");
   check_hidden_2d(hidden);
   const fusedce::MatrixView h = linear_matrix_of(hidden, "hidden", "(N, H)");
   check_linear_inputs(hidden, weight, bias, target);
   const fusedce::MatrixView w = linear_matrix_of(weight, "weight", "(V_local, H)");
   o = with_class_weight(o, class_weight, "class_weight", hidden, "hidden");
-  o.compute_metrics = compute_metrics;
+  o.compute_metrics = return_metrics;
   const fusedce::LinearOptions lo = linear_only_options(0, chunk_budget_bytes, low_memory, skip_ignored);
   Tensor stats = at::empty({hidden.size(0) + 1, fusedce::kShardStatsWidth}, hidden.options().dtype(at::kFloat));
   const size_t bytes = fusedce::linear_cross_entropy_shard_workspace_size(1, ctx.device(), h.rows, h.cols, w.rows,

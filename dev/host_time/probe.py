@@ -12,8 +12,25 @@ import torch
 import torch.nn.functional as F
 
 import fusedce
-from fusedce._options import Call, Options
-from fusedce.ops import FusedCrossEntropy
+from fusedce._options import Options
+from fusedce.ops import call_below_autograd
+
+
+class PythonFunctionLoss(torch.autograd.Function):
+    """ce_loss's C++ autograd (torch/autograd.h) written as a Python autograd.Function: the
+    same ops (ce_fwd_bwd, then ce_rescale_ on the private dlogits), two Python frames more."""
+
+    @staticmethod
+    def forward(ctx, x, t, args):
+        loss, *_, dlogits = call_below_autograd(torch.ops.fusedce.ce_fwd_bwd.default, x, t, None, *args, False)
+        ctx.save_for_backward(dlogits)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        (dlogits,) = ctx.saved_tensors
+        torch.ops.fusedce.ce_rescale_(grad.float().contiguous(), dlogits)
+        return dlogits, None, None
 
 
 def per_call_us(fn, n=300):
@@ -39,12 +56,15 @@ def main():
     for n, v in [(64, 262144), (1, 128256), (1, 128), (4096, 32000)]:
         x = (torch.randn(n, v, device=a.device) * 2).to(dt).requires_grad_()
         t = torch.randint(0, v, (n,), device=a.device)
-        call = Call("probe", Options())
-        args = call.options.op_args()
+        args = Options().op_args()
         jobs = {
             "eager fwd+bwd": lambda: F.cross_entropy(x, t).backward(),
-            # The op level: the Python autograd.Function against ce_loss's C++ autograd.
-            "op: Python Function fwd+bwd": lambda: FusedCrossEntropy.apply(x, t, None, call, None)[0].backward(),
+            # The op level: ce_loss's C++ autograd against the same steps in a Python
+            # autograd.Function, and against a formula registered with torch.library.register_autograd
+            # (ce_fwd_bwd's, which scales a copy).
+            "op: Python Function fwd+bwd": lambda: PythonFunctionLoss.apply(x, t, args).backward(),
+            "op: register_autograd fwd+bwd": lambda: torch.ops.fusedce.ce_fwd_bwd.default(x, t, None, *args,
+                                                                                      False)[0].backward(),
             "op: ce_loss fwd+bwd": lambda: torch.ops.fusedce.ce_loss.default(x, t, None, *args, False)[0].backward(),
             "fusedce fwd+bwd": lambda: fusedce.cross_entropy(x, t).backward(),
             "eager fwd (no grad)": lambda: F.cross_entropy(x.detach(), t),

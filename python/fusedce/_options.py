@@ -243,7 +243,7 @@ class Call:
     options: object
     linear: Optional[LinearOptions] = None
     parallel: VocabParallel = SINGLE_DEVICE
-    compute_metrics: bool = False
+    return_metrics: bool = False
     check_targets: bool = False
     inplace_backward: bool = False
     strict: bool = False
@@ -251,19 +251,19 @@ class Call:
     return_entropy: bool = False
 
     @classmethod
-    def of(cls, where, options, linear=None, parallel=SINGLE_DEVICE, compute_metrics=False,
+    def of(cls, where, options, linear=None, parallel=SINGLE_DEVICE, return_metrics=False,
            check_targets=False, inplace_backward=False, strict=False, keep_logits=False,
            return_entropy=False):
         """The Call of these objects and flags, the same object again for the same ones (every
         call of a training loop builds the same one): found by the identities of options, linear
         and parallel and the flags' values, and checked to hold those very objects."""
-        key = (where, id(options), id(linear), id(parallel), compute_metrics, check_targets,
+        key = (where, id(options), id(linear), id(parallel), return_metrics, check_targets,
                inplace_backward, strict, keep_logits, return_entropy)
         known = _CALLS.get(key)
         if (known is not None and known.options is options and known.linear is linear
                 and known.parallel is parallel):
             return known
-        call = cls(where, options, linear, parallel, compute_metrics, check_targets, inplace_backward,
+        call = cls(where, options, linear, parallel, return_metrics, check_targets, inplace_backward,
                    strict, keep_logits, return_entropy)
         if len(_CALLS) >= _CHECKED_MAX:
             _CALLS.clear()
@@ -307,7 +307,7 @@ LINEAR_NAMES = tuple(field.name for field in dataclasses.fields(LinearOptions))
 
 def linear_options_in(at, args):
     """(args before the options, Options, LinearOptions, args after both) of the arguments `args`
-    of an lce op (lce_fwd, lce_fwd_bwd and their out variants), whose options start at `at`."""
+    of an lce op (lce_fwd, lce_fwd_bwd), whose options start at `at`."""
     before, options, after = options_in(at, args)
     return before, options, LinearOptions(*after[:len(LINEAR_NAMES)]), after[len(LINEAR_NAMES):]
 

@@ -287,13 +287,13 @@ def _decode_layout(gathered, world, n):
              int(r[5]) * b + int(r[6]), int(r[7])) for r in rows]
 
 
-def _merge_shards(stats, target, weight, shard, call):
+def _merge_shards(stats, target, class_weight, shard, call):
     """Step 2 of the core: the one all-gather of the shard statistics (gather_checked), then
     the rank-order merge (the same bits on every rank). Returns loss, lse, num_correct,
     entropy_sum, row_weight, batch."""
     gathered = gather_checked(stats, target, shard, call.parallel, call.where)
-    return ops.ce_shard_merge(gathered, target, weight, *shard.op_args(), *call.options.op_args(),
-                              call.compute_metrics)
+    return ops.ce_shard_merge(gathered, target, class_weight, *shard.op_args(), *call.options.op_args(),
+                              call.return_metrics)
 
 
 def gather_checked(stats, target, shard, parallel, where):
@@ -382,17 +382,17 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     """Forward: shard statistics, one all-gather, merge (loss, lse, metrics identical on every
     rank). Backward: this rank's dlogits from the merged lse; no communication.
 
-    Arguments: logits (N, V_local), target (N,) global indices, weight (V_local,) or None, the
+    Arguments: logits (N, V_local), target (N,) global indices, class_weight (V_local,) or None, the
     call (a Call with its VocabParallel), this rank's ShardSpec. Returns loss, lse, num_correct,
     entropy_sum (only the loss is differentiable).
     """
 
     @staticmethod
-    def forward(ctx, logits, target, weight, call, shard):
-        stats = ops.ce_shard_stats(logits, target, weight, *shard.op_args(), *call.options.op_args(),
-                                   call.compute_metrics)
-        loss, lse, num_correct, entropy_sum, row_weight, batch = _merge_shards(stats, target, weight, shard, call)
-        ctx.save_for_backward(logits, target, weight, lse, row_weight, batch)
+    def forward(ctx, logits, target, class_weight, call, shard):
+        stats = ops.ce_shard_stats(logits, target, class_weight, *shard.op_args(), *call.options.op_args(),
+                                   call.return_metrics)
+        loss, lse, num_correct, entropy_sum, row_weight, batch = _merge_shards(stats, target, class_weight, shard, call)
+        ctx.save_for_backward(logits, target, class_weight, lse, row_weight, batch)
         ctx.call, ctx.shard = call, shard
         ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
         ctx.set_materialize_grads(False)
@@ -402,13 +402,13 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, *unused):
         grad = None
         if grad_loss is not None and ctx.needs_input_grad[0]:
-            logits, target, weight, lse, row_weight, batch = ctx.saved_tensors
-            grad = ops.ce_shard_bwd(logits, target, weight, lse, row_weight, batch, _upstream(grad_loss),
+            logits, target, class_weight, lse, row_weight, batch = ctx.saved_tensors
+            grad = ops.ce_shard_bwd(logits, target, class_weight, lse, row_weight, batch, _upstream(grad_loss),
                                     *ctx.shard.op_args(), *ctx.call.options.op_args())
-        return grad, None, None, None, None  # nothing for target, weight, call, shard
+        return grad, None, None, None, None  # nothing for target, class_weight, call, shard
 
 
-def cross_entropy_rows(x, target, weight, call):
+def cross_entropy_rows(x, target, class_weight, call):
     """The vocabulary-parallel path of fusedce.cross_entropy, after its argument checks: x is
     (N, V_local) with unit stride along V, target (N,), `call` a Call with its VocabParallel.
     Returns loss, lse, num_correct, entropy_sum as the single-device ops do. With
@@ -417,9 +417,9 @@ def cross_entropy_rows(x, target, weight, call):
     if call.check_targets:
         check_target_values(target, shard.vocab_total, call.options.ignore_index, call.where)
     if torch.is_grad_enabled() and x.requires_grad:
-        return VocabParallelCrossEntropy.apply(x, target, weight, call, shard)
-    stats = ops.ce_shard_stats(x, target, weight, *shard.op_args(), *call.options.op_args(), call.compute_metrics)
-    loss, lse, num_correct, entropy_sum, _, _ = _merge_shards(stats, target, weight, shard, call)
+        return VocabParallelCrossEntropy.apply(x, target, class_weight, call, shard)
+    stats = ops.ce_shard_stats(x, target, class_weight, *shard.op_args(), *call.options.op_args(), call.return_metrics)
+    loss, lse, num_correct, entropy_sum, _, _ = _merge_shards(stats, target, class_weight, shard, call)
     return loss, lse, num_correct, entropy_sum
 
 
@@ -441,7 +441,7 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, call, shard):
         stats = ops.lce_shard_stats(hidden, weight, bias, target, class_weight, *shard.op_args(),
-                                    *call.options.op_args(), *call.linear.shard_op_args(), call.compute_metrics)
+                                    *call.options.op_args(), *call.linear.shard_op_args(), call.return_metrics)
         loss, lse, num_correct, entropy_sum, row_weight, batch = _merge_shards(
             stats, target, class_weight, shard, call)
         ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse, row_weight, batch)
@@ -498,7 +498,7 @@ def _linear_shard_rows(h, w, bias, t, class_weight, call, shard):
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (h, w, bias)):
         return VocabParallelLinearCrossEntropy.apply(h, w, bias, t, class_weight, call, shard)
     stats = ops.lce_shard_stats(h, w, bias, t, class_weight, *shard.op_args(), *call.options.op_args(),
-                                *call.linear.shard_op_args(), call.compute_metrics)
+                                *call.linear.shard_op_args(), call.return_metrics)
     loss, lse, num_correct, entropy_sum, _, _ = _merge_shards(stats, t, class_weight, shard, call)
     return loss, lse, num_correct, entropy_sum
 

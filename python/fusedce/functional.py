@@ -15,7 +15,7 @@ from . import distributed, dtensor
 from ._checks import check_cuda_build, check_same_device, check_target_values, check_tensor, unit_stride_vector
 from ._options import Call, Options, VocabParallel
 from ._router import route
-from .ops import FusedCrossEntropy, InplaceWrite, Overwritten, ops
+from .ops import InplaceCrossEntropy, InplaceWrite, Overwritten, ops
 
 _NAME = "fusedce.cross_entropy"
 
@@ -38,7 +38,7 @@ def _results(out, call, shape):
     loss, lse, num_correct, entropy_sum = out
     if call.options.reduction == "none":
         loss = loss.view(shape)
-    if call.compute_metrics:
+    if call.return_metrics:
         return loss, {"num_correct_tokens": num_correct, "entropy_sum": entropy_sum, "lse": lse}
     return loss
 
@@ -164,7 +164,7 @@ def cross_entropy(logits, target, weight=None, *, ignore_index=-100, reduction="
         return Call.of(_NAME, Options.checked(_NAME, ignore_index=ignore_index, reduction=reduction,
                                               label_smoothing=label_smoothing, logit_scale=logit_scale,
                                               softcap=softcap, z_loss=z_loss),
-                       parallel=parallel, compute_metrics=bool(return_metrics), check_targets=bool(check_targets),
+                       parallel=parallel, return_metrics=bool(return_metrics), check_targets=bool(check_targets),
                        inplace_backward=bool(inplace_backward), strict=bool(strict))
 
     return route(_NAME, functools.partial(_cross_entropy, call_of), (logits, target, weight),
@@ -226,12 +226,12 @@ def _cross_entropy(call_of, logits, target, weight, parallel):
                 and not torch.compiler.is_compiling()):
             Overwritten.check(x, _NAME)
             write = InplaceWrite()
-            out = FusedCrossEntropy.apply(x, t, weight, call, write)
+            out = InplaceCrossEntropy.apply(x, t, weight, call, write)
             Overwritten.apply(x)
             write.version = x._version
         else:
             # With or without grad: the loss's autograd is ce_loss's own, in C++ (torch/autograd.h).
-            out = ops.ce_loss.default(x, t, weight, *call.options.op_args(), call.compute_metrics)
+            out = ops.ce_loss.default(x, t, weight, *call.options.op_args(), call.return_metrics)
     return _results(out, call, target.shape)
 
 
@@ -241,7 +241,7 @@ def _pytorch_cross_entropy(logits, target, weight, class_dim, call):
     applied around it by the contract's formulas (docs/contract.md, "Per-row loss") in the
     logits' dtype. With only PyTorch's options the result is F.cross_entropy's, bit for bit."""
     ignore_index, reduction, label_smoothing, logit_scale, softcap, z_loss = call.options.op_args()
-    return_metrics = call.compute_metrics
+    return_metrics = call.return_metrics
     probabilities = class_dim is None
     if return_metrics and probabilities:
         raise ValueError(f"{_NAME}: return_metrics needs class-index targets")

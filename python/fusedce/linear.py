@@ -133,7 +133,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, *, class_weight=None
                                               softcap=softcap, z_loss=z_loss),
                        LinearOptions.checked(_NAME, hidden, shift=shift, chunk_budget_bytes=chunk_budget_bytes,
                                              low_memory=low_memory, skip_ignored=skip_ignored),
-                       parallel, compute_metrics=bool(return_metrics), check_targets=bool(check_targets))
+                       parallel, return_metrics=bool(return_metrics), check_targets=bool(check_targets))
 
     return route(_NAME, functools.partial(_linear_cross_entropy, call_of),
                  (hidden, weight, target, bias, class_weight),
@@ -173,7 +173,7 @@ def _linear_cross_entropy(call_of, hidden, weight, target, bias, class_weight, p
             out = FusedLinearCrossEntropy.apply(h, w, b, t, class_weight, call, needs)
         else:
             out = call_below_autograd(ops.lce_fwd.default, h, w, b, t, class_weight, *call.options.op_args(),
-                                      *call.linear.op_args(), call.compute_metrics)
+                                      *call.linear.op_args(), call.return_metrics)
     return _results(out, call, target.shape)
 
 

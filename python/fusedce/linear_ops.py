@@ -1,6 +1,6 @@
 """Fake (meta) kernels and autograd formulas for the fused linear cross-entropy ops of
-torch/registry.h (``lce_fwd``, ``lce_fwd_bwd`` and their ``_out`` variants), and the autograd
-Function behind :func:`fusedce.linear_cross_entropy`.
+torch/registry.h (``lce_fwd``, ``lce_fwd_bwd``), and the autograd Function behind
+:func:`fusedce.linear_cross_entropy`.
 
 As in ops.py, nothing here computes anything: the loss and every gradient come from the core.
 When the inputs require grad, the core forms the gradients in the same pass as the loss (for an
@@ -28,10 +28,10 @@ _NUM_ARGS_FWD = len(ops.lce_fwd.default._schema.arguments)
 _NUM_ARGS_FWD_BWD = len(ops.lce_fwd_bwd.default._schema.arguments)
 
 
-def _forward_outputs(hidden, reduction, compute_metrics):
+def _forward_outputs(hidden, reduction, return_metrics):
     """loss, lse, num_correct, entropy_sum as the functional lce ops allocate them."""
     n = hidden.shape[0]
-    metrics_shape = () if compute_metrics else (0,)
+    metrics_shape = () if return_metrics else (0,)
     return (
         hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32),
         hidden.new_empty((n,), dtype=torch.float32),
@@ -53,14 +53,14 @@ def _check_fake_inputs(hidden, weight, target):
 
 
 @register_fake("lce_fwd")
-def _lce_fwd_fake(hidden, weight, bias, target, class_weight, options, linear, compute_metrics):
+def _lce_fwd_fake(hidden, weight, bias, target, class_weight, options, linear, return_metrics):
     _check_fake_inputs(hidden, weight, target)
-    return _forward_outputs(hidden, options.reduction, compute_metrics)
+    return _forward_outputs(hidden, options.reduction, return_metrics)
 
 
 @register_fake("lce_fwd_bwd")
 def _lce_fwd_bwd_fake(hidden, weight, bias, target, class_weight, options, linear, grad_loss,
-                      compute_metrics, need_grad_hidden, need_grad_weight, need_grad_bias):
+                      return_metrics, need_grad_hidden, need_grad_weight, need_grad_bias):
     _check_fake_inputs(hidden, weight, target)
     torch._check(not need_grad_bias or bias is not None,
                  lambda: "fusedce: need_grad_bias is set but bias is not given")
@@ -69,19 +69,7 @@ def _lce_fwd_bwd_fake(hidden, weight, bias, target, class_weight, options, linea
         weight.new_empty(weight.shape) if need_grad_weight else hidden.new_empty((0,)),
         bias.new_empty(bias.shape) if need_grad_bias else hidden.new_empty((0,)),
     )
-    return (*_forward_outputs(hidden, options.reduction, compute_metrics), *grads)
-
-
-@register_fake("lce_fwd_out")
-def _lce_fwd_out_fake(hidden, weight, bias, target, class_weight, options, linear, loss, lse, num_correct,
-                      entropy_sum):
-    _check_fake_inputs(hidden, weight, target)
-
-
-@register_fake("lce_fwd_bwd_out")
-def _lce_fwd_bwd_out_fake(hidden, weight, bias, target, class_weight, options, linear, grad_loss, loss, lse,
-                          num_correct, entropy_sum, grad_hidden, grad_weight, grad_bias):
-    _check_fake_inputs(hidden, weight, target)
+    return (*_forward_outputs(hidden, options.reduction, return_metrics), *grads)
 
 
 # ---- autograd of the functional ops --------------------------------------------------------
@@ -157,7 +145,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     the backward calls ``lce_fwd_bwd`` with the per-row upstream gradient.
 
     Arguments: hidden (N, H), weight, bias, target (N,), class_weight, the call (a Call: its
-    options, linear options and compute_metrics), needs (whether hidden, weight and bias each
+    options, linear options and return_metrics), needs (whether hidden, weight and bias each
     need their gradient). Returns loss, lse, num_correct, entropy_sum (only the loss is
     differentiable).
     """
@@ -170,12 +158,12 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         if ctx.fused:
             loss, lse, num_correct, entropy_sum, grad_h, grad_w, grad_b = call_below_autograd(
                 ops.lce_fwd_bwd.default, *tensors, *call.options.op_args(), *call.linear.op_args(), None,
-                call.compute_metrics, *needs)
+                call.return_metrics, *needs)
             ctx.save_for_backward(grad_h, grad_w, grad_b)
         else:
             loss, lse, num_correct, entropy_sum = call_below_autograd(
                 ops.lce_fwd.default, *tensors, *call.options.op_args(), *call.linear.op_args(),
-                call.compute_metrics)
+                call.return_metrics)
             ctx.save_for_backward(*tensors)
         ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
         ctx.set_materialize_grads(False)

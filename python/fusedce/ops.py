@@ -3,24 +3,28 @@
 The ops themselves (schemas, CPU and CUDA kernels) live in the C++ extension; this module only
 tells torch.compile the shapes of their outputs and tells autograd how to differentiate them.
 Nothing here computes anything: gradients come from the core, formed during the forward sweep
-(``ce_fwd_bwd``) or from the saved log-sum-exp (``ce_bwd``), and are scaled by the upstream
-gradient with ``ce_rescale_``.
+(``ce_fwd_bwd``, ``ce_fwd_bwd_``), and are scaled by the upstream gradient with ``ce_rescale_``.
 
-Argument order shared by every op (see torch/registry.h): logits (N, V), target (N,), weight (V,)
-or None, the options (Options.op_args(): ignore_index, reduction, label_smoothing,
-logit_scale, softcap (0 = off), z_loss). The fake kernels take the options as one Options.
+Argument order shared by every op (see torch/registry.h): logits (N, V), target (N,),
+class_weight (V,) or None, the options (Options.op_args(): ignore_index, reduction,
+label_smoothing, logit_scale, softcap (0 = off), z_loss), return_metrics. The fake kernels take
+the options as one Options.
+
+Where each op's autograd lives (docs/architecture.md, "Autograd"): ``ce_fwd_bwd``'s formula is
+registered here, beside its fake kernel; ``ce_loss``'s is C++ (torch/autograd.h), for host time;
+``ce_fwd_bwd_`` writes over its input, which torch.library.register_autograd does not take, so
+fusedce.cross_entropy's in-place path is the autograd.Function ``InplaceCrossEntropy`` below.
 """
 
 import torch
 
 from . import _library
-from ._options import options_in, options_position, register_fake
+from ._options import register_fake
 
 ops = _library.ops()
 
-# Arguments of ce_fwd / ce_fwd_bwd: logits, target, weight, the options, compute_metrics.
-_NUM_ARGS_FWD = len(ops.ce_fwd.default._schema.arguments)
-_OPTIONS_AT = options_position(ops.ce_fwd.default._schema)
+# Arguments of ce_fwd_bwd: logits, target, class_weight, the options, return_metrics.
+_NUM_ARGS_FWD_BWD = len(ops.ce_fwd_bwd.default._schema.arguments)
 
 _below_autograd = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
 
@@ -29,8 +33,9 @@ def call_below_autograd(overload, *args):
     """``overload(*args)`` past the autograd dispatch key, for a call that builds no graph: no
     input requires grad, or it runs inside an autograd.Function's forward. The ops' autograd
     kernels (register_autograd below) are Python and cost host time on every call, graph or
-    not, which is what a small GPU problem waits for (docs/performance.md, "Host time"). Traced under torch.compile, the plain call (a context manager
-    there is a graph break, and the trace has no autograd cost)."""
+    not, which is what a small GPU problem waits for (docs/performance.md, "Host time").
+    Traced under torch.compile, the plain call (a context manager there is a graph break, and
+    the trace has no autograd cost)."""
     if _below_autograd is None or torch.compiler.is_compiling():
         return overload(*args)
     with _below_autograd():
@@ -41,10 +46,10 @@ def _loss_shape(logits, reduction):
     return (logits.shape[0],) if reduction == "none" else ()
 
 
-def _empty_outputs(logits, reduction, compute_metrics):
+def _empty_outputs(logits, reduction, return_metrics):
     """loss, lse, num_correct, entropy_sum as the functional ops allocate them (torch/ops.h)."""
     n = logits.shape[0]
-    metrics_shape = () if compute_metrics else (0,)
+    metrics_shape = () if return_metrics else (0,)
     return (
         logits.new_empty(_loss_shape(logits, reduction), dtype=torch.float32),
         logits.new_empty((n,), dtype=torch.float32),
@@ -64,48 +69,22 @@ def _check_fake_inputs(logits, target):
 # ---- fake kernels: shapes and dtypes only --------------------------------------------------
 
 
-@register_fake("ce_fwd")
-def _ce_fwd_fake(logits, target, weight, options, compute_metrics):
-    _check_fake_inputs(logits, target)
-    return _empty_outputs(logits, options.reduction, compute_metrics)
-
-
 @register_fake("ce_loss")
-def _ce_loss_fake(logits, target, weight, options, compute_metrics):
+def _ce_loss_fake(logits, target, class_weight, options, return_metrics):
     _check_fake_inputs(logits, target)
-    return _empty_outputs(logits, options.reduction, compute_metrics)
+    return _empty_outputs(logits, options.reduction, return_metrics)
 
 
 @register_fake("ce_fwd_bwd")
-def _ce_fwd_bwd_fake(logits, target, weight, options, compute_metrics):
+def _ce_fwd_bwd_fake(logits, target, class_weight, options, return_metrics):
     _check_fake_inputs(logits, target)
-    return (*_empty_outputs(logits, options.reduction, compute_metrics), logits.new_empty(logits.shape))
+    return (*_empty_outputs(logits, options.reduction, return_metrics), logits.new_empty(logits.shape))
 
 
-@register_fake("ce_bwd")
-def _ce_bwd_fake(logits, target, weight, lse, grad_loss, options):
+@register_fake("ce_fwd_bwd_")
+def _ce_fwd_bwd_inplace_fake(logits, target, class_weight, options, return_metrics):
     _check_fake_inputs(logits, target)
-    return logits.new_empty(logits.shape)
-
-
-@register_fake("ce_fwd_out")
-def _ce_fwd_out_fake(logits, target, weight, options, loss, lse, num_correct, entropy_sum):
-    _check_fake_inputs(logits, target)
-
-
-@register_fake("ce_fwd_bwd_out")
-def _ce_fwd_bwd_out_fake(logits, target, weight, options, loss, lse, num_correct, entropy_sum, dlogits):
-    _check_fake_inputs(logits, target)
-
-
-@register_fake("ce_fwd_bwd_inplace")
-def _ce_fwd_bwd_inplace_fake(logits, target, weight, options, loss, lse, num_correct, entropy_sum):
-    _check_fake_inputs(logits, target)
-
-
-@register_fake("ce_bwd_out")
-def _ce_bwd_out_fake(logits, target, weight, lse, grad_loss, options, dlogits):
-    _check_fake_inputs(logits, target)
+    return _empty_outputs(logits, options.reduction, return_metrics)
 
 
 @torch.library.register_fake(_library.qualified("ce_rescale_"))
@@ -142,40 +121,21 @@ def _setup_ce_fwd_bwd(ctx, inputs, output):
 
 def _backward_ce_fwd_bwd(ctx, grad_loss, *unused):
     # The op returned dlogits to its caller, so its formula scales a copy. fusedce.cross_entropy
-    # does not go through here: FusedCrossEntropy keeps dlogits private and scales it in place.
+    # does not go through here: ce_loss keeps dlogits private and scales it in place.
     grad = None
     if grad_loss is not None and ctx.needs_input_grad[0]:
         (dlogits,) = ctx.saved_tensors
         grad = dlogits.clone()
         ops.ce_rescale_(_upstream(grad_loss), grad)
-    return (grad, *(None,) * (_NUM_ARGS_FWD - 1))  # nothing for the op's other arguments
+    return (grad, *(None,) * (_NUM_ARGS_FWD_BWD - 1))  # nothing for the op's other arguments
 
 
 torch.library.register_autograd(_library.qualified("ce_fwd_bwd"), _backward_ce_fwd_bwd,
                                 setup_context=_setup_ce_fwd_bwd)
 
 
-def _setup_ce_fwd(ctx, inputs, output):
-    (logits, target, weight), ctx.options, _ = options_in(_OPTIONS_AT, inputs)
-    loss, lse, num_correct, entropy_sum = output
-    ctx.save_for_backward(logits, target, weight, lse)
-    ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
-    ctx.set_materialize_grads(False)
-
-
-def _backward_ce_fwd(ctx, grad_loss, *unused):
-    grad = None
-    if grad_loss is not None and ctx.needs_input_grad[0]:
-        logits, target, weight, lse = ctx.saved_tensors
-        grad = ops.ce_bwd(logits, target, weight, lse, _upstream(grad_loss), *ctx.options.op_args())
-    return (grad, *(None,) * (_NUM_ARGS_FWD - 1))  # nothing for the op's other arguments
-
-
-torch.library.register_autograd(_library.qualified("ce_fwd"), _backward_ce_fwd, setup_context=_setup_ce_fwd)
-
-
 class InplaceWrite:
-    """What ``FusedCrossEntropy`` (inplace) and ``Overwritten`` share about logits overwritten
+    """What ``InplaceCrossEntropy`` and ``Overwritten`` share about logits overwritten
     with their gradient: their version counter once autograd has been told of the write
     (``mark_dirty`` bumps it), which the loss's backward expects to find unchanged."""
 
@@ -185,44 +145,36 @@ class InplaceWrite:
         self.version = None
 
 
-class FusedCrossEntropy(torch.autograd.Function):
-    """The training path of fusedce.cross_entropy: one sweep forms the loss and dlogits for an
-    upstream gradient of 1 (``ce_fwd_bwd``, or ``ce_fwd_bwd_inplace`` over the logits themselves
-    with ``inplace`` given); dlogits never leaves this function, so the backward scales it in
-    place by the upstream gradient (``ce_rescale_``: rows whose factor is 1 are not touched) and
-    hands it on. Only when the graph is kept for another backward is a copy scaled instead.
+class InplaceCrossEntropy(torch.autograd.Function):
+    """fusedce.cross_entropy(inplace_backward=True): one sweep forms the loss and writes the
+    gradient for an upstream gradient of 1 over the logits (``ce_fwd_bwd_``); the backward scales
+    it in place by the upstream gradient (``ce_rescale_``: rows whose factor is 1 are not
+    touched) and hands it on. Only when the graph is kept for another backward is a copy scaled
+    instead.
 
-    Under torch.compile the in-place scaling of the saved dlogits is functionalised, and inductor
-    writes it back into the same buffer. ``inplace`` mutates a differentiable input, which a
-    compiled graph cannot differentiate; fusedce.cross_entropy uses it in eager mode only.
+    An autograd.Function rather than a formula registered with the op: the op mutates a
+    differentiable input, which torch.library.register_autograd does not take and a compiled
+    graph cannot differentiate; fusedce.cross_entropy uses it in eager mode only.
 
-    In place, the caller follows this function with ``Overwritten.apply(logits)`` so that
-    autograd knows of the mutation: this function cannot mark the logits dirty itself, because a
-    function that mutates a view (the usual case: (B, S, V) logits viewed as (N, V)) may return
-    only one tensor. Marking them dirty bumps their version, so the logits are kept on ctx rather
-    than through save_for_backward, and the backward checks their version against the one
-    recorded in ``inplace`` (an InplaceWrite) after the marking: any later in-place change of
-    the gradient they hold is refused as autograd refuses it for saved tensors.
+    The caller follows this function with ``Overwritten.apply(logits)`` so that autograd knows of
+    the mutation: this function cannot mark the logits dirty itself, because a function that
+    mutates a view (the usual case: (B, S, V) logits viewed as (N, V)) may return only one
+    tensor. Marking them dirty bumps their version, so the logits are kept on ctx rather than
+    through save_for_backward, and the backward checks their version against the one recorded in
+    ``write`` (an InplaceWrite) after the marking: any later in-place change of the gradient they
+    hold is refused as autograd refuses it for saved tensors.
 
-    Arguments: logits, target, weight, the call (a Call: its options and compute_metrics),
-    inplace (None, or an InplaceWrite to write over the logits). Returns loss, lse, num_correct, entropy_sum (only
-    the loss is differentiable).
+    Arguments: logits, target, class_weight, the call (a Call: its options and return_metrics),
+    write (an InplaceWrite). Returns loss, lse, num_correct, entropy_sum (only the loss is
+    differentiable).
     """
 
     @staticmethod
-    def forward(ctx, logits, target, weight, call, inplace):
-        ctx.inplace = inplace
-        options, compute_metrics = call.options, call.compute_metrics
-        if inplace is not None:
-            loss, lse, num_correct, entropy_sum = _empty_outputs(logits, options.reduction, compute_metrics)
-            ops.ce_fwd_bwd_inplace(logits, target, weight, *options.op_args(), loss, lse,
-                                   num_correct if compute_metrics else None,
-                                   entropy_sum if compute_metrics else None)
-            ctx.dlogits = logits  # now holds the gradient
-        else:
-            loss, lse, num_correct, entropy_sum, dlogits = call_below_autograd(
-                ops.ce_fwd_bwd.default, logits, target, weight, *options.op_args(), compute_metrics)
-            ctx.save_for_backward(dlogits)
+    def forward(ctx, logits, target, class_weight, call, write):
+        ctx.write = write
+        loss, lse, num_correct, entropy_sum = call_below_autograd(
+            ops.ce_fwd_bwd_.default, logits, target, class_weight, *call.options.op_args(), call.return_metrics)
+        ctx.dlogits = logits  # now holds the gradient
         ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
         ctx.set_materialize_grads(False)
         return loss, lse, num_correct, entropy_sum
@@ -232,31 +184,28 @@ class FusedCrossEntropy(torch.autograd.Function):
         grad = None
         if grad_loss is not None and ctx.needs_input_grad[0]:
             kept = _graph_is_kept()
-            if ctx.inplace is not None:
-                dlogits = ctx.dlogits
-                if dlogits is None:
-                    raise RuntimeError("fusedce.cross_entropy: trying to backward through the graph "
-                                       "a second time; specify retain_graph=True the first time")
-                if dlogits._version != ctx.inplace.version:
-                    raise RuntimeError(
-                        "one of the variables needed for gradient computation has been modified "
-                        f"by an inplace operation: the {list(dlogits.shape)} logits that "
-                        "fusedce.cross_entropy(inplace_backward=True) overwrote with their "
-                        f"gradient are at version {dlogits._version}; expected version "
-                        f"{ctx.inplace.version} instead")
-                if not kept:
-                    ctx.dlogits = None  # as save_for_backward frees a saved tensor
-            else:
-                (dlogits,) = ctx.saved_tensors
+            dlogits = ctx.dlogits
+            if dlogits is None:
+                raise RuntimeError("fusedce.cross_entropy: trying to backward through the graph "
+                                   "a second time; specify retain_graph=True the first time")
+            if dlogits._version != ctx.write.version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified "
+                    f"by an inplace operation: the {list(dlogits.shape)} logits that "
+                    "fusedce.cross_entropy(inplace_backward=True) overwrote with their "
+                    f"gradient are at version {dlogits._version}; expected version "
+                    f"{ctx.write.version} instead")
             if kept:
                 dlogits = dlogits.clone()
+            else:
+                ctx.dlogits = None  # as save_for_backward frees a saved tensor
             ops.ce_rescale_(_upstream(grad_loss), dlogits)
             grad = dlogits
-        return grad, None, None, None, None  # nothing for target, weight, call, inplace
+        return grad, None, None, None, None  # nothing for target, class_weight, call, write
 
 
 class Overwritten(torch.autograd.Function):
-    """Marks logits that ``FusedCrossEntropy`` (in place) has just overwritten with their
+    """Marks logits that ``InplaceCrossEntropy`` has just overwritten with their
     gradient as modified in place (``ctx.mark_dirty``), so that autograd treats them as any
     in-place op's output: their history becomes this function, whose backward raises, because
     the values they now hold (the gradient of the loss) are not differentiable here; a view's

@@ -2,13 +2,14 @@
 
 The ops (``ce_shard_stats``, ``ce_shard_merge``, ``ce_shard_bwd``, and the linear form's
 ``lce_shard_stats`` and ``lce_shard_bwd``) are the steps of fusedce/vocab_parallel.h;
-python/fusedce/distributed.py strings them together with the collectives between them. They have no autograd formula: the autograd.Functions of
-distributed.py call ``ce_shard_bwd`` in their backward, because a gradient needs the merged
-statistics of every rank, which no single op sees.
+python/fusedce/distributed.py strings them together with the collectives between them. They
+have no autograd formula: the autograd.Functions of distributed.py call ``ce_shard_bwd`` in
+their backward, because a gradient needs the merged statistics of every rank, which no single
+op sees.
 
-Arguments shared by the three: target (N,) of global class indices, weight (V_local,) or None,
-vocab_start, vocab_total, then the options (docs/contract.md, "Options") as in ops.py; the fake
-kernels take them as one Options.
+Arguments shared by the three: target (N,) of global class indices, class_weight (V_local,) or
+None, vocab_start, vocab_total, then the options (docs/contract.md, "Options") as in ops.py; the
+fake kernels take them as one Options.
 """
 
 import torch
@@ -28,19 +29,19 @@ def _check_rows(logits, target):
 
 
 @register_fake("ce_shard_stats")
-def _ce_shard_stats_fake(logits, target, weight, vocab_start, vocab_total, options, compute_metrics):
+def _ce_shard_stats_fake(logits, target, class_weight, vocab_start, vocab_total, options, return_metrics):
     _check_rows(logits, target)
     return logits.new_empty((logits.shape[0] + 1, STATS_WIDTH), dtype=torch.float32)
 
 
 @register_fake("ce_shard_merge")
-def _ce_shard_merge_fake(gathered, target, weight, vocab_start, vocab_total, options, compute_metrics):
+def _ce_shard_merge_fake(gathered, target, class_weight, vocab_start, vocab_total, options, return_metrics):
     n = target.shape[0]
     torch._check(gathered.dim() == 2 and gathered.shape[1] == STATS_WIDTH,
                  lambda: f"fusedce: gathered must be (world * (N + 1), {STATS_WIDTH})")
     torch._check(gathered.shape[0] % (n + 1) == 0,
                  lambda: "fusedce: gathered must have world * (N + 1) rows")
-    metrics_shape = () if compute_metrics else (0,)
+    metrics_shape = () if return_metrics else (0,)
     f32 = dict(dtype=torch.float32)
     return (
         gathered.new_empty((n,) if options.reduction == "none" else (), **f32),
@@ -53,7 +54,7 @@ def _ce_shard_merge_fake(gathered, target, weight, vocab_start, vocab_total, opt
 
 
 @register_fake("ce_shard_bwd")
-def _ce_shard_bwd_fake(logits, target, weight, lse, row_weight, batch, grad_loss, vocab_start, vocab_total,
+def _ce_shard_bwd_fake(logits, target, class_weight, lse, row_weight, batch, grad_loss, vocab_start, vocab_total,
                        options):
     _check_rows(logits, target)
     return logits.new_empty(logits.shape)
@@ -70,7 +71,7 @@ def _check_linear_rows(hidden, weight, target):
 
 @register_fake("lce_shard_stats")
 def _lce_shard_stats_fake(hidden, weight, bias, target, class_weight, vocab_start, vocab_total, options,
-                          chunk_budget_bytes, low_memory, skip_ignored, compute_metrics):
+                          chunk_budget_bytes, low_memory, skip_ignored, return_metrics):
     _check_linear_rows(hidden, weight, target)
     return hidden.new_empty((hidden.shape[0] + 1, STATS_WIDTH), dtype=torch.float32)
 

@@ -190,7 +190,7 @@ def test_check_targets_names_the_first_bad_entry(device, monkeypatch):
     t[1, 2], t[1, 4] = 11, -3
     h, w = torch.randn(2, 5, 8, device=device), torch.randn(11, 8, device=device)
     monkeypatch.setattr(functional, "ops", _NoOps(no_op))
-    monkeypatch.setattr(functional.FusedCrossEntropy, "apply", no_op)
+    monkeypatch.setattr(functional.InplaceCrossEntropy, "apply", no_op)
     monkeypatch.setattr(linear, "call_below_autograd", no_op)
     monkeypatch.setattr(linear.FusedLinearCrossEntropy, "apply", no_op)
     message = r"target\[7\] = 11 is out of range \[0, 11\) and is not ignore_index \(-100\)"
@@ -296,9 +296,9 @@ def test_device_mismatch_cuda():
     with pytest.raises(ValueError, match="target is on cuda"):
         fusedce.cross_entropy(x, t.cuda())
     with pytest.raises(ValueError, match="logits is on cpu but another argument is on a CUDA"):
-        ops.ce_fwd(x, t.cuda(), None, -100, "mean", 0.0, 1.0, 0.0, 0.0, False)
-    with pytest.raises(ValueError, match="weight is on cpu but logits are on cuda"):
-        ops.ce_fwd(x.cuda(), t.cuda(), torch.ones(11), -100, "mean", 0.0, 1.0, 0.0, 0.0, False)
+        ops.ce_loss(x, t.cuda(), None, -100, "mean", 0.0, 1.0, 0.0, 0.0, False)
+    with pytest.raises(ValueError, match="class_weight is on cpu but logits are on cuda"):
+        ops.ce_loss(x.cuda(), t.cuda(), torch.ones(11), -100, "mean", 0.0, 1.0, 0.0, 0.0, False)
 
 
 @requires_cuda
@@ -315,25 +315,17 @@ def test_ops_check_their_arguments():
     x, t = _ok()
     o = (-100, "mean", 0.0, 1.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="logits must be 2-D"):
-        ops.ce_fwd(x[None], t, None, *o, False)
+        ops.ce_loss(x[None], t, None, *o, False)
     with pytest.raises(ValueError, match="reduction must be 'none', 'sum' or 'mean'"):
-        ops.ce_fwd(x, t, None, -100, "avg", 0.0, 1.0, 0.0, 0.0, False)
+        ops.ce_loss(x, t, None, -100, "avg", 0.0, 1.0, 0.0, 0.0, False)
     with pytest.raises(ValueError, match="target must be 1-D with one entry per row"):
-        ops.ce_fwd(x, t[:3], None, *o, False)
-    with pytest.raises(ValueError, match="weight must be float32"):
-        ops.ce_fwd(x, t, torch.ones(11, dtype=torch.float64), *o, False)
+        ops.ce_loss(x, t[:3], None, *o, False)
+    with pytest.raises(ValueError, match="class_weight must be float32"):
+        ops.ce_loss(x, t, torch.ones(11, dtype=torch.float64), *o, False)
+    with pytest.raises(ValueError, match="class_weight must be 1-D"):
+        ops.ce_fwd_bwd(x, t, torch.ones(1, 11), *o, False)
     with pytest.raises(ValueError, match="unit stride along its last dimension"):
-        ops.ce_fwd(torch.randn(11, 6).t(), t, None, *o, False)
-    loss, lse = torch.empty(()), torch.empty(6)
-    with pytest.raises(ValueError, match="dlogits must have the logits' shape"):
-        ops.ce_fwd_bwd_out(x, t, None, *o, loss, lse, None, None, torch.empty(6, 10))
-    with pytest.raises(ValueError, match="dlogits partly overlaps logits"):
-        buf = torch.randn(7, 11)
-        ops.ce_fwd_bwd_out(buf[:6], t, None, *o, loss, lse, None, None, buf[1:])
-    with pytest.raises(ValueError, match="loss must have 6 elements"):
-        ops.ce_fwd_out(x, t, None, -100, "none", 0.0, 1.0, 0.0, 0.0, loss, lse, None, None)
-    with pytest.raises(ValueError, match="give both num_correct and entropy_sum"):
-        ops.ce_fwd_out(x, t, None, *o, loss, lse, torch.empty((), dtype=torch.long), None)
+        ops.ce_loss(torch.randn(11, 6).t(), t, None, *o, False)
     with pytest.raises(ValueError, match="grad_loss must be float32"):
         ops.ce_rescale_(torch.ones((), dtype=torch.float64), x)
     with pytest.raises(ValueError, match="grad_loss must have 6 elements"):

@@ -290,11 +290,11 @@ def test_forward_only_without_grad(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gradient_of_forward_only_op(device):
-    # ce_fwd's own autograd formula (ce_bwd from the saved lse), for callers of the raw op.
+def test_gradient_of_the_raw_fwd_bwd_op(device):
+    # ce_fwd_bwd's own autograd formula (a copy of its dlogits, scaled), for callers of the raw op.
     x, t = make_problem((10,), 77, device=device)
     args = (t, None, -100, "mean", 0.1, 1.0, 0.0, 0.0, False)
-    ours = loss_and_grad(lambda a: torch.ops.fusedce.ce_fwd(a, *args)[0] * 2.0, x)
+    ours = loss_and_grad(lambda a: torch.ops.fusedce.ce_fwd_bwd(a, *args)[0] * 2.0, x)
     ref = loss_and_grad(lambda a: F.cross_entropy(a, t, label_smoothing=0.1) * 2.0, x)
     torch.testing.assert_close(ours[0], ref[0])
     torch.testing.assert_close(ours[1], ref[1])
@@ -325,7 +325,7 @@ def test_calls_without_a_graph_skip_autograd_and_match_the_op(device):
     gen = torch.Generator().manual_seed(7)
     x = (torch.randn(6, 37, generator=gen) * 2).to(device)
     t = torch.randint(0, 37, (6,), generator=gen).to(device)
-    ref = ops.ce_fwd(x, t, None, -100, "mean", 0.0, 1.0, 0.0, 0.0, False)[0]
+    ref = ops.ce_loss(x, t, None, -100, "mean", 0.0, 1.0, 0.0, 0.0, False)[0]
     loss = fusedce.cross_entropy(x, t)
     assert loss.grad_fn is None and torch.equal(loss, ref)
     xg = x.clone().requires_grad_()

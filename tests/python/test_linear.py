@@ -553,7 +553,7 @@ def test_process_group_hands_every_option_to_distributed(monkeypatch):
     assert torch.equal(seen["target"], t.reshape(-1))
     assert torch.equal(seen["class_weight"], cw)
     assert call.options.op_args() == (2, "sum", 0.1, 0.5, 3.0, 1e-3)
-    assert call.compute_metrics is True and call.check_targets is True
+    assert call.return_metrics is True and call.check_targets is True
     assert call.linear == LinearOptions(4, 1 << 20, True, True)
     assert call.where == "fusedce.linear_cross_entropy"
 

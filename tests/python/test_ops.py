@@ -7,12 +7,10 @@ import torch
 
 import fusedce  # noqa: F401  (loads the ops)
 from conftest import DEVICES, make_problem, make_weight
-from fusedce._options import Call, Options
-from fusedce.ops import FusedCrossEntropy
 
 ops = torch.ops.fusedce
 
-# (name, options): the plain call and one with every option (weight passed separately).
+# (name, options): the plain call and one with every option (class_weight passed separately).
 CASES = [
     ("plain", dict(ignore_index=-100, reduction="mean", label_smoothing=0.0, logit_scale=1.0,
                    softcap=0.0, z_loss=0.0)),
@@ -29,28 +27,9 @@ def _inputs(device, dtype, opts, weighted, n=13, vocab=97):
     return x, t, w, tuple(opts.values())
 
 
-def _loss_buffer(x, opts):
-    return torch.empty((x.shape[0],) if opts["reduction"] == "none" else (), device=x.device)
-
-
-def _metrics(x):
-    return (torch.empty((), dtype=torch.int64, device=x.device),
-            torch.empty((), dtype=torch.float32, device=x.device))
-
-
 parametrize = pytest.mark.parametrize
 cases = parametrize("name,opts", CASES, ids=[c[0] for c in CASES])
 dtypes = parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-
-
-@parametrize("device", DEVICES)
-@dtypes
-@cases
-@parametrize("metrics", [False, True])
-@parametrize("requires_grad", [False, True])
-def test_ce_fwd(device, dtype, name, opts, metrics, requires_grad):
-    x, t, w, o = _inputs(device, dtype, opts, weighted=name != "plain")
-    torch.library.opcheck(ops.ce_fwd.default, (x.requires_grad_(requires_grad), t, w, *o, metrics))
 
 
 @parametrize("device", DEVICES)
@@ -71,17 +50,15 @@ def test_ce_fwd_bwd(device, dtype, name, opts, metrics, requires_grad):
 def test_ce_loss(device, dtype, name, opts, metrics, requires_grad):
     """ce_loss, the op whose autograd is C++ (torch/autograd.h): its schema, fake kernel,
     autograd registration (opcheck's test_autograd_registration) and its gradient: the bits of
-    the Python autograd.Function it replaces (ce_fwd_bwd, then ce_rescale_ by the upstream
-    gradient)."""
+    ce_fwd_bwd's dlogits scaled by the upstream gradient with ce_rescale_."""
     x, t, w, o = _inputs(device, dtype, opts, weighted=name != "plain")
     torch.library.opcheck(ops.ce_loss.default, (x.requires_grad_(requires_grad), t, w, *o, metrics))
     if requires_grad:
         loss = ops.ce_loss.default(x, t, w, *o, metrics)[0]
         upstream = torch.rand_like(loss) + 0.5
         (grad,) = torch.autograd.grad(loss, x, upstream)
-        xp = x.detach().requires_grad_()
-        reference = FusedCrossEntropy.apply(xp, t, w, Call("test", Options(*o), compute_metrics=metrics), None)[0]
-        (expected,) = torch.autograd.grad(reference, xp, upstream)
+        expected = ops.ce_fwd_bwd(x.detach(), t, w, *o, metrics)[4]
+        ops.ce_rescale_(upstream.float().contiguous(), expected)
         torch.testing.assert_close(grad, expected, rtol=0, atol=0)
         # The saved dlogits is scaled in place once; a kept graph scales a copy each time.
         loss = ops.ce_loss.default(x, t, w, *o, metrics)[0]
@@ -94,56 +71,16 @@ def test_ce_loss(device, dtype, name, opts, metrics, requires_grad):
 @parametrize("device", DEVICES)
 @dtypes
 @cases
-def test_ce_bwd(device, dtype, name, opts):
-    x, t, w, o = _inputs(device, dtype, opts, weighted=name != "plain")
-    _, lse, _, _ = ops.ce_fwd(x, t, w, *o, False)
-    g = torch.rand(_loss_buffer(x, opts).shape, device=device)
-    torch.library.opcheck(ops.ce_bwd.default, (x, t, w, lse, g, *o))
-
-
-@parametrize("device", DEVICES)
-@dtypes
-@cases
 @parametrize("metrics", [False, True])
-def test_ce_fwd_out(device, dtype, name, opts, metrics):
+def test_ce_fwd_bwd_(device, dtype, name, opts, metrics):
     x, t, w, o = _inputs(device, dtype, opts, weighted=name != "plain")
-    nc, es = _metrics(x) if metrics else (None, None)
-    lse = torch.empty(x.shape[0], device=device)
-    torch.library.opcheck(ops.ce_fwd_out.default, (x, t, w, *o, _loss_buffer(x, opts), lse, nc, es))
-
-
-@parametrize("device", DEVICES)
-@dtypes
-@cases
-@parametrize("metrics", [False, True])
-def test_ce_fwd_bwd_out(device, dtype, name, opts, metrics):
-    x, t, w, o = _inputs(device, dtype, opts, weighted=name != "plain")
-    nc, es = _metrics(x) if metrics else (None, None)
-    lse = torch.empty(x.shape[0], device=device)
-    torch.library.opcheck(ops.ce_fwd_bwd_out.default,
-                          (x, t, w, *o, _loss_buffer(x, opts), lse, nc, es, torch.empty_like(x)))
-
-
-@parametrize("device", DEVICES)
-@dtypes
-@cases
-@parametrize("metrics", [False, True])
-def test_ce_fwd_bwd_inplace(device, dtype, name, opts, metrics):
-    x, t, w, o = _inputs(device, dtype, opts, weighted=name != "plain")
-    nc, es = _metrics(x) if metrics else (None, None)
-    lse = torch.empty(x.shape[0], device=device)
-    torch.library.opcheck(ops.ce_fwd_bwd_inplace.default,
-                          (x, t, w, *o, _loss_buffer(x, opts), lse, nc, es))
-
-
-@parametrize("device", DEVICES)
-@dtypes
-@cases
-def test_ce_bwd_out(device, dtype, name, opts):
-    x, t, w, o = _inputs(device, dtype, opts, weighted=name != "plain")
-    _, lse, _, _ = ops.ce_fwd(x, t, w, *o, False)
-    g = torch.rand(_loss_buffer(x, opts).shape, device=device)
-    torch.library.opcheck(ops.ce_bwd_out.default, (x, t, w, lse, g, *o, torch.empty_like(x)))
+    torch.library.opcheck(ops.ce_fwd_bwd_.default, (x, t, w, *o, metrics))
+    # The gradient written over the logits is ce_fwd_bwd's dlogits, and the rest its outputs.
+    expected = ops.ce_fwd_bwd(x, t, w, *o, metrics)
+    got = ops.ce_fwd_bwd_(x, t, w, *o, metrics)
+    for a, b in zip(got, expected[:4]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(x, expected[4], rtol=0, atol=0)
 
 
 @parametrize("device", DEVICES)
@@ -207,33 +144,6 @@ def test_lce_fwd_bwd(device, dtype, name, opts, with_bias, weighted, needs, grad
     g = torch.rand(_lce_loss_buffer(h, opts).shape, device=device) if grad_loss else None
     h.requires_grad_(True)
     torch.library.opcheck(ops.lce_fwd_bwd.default, (h, w, b, t, cw, *opts, g, metrics, *needs))
-
-
-@parametrize("device", DEVICES)
-@dtypes
-@lce_cases
-@parametrize("metrics", [False, True])
-def test_lce_fwd_out(device, dtype, name, opts, with_bias, weighted, metrics):
-    h, w, b, t, cw = _lce_inputs(device, dtype, opts, with_bias, weighted)
-    nc, es = _metrics(h) if metrics else (None, None)
-    lse = torch.empty(h.shape[0], device=device)
-    torch.library.opcheck(ops.lce_fwd_out.default,
-                          (h, w, b, t, cw, *opts, _lce_loss_buffer(h, opts), lse, nc, es))
-
-
-@parametrize("device", DEVICES)
-@dtypes
-@lce_cases
-@parametrize("metrics", [False, True])
-def test_lce_fwd_bwd_out(device, dtype, name, opts, with_bias, weighted, metrics):
-    h, w, b, t, cw = _lce_inputs(device, dtype, opts, with_bias, weighted)
-    grad_loss = name != "plain"
-    nc, es = _metrics(h) if metrics else (None, None)
-    lse = torch.empty(h.shape[0], device=device)
-    g = torch.rand(_lce_loss_buffer(h, opts).shape, device=device) if grad_loss else None
-    grads = (torch.empty_like(h), torch.empty_like(w), None if b is None else torch.empty_like(b))
-    torch.library.opcheck(ops.lce_fwd_bwd_out.default,
-                          (h, w, b, t, cw, *opts, g, _lce_loss_buffer(h, opts), lse, nc, es, *grads))
 
 
 def test_every_op_is_checked():

@@ -38,9 +38,8 @@ def test_every_op_with_options_takes_them_in_the_python_order():
         with_options.append(name)
     # every op of the cross-entropy families (a renamed argument would drop one from this list)
     assert with_options == sorted([
-        "ce_bwd", "ce_bwd_out", "ce_fwd", "ce_fwd_bwd", "ce_fwd_bwd_inplace", "ce_fwd_bwd_out",
-        "ce_fwd_out", "ce_loss", "ce_shard_bwd", "ce_shard_merge", "ce_shard_stats", "lce_fwd", "lce_fwd_bwd",
-        "lce_fwd_bwd_out", "lce_fwd_out", "lce_shard_bwd", "lce_shard_stats"])
+        "ce_fwd_bwd", "ce_fwd_bwd_", "ce_loss", "ce_shard_bwd", "ce_shard_merge", "ce_shard_stats", "lce_fwd",
+        "lce_fwd_bwd", "lce_shard_bwd", "lce_shard_stats"])
 
 
 def test_op_args_follow_the_field_order():
@@ -73,7 +72,7 @@ def test_the_core_checks_the_ranges_for_callers_of_the_ops():
         args = [-100, "mean", 0.0, 1.0, 0.0, 0.0]
         args[2 + i] = bad
         with pytest.raises(ValueError, match=match):
-            ops.ce_fwd(x, t, None, *args, False)
+            ops.ce_loss(x, t, None, *args, False)
     assert fusedce.cross_entropy(x, t).shape == ()
 
 
@@ -98,7 +97,7 @@ def _names(op):
 def test_linear_options_follow_the_lce_schemas():
     # lce_fwd / lce_fwd_bwd take the four right after the six; the shard ops the last three
     # (their target comes shifted).
-    for op in ("lce_fwd", "lce_fwd_bwd", "lce_fwd_out", "lce_fwd_bwd_out"):
+    for op in ("lce_fwd", "lce_fwd_bwd"):
         names = _names(op)
         at = options_position(getattr(_library.ops(), op).default._schema) + len(OPTION_NAMES)
         assert tuple(names[at:at + len(LINEAR_NAMES)]) == LINEAR_NAMES, op
@@ -157,12 +156,12 @@ def test_call_and_linear_options_are_remembered_for_the_same_objects():
     lin = LinearOptions.checked("t", h, shift=True)
     assert LinearOptions.checked("t", h, shift=True) is lin
     assert LinearOptions.checked("t", h, shift=True, low_memory=True) == LinearOptions(3, 0, True, False)
-    first = Call.of("t", o, lin, compute_metrics=True)
-    assert Call.of("t", o, lin, compute_metrics=True) is first
+    first = Call.of("t", o, lin, return_metrics=True)
+    assert Call.of("t", o, lin, return_metrics=True) is first
     assert Call.of("t", o, lin) == Call("t", o, lin)
-    assert Call.of("t", other, lin, compute_metrics=True).options is other
+    assert Call.of("t", other, lin, return_metrics=True).options is other
     spec = VocabParallel("g", 0, 8)
-    assert Call.of("t", o, lin, spec, compute_metrics=True).parallel is spec
-    assert Call.of("u", o, lin, compute_metrics=True).where == "u"
+    assert Call.of("t", o, lin, spec, return_metrics=True).parallel is spec
+    assert Call.of("u", o, lin, return_metrics=True).where == "u"
     assert VocabParallel.of(None, None, None) is VocabParallel.of(None, None, None)
     assert VocabParallel.of(None, None, 8) == VocabParallel(None, None, 8)
