@@ -132,7 +132,7 @@ def _rows(x):
 
 def _call_of(where, options, chunk_budget_bytes, return_metrics, student_hidden):
     linear = LinearOptions.checked(where, student_hidden, chunk_budget_bytes=chunk_budget_bytes)
-    return Call.of(where, options, linear, compute_metrics=bool(return_metrics))
+    return Call.of(where, options, linear, return_metrics=bool(return_metrics))
 
 
 def _run(call, hidden, weight, bias, teacher, labels, shape):
@@ -153,7 +153,7 @@ def _run(call, hidden, weight, bias, teacher, labels, shape):
         loss, divergence, hard, entropy, _ = out
     if call.options.reduction == "none":
         loss = loss.view(shape)
-    if not call.compute_metrics:
+    if not call.return_metrics:
         return loss
     return loss, {"divergence": divergence.view(shape), "hard_loss": hard.view(shape), "entropy": entropy.view(shape)}
 
