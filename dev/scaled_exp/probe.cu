@@ -74,6 +74,7 @@ struct ScaledExpOut {
   int tiles = 0;
   const int* target = nullptr;  // per row; -1: none
   float* target_logit = nullptr;
+  const float* shift = nullptr;  // Mode::StagedShift: per row, the integer offset
 };
 
 /// The epilogue: operator-style (CUTLASS's sm90 kernels call it through
@@ -81,8 +82,11 @@ struct ScaledExpOut {
 /// What the epilogue does, to split its cost: everything (E stored from registers: each lane a
 /// 4-byte word, a quad 16 contiguous bytes of a row); everything with E staged through shared
 /// memory in four 48-column passes and stored in 16-byte pieces along rows; the statistics
-/// without storing E; or plain bf16 logits through the register-to-global stores.
-enum class Mode { Full, Staged, NoStore, Plain };
+/// without storing E; or plain bf16 logits through the register-to-global stores. StagedShift:
+/// Staged with the offset given per row (an integer s_i >= the row's max z log2 e, chosen before
+/// the product), no max pass: with one offset for the whole row the gradient products need no
+/// operand transform (grad_hidden's rows and grad_weight's hidden rows take the per-row factor).
+enum class Mode { Full, Staged, StagedShift, NoStore, Plain };
 
 template <class BlockShape, Mode kMode>
 class ScaledExpEpilogue {
@@ -111,7 +115,8 @@ class ScaledExpEpilogue {
   // the 8 rows x 4 lanes of a warp's 4-byte writes fall in 32 distinct banks.
   static constexpr int kPassCols = 48, kStageLd = kPassCols + 8;
   struct SharedStorage {
-    alignas(128) __nv_bfloat16 stage[kMode == Mode::Staged ? size<0>(BlockShape{}) * kStageLd : 1];
+    alignas(128) __nv_bfloat16 stage[(kMode == Mode::Staged || kMode == Mode::StagedShift)
+                                         ? size<0>(BlockShape{}) * kStageLd : 1];
   };
   using TensorStorage = SharedStorage;
   using Arguments = ScaledExpOut;
@@ -162,7 +167,7 @@ class ScaledExpEpilogue {
     float rmax[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) rmax[r] = -INFINITY;
-    if constexpr (kMode != Mode::Plain)
+    if constexpr (kMode != Mode::Plain && kMode != Mode::StagedShift)
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < MM; ++m)
       CUTLASS_PRAGMA_UNROLL
@@ -183,10 +188,14 @@ class ScaledExpEpilogue {
       rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 1));
       rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 2));
       koff[r] = ceilf(rmax[r] * kLog2e);
+      if constexpr (kMode == Mode::StagedShift) {
+        const int row = row0 + get<0>(tCcD(make_coord(make_coord(0, r % V1, 0), r / V1, 0)));
+        koff[r] = row < M ? params.shift[row] : 0.0f;
+      }
       ssum[r] = 0.0f;
       usum[r] = 0.0f;
     }
-    if constexpr (kMode == Mode::Staged) {
+    if constexpr (kMode == Mode::Staged || kMode == Mode::StagedShift) {
       static_assert(MN == 1 && (V2 * 8) % kPassCols == 0, "one MMA along N, whole passes");
       constexpr int kGroups = kPassCols / 8;  // column groups of 8 per pass
       auto* stage = reinterpret_cast<SharedStorage*>(smem)->stage;
@@ -494,6 +503,21 @@ __global__ void check_rows(const float* z, int N, const __nv_bfloat16* E, const 
   }
 }
 
+/// The shifted variant's per-row offset: ceil(max_j z_ij log2 e) + margin (log2 units).
+__global__ void row_shift(const float* z, int N, float margin, float* shift) {
+  const float* row = z + int64_t(blockIdx.x) * N;
+  __shared__ float red[256];
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < N; j += blockDim.x) m = fmaxf(m, row[j]);
+  red[threadIdx.x] = m;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + w]);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) shift[blockIdx.x] = ceilf(red[0] * 1.4426950408889634f) + margin;
+}
+
 template <class F>
 float time_it(F f, cudaStream_t s, int reps = 15) {
   cudaEvent_t a, b;
@@ -608,25 +632,35 @@ int main() {
   CK(cudaMalloc(&worst, 16));
   const size_t wsb = size_t(64) << 20;
   char* ws;
-  CK(cudaMalloc(&ws, 7 * wsb));
+  CK(cudaMalloc(&ws, 8 * wsb));
+  float* shiftbuf;
+  CK(cudaMalloc(&shiftbuf, max_m * 4));
   fill_random<<<1024, 256>>>(A, max_mk, 1.7f, 1);
   fill_random<<<1024, 256>>>(W, max_nk, 0.04f, 2);
   cudaStream_t s;
   cudaStreamCreate(&s);
   Lt lt;
-  std::printf("| M x K x N | full: E rel err, lse, entropy, target abs err | staged: the same | cuBLASLt ms | CUTLASS coop 256x192 plain | ping-pong 128x192 plain (TMA epilogue) | ping-pong, hand epilogue: plain stores | exp, statistics, no E store | full | full, E staged | merge + target dot | best full / cuBLASLt | best full / ping-pong plain |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| M x K x N | full: E rel err, lse, entropy, target abs err | staged: the same | staged, row offset given: the same | cuBLASLt ms | CUTLASS coop 256x192 plain | ping-pong 128x192 plain (TMA epilogue) | ping-pong, hand epilogue: plain stores | exp, statistics, no E store | full | full, E staged | staged, row offset given | merge + target dot | best full / cuBLASLt | best full / ping-pong plain | row offset given / cuBLASLt |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (auto c : cases) {
     const int tiles = (c.N + 191) / 192;
     fill_targets<<<(c.M + 255) / 256, 256, 0, s>>>(tgt, c.M, c.N, 7);
     ScaledExpOut out{reinterpret_cast<__nv_bfloat16*>(D), c.N, kp, sp, up, tiles, tgt, tl};
     Candidate<ExpKernel<Mode::Full>> full;
     Candidate<ExpKernel<Mode::Staged>> staged;
+    Candidate<ExpKernel<Mode::StagedShift>> shifted;
     Candidate<ExpKernel<Mode::NoStore>> nostore;
     Candidate<ExpKernel<Mode::Plain>> hand;
     Candidate<PlainPingPong> pp;
     Candidate<PlainCoop> co;
     full.screen(exp_args<ExpKernel<Mode::Full>>(c.M, c.N, c.K, A, W, out), ws, wsb, s);
     staged.screen(exp_args<ExpKernel<Mode::Staged>>(c.M, c.N, c.K, A, W, out), ws + 5 * wsb, wsb, s);
+    // The per-row offset the shifted variant is given: here the row's exact max (from the float32
+    // reference product) plus 4, standing for an estimate made before the product.
+    lt.run(c.M, c.N, c.K, A, W, Z, CUDA_R_32F, ws + 6 * wsb, wsb, s, false);
+    row_shift<<<c.M, 256, 0, s>>>(Z, c.N, 4.0f, shiftbuf);
+    ScaledExpOut out_shift = out;
+    out_shift.shift = shiftbuf;
+    shifted.screen(exp_args<ExpKernel<Mode::StagedShift>>(c.M, c.N, c.K, A, W, out_shift), ws + 7 * wsb, wsb, s);
     nostore.screen(exp_args<ExpKernel<Mode::NoStore>>(c.M, c.N, c.K, A, W, out), ws + wsb, wsb, s);
     hand.screen(exp_args<ExpKernel<Mode::Plain>>(c.M, c.N, c.K, A, W, out), ws + 2 * wsb, wsb, s);
     pp.screen(plain_args<PlainPingPong>(c.M, c.N, c.K, A, W, D), ws + 3 * wsb, wsb, s);
@@ -653,7 +687,9 @@ int main() {
     float werr[4], werr_st[4];
     check(full, werr);
     check(staged, werr_st);
-    std::vector<float> t_lt, t_co, t_pp, t_hand, t_ns, t_full, t_st, t_mg;
+    float werr_sh[4];
+    check(shifted, werr_sh);
+    std::vector<float> t_lt, t_co, t_pp, t_hand, t_ns, t_full, t_st, t_sh, t_mg;
     for (int round = 0; round < 3; ++round) {
       t_lt.push_back(lt.run(c.M, c.N, c.K, A, W, D, CUDA_R_16BF, ws + 6 * wsb, wsb, s, true));
       t_co.push_back(co.time(s));
@@ -662,16 +698,18 @@ int main() {
       t_ns.push_back(nostore.time(s));
       t_full.push_back(full.time(s));
       t_st.push_back(staged.time(s));
+      t_sh.push_back(shifted.time(s));
       t_mg.push_back(time_it(merge, s));
     }
     CK(cudaStreamSynchronize(s));
     CK(cudaGetLastError());
-    const float a = median(t_lt), f = median(t_full), st = median(t_st), p = median(t_pp);
-    std::printf("| %d x %d x %d | %.2e, %.2e, %.2e, %.2e | %.2e, %.2e, %.2e, %.2e | %.3f | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f | %.3f | %.3f |\n",
-                c.M, c.K, c.N, werr[0], werr[1], werr[2], werr[3], werr_st[0], werr_st[1], werr_st[2], werr_st[3], a,
-                median(t_co), co.config(), p, pp.config(), median(t_hand), hand.config(), median(t_ns),
-                nostore.config(), f, full.config(), st, staged.config(), median(t_mg), std::min(f, st) / a,
-                std::min(f, st) / p);
+    const float a = median(t_lt), f = median(t_full), st = median(t_st), sh = median(t_sh), p = median(t_pp);
+    std::printf("| %d x %d x %d | %.2e, %.2e, %.2e, %.2e | %.2e, %.2e, %.2e, %.2e | %.2e, %.2e, %.2e, %.2e | %.3f | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f (%s) | %.3f | %.3f | %.3f | %.3f |\n",
+                c.M, c.K, c.N, werr[0], werr[1], werr[2], werr[3], werr_st[0], werr_st[1], werr_st[2], werr_st[3],
+                werr_sh[0], werr_sh[1], werr_sh[2], werr_sh[3], a, median(t_co), co.config(), p, pp.config(),
+                median(t_hand), hand.config(), median(t_ns), nostore.config(), f, full.config(), st,
+                staged.config(), sh, shifted.config(), median(t_mg), std::min(f, st) / a, std::min(f, st) / p,
+                sh / a);
     std::fflush(stdout);
   }
   return 0;
