@@ -242,7 +242,9 @@ class Call:
     where: str
     options: object
     linear: Optional[LinearOptions] = None
-    parallel: VocabParallel = SINGLE_DEVICE
+    # No default object here or in of(): torch.compile (dynamo of torch 2.11) cannot wrap
+    # an object that arrives as a function's default value.
+    parallel: VocabParallel = None
     return_metrics: bool = False
     check_targets: bool = False
     inplace_backward: bool = False
@@ -251,12 +253,17 @@ class Call:
     return_entropy: bool = False
 
     @classmethod
-    def of(cls, where, options, linear=None, parallel=SINGLE_DEVICE, return_metrics=False,
+    def of(cls, where, options, linear=None, parallel=None, return_metrics=False,
            check_targets=False, inplace_backward=False, strict=False, keep_logits=False,
            return_entropy=False):
         """The Call of these objects and flags, the same object again for the same ones (every
         call of a training loop builds the same one): found by the identities of options, linear
         and parallel and the flags' values, and checked to hold those very objects."""
+        if parallel is None:
+            parallel = SINGLE_DEVICE
+        if torch.compiler.is_compiling():  # traced once per graph; dynamo cannot trace id()
+            return cls(where, options, linear, parallel, return_metrics, check_targets, inplace_backward,
+                       strict, keep_logits, return_entropy)
         key = (where, id(options), id(linear), id(parallel), return_metrics, check_targets,
                inplace_backward, strict, keep_logits, return_entropy)
         known = _CALLS.get(key)

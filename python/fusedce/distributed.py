@@ -85,6 +85,7 @@ Targets are global class indices in ``[0, V)`` (or ``ignore_index``) on every ra
 """
 
 
+import dataclasses
 import threading
 
 import torch
@@ -513,8 +514,11 @@ def _kept_rows_only(h, w, bias, t, class_weight, call, shard):
     torch.compile every row runs (the same numbers; a count known only on the device would
     break the graph)."""
     keep = (t != call.options.ignore_index).nonzero().squeeze(1)
+    # The rows are gathered here, so the steps run with skip_ignored off (the CUDA shard step
+    # has no compaction of its own).
+    gathered = dataclasses.replace(call, linear=dataclasses.replace(call.linear, skip_ignored=False))
     loss, lse, num_correct, entropy_sum = _linear_shard_rows(
-        h.index_select(0, keep), w, bias, t.index_select(0, keep), class_weight, call, shard)
+        h.index_select(0, keep), w, bias, t.index_select(0, keep), class_weight, gathered, shard)
     n = t.shape[0]
     if call.options.reduction == "none":
         loss = loss.new_zeros(n).index_copy(0, keep, loss)

@@ -485,6 +485,26 @@ def test_group_of_one_linear_skip_ignored(device, reduction, group_of_one):
     assert (grads[0][ignored] == 0).all() and (m["lse"].view(3, 13)[ignored] == 0).all()
 
 
+def test_gathered_rows_run_the_shard_steps_without_skip_ignored(monkeypatch, group_of_one):
+    """The front end gathers the kept rows itself, so the shard steps it calls see
+    skip_ignored off (the CUDA shard step has no compaction and refuses it)."""
+    from fusedce import distributed as dist_mod
+    seen = []
+    original = dist_mod._linear_shard_rows
+
+    def spy(h, w, bias, t, class_weight, call, shard):
+        seen.append((h.shape[0], call.linear.skip_ignored))
+        return original(h, w, bias, t, class_weight, call, shard)
+
+    monkeypatch.setattr(dist_mod, "_linear_shard_rows", spy)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(6, HIDDEN, generator=g)
+    t = torch.tensor([1, -100, 2, -100, 3, 4])
+    fusedce.vocab_parallel_linear_cross_entropy(h, torch.randn(11, HIDDEN, generator=g), t,
+                                                process_group=group_of_one, skip_ignored=True)
+    assert seen == [(4, False)]
+
+
 def test_group_of_one_module(group_of_one):
     x, t = make_problem((4, 5), 50, ignore_index=7)
     loss_fn = fusedce.CrossEntropyLoss(ignore_index=7, label_smoothing=0.05, process_group=group_of_one)

@@ -149,7 +149,7 @@ def test_vocab_parallel_rules_and_keywords():
 def test_call_and_linear_options_are_remembered_for_the_same_objects():
     """Call.of and LinearOptions.checked give the same object again for the same inputs (every
     call of a training loop), and a new one for any other option, flag or spec."""
-    from fusedce._options import Call
+    from fusedce._options import SINGLE_DEVICE, Call
 
     o, other = Options.checked("t"), Options.checked("t", reduction="sum")
     h = torch.zeros(2, 3, 4)
@@ -158,7 +158,7 @@ def test_call_and_linear_options_are_remembered_for_the_same_objects():
     assert LinearOptions.checked("t", h, shift=True, low_memory=True) == LinearOptions(3, 0, True, False)
     first = Call.of("t", o, lin, return_metrics=True)
     assert Call.of("t", o, lin, return_metrics=True) is first
-    assert Call.of("t", o, lin) == Call("t", o, lin)
+    assert Call.of("t", o, lin) == Call("t", o, lin, SINGLE_DEVICE)
     assert Call.of("t", other, lin, return_metrics=True).options is other
     spec = VocabParallel("g", 0, 8)
     assert Call.of("t", o, lin, spec, return_metrics=True).parallel is spec
