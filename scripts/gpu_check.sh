@@ -31,7 +31,8 @@
 # PEERS_ARGS goes to the peers step's `python -m fusedce.bench --only ce` (e.g. --quick).
 # With PREBUILT (binaries from scripts/pack_prebuilt.sh) the default steps are "tests sanitizer
 # python" with PYTEST_ARGS="-k cuda" and TORCH_CUDA_ARCHS=90: every CUDA check of a commit in one
-# device call of under 10 minutes; the torch extension builds in the background meanwhile.
+# device call of under 10 minutes; the torch extension builds in the background meanwhile, or
+# comes built with TORCH_PREBUILT (a tarball of a build directory made against the machine's torch).
 # The record: every run writes gpu_check.txt (to $OUT and to bench/h200/gpu_check.txt): its first
 # line `commit <full sha>` ($GPU_CHECK_COMMIT, else git's HEAD: the device machine's copy of the
 # tree may carry a .git of another commit), then the date, the GPU, the steps and each one's pass / fail
@@ -132,9 +133,18 @@ build_torch_extension() {
     cmake --build build-gpu-torch -j "${TORCH_BUILD_JOBS:-12}" >> "$out/torch_build.log" 2>&1
 }
 if (want python || want peers || want report || want demo || want shard) && python3 -c "import torch, pytest" 2>/dev/null; then
-  step "torch extension: building in the background"
-  build_torch_extension &
-  torch_build_pid=$!
+  if [ -n "${TORCH_PREBUILT:-}" ]; then
+    # An extension built elsewhere against the machine's torch version (a tarball of its build
+    # directory): the Python steps start without waiting for a compile.
+    step "torch extension: prebuilt ($TORCH_PREBUILT)"
+    mkdir -p build-gpu-torch && tar -C build-gpu-torch -xf "$TORCH_PREBUILT" || { status=1; exit 1; }
+    note "torch extension prebuilt ($TORCH_PREBUILT)"
+    true & torch_build_pid=$!
+  else
+    step "torch extension: building in the background"
+    build_torch_extension &
+    torch_build_pid=$!
+  fi
 fi
 
 if want tests && [ -n "${PREBUILT:-}" ]; then
