@@ -197,9 +197,7 @@ namespace {
 Status dispatch(const detail::DistillCall& call) {
   Status s = detail::validate_distill_call(call);
   if (!s.ok()) return s;
-  if (call.device.type == DeviceType::kCUDA) {
-    return Status(StatusCode::kUnsupported, "device is CUDA but fusedce has no CUDA distillation yet (CPU only)");
-  }
+  if (call.device.type == DeviceType::kCUDA) return cuda::run_distill(call);
   return cpu::run_distill(call);
 }
 

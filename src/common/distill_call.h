@@ -33,4 +33,9 @@ namespace cpu {
 Status run_distill(const detail::DistillCall& call);
 }  // namespace cpu
 
+namespace cuda {
+/// Present in every build; without the CUDA backend it returns kUnsupported.
+Status run_distill(const detail::DistillCall& call);
+}  // namespace cuda
+
 }  // namespace fusedce

@@ -1,0 +1,395 @@
+// The CUDA backend of the fused linear distillation (fusedce/distill.h). The rows go in token
+// chunks; per chunk the products run through cuBLASLt (cuda/linear/gemm.h) into one workspace
+// and the row kernels of distill_kernels.cu run on what they wrote:
+//   forward, per chunk: the student's logits (rows, V) = hidden_chunk . weight^T (+ bias) and,
+//     full form, the teacher's from its own head, each in its input dtype with float32
+//     accumulation; the row kernel writes the per-row outputs, the statistics and each row's
+//     loss; after the last chunk one block reduces the rows' losses in row order.
+//   backward, per chunk: the student's logits again (and the teacher's, unless hard_weight is 1),
+//     turned into dlogits in place by the row kernel; then grad_hidden (float32) = dlogits .
+//     weight, grad_weight (+)= dlogits^T . hidden (through a float32 accumulator for a 16-bit
+//     weight over several chunks, rounded once) and grad_bias (+)= dlogits^T . ones (float32,
+//     rounded once).
+// Every row goes through the products (no compaction, which would need the count on the host);
+// an ignored row's dlogits are zeros. The workspace holds the chunk of each head's logits and,
+// for the top-k backward, (K floats twice + Kp sort keys) per chunk row; chunk_budget_bytes (0:
+// the linear cross-entropy's default rule) bounds those bytes. FLOPs: 2 N V (H + H_t) forward
+// (the top-k form: 2 N V H), 2 N V (H + H_t) + 4 N V H backward. No host synchronisation.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "common/distill_call.h"
+#include "common/distill_math.h"
+#include "cuda/distill/distill_kernels.h"
+#include "cuda/host_util.h"
+#include "cuda/linear/gemm.h"
+#include "cuda/linear/linear.h"
+
+namespace fusedce {
+namespace cuda {
+namespace {
+
+#define FUSEDCE_TRY(expr)    \
+  do {                       \
+    Status s_ = (expr);      \
+    if (!s_.ok()) return s_; \
+  } while (0)
+
+int64_t round_up(int64_t n, int64_t q) { return (n + q - 1) / q * q; }
+
+/// A view's leading dimension for cuBLASLt: its row stride, or its columns when it has at most
+/// one row (whose row stride may be anything).
+int64_t ld_of(const MatrixView& m) { return m.rows > 1 ? m.row_stride : m.cols; }
+
+/// The call's layout in the workspace and its token chunks; fixed by the arguments alone.
+struct Plan {
+  int64_t N, H, H_t, V, K, Kp;
+  DType dtype, t_dtype;
+  bool topk, backward, teacher_logits;
+  int64_t ld, ld_t;  // row strides of the logit chunks: V rounded up to 16 bytes
+  int64_t rows;      // token rows per chunk
+  bool gw_acc;       // grad_weight through a float32 accumulator (16-bit, several chunks)
+  size_t gemm_ws, logits, t_logits, ones, gw, gb, row_loss, count, entry_y, entry_g, keys, total;
+};
+
+Plan plan_of(const detail::DistillCall& c) {
+  Plan p{};
+  p.N = c.hidden.rows;
+  p.H = c.hidden.cols;
+  p.V = c.weight.rows;
+  p.dtype = c.hidden.dtype;
+  p.topk = c.teacher.topk();
+  p.backward = c.backward;
+  p.K = p.topk ? c.teacher.topk_ids.cols : 0;
+  p.Kp = 1;
+  while (p.Kp < p.K) p.Kp <<= 1;
+  p.H_t = p.topk ? 0 : c.teacher.hidden.cols;
+  p.t_dtype = p.topk ? p.dtype : c.teacher.hidden.dtype;
+  // the backward needs the teacher's logits only where the divergence has a weight
+  p.teacher_logits = !p.topk && (!p.backward || c.options.hard_weight < 1.0f);
+  const size_t el = elem_size(p.dtype), el_t = elem_size(p.t_dtype);
+  p.ld = round_up(p.V, static_cast<int64_t>(16 / el));
+  p.ld_t = round_up(p.V, static_cast<int64_t>(16 / el_t));
+  const bool topk_scratch = p.topk && p.backward;
+  const size_t row_bytes = size_t(p.ld) * el + (p.teacher_logits ? size_t(p.ld_t) * el_t : 0) +
+                           (topk_scratch ? size_t(p.K) * 8 + size_t(p.Kp) * 8 : 0);
+  const size_t budget = c.chunk_budget_bytes > 0 ? c.chunk_budget_bytes : default_chunk_budget(p.V, p.H);
+  p.rows = std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(budget / row_bytes), std::max<int64_t>(p.N, 1)));
+  if (p.rows >= 256 && p.rows < p.N) p.rows = p.rows / 128 * 128;  // whole tiles for the products
+  const LinearGrads& g = c.grads;
+  const bool want_gw = p.backward && g.grad_weight.data != nullptr;
+  const bool want_gb = p.backward && g.grad_bias.data != nullptr;
+  p.gw_acc = want_gw && p.dtype != DType::kFloat32 && p.rows < p.N;
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    const size_t here = at;
+    at += align_up(std::max<size_t>(bytes, 1));
+    return here;
+  };
+  p.gemm_ws = take(kGemmWorkspaceBytes);
+  p.logits = take(size_t(p.rows) * size_t(p.ld) * el);
+  p.t_logits = p.teacher_logits ? take(size_t(p.rows) * size_t(p.ld_t) * el_t) : 0;
+  p.ones = want_gb ? take(size_t(p.rows) * el) : 0;
+  p.gw = p.gw_acc ? take(size_t(p.V) * size_t(p.H) * 4) : 0;
+  p.gb = want_gb ? take(size_t(p.V) * 4) : 0;
+  p.row_loss = !p.backward ? take(size_t(std::max<int64_t>(p.N, 1)) * 4) : 0;
+  p.count = take(sizeof(int64_t));
+  p.entry_y = topk_scratch ? take(size_t(p.rows) * size_t(p.K) * 4) : 0;
+  p.entry_g = topk_scratch ? take(size_t(p.rows) * size_t(p.K) * 4) : 0;
+  p.keys = topk_scratch ? take(size_t(p.rows) * size_t(p.Kp) * 8) : 0;
+  p.total = at;
+  return p;
+}
+
+DistillRows rows_of(const detail::DistillCall& c) {
+  const DistillOptions& o = c.options;
+  DistillRows r{};
+  r.labels = c.labels.data;
+  r.label_stride = c.labels.stride;
+  r.labels_i64 = c.labels.dtype == DType::kInt64;
+  r.ignore_index = o.ignore_index;
+  r.V = c.weight.rows;
+  r.kind = static_cast<int>(detail::divergence_kind(o.beta));
+  r.beta = o.beta;
+  r.one_mb = 1.0f - o.beta;
+  r.log_1mb = std::log(1.0f - o.beta);
+  r.log_b = std::log(o.beta);
+  r.inv_t = 1.0f / o.temperature;
+  r.hard_weight = o.hard_weight;
+  r.s_scale = o.student.logit_scale;
+  r.s_softcap = o.student.softcap;
+  r.t_scale = o.teacher.logit_scale;
+  r.t_softcap = o.teacher.softcap;
+  r.topk_norm = static_cast<int>(o.topk_norm);
+  return r;
+}
+
+class Run {
+ public:
+  Run(const detail::DistillCall& c, const Plan& p, char* ws)
+      : c_(c), p_(p), ws_(ws), stream_(static_cast<cudaStream_t>(c.device.stream)) {}
+
+  Status forward() {
+    const DistillOutputs& o = c_.out;
+    const bool none = c_.options.reduction == Reduction::kNone;
+    DistillForwardParams f{};
+    f.r = rows_of(c_);
+    f.ld = p_.ld;
+    f.dtype = p_.dtype;
+    f.t = teacher_rows();
+    f.stats = static_cast<float*>(o.stats.data);
+    f.row_loss = none ? static_cast<float*>(o.loss.data) : at<float>(p_.row_loss);
+    f.row_loss_stride = none ? o.loss.stride : 1;
+    f.divergence = static_cast<float*>(o.divergence.data);
+    f.divergence_stride = o.divergence.stride;
+    f.hard = static_cast<float*>(o.hard.data);
+    f.hard_stride = o.hard.stride;
+    f.entropy = static_cast<float*>(o.entropy.data);
+    f.entropy_stride = o.entropy.stride;
+    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
+      const int64_t nc = std::min(p_.rows, p_.N - r0);
+      FUSEDCE_TRY(logits(r0, nc));
+      f.logits = ws_ + p_.logits;
+      f.r.r0 = r0;
+      f.r.rows = nc;
+      launch_distill_forward(f, stream_);
+      FUSEDCE_TRY(last_error("the distillation forward kernel"));
+    }
+    if (none) return Status::Ok();
+    DistillFinishParams fin{};
+    fin.r = rows_of(c_);
+    fin.N = p_.N;
+    fin.row_loss = at<float>(p_.row_loss);
+    fin.reduction = static_cast<int>(c_.options.reduction);
+    fin.loss = static_cast<float*>(o.loss.data);
+    fin.count = at<int64_t>(p_.count);
+    launch_distill_finish(fin, stream_);
+    return last_error("the distillation reduction kernel");
+  }
+
+  Status backward() {
+    const LinearGrads& g = c_.grads;
+    if (c_.options.reduction == Reduction::kMean) {  // the mean's count of rows, on the device
+      DistillFinishParams fin{};
+      fin.r = rows_of(c_);
+      fin.N = p_.N;
+      fin.count = at<int64_t>(p_.count);
+      launch_distill_finish(fin, stream_);
+      FUSEDCE_TRY(last_error("counting the rows"));
+    }
+    if (g.grad_bias.data) {
+      launch_fill_ones(ws_ + p_.ones, p_.rows, p_.dtype, stream_);
+      FUSEDCE_TRY(last_error("filling the ones vector"));
+    }
+    if (p_.N == 0) return clear_grads();
+    DistillBackwardParams b{};
+    b.r = rows_of(c_);
+    b.ld = p_.ld;
+    b.dtype = p_.dtype;
+    b.t = teacher_rows();
+    b.stats = static_cast<const float*>(c_.stats.data);
+    b.grad_loss = static_cast<const float*>(c_.grad_loss.data);
+    b.grad_stride = c_.grad_loss.stride;
+    b.reduction = static_cast<int>(c_.options.reduction);
+    b.count = at<int64_t>(p_.count);
+    b.entry_y = p_.entry_y ? at<float>(p_.entry_y) : nullptr;
+    b.entry_g = p_.entry_g ? at<float>(p_.entry_g) : nullptr;
+    b.keys = p_.keys ? at<uint64_t>(p_.keys) : nullptr;
+    b.Kp = p_.Kp;
+    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
+      const int64_t nc = std::min(p_.rows, p_.N - r0);
+      FUSEDCE_TRY(logits(r0, nc));
+      b.logits = ws_ + p_.logits;
+      b.r.r0 = r0;
+      b.r.rows = nc;
+      launch_distill_backward(b, stream_);
+      FUSEDCE_TRY(last_error("the distillation backward kernel"));
+      FUSEDCE_TRY(gradient_products(r0, nc));
+    }
+    if (p_.gw_acc) {
+      launch_convert(ConvertParams{at<float>(p_.gw), g.grad_weight.data, p_.V, p_.H, g.grad_weight.row_stride, p_.dtype},
+                     stream_);
+      FUSEDCE_TRY(last_error("rounding grad_weight"));
+    }
+    if (g.grad_bias.data) {
+      launch_convert(ConvertParams{at<float>(p_.gb), g.grad_bias.data, p_.V, 1, g.grad_bias.stride, p_.dtype}, stream_);
+      FUSEDCE_TRY(last_error("rounding grad_bias"));
+    }
+    return Status::Ok();
+  }
+
+ private:
+  template <typename T>
+  T* at(size_t offset) const {
+    return reinterpret_cast<T*>(ws_ + offset);
+  }
+
+  GemmCall base() const {
+    GemmCall g{};
+    g.workspace = ws_ + p_.gemm_ws;
+    g.stream = stream_;
+    g.device = c_.device.index;
+    return g;
+  }
+
+  DistillTeacherRows teacher_rows() const {
+    DistillTeacherRows t{};
+    const DistillTeacher& d = c_.teacher;
+    if (p_.topk) {
+      t.ids = static_cast<const int64_t*>(d.topk_ids.data);
+      t.ids_stride = ld_of(d.topk_ids);
+      t.logprobs = static_cast<const float*>(d.topk_logprobs.data);
+      t.lp_stride = ld_of(d.topk_logprobs);
+      t.K = p_.K;
+      t.dtype = p_.dtype;
+      return t;
+    }
+    t.logits = p_.teacher_logits ? ws_ + p_.t_logits : nullptr;
+    t.ld = p_.ld_t;
+    t.dtype = p_.t_dtype;
+    return t;
+  }
+
+  /// hidden rows [r0, r0 + nc) of a head as the column-major H x nc operand.
+  static GemmOperand rows_op(const MatrixView& h, int64_t r0, int64_t nc) {
+    const char* base = static_cast<const char*>(h.data) + size_t(r0) * size_t(h.row_stride) * elem_size(h.dtype);
+    return GemmOperand{base, h.dtype, h.cols, nc, ld_of(h)};
+  }
+
+  /// One head's logits of rows [r0, r0 + nc) into `out` (ld columns apart), with its bias.
+  Status head_logits(const MatrixView& hidden, const MatrixView& weight, const VectorView& bias, int64_t r0,
+                     int64_t nc, void* out, int64_t ld) {
+    GemmCall g = base();
+    g.a = GemmOperand{weight.data, weight.dtype, weight.cols, weight.rows, ld_of(weight)};
+    g.transpose_a = true;
+    g.b = rows_op(hidden, r0, nc);
+    g.d = out;
+    g.d_dtype = hidden.dtype;
+    g.m = p_.V;
+    g.n = nc;
+    g.ld_d = ld;
+    g.role = GemmRole::kLogits;
+    if (bias.data) {
+      g.bias = bias.data;
+      g.bias_dtype = hidden.dtype;
+    }
+    return gemm(g);
+  }
+
+  Status logits(int64_t r0, int64_t nc) {
+    FUSEDCE_TRY(head_logits(c_.hidden, c_.weight, c_.bias, r0, nc, ws_ + p_.logits, p_.ld));
+    if (!p_.teacher_logits) return Status::Ok();
+    const DistillTeacher& t = c_.teacher;
+    return head_logits(t.hidden, t.weight, t.bias, r0, nc, ws_ + p_.t_logits, p_.ld_t);
+  }
+
+  /// grad_hidden rows, grad_weight and grad_bias from the chunk's dlogits.
+  Status gradient_products(int64_t r0, int64_t nc) {
+    const LinearGrads& g = c_.grads;
+    const GemmOperand dl{ws_ + p_.logits, p_.dtype, p_.V, nc, p_.ld};  // dlogits^T: V x nc
+    if (g.grad_hidden.data) {
+      // grad_hidden^T (H x nc) = weight^T (H x V) . dlogits^T (V x nc), float32
+      GemmCall h = base();
+      h.a = GemmOperand{c_.weight.data, p_.dtype, p_.H, p_.V, ld_of(c_.weight)};
+      h.b = dl;
+      h.d = static_cast<float*>(g.grad_hidden.data) + r0 * g.grad_hidden.row_stride;
+      h.d_dtype = DType::kFloat32;
+      h.m = p_.H;
+      h.n = nc;
+      h.ld_d = ld_of(g.grad_hidden);
+      h.role = GemmRole::kGradHidden;
+      FUSEDCE_TRY(gemm(h));
+    }
+    if (g.grad_weight.data) {
+      // grad_weight^T (H x V) (+)= hidden^T (H x nc) . dlogits (nc x V)
+      GemmCall w = base();
+      w.a = rows_op(c_.hidden, r0, nc);
+      w.b = dl;
+      w.transpose_b = true;
+      w.m = p_.H;
+      w.n = p_.V;
+      w.beta = r0 == 0 ? 0.0f : 1.0f;
+      w.role = GemmRole::kGradWeight;
+      if (p_.gw_acc) {
+        w.d = ws_ + p_.gw;
+        w.d_dtype = DType::kFloat32;
+        w.ld_d = p_.H;
+      } else {
+        w.d = g.grad_weight.data;
+        w.d_dtype = p_.dtype;
+        w.ld_d = ld_of(g.grad_weight);
+      }
+      FUSEDCE_TRY(gemm(w));
+    }
+    if (g.grad_bias.data) {
+      // grad_bias (V x 1) (+)= dlogits^T (V x nc) . ones (nc x 1), float32
+      GemmCall b = base();
+      b.a = dl;
+      b.b = GemmOperand{ws_ + p_.ones, p_.dtype, nc, 1, nc};
+      b.d = ws_ + p_.gb;
+      b.d_dtype = DType::kFloat32;
+      b.m = p_.V;
+      b.n = 1;
+      b.ld_d = p_.V;
+      b.beta = r0 == 0 ? 0.0f : 1.0f;
+      FUSEDCE_TRY(gemm(b));
+    }
+    return Status::Ok();
+  }
+
+  /// No rows: zero gradients (grad_hidden has no rows).
+  Status clear_grads() {
+    const LinearGrads& g = c_.grads;
+    const size_t el = elem_size(p_.dtype);
+    cudaError_t e = cudaSuccess;
+    if (g.grad_weight.data) {
+      e = cudaMemset2DAsync(g.grad_weight.data, size_t(ld_of(g.grad_weight)) * el, 0, size_t(p_.H) * el, size_t(p_.V),
+                            stream_);
+    }
+    if (e == cudaSuccess && g.grad_bias.data) {
+      e = cudaMemsetAsync(ws_ + p_.gb, 0, size_t(p_.V) * 4, stream_);
+      if (e == cudaSuccess) {
+        launch_convert(ConvertParams{at<float>(p_.gb), g.grad_bias.data, p_.V, 1, g.grad_bias.stride, p_.dtype}, stream_);
+      }
+    }
+    return e == cudaSuccess ? last_error("clearing the gradients") : device_error(e, "clearing the gradients");
+  }
+
+  const detail::DistillCall& c_;
+  const Plan& p_;
+  char* ws_;
+  cudaStream_t stream_;
+};
+
+/// The CUDA backend reads each bias with unit stride.
+Status check_bias_stride(const char* name, const VectorView& b) {
+  if (b.data == nullptr || b.size <= 1 || b.stride == 1) return Status::Ok();
+  return Status(StatusCode::kInvalidArgument,
+                std::string(name) + ": the CUDA backend needs stride 1, got " + std::to_string(b.stride));
+}
+
+}  // namespace
+
+Status run_distill(const detail::DistillCall& call) {
+  FUSEDCE_TRY(check_bias_stride("bias", call.bias));
+  if (!call.teacher.topk()) FUSEDCE_TRY(check_bias_stride("teacher_bias", call.teacher.bias));
+  DeviceGuard guard(call.device.index);
+  (void)cudaGetLastError();  // an earlier, unrelated error must not be reported as ours
+  const Plan plan = plan_of(call);
+  cudaStream_t stream = static_cast<cudaStream_t>(call.device.stream);
+  void* scratch = nullptr;
+  cudaError_t e = cudaMallocAsync(&scratch, plan.total, stream);
+  if (e != cudaSuccess) return device_error(e, "allocating the distillation's workspace (cudaMallocAsync)");
+  Run run(call, plan, static_cast<char*>(scratch));
+  const Status s = call.backward ? run.backward() : run.forward();
+  e = cudaFreeAsync(scratch, stream);
+  if (s.ok() && e != cudaSuccess) return device_error(e, "freeing the distillation's workspace (cudaFreeAsync)");
+  return s;
+}
+
+}  // namespace cuda
+}  // namespace fusedce

@@ -1,0 +1,574 @@
+// The CUDA row kernels of the fused linear distillation (fusedce/distill.h), between the matrix
+// products of distill_cuda.cpp: per row of a token chunk,
+//   forward: the student's (and, full form, the teacher's) logits chunk in; the row's
+//     log-normalisers, entropy, divergence and hard term out, and the statistics the backward
+//     reads. Two passes over each row: the log-sum-exps (an online max-and-sum per thread,
+//     merged in a fixed order), then the sums against them.
+//   backward: the student's logits chunk becomes, in place, the gradient of the row's loss with
+//     respect to those logits (one pass; the top-k form adds its entries' terms afterwards, once
+//     per distinct id, after sorting (id, k) keys so that repeated ids add in k order).
+// The definitions are the CPU backend's (src/cpu/distill_cpu.cpp, common/distill_math.h); every
+// reduction runs in a fixed order, so results are the same bits run to run. Nothing of size
+// (N, V) is stored beyond the caller's chunk; a row reads 2 (forward) or 1 (backward) passes
+// of V logits per head and the backward writes V: memory-bound, beside the chunk's products.
+// No host synchronisation: a label outside [0, V) that is not ignore_index, or a top-k id
+// outside [0, V), makes its row's outputs NaN instead of an error.
+#include "cuda/port.h"  // first: the platform's runtime header
+
+#include <cstdint>
+
+#include "common/distill_math.h"
+#include "cuda/distill/distill_kernels.h"
+#include "cuda/vec.cuh"
+#include "fusedce/distill.h"
+
+namespace fusedce {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / kWarpSize;
+constexpr int kW = kDistillStatsWidth;
+// TRL's tail bucket (as the CPU backend): the K entries' log-sum is clamped to at most this.
+constexpr double kTailMaxLogSum = -1e-7;
+
+using detail::DivergenceKind;
+using detail::Transform;
+
+// ---- block reductions (fixed order: lanes by shuffle tree, then warps in index order) ---------
+
+/// Sums v[0 .. K) over the block; every thread gets the same values. `smem` holds K x kWarps.
+template <int K>
+__device__ void block_sum(double (&v)[K], double* smem) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+#pragma unroll
+  for (int q = 0; q < K; ++q) {
+    for (int off = kWarpSize / 2; off > 0; off >>= 1) v[q] += shfl_down(v[q], off);
+    if (lane == 0) smem[q * kWarps + warp] = v[q];
+  }
+  __syncthreads();  // every warp's partial written before any thread adds them
+#pragma unroll
+  for (int q = 0; q < K; ++q) {
+    double t = 0.0;
+    for (int w = 0; w < kWarps; ++w) t += smem[q * kWarps + w];
+    v[q] = t;
+  }
+  __syncthreads();  // read by all before the next reduction writes smem again
+}
+
+/// Largest of m[0 .. K) over the block (NaN ignored, as fmaxf).
+template <int K>
+__device__ void block_max(float (&m)[K], float* smem) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+#pragma unroll
+  for (int q = 0; q < K; ++q) {
+    for (int off = kWarpSize / 2; off > 0; off >>= 1) m[q] = fmaxf(m[q], shfl_down(m[q], off));
+    if (lane == 0) smem[q * kWarps + warp] = m[q];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int q = 0; q < K; ++q) {
+    float t = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) t = fmaxf(t, smem[q * kWarps + w]);
+    m[q] = t;
+  }
+  __syncthreads();
+}
+
+/// Whether any thread of the block passes true.
+__device__ bool block_any(bool b) { return __syncthreads_or(b) != 0; }
+
+// ---- log-sum-exp ------------------------------------------------------------------------------
+
+/// A thread's running log-sum-exp: max m and sum s of exp(z - m).
+struct Online {
+  float m;
+  double s;
+};
+
+__device__ __forceinline__ Online online_empty() { return Online{-INFINITY, 0.0}; }
+
+__device__ __forceinline__ void online_add(Online& a, float z) {
+  if (z > a.m) {
+    a.s = a.s * expf(a.m - z) + 1.0;
+    a.m = z;
+  } else {
+    a.s += z == a.m ? 1.0 : static_cast<double>(expf(z - a.m));  // (-inf == -inf: not exp(NaN))
+  }
+}
+
+__device__ __forceinline__ double online_scaled(const Online& a, float m) {
+  return a.m == m ? a.s : a.s * static_cast<double>(expf(a.m - m));
+}
+
+/// A row's log-normaliser as the kernels use it: log p = (z - m) - l, lse = m + l (in double:
+/// `full`). An infinite max (or no entries) gives lse = m, as the CPU backend.
+struct Lse {
+  float m, l;
+  double full;
+};
+
+__device__ __forceinline__ float logp(const Lse& a, float z) { return (z - a.m) - a.l; }
+
+/// The block's log-normalisers of K running states (each thread's own in a[q]).
+template <int K>
+__device__ void block_lse(Online (&a)[K], Lse (&out)[K], float* fsmem, double* dsmem) {
+  float m[K];
+#pragma unroll
+  for (int q = 0; q < K; ++q) m[q] = a[q].m;
+  block_max<K>(m, fsmem);
+  double s[K];
+#pragma unroll
+  for (int q = 0; q < K; ++q) s[q] = m[q] == -INFINITY ? 0.0 : online_scaled(a[q], m[q]);
+  block_sum<K>(s, dsmem);
+#pragma unroll
+  for (int q = 0; q < K; ++q) {
+    if (isinf(m[q])) {
+      out[q] = Lse{m[q], 0.0f, static_cast<double>(m[q])};
+    } else {
+      const double l = log(s[q]);
+      out[q] = Lse{m[q], static_cast<float>(l), static_cast<double>(m[q]) + l};
+    }
+  }
+}
+
+// ---- rows -------------------------------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ float load(const void* base, int64_t ld, int64_t i, int64_t j) {
+  return Elem<T>::to_float(static_cast<const T*>(base)[i * ld + j]);
+}
+
+/// Row `row`'s label: -1 without labels (every row counts, no hard term).
+__device__ int64_t label_of(const DistillRows& r, int64_t row) {
+  if (r.labels == nullptr) return -1;
+  return r.labels_i64 ? static_cast<const int64_t*>(r.labels)[row * r.label_stride]
+                      : static_cast<int64_t>(static_cast<const int32_t*>(r.labels)[row * r.label_stride]);
+}
+
+__device__ bool counted(const DistillRows& r, int64_t label) { return r.labels == nullptr || label != r.ignore_index; }
+
+/// A counted row whose label cannot be read (outside [0, V)): its outputs become NaN.
+__device__ bool bad_label(const DistillRows& r, int64_t label) {
+  return r.labels != nullptr && (label < 0 || label >= r.V);
+}
+
+/// Whether any of the row's top-k ids lies outside [0, V) (block-wide).
+__device__ bool bad_ids(const DistillRows& r, const DistillTeacherRows& t, int64_t row) {
+  bool bad = false;
+  const int64_t* ids = t.ids + row * t.ids_stride;
+  for (int64_t k = threadIdx.x; k < t.K; k += kThreads) bad |= ids[k] < 0 || ids[k] >= r.V;
+  return block_any(bad);
+}
+
+__device__ void put(float* base, int64_t stride, int64_t row, float v) {
+  if (base != nullptr) base[row * stride] = v;
+}
+
+/// The forward's per-row outputs of one row (thread 0 writes them).
+struct RowOut {
+  float divergence, hard, entropy;
+  float stats[kW];
+};
+
+__device__ void write_row(const DistillForwardParams& p, int64_t row, const RowOut& o) {
+  if (threadIdx.x != 0) return;
+  for (int q = 0; q < kW; ++q) p.stats[row * kW + q] = o.stats[q];
+  put(p.divergence, p.divergence_stride, row, o.divergence);
+  put(p.hard, p.hard_stride, row, o.hard);
+  put(p.entropy, p.entropy_stride, row, o.entropy);
+  // (1 - w) D + w hard, a term whose factor is 0 left out
+  const float w = p.r.hard_weight;
+  double loss = 0.0;
+  if (w < 1.0f) loss += (1.0 - w) * o.divergence;
+  if (w > 0.0f) loss += static_cast<double>(w) * o.hard;
+  p.row_loss[row * p.row_loss_stride] = static_cast<float>(loss);
+}
+
+__device__ RowOut filled_row(float v) {
+  RowOut o{v, v, v, {}};
+  for (int q = 0; q < kW; ++q) o.stats[q] = v;
+  return o;
+}
+
+// ---- the top-k form's sparse distributions ----------------------------------------------------
+
+/// One row's normalisation of the sparse entries (TopkNorm): ls, lt the log-sums of the valid
+/// student / teacher entries, and the tail entries.
+struct SparseNorm {
+  double ls, lt;
+  float s_tail, t_tail;
+  bool s_clamped;
+};
+
+/// log sum exp over the valid entries of x (block-wide), in double: max, then the sum.
+template <class Get>
+__device__ void sparse_lse2(int64_t K, const float* tlp, Get q_of, double* out_s, double* out_t, float* fsmem,
+                            double* dsmem) {
+  float m[2] = {-INFINITY, -INFINITY};
+  for (int64_t k = threadIdx.x; k < K; k += kThreads) {
+    if (tlp[k] == -INFINITY) continue;
+    m[0] = fmaxf(m[0], q_of(k));
+    m[1] = fmaxf(m[1], tlp[k]);
+  }
+  block_max<2>(m, fsmem);
+  double s[2] = {0.0, 0.0};
+  for (int64_t k = threadIdx.x; k < K; k += kThreads) {
+    if (tlp[k] == -INFINITY) continue;
+    s[0] += exp(static_cast<double>(q_of(k)) - m[0]);
+    s[1] += exp(static_cast<double>(tlp[k]) - m[1]);
+  }
+  block_sum<2>(s, dsmem);
+  *out_s = m[0] == -INFINITY ? -INFINITY : m[0] + log(s[0]);
+  *out_t = m[1] == -INFINITY ? -INFINITY : m[1] + log(s[1]);
+}
+
+template <class Get>
+__device__ SparseNorm sparse_norm(const DistillRows& r, int64_t K, const float* tlp, Get q_of, float* fsmem,
+                                  double* dsmem) {
+  SparseNorm n{0.0, 0.0, 0.0f, 0.0f, false};
+  if (r.topk_norm == static_cast<int>(TopkNorm::kNone)) return n;
+  sparse_lse2(K, tlp, q_of, &n.ls, &n.lt, fsmem, dsmem);
+  if (r.topk_norm == static_cast<int>(TopkNorm::kTail)) {
+    n.s_clamped = n.ls > kTailMaxLogSum;
+    n.s_tail = static_cast<float>(log(-expm1(fmin(n.ls, kTailMaxLogSum))));
+    n.t_tail = static_cast<float>(log(-expm1(fmin(n.lt, kTailMaxLogSum))));
+  }
+  return n;
+}
+
+/// Entry k's (s, t) after the normalisation, from the student's q and the teacher's log-prob.
+__device__ __forceinline__ float2 sparse_entry(const DistillRows& r, const SparseNorm& n, float q, float t) {
+  if (r.topk_norm == static_cast<int>(TopkNorm::kRenorm)) {
+    return make_float2(static_cast<float>(q - n.ls), static_cast<float>(t - n.lt));
+  }
+  return make_float2(q, t);
+}
+
+// ---- the forward ------------------------------------------------------------------------------
+
+/// Full form: one block per chunk row; S, T the student's and the teacher's logit dtypes.
+template <typename S, typename T>
+__global__ void __launch_bounds__(kThreads) full_forward_kernel(const DistillForwardParams p) {
+  __shared__ float fsmem[3 * kWarps];
+  __shared__ double dsmem[3 * kWarps];
+  const DistillRows& r = p.r;
+  const int64_t i = blockIdx.x, row = r.r0 + i, V = r.V;
+  const int64_t label = label_of(r, row);
+  if (!counted(r, label)) return write_row(p, row, filled_row(0.0f));
+  if (bad_label(r, label)) return write_row(p, row, filled_row(NAN));
+  const Transform hs{r.s_scale, r.s_softcap}, ht{r.t_scale, r.t_softcap};
+  const bool hard = label >= 0 && r.hard_weight > 0.0f;
+  // pass 1: the log-sum-exps of z_student, z_teacher and (hard term) y_student
+  Online a[3] = {online_empty(), online_empty(), online_empty()};
+  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
+    const float ys = detail::transform_y(hs, load<S>(p.logits, p.ld, i, j));
+    const float yt = detail::transform_y(ht, load<T>(p.t.logits, p.t.ld, i, j));
+    online_add(a[0], ys * r.inv_t);
+    online_add(a[1], yt * r.inv_t);
+    if (hard) online_add(a[2], ys);
+  }
+  Lse l[3];
+  block_lse<3>(a, l, fsmem, dsmem);
+  // pass 2: entropy, divergence and the JSD's KL(p_s || m), against them
+  const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
+  double acc[3] = {0.0, 0.0, 0.0};
+  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
+    const float ys = detail::transform_y(hs, load<S>(p.logits, p.ld, i, j));
+    const float yt = detail::transform_y(ht, load<T>(p.t.logits, p.t.ld, i, j));
+    const float s = logp(l[0], ys * r.inv_t), t = logp(l[1], yt * r.inv_t);
+    const float ps = expf(s);
+    if (ps != 0.0f) acc[0] += static_cast<double>(ps) * s;
+    acc[1] += detail::divergence_term(kind, s, t, r.beta, r.log_1mb, r.log_b);
+    if (kind == DivergenceKind::kJsd && ps != 0.0f) {
+      acc[2] += static_cast<double>(ps) * (s - detail::mixture_log(s, t, r.log_1mb, r.log_b));
+    }
+  }
+  block_sum<3>(acc, dsmem);
+  RowOut o{static_cast<float>(acc[1]), 0.0f, static_cast<float>(-acc[0]), {}};
+  o.stats[0] = static_cast<float>(l[0].full);
+  o.stats[1] = static_cast<float>(l[1].full);
+  o.stats[2] = kind == DivergenceKind::kReverseKl ? o.divergence
+               : kind == DivergenceKind::kJsd     ? static_cast<float>(acc[2])
+                                                  : 0.0f;
+  if (hard) {
+    o.stats[3] = static_cast<float>(l[2].full);
+    o.hard = static_cast<float>(l[2].full - detail::transform_y(hs, load<S>(p.logits, p.ld, i, label)));
+  }
+  write_row(p, row, o);
+}
+
+/// Top-k form: one block per chunk row.
+template <typename S>
+__global__ void __launch_bounds__(kThreads) topk_forward_kernel(const DistillForwardParams p) {
+  __shared__ float fsmem[2 * kWarps];
+  __shared__ double dsmem[2 * kWarps];
+  const DistillRows& r = p.r;
+  const int64_t i = blockIdx.x, row = r.r0 + i, V = r.V, K = p.t.K;
+  const int64_t label = label_of(r, row);
+  if (!counted(r, label)) return write_row(p, row, filled_row(0.0f));
+  if (bad_label(r, label) || bad_ids(r, p.t, row)) return write_row(p, row, filled_row(NAN));
+  const Transform hs{r.s_scale, r.s_softcap};
+  const bool hard = label >= 0 && r.hard_weight > 0.0f;
+  Online a[2] = {online_empty(), online_empty()};
+  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
+    const float ys = detail::transform_y(hs, load<S>(p.logits, p.ld, i, j));
+    online_add(a[0], ys * r.inv_t);
+    if (hard) online_add(a[1], ys);
+  }
+  Lse l[2];
+  block_lse<2>(a, l, fsmem, dsmem);
+  double ent[1] = {0.0};
+  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
+    const float s = logp(l[0], detail::transform_y(hs, load<S>(p.logits, p.ld, i, j)) * r.inv_t);
+    const float ps = expf(s);
+    if (ps != 0.0f) ent[0] += static_cast<double>(ps) * s;
+  }
+  block_sum<1>(ent, dsmem);
+  // the sparse entries: q_k, the student's log-probability at id k
+  const int64_t* ids = p.t.ids + row * p.t.ids_stride;
+  const float* tlp = p.t.logprobs + row * p.t.lp_stride;
+  auto q_of = [&](int64_t k) { return logp(l[0], detail::transform_y(hs, load<S>(p.logits, p.ld, i, ids[k])) * r.inv_t); };
+  const SparseNorm n = sparse_norm(r, K, tlp, q_of, fsmem, dsmem);
+  const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
+  double d[1] = {0.0};
+  for (int64_t k = threadIdx.x; k < K; k += kThreads) {
+    if (tlp[k] == -INFINITY) continue;
+    const float2 st = sparse_entry(r, n, q_of(k), tlp[k]);
+    d[0] += detail::divergence_term(kind, st.x, st.y, r.beta, r.log_1mb, r.log_b);
+  }
+  block_sum<1>(d, dsmem);
+  if (r.topk_norm == static_cast<int>(TopkNorm::kTail)) {
+    d[0] += detail::divergence_term(kind, n.s_tail, n.t_tail, r.beta, r.log_1mb, r.log_b);
+  }
+  RowOut o{static_cast<float>(d[0]), 0.0f, static_cast<float>(-ent[0]), {0.0f, 0.0f, 0.0f, 0.0f}};
+  o.stats[0] = static_cast<float>(l[0].full);
+  if (hard) {
+    o.stats[3] = static_cast<float>(l[1].full);
+    o.hard = static_cast<float>(l[1].full - detail::transform_y(hs, load<S>(p.logits, p.ld, i, label)));
+  }
+  write_row(p, row, o);
+}
+
+// ---- the backward -----------------------------------------------------------------------------
+
+/// Row `row`'s upstream gradient, the mean's 1 / count included (as the CPU backend).
+__device__ float upstream(const DistillBackwardParams& p, int64_t row) {
+  if (p.reduction == static_cast<int>(Reduction::kNone)) return p.grad_loss[row * p.grad_stride];
+  if (p.reduction == static_cast<int>(Reduction::kSum)) return p.grad_loss[0];
+  return static_cast<float>(p.grad_loss[0] * (1.0 / static_cast<double>(*p.count)));
+}
+
+template <typename S>
+__device__ void fill_row(const DistillBackwardParams& p, int64_t i, float v) {
+  S* x = static_cast<S*>(p.logits) + i * p.ld;
+  for (int64_t j = threadIdx.x; j < p.r.V; j += kThreads) x[j] = Elem<S>::from_float(v);
+}
+
+/// The hard term's part of dy at column j: b (softmax(y)_j - [j == label]).
+__device__ __forceinline__ float hard_dy(float b, float y, float lse_h, int64_t j, int64_t label) {
+  return b * (expf(y - lse_h) - (j == label ? 1.0f : 0.0f));
+}
+
+/// Full form: one block per chunk row; the student's logits become their gradient in place.
+template <typename S, typename T>
+__global__ void __launch_bounds__(kThreads) full_backward_kernel(const DistillBackwardParams p) {
+  const DistillRows& r = p.r;
+  const int64_t i = blockIdx.x, row = r.r0 + i, V = r.V;
+  const int64_t label = label_of(r, row);
+  if (!counted(r, label)) return fill_row<S>(p, i, 0.0f);
+  if (bad_label(r, label)) return fill_row<S>(p, i, NAN);
+  const float g = upstream(p, row);
+  const float a = r.hard_weight < 1.0f ? (1.0f - r.hard_weight) * g * r.inv_t : 0.0f;  // per unit dz
+  const float b = r.hard_weight > 0.0f && label >= 0 ? r.hard_weight * g : 0.0f;
+  const float* st = p.stats + row * kW;
+  const Transform hs{r.s_scale, r.s_softcap}, ht{r.t_scale, r.t_softcap};
+  const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
+  S* x = static_cast<S*>(p.logits) + i * p.ld;
+  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
+    const float y = detail::transform_y(hs, Elem<S>::to_float(x[j]));
+    float dy = 0.0f;
+    if (a != 0.0f) {
+      const float yt = detail::transform_y(ht, load<T>(p.t.logits, p.t.ld, i, j));
+      const float s = y * r.inv_t - st[0], t = yt * r.inv_t - st[1];
+      dy = a * detail::distill_logit_grad(kind, s, t, st[2], r.log_1mb, r.log_b, r.one_mb);
+    }
+    if (b != 0.0f) dy += hard_dy(b, y, st[3], j, label);
+    x[j] = Elem<S>::from_float(dy * detail::transform_dy_of_y(hs, y));
+  }
+}
+
+/// In-place bitonic sort of keys[0 .. n) (n a power of two) by the block.
+__device__ void block_sort(uint64_t* keys, int64_t n) {
+  for (int64_t size = 2; size <= n; size <<= 1) {
+    for (int64_t stride = size / 2; stride > 0; stride >>= 1) {
+      for (int64_t t = threadIdx.x; t < n / 2; t += kThreads) {
+        const int64_t lo = 2 * t - (t & (stride - 1)), hi = lo + stride;
+        const bool up = (lo & size) == 0;
+        const uint64_t x = keys[lo], y = keys[hi];
+        if ((x > y) == up) {
+          keys[lo] = y;
+          keys[hi] = x;
+        }
+      }
+      __syncthreads();  // this stage's swaps done before the next stage reads
+    }
+  }
+}
+
+/// Top-k form: one block per chunk row. dD/dq_k (through the normalisation) first, into the
+/// scratch; then the dense part of every column, -a e^{s_j} sum_k dD/dq_k (+ the hard term);
+/// then each distinct id once: its column again, plus a dD/dq_k of each of its entries (k order).
+template <typename S>
+__global__ void __launch_bounds__(kThreads) topk_backward_kernel(const DistillBackwardParams p) {
+  __shared__ float fsmem[2 * kWarps];
+  __shared__ double dsmem[2 * kWarps];
+  const DistillRows& r = p.r;
+  const int64_t i = blockIdx.x, row = r.r0 + i, V = r.V, K = p.t.K;
+  const int64_t label = label_of(r, row);
+  if (!counted(r, label)) return fill_row<S>(p, i, 0.0f);
+  if (bad_label(r, label) || bad_ids(r, p.t, row)) return fill_row<S>(p, i, NAN);
+  const float g = upstream(p, row);
+  const float a = r.hard_weight < 1.0f ? (1.0f - r.hard_weight) * g * r.inv_t : 0.0f;
+  const float b = r.hard_weight > 0.0f && label >= 0 ? r.hard_weight * g : 0.0f;
+  const float* st = p.stats + row * kW;
+  const Transform hs{r.s_scale, r.s_softcap};
+  S* x = static_cast<S*>(p.logits) + i * p.ld;
+  const int64_t* ids = p.t.ids + row * p.t.ids_stride;
+  const float* tlp = p.t.logprobs + row * p.t.lp_stride;
+  float* ey = p.entry_y + i * K;
+  float* eg = p.entry_g + i * K;
+  float sum_gq = 0.0f;
+  if (a != 0.0f) {
+    for (int64_t k = threadIdx.x; k < K; k += kThreads) ey[k] = detail::transform_y(hs, Elem<S>::to_float(x[ids[k]]));
+    __syncthreads();  // ey complete: the norms read every entry
+    auto q_of = [&](int64_t k) { return ey[k] * r.inv_t - st[0]; };
+    const SparseNorm n = sparse_norm(r, K, tlp, q_of, fsmem, dsmem);
+    const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
+    double tot[1] = {0.0};
+    for (int64_t k = threadIdx.x; k < K; k += kThreads) {
+      float gq = 0.0f;
+      if (tlp[k] != -INFINITY) {
+        const float2 e = sparse_entry(r, n, q_of(k), tlp[k]);
+        gq = detail::divergence_dterm(kind, e.x, e.y, r.log_1mb, r.log_b, r.one_mb);
+      }
+      eg[k] = gq;
+      tot[0] += gq;
+    }
+    block_sum<1>(tot, dsmem);
+    const bool tail = r.topk_norm == static_cast<int>(TopkNorm::kTail) && !n.s_clamped;
+    const float g_tail = tail ? detail::divergence_dterm(kind, n.s_tail, n.t_tail, r.log_1mb, r.log_b, r.one_mb) : 0.0f;
+    double adjusted[1] = {0.0};
+    for (int64_t k = threadIdx.x; k < K; k += kThreads) {
+      if (tlp[k] == -INFINITY) continue;
+      const float s = sparse_entry(r, n, q_of(k), tlp[k]).x;
+      float gq = eg[k];
+      if (r.topk_norm == static_cast<int>(TopkNorm::kRenorm)) {  // s_k = q_k - lse(q)
+        gq -= static_cast<float>(expf(s) * tot[0]);
+      } else if (tail) {  // d s_tail / d q_k = -e^{q_k - s_tail}
+        gq -= g_tail * expf(s - n.s_tail);
+      }
+      eg[k] = gq;
+      adjusted[0] += gq;
+    }
+    block_sum<1>(adjusted, dsmem);  // (its barriers also order eg's writes before the reads below)
+    sum_gq = static_cast<float>(adjusted[0]);
+    for (int64_t k = threadIdx.x; k < p.Kp; k += kThreads) {
+      p.keys[i * p.Kp + k] = k < K ? (static_cast<uint64_t>(ids[k]) << 32) | static_cast<uint64_t>(k) : ~uint64_t(0);
+    }
+    __syncthreads();  // keys written before the sort
+    block_sort(p.keys + i * p.Kp, p.Kp);
+  }
+  auto dense = [&](float y, int64_t j) {
+    float dy = a != 0.0f ? -a * expf(y * r.inv_t - st[0]) * sum_gq : 0.0f;
+    if (b != 0.0f) dy += hard_dy(b, y, st[3], j, label);
+    return dy * detail::transform_dy_of_y(hs, y);
+  };
+  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
+    x[j] = Elem<S>::from_float(dense(detail::transform_y(hs, Elem<S>::to_float(x[j])), j));
+  }
+  if (a == 0.0f) return;
+  __syncthreads();  // the dense pass wrote every column before the ids' columns are rewritten
+  const uint64_t* keys = p.keys + i * p.Kp;
+  for (int64_t q = threadIdx.x; q < K; q += kThreads) {
+    const int64_t id = static_cast<int64_t>(keys[q] >> 32);
+    if (q > 0 && static_cast<int64_t>(keys[q - 1] >> 32) == id) continue;  // not its id's first entry
+    const int64_t k0 = static_cast<int64_t>(keys[q] & 0xffffffffu);
+    const float y = ey[k0], dk = detail::transform_dy_of_y(hs, y);
+    float v = dense(y, id);
+    for (int64_t e = q; e < K && static_cast<int64_t>(keys[e] >> 32) == id; ++e) {
+      v += a * eg[keys[e] & 0xffffffffu] * dk;
+    }
+    x[id] = Elem<S>::from_float(v);
+  }
+}
+
+// ---- the reduction ----------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kThreads) finish_kernel(const DistillFinishParams p) {
+  __shared__ double dsmem[2 * kWarps];
+  double acc[2] = {0.0, 0.0};  // loss sum, counted rows
+  for (int64_t i = threadIdx.x; i < p.N; i += kThreads) {
+    if (!counted(p.r, label_of(p.r, i))) continue;
+    acc[1] += 1.0;
+    if (p.row_loss != nullptr) acc[0] += p.row_loss[i];
+  }
+  block_sum<2>(acc, dsmem);
+  if (threadIdx.x != 0) return;
+  const int64_t count = static_cast<int64_t>(acc[1]);
+  if (p.count != nullptr) *p.count = count;
+  if (p.row_loss == nullptr || p.loss == nullptr) return;
+  double loss = acc[0];
+  if (p.reduction == static_cast<int>(Reduction::kMean)) loss = count == 0 ? NAN : loss / static_cast<double>(count);
+  p.loss[0] = static_cast<float>(loss);
+}
+
+// ---- dispatch ---------------------------------------------------------------------------------
+
+template <typename F>
+void by_dtype(DType d, F&& f) {
+  if (d == DType::kFloat32) f(float{});
+  else if (d == DType::kBFloat16) f(BFloat16{});
+  else f(Half{});
+}
+
+}  // namespace
+
+void launch_distill_forward(const DistillForwardParams& p, cudaStream_t stream) {
+  if (p.r.rows == 0) return;
+  const unsigned blocks = static_cast<unsigned>(p.r.rows);
+  by_dtype(p.dtype, [&](auto s_tag) {
+    using S = decltype(s_tag);
+    if (p.t.K > 0) {  // the top-k form
+      topk_forward_kernel<S><<<blocks, kThreads, 0, stream>>>(p);
+      return;
+    }
+    by_dtype(p.t.dtype, [&](auto t_tag) {
+      using T = decltype(t_tag);
+      full_forward_kernel<S, T><<<blocks, kThreads, 0, stream>>>(p);
+    });
+  });
+}
+
+void launch_distill_backward(const DistillBackwardParams& p, cudaStream_t stream) {
+  if (p.r.rows == 0) return;
+  const unsigned blocks = static_cast<unsigned>(p.r.rows);
+  by_dtype(p.dtype, [&](auto s_tag) {
+    using S = decltype(s_tag);
+    if (p.t.K > 0) {  // the top-k form
+      topk_backward_kernel<S><<<blocks, kThreads, 0, stream>>>(p);
+      return;
+    }
+    by_dtype(p.t.dtype, [&](auto t_tag) {
+      using T = decltype(t_tag);
+      full_backward_kernel<S, T><<<blocks, kThreads, 0, stream>>>(p);
+    });
+  });
+}
+
+void launch_distill_finish(const DistillFinishParams& p, cudaStream_t stream) {
+  finish_kernel<<<1, kThreads, 0, stream>>>(p);
+}
+
+}  // namespace cuda
+}  // namespace fusedce

@@ -1,0 +1,15 @@
+// The GPU distillation where it is not built (no CUDA, or the HIP build, which has no cuBLASLt
+// for its products): every call says so.
+#include "common/distill_call.h"
+
+namespace fusedce {
+namespace cuda {
+
+Status run_distill(const detail::DistillCall&) {
+  return Status(StatusCode::kUnsupported,
+                "device is CUDA but this build of fusedce has no CUDA distillation "
+                "(configure with FUSEDCE_CUDA=ON where nvcc and cuBLASLt are available)");
+}
+
+}  // namespace cuda
+}  // namespace fusedce
