@@ -99,7 +99,13 @@ constexpr size_t kDistillDefaultBudget = size_t(128) << 20;
 constexpr int64_t kDistillMaxChunkRows = 256;
 
 /// The forward: the student hidden (N, H), weight (V, H) and bias (V,) or empty, the teacher,
-/// labels (N,) int64 / int32 or empty. CPU only for now: a CUDA device gives kUnsupported.
+/// labels (N,) int64 / int32 or empty. On the CPU, or on a CUDA device with every tensor in its
+/// memory (biases with unit stride). The CPU reads labels and top-k ids and reports one outside
+/// [0, V) (labels: and not ignore_index) as kTargetOutOfRange; a CUDA device does not wait to read
+/// them, and gives that row NaN outputs (and NaN gradients) instead. On a CUDA device
+/// chunk_budget_bytes bounds the chunk's logits in the inputs' dtypes (both heads; the top-k
+/// backward adds 8 K + 8 K' bytes a row, K' = K rounded up to a power of two), 0 meaning the
+/// linear cross-entropy's default rule; plan_linear_distill is the CPU's plan.
 Status linear_distill_forward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                               const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
                               const DistillOptions& options, size_t chunk_budget_bytes, const DistillOutputs& out);
