@@ -19,7 +19,10 @@ The top-k form takes the teacher as its top-k ids and log-probabilities per posi
 distillation without a tail; axolotl's normalize_topk), ``"tail"`` K + 1 entries with the tail
 log(1 - sum) (TRL's server distillation's default).
 
-Gradients reach the student's hidden, weight and bias; the teacher gets none. CPU only for now.
+Gradients reach the student's hidden, weight and bias; the teacher gets none. On the CPU and on
+CUDA devices (every tensor on the student_hidden's device). On CUDA nothing waits to check the
+labels and top-k ids: one outside [0, V) (a label that is not ``ignore_index``) makes its row's
+loss and gradients NaN, where the CPU raises.
 """
 
 import torch
@@ -116,10 +119,9 @@ def _check_device(tensors, hidden, where):
     for value, name in tensors:
         check_same_device(value, name, hidden, "student_hidden", where)
     check_cuda_build(hidden, "student_hidden", where)
-    if hidden.device.type != "cpu":
-        raise NotImplementedError(f"{where}: student_hidden is on {hidden.device}, but the distillation has a CPU "
-                                  "path only so far: its CUDA path (fusedce::linear_distill_* on CUDA) is not "
-                                  "written yet")
+    if hidden.device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"{where}: student_hidden is on {hidden.device}, but the distillation runs on "
+                                  "the CPU and on CUDA devices only")
 
 
 def _rows(x):
@@ -185,8 +187,9 @@ def linear_distillation(student_hidden, student_weight, teacher_hidden, teacher_
             shape, 0 at left-out rows).
         student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap: each head's
             transform of its logits, y = s x or c tanh(s x / c) (softcap None: off).
-        chunk_budget_bytes: bytes of float32 logits one chunk of rows may hold, both heads
-            together (None: 128 MiB).
+        chunk_budget_bytes: bytes of logits one chunk of rows may hold, both heads together:
+            float32 logits on the CPU (None: 128 MiB), logits in the inputs' dtypes on CUDA (None:
+            the linear cross-entropy's default rule).
         return_metrics: also return a dict of per-row float32 values of the leading shape:
             "divergence", "hard_loss" (0 with hard_weight 0) and "entropy" (the student's, of
             softmax(z)), not differentiable, 0 at left-out rows.

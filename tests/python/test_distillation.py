@@ -1,13 +1,19 @@
 """fusedce.linear_distillation and fusedce.linear_distillation_topk against a float64 reference
 that materialises both heads' logits (F.linear, the transforms, log_softmax) and writes each
 definition of include/fusedce/distill.h out with torch ops; gradients against the reference's
-autograd, and gradcheck in float64 on tiny shapes through the ops.
+autograd, and gradcheck in float64 on tiny shapes through the ops. Parametrised over DEVICES
+(run with -k cuda on a GPU).
 
 The inputs are rounded to their dtype first and the reference runs in float64 on those rounded
 values, so fusedce's error is float32 arithmetic's: the logits' products over H terms, the row
 sums over V terms. Tolerances (_value_tol, _grad_tol) say so. Planted bugs: a 1e-5 relative
 error on the float32 loss, and a 0.5% one on the bfloat16 gradients, each fail
-test_full_values_and_gradients and test_topk_values_and_gradients."""
+test_full_values_and_gradients and test_topk_values_and_gradients.
+
+On CUDA with 16-bit inputs each logits chunk (and its dlogits) is held in the input dtype, one
+rounding of every logit and dlogit, as the linear cross-entropy does: there the tolerance grows to
+3 times the change those roundings make in the reference itself (the reference run again on
+rounded logits, whose autograd rounds the dlogits too): the rule of test_logprobs.py."""
 
 import math
 
@@ -16,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedce
+from conftest import DEVICES, requires_cuda
 from fusedce._distill_options import NAMES
 
 IGNORE = -100
@@ -63,8 +70,15 @@ def _term(s, t, beta):
     return torch.where(pt == 0, 0.0, beta * pt * (t - lm)) + torch.where(ps == 0, 0.0, (1 - beta) * ps * (s - lm))
 
 
-def _student(hs, ws, bs, scale=1.0, softcap=None):
-    return _transform(F.linear(hs.double(), ws.double(), None if bs is None else bs.double()), scale, softcap)
+def _logits(h, w, b, rounding):
+    """float64 logits; rounded to `rounding` (a dtype, or None) and back, as a CUDA chunk holds
+    them (autograd then rounds their gradient to it as well, as the CUDA dlogits are)."""
+    x = F.linear(h.double(), w.double(), None if b is None else b.double())
+    return x if rounding is None else x.to(rounding).double()
+
+
+def _student(hs, ws, bs, scale=1.0, softcap=None, rounding=None):
+    return _transform(_logits(hs, ws, bs, rounding), scale, softcap)
 
 
 def _finish(ys, div, labels, temperature, hard_weight, reduction):
@@ -90,9 +104,9 @@ def _finish(ys, div, labels, temperature, hard_weight, reduction):
 
 
 def reference_full(hs, ws, bs, ht, wt, bt, labels, *, beta, temperature=1.0, hard_weight=0.0, reduction="mean",
-                   s_scale=1.0, s_cap=None, t_scale=1.0, t_cap=None):
-    ys = _student(hs, ws, bs, s_scale, s_cap)
-    yt = _transform(F.linear(ht.double(), wt.double(), None if bt is None else bt.double()), t_scale, t_cap)
+                   s_scale=1.0, s_cap=None, t_scale=1.0, t_cap=None, rounding=None):
+    ys = _student(hs, ws, bs, s_scale, s_cap, rounding)
+    yt = _transform(_logits(ht, wt, bt, rounding), t_scale, t_cap)
     ls, lt = (ys / temperature).log_softmax(-1), (yt / temperature).log_softmax(-1)
     return _finish(ys, _term(ls, lt, beta).sum(-1), labels, temperature, hard_weight, reduction)
 
@@ -101,10 +115,11 @@ def _sparse_lse(x, valid):
     return torch.where(valid, x, -math.inf).logsumexp(-1, keepdim=True)
 
 
-def reference_topk(hs, ws, bs, ids, tlp, labels, *, beta, norm, temperature=1.0, hard_weight=0.0, reduction="mean"):
+def reference_topk(hs, ws, bs, ids, tlp, labels, *, beta, norm, temperature=1.0, hard_weight=0.0, reduction="mean",
+                   rounding=None):
     """TRL's and axolotl's top-k definitions: the student's full-vocabulary log-softmax at the
     ids, then none / renorm / tail (TRL's tail bucket with its clamp at -1e-7)."""
-    ys = _student(hs, ws, bs)
+    ys = _student(hs, ws, bs, rounding=rounding)
     q = (ys / temperature).log_softmax(-1).gather(-1, ids)
     t = tlp.double()
     valid = t != -math.inf
@@ -157,71 +172,102 @@ def _grad_tol(dtype, ref, terms, amplification=1.0):
 
 
 def _close(got, want, atol, rtol, what):
-    torch.testing.assert_close(got.double(), want.double(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(got.double().cpu(), want.double().cpu(), atol=atol, rtol=rtol,
+                               msg=lambda m: f"{what}: {m}")
 
 
-def _leaf(x):
-    return None if x is None else x.detach().clone().requires_grad_(True)
+def _leaf(x, device="cpu"):
+    return None if x is None else x.detach().to(device).clone().requires_grad_(True)
+
+
+def _on(device, *xs):
+    return [None if x is None else x.to(device) for x in xs]
+
+
+def _own(device, dtype, inputs, run_reference):
+    """On CUDA with 16-bit inputs, (loss, metrics, leaves) of the reference run again with its
+    logits and dlogits rounded to the dtype, as the GPU's chunks hold them: what sets the
+    tolerance there. None elsewhere (the CPU forms float32 logits)."""
+    if device == "cpu" or dtype == torch.float32:
+        return None
+    leaves = [_leaf64(x) for x in inputs]
+    loss, metrics = run_reference(leaves, dtype)
+    return loss, metrics, leaves
 
 
 def _leaf64(x):
     return None if x is None else x.detach().double().requires_grad_(True)
 
 
+def _rounding_budget(own, ref):
+    """3 times the largest change that the 16-bit chunks make in the reference (0 without)."""
+    return 3 * (own.detach() - ref.detach()).abs().max().item() if own is not None and ref.numel() else 0.0
+
+
 def _check_against(loss, metrics, ref_loss, ref_metrics, leaves, leaves64, dtype, h, h_t, vocab, n,
-                   amplification=1.0):
-    """Values, then the gradients of loss.sum() (weighted for 'none') against the reference's."""
+                   amplification=1.0, own=None):
+    """Values, then the gradients of loss.sum() (weighted for 'none') against the reference's;
+    `own` (see _own) widens each tolerance by its rounding budget."""
+    own_loss, own_metrics, own_leaves = own if own is not None else (None, {}, [None] * 3)
     scale = max(ref_loss.abs().max().item() if ref_loss.numel() else 0.0, 1.0)
-    tol = _value_tol(h, h_t, vocab, scale)
+    tol = max(_value_tol(h, h_t, vocab, scale), _rounding_budget(own_loss, ref_loss))
     _close(loss, ref_loss, tol, 0.0, "loss")
     for key, value in ref_metrics.items():
-        _close(metrics[key], value, _value_tol(h, h_t, vocab, value.abs().max().item() if n else 1.0), 0.0, key)
+        tol = max(_value_tol(h, h_t, vocab, value.abs().max().item() if n else 1.0),
+                  _rounding_budget(own_metrics.get(key), value))
+        _close(metrics[key], value, tol, 0.0, key)
     if n == 0 or not torch.isfinite(ref_loss).all():
         return
     w = torch.linspace(0.5, 1.5, loss.numel(), dtype=torch.float64).view(loss.shape)
-    (loss.double() * w).sum().backward()
+    (loss.double() * w.to(loss.device)).sum().backward()
     (ref_loss * w).sum().backward()
-    for got, want, name in zip(leaves, leaves64, ("hidden", "weight", "bias")):
+    if own_loss is not None:
+        (own_loss * w).sum().backward()
+    for got, want, mine, name in zip(leaves, leaves64, own_leaves, ("hidden", "weight", "bias")):
         if got is None:
             continue
         assert got.grad.dtype == dtype
         atol, rtol = _grad_tol(dtype, want.grad, vocab + h + n, amplification)
+        atol = max(atol, _rounding_budget(None if mine is None else mine.grad, want.grad))
         _close(got.grad, want.grad, atol, rtol, f"grad_{name}")
 
 
 # ---- the full teacher -------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("n,h,vocab", SHAPES)
 @pytest.mark.parametrize("beta", BETAS)
 @pytest.mark.parametrize("temperature,hard_weight", [(1.0, 0.0), (0.7, 0.3)])
-def test_full_values_and_gradients(dtype, n, h, vocab, beta, temperature, hard_weight):
+def test_full_values_and_gradients(device, dtype, n, h, vocab, beta, temperature, hard_weight):
     hs, ws, bs, ht, wt, bt, labels = _problem(n, h, vocab, dtype, seed=n + vocab + int(10 * beta), bias=True)
-    leaves, leaves64 = [_leaf(x) for x in (hs, ws, bs)], [_leaf64(x) for x in (hs, ws, bs)]
+    leaves, leaves64 = [_leaf(x, device) for x in (hs, ws, bs)], [_leaf64(x) for x in (hs, ws, bs)]
     loss, metrics = fusedce.linear_distillation(
-        leaves[0], leaves[1], ht, wt, labels, beta=beta, temperature=temperature, hard_weight=hard_weight,
-        student_bias=leaves[2], teacher_bias=bt, return_metrics=True)
-    assert loss.dtype == torch.float32 and loss.shape == ()
-    ref, ref_m = reference_full(*leaves64, ht, wt, bt, labels, beta=beta, temperature=temperature,
-                                hard_weight=hard_weight)
+        leaves[0], leaves[1], *_on(device, ht, wt, labels), beta=beta, temperature=temperature,
+        hard_weight=hard_weight, student_bias=leaves[2], teacher_bias=_on(device, bt)[0], return_metrics=True)
+    assert loss.dtype == torch.float32 and loss.shape == () and loss.device.type == device
+    kw = dict(beta=beta, temperature=temperature, hard_weight=hard_weight)
+    ref, ref_m = reference_full(*leaves64, ht, wt, bt, labels, **kw)
     if n == 0 or (labels == IGNORE).all():
         assert torch.isnan(loss)  # mean over no rows
         return
-    _check_against(loss, metrics, ref, ref_m, leaves, leaves64, dtype, h, h + 5, vocab, n)
+    own = _own(device, dtype, (hs, ws, bs), lambda l64, r: reference_full(*l64, ht, wt, bt, labels, rounding=r, **kw))
+    _check_against(loss, metrics, ref, ref_m, leaves, leaves64, dtype, h, h + 5, vocab, n, own=own)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
 @pytest.mark.parametrize("beta", BETAS)
-def test_full_reductions_transforms_and_shapes(reduction, beta):
+def test_full_reductions_transforms_and_shapes(device, reduction, beta):
     """(B, S, H) hidden, no labels (every row counts), each head with its own logit scale and
     softcap, a chunk budget of a few rows (several chunks)."""
     n, h, vocab = 12, 20, 97
     hs, ws, _, ht, wt, _, _ = _problem(n, h, vocab, torch.float32, seed=5)
     opts = dict(student_logit_scale=0.8, student_softcap=6.0, teacher_logit_scale=1.3, teacher_softcap=9.0)
-    leaves, leaves64 = [_leaf(hs), _leaf(ws), None], [_leaf64(hs), _leaf64(ws), None]
+    leaves, leaves64 = [_leaf(hs, device), _leaf(ws, device), None], [_leaf64(hs), _leaf64(ws), None]
     loss, metrics = fusedce.linear_distillation(
-        leaves[0].view(3, 4, h), leaves[1], ht.view(3, 4, h + 5), wt, beta=beta, reduction=reduction,
+        leaves[0].view(3, 4, h), leaves[1], ht.to(device).view(3, 4, h + 5), wt.to(device), beta=beta, reduction=reduction,
         temperature=1.5, chunk_budget_bytes=2 * 3 * vocab * 4, return_metrics=True, **opts)
     assert loss.shape == ((3, 4) if reduction == "none" else ())
     ref, ref_m = reference_full(leaves64[0], leaves64[1], None, ht, wt, None, None, beta=beta, temperature=1.5,
@@ -230,19 +276,21 @@ def test_full_reductions_transforms_and_shapes(reduction, beta):
                    leaves64, torch.float32, h, h + 5, vocab, n)
 
 
-def test_ignored_rows_and_no_teacher_gradient():
+@pytest.mark.parametrize("device", DEVICES)
+def test_ignored_rows_and_no_teacher_gradient(device):
     hs, ws, bs, ht, wt, bt, labels = _problem(10, 8, 33, torch.float32, seed=2, bias=True, ignore_frac=0.0)
     labels[:4] = IGNORE
-    hs_, ht_, wt_ = _leaf(hs), _leaf(ht), _leaf(wt)
+    ws, labels = _on(device, ws, labels)
+    hs_, ht_, wt_ = _leaf(hs, device), _leaf(ht, device), _leaf(wt, device)
     loss = fusedce.linear_distillation(hs_, ws, ht_, wt_, labels, reduction="none", beta=0.3)
     assert (loss[:4] == 0).all() and (loss[4:] > 0).all()
     loss.sum().backward()
     assert (hs_.grad[:4] == 0).all() and hs_.grad[4:].abs().sum() > 0
     assert ht_.grad is None and wt_.grad is None
     all_ignored = torch.full_like(labels, IGNORE)
-    hs2 = _leaf(hs)
+    hs2 = _leaf(hs, device)
     for reduction, want in (("sum", 0.0), ("mean", math.nan)):
-        loss = fusedce.linear_distillation(hs2, ws, ht, wt, all_ignored, reduction=reduction)
+        loss = fusedce.linear_distillation(hs2, ws, ht_.detach(), wt_.detach(), all_ignored, reduction=reduction)
         assert math.isnan(want) and math.isnan(loss.item()) or loss.item() == want
         loss.backward()
         assert (hs2.grad == 0).all()
@@ -274,51 +322,57 @@ TOPK_CASES = [  # (n, h, vocab, k, repeats, absent)
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", TOPK_CASES, ids=lambda c: "n{}_v{}_k{}{}{}".format(c[0], c[2], c[3],
                                                                                     "_rep" if c[4] else "",
                                                                                     "_abs" if c[5] else ""))
 @pytest.mark.parametrize("norm", ["none", "renorm", "tail"])
 @pytest.mark.parametrize("beta", BETAS)
-def test_topk_values_and_gradients(dtype, case, norm, beta):
+def test_topk_values_and_gradients(device, dtype, case, norm, beta):
     n, h, vocab, k, repeats, absent = case
     hs, ws, bs, _, _, _, labels = _problem(n, h, vocab, dtype, seed=n + vocab + k, bias=True)
     ids, tlp = _topk_teacher(n, vocab, k, seed=n + k, repeats=repeats, absent=absent)
-    leaves, leaves64 = [_leaf(x) for x in (hs, ws, bs)], [_leaf64(x) for x in (hs, ws, bs)]
+    leaves, leaves64 = [_leaf(x, device) for x in (hs, ws, bs)], [_leaf64(x) for x in (hs, ws, bs)]
     mix = dict(temperature=0.8, hard_weight=0.2) if beta == 0.5 else {}
     loss, metrics = fusedce.linear_distillation_topk(
-        leaves[0], leaves[1], ids, tlp, labels, divergence="jsd", beta=beta, topk_norm=norm, student_bias=leaves[2],
-        return_metrics=True, **mix)
-    ref, ref_m = reference_topk(*leaves64, ids, tlp, labels, beta=beta, norm=norm, **mix)
+        leaves[0], leaves[1], *_on(device, ids, tlp, labels), divergence="jsd", beta=beta, topk_norm=norm,
+        student_bias=leaves[2], return_metrics=True, **mix)
+    kw = dict(beta=beta, norm=norm, **mix)
+    ref, ref_m = reference_topk(*leaves64, ids, tlp, labels, **kw)
     if n == 0 or (labels == IGNORE).all():
         assert torch.isnan(loss)
         return
     finite = tlp[tlp != -math.inf]
     amplification = 1.0 + (finite.abs().max().item() if finite.numel() else 0.0)
-    _check_against(loss, metrics, ref, ref_m, leaves, leaves64, dtype, h, 0, vocab, n, amplification)
+    own = _own(device, dtype, (hs, ws, bs), lambda l64, r: reference_topk(*l64, ids, tlp, labels, rounding=r, **kw))
+    _check_against(loss, metrics, ref, ref_m, leaves, leaves64, dtype, h, 0, vocab, n, amplification, own=own)
 
 
-def test_topk_normalisations_differ_and_agree_where_they_should():
+@pytest.mark.parametrize("device", DEVICES)
+def test_topk_normalisations_differ_and_agree_where_they_should(device):
     """renorm of a teacher whose K probabilities sum to 1 (K = V) with the student's K = V
     log-probabilities is the full forward KL; none and tail differ from renorm for K < V."""
     n, h, vocab = 6, 8, 23
     hs, ws, _, _, _, _, _ = _problem(n, h, vocab, torch.float32, seed=4)
-    ids, tlp = _topk_teacher(n, vocab, vocab, seed=1)
+    hs, ws = _on(device, hs, ws)
+    ids, tlp = _on(device, *_topk_teacher(n, vocab, vocab, seed=1))
     full = [fusedce.linear_distillation_topk(hs, ws, ids, tlp, topk_norm=m) for m in ("none", "renorm")]
     torch.testing.assert_close(full[0], full[1], atol=1e-5, rtol=1e-5)
-    ids, tlp = _topk_teacher(n, vocab, 4, seed=1)
+    ids, tlp = _on(device, *_topk_teacher(n, vocab, 4, seed=1))
     vals = [fusedce.linear_distillation_topk(hs, ws, ids, tlp, topk_norm=m).item() for m in ("none", "renorm", "tail")]
     assert len({round(v, 4) for v in vals}) == 3
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_opcheck(reduction):
+def test_opcheck(device, reduction):
     """Every distillation op against its schema and fake kernel (torch.library.opcheck)."""
     ops = torch.ops.fusedce
-    hs, ws, bs, ht, wt, bt, labels = _problem(6, 8, 13, torch.float32, seed=3, bias=True)
-    ids, tlp = _topk_teacher(6, 13, 4, seed=3)
+    hs, ws, bs, ht, wt, bt, labels = _on(device, *_problem(6, 8, 13, torch.float32, seed=3, bias=True))
+    ids, tlp = _on(device, *_topk_teacher(6, 13, 4, seed=3))
     args = (0.5, 0.9, 0.25, IGNORE, reduction, 1.0, 0.0, 1.0, 5.0, "tail", 0)
-    g = torch.ones(6 if reduction == "none" else 1)
+    g = torch.ones(6 if reduction == "none" else 1, device=device)
     for fwd, bwd, teacher in ((ops.ld_fwd, ops.ld_bwd, (ht, wt, bt)), (ops.ldk_fwd, ops.ldk_bwd, (ids, tlp))):
         torch.library.opcheck(fwd.default, (hs, ws, bs, *teacher, labels, *args))
         stats = fwd(hs, ws, bs, *teacher, labels, *args)[4]
@@ -407,11 +461,31 @@ def test_core_names_bad_arguments_through_the_ops():
         torch.ops.fusedce.ld_fwd(hs, ws, None, ht, wt, None, None, 0.5, 1.0, 0.5, *args[3:])
 
 
-def test_cuda_is_not_implemented_yet():
+def test_other_devices_are_refused():
     hs, ws, ht, wt, labels = _args()
     meta = [x.to("meta") for x in (hs, ws, ht, wt)]
     with pytest.raises((NotImplementedError, RuntimeError), match="student_hidden is on"):
         fusedce.linear_distillation(*meta)
+
+
+@requires_cuda
+def test_cuda_bad_ids_and_labels_give_nan_rows():
+    """On CUDA nothing waits to check the labels and top-k ids: a row with one outside [0, V)
+    gets NaN (its loss and gradients), the others are unchanged."""
+    hs, ws, ht, wt, labels = _on("cuda", *_args())
+    ids, tlp = _on("cuda", *_topk_teacher(4, 9, 3, seed=0))
+    good = fusedce.linear_distillation(hs, ws, ht, wt, labels.clamp(min=0), reduction="none")
+    bad_labels = labels.clamp(min=0).clone()
+    bad_labels[2] = 9
+    got = fusedce.linear_distillation(hs, ws, ht, wt, bad_labels, reduction="none")
+    assert torch.isnan(got[2]) and torch.equal(got[[0, 1, 3]], good[[0, 1, 3]])
+    bad_ids = ids.clone()
+    bad_ids[1, 0] = -1
+    leaf = _leaf(hs, "cuda")
+    got = fusedce.linear_distillation_topk(leaf, ws, bad_ids, tlp, reduction="none")
+    assert torch.isnan(got[1]) and torch.isfinite(got[[0, 2, 3]]).all()
+    got.sum().backward()
+    assert torch.isnan(leaf.grad[1]).all() and torch.isfinite(leaf.grad[[0, 2, 3]]).all()
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
