@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fused linear distillation (fusedce.linear_distillation, issue 46) beside its peers: forward +
-backward of the loss between a student head and a teacher head, never (we hope) storing the
-(N, V) logits. Two parts, each its own CSV:
+backward of the loss between a student head and a teacher head given their hidden states and
+weights. Two parts, each its own CSV:
 
   full  (distill.csv) per shape NxHxV (student and teacher hidden H, vocabulary V) and variant
         (the generalized JSD at beta 0.5; beta 0 = forward KL(teacher || student); the JSD with
@@ -24,7 +24,8 @@ backward of the loss between a student head and a teacher head, never (we hope) 
         (default 64, taken from a teacher head) with topk_norm "none" (axolotl's KD loss) and
         "tail" (TRL's server distillation's default), beside the same loss in torch eager and
         torch.compile over the student's materialised logits. Neither TRL 1.16 nor Liger-Kernel
-        0.8.5 has a top-k kernel: their rows say so.
+        0.8.5 has a top-k kernel: their rows say so. tflops_counted: 6 N H V (the student's
+        logits, grad_hidden, grad_weight) over a row's time.
 
 Every row: median, 10th and 90th percentile of CUDA-event times after warm-up; peak device
 memory over the inputs (and beyond the loss and gradients it returns); the loss and the largest
@@ -41,7 +42,9 @@ liger-kernel 0.8.5):
     PYTHONPATH=$(python3 tests/python/build_tree.py <build>):/tmp/site \\
         python3 bench/distill_bench.py --out bench/h200
 
---smoke runs both parts at tiny shapes on the CPU, for tests/python/test_distill_bench.py.
+--impls picks implementations by the names above (--impls "fusedce,cublas floor" once fusedce's
+CUDA path lands, say); --only full or topk one part. --smoke runs both parts at tiny shapes on
+the CPU, for tests/python/test_distill_bench.py.
 """
 
 import argparse
@@ -327,7 +330,8 @@ def _trl_full(v, a):
     def call(hs, ws, ht, wt, labels):
         divergence, _entropy = ChunkedDivergenceFunction.apply(hs, ws, None, ht, wt, None, v.beta, a.temperature)
         return divergence.mean()  # its trainer: sum over the counted rows / their number; all counted here
-    return call, f"trl {trl.__version__}; also computes the student's entropy (always on)"
+    return call, (f"trl {trl.__version__}; its per-token divergence meaned here as its trainer does (every row "
+                  "counted); also computes the student's entropy (always on)")
 
 
 def _liger_version():
