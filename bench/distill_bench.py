@@ -42,6 +42,10 @@ liger-kernel 0.8.5):
     PYTHONPATH=$(python3 tests/python/build_tree.py <build>):/tmp/site \\
         python3 bench/distill_bench.py --out bench/h200
 
+Each torch.compile row compiles in its checked call (not timed) and each variant computes its
+float64 reference first (about 4 GiB per float64 head at V = 128256, H = 4096): where one
+command's time is bounded, split the run by --only and --shapes.
+
 --impls picks implementations by the names above (--impls "fusedce,cublas floor" once fusedce's
 CUDA path lands, say); --only full or topk one part. --smoke runs both parts at tiny shapes on
 the CPU, for tests/python/test_distill_bench.py.
@@ -449,57 +453,76 @@ def measure(fn, inputs, leaves, a):
         loss.backward()
         return loss.detach(), leaves[0].grad, leaves[1].grad
 
-    checked = run(0)  # the checked call (and any compile)
+    checked = tuple(x.detach() for x in run(0))  # the checked call (and any compile)
     sync(a.device)
     return checked, run
 
 
 def run_row(row, load, inputs, leaves, reference, a, counted_flops=None, floor_ms=None):
-    """One implementation's row: loaded, checked against the reference (loss, grad_hidden,
-    grad_weight), timed, its peak measured. Returns (row, its checked outputs or None)."""
+    """One implementation's row: loaded, its checked call compared with the reference, timed, its
+    peak measured. Returns (row, the checked (loss, grad_hidden, grad_weight) where there is no
+    reference yet, else None)."""
     try:
         fn, note = load()
     except Skip as e:
         return {**row, "status": "skipped", "note": str(e)}, None
     except ImportError as e:
         return {**row, "status": "skipped", "note": f"not installed: {first_line(e)}"}, None
-    row["note"] = note
+    row = {**row, "note": note}
+    kept = None
     try:
         checked, run = measure(fn, inputs, leaves, a)
-    except NotImplementedError as e:  # fusedce's CUDA path before it is written, or a peer's gap
+        row.update(status="ok", **differences(checked, reference))
+        kept = checked if reference is None else None
+        del checked
+        row.update(timing(run, leaves, a))
+    except NotImplementedError as e:  # fusedce's CUDA path before it is written
         return {**row, "status": "skipped", "note": first_line(e)}, None
     except Exception as e:
         traceback.print_exc()
         return {**row, "status": "failed", "note": first_line(e)}, None
-    loss, gh, gw = (x.detach() for x in checked)
-    out = {**row, "status": "ok", "loss": loss.item()}
-    if reference is not None:
-        ref_loss, ref_gh, ref_gw = reference[:3]
-        out.update(loss_absdiff=abs(loss.item() - ref_loss), grad_hidden_maxabs=max_abs(gh, ref_gh),
-                   grad_weight_maxabs=max_abs(gw, ref_gw), grad_hidden_maxrel=max_rel(gh, ref_gh),
-                   grad_weight_maxrel=max_rel(gw, ref_gw), reference=reference[3])
-    outputs = (loss.clone(), gh.clone(), gw.clone())
-    del checked, loss, gh, gw
-    for x in leaves:
-        x.grad = None
-    try:
-        median, p10, p90 = spread(time_runs(run, a.repeat, a.warmup, a.device))
-        for x in leaves:  # the last run's gradients are not the next run's inputs
-            x.grad = None
-        over, beyond = peak_memory(run, a.device)
-    except Exception as e:
-        traceback.print_exc()
-        return {**out, "status": "failed", "note": first_line(e)}, None
     finally:
         for x in leaves:
             x.grad = None
-    out.update(median_ms=median, p10_ms=p10, p90_ms=p90, runs=a.repeat, peak_over_inputs_gib=gib(over),
-               peak_beyond_outputs_gib=gib(beyond))
     if counted_flops:
-        out["tflops_counted"] = counted_flops / (median * 1e-3) / 1e12
+        row["tflops_counted"] = counted_flops / (row["median_ms"] * 1e-3) / 1e12
     if floor_ms:
-        out["vs_floor"] = median / floor_ms
-    return out, outputs
+        row["vs_floor"] = row["median_ms"] / floor_ms
+    return row, kept
+
+
+def differences(checked, reference):
+    """The loss and, against reference = (loss, grad_hidden, grad_weight, its label) or None, the
+    largest differences."""
+    loss, gh, gw = checked
+    out = {"loss": loss.item()}
+    if reference is not None:
+        ref_loss, ref_gh, ref_gw, label = reference
+        out.update(loss_absdiff=abs(loss.item() - ref_loss), grad_hidden_maxabs=max_abs(gh, ref_gh),
+                   grad_weight_maxabs=max_abs(gw, ref_gw), grad_hidden_maxrel=max_rel(gh, ref_gh),
+                   grad_weight_maxrel=max_rel(gw, ref_gw), reference=label)
+    return out
+
+
+def timing(run, leaves, a):
+    """The spread of run()'s times and its peak memory, no gradient held before each call."""
+    for x in leaves:
+        x.grad = None
+    median, p10, p90 = spread(time_runs(run, a.repeat, a.warmup, a.device))
+    for x in leaves:  # the last run's gradients are not the next run's inputs
+        x.grad = None
+    over, beyond = peak_memory(run, a.device)
+    return {"median_ms": median, "p10_ms": p10, "p90_ms": p90, "runs": a.repeat, "peak_over_inputs_gib": gib(over),
+            "peak_beyond_outputs_gib": gib(beyond)}
+
+
+def eager_reference(outputs, a):
+    """torch eager's checked (loss, grad_hidden, grad_weight) as the reference where the float64
+    one did not fit, or None where eager did not run either."""
+    if outputs is None:
+        return None
+    loss, gh, gw = outputs
+    return loss.item(), gh, gw, f"torch eager {str(a.dtype).split('.')[-1]} (the float64 reference did not fit)"
 
 
 def reference_of(compute):
@@ -591,9 +614,8 @@ def full_part(a):
                 row = {**base, "variant": v.name, "impl": impl}
                 out, outputs = run_row(row, lambda load=load: load(v, a), inputs, leaves, reference, a,
                                        full_flops(hs, ws, ht), floor_ms)
-                if reference is None and impl == "torch eager" and outputs is not None:
-                    reference = (outputs[0].item(), outputs[1], outputs[2], f"torch eager {out['dtype']} "
-                                 "(the float64 reference did not fit)")
+                if reference is None and impl == "torch eager":
+                    reference = eager_reference(outputs, a)
                 rows.append({**out, **common_columns(a.device)})
                 del outputs
                 release(a.device)
@@ -622,9 +644,8 @@ def topk_part(a):
                 row = {**base, "variant": f"forward_kl topk_norm={norm}", "impl": impl}
                 out, outputs = run_row(row, lambda load=load: load(norm, a), (hs, ws, ids, t), leaves, reference,
                                        a, 6 * n * vocab * hid)
-                if reference is None and impl == "torch eager" and outputs is not None:
-                    reference = (outputs[0].item(), outputs[1], outputs[2], f"torch eager {out['dtype']} "
-                                 "(the float64 reference did not fit)")
+                if reference is None and impl == "torch eager":
+                    reference = eager_reference(outputs, a)
                 rows.append({**out, **common_columns(a.device)})
                 del outputs
                 release(a.device)
@@ -720,7 +741,13 @@ def main(argv=None):
     for name in a.only:
         file, part = PARTS[name]
         started = time.time()
-        rows = part(a)
+        try:
+            rows = part(a)
+        except Exception:  # a part that breaks leaves the other to run
+            print(f"\n== {name}: failed")
+            traceback.print_exc()
+            failed = True
+            continue
         path = os.path.join(a.out, file)
         write_csv(path, rows)
         print_rows(f"{name} ({time.time() - started:.0f} s) -> {path}", rows, COLUMNS)
