@@ -3,13 +3,15 @@ with a row per shape, variant and implementation, each ok or skipped with its re
 float32 fusedce's loss and gradients agree with the float64 reference (as do torch eager's and,
 where TRL is installed, TRL's). A second run stands in for fusedce's CUDA path before it is
 written (the function raising NotImplementedError): its rows say "skipped" and why, and the run
-still succeeds. The script's H200 run is the lead's; this keeps it from rotting."""
+still succeeds; a third, a float64 reference that does not fit: torch eager stands in, said so.
+The script's H200 run is the lead's; this keeps it from rotting."""
 
 import csv
 import importlib.util
 import pathlib
 
 import pytest
+import torch
 
 import fusedce
 
@@ -106,6 +108,26 @@ def test_fusedce_raising_not_implemented_is_a_skipped_row(tmp_path, monkeypatch)
                 assert r["status"] == "skipped" and "no CUDA path yet" in r["note"], r
             else:
                 assert r["status"] == "ok", r
+
+
+def test_eager_stands_in_where_the_float64_reference_does_not_fit(tmp_path, monkeypatch):
+    module = _script()
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("stand-in")
+
+    monkeypatch.setattr(module, "float64_reference", out_of_memory)
+    rc = module.main(["--smoke", "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path),
+                      "--shapes", "16x8x50", "--impls", "torch eager,fusedce"])
+    assert rc == 0
+    for name in ("distill.csv", "distill_topk.csv"):
+        for r in _rows(tmp_path / name):
+            assert r["status"] == "ok", r
+            if r["impl"] == "fusedce":
+                assert r.get("reference", "").startswith("torch eager float32"), r
+                assert float(r["loss_absdiff"]) <= LOSS_TOL * max(1.0, abs(float(r["loss"]))), r
+            else:
+                assert not r.get("reference"), r  # eager is the reference itself
 
 
 def test_bad_arguments_name_the_option(capsys):
