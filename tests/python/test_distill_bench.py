@@ -1,0 +1,139 @@
+"""bench/distill_bench.py at tiny shapes on the CPU (--smoke): both parts run and write their CSV
+with a row per shape, variant and implementation, each ok or skipped with its reason, and in
+float32 fusedce's loss and gradients agree with the float64 reference (as do torch eager's and,
+where TRL is installed, TRL's). A second run stands in for fusedce's CUDA path before it is
+written (the function raising NotImplementedError): its rows say "skipped" and why, and the run
+still succeeds; a third, a float64 reference that does not fit: torch eager stands in, said so.
+The script's H200 run is the lead's; this keeps it from rotting."""
+
+import csv
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+import fusedce
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "distill_bench.py"
+FULL_IMPLS = {"cublas floor", "torch eager", "torch.compile", "fusedce", "trl", "liger fused", "liger chunked"}
+TOPK_IMPLS = {"torch eager", "torch.compile", "fusedce", "trl", "liger"}
+# float32 against float64 over V <= 1000: a few float32 roundings of terms of size ~1
+LOSS_TOL = 1e-5
+GRAD_REL_TOL = 1e-4
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("distill_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _check_rows(rows, impls, variants):
+    """A row per shape x variant x implementation, each ok or skipped with a reason."""
+    for shape in {r["shape"] for r in rows}:
+        for variant in variants:
+            got = {r["impl"] for r in rows if r["shape"] == shape and r["variant"] == variant}
+            assert got == impls - {"cublas floor"}, (shape, variant, got)
+    for r in rows:
+        assert r["status"] in ("ok", "skipped"), r
+        if r["status"] == "skipped":
+            assert r["note"], r
+        else:
+            assert float(r["median_ms"]) > 0, r
+
+
+def _check_agrees(r):
+    loss = float(r["loss"])
+    assert r["reference"] == "float64", r
+    assert float(r["loss_absdiff"]) <= LOSS_TOL * max(1.0, abs(loss)), r
+    assert float(r["grad_hidden_maxrel"]) <= GRAD_REL_TOL, r
+    assert float(r["grad_weight_maxrel"]) <= GRAD_REL_TOL, r
+
+
+def test_smoke_run_on_the_cpu(tmp_path):
+    module = _script()
+    rc = module.main(["--smoke", "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path)])
+    assert rc == 0
+
+    full = _rows(tmp_path / "distill.csv")
+    assert len({r["shape"] for r in full}) == len(module.SMOKE_SHAPES)
+    variants = [v.name for v in module.VARIANTS]
+    _check_rows(full, FULL_IMPLS, variants)
+    assert {r["impl"] for r in full if r["variant"] == "the four products"} == {"cublas floor"}
+    for r in full:
+        if r["impl"] in ("fusedce", "torch eager", "torch.compile"):
+            assert r["status"] == "ok", r  # fusedce, eager and compile run everywhere on the CPU
+            _check_agrees(r)
+        elif r["impl"] == "trl" and r["status"] == "ok":
+            _check_agrees(r)
+        elif r["impl"] == "liger fused":
+            assert r["status"] == "skipped", r  # Triton kernels: CUDA only
+        if r["impl"] == "trl" and "hard_weight" in r["variant"]:
+            assert r["status"] == "skipped" and "hard-label" in r["note"], r
+
+    topk = _rows(tmp_path / "distill_topk.csv")
+    _check_rows(topk, TOPK_IMPLS, [f"forward_kl topk_norm={n}" for n in module.TOPK_NORMS])
+    for r in topk:
+        if r["impl"] in ("fusedce", "torch eager", "torch.compile"):
+            assert r["status"] == "ok", r
+            _check_agrees(r)
+        else:
+            assert r["status"] == "skipped" and "no top-k" in r["note"], r
+
+
+def test_fusedce_raising_not_implemented_is_a_skipped_row(tmp_path, monkeypatch):
+    """What fusedce's CUDA path does before it is written: the rows say skipped and why."""
+    module = _script()
+
+    def not_yet(*args, **kwargs):
+        raise NotImplementedError("fusedce.linear_distillation: no CUDA path yet")
+
+    monkeypatch.setattr(fusedce, "linear_distillation", not_yet)
+    monkeypatch.setattr(fusedce, "linear_distillation_topk", not_yet)
+    rc = module.main(["--smoke", "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path),
+                      "--shapes", "16x8x50", "--impls", "fusedce,torch eager"])
+    assert rc == 0
+    for name in ("distill.csv", "distill_topk.csv"):
+        rows = _rows(tmp_path / name)
+        assert {r["impl"] for r in rows} == {"fusedce", "torch eager"}, rows
+        for r in rows:
+            if r["impl"] == "fusedce":
+                assert r["status"] == "skipped" and "no CUDA path yet" in r["note"], r
+            else:
+                assert r["status"] == "ok", r
+
+
+def test_eager_stands_in_where_the_float64_reference_does_not_fit(tmp_path, monkeypatch):
+    module = _script()
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("stand-in")
+
+    monkeypatch.setattr(module, "float64_reference", out_of_memory)
+    rc = module.main(["--smoke", "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path),
+                      "--shapes", "16x8x50", "--impls", "torch eager,fusedce"])
+    assert rc == 0
+    for name in ("distill.csv", "distill_topk.csv"):
+        for r in _rows(tmp_path / name):
+            assert r["status"] == "ok", r
+            if r["impl"] == "fusedce":
+                assert r.get("reference", "").startswith("torch eager float32"), r
+                assert float(r["loss_absdiff"]) <= LOSS_TOL * max(1.0, abs(float(r["loss"]))), r
+            else:
+                assert not r.get("reference"), r  # eager is the reference itself
+
+
+def test_bad_arguments_name_the_option(capsys):
+    module = _script()
+    for argv, option in ((["--shapes", "8x4"], "--shapes"), (["--impls", "fusedce,nope"], "--impls"),
+                         (["--only", "topk,nope"], "--only")):
+        with pytest.raises(SystemExit):
+            module.main(["--device", "cpu", *argv])
+        assert option in capsys.readouterr().err
