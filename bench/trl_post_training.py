@@ -60,7 +60,8 @@ GRPO_OUTPUTS = ("log_probs", "entropy")
 SHARED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits")
 GIB = float(1 << 30)
 
-KERNEL_SHAPES = [(8192, 4096, 151936), (16384, 4096, 151936), (8192, 2048, 262144)]
+# Qwen2.5-7B's and Gemma-shaped heads, and the grpo part's own (Qwen2.5-0.5B's width, 8 x 1024 tokens).
+KERNEL_SHAPES = [(8192, 4096, 151936), (16384, 4096, 151936), (8192, 2048, 262144), (8192, 896, 151936)]
 SMOKE_KERNEL_SHAPES = [(48, 32, 1000), (64, 16, 1531)]
 
 

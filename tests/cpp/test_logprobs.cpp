@@ -342,28 +342,128 @@ struct BlockRun {
   GradOut gh, gw, gb;
 };
 
-void run_block_case(const BlockCase& c) {
-  SCOPED_TRACE(c.name);
-  const int64_t n = c.n, h = c.h, v = c.v, pad = 3;
+/// A case's inputs: float32 values rounded to its dtype (what the reference reads) and their
+/// 16-bit bits (what the backend reads), rows of h + pad (a strided view), one in four targets
+/// ignored.
+struct BlockInputs {
+  static constexpr int64_t pad = 3;
+  std::vector<float> hid, w, bias;
+  std::vector<uint16_t> hid16, w16, bias16;
+  std::vector<int64_t> target;
+  std::vector<float> g_lp, g_h;
+};
+
+BlockInputs block_inputs(const BlockCase& c) {
+  const int64_t n = c.n, h = c.h, v = c.v, pad = BlockInputs::pad;
+  BlockInputs in;
   std::mt19937 rng(static_cast<uint32_t>(n * 131 + v * 7 + h));
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<float> hid(std::max<int64_t>(n * (h + pad), 1)), w(v * (h + pad)), bias(2 * v);
-  for (float& x : hid) x = nd(rng);
+  in.hid.resize(std::max<int64_t>(n * (h + pad), 1));
+  in.w.resize(v * (h + pad));
+  in.bias.resize(2 * v);
+  for (float& x : in.hid) x = nd(rng);
   const float ws = 2.0f / std::sqrt(static_cast<float>(h));
-  for (float& x : w) x = nd(rng) * ws;
-  for (float& x : bias) x = nd(rng);
-  std::vector<uint16_t> hid16 = round_to(hid, c.dtype), w16 = round_to(w, c.dtype), bias16 = round_to(bias, c.dtype);
-  std::vector<int64_t> target(std::max<int64_t>(n, 1));
-  for (int64_t i = 0; i < n; ++i) target[i] = c.all_ignored || i % 4 == 3 ? kIgnore : static_cast<int64_t>(rng() % v);
-  std::vector<float> g_lp(std::max<int64_t>(n, 1)), g_h(std::max<int64_t>(n, 1));
+  for (float& x : in.w) x = nd(rng) * ws;
+  for (float& x : in.bias) x = nd(rng);
+  in.hid16 = round_to(in.hid, c.dtype);
+  in.w16 = round_to(in.w, c.dtype);
+  in.bias16 = round_to(in.bias, c.dtype);
+  in.target.assign(std::max<int64_t>(n, 1), 0);
+  for (int64_t i = 0; i < n; ++i) in.target[i] = c.all_ignored || i % 4 == 3 ? kIgnore : static_cast<int64_t>(rng() % v);
+  in.g_lp.assign(std::max<int64_t>(n, 1), 0.0f);
+  in.g_h.assign(std::max<int64_t>(n, 1), 0.0f);
   for (int64_t i = 0; i < n; ++i) {
-    g_lp[i] = nd(rng);
-    g_h[i] = nd(rng);
+    in.g_lp[i] = nd(rng);
+    in.g_h[i] = nd(rng);
   }
-  const auto hv = fusedce::matrix(data_of(hid, hid16), c.dtype, n, h, h + pad);
-  const auto wv = fusedce::matrix(data_of(w, w16), c.dtype, v, h, h + pad);
-  const fusedce::VectorView bv = c.bias ? fusedce::vector(data_of(bias, bias16), c.dtype, v, 2) : fusedce::VectorView{};
-  const auto tv = fusedce::vector(target.data(), DType::kInt64, n);
+  return in;
+}
+
+/// The three gradients against float64 formed from the same inputs. Each element may be off by
+/// 5e-6 of the magnitude of its summed terms (float32 products of float32 logits, 8 ulps), plus
+/// the output's rounding (half an ulp of the dtype, relative). On a GPU (`gpu`) also: cuBLASLt's
+/// float32 sums in its own order (2 sqrt(K) ulps of the magnitude, K the longest sum, doubled for
+/// the sum across chunks), and the logits rounded to a 16-bit input dtype before the softmax
+/// (half an ulp of |z| moves each z, and lse and the entropy with it: each dz by at most 4 such
+/// errors of the largest |z| times its magnitude).
+void check_block_grads(const BlockCase& c, const BlockInputs& in, const BlockRun& got, bool gpu) {
+  const int64_t n = c.n, h = c.h, v = c.v, pad = BlockInputs::pad;
+  const std::vector<float>&hid = in.hid, &w = in.w, &bias = in.bias;
+  // float64: dz and its magnitude before cancellation (as in test_large_logprobs.cpp), then the
+  // three products and their magnitudes.
+  std::vector<double> dz(n * v, 0.0), mag(n * v, 0.0);
+  double zmax = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (in.target[i] == kIgnore) continue;
+    std::vector<double> z(v);
+    double m = -INFINITY;
+    for (int64_t j = 0; j < v; ++j) {
+      double acc = c.bias ? bias[2 * j] : 0.0;
+      for (int64_t k = 0; k < h; ++k) acc += double(hid[i * (h + pad) + k]) * double(w[j * (h + pad) + k]);
+      z[j] = acc / c.temperature;
+      m = std::max(m, z[j]);
+      zmax = std::max(zmax, std::abs(z[j]));
+    }
+    double s = 0.0;
+    for (int64_t j = 0; j < v; ++j) s += std::exp(z[j] - m);
+    const double lse = m + std::log(s);
+    double ent = 0.0;
+    for (int64_t j = 0; j < v; ++j) ent -= std::exp(z[j] - lse) * (z[j] - lse);
+    const double glp = in.g_lp[i], gh = c.entropy ? in.g_h[i] : 0.0;
+    for (int64_t j = 0; j < v; ++j) {
+      const double lp = z[j] - lse, p = std::exp(lp), at_t = j == in.target[i] ? 1.0 : 0.0;
+      dz[i * v + j] = (glp * (at_t - p) - gh * p * (lp + ent)) / c.temperature;
+      mag[i * v + j] = (p * (std::abs(glp) + std::abs(gh) * (std::abs(lp) + ent)) + at_t * std::abs(glp)) / c.temperature;
+    }
+  }
+  const double round = c.dtype == DType::kFloat32 ? 0.0 : c.dtype == DType::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+  const double longest = static_cast<double>(std::max({n, v, h}));
+  const double logit_rel = !gpu ? 0.0 : 4.0 * std::sqrt(longest) * std::ldexp(1.0, -24) + 2.0 * round * zmax;
+  auto close = [&](double g, double want, double scale, const std::string& what, bool rounded = true) {
+    const double tol = (5e-6 + logit_rel) * scale + (rounded ? round * std::abs(want) : 0.0) +
+                       (c.dtype == DType::kFloat16 ? std::ldexp(1.0, -24) : 1e-30);
+    EXPECT_LE(std::abs(g - want), tol) << what << ": got " << g << ", want " << want;
+    return std::abs(g - want) <= tol;
+  };
+  int bad = 0;
+  for (int64_t i = 0; i < n && bad < 5; ++i) {
+    for (int64_t k = 0; k < h && bad < 5; ++k) {
+      double want = 0.0, scale = 0.0;
+      for (int64_t j = 0; j < v; ++j) {
+        want += dz[i * v + j] * w[j * (h + pad) + k];
+        scale += mag[i * v + j] * std::abs(w[j * (h + pad) + k]);
+      }
+      bad += !close(got.gh.at(i, k), want, scale, "grad_hidden[" + std::to_string(i) + ", " + std::to_string(k) + "]", false);
+    }
+  }
+  for (int64_t j = 0; j < v && bad < 5; ++j) {
+    for (int64_t k = 0; k < h && bad < 5; ++k) {
+      double want = 0.0, scale = 0.0;
+      for (int64_t i = 0; i < n; ++i) {
+        want += dz[i * v + j] * hid[i * (h + pad) + k];
+        scale += mag[i * v + j] * std::abs(hid[i * (h + pad) + k]);
+      }
+      bad += !close(got.gw.at(j, k), want, scale, "grad_weight[" + std::to_string(j) + ", " + std::to_string(k) + "]");
+    }
+    if (c.bias) {
+      double want = 0.0, scale = 0.0;
+      for (int64_t i = 0; i < n; ++i) {
+        want += dz[i * v + j];
+        scale += mag[i * v + j];
+      }
+      bad += !close(got.gb.at(j, 0), want, scale, "grad_bias[" + std::to_string(j) + "]");
+    }
+  }
+}
+
+void run_block_case(const BlockCase& c) {
+  SCOPED_TRACE(c.name);
+  const int64_t n = c.n, h = c.h, v = c.v, pad = BlockInputs::pad;
+  BlockInputs in = block_inputs(c);
+  const auto hv = fusedce::matrix(data_of(in.hid, in.hid16), c.dtype, n, h, h + pad);
+  const auto wv = fusedce::matrix(data_of(in.w, in.w16), c.dtype, v, h, h + pad);
+  const fusedce::VectorView bv = c.bias ? fusedce::vector(data_of(in.bias, in.bias16), c.dtype, v, 2) : fusedce::VectorView{};
+  const auto tv = fusedce::vector(in.target.data(), DType::kInt64, n);
   fusedce::LogprobOptions o;
   o.temperature = c.temperature;
   std::vector<float> stats((n + 1) * kW), fwd(3 * std::max<int64_t>(n, 1));
@@ -381,9 +481,9 @@ void run_block_case(const BlockCase& c) {
     g.grad_hidden = fusedce::matrix(r.gh.data(), DType::kFloat32, n, h, h + pad);
     g.grad_weight = fusedce::matrix(r.gw.data(), c.dtype, v, h, h + pad);
     if (c.bias) g.grad_bias = fusedce::vector(r.gb.data(), c.dtype, v, 2);
-    const fusedce::VectorView ge = c.entropy ? fusedce::vector(g_h.data(), DType::kFloat32, n) : fusedce::VectorView{};
+    const fusedce::VectorView ge = c.entropy ? fusedce::vector(in.g_h.data(), DType::kFloat32, n) : fusedce::VectorView{};
     EXPECT_TRUE(fusedce::linear_logprobs_backward(fusedce::Device::cpu(threads), hv, wv, bv, tv, {0, v}, o, c.budget,
-                                                  lo, fusedce::vector(g_lp.data(), DType::kFloat32, n), ge, g)
+                                                  lo, fusedce::vector(in.g_lp.data(), DType::kFloat32, n), ge, g)
                     .ok());
     return r;
   };
@@ -391,69 +491,7 @@ void run_block_case(const BlockCase& c) {
   EXPECT_TRUE(one.gh.same_bits(two.gh)) << "grad_hidden differs between 1 and 2 threads";
   EXPECT_TRUE(one.gw.same_bits(two.gw)) << "grad_weight differs between 1 and 2 threads";
   EXPECT_TRUE(one.gb.same_bits(two.gb)) << "grad_bias differs between 1 and 2 threads";
-
-  // float64: dz and its magnitude before cancellation (as in test_large_logprobs.cpp), then the
-  // three products and their magnitudes.
-  std::vector<double> dz(n * v, 0.0), mag(n * v, 0.0);
-  for (int64_t i = 0; i < n; ++i) {
-    if (target[i] == kIgnore) continue;
-    std::vector<double> z(v);
-    double m = -INFINITY;
-    for (int64_t j = 0; j < v; ++j) {
-      double acc = c.bias ? bias[2 * j] : 0.0;
-      for (int64_t k = 0; k < h; ++k) acc += double(hid[i * (h + pad) + k]) * double(w[j * (h + pad) + k]);
-      z[j] = acc / c.temperature;
-      m = std::max(m, z[j]);
-    }
-    double s = 0.0;
-    for (int64_t j = 0; j < v; ++j) s += std::exp(z[j] - m);
-    const double lse = m + std::log(s);
-    double ent = 0.0;
-    for (int64_t j = 0; j < v; ++j) ent -= std::exp(z[j] - lse) * (z[j] - lse);
-    const double glp = g_lp[i], gh = c.entropy ? g_h[i] : 0.0;
-    for (int64_t j = 0; j < v; ++j) {
-      const double lp = z[j] - lse, p = std::exp(lp), at_t = j == target[i] ? 1.0 : 0.0;
-      dz[i * v + j] = (glp * (at_t - p) - gh * p * (lp + ent)) / c.temperature;
-      mag[i * v + j] = (p * (std::abs(glp) + std::abs(gh) * (std::abs(lp) + ent)) + at_t * std::abs(glp)) / c.temperature;
-    }
-  }
-  // float32 products of float32 logits (8 ulps of each summed term's magnitude), then the
-  // output's rounding: half an ulp of the dtype, relative.
-  const double round = c.dtype == DType::kFloat32 ? 0.0 : c.dtype == DType::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
-  auto close = [&](double got, double want, double scale, const std::string& what, bool rounded = true) {
-    const double tol = 5e-6 * scale + (rounded ? round * std::abs(want) : 0.0) + (c.dtype == DType::kFloat16 ? std::ldexp(1.0, -24) : 1e-30);
-    EXPECT_LE(std::abs(got - want), tol) << what << ": got " << got << ", want " << want;
-    return std::abs(got - want) <= tol;
-  };
-  int bad = 0;
-  for (int64_t i = 0; i < n && bad < 5; ++i) {
-    for (int64_t k = 0; k < h && bad < 5; ++k) {
-      double want = 0.0, scale = 0.0;
-      for (int64_t j = 0; j < v; ++j) {
-        want += dz[i * v + j] * w[j * (h + pad) + k];
-        scale += mag[i * v + j] * std::abs(w[j * (h + pad) + k]);
-      }
-      bad += !close(one.gh.at(i, k), want, scale, "grad_hidden[" + std::to_string(i) + ", " + std::to_string(k) + "]", false);
-    }
-  }
-  for (int64_t j = 0; j < v && bad < 5; ++j) {
-    for (int64_t k = 0; k < h && bad < 5; ++k) {
-      double want = 0.0, scale = 0.0;
-      for (int64_t i = 0; i < n; ++i) {
-        want += dz[i * v + j] * hid[i * (h + pad) + k];
-        scale += mag[i * v + j] * std::abs(hid[i * (h + pad) + k]);
-      }
-      bad += !close(one.gw.at(j, k), want, scale, "grad_weight[" + std::to_string(j) + ", " + std::to_string(k) + "]");
-    }
-    if (c.bias) {
-      double want = 0.0, scale = 0.0;
-      for (int64_t i = 0; i < n; ++i) {
-        want += dz[i * v + j];
-        scale += mag[i * v + j];
-      }
-      bad += !close(one.gb.at(j, 0), want, scale, "grad_bias[" + std::to_string(j) + "]");
-    }
-  }
+  check_block_grads(c, in, one, false);
 }
 
 TEST(LinearLogprobsCpuBlocks, GradientsMatchFloat64OnAnyThreadCount) {
@@ -471,6 +509,85 @@ TEST(LinearLogprobsCpuBlocks, GradientsMatchFloat64OnAnyThreadCount) {
       {"all rows ignored", 7, 16, 300, true, true, 1.0f, 0, DType::kBFloat16, true},
   };
   for (const BlockCase& c : cases) run_block_case(c);
+}
+
+/// The CUDA linear backward's three ways through the logits (logprobs_cuda.cpp, plan_of): one
+/// chunk of every row, vocabulary chunks of every row (grad_weight rows written per chunk, the
+/// float32 grad_hidden summed across them; bias slices; targets matched per chunk), and token
+/// chunks (grad_weight summed across them, through a float32 accumulator when 16-bit). The
+/// budgets below force each; the forward runs token chunks of the same budget.
+TEST(LinearLogprobsCudaPlans, GradientsMatchFloat64) {
+  std::string why;
+  Backend* backend = find_backend(BackendKind::kCuda, &why);
+  if (backend == nullptr) GTEST_SKIP() << why;
+  const BlockCase cases[] = {
+      {"one chunk", 37, 24, 1000, true, true, 0.7f, 0, DType::kFloat32, false},
+      {"vocabulary chunks of 512, odd V", 300, 24, 2001, true, true, 1.0f, 300 * 4 * 600, DType::kFloat32, false},
+      {"vocabulary chunks of 384, bfloat16", 300, 24, 2001, true, true, 1.3f, 100000, DType::kBFloat16, false},
+      {"vocabulary chunks, float16, no bias", 300, 40, 1537, false, true, 1.0f, 150000, DType::kFloat16, false},
+      {"token chunks of 28 rows", 300, 24, 2001, true, true, 0.9f, 300 * 4 * 200, DType::kFloat32, false},
+      {"token chunks, bfloat16 accumulator", 600, 8, 2001, true, false, 1.0f, 100000, DType::kBFloat16, false},
+      {"no rows", 0, 16, 300, true, true, 1.0f, 4096, DType::kFloat32, false},
+  };
+  for (const BlockCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int64_t n = c.n, h = c.h, v = c.v, pad = BlockInputs::pad;
+    BlockInputs in = block_inputs(c);
+    const size_t el = c.dtype == DType::kFloat32 ? 4 : 2;
+    auto upload = [&](std::vector<float>& f, std::vector<uint16_t>& b) {
+      return DeviceBuffer::from_host(*backend, data_of(f, b), f.size() * el);
+    };
+    // The CUDA backend takes a bias of stride 1: every other entry of the strided one.
+    std::vector<float> bias_f(v);
+    std::vector<uint16_t> bias_b(in.bias16.empty() ? 0 : v);
+    for (int64_t j = 0; j < v; ++j) {
+      bias_f[j] = in.bias[2 * j];
+      if (!bias_b.empty()) bias_b[j] = in.bias16[2 * j];
+    }
+    DeviceBuffer hid = upload(in.hid, in.hid16), w = upload(in.w, in.w16), bias = upload(bias_f, bias_b);
+    DeviceBuffer target = DeviceBuffer::from_vector(*backend, in.target), g_lp = DeviceBuffer::from_vector(*backend, in.g_lp),
+                 g_h = DeviceBuffer::from_vector(*backend, in.g_h);
+    const fusedce::Device dev = backend->device();
+    const auto hv = fusedce::matrix(hid.data(), c.dtype, n, h, h + pad);
+    const auto wv = fusedce::matrix(w.data(), c.dtype, v, h, h + pad);
+    const fusedce::VectorView bv = c.bias ? fusedce::vector(bias.data(), c.dtype, v) : fusedce::VectorView{};
+    const auto tv = fusedce::vector(target.data(), DType::kInt64, n);
+    fusedce::LogprobOptions o;
+    o.temperature = c.temperature;
+    DeviceBuffer stats(*backend, (n + 1) * kW * 4), fwd(*backend, 3 * std::max<int64_t>(n, 1) * 4);
+    const auto sv = fusedce::matrix(stats.data(), DType::kFloat32, n + 1, kW);
+    const fusedce::Status fs = fusedce::linear_logprobs_stats(dev, hv, wv, bv, tv, {0, v}, o, c.budget, sv);
+    ASSERT_TRUE(fs.ok()) << fs.message();
+    fusedce::LogprobOutputs lo;
+    lo.logprob = fusedce::vector(fwd.at(0), DType::kFloat32, n);
+    lo.entropy = fusedce::vector(fwd.at(n * 4), DType::kFloat32, n);
+    lo.lse = fusedce::vector(fwd.at(2 * n * 4), DType::kFloat32, n);
+    const fusedce::Status ms = fusedce::logprobs_merge(dev, sv, 1, tv, {0, v}, o, lo);
+    ASSERT_TRUE(ms.ok()) << ms.message();
+    BlockRun r{GradOut(DType::kFloat32, n, h, pad), GradOut(c.dtype, v, h, pad), GradOut(c.dtype, v, 1, 1)};
+    auto poisoned = [&](GradOut& g) {
+      return DeviceBuffer::from_host(*backend, g.data(), (g.dtype == DType::kFloat32 ? g.f.size() * 4 : g.b.size() * 2));
+    };
+    DeviceBuffer gh = poisoned(r.gh), gw = poisoned(r.gw), gb = poisoned(r.gb);
+    fusedce::LinearGrads g;
+    g.grad_hidden = fusedce::matrix(gh.data(), DType::kFloat32, n, h, h + pad);
+    g.grad_weight = fusedce::matrix(gw.data(), c.dtype, v, h, h + pad);
+    if (c.bias) g.grad_bias = fusedce::vector(gb.data(), c.dtype, v, 2);
+    const fusedce::VectorView ge = c.entropy ? fusedce::vector(g_h.data(), DType::kFloat32, n) : fusedce::VectorView{};
+    const fusedce::Status s = fusedce::linear_logprobs_backward(dev, hv, wv, bv, tv, {0, v}, o, c.budget, lo,
+                                                               fusedce::vector(g_lp.data(), DType::kFloat32, n), ge, g);
+    ASSERT_TRUE(s.ok()) << s.message();
+    backend->copy_to_host(r.gh.data(), gh.data(), r.gh.f.size() * 4);
+    backend->copy_to_host(r.gw.data(), gw.data(), c.dtype == DType::kFloat32 ? r.gw.f.size() * 4 : r.gw.b.size() * 2);
+    backend->copy_to_host(r.gb.data(), gb.data(), c.dtype == DType::kFloat32 ? r.gb.f.size() * 4 : r.gb.b.size() * 2);
+    check_block_grads(c, in, r, true);
+    // The padding after each row of grad_hidden and grad_weight is not the output's: untouched.
+    for (int64_t i = 0; i < n; ++i) EXPECT_EQ(r.gh.f[i * (h + pad) + h], -7.0f) << "grad_hidden padding, row " << i;
+    for (int64_t j = 0; j + 1 < v; ++j) {
+      const size_t at = j * (h + pad) + h;
+      EXPECT_TRUE(c.dtype == DType::kFloat32 ? r.gw.f[at] == -7.0f : r.gw.b[at] == 0x7777) << "grad_weight padding, row " << j;
+    }
+  }
 }
 
 /// A shard that holds none of the vocabulary's columns (weight of 0 rows): grad_hidden is zero on

@@ -5,13 +5,13 @@
 //   step 1, per token chunk: logits chunk (rows, V_local) = hidden_chunk . weight^T (+ bias) in
 //     the input dtype; the statistics kernel folds it into rows [r0, r0 + rows] of the output
 //     (each chunk's extra row is the next chunk's first, the last one's is the spare row N);
-//   step 3, per token chunk: the logits again, turned into dlogits in place by the backward
-//     kernel, then grad_hidden (float32) = dlogits . weight, grad_weight (+)= dlogits^T . hidden
-//     (through a float32 accumulator for a 16-bit weight over several chunks, rounded once) and
+//   step 3, per chunk: the logits again, turned into dlogits in place by the backward kernel,
+//     then grad_hidden (float32) (+)= dlogits . weight, grad_weight (+)= dlogits^T . hidden and
 //     grad_bias (+)= dlogits^T . ones, float32 accumulation.
 // FLOPs: 2NHV for step 1, 6NHV for step 3 (the logits again, and the two gradient products): the
 // linear loss's shape. chunk_budget_bytes bounds the logit buffer, with the linear loss's
-// default rule. No host synchronisation.
+// default rule; the room of the float32 grad_weight accumulator a 16-bit weight needs over token
+// chunks goes to the logits instead where that avoids it (plan_of). No host synchronisation.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -48,14 +48,40 @@ LpRows rows_of(const detail::LogprobCall& c) {
   return r;
 }
 
+/// How step 1 or step 3 walks the (N, V) logits, never holding more than one chunk of them:
+///  - one chunk of every row where the logits fit the room (the budget, plus in step 3 the
+///    float32 grad_weight accumulator's bytes a 16-bit weight over several token chunks would
+///    take): every product at full size, nothing accumulated across chunks;
+///  - else step 3 with grad_weight walks vocabulary chunks (all rows, `cols` columns each) in that
+///    same room: each chunk's grad_weight rows are one product over all tokens, written once in
+///    the weight's dtype, and only the (N, H) float32 grad_hidden sums across chunks, where token
+///    chunks would read and write a (V, H) float32 accumulator once per chunk;
+///  - else token chunks (`rows` rows each) of the budget, balanced so the last is not a sliver;
+///    grad_weight over several of them sums in the float32 accumulator, rounded once. Vocabulary
+///    chunks narrower than kLeastCols fall back to this.
 struct Plan {
   int64_t N, H, V;
   DType dtype;
-  int64_t ld;    // row stride of a logits chunk: V rounded up to 16 bytes
+  int64_t ld;    // row stride of the logits buffer: its columns rounded up to 16 bytes
   int64_t rows;  // token rows per chunk
-  bool gw_acc;   // grad_weight through a float32 accumulator (16-bit, several chunks)
+  int64_t cols;  // vocabulary columns per chunk (< V: vocabulary chunks; rows is then N)
+  bool gw_acc;   // grad_weight through a float32 accumulator (16-bit, several token chunks)
   size_t gemm_ws, logits, ones, gw, gb, total;
 };
+
+// Whole product tiles along the chunked dimension keep the products at full speed.
+constexpr int64_t kTile = 128;
+constexpr int64_t kLeastCols = 2 * kTile;
+
+/// n items in chunks of at most `most`, as few chunks as that allows and as even as whole tiles
+/// allow (whole tiles only where they still fit `most`).
+int64_t balanced_chunk(int64_t n, int64_t most) {
+  most = std::max<int64_t>(1, std::min(most, std::max<int64_t>(n, 1)));
+  const int64_t count = (n + most - 1) / most;
+  const int64_t even = (n + count - 1) / std::max<int64_t>(count, 1);
+  const int64_t tiled = round_up(even, kTile);
+  return count > 1 && tiled <= most ? tiled : std::max<int64_t>(even, 1);
+}
 
 Plan plan_of(const detail::LogprobCall& c) {
   Plan p{};
@@ -68,9 +94,22 @@ Plan plan_of(const detail::LogprobCall& c) {
   const bool want_gw = backward && c.grads.grad_weight.data != nullptr;
   const bool want_gb = backward && c.grads.grad_bias.data != nullptr;
   const size_t budget = c.chunk_budget_bytes > 0 ? c.chunk_budget_bytes : default_chunk_budget(p.V, p.H);
-  p.ld = round_up(p.V, static_cast<int64_t>(16 / el));
-  p.rows = std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(budget / (size_t(p.ld) * el)), std::max<int64_t>(p.N, 1)));
-  if (p.rows >= 256 && p.rows < p.N) p.rows = p.rows / 128 * 128;  // whole tiles for the products
+  const size_t acc_bytes = want_gw && p.dtype != DType::kFloat32 ? size_t(p.V) * size_t(p.H) * 4 : 0;
+  const size_t room = budget + acc_bytes;
+  const int64_t ld_v = round_up(p.V, static_cast<int64_t>(16 / el));
+  const int64_t n_rows = std::max<int64_t>(p.N, 1);
+  const int64_t most_cols = want_gw ? static_cast<int64_t>(room / (size_t(n_rows) * el)) / kTile * kTile : 0;
+  p.cols = p.V;
+  p.ld = ld_v;
+  if (size_t(n_rows) * size_t(ld_v) * el <= room) {
+    p.rows = n_rows;
+  } else if (want_gw && most_cols >= kLeastCols) {
+    p.rows = n_rows;
+    p.cols = balanced_chunk(p.V, most_cols);
+    p.ld = round_up(p.cols, static_cast<int64_t>(16 / el));
+  } else {
+    p.rows = balanced_chunk(p.N, static_cast<int64_t>(budget / (size_t(ld_v) * el)));
+  }
   p.gw_acc = want_gw && p.dtype != DType::kFloat32 && p.rows < p.N;
   size_t at = 0;
   auto take = [&](size_t bytes) {
@@ -96,8 +135,8 @@ class LinearRun {
     float* out = static_cast<float*>(c_.stats.data);
     for (int64_t r0 = 0; r0 == 0 || r0 < p_.N; r0 += p_.rows) {
       const int64_t nc = std::min(p_.rows, p_.N - r0);
-      if (nc > 0) FUSEDCE_TRY(logits(r0, nc));
-      launch_lp_stats(rows_at(r0, nc), chunk(nc), out + r0 * kLogprobStatsWidth, stream_);
+      if (nc > 0) FUSEDCE_TRY(logits(r0, nc, 0, p_.V));
+      launch_lp_stats(rows_at(r0, nc), chunk(nc, p_.V), out + r0 * kLogprobStatsWidth, stream_);
       FUSEDCE_TRY(last_error("the log-probability statistics kernel"));
       if (p_.N == 0) break;
     }
@@ -111,59 +150,11 @@ class LinearRun {
       FUSEDCE_TRY(last_error("filling the ones vector"));
     }
     if (p_.N == 0) return clear_grads();
+    // One of the two loops has one pass (plan_of): token chunks of every column, or vocabulary
+    // chunks of every row.
     for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
-      const int64_t nc = std::min(p_.rows, p_.N - r0);
-      FUSEDCE_TRY(logits(r0, nc));
-      const MatrixView L = chunk(nc);
-      launch_lp_backward(rows_at(r0, nc), L, L, slice_of(c_.out.lse, r0, nc), slice_of(c_.out.logprob, r0, nc),
-                         slice_of(c_.out.entropy, r0, nc), slice_of(c_.grad_logprob, r0, nc),
-                         slice_of(c_.grad_entropy, r0, nc), stream_);
-      FUSEDCE_TRY(last_error("the log-probability backward kernel"));
-      const GemmOperand dl{ws_ + p_.logits, p_.dtype, p_.V, nc, p_.ld};  // dlogits^T: V x nc
-      if (g.grad_hidden.data) {
-        // grad_hidden^T (H x nc) = weight (H x V) . dlogits^T (V x nc), float32
-        GemmCall h = base();
-        h.a = weight_op();
-        h.b = dl;
-        h.d = static_cast<float*>(g.grad_hidden.data) + r0 * g.grad_hidden.row_stride;
-        h.d_dtype = DType::kFloat32;
-        h.m = p_.H;
-        h.n = nc;
-        h.ld_d = g.grad_hidden.row_stride;
-        FUSEDCE_TRY(gemm(h));
-      }
-      if (g.grad_weight.data) {
-        // grad_weight^T (H x V) (+)= hidden (H x nc) . dlogits (nc x V)
-        GemmCall w = base();
-        w.a = hidden_op(r0, nc);
-        w.b = dl;
-        w.transpose_b = true;
-        w.m = p_.H;
-        w.n = p_.V;
-        w.beta = r0 == 0 ? 0.0f : 1.0f;
-        if (p_.gw_acc) {
-          w.d = ws_ + p_.gw;
-          w.d_dtype = DType::kFloat32;
-          w.ld_d = p_.H;
-        } else {
-          w.d = g.grad_weight.data;
-          w.d_dtype = p_.dtype;
-          w.ld_d = g.grad_weight.row_stride;
-        }
-        FUSEDCE_TRY(gemm(w));
-      }
-      if (g.grad_bias.data) {
-        // grad_bias (V x 1) (+)= dlogits^T (V x nc) . ones (nc x 1), float32
-        GemmCall b = base();
-        b.a = dl;
-        b.b = GemmOperand{ws_ + p_.ones, p_.dtype, nc, 1, nc};
-        b.d = ws_ + p_.gb;
-        b.d_dtype = DType::kFloat32;
-        b.m = p_.V;
-        b.n = 1;
-        b.ld_d = p_.V;
-        b.beta = r0 == 0 ? 0.0f : 1.0f;
-        FUSEDCE_TRY(gemm(b));
+      for (int64_t v0 = 0; v0 < p_.V; v0 += p_.cols) {
+        FUSEDCE_TRY(backward_chunk(r0, std::min(p_.rows, p_.N - r0), v0, std::min(p_.cols, p_.V - v0)));
       }
     }
     if (p_.gw_acc) {
@@ -181,6 +172,68 @@ class LinearRun {
     return Status::Ok();
   }
 
+  /// Step 3 over logits rows [r0, r0 + nc) x columns [v0, v0 + vc): each gradient takes this
+  /// chunk's part, summed over the chunks that share its elements (beta 1 after the first).
+  Status backward_chunk(int64_t r0, int64_t nc, int64_t v0, int64_t vc) {
+    const LinearGrads& g = c_.grads;
+    FUSEDCE_TRY(logits(r0, nc, v0, vc));
+    const MatrixView L = chunk(nc, vc);
+    LpRows rows = rows_at(r0, nc);
+    rows.vocab_start += v0;
+    launch_lp_backward(rows, L, L, slice_of(c_.out.lse, r0, nc), slice_of(c_.out.logprob, r0, nc),
+                       slice_of(c_.out.entropy, r0, nc), slice_of(c_.grad_logprob, r0, nc),
+                       slice_of(c_.grad_entropy, r0, nc), stream_);
+    FUSEDCE_TRY(last_error("the log-probability backward kernel"));
+    const GemmOperand dl{ws_ + p_.logits, p_.dtype, vc, nc, p_.ld};  // dlogits^T: vc x nc
+    if (g.grad_hidden.data) {
+      // grad_hidden^T (H x nc) (+)= weight columns (H x vc) . dlogits^T (vc x nc), float32
+      GemmCall h = base();
+      h.a = weight_op(v0, vc);
+      h.b = dl;
+      h.d = static_cast<float*>(g.grad_hidden.data) + r0 * g.grad_hidden.row_stride;
+      h.d_dtype = DType::kFloat32;
+      h.m = p_.H;
+      h.n = nc;
+      h.ld_d = g.grad_hidden.row_stride;
+      h.beta = v0 == 0 ? 0.0f : 1.0f;
+      FUSEDCE_TRY(gemm(h));
+    }
+    if (g.grad_weight.data) {
+      // grad_weight rows [v0, v0 + vc), transposed (H x vc) (+)= hidden (H x nc) . dlogits (nc x vc)
+      GemmCall w = base();
+      w.a = hidden_op(r0, nc);
+      w.b = dl;
+      w.transpose_b = true;
+      w.m = p_.H;
+      w.n = vc;
+      w.beta = r0 == 0 ? 0.0f : 1.0f;
+      if (p_.gw_acc) {
+        w.d = ws_ + p_.gw + size_t(v0) * size_t(p_.H) * 4;
+        w.d_dtype = DType::kFloat32;
+        w.ld_d = p_.H;
+      } else {
+        w.d = static_cast<char*>(g.grad_weight.data) + size_t(v0) * g.grad_weight.row_stride * elem_size(p_.dtype);
+        w.d_dtype = p_.dtype;
+        w.ld_d = g.grad_weight.row_stride;
+      }
+      FUSEDCE_TRY(gemm(w));
+    }
+    if (g.grad_bias.data) {
+      // grad_bias [v0, v0 + vc) (+)= dlogits^T (vc x nc) . ones (nc x 1), float32
+      GemmCall b = base();
+      b.a = dl;
+      b.b = GemmOperand{ws_ + p_.ones, p_.dtype, nc, 1, nc};
+      b.d = ws_ + p_.gb + size_t(v0) * 4;
+      b.d_dtype = DType::kFloat32;
+      b.m = vc;
+      b.n = 1;
+      b.ld_d = vc;
+      b.beta = r0 == 0 ? 0.0f : 1.0f;
+      FUSEDCE_TRY(gemm(b));
+    }
+    return Status::Ok();
+  }
+
  private:
   GemmCall base() const {
     GemmCall g{};
@@ -189,12 +242,16 @@ class LinearRun {
     g.device = c_.device.index;
     return g;
   }
-  GemmOperand weight_op() const { return GemmOperand{c_.weight.data, p_.dtype, p_.H, p_.V, c_.weight.row_stride}; }
+  /// Weight rows [v0, v0 + vc) as an H x vc operand.
+  GemmOperand weight_op(int64_t v0, int64_t vc) const {
+    const char* w = static_cast<const char*>(c_.weight.data) + size_t(v0) * c_.weight.row_stride * elem_size(p_.dtype);
+    return GemmOperand{w, p_.dtype, p_.H, vc, c_.weight.row_stride};
+  }
   GemmOperand hidden_op(int64_t r0, int64_t nc) const {
     const char* h = static_cast<const char*>(c_.hidden.data) + size_t(r0) * c_.hidden.row_stride * elem_size(p_.dtype);
     return GemmOperand{h, p_.dtype, p_.H, nc, c_.hidden.row_stride};  // H x nc
   }
-  MatrixView chunk(int64_t nc) const { return matrix(ws_ + p_.logits, p_.dtype, nc, p_.V, p_.ld); }
+  MatrixView chunk(int64_t nc, int64_t vc) const { return matrix(ws_ + p_.logits, p_.dtype, nc, vc, p_.ld); }
   LpRows rows_at(int64_t r0, int64_t nc) const {
     LpRows r = rows_of(c_);
     r.target = static_cast<const char*>(r.target) + size_t(r0) * r.target_stride * (r.target_i64 ? 8 : 4);
@@ -209,19 +266,19 @@ class LinearRun {
     return s;
   }
 
-  /// Logits of rows [r0, r0 + nc) into the buffer.
-  Status logits(int64_t r0, int64_t nc) {
+  /// Logits of rows [r0, r0 + nc) x columns [v0, v0 + vc) into the buffer.
+  Status logits(int64_t r0, int64_t nc, int64_t v0, int64_t vc) {
     GemmCall g = base();
-    g.a = weight_op();
+    g.a = weight_op(v0, vc);
     g.transpose_a = true;
     g.b = hidden_op(r0, nc);
     g.d = ws_ + p_.logits;
     g.d_dtype = p_.dtype;
-    g.m = p_.V;
+    g.m = vc;
     g.n = nc;
     g.ld_d = p_.ld;
     if (c_.bias.data) {
-      g.bias = c_.bias.data;
+      g.bias = static_cast<const char*>(c_.bias.data) + size_t(v0) * elem_size(p_.dtype);
       g.bias_dtype = p_.dtype;
     }
     return gemm(g);

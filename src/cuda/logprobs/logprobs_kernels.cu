@@ -4,11 +4,10 @@
 // (common/logprob_math.h); every reduction in a fixed order, so results are the same bits run to
 // run and on every rank; no host synchronisation.
 //
-// One block per row. The statistics read a row twice (a thread's columns: the max and its
-// first position, then the sums against it, the second read from cache) and write 9 floats; the
-// backward reads the row once and writes it once: memory-bound, 2 (or 4) bytes per logit each
-// way. In the linear form the row is a chunk of logits the product just wrote, in L2 when the
-// chunk fits.
+// One block per row, 16-byte segments of it per thread (cuda/vec.cuh), several loads in flight.
+// The statistics read a row once (a running max with its sums moved along, LaneState) and write
+// 9 floats; the backward reads the row once and writes it once: memory-bound, 2 (or 4) bytes
+// per logit each way.
 #include "cuda/port.h"  // first: the platform's runtime header
 
 #include <cstdint>
@@ -31,10 +30,72 @@ __device__ int64_t lp_target(const LpRows& r, int64_t i) {
                       : static_cast<int64_t>(static_cast<const int32_t*>(r.target)[i * r.target_stride]);
 }
 
+// Segments in flight per thread: loads issued together, before their values are used.
+constexpr int kUnroll = 4;
+
+/// One row's running state over a thread's segments, in one read of them: the max so far and
+/// the sums against it (each segment's in float, the running ones in double: their rounding
+/// does not grow with V). A segment whose max passes the running one moves the state to it
+/// first (one exp), and its first element equal to the new max is the instance r leaves out.
+struct LaneState {
+  float m = -INFINITY;
+  double r = 0.0, u = 0.0;
+  bool nan = false;
+
+  template <typename T>
+  __device__ __forceinline__ void push(const Segment<T>& seg, float inv_t) {
+    constexpr int kVec = Segment<T>::kVec;
+    const float top = seg_max(seg) * inv_t;
+    bool skip = false;
+    if (top > m) {
+      if (m != -INFINITY) {
+        const double d = double(m) - double(top);
+        const double f = exp(d);
+        u = (u + (1.0 + r) * d) * f;
+        r = (r + 1.0) * f;
+      }
+      m = top;
+      skip = true;
+    }
+    if (m == -INFINITY) {  // every entry so far -inf (or NaN): nothing to add, NaN to note
+#pragma unroll
+      for (int k = 0; k < kVec / 2; ++k) {
+        const float2 p = seg_pair(seg, k);
+        nan |= p.x != p.x || p.y != p.y;
+      }
+      return;
+    }
+    float rs = 0.0f, us = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kVec / 2; ++k) {
+      const float2 p = seg_pair(seg, k);
+      const float z[2] = {p.x * inv_t, p.y * inv_t};
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        nan |= z[e] != z[e];
+        if (skip && z[e] == m) {
+          skip = false;
+          continue;
+        }
+        const float d = z[e] - m;
+        const float x = expf(d);
+        rs += x;
+        if (x > 0.0f) us += x * d;  // 0, not 0 * -inf
+      }
+    }
+    r += rs;
+    u += us;
+  }
+};
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) lp_stats_kernel(const LpRows r, const T* logits, int64_t stride,
                                                             int64_t V, float* stats) {
-  __shared__ detail::LpState<float> part[kThreads];
+  constexpr int kVec = Segment<T>::kVec;
+  // The lanes merge in double: lanes that share a max far below the row's move by the same
+  // exp(d), which float32 holds only as a subnormal (a few bits) past d = -87, so its rounding
+  // would not average out over them.
+  __shared__ detail::LpState<double> part[kThreads];
   const int64_t i = blockIdx.x;
   const int tid = threadIdx.x;
   float* out = stats + i * kLogprobStatsWidth;
@@ -44,32 +105,22 @@ __global__ void __launch_bounds__(kThreads) lp_stats_kernel(const LpRows r, cons
     return;
   }
   const T* x = logits + i * stride;
-  // This thread's columns tid, tid + kThreads, ...: the max and its first position, then the
-  // sums against it (in double: their rounding does not grow with V).
-  float m = -INFINITY;
-  int64_t at = -1;
-  bool nan = false;
-  for (int64_t j = tid; j < V; j += kThreads) {
-    const float z = Elem<T>::to_float(x[j]) * r.inv_t;
-    nan |= z != z;
-    if (z > m) {
-      m = z;
-      at = j;
-    }
+  const int off = row_offset(x);
+  const int64_t segs = (V + off + kVec - 1) / kVec;
+  const T fill = Elem<T>::from_float(-INFINITY);
+  LaneState lane;
+  int64_t s0 = tid;
+  for (; s0 + (kUnroll - 1) * kThreads < segs; s0 += kUnroll * kThreads) {
+    Segment<T> seg[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) seg[k] = load_segment(x, s0 + k * kThreads, off, V, fill);
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) lane.push(seg[k], r.inv_t);
   }
-  double rest = 0.0, u = 0.0;
-  if (at >= 0) {
-    for (int64_t j = tid; j < V; j += kThreads) {
-      if (j == at) continue;
-      const float d = Elem<T>::to_float(x[j]) * r.inv_t - m;
-      const float e = expf(d);
-      rest += e;
-      if (e > 0.0f) u += static_cast<double>(e) * d;  // 0, not 0 * -inf
-    }
-  }
-  detail::LpState<float> s = at < 0 ? detail::lp_empty<float>()
-                                     : detail::LpState<float>{m, static_cast<float>(rest), static_cast<float>(u)};
-  if (nan) s.r = s.u = NAN;
+  for (; s0 < segs; s0 += kThreads) lane.push(load_segment(x, s0, off, V, fill), r.inv_t);
+  detail::LpState<double> s = lane.m == -INFINITY ? detail::lp_empty<double>()
+                                                  : detail::LpState<double>{lane.m, lane.r, lane.u};
+  if (lane.nan) s.r = s.u = NAN;
   part[tid] = s;
   __syncthreads();
   for (int k = kThreads / 2; k > 0; k >>= 1) {
@@ -80,8 +131,8 @@ __global__ void __launch_bounds__(kThreads) lp_stats_kernel(const LpRows r, cons
     const int64_t tl = t - r.vocab_start;
     const bool holds = tl >= 0 && tl < V;
     out[0] = part[0].m;
-    out[1] = part[0].r;
-    out[2] = part[0].u;
+    out[1] = static_cast<float>(part[0].r);
+    out[2] = static_cast<float>(part[0].u);
     out[3] = holds ? Elem<T>::to_float(x[tl]) * r.inv_t : 0.0f;
     out[4] = holds ? 1.0f : 0.0f;
   }
@@ -122,12 +173,20 @@ struct LpBackwardParams {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) lp_backward_kernel(const LpBackwardParams p) {
+  constexpr int kVec = Segment<T>::kVec;
   const int64_t i = blockIdx.x;
   const T* x = static_cast<const T*>(p.logits) + i * p.logits_stride;
   T* dx = static_cast<T*>(p.dlogits) + i * p.dlogits_stride;
   const int64_t t = lp_target(p.r, i);
+  // Segments of dx: x and dx may sit at different offsets from a 16-byte boundary (then the
+  // logits are read element by element).
+  const int off = row_offset(dx);
+  const bool aligned = row_offset(x) == off;
+  const int64_t segs = (p.V + off + kVec - 1) / kVec;
   if (t == p.r.ignore_index) {
-    for (int64_t j = threadIdx.x; j < p.V; j += kThreads) dx[j] = Elem<T>::from_float(0.0f);
+    Segment<T> zero;
+    zero.raw = U32x4{0u, 0u, 0u, 0u};
+    for (int64_t s = threadIdx.x; s < segs; s += kThreads) store_segment(dx, s, off, p.V, zero);
     return;
   }
   const bool with_h = p.g_h != nullptr;
@@ -135,9 +194,44 @@ __global__ void __launch_bounds__(kThreads) lp_backward_kernel(const LpBackwardP
                             with_h ? p.entropy[i * p.entropy_stride] : 0.0f, p.g_lp[i * p.g_lp_stride],
                             with_h ? p.g_h[i * p.g_h_stride] : 0.0f};
   const int64_t tl = t - p.r.vocab_start;
-  for (int64_t j = threadIdx.x; j < p.V; j += kThreads) {
-    const float z = Elem<T>::to_float(x[j]) * p.r.inv_t;
-    dx[j] = Elem<T>::from_float(detail::lp_grad(g, z, j == tl) * p.r.inv_t);
+  const T fill = Elem<T>::from_float(0.0f);
+  // Each segment is read before it is written, by the same thread (dx may be x).
+  auto grad = [&](Segment<T>& seg, int64_t s) {
+    const int64_t j0 = s * kVec - off;
+#pragma unroll
+    for (int k = 0; k < kVec / 2; ++k) {
+      const float2 v = seg_pair(seg, k);
+      const int64_t j = j0 + 2 * k;
+      set_pair(seg, k, detail::lp_grad(g, v.x * p.r.inv_t, j == tl) * p.r.inv_t,
+               detail::lp_grad(g, v.y * p.r.inv_t, j + 1 == tl) * p.r.inv_t);
+    }
+  };
+  int64_t s0 = threadIdx.x;
+  if (aligned) {
+    for (; s0 + (kUnroll - 1) * kThreads < segs; s0 += kUnroll * kThreads) {
+      Segment<T> seg[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) seg[k] = load_segment(x, s0 + k * kThreads, off, p.V, fill);
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        grad(seg[k], s0 + k * kThreads);
+        store_segment(dx, s0 + k * kThreads, off, p.V, seg[k]);
+      }
+    }
+  }
+  for (; s0 < segs; s0 += kThreads) {
+    Segment<T> seg;
+    if (aligned) {
+      seg = load_segment(x, s0, off, p.V, fill);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const int64_t j = s0 * kVec - off + e;
+        seg.e[e] = j >= 0 && j < p.V ? x[j] : fill;
+      }
+    }
+    grad(seg, s0);
+    store_segment(dx, s0, off, p.V, seg);
   }
 }
 
