@@ -24,6 +24,13 @@ Formats:
                   variant x world size W, one rank's forward + backward beside the one-device call
                   of the same run; shown as one row per head, variant and W with the ratio
                   per-shard time x W / one-device time and the bytes the collectives would move.
+  trl_post_training
+                  bench/trl_post_training.py's CSVs, one part each (its "part" column): "kernel"
+                  (logprobs_trl.csv) one table per shape, each implementation's median ms, TRL's
+                  time over it, peak memory and its largest differences from TRL's head; "grpo"
+                  and "sft" (grpo_step_trl.csv, sft_step_trl.csv) one row per variant of the step
+                  with its time, the first variant's time over it, peak memory, loss and gradient
+                  differences from the first. These CSVs carry no commit: the manifest gives it.
 Standard library only: it runs wherever the repository is checked out.
 """
 
@@ -359,8 +366,135 @@ def render_shard(path, name, entry):
     return out
 
 
+# bench/trl_post_training.py's CSVs: logprobs_trl.csv (part "kernel"), grpo_step_trl.csv ("grpo"),
+# sft_step_trl.csv ("sft")
+
+TRL_COMMON_COLUMNS = ["part", "status", "note", "median_ms", "p10_ms", "p90_ms", "runs", "device_name",
+                      "torch_version", "date"]
+TRL_KERNEL_COLUMNS = TRL_COMMON_COLUMNS + ["tokens", "hidden", "vocab", "dtype", "impl", "outputs", "chunk",
+                                           "peak_over_inputs_gib", "peak_beyond_outputs_gib", "logprob_maxabs_vs_trl",
+                                           "entropy_maxabs_vs_trl", "grad_hidden_maxrel_vs_trl",
+                                           "grad_weight_maxrel_vs_trl"]
+TRL_STEP_COLUMNS = TRL_COMMON_COLUMNS + ["variant", "sequences", "prompt_tokens", "completion_tokens", "vocab",
+                                         "hidden", "layers", "model_dtype", "peak_over_params_gib",
+                                         "peak_allocated_gib", "loss", "loss_absdiff_vs_first", "grad_maxrel_vs_first"]
+# Settings of one step run that only some parts carry (GRPO's beta), shown where present.
+TRL_STEP_SETTINGS = ["loss_type", "beta", "gradient_checkpointing"]
+TRL_REFERENCE = "trl"  # the kernel part's implementations whose id starts so are TRL's own head
+
+
+def gib_cell(x):
+    return "" if x == "" else f"{float(x):.3f}"
+
+
+def diff_cell(x):
+    """A largest difference: 0 as 0, else two significant digits."""
+    if x == "":
+        return ""
+    return "0" if float(x) == 0 else f"{float(x):.1e}"
+
+
+def timing_cell(r):
+    return f"{ms_fine(float(r['median_ms']))} ({ms_fine(float(r['p10_ms']))}-{ms_fine(float(r['p90_ms']))})"
+
+
+def geometric_mean(xs):
+    return math.exp(sum(map(math.log, xs)) / len(xs))
+
+
+def trl_run_lines(rows, name, entry):
+    """The source lines every part's section opens with (the CSV carries no commit)."""
+    machine = f"{one_value(rows, 'device_name', name)}, torch {one_value(rows, 'torch_version', name)}"
+    date = entry.get("date") or rows[0]["date"][:10]  # each row carries its own time
+    out = source_lines(name, entry, machine, required(entry, "commit", name), date, None)
+    runs = ordered(r["runs"] for r in rows if r["status"] == "ok")
+    if runs:
+        out.append(f"- timed runs per row: {', '.join(runs)}")
+    return out
+
+
+def trl_kernel_reference(rows, r):
+    """TRL's own row of r's shape that gave the same outputs (None for TRL's rows and where absent)."""
+    if r["impl"].startswith(TRL_REFERENCE):
+        return None
+    return next((t for t in rows if t["impl"].startswith(TRL_REFERENCE) and t["status"] == "ok"
+                 and (t["tokens"], t["hidden"], t["vocab"], t["dtype"], t["outputs"])
+                 == (r["tokens"], r["hidden"], r["vocab"], r["dtype"], r["outputs"])), None)
+
+
+def render_trl_kernel(rows, name):
+    """One table per shape: each implementation's time, TRL's time over it (TRL's row with the
+    same outputs), peak memory and its differences from TRL's (log_probs, entropy) row; then the
+    geometric mean of TRL's time over each implementation's."""
+    header = ["implementation", "outputs", "chunk", "ms (p10-p90)", "TRL's ms / ms", "peak over inputs GiB",
+              "peak less outputs GiB", "log-prob diff", "entropy diff", "grad_hidden rel diff", "grad_weight rel diff"]
+    out, ratios = [], {}
+    for shape in ordered((r["tokens"], r["hidden"], r["vocab"], r["dtype"]) for r in rows):
+        body = []
+        for r in rows:
+            if (r["tokens"], r["hidden"], r["vocab"], r["dtype"]) != shape:
+                continue
+            line = [r["impl"], r["outputs"].replace("+", ", "), r["chunk"]]
+            if r["status"] != "ok":
+                body.append(line + [f"{r['status']}: {r['note']}"] + [""] * 7)
+                continue
+            ref = trl_kernel_reference(rows, r)
+            x = None if ref is None else float(ref["median_ms"]) / float(r["median_ms"])
+            if x is not None:
+                ratios.setdefault(r["impl"], []).append(x)
+            body.append(line + [timing_cell(r), "" if x is None else f"{x:.2f}x",
+                                gib_cell(r["peak_over_inputs_gib"]), gib_cell(r["peak_beyond_outputs_gib"]),
+                                diff_cell(r["logprob_maxabs_vs_trl"]), diff_cell(r["entropy_maxabs_vs_trl"]),
+                                diff_cell(r["grad_hidden_maxrel_vs_trl"]), diff_cell(r["grad_weight_maxrel_vs_trl"])])
+        n, h, v, dtype = shape
+        out += ["", f"**{n} x {h} x {v}, {dtype}**", ""] + table(header, body)
+    if ratios:
+        out += ["", "TRL's time over each implementation's, geometric mean over the shapes: "
+                + ", ".join(f"{impl} {geometric_mean(xs):.2f}x ({len(xs)})" for impl, xs in ratios.items()) + "."]
+    return out
+
+
+def render_trl_step(rows, name):
+    """The step's setting (one run: one value each), then one row per variant with the first
+    variant's time over its own, its peak memory and its loss and gradients against the first's."""
+    setup = {c: one_value(rows, c, name) for c in ["sequences", "prompt_tokens", "completion_tokens", "vocab",
+                                                   "hidden", "layers", "model_dtype"]}
+    settings = [f"{c} {one_value(rows, c, name)}" for c in TRL_STEP_SETTINGS if c in rows[0]]
+    out = [f"- step: {setup['sequences']} sequences of {setup['prompt_tokens']} prompt + "
+           f"{setup['completion_tokens']} completion tokens; model: V = {setup['vocab']}, hidden "
+           f"{setup['hidden']}, {setup['layers']} layers, {setup['model_dtype']}"
+           + (f"; {', '.join(settings)}" if settings else "")]
+    first = rows[0] if rows[0]["status"] == "ok" else None
+    header = ["variant", "ms (p10-p90)", f"{rows[0]['variant']}'s ms / ms", "peak over params GiB",
+              "peak allocated GiB", "loss", "loss diff", "grad rel diff", "note"]
+    body = []
+    for r in rows:
+        if r["status"] != "ok":
+            body.append([r["variant"], f"{r['status']}: {r['note']}"] + [""] * 7)
+            continue
+        x = "" if first is None else f"{float(first['median_ms']) / float(r['median_ms']):.2f}x"
+        body.append([r["variant"], timing_cell(r), x, gib_cell(r["peak_over_params_gib"]),
+                     gib_cell(r["peak_allocated_gib"]), f"{float(r['loss']):.6g}",
+                     diff_cell(r["loss_absdiff_vs_first"]), diff_cell(r["grad_maxrel_vs_first"]), r["note"]])
+    return out + [""] + table(header, body)
+
+
+TRL_PARTS = {"kernel": (TRL_KERNEL_COLUMNS, render_trl_kernel), "grpo": (TRL_STEP_COLUMNS, render_trl_step),
+             "sft": (TRL_STEP_COLUMNS, render_trl_step)}
+
+
+def render_trl(path, name, entry):
+    rows = read_csv(path, ["part"])
+    part = one_value(rows, "part", name)
+    if part not in TRL_PARTS:
+        raise SourceError(f"{name}: part {part!r}; known: {', '.join(TRL_PARTS)}")
+    columns, render_part = TRL_PARTS[part]
+    rows = read_csv(path, columns)
+    return trl_run_lines(rows, name, entry) + render_part(rows, name)
+
+
 RENDERERS = {"fusedce_bench": render_ce_bench, "linear_bench": render_linear_bench, "fusedce.bench": render_peers,
-             "fusedce.bench shard": render_shard}
+             "fusedce.bench shard": render_shard, "trl_post_training": render_trl}
 
 
 def render_source(bench_dir, folder, entry):

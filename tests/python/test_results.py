@@ -66,6 +66,9 @@ def test_every_source_is_shown():
                                           ("h200/linear_floor.csv", "fused_ms"),
                                           ("h200/linear_peers.csv", "median_ms"),
                                           ("h200/logprobs.csv", "median_ms"),
+                                          ("h200/logprobs_trl.csv", "median_ms"),
+                                          ("h200/grpo_step_trl.csv", "median_ms"),
+                                          ("h200/sft_step_trl.csv", "median_ms"),
                                           ("cpu/results.csv", "median_ms")])
 def test_a_changed_value_shows(bench_copy, name, column):
     def edit(rows):
@@ -241,3 +244,60 @@ def test_a_fresh_shard_benchmark_csv_renders(tmp_path):
                 rf"\| [0-9.]+ \| {float(r['ratio']):.3f} \| {r['gather_bytes']} \| {r['allreduce_bytes']} \|")
         assert re.search(line, text), line
     assert "geometric mean over the heads: default W=2 " in text
+
+
+# ---- bench/trl_post_training.py's CSVs ----
+
+
+def _trl_row(rows, **key):
+    return next(r for r in rows if all(r[k] == v for k, v in key.items()))
+
+
+def test_the_trl_head_is_compared_with_trl_of_the_same_outputs(bench_copy):
+    """TRL's ms / ms: the 'all shared outputs' rows against TRL's row with those outputs, the others
+    against TRL's (log_probs, entropy) row; TRL's own rows get no ratio."""
+    def edit(rows):
+        r = _trl_row(rows, tokens="8192", hidden="4096", impl="trl all shared outputs")
+        r["median_ms"] = str(2 * float(r["median_ms"]))
+
+    _edit_csv(bench_copy / "h200" / "logprobs_trl.csv", edit)
+    text = make_results.render(str(bench_copy))
+    section = text.split("**8192 x 4096 x 151936, bfloat16**")[1].split("**16384")[0]
+    assert "| fusedce | log_probs, entropy |  | 41.69 (41.27-42.08) | 1.39x |" in section
+    assert re.search(r"\| fusedce TRL head, all shared outputs \| [^|]+ \| 32768 \| 58.39 \([0-9.-]+\) \| 2.02x \|",
+                     section)  # 2 x 58.8857 / 58.3905
+    assert re.search(r"\| trl \| log_probs, entropy \| 32768 \| 57.97 \([0-9.-]+\) \|  \|", section)
+
+
+def test_a_trl_csv_of_an_unknown_part_is_refused(bench_copy):
+    _edit_csv(bench_copy / "h200" / "sft_step_trl.csv", lambda rows: [r.__setitem__("part", "dpo") for r in rows])
+    with pytest.raises(make_results.SourceError, match=r"h200/sft_step_trl.csv: part 'dpo'"):
+        make_results.render(str(bench_copy))
+
+
+def test_a_fresh_trl_benchmark_csv_renders(tmp_path):
+    """What bench/trl_post_training.py --smoke writes is what the generator reads: every part's
+    CSV renders, one table per kernel shape and one row per step variant."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    spec = importlib.util.spec_from_file_location("trl_post_training", BENCH / "trl_post_training.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    run = tmp_path / "run"
+    assert script.main(["--smoke", "--device", "cpu", "--dtype", "float32", "--model-dtype", "float32",
+                        "--out", str(run)]) == 0
+    for folder in make_results.SOURCE_DIRS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "runs.json").write_text(json.dumps({"sources": []}))
+    files = ["logprobs_trl.csv", "grpo_step_trl.csv", "sft_step_trl.csv"]
+    for file in files:
+        shutil.copy(run / file, tmp_path / "h200" / file)
+    (tmp_path / "h200" / "runs.json").write_text(json.dumps({"sources": [
+        {"file": file, "format": "trl_post_training", "title": file, "commit": "0000000",
+         "command": "python3 bench/trl_post_training.py --smoke"} for file in files]}))
+    text = make_results.render(str(tmp_path))
+    for n, h, v in script.SMOKE_KERNEL_SHAPES:
+        assert f"**{n} x {h} x {v}, float32**" in text
+    assert re.search(r"\| fusedce \| log_probs, entropy \|  \| [0-9.]+ \([0-9.]+-[0-9.]+\) \| [0-9.]+x \|", text)
+    assert "| trl + fusedce.integrations.trl | " in text and "| fusedce.transformers.apply() | " in text
+    assert "- step: 2 sequences of 8 prompt + 16 completion tokens" in text
