@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Writes bench/RESULTS.md from the benchmarks' CSV files, so the tables cannot drift from the data.
 
-    python3 bench/make_results.py            # rewrite bench/RESULTS.md and README's generated figures
-    python3 bench/make_results.py --check    # exit 1 if either differs from what it would write
+    python3 bench/make_results.py            # rewrite bench/RESULTS.md, README's and docs' generated figures
+    python3 bench/make_results.py --check    # exit 1 if any differs from what it would write
     python3 bench/make_results.py --out FILE
 
 Sources: each folder in SOURCE_DIRS has a manifest, runs.json, listing its CSV files in the order
@@ -24,6 +24,13 @@ Formats:
                   variant x world size W, one rank's forward + backward beside the one-device call
                   of the same run; shown as one row per head, variant and W with the ratio
                   per-shard time x W / one-device time and the bytes the collectives would move.
+  trl_post_training
+                  bench/trl_post_training.py's CSVs, one part each (its "part" column): "kernel"
+                  (logprobs_trl.csv) one table per shape, each implementation's median ms, TRL's
+                  time over it, peak memory and its largest differences from TRL's head; "grpo"
+                  and "sft" (grpo_step_trl.csv, sft_step_trl.csv) one row per variant of the step
+                  with its time, the first variant's time over it, peak memory, loss and gradient
+                  differences from the first. These CSVs carry no commit: the manifest gives it.
 Standard library only: it runs wherever the repository is checked out.
 """
 
@@ -33,6 +40,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 SOURCE_DIRS = ("h200", "cpu")
@@ -359,8 +367,135 @@ def render_shard(path, name, entry):
     return out
 
 
+# bench/trl_post_training.py's CSVs: logprobs_trl.csv (part "kernel"), grpo_step_trl.csv ("grpo"),
+# sft_step_trl.csv ("sft")
+
+TRL_COMMON_COLUMNS = ["part", "status", "note", "median_ms", "p10_ms", "p90_ms", "runs", "device_name",
+                      "torch_version", "date"]
+TRL_KERNEL_COLUMNS = TRL_COMMON_COLUMNS + ["tokens", "hidden", "vocab", "dtype", "impl", "outputs", "chunk",
+                                           "peak_over_inputs_gib", "peak_beyond_outputs_gib", "logprob_maxabs_vs_trl",
+                                           "entropy_maxabs_vs_trl", "grad_hidden_maxrel_vs_trl",
+                                           "grad_weight_maxrel_vs_trl"]
+TRL_STEP_COLUMNS = TRL_COMMON_COLUMNS + ["variant", "sequences", "prompt_tokens", "completion_tokens", "vocab",
+                                         "hidden", "layers", "model_dtype", "peak_over_params_gib",
+                                         "peak_allocated_gib", "loss", "loss_absdiff_vs_first", "grad_maxrel_vs_first"]
+# Settings of one step run that only some parts carry (GRPO's beta), shown where present.
+TRL_STEP_SETTINGS = ["loss_type", "beta", "gradient_checkpointing"]
+TRL_REFERENCE = "trl"  # the kernel part's implementations whose id starts so are TRL's own head
+
+
+def gib_cell(x):
+    return "" if x == "" else f"{float(x):.3f}"
+
+
+def diff_cell(x):
+    """A largest difference: 0 as 0, else two significant digits."""
+    if x == "":
+        return ""
+    return "0" if float(x) == 0 else f"{float(x):.1e}"
+
+
+def timing_cell(r):
+    return f"{ms_fine(float(r['median_ms']))} ({ms_fine(float(r['p10_ms']))}-{ms_fine(float(r['p90_ms']))})"
+
+
+def geometric_mean(xs):
+    return math.exp(sum(map(math.log, xs)) / len(xs))
+
+
+def trl_run_lines(rows, name, entry):
+    """The source lines every part's section opens with (the CSV carries no commit)."""
+    machine = f"{one_value(rows, 'device_name', name)}, torch {one_value(rows, 'torch_version', name)}"
+    date = entry.get("date") or rows[0]["date"][:10]  # each row carries its own time
+    out = source_lines(name, entry, machine, required(entry, "commit", name), date, None)
+    runs = ordered(r["runs"] for r in rows if r["status"] == "ok")
+    if runs:
+        out.append(f"- timed runs per row: {', '.join(runs)}")
+    return out
+
+
+def trl_kernel_reference(rows, r):
+    """TRL's own row of r's shape that gave the same outputs (None for TRL's rows and where absent)."""
+    if r["impl"].startswith(TRL_REFERENCE):
+        return None
+    return next((t for t in rows if t["impl"].startswith(TRL_REFERENCE) and t["status"] == "ok"
+                 and (t["tokens"], t["hidden"], t["vocab"], t["dtype"], t["outputs"])
+                 == (r["tokens"], r["hidden"], r["vocab"], r["dtype"], r["outputs"])), None)
+
+
+def render_trl_kernel(rows, name):
+    """One table per shape: each implementation's time, TRL's time over it (TRL's row with the
+    same outputs), peak memory and its differences from TRL's (log_probs, entropy) row; then the
+    geometric mean of TRL's time over each implementation's."""
+    header = ["implementation", "outputs", "chunk", "ms (p10-p90)", "TRL's ms / ms", "peak over inputs GiB",
+              "peak less outputs GiB", "log-prob diff", "entropy diff", "grad_hidden rel diff", "grad_weight rel diff"]
+    out, ratios = [], {}
+    for shape in ordered((r["tokens"], r["hidden"], r["vocab"], r["dtype"]) for r in rows):
+        body = []
+        for r in rows:
+            if (r["tokens"], r["hidden"], r["vocab"], r["dtype"]) != shape:
+                continue
+            line = [r["impl"], r["outputs"].replace("+", ", "), r["chunk"]]
+            if r["status"] != "ok":
+                body.append(line + [f"{r['status']}: {r['note']}"] + [""] * 7)
+                continue
+            ref = trl_kernel_reference(rows, r)
+            x = None if ref is None else float(ref["median_ms"]) / float(r["median_ms"])
+            if x is not None:
+                ratios.setdefault(r["impl"], []).append(x)
+            body.append(line + [timing_cell(r), "" if x is None else f"{x:.2f}x",
+                                gib_cell(r["peak_over_inputs_gib"]), gib_cell(r["peak_beyond_outputs_gib"]),
+                                diff_cell(r["logprob_maxabs_vs_trl"]), diff_cell(r["entropy_maxabs_vs_trl"]),
+                                diff_cell(r["grad_hidden_maxrel_vs_trl"]), diff_cell(r["grad_weight_maxrel_vs_trl"])])
+        n, h, v, dtype = shape
+        out += ["", f"**{n} x {h} x {v}, {dtype}**", ""] + table(header, body)
+    if ratios:
+        out += ["", "TRL's time over each implementation's, geometric mean over the shapes: "
+                + ", ".join(f"{impl} {geometric_mean(xs):.2f}x ({len(xs)})" for impl, xs in ratios.items()) + "."]
+    return out
+
+
+def render_trl_step(rows, name):
+    """The step's setting (one run: one value each), then one row per variant with the first
+    variant's time over its own, its peak memory and its loss and gradients against the first's."""
+    setup = {c: one_value(rows, c, name) for c in ["sequences", "prompt_tokens", "completion_tokens", "vocab",
+                                                   "hidden", "layers", "model_dtype"]}
+    settings = [f"{c} {one_value(rows, c, name)}" for c in TRL_STEP_SETTINGS if c in rows[0]]
+    out = [f"- step: {setup['sequences']} sequences of {setup['prompt_tokens']} prompt + "
+           f"{setup['completion_tokens']} completion tokens; model: V = {setup['vocab']}, hidden "
+           f"{setup['hidden']}, {setup['layers']} layers, {setup['model_dtype']}"
+           + (f"; {', '.join(settings)}" if settings else "")]
+    first = rows[0] if rows[0]["status"] == "ok" else None
+    header = ["variant", "ms (p10-p90)", f"{rows[0]['variant']}'s ms / ms", "peak over params GiB",
+              "peak allocated GiB", "loss", "loss diff", "grad rel diff", "note"]
+    body = []
+    for r in rows:
+        if r["status"] != "ok":
+            body.append([r["variant"], f"{r['status']}: {r['note']}"] + [""] * 7)
+            continue
+        x = "" if first is None else f"{float(first['median_ms']) / float(r['median_ms']):.2f}x"
+        body.append([r["variant"], timing_cell(r), x, gib_cell(r["peak_over_params_gib"]),
+                     gib_cell(r["peak_allocated_gib"]), f"{float(r['loss']):.6g}",
+                     diff_cell(r["loss_absdiff_vs_first"]), diff_cell(r["grad_maxrel_vs_first"]), r["note"]])
+    return out + [""] + table(header, body)
+
+
+TRL_PARTS = {"kernel": (TRL_KERNEL_COLUMNS, render_trl_kernel), "grpo": (TRL_STEP_COLUMNS, render_trl_step),
+             "sft": (TRL_STEP_COLUMNS, render_trl_step)}
+
+
+def render_trl(path, name, entry):
+    rows = read_csv(path, ["part"])
+    part = one_value(rows, "part", name)
+    if part not in TRL_PARTS:
+        raise SourceError(f"{name}: part {part!r}; known: {', '.join(TRL_PARTS)}")
+    columns, render_part = TRL_PARTS[part]
+    rows = read_csv(path, columns)
+    return trl_run_lines(rows, name, entry) + render_part(rows, name)
+
+
 RENDERERS = {"fusedce_bench": render_ce_bench, "linear_bench": render_linear_bench, "fusedce.bench": render_peers,
-             "fusedce.bench shard": render_shard}
+             "fusedce.bench shard": render_shard, "trl_post_training": render_trl}
 
 
 def render_source(bench_dir, folder, entry):
@@ -390,13 +525,14 @@ def render(bench_dir=BENCH):
     return "\n".join(lines) + "\n"
 
 
-# ---- README's figures ---------------------------------------------------------------------------
+# ---- README's and docs' figures ------------------------------------------------------------------
 #
-# A block of README.md between "<!-- make_results: NAME -->" and "<!-- /make_results -->" is written
-# by README_BLOCKS[NAME] from the same manifests and CSVs, so that a new run's CSV cannot leave a
-# stale figure in README (--check fails until the block is regenerated).
+# A block of README.md or a page of DOCS between "<!-- make_results: NAME -->" and
+# "<!-- /make_results -->" is written by BLOCKS[NAME] from the same manifests and CSVs, so that a
+# new run's CSV cannot leave a stale figure there (--check fails until the block is regenerated).
 
 README = os.path.join(os.path.dirname(BENCH), "README.md")
+DOCS = (os.path.join(os.path.dirname(BENCH), "docs", "post_training.md"),)
 
 
 def _manifest_entry(bench_dir, folder, file):
@@ -459,11 +595,195 @@ def readme_cpu(bench_dir=BENCH):
             f"  {span('logprobs', 'fwd+bwd+entropy', 'torch eager')}.")
 
 
-README_BLOCKS = {"ce_kernels": readme_ce_kernels, "cpu": readme_cpu}
+class TrlRun:
+    """The rows of bench/trl_post_training.py's three CSVs in bench_dir/h200 that the README and
+    docs/post_training.md quote, each looked up by what identifies it; a missing or failed row is
+    refused naming the file."""
+
+    FILES = {"kernel": "logprobs_trl.csv", "grpo": "grpo_step_trl.csv", "sft": "sft_step_trl.csv"}
+
+    def __init__(self, bench_dir):
+        self.rows = {}
+        for part, file in self.FILES.items():
+            _manifest_entry(bench_dir, "h200", file)
+            columns = TRL_KERNEL_COLUMNS if part == "kernel" else TRL_STEP_COLUMNS
+            self.rows[part] = read_csv(os.path.join(bench_dir, "h200", file), columns)
+
+    def _one(self, part, what, match):
+        for r in self.rows[part]:
+            if match(r):
+                if r["status"] != "ok":
+                    raise SourceError(f"h200/{self.FILES[part]}: the row of {what} is {r['status']} "
+                                      "(a generated block quotes it)")
+                return r
+        raise SourceError(f"h200/{self.FILES[part]}: no row of {what} (a generated block quotes it)")
+
+    def head(self, shape, impl):
+        """The kernel part's bf16 row of shape (N, H, V) and implementation impl."""
+        key = tuple(str(x) for x in shape)
+        return self._one("kernel", f"{impl} at {' x '.join(key)}",
+                         lambda r: (r["tokens"], r["hidden"], r["vocab"], r["dtype"], r["impl"]) == key + ("bfloat16", impl))
+
+    def step(self, part, variant):
+        return self._one(part, variant, lambda r: r["variant"] == variant)
+
+    def shapes(self):
+        """The kernel part's bf16 shapes (N, H, V) in the order run."""
+        return ordered((int(r["tokens"]), int(r["hidden"]), int(r["vocab"])) for r in self.rows["kernel"]
+                       if r["dtype"] == "bfloat16")
 
 
-def render_readme(readme_text, bench_dir=BENCH):
-    """readme_text with every make_results block rewritten from the data."""
+# The GRPO step's own head (Qwen2.5-0.5B's width, 8 x 1024 completion tokens): the kernel part's
+# shape where fusedce's default forms the logits again; the others are the larger heads.
+TRL_GRPO_HEAD = (8192, 896, 151936)
+TRL_DEFAULT, TRL_KEEP, TRL_RECOMPUTE = "fusedce", "fusedce keep_logits=True", "fusedce keep_logits=False"
+TRL_ALL, FUSEDCE_TRL_ALL = "trl all shared outputs", "fusedce TRL head, all shared outputs"
+TRL_GRPO, FUSEDCE_GRPO = "trl", "trl + fusedce.integrations.trl"
+TRL_SFT, FUSEDCE_SFT, FUSEDCE_SFT_METRICS, LOGITS_SFT = ("trl", "fusedce.transformers.apply()",
+                                                         "fusedce.transformers.apply(metrics=True)",
+                                                         "transformers (logits)")
+
+
+def _t(r):
+    return float(r["median_ms"])
+
+
+def _shape_text(shape):
+    return " x ".join(str(x) for x in shape)
+
+
+def _slash(values, fmt):
+    return " / ".join(fmt(v) for v in values)
+
+
+def _gib2(r):
+    """A kernel row's peak over its inputs, GiB to two decimals."""
+    return f"{float(r['peak_over_inputs_gib']):.2f}"
+
+
+def _more_or_less(mine, theirs):
+    return "less" if mine < theirs else "more"
+
+
+def _bullets(items):
+    """Markdown bullets, each wrapped at 100 columns under its dash."""
+    return "\n".join(textwrap.fill(item, width=100, initial_indent="- ", subsequent_indent="  ",
+                                   break_long_words=False, break_on_hyphens=False) for item in items)
+
+
+def _same_loss(x):
+    """A step's loss against TRL's: x is their absolute difference."""
+    return "the same loss as TRL's" if float(x) == 0 else f"the loss within {float(x):.1e} of TRL's"
+
+
+def _step_model(run):
+    """The GRPO step's model and batch, from its CSV."""
+    r = run.step("grpo", TRL_GRPO)
+    return (f"a Qwen2-shaped model {r['hidden']} wide with {r['layers']} layers and V = {r['vocab']}, "
+            f"{r['sequences']} completions of {r['completion_tokens']} tokens after {r['prompt_tokens']}-token prompts")
+
+
+def readme_trl(bench_dir=BENCH):
+    """README's bullet of the TRL run: the GRPO and SFT steps, and the head alone's range."""
+    run = TrlRun(bench_dir)
+    g_trl, g_ours = run.step("grpo", TRL_GRPO), run.step("grpo", FUSEDCE_GRPO)
+    s_trl, s_ours = run.step("sft", TRL_SFT), run.step("sft", FUSEDCE_SFT)
+    big = [s for s in run.shapes() if s != TRL_GRPO_HEAD]
+    ratios = [_t(run.head(s, TRL_GRPO)) / _t(run.head(s, TRL_DEFAULT)) for s in big]
+    grpo_head = _t(run.head(TRL_GRPO_HEAD, TRL_GRPO)) / _t(run.head(TRL_GRPO_HEAD, TRL_DEFAULT))
+    return _bullets([
+        f"Against TRL 1.16's own fused head (`bench/trl_post_training.py`, bf16, "
+        f"[docs/post_training.md](docs/post_training.md#on-the-h200)): one GRPO step ({_step_model(run)}) "
+        f"{ms_fine(_t(g_ours))} ms with `fusedce.integrations.trl` against {ms_fine(_t(g_trl))} for TRL alone, "
+        f"at a peak of {float(g_ours['peak_over_params_gib']):.2f} against "
+        f"{float(g_trl['peak_over_params_gib']):.2f} GiB over the parameters; one SFT step with "
+        f"`fusedce.transformers.apply()` {ms_fine(_t(s_ours))} ms against `SFTTrainer`'s {ms_fine(_t(s_trl))}, "
+        f"at {float(s_ours['peak_over_params_gib']):.2f} against {float(s_trl['peak_over_params_gib']):.2f} GiB; "
+        f"the head alone by default {min(ratios):.2f}-{max(ratios):.2f}x TRL's speed at {len(big)} larger shapes "
+        f"and {grpo_head:.2f}x at the GRPO step's {_shape_text(TRL_GRPO_HEAD)}."])
+
+
+def docs_trl_head(bench_dir=BENCH):
+    """docs/post_training.md's figures of the head alone (h200/logprobs_trl.csv)."""
+    run = TrlRun(bench_dir)
+    big = [s for s in run.shapes() if s != TRL_GRPO_HEAD]
+    trl, ours = [run.head(s, TRL_GRPO) for s in big], [run.head(s, TRL_DEFAULT) for s in big]
+    keep, again = [run.head(s, TRL_KEEP) for s in big], [run.head(s, TRL_RECOMPUTE) for s in big]
+    pairs = "; ".join(f"{_shape_text(s)} {ms_fine(_t(o))} ms against {ms_fine(_t(t))} ({_t(t) / _t(o):.2f}x)"
+                      for s, o, t in zip(big, ours, trl))
+    heavier = [_shape_text(s) for s, o, t in zip(big, ours, trl)
+               if float(o["peak_over_inputs_gib"]) > float(t["peak_over_inputs_gib"])]
+    g_trl, g_ours, g_keep = (run.head(TRL_GRPO_HEAD, x) for x in (TRL_GRPO, TRL_DEFAULT, TRL_KEEP))
+    n, _, v = TRL_GRPO_HEAD
+    slower = _t(g_ours) / _t(g_trl) - 1
+    shapes = run.shapes()
+    trl_all, ours_all = [run.head(s, TRL_ALL) for s in shapes], [run.head(s, FUSEDCE_TRL_ALL) for s in shapes]
+    extra = [_t(a) / _t(run.head(s, TRL_GRPO)) - 1 for s, a in zip(shapes, trl_all)]
+    fused = [r for r in run.rows["kernel"] if r["impl"].startswith("fusedce") and r["status"] == "ok"]
+    worst = {c: max(float(r[c]) for r in fused) for c in ("logprob_maxabs_vs_trl", "entropy_maxabs_vs_trl",
+                                                         "grad_hidden_maxrel_vs_trl", "grad_weight_maxrel_vs_trl")}
+    return _bullets([
+        f"**The head alone**, fusedce's default against TRL's `ChunkedLogProbFunction`: {pairs}. There the "
+        f"default keeps the logits (`keep_logits=True`: {_slash(keep, lambda r: ms_fine(_t(r)))} ms; `False`: "
+        f"{_slash(again, lambda r: ms_fine(_t(r)))}), at a peak of {_slash(ours, _gib2)} GiB over the inputs "
+        f"against TRL's {_slash(trl, _gib2)} (`keep_logits=False`: {_slash(again, _gib2)})"
+        + (f": more than TRL's at {' and '.join(heavier)}, where the kept logits take the room the recomputing "
+           f"form is allowed (`python/fusedce/logit_room.py`)." if heavier else "."),
+        f"**The GRPO step's own head**, {_shape_text(TRL_GRPO_HEAD)}: fusedce's default is "
+        f"{100 * abs(slower):.1f}% {'slower' if slower > 0 else 'faster'} than TRL's ({ms_fine(_t(g_ours))} ms "
+        f"against {ms_fine(_t(g_trl))}). Its kept logits, {n * v * 2 / 2 ** 30:.2f} GiB in bf16, pass that room, "
+        f"so the default forms them again; `keep_logits=True` takes {ms_fine(_t(g_keep))} ms "
+        f"({_t(g_trl) / _t(g_keep):.2f}x TRL's speed) at {_gib2(g_keep)} GiB over the inputs against TRL's "
+        f"{_gib2(g_trl)}.",
+        f"**Every output both heads give** (`log_sum_sq_probs` and `mean_logits` too): fusedce's TRL head "
+        f"{_slash(ours_all, lambda r: ms_fine(_t(r)))} ms against TRL's {_slash(trl_all, lambda r: ms_fine(_t(r)))} "
+        f"at the {len(shapes)} shapes ({_slash([_t(t) / _t(o) for t, o in zip(trl_all, ours_all)], lambda x: f'{x:.2f}x')}), "
+        f"{_slash(ours_all, _gib2)} GiB over the inputs against {_slash(trl_all, _gib2)}. fusedce's head computes "
+        f"`log_sum_sq_probs` by one more forward; TRL's adds the two outputs for "
+        f"{100 * min(extra):.0f}-{100 * max(extra):.0f}% of its time. GRPO and RLOO ask for neither.",
+        f"**Values**: over every fusedce row, log-probabilities within {worst['logprob_maxabs_vs_trl']:.1e} of "
+        f"TRL's and the entropy within {worst['entropy_maxabs_vs_trl']:.1e}; gradients within "
+        f"{max(worst['grad_hidden_maxrel_vs_trl'], worst['grad_weight_maxrel_vs_trl']):.1e} of TRL's largest "
+        f"entry (on the run's peaked policy, where most log-probabilities round alike; the CPU tests hold both "
+        f"heads to float64)."])
+
+
+def docs_trl_steps(bench_dir=BENCH):
+    """docs/post_training.md's figures of the GRPO and SFT steps (h200/grpo_step_trl.csv,
+    h200/sft_step_trl.csv)."""
+    run = TrlRun(bench_dir)
+    g_trl, g_ours = run.step("grpo", TRL_GRPO), run.step("grpo", FUSEDCE_GRPO)
+    s_trl, s_ours, s_metrics, s_logits = (run.step("sft", x) for x in (TRL_SFT, FUSEDCE_SFT, FUSEDCE_SFT_METRICS,
+                                                                        LOGITS_SFT))
+    g_mem, s_mem = (float(r["peak_over_params_gib"]) for r in (g_ours, s_ours))
+    g_trl_mem, s_trl_mem = (float(r["peak_over_params_gib"]) for r in (g_trl, s_trl))
+    sft_tokens = int(s_trl["prompt_tokens"]) + int(s_trl["completion_tokens"])
+    return _bullets([
+        f"**One GRPO step** ({_step_model(run)}; loss {g_trl['loss_type']}, beta {g_trl['beta']}): "
+        f"{ms_fine(_t(g_trl))} ms with TRL alone, {ms_fine(_t(g_ours))} with `fusedce.integrations.trl.apply()` "
+        f"({_t(g_trl) / _t(g_ours):.2f}x), at a peak of {g_mem:.3f} GiB over the parameters "
+        f"({_more_or_less(g_mem, g_trl_mem)} than TRL's {g_trl_mem:.3f}); "
+        f"{_same_loss(g_ours['loss_absdiff_vs_first'])}, "
+        f"gradients within {float(g_ours['grad_maxrel_vs_first']):.1e} of TRL's largest entry per parameter "
+        f"(bf16 weights).",
+        f"**One SFT step** (the same model, {s_trl['sequences']} sequences of {sft_tokens} tokens): "
+        f"`SFTTrainer.compute_loss` {ms_fine(_t(s_trl))} ms, the model's own loss with "
+        f"`fusedce.transformers.apply()` {ms_fine(_t(s_ours))} ms ({_t(s_trl) / _t(s_ours):.2f}x; `metrics=True` "
+        f"{ms_fine(_t(s_metrics))}), transformers with the logits {ms_fine(_t(s_logits))} ms at "
+        f"{float(s_logits['peak_over_params_gib']):.2f} GiB over the parameters. fusedce's step takes "
+        f"{_more_or_less(s_mem, s_trl_mem)} memory than TRL's here: {s_mem:.3f} against {s_trl_mem:.3f} GiB over "
+        f"the parameters. It gives {_same_loss(s_ours['loss_absdiff_vs_first'])}, gradients within "
+        f"{float(s_ours['grad_maxrel_vs_first']):.1e} of TRL's largest entry (transformers' own loss over the "
+        f"logits: {float(s_logits['grad_maxrel_vs_first']):.1e})."])
+
+
+BLOCKS = {"ce_kernels": readme_ce_kernels, "cpu": readme_cpu, "trl": readme_trl, "trl_head": docs_trl_head,
+          "trl_steps": docs_trl_steps}
+
+
+def render_blocks(readme_text, bench_dir=BENCH, name="README.md"):
+    """readme_text (the text of README.md or a page of DOCS, called name in errors) with every
+    make_results block rewritten from the data."""
     out, pos = [], 0
     while True:
         start = readme_text.find("<!-- make_results: ", pos)
@@ -471,12 +791,12 @@ def render_readme(readme_text, bench_dir=BENCH):
             break
         head_end = readme_text.index("-->", start) + 3
         block = readme_text[start + len("<!-- make_results: "):head_end - 3].strip()
-        if block not in README_BLOCKS:
-            raise SourceError(f"README.md: unknown make_results block {block!r}; known: {', '.join(README_BLOCKS)}")
+        if block not in BLOCKS:
+            raise SourceError(f"{name}: unknown make_results block {block!r}; known: {', '.join(BLOCKS)}")
         end = readme_text.find("<!-- /make_results -->", head_end)
         if end < 0:
-            raise SourceError(f"README.md: make_results block {block!r} is not closed")
-        out += [readme_text[pos:head_end], "\n", README_BLOCKS[block](bench_dir), "\n"]
+            raise SourceError(f"{name}: make_results block {block!r} is not closed")
+        out += [readme_text[pos:head_end], "\n", BLOCKS[block](bench_dir), "\n"]
         pos = end
     out.append(readme_text[pos:])
     return "".join(out)
@@ -486,13 +806,18 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=RESULTS, help="where to write (default bench/RESULTS.md)")
     p.add_argument("--readme", default=README, help="README whose make_results blocks are rewritten too")
-    p.add_argument("--check", action="store_true", help="compare with --out and --readme instead of writing them")
+    p.add_argument("--docs", nargs="+", default=list(DOCS),
+                   help="pages whose make_results blocks are rewritten too (default docs/post_training.md)")
+    p.add_argument("--check", action="store_true",
+                   help="compare with --out, --readme and --docs instead of writing them")
     a = p.parse_args(argv)
     try:
         text = render()
-        with open(a.readme) as f:
-            readme_now = f.read()
-        readme = render_readme(readme_now)
+        pages = []  # (path, text now, text from the data)
+        for path in [a.readme] + a.docs:
+            with open(path) as f:
+                now = f.read()
+            pages.append((path, now, render_blocks(now, name=os.path.basename(path))))
     except (SourceError, OSError, KeyError, ValueError) as e:
         print(f"make_results: {e}", file=sys.stderr)
         return 2
@@ -503,16 +828,18 @@ def main(argv=None):
                 print(f"make_results: {a.out} differs from its CSVs; run python3 bench/make_results.py",
                       file=sys.stderr)
                 stale = True
-        if readme != readme_now:
-            print(f"make_results: {a.readme}'s figures differ from the CSVs; run python3 bench/make_results.py",
-                  file=sys.stderr)
-            stale = True
+        for path, now, new in pages:
+            if new != now:
+                print(f"make_results: {path}'s figures differ from the CSVs; run python3 bench/make_results.py",
+                      file=sys.stderr)
+                stale = True
         return 1 if stale else 0
     with open(a.out, "w") as f:
         f.write(text)
-    if readme != readme_now:
-        with open(a.readme, "w") as f:
-            f.write(readme)
+    for path, now, new in pages:
+        if new != now:
+            with open(path, "w") as f:
+                f.write(new)
     return 0
 
 
