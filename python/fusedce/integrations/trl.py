@@ -130,7 +130,8 @@ def _trls_divergence():
 def can_serve_divergence(tensors, beta, temperature, student_logit_scale, student_final_logit_softcapping,
                          teacher_logit_scale, teacher_final_logit_softcapping):
     """Whether fusedce computes a ChunkedDivergenceFunction call (else TRL's own function does):
-    every tensor given on the CPU (fusedce's distillation has no CUDA path yet), hidden states of
+    every tensor given on the CPU (the CUDA path of fusedce's distillation serves this seam once
+    its Python cases have run on a GPU: docs/post_training.md), hidden states of
     two dimensions, and options that linear_distillation takes (beta in [0, 1], a temperature
     > 0, finite non-zero logit scales, positive soft-caps or None)."""
     if any(x is not None and x.device.type != "cpu" for x in tensors) or tensors[0].dim() != 2:
