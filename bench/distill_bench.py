@@ -52,9 +52,6 @@ the CPU, for tests/python/test_distill_bench.py.
 """
 
 import argparse
-import csv
-import datetime
-import gc
 import math
 import os
 import sys
@@ -65,8 +62,9 @@ import torch
 
 import fusedce
 from fusedce.bench.measure import device_name, spread, sync, time_runs
+from fusedce.bench.rows import (common_columns, gib, max_abs, max_rel, peak_memory, print_rows, release,
+                                 write_csv)
 
-GIB = float(1 << 30)
 IGNORE = -100
 SHAPES = [(1024, 4096, 128256), (8192, 4096, 128256)]
 SMOKE_SHAPES = [(32, 16, 257), (64, 24, 1000)]
@@ -91,81 +89,6 @@ TOPK_NORMS = ("none", "tail")
 
 
 # ---- measurement and output -----------------------------------------------------------------------
-
-
-def _bytes_of(tensors):
-    return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
-
-
-def peak_memory(run, device):
-    """(peak over what is live before run(), the same less run()'s outputs) in bytes, from one
-    call; (None, None) on the CPU."""
-    if device != "cuda":
-        return None, None
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    outputs = run(0)
-    torch.cuda.synchronize()
-    over = torch.cuda.max_memory_allocated() - base
-    return over, over - _bytes_of(outputs)
-
-
-def release(device):
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
-def max_abs(a, b):
-    if a is None or b is None:
-        return None
-    if a.numel() == 0:
-        return 0.0
-    return (a.double() - b.double()).abs().max().item()
-
-
-def max_rel(a, b):
-    """Largest |a - b| relative to b's largest entry."""
-    if a is None or b is None:
-        return None
-    return max_abs(a, b) / max(b.double().abs().max().item(), 1e-300) if a.numel() else 0.0
-
-
-def gib(x):
-    return None if x is None else x / GIB
-
-
-def common_columns(device):
-    return {"device_name": device_name(device), "torch_version": torch.__version__,
-            "fusedce_version": fusedce.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds")}
-
-
-def write_csv(path, rows):
-    keys = []
-    for row in rows:
-        keys += [k for k in row if k not in keys]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _cell(row.get(k)) for k in keys})
-
-
-def _cell(v):
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return "" if v is None else v
-
-
-def print_rows(title, rows, columns):
-    print(f"\n== {title}")
-    print(" | ".join(columns))
-    for row in rows:
-        print(" | ".join(str(_cell(row.get(c))) for c in columns))
-    sys.stdout.flush()
 
 
 def first_line(e):
@@ -351,20 +274,20 @@ def _liger_fused(v, a):
         raise Skip("its kernels are Triton: CUDA only")
     try:
         from liger_kernel.transformers import LigerFusedLinearJSD
-        release = _liger_version()
+        version = _liger_version()
     except Exception as e:  # not installed, or a broken install: said, not raised
         raise Skip(f"liger-kernel does not import: {first_line(e)}") from None
     loss = LigerFusedLinearJSD(jsd_beta=v.beta, temperature=a.temperature)
 
     def call(hs, ws, ht, wt, labels):
         return loss(hs, ws, ht, wt, None)
-    return call, f"liger-kernel {release}; grad_weight accumulated in the weight's dtype (accum_dtype None)"
+    return call, f"liger-kernel {version}; grad_weight accumulated in the weight's dtype (accum_dtype None)"
 
 
 def _liger_chunked(v, a):
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
-        release = _liger_version()
+        version = _liger_version()
     except Exception as e:
         raise Skip(f"liger-kernel does not import: {first_line(e)}") from None
     compiled = a.device == "cuda"
@@ -375,7 +298,7 @@ def _liger_chunked(v, a):
         if labels is None:  # it needs labels: every row counted, as fusedce's call without them
             labels = torch.zeros(hs.shape[0], dtype=torch.long, device=hs.device)
         return loss(hs, ws, ht, wt, labels)
-    note = (f"liger-kernel {release}; its logits and log-softmax in the input dtype"
+    note = (f"liger-kernel {version}; its logits and log-softmax in the input dtype"
             f"{'' if compiled else '; compiled=False off CUDA'}")
     return call, note
 

@@ -38,8 +38,6 @@ with kept ones (the kernel part's rates are left to the reader: the same shapes,
 """
 
 import argparse
-import csv
-import datetime
 import gc
 import math
 import os
@@ -52,13 +50,13 @@ import torch
 
 import fusedce
 from fusedce.bench.measure import device_name, spread, sync, time_runs
+from fusedce.bench.rows import common_columns, gib, max_abs, max_rel, peak_memory, print_rows, write_csv
 
 # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1.16: the vocabulary chunk its trainers pass.
 TRL_CHUNK = 32768
 GRPO_OUTPUTS = ("log_probs", "entropy")
 # Every optional output of TRL's head that fusedce also computes (is_top1 goes back to TRL's own).
 SHARED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits")
-GIB = float(1 << 30)
 
 # Qwen2.5-7B's and Gemma-shaped heads, and the grpo part's own (Qwen2.5-0.5B's width, 8 x 1024 tokens).
 KERNEL_SHAPES = [(8192, 4096, 151936), (16384, 4096, 151936), (8192, 2048, 262144), (8192, 896, 151936)]
@@ -72,80 +70,9 @@ class Skip(Exception):
 # ---- measurement ---------------------------------------------------------------------------------
 
 
-def _bytes_of(tensors):
-    return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
-
-
-def peak_memory(run, device):
-    """(peak over what is live before run(), the same less run()'s outputs) in bytes, from one
-    call; (None, None) on the CPU."""
-    if device != "cuda":
-        return None, None
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    outputs = run(0)
-    torch.cuda.synchronize()
-    over = torch.cuda.max_memory_allocated() - base
-    return over, over - _bytes_of(outputs)
-
-
 def timed(run, repeat, warmup, device):
     times = time_runs(run, repeat, warmup, device)
     return spread(times)
-
-
-def max_abs(a, b):
-    if a is None or b is None:
-        return None
-    if a.numel() == 0:
-        return 0.0
-    return (a.double() - b.double()).abs().max().item()
-
-
-def max_rel(a, b):
-    """Largest |a - b| relative to b's largest entry."""
-    if a is None or b is None:
-        return None
-    if a.numel() == 0:
-        return 0.0
-    return (a.double() - b.double()).abs().max().item() / max(b.double().abs().max().item(), 1e-30)
-
-
-def gib(x):
-    return None if x is None else x / GIB
-
-
-def common_columns(device):
-    return {"device_name": device_name(device), "torch_version": torch.__version__,
-            "fusedce_version": fusedce.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds")}
-
-
-def write_csv(path, rows):
-    keys = []
-    for row in rows:
-        keys += [k for k in row if k not in keys]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _cell(row.get(k)) for k in keys})
-
-
-def _cell(v):
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return "" if v is None else v
-
-
-def print_rows(title, rows, columns):
-    print(f"\n== {title}")
-    print(" | ".join(columns))
-    for row in rows:
-        print(" | ".join(str(_cell(row.get(c))) for c in columns))
-    sys.stdout.flush()
 
 
 # ---- kernel: the head alone ----------------------------------------------------------------------
