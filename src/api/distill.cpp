@@ -151,28 +151,10 @@ Status check_backward_args(const DistillCall& c) {
   FUSEDCE_CHECK(check_stats(c.stats, N));
   FUSEDCE_CHECK(
       check_vector_arg("grad_loss", c.grad_loss, DType::kFloat32, c.options.reduction == Reduction::kNone ? N : 1));
-  const struct {
-    const char* name;
-    const MatrixView& m;
-    int64_t rows;
-    DType dtype;
-  } mats[] = {{"grad_hidden", c.grads.grad_hidden, N, DType::kFloat32},
-              {"grad_weight", c.grads.grad_weight, V, c.hidden.dtype}};
-  for (const auto& g : mats) {
-    if (g.m.empty() && g.m.rows == 0) continue;
-    FUSEDCE_CHECK(check_matrix_arg(g.name, g.m));
-    if (g.m.dtype != g.dtype || g.m.rows != g.rows || g.m.cols != H) {
-      std::ostringstream os;
-      os << g.name << " must be " << g.rows << " x " << H << " " << dtype_name(g.dtype) << ", got " << g.m.rows
-         << " x " << g.m.cols << " " << dtype_name(g.m.dtype);
-      return invalid(os.str());
-    }
+  if ((!c.grads.grad_bias.empty() || c.grads.grad_bias.size != 0) && c.bias.empty()) {
+    return invalid("grad_bias is given but bias is not");
   }
-  if (!c.grads.grad_bias.empty() || c.grads.grad_bias.size != 0) {
-    if (c.bias.empty()) return invalid("grad_bias is given but bias is not");
-    FUSEDCE_CHECK(check_vector_arg("grad_bias", c.grads.grad_bias, c.hidden.dtype, V));
-  }
-  return Status::Ok();
+  return check_linear_grads_arg(c.grads, N, V, H, c.hidden.dtype, DType::kFloat32);
 }
 
 }  // namespace

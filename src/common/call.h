@@ -2,6 +2,7 @@
 #pragma once
 
 #include "fusedce/cross_entropy.h"
+#include "fusedce/linear_cross_entropy.h"  // LinearGrads
 
 namespace fusedce {
 namespace detail {
@@ -31,6 +32,11 @@ Status check_targets_host(const VectorView& target, int64_t vocab, int64_t ignor
 Status check_matrix_arg(const char* name, const MatrixView& m);
 Status check_vector_arg(const char* name, const VectorView& v, DType want, int64_t size);
 Status check_target_arg(const VectorView& t, int64_t rows);
+/// The gradients of a linear head's call over hidden (N, H) and weight (V, H) of `dtype`: each
+/// one given has its shape, grad_hidden `grad_hidden_dtype` (the head's dtype or float32),
+/// grad_weight and grad_bias the head's dtype; the message names the argument.
+Status check_linear_grads_arg(const LinearGrads& g, int64_t N, int64_t V, int64_t H, DType dtype,
+                              DType grad_hidden_dtype);
 
 }  // namespace detail
 

@@ -260,28 +260,7 @@ Status validate_linear_shard(const LinearCall& c) {
   if (!s.ok()) return s;
   s = check_grad_loss(c.grad_loss, c.options.reduction, N);
   if (!s.ok()) return s;
-  const struct {
-    const char* name;
-    const MatrixView& m;
-    int64_t rows;
-    DType dtype;
-  } mats[] = {{"grad_hidden", c.grads.grad_hidden, N, DType::kFloat32},
-              {"grad_weight", c.grads.grad_weight, V, c.hidden.dtype}};
-  for (const auto& g : mats) {
-    if (g.m.empty() && g.m.rows == 0) continue;
-    s = check_matrix(g.name, g.m);
-    if (!s.ok()) return s;
-    if (g.m.dtype != g.dtype || g.m.rows != g.rows || g.m.cols != H) {
-      os << g.name << " must be " << g.rows << " x " << H << " " << dtype_name(g.dtype) << ", got " << g.m.rows
-         << " x " << g.m.cols << " " << dtype_name(g.m.dtype);
-      return invalid(os.str());
-    }
-  }
-  if (!c.grads.grad_bias.empty() || c.grads.grad_bias.size != 0) {
-    s = check_vector("grad_bias", c.grads.grad_bias, c.hidden.dtype, V);
-    if (!s.ok()) return s;
-  }
-  return Status::Ok();
+  return check_linear_grads_arg(c.grads, N, V, H, c.hidden.dtype, DType::kFloat32);
 }
 
 }  // namespace
@@ -330,25 +309,8 @@ Status validate_linear_call(const LinearCall& c) {
       s = check_grad_loss(c.grad_loss, c.options.reduction, N);
       if (!s.ok()) return s;
     }
-    const struct {
-      const char* name;
-      const MatrixView& m;
-      int64_t rows;
-    } mats[] = {{"grad_hidden", c.grads.grad_hidden, N}, {"grad_weight", c.grads.grad_weight, V}};
-    for (const auto& g : mats) {
-      if (g.m.empty() && g.m.rows == 0) continue;
-      s = check_matrix(g.name, g.m);
-      if (!s.ok()) return s;
-      if (g.m.dtype != c.hidden.dtype || g.m.rows != g.rows || g.m.cols != H) {
-        os << g.name << " must be " << g.rows << " x " << H << " " << dtype_name(c.hidden.dtype) << ", got "
-           << g.m.rows << " x " << g.m.cols << " " << dtype_name(g.m.dtype);
-        return invalid(os.str());
-      }
-    }
-    if (!c.grads.grad_bias.empty() || c.grads.grad_bias.size != 0) {
-      s = check_vector("grad_bias", c.grads.grad_bias, c.hidden.dtype, V);
-      if (!s.ok()) return s;
-    }
+    s = check_linear_grads_arg(c.grads, N, V, H, c.hidden.dtype, c.hidden.dtype);
+    if (!s.ok()) return s;
   }
   return Status::Ok();
 }
@@ -453,6 +415,29 @@ Status check_vector_arg(const char* name, const VectorView& v, DType want, int64
   return check_vector(name, v, want, size);
 }
 Status check_target_arg(const VectorView& t, int64_t rows) { return check_target(t, rows); }
+
+Status check_linear_grads_arg(const LinearGrads& g, int64_t N, int64_t V, int64_t H, DType dtype,
+                              DType grad_hidden_dtype) {
+  const struct {
+    const char* name;
+    const MatrixView& m;
+    int64_t rows;
+    DType dtype;
+  } mats[] = {{"grad_hidden", g.grad_hidden, N, grad_hidden_dtype}, {"grad_weight", g.grad_weight, V, dtype}};
+  for (const auto& m : mats) {
+    if (m.m.empty() && m.m.rows == 0) continue;
+    Status s = check_matrix(m.name, m.m);
+    if (!s.ok()) return s;
+    if (m.m.dtype != m.dtype || m.m.rows != m.rows || m.m.cols != H) {
+      std::ostringstream os;
+      os << m.name << " must be " << m.rows << " x " << H << " " << dtype_name(m.dtype) << ", got " << m.m.rows
+         << " x " << m.m.cols << " " << dtype_name(m.m.dtype);
+      return invalid(os.str());
+    }
+  }
+  if (!g.grad_bias.empty() || g.grad_bias.size != 0) return check_vector("grad_bias", g.grad_bias, dtype, V);
+  return Status::Ok();
+}
 
 }  // namespace detail
 }  // namespace fusedce

@@ -727,6 +727,13 @@ TEST(LinearBadInput, NamesTheArgument) {
   g.grad_weight = fusedce::matrix(gw.data(), DType::kFloat32, 9, 8);
   s = call(H, fusedce::matrix(w.data(), DType::kFloat32, 10, 8), {}, g);
   EXPECT_NE(s.message().find("grad_weight"), std::string::npos) << s.message();
+  g.grad_weight = fusedce::matrix(gw.data(), DType::kBFloat16, 10, 8);  // not the head's dtype
+  s = call(H, fusedce::matrix(w.data(), DType::kFloat32, 10, 8), {}, g);
+  EXPECT_NE(s.message().find("grad_weight must be 10 x 8 float32"), std::string::npos) << s.message();
+  g.grad_weight = {};
+  g.grad_hidden = fusedce::matrix(gw.data(), DType::kFloat32, 4, 7);
+  s = call(H, fusedce::matrix(w.data(), DType::kFloat32, 10, 8), {}, g);
+  EXPECT_NE(s.message().find("grad_hidden must be 4 x 8"), std::string::npos) << s.message();
   t[2] = 10;
   s = call(H, fusedce::matrix(w.data(), DType::kFloat32, 10, 8), {}, {});
   EXPECT_EQ(s.code(), fusedce::StatusCode::kTargetOutOfRange);

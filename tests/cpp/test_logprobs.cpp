@@ -710,5 +710,42 @@ TEST(LogprobsBadInput, ArgumentsAreNamed) {
   EXPECT_NE(s.message().find("shard.vocab_start"), std::string::npos) << s.message();
 }
 
+/// The linear backward's gradients: each of its shape and dtype (grad_hidden float32,
+/// grad_weight and grad_bias the head's), grad_bias only with a bias.
+TEST(LogprobsBadInput, LinearGradientsAreNamed) {
+  const int64_t n = 3, h = 4, v = 5;
+  std::vector<float> hid(n * h, 0.0f), w(v * h, 0.0f), b(v, 0.0f), fwd(3 * n, 0.0f), g_lp(n, 1.0f), gh(n * h),
+      gw(v * h), gb(v);
+  std::vector<int64_t> t{0, 1, 2};
+  const auto dev = fusedce::Device::cpu();
+  fusedce::LogprobOutputs lo;
+  lo.logprob = fusedce::vector(fwd.data(), DType::kFloat32, n);
+  lo.entropy = fusedce::vector(fwd.data() + n, DType::kFloat32, n);
+  lo.lse = fusedce::vector(fwd.data() + 2 * n, DType::kFloat32, n);
+  auto backward = [&](const fusedce::VectorView& bias, const fusedce::LinearGrads& g) {
+    return fusedce::linear_logprobs_backward(dev, fusedce::matrix(hid.data(), DType::kFloat32, n, h),
+                                             fusedce::matrix(w.data(), DType::kFloat32, v, h), bias,
+                                             fusedce::vector(t.data(), DType::kInt64, n), {0, v}, {}, 0, lo,
+                                             fusedce::vector(g_lp.data(), DType::kFloat32, n), {}, g);
+  };
+  const struct {
+    const char* what;
+    fusedce::LinearGrads g;
+    bool bias;
+  } cases[] = {
+      {"grad_hidden must be 3 x 4 float32", {fusedce::matrix(gh.data(), DType::kBFloat16, n, h), {}, {}}, false},
+      {"grad_hidden must be 3 x 4 float32", {fusedce::matrix(gh.data(), DType::kFloat32, n - 1, h), {}, {}}, false},
+      {"grad_weight must be 5 x 4 float32", {{}, fusedce::matrix(gw.data(), DType::kFloat16, v, h), {}}, false},
+      {"grad_weight must be 5 x 4 float32", {{}, fusedce::matrix(gw.data(), DType::kFloat32, v, h - 1), {}}, false},
+      {"grad_bias is given but bias is not", {{}, {}, fusedce::vector(gb.data(), DType::kFloat32, v)}, false},
+      {"grad_bias", {{}, {}, fusedce::vector(gb.data(), DType::kFloat32, v - 1)}, true},
+  };
+  for (const auto& c : cases) {
+    const fusedce::Status s = backward(c.bias ? fusedce::vector(b.data(), DType::kFloat32, v) : fusedce::VectorView{}, c.g);
+    EXPECT_EQ(s.code(), fusedce::StatusCode::kInvalidArgument) << c.what;
+    EXPECT_NE(s.message().find(c.what), std::string::npos) << s.message();
+  }
+}
+
 }  // namespace
 }  // namespace fusedce_test
