@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import fusedce
+from fusedce._distill_options import NAMES
 from conftest import requires_cuda
 from gloo_groups import failures_of, spawn_group
 from test_distillation import IGNORE, _grad_tol, _problem, _value_tol, reference_full
@@ -249,6 +250,14 @@ def test_cuda_core_steps_are_refused():
     args = (0.5, 1.0, 0.0, IGNORE, "mean", 1.0, 0.0, 1.0, 0.0, "none", 0)
     with pytest.raises(RuntimeError, match="not implemented on CUDA"):
         torch.ops.fusedce.ld_shard_stats(hs, ws, None, ht, wt, None, labels, 0, VOCAB, *args)
+
+
+@pytest.mark.parametrize("op", ["ld_shard_stats", "ld_shard_parts", "ld_shard_reduce", "ld_shard_bwd"])
+def test_shard_ops_take_the_options_in_the_python_order(op):
+    names = [a.name for a in getattr(torch.ops.fusedce, op).default._schema.arguments]
+    at = names.index("beta")
+    assert tuple(names[at:at + len(NAMES)]) == NAMES
+    assert names[at + len(NAMES)] == "chunk_budget_bytes"
 
 
 def test_vocab_start_needs_a_group():
