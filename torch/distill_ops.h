@@ -12,6 +12,17 @@
 //          (the student's dtype); empty (0,) when not asked for
 //   ldk_fwd / ldk_bwd: the same with the teacher as teacher_ids (N, K) int64 and
 //          teacher_logprobs (N, K) float32 in place of its head.
+// The vocabulary-parallel steps (distill.h; weights and biases this rank's rows, labels global;
+// python/fusedce/distillation.py gathers between them):
+//   ld_shard_stats(ld_fwd's inputs, vocab_start, vocab_total, FUSEDCE_DISTILL_ARGS)
+//       -> stats (N + 1, 9) float32 (step 1)
+//   ld_shard_parts(ld_fwd's inputs, gathered (every rank's stats in rank order), vocab_start,
+//          vocab_total, FUSEDCE_DISTILL_ARGS) -> row_stats (N, 4), hard (N,), parts (N, 6)
+//          (steps 2 and 3)
+//   ld_shard_reduce(gathered (every rank's parts in rank order), row_stats, hard, labels,
+//          FUSEDCE_DISTILL_ARGS) -> ld_fwd's outputs (step 4)
+//   ld_shard_bwd(ld_bwd's inputs, vocab_start, vocab_total, FUSEDCE_DISTILL_ARGS, ...) -> ld_bwd's
+//          outputs over this rank's rows, grad_hidden this rank's float32 part (step 5)
 // Each op is a template over a device context `Ctx`, as in ops.h; registry.h lists them.
 #pragma once
 
@@ -246,6 +257,137 @@ std::tuple<Tensor, Tensor, Tensor> ldk_bwd(const Tensor& hidden, const Tensor& w
   const fusedce::DistillTeacher t = teacher_topk(hidden, teacher_ids, teacher_logprobs);
   return distill_backward<Ctx>(hidden, weight, bias, t, labels, stats, grad_loss, FUSEDCE_DISTILL_PASS,
                                need_grad_hidden, need_grad_weight, need_grad_bias, "ldk_bwd");
+}
+
+// ---- the vocabulary-parallel steps ---------------------------------------------------------
+
+inline fusedce::MatrixView float_block_view(const Tensor& t, const char* name, int64_t cols, const Tensor& hidden) {
+  check_same_device(t, name, hidden, "hidden");
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(1) == cols && t.scalar_type() == at::kFloat && t.is_contiguous(),
+                    "fusedce: ", name, " must be a contiguous float32 (rows, ", cols, ") tensor, got ",
+                    t.scalar_type(), " of shape ", t.sizes());
+  return fusedce::matrix(t.numel() > 0 ? const_cast<void*>(t.const_data_ptr()) : nullptr, fusedce::DType::kFloat32,
+                         t.size(0), cols);
+}
+
+// The ranks in a gathered block of `rows` rows of `per_rank` rows each.
+inline int64_t world_of(const Tensor& gathered, int64_t per_rank, const char* name) {
+  if (per_rank == 0) return 1;
+  TORCH_CHECK_VALUE(gathered.size(0) >= per_rank && gathered.size(0) % per_rank == 0, "fusedce: ", name, " has ",
+                    gathered.size(0), " rows, which is not a whole number of ranks of ", per_rank, " rows");
+  return gathered.size(0) / per_rank;
+}
+
+template <class Ctx>
+Tensor ld_shard_stats(const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& teacher_hidden,
+                      const Tensor& teacher_weight, const OptTensor& teacher_bias, const OptTensor& labels,
+                      int64_t vocab_start, int64_t vocab_total, FUSEDCE_DISTILL_PARAMS) {
+  Ctx ctx(hidden, "hidden");
+  Tensor tb;
+  const fusedce::DistillTeacher t = teacher_head(hidden, teacher_hidden, teacher_weight, teacher_bias, &tb);
+  const StudentViews s = student_views(hidden, weight, bias, labels);
+  const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
+  Tensor stats = at::empty({hidden.size(0) + 1, fusedce::kDistillShardStatsWidth}, hidden.options().dtype(at::kFloat));
+  check_status(fusedce::linear_distill_shard_stats(
+                   ctx.device(), s.hidden, s.weight, s.bias, t, s.labels, fusedce::ShardSpec{vocab_start, vocab_total},
+                   o, static_cast<size_t>(chunk_budget_bytes),
+                   float_block_view(stats, "stats", fusedce::kDistillShardStatsWidth, hidden)),
+               "ld_shard_stats");
+  return stats;
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor> ld_shard_parts(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
+                                                  const Tensor& teacher_hidden, const Tensor& teacher_weight,
+                                                  const OptTensor& teacher_bias, const OptTensor& labels,
+                                                  const Tensor& gathered, int64_t vocab_start, int64_t vocab_total,
+                                                  FUSEDCE_DISTILL_PARAMS) {
+  Ctx ctx(hidden, "hidden");
+  Tensor tb;
+  const fusedce::DistillTeacher t = teacher_head(hidden, teacher_hidden, teacher_weight, teacher_bias, &tb);
+  const StudentViews s = student_views(hidden, weight, bias, labels);
+  const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
+  const int64_t n = hidden.size(0);
+  const fusedce::MatrixView g = float_block_view(gathered, "gathered", fusedce::kDistillShardStatsWidth, hidden);
+  const auto f32 = hidden.options().dtype(at::kFloat);
+  Tensor row_stats = at::empty({n, fusedce::kDistillStatsWidth}, f32), hard = at::empty({n}, f32),
+         parts = at::empty({n, fusedce::kDistillPartsWidth}, f32);
+  const fusedce::MatrixView rs = float_block_view(row_stats, "row_stats", fusedce::kDistillStatsWidth, hidden);
+  check_status(fusedce::linear_distill_shard_merge(ctx.device(), g, world_of(gathered, n + 1, "gathered"), s.labels,
+                                                   o, rs, vector_of(hard, "hard")),
+               "ld_shard_parts");
+  check_status(fusedce::linear_distill_shard_parts(
+                   ctx.device(), s.hidden, s.weight, s.bias, t, s.labels, fusedce::ShardSpec{vocab_start, vocab_total},
+                   o, static_cast<size_t>(chunk_budget_bytes), rs,
+                   float_block_view(parts, "parts", fusedce::kDistillPartsWidth, hidden)),
+               "ld_shard_parts");
+  return {row_stats, hard, parts};
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ld_shard_reduce(const Tensor& gathered, const Tensor& row_stats,
+                                                                   const Tensor& hard, const OptTensor& labels,
+                                                                   FUSEDCE_DISTILL_PARAMS) {
+  Ctx ctx(row_stats, "row_stats");
+  const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
+  const int64_t n = row_stats.size(0);
+  const fusedce::MatrixView g = float_block_view(gathered, "gathered", fusedce::kDistillPartsWidth, row_stats);
+  const fusedce::MatrixView rs = float_block_view(row_stats, "row_stats", fusedce::kDistillStatsWidth, row_stats);
+  check_same_device(hard, "hard", row_stats, "row_stats");
+  TORCH_CHECK_VALUE(hard.dim() == 1 && hard.size(0) == n && hard.scalar_type() == at::kFloat,
+                    "fusedce: hard must be float32 (N,) with N = ", n, ", got ", hard.scalar_type(), " of shape ",
+                    hard.sizes());
+  fusedce::VectorView lv;
+  if (labels.has_value()) {
+    check_same_device(*labels, "labels", row_stats, "row_stats");
+    TORCH_CHECK_VALUE(labels->dim() == 1 && labels->size(0) == n, "fusedce: labels must be 1-D with ", n,
+                      " entries, got shape ", labels->sizes());
+    lv = vector_of(*labels, "labels");
+  }
+  const auto f32 = row_stats.options();
+  Tensor loss = o.reduction == fusedce::Reduction::kNone ? at::empty({n}, f32) : at::empty({}, f32);
+  Tensor divergence = at::empty({n}, f32), hard_out = at::zeros({n}, f32), entropy = at::empty({n}, f32);
+  Tensor stats = at::empty({n, fusedce::kDistillStatsWidth}, f32);
+  fusedce::DistillOutputs out;
+  out.loss = vector_of(loss, "loss");
+  out.divergence = vector_of(divergence, "divergence");
+  if (o.hard_weight > 0.0f) out.hard = vector_of(hard_out, "hard");
+  out.entropy = vector_of(entropy, "entropy");
+  out.stats = distill_stats_view(stats);
+  check_status(fusedce::linear_distill_shard_reduce(ctx.device(), g, world_of(gathered, n, "gathered"), lv, o, rs,
+                                                    vector_of(hard, "hard"), out),
+               "ld_shard_reduce");
+  return {loss, divergence, hard_out, entropy, stats};
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor> ld_shard_bwd(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
+                                                const Tensor& teacher_hidden, const Tensor& teacher_weight,
+                                                const OptTensor& teacher_bias, const OptTensor& labels,
+                                                const Tensor& stats, const Tensor& grad_loss, int64_t vocab_start,
+                                                int64_t vocab_total, FUSEDCE_DISTILL_PARAMS, bool need_grad_hidden,
+                                                bool need_grad_weight, bool need_grad_bias) {
+  Ctx ctx(hidden, "hidden");
+  Tensor tb;
+  const fusedce::DistillTeacher t = teacher_head(hidden, teacher_hidden, teacher_weight, teacher_bias, &tb);
+  const StudentViews s = student_views(hidden, weight, bias, labels);
+  const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
+  TORCH_CHECK_VALUE(!need_grad_bias || bias.has_value(), "fusedce: need_grad_bias is set but bias is not given");
+  check_same_device(grad_loss, "grad_loss", hidden, "hidden");
+  const fusedce::MatrixView st = float_block_view(stats, "stats", fusedce::kDistillStatsWidth, hidden);
+  auto none = [&] { return at::empty({0}, hidden.options()); };
+  Tensor grad_hidden = need_grad_hidden ? at::empty(hidden.sizes(), hidden.options().dtype(at::kFloat)) : none();
+  Tensor grad_weight = need_grad_weight ? at::empty(weight.sizes(), weight.options()) : none();
+  Tensor grad_bias = need_grad_bias ? at::empty(bias->sizes(), bias->options()) : none();
+  fusedce::LinearGrads grads;
+  if (need_grad_hidden) grads.grad_hidden = matrix_of(grad_hidden, "grad_hidden");
+  if (need_grad_weight) grads.grad_weight = matrix_of(grad_weight, "grad_weight");
+  if (need_grad_bias) grads.grad_bias = vector_of(grad_bias, "grad_bias");
+  check_status(fusedce::linear_distill_shard_backward(
+                   ctx.device(), s.hidden, s.weight, s.bias, t, s.labels, fusedce::ShardSpec{vocab_start, vocab_total},
+                   o, static_cast<size_t>(chunk_budget_bytes), st, vector_of(grad_loss, "grad_loss"), grads),
+               "ld_shard_bwd");
+  return {grad_hidden, grad_weight, grad_bias};
 }
 
 }  // namespace fusedce_torch

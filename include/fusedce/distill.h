@@ -29,6 +29,7 @@
 
 #include "fusedce/linear_cross_entropy.h"
 #include "fusedce/types.h"
+#include "fusedce/vocab_parallel.h"
 
 namespace fusedce {
 
@@ -117,5 +118,73 @@ Status linear_distill_backward(const Device& device, const MatrixView& hidden, c
                                const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
                                const DistillOptions& options, size_t chunk_budget_bytes, const MatrixView& stats,
                                const VectorView& grad_loss, const LinearGrads& grads);
+
+// ---- the vocabulary-parallel form ------------------------------------------------------------
+//
+// Each rank holds rows [shard.vocab_start, + V_local) of both heads' weights (and biases), the
+// same split for student and teacher, and the full hidden states and labels (global indices).
+// The communication between the steps is the caller's (python/fusedce/distillation.py):
+//   1. linear_distill_shard_stats: per row, each head's running max and sum of exps of z over
+//      the shard, the student's at temperature 1 and its label logit where the shard holds it;
+//   2. the caller all-gathers them; linear_distill_shard_merge folds them in rank order into
+//      the global log-sum-exps and the hard term, the same bits on every rank;
+//   3. linear_distill_shard_parts: this rank's partial sums of the divergence, its auxiliary
+//      sum and the entropy over its shard, given the global log-sum-exps;
+//   4. the caller all-gathers the parts; linear_distill_shard_reduce adds them in rank order
+//      and writes what linear_distill_forward writes for the whole vocabulary;
+//   5. linear_distill_shard_backward: linear_distill_backward over the shard: grad_hidden is
+//      this rank's float32 part (the caller sums it over ranks), grad_weight and grad_bias this
+//      rank's rows.
+// Nothing of size (N, V_local) beyond one chunk per head. The CPU only: on a CUDA device every
+// step returns kUnsupported. The teacher must be a head (the top-k form has no shard steps).
+
+/// Floats per row of step 1 (the shape of the other vocabulary-parallel statistics, so a front
+/// end gathers them alike; row N is spare, for the front end's records): the student's max and
+/// sum of exp(z - max), the teacher's, the student's at temperature 1, its y at the label and a
+/// flag saying this shard holds the label (the last four 0 without a hard term); column 8 is 0.
+constexpr int kDistillShardStatsWidth = kShardStatsWidth;
+
+/// Floats per row of step 3: the divergence, its auxiliary sum and the entropy over the shard,
+/// each a double carried as a float32 pair (hi, lo), hi + lo the double to ~2^-48 relative.
+constexpr int kDistillPartsWidth = 6;
+
+/// Step 1. As linear_distill_forward's arguments, the weights and biases this rank's rows;
+/// labels global indices (checked against shard.vocab_total). stats: float32 (N + 1,
+/// kDistillShardStatsWidth), contiguous; ignored rows and row N are written 0.
+Status linear_distill_shard_stats(const Device& device, const MatrixView& hidden, const MatrixView& weight,
+                                  const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
+                                  const ShardSpec& shard, const DistillOptions& options, size_t chunk_budget_bytes,
+                                  const MatrixView& stats);
+
+/// Step 2. gathered: float32 (world * (N + 1), kDistillShardStatsWidth), rank r's step 1 at rows
+/// [r (N + 1), (r + 1)(N + 1)). row_stats: float32 (N, kDistillStatsWidth), contiguous: the
+/// student's and teacher's logsumexp of z, 0 (step 4 writes the auxiliary sum), the student's
+/// logsumexp at temperature 1; hard (N,) float32: the hard term (0 without one). 0 at ignored
+/// rows.
+Status linear_distill_shard_merge(const Device& device, const MatrixView& gathered, int64_t world,
+                                  const VectorView& labels, const DistillOptions& options,
+                                  const MatrixView& row_stats, const VectorView& hard);
+
+/// Step 3. Step 1's arguments, step 2's row_stats; parts: float32 (N, kDistillPartsWidth),
+/// contiguous, 0 at ignored rows.
+Status linear_distill_shard_parts(const Device& device, const MatrixView& hidden, const MatrixView& weight,
+                                  const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
+                                  const ShardSpec& shard, const DistillOptions& options, size_t chunk_budget_bytes,
+                                  const MatrixView& row_stats, const MatrixView& parts);
+
+/// Step 4. gathered: float32 (world * N, kDistillPartsWidth), rank r's step 3 at rows
+/// [r N, (r + 1) N); row_stats and hard from step 2. Writes out as linear_distill_forward does
+/// (out.stats: row_stats with the auxiliary sum, what step 5 reads).
+Status linear_distill_shard_reduce(const Device& device, const MatrixView& gathered, int64_t world,
+                                   const VectorView& labels, const DistillOptions& options,
+                                   const MatrixView& row_stats, const VectorView& hard, const DistillOutputs& out);
+
+/// Step 5. linear_distill_backward's arguments over this rank's rows of the heads, with step
+/// 4's out.stats. grads.grad_hidden (N, H) float32 is this rank's part; grad_weight (V_local, H)
+/// and grad_bias (V_local,) its rows.
+Status linear_distill_shard_backward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
+                                     const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
+                                     const ShardSpec& shard, const DistillOptions& options, size_t chunk_budget_bytes,
+                                     const MatrixView& stats, const VectorView& grad_loss, const LinearGrads& grads);
 
 }  // namespace fusedce

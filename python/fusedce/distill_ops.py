@@ -50,3 +50,33 @@ def _ld_bwd_fake(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_b
 @torch.library.register_fake(_library.qualified("ldk_bwd"))
 def _ldk_bwd_fake(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, stats, grad_loss, *rest):
     return _backward_fake(hidden, weight, bias, *rest[-3:])
+
+
+# The vocabulary-parallel steps (ld_shard_*): floats per row of step 1's statistics and step 3's
+# parts (fusedce::kDistillShardStatsWidth, kDistillPartsWidth).
+SHARD_STATS_WIDTH = 9
+PARTS_WIDTH = 6
+
+
+@torch.library.register_fake(_library.qualified("ld_shard_stats"))
+def _ld_shard_stats_fake(hidden, *rest):
+    return hidden.new_empty((hidden.shape[0] + 1, SHARD_STATS_WIDTH), dtype=torch.float32)
+
+
+@torch.library.register_fake(_library.qualified("ld_shard_parts"))
+def _ld_shard_parts_fake(hidden, *rest):
+    n = hidden.shape[0]
+    f32 = dict(dtype=torch.float32)
+    return (hidden.new_empty((n, STATS_WIDTH), **f32), hidden.new_empty((n,), **f32),
+            hidden.new_empty((n, PARTS_WIDTH), **f32))
+
+
+@torch.library.register_fake(_library.qualified("ld_shard_reduce"))
+def _ld_shard_reduce_fake(gathered, row_stats, hard, labels, beta, temperature, hard_weight, ignore_index, reduction,
+                          *rest):
+    return _forward_fake(row_stats, labels, reduction)
+
+
+@torch.library.register_fake(_library.qualified("ld_shard_bwd"))
+def _ld_shard_bwd_fake(hidden, weight, bias, *rest):
+    return _backward_fake(hidden, weight, bias, *rest[-3:])

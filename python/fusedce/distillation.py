@@ -23,13 +23,25 @@ Gradients reach the student's hidden, weight and bias; the teacher gets none. On
 CUDA devices (every tensor on the student_hidden's device). On CUDA nothing waits to check the
 labels and top-k ids: one outside [0, V) (a label that is not ``ignore_index``) makes its row's
 loss and gradients NaN, where the CPU raises.
+
+Vocabulary parallel (``linear_distillation(..., process_group=pg)``, the CPU only): each rank
+holds the same rows ``[v0, v1)`` of both heads' weights (and biases), the full hidden states and
+the labels (global indices). The core's five steps (include/fusedce/distill.h) with two
+all-gathers of per-row scalars in the forward ((N + 1, 9) statistics, then (N, 6) partial sums,
+each folded in rank order: the same bits on every rank) and one all-reduce of the float32
+(N, H) grad_hidden in the backward. Layout rules and the agreement of the ranks on an error:
+fusedce.distributed's docstring.
 """
+
+import functools
 
 import torch
 
+from . import distributed
 from ._checks import check_cuda_build, check_same_device, check_tensor, unit_stride_vector
 from ._distill_options import DistillOptions
-from ._options import Call, LinearOptions
+from ._options import Call, LinearOptions, VocabParallel
+from ._router import route
 from .ops import call_below_autograd, ops
 
 _FULL = "fusedce.linear_distillation"
@@ -73,6 +85,55 @@ class _LinearDistill(torch.autograd.Function):
             grad_w = part_w if need_w else None
             grad_b = part_b if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _sharded_forward(h, w, bias, th, tw, tb, labels, call, shard):
+    """The forward of a vocabulary-parallel head: step 1 (this rank's statistics), the checked
+    all-gather, steps 2 and 3 (the merge, this rank's partial sums), the all-gather of the
+    parts (none for N = 0: nothing to add), step 4. Returns ld_fwd's outputs, the same on every
+    rank."""
+    args = (*call.options.op_args(), call.linear.chunk_budget_bytes)
+    head = (h, w, bias, th, tw, tb, labels)
+    stats = ops.ld_shard_stats(*head, *shard.op_args(), *args)
+    gathered = distributed.gather_checked(stats, h, shard, call.parallel, call.where)
+    row_stats, hard, parts = ops.ld_shard_parts(*head, gathered, *shard.op_args(), *args)
+    if h.shape[0] > 0:
+        parts = distributed._all_gather_rows(parts, call.parallel.group)
+    return ops.ld_shard_reduce(parts, row_stats, hard, labels, *args)
+
+
+class _ShardedDistill(torch.autograd.Function):
+    """The full form over this rank's rows of both heads: (h, w, bias) the student's, (th, tw,
+    tb) the teacher's, labels (N,) global or None, the Call (with its VocabParallel) and this
+    rank's ShardSpec. Backward: step 5 (this rank's part of grad_hidden, its rows of grad_weight
+    and grad_bias), then one all-reduce (sum) of the float32 grad_hidden, rounded once."""
+
+    @staticmethod
+    def forward(ctx, h, w, bias, th, tw, tb, labels, call, shard):
+        loss, divergence, hard, entropy, stats = _sharded_forward(h, w, bias, th, tw, tb, labels, call, shard)
+        ctx.save_for_backward(h, w, bias, th, tw, tb, labels, stats)
+        ctx.call, ctx.shard = call, shard
+        ctx.mark_non_differentiable(divergence, hard, entropy)
+        ctx.set_materialize_grads(False)
+        return loss, divergence, hard, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = grad_w = grad_b = None
+        if grad_loss is not None and (need_h or need_w or need_b):
+            h, w, bias, th, tw, tb, labels, stats = ctx.saved_tensors
+            call = ctx.call
+            g = grad_loss.reshape(-1).to(torch.float32).contiguous()
+            part_h, part_w, part_b = ops.ld_shard_bwd(
+                h, w, bias, th, tw, tb, labels, stats, g, *ctx.shard.op_args(), *call.options.op_args(),
+                call.linear.chunk_budget_bytes, need_h, need_w, need_b)
+            if need_h:
+                # The sum over ranks of every rank's float32 part, rounded once.
+                grad_h = distributed._all_reduce_sum(part_h, call.parallel.group).to(h.dtype)
+            grad_w = part_w if need_w else None
+            grad_b = part_b if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 # ---- checks ---------------------------------------------------------------------------------
@@ -132,19 +193,43 @@ def _rows(x):
     return x
 
 
-def _call_of(where, options, chunk_budget_bytes, return_metrics, student_hidden):
+def _call_of(where, options, chunk_budget_bytes, return_metrics, student_hidden, parallel=None):
     linear = LinearOptions.checked(where, student_hidden, chunk_budget_bytes=chunk_budget_bytes)
-    return Call.of(where, options, linear, return_metrics=bool(return_metrics))
+    return Call.of(where, options, linear, parallel, return_metrics=bool(return_metrics))
 
 
-def _run(call, hidden, weight, bias, teacher, labels, shape):
+def _shard_of(student_weight, student_hidden, call):
+    """This rank's ShardSpec for a vocabulary-parallel call (None for a single device); refuses
+    a CUDA device, which has no shard steps."""
+    if call.parallel.group is None:
+        return None
+    if student_hidden.device.type != "cpu":
+        raise NotImplementedError(f"{call.where}: process_group: the vocabulary-parallel distillation runs on the "
+                                  f"CPU only (no CUDA kernels yet), but student_hidden is on {student_hidden.device}")
+    return distributed.shard_of(student_weight.shape[0], call.parallel, student_hidden.device, call.where)
+
+
+def _rows_like(hidden):
+    """A tensor of hidden's leading rows, for the agreement of the ranks (its entry count is the
+    rows of the gather), or None when hidden cannot give one."""
+    if isinstance(hidden, torch.Tensor) and hidden.dim() >= 1:
+        return torch.empty(hidden.shape[:-1], dtype=torch.int64, device=hidden.device)
+    return None
+
+
+def _run(call, hidden, weight, bias, teacher, labels, shape, shard=None):
     """The call on plain tensors: the autograd.Function when a gradient is wanted, else the op
-    below autograd; the loss (of `shape` for none) and, with metrics, their dict."""
+    below autograd (with a ShardSpec `shard`: the vocabulary-parallel steps); the loss (of
+    `shape` for none) and, with metrics, their dict."""
     h, w = _rows(hidden), weight.contiguous() if weight.stride(-1) != 1 else weight
     lab = None if labels is None else unit_stride_vector(labels.reshape(-1))
     b = unit_stride_vector(bias)
     grad_on = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
-    if grad_on:
+    if shard is not None and grad_on:
+        loss, divergence, hard, entropy = _ShardedDistill.apply(h, w, b, *teacher, lab, call, shard)
+    elif shard is not None:
+        loss, divergence, hard, entropy, _ = _sharded_forward(h, w, b, *teacher, lab, call, shard)
+    elif grad_on:
         loss, divergence, hard, entropy = _LinearDistill.apply(h, w, b, *teacher, lab, call)
     else:
         args = (*call.options.op_args(), call.linear.chunk_budget_bytes)
@@ -167,7 +252,8 @@ def linear_distillation(student_hidden, student_weight, teacher_hidden, teacher_
                         divergence="jsd", beta=None, temperature=1.0, ignore_index=-100, hard_weight=0.0,
                         reduction="mean", student_bias=None, teacher_bias=None, student_logit_scale=1.0,
                         student_softcap=None, teacher_logit_scale=1.0, teacher_softcap=None,
-                        chunk_budget_bytes=None, return_metrics=False):
+                        chunk_budget_bytes=None, return_metrics=False, process_group=None, vocab_start=None,
+                        vocab_total=None):
     """The distillation loss between the student's head ``student_hidden @ student_weight.T +
     student_bias`` and the teacher's, never storing either's (N, V) logits.
 
@@ -193,12 +279,36 @@ def linear_distillation(student_hidden, student_weight, teacher_hidden, teacher_
         return_metrics: also return a dict of per-row float32 values of the leading shape:
             "divergence", "hard_loss" (0 with hard_weight 0) and "entropy" (the student's, of
             softmax(z)), not differentiable, 0 at left-out rows.
+        process_group, vocab_start, vocab_total: a vocabulary-parallel pair of heads (the CPU
+            only; NotImplementedError on CUDA): student_weight and teacher_weight (and their
+            biases) hold this rank's rows [vocab_start, vocab_start + V_local) of each head,
+            the same rows for both (layout rules: fusedce.distributed's docstring); the hidden
+            states and labels (global indices) are the same on every rank. Two all-gathers of
+            per-row float32 scalars in the forward, one all-reduce of the (N, H) float32
+            grad_hidden in the backward; student_weight's and student_bias's gradients are this
+            rank's rows.
 
     Returns:
         the loss (float32), or ``(loss, metrics)``; differentiable with respect to
         student_hidden, student_weight and student_bias.
     """
+    args = (student_hidden, student_weight, teacher_hidden, teacher_weight, labels, student_bias, teacher_bias)
+    run = functools.partial(_linear_distillation, dict(
+        divergence=divergence, beta=beta, temperature=temperature, ignore_index=ignore_index,
+        hard_weight=hard_weight, reduction=reduction, student_logit_scale=student_logit_scale,
+        student_softcap=student_softcap, teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap,
+        chunk_budget_bytes=chunk_budget_bytes, return_metrics=return_metrics))
+    return route(_FULL, run, args, VocabParallel.of(process_group, vocab_start, vocab_total),
+                 target=_rows_like(student_hidden), device=getattr(student_hidden, "device", None),
+                 dtensor_form=None)
+
+
+def _linear_distillation(kw, student_hidden, student_weight, teacher_hidden, teacher_weight, labels, student_bias,
+                         teacher_bias, parallel):
+    """linear_distillation on plain tensors, its keywords in `kw`, with `parallel` its
+    VocabParallel (a process group: this rank's rows of both heads)."""
     where = _FULL
+    parallel.check_single(where)
     _check_head(student_hidden, student_weight, student_bias, "student_", None, where)
     _check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher_", student_weight.shape[0], where)
     shape = student_hidden.shape[:-1]
@@ -210,14 +320,16 @@ def linear_distillation(student_hidden, student_weight, teacher_hidden, teacher_
                    (teacher_hidden, "teacher_hidden"), (teacher_weight, "teacher_weight"),
                    (teacher_bias, "teacher_bias"), (labels, "labels")), student_hidden, where)
     options = DistillOptions.checked(
-        where, divergence=divergence, beta=beta, temperature=temperature, hard_weight=hard_weight,
-        ignore_index=ignore_index, reduction=reduction, has_labels=labels is not None,
-        student_logit_scale=student_logit_scale, student_softcap=student_softcap,
-        teacher_logit_scale=teacher_logit_scale, teacher_softcap=teacher_softcap)
-    call = _call_of(where, options, chunk_budget_bytes, return_metrics, student_hidden)
+        where, divergence=kw["divergence"], beta=kw["beta"], temperature=kw["temperature"],
+        hard_weight=kw["hard_weight"], ignore_index=kw["ignore_index"], reduction=kw["reduction"],
+        has_labels=labels is not None, student_logit_scale=kw["student_logit_scale"],
+        student_softcap=kw["student_softcap"], teacher_logit_scale=kw["teacher_logit_scale"],
+        teacher_softcap=kw["teacher_softcap"])
+    call = _call_of(where, options, kw["chunk_budget_bytes"], kw["return_metrics"], student_hidden, parallel)
+    shard = _shard_of(student_weight, student_hidden, call)
     teacher = (_rows(teacher_hidden).detach(), teacher_weight.detach(), unit_stride_vector(
         None if teacher_bias is None else teacher_bias.detach()))
-    return _run(call, student_hidden, student_weight, student_bias, teacher, labels, shape)
+    return _run(call, student_hidden, student_weight, student_bias, teacher, labels, shape, shard)
 
 
 def linear_distillation_topk(student_hidden, student_weight, teacher_ids, teacher_logprobs, labels=None, *,

@@ -111,15 +111,16 @@ Status check_teacher(const DistillCall& c) {
   return check_topk_matrix("teacher_logprobs", t.topk_logprobs, DType::kFloat32, N, t.topk_ids.cols);
 }
 
-Status check_labels(const DistillCall& c) {
+/// labels (N,) int32 / int64 or empty (N rows).
+Status check_labels(const DistillCall& c, int64_t N) {
   const VectorView& l = c.labels;
   if (l.empty() && l.size == 0) {
     // (no rows: an empty labels view is indistinguishable from none, and nothing is read)
-    if (c.options.hard_weight > 0.0f && c.rows() > 0) return invalid("hard_weight > 0 needs labels");
+    if (c.options.hard_weight > 0.0f && N > 0) return invalid("hard_weight > 0 needs labels");
     return Status::Ok();
   }
   if (l.dtype != DType::kInt32 && l.dtype != DType::kInt64) return invalid("labels must be int32 or int64");
-  return check_vector_arg("labels", l, l.dtype, c.rows());
+  return check_vector_arg("labels", l, l.dtype, N);
 }
 
 Status check_stats(const MatrixView& m, int64_t N) {
@@ -132,8 +133,8 @@ Status check_stats(const MatrixView& m, int64_t N) {
   return Status::Ok();
 }
 
-Status check_forward_outputs(const DistillCall& c) {
-  const int64_t N = c.rows();
+/// The forward's outputs, for N rows.
+Status check_forward_outputs(const DistillCall& c, int64_t N) {
   const DistillOutputs& o = c.out;
   FUSEDCE_CHECK(check_vector_arg("loss", o.loss, DType::kFloat32, c.options.reduction == Reduction::kNone ? N : 1));
   const struct {
@@ -168,8 +169,81 @@ Status validate_distill_call(const DistillCall& c) {
   if (c.weight.rows < 1) return invalid("weight must have at least one row (V >= 1)");
   FUSEDCE_CHECK(check_head("", c.hidden, c.weight, c.bias, c.rows(), c.vocab()));
   FUSEDCE_CHECK(check_teacher(c));
-  FUSEDCE_CHECK(check_labels(c));
-  return c.backward ? check_backward_args(c) : check_forward_outputs(c);
+  FUSEDCE_CHECK(check_labels(c, c.rows()));
+  return c.backward ? check_backward_args(c) : check_forward_outputs(c, c.rows());
+}
+
+namespace {
+
+/// A contiguous float32 (rows, cols) matrix named `name`.
+Status check_float_block(const char* name, const MatrixView& m, int64_t rows, int64_t cols) {
+  if (m.dtype != DType::kFloat32 || m.rows != rows || m.cols != cols || (m.rows > 1 && m.row_stride != cols) ||
+      (rows > 0 && m.data == nullptr)) {
+    std::ostringstream os;
+    os << name << " must be a contiguous float32 (" << rows << ", " << cols << ") matrix, got " << dtype_name(m.dtype)
+       << " (" << m.rows << ", " << m.cols << ")";
+    return invalid(os.str());
+  }
+  return Status::Ok();
+}
+
+Status check_shard(const ShardSpec& shard, int64_t local) {
+  std::ostringstream os;
+  if (shard.vocab_total < 1) {
+    os << "shard.vocab_total must be >= 1, got " << shard.vocab_total;
+  } else if (shard.vocab_start < 0 || shard.vocab_start + local > shard.vocab_total) {
+    os << "shard.vocab_start (" << shard.vocab_start << ") + the shard's " << local
+       << " rows of weight must lie within shard.vocab_total (" << shard.vocab_total << ")";
+  }
+  return os.str().empty() ? Status::Ok() : invalid(os.str());
+}
+
+/// The heads of steps 1, 3 and 5: the student's and a teacher head (not top-k), both of the
+/// shard's V_local rows.
+Status check_shard_heads(const DistillCall& c) {
+  FUSEDCE_CHECK(check_matrix_arg("hidden", c.hidden));
+  if (c.weight.rows < 1) return invalid("weight must have at least one row (V_local >= 1)");
+  FUSEDCE_CHECK(check_head("", c.hidden, c.weight, c.bias, c.rows(), c.vocab()));
+  if (c.teacher.topk()) return invalid("teacher: the vocabulary-parallel distillation takes a teacher head, not top-k ids");
+  FUSEDCE_CHECK(check_head("teacher_", c.teacher.hidden, c.teacher.weight, c.teacher.bias, c.rows(), c.vocab()));
+  FUSEDCE_CHECK(check_shard(c.shard, c.vocab()));
+  return check_labels(c, c.rows());
+}
+
+}  // namespace
+
+Status validate_distill_shard_call(const DistillCall& c) {
+  if (c.device.type != DeviceType::kCPU && c.device.type != DeviceType::kCUDA) {
+    return invalid("device.type must be kCPU or kCUDA");
+  }
+  FUSEDCE_CHECK(check_options(c.options));
+  switch (c.shard_step) {
+    case ShardStep::kStats:
+      FUSEDCE_CHECK(check_shard_heads(c));
+      return check_float_block("stats", c.shard_stats, c.rows() + 1, kDistillShardStatsWidth);
+    case ShardStep::kParts:
+      FUSEDCE_CHECK(check_shard_heads(c));
+      FUSEDCE_CHECK(check_float_block("row_stats", c.row_stats, c.rows(), kDistillStatsWidth));
+      return check_float_block("parts", c.parts, c.rows(), kDistillPartsWidth);
+    case ShardStep::kBackward:
+      FUSEDCE_CHECK(check_shard_heads(c));
+      return check_backward_args(c);
+    case ShardStep::kMerge:
+    case ShardStep::kReduce: {
+      const int64_t N = c.row_stats.rows;
+      if (c.world < 1) return invalid("world must be >= 1, got " + std::to_string(c.world));
+      FUSEDCE_CHECK(check_float_block("row_stats", c.row_stats, N, kDistillStatsWidth));
+      FUSEDCE_CHECK(check_vector_arg("hard", c.hard, DType::kFloat32, N));
+      FUSEDCE_CHECK(check_labels(c, N));
+      if (c.shard_step == ShardStep::kMerge) {
+        return check_float_block("gathered", c.shard_stats, c.world * (N + 1), kDistillShardStatsWidth);
+      }
+      FUSEDCE_CHECK(check_float_block("gathered", c.parts, c.world * N, kDistillPartsWidth));
+      return check_forward_outputs(c, N);
+    }
+    default:
+      return invalid("shard_step must be one of the vocabulary-parallel steps");
+  }
 }
 
 }  // namespace detail
@@ -181,6 +255,17 @@ Status dispatch(const detail::DistillCall& call) {
   if (!s.ok()) return s;
   if (call.device.type == DeviceType::kCUDA) return cuda::run_distill(call);
   return cpu::run_distill(call);
+}
+
+Status dispatch_shard(const char* step, const detail::DistillCall& call) {
+  Status s = detail::validate_distill_shard_call(call);
+  if (!s.ok()) return s;
+  if (call.device.type == DeviceType::kCUDA) {
+    return Status(StatusCode::kUnsupported, std::string(step) +
+                                                ": the vocabulary-parallel distillation is not implemented on CUDA "
+                                                "devices (the CPU only)");
+  }
+  return cpu::run_distill_shard(call);
 }
 
 detail::DistillCall make_call(bool backward, const Device& device, const MatrixView& hidden, const MatrixView& weight,
@@ -218,6 +303,67 @@ Status linear_distill_backward(const Device& device, const MatrixView& hidden, c
   c.grad_loss = grad_loss;
   c.grads = grads;
   return dispatch(c);
+}
+
+Status linear_distill_shard_stats(const Device& device, const MatrixView& hidden, const MatrixView& weight,
+                                  const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
+                                  const ShardSpec& shard, const DistillOptions& options, size_t chunk_budget_bytes,
+                                  const MatrixView& stats) {
+  detail::DistillCall c = make_call(false, device, hidden, weight, bias, teacher, labels, options, chunk_budget_bytes);
+  c.shard_step = detail::ShardStep::kStats;
+  c.shard = shard;
+  c.shard_stats = stats;
+  return dispatch_shard("linear_distill_shard_stats", c);
+}
+
+Status linear_distill_shard_merge(const Device& device, const MatrixView& gathered, int64_t world,
+                                  const VectorView& labels, const DistillOptions& options,
+                                  const MatrixView& row_stats, const VectorView& hard) {
+  detail::DistillCall c = make_call(false, device, {}, {}, {}, {}, labels, options, 0);
+  c.shard_step = detail::ShardStep::kMerge;
+  c.shard_stats = gathered;
+  c.world = world;
+  c.row_stats = row_stats;
+  c.hard = hard;
+  return dispatch_shard("linear_distill_shard_merge", c);
+}
+
+Status linear_distill_shard_parts(const Device& device, const MatrixView& hidden, const MatrixView& weight,
+                                  const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
+                                  const ShardSpec& shard, const DistillOptions& options, size_t chunk_budget_bytes,
+                                  const MatrixView& row_stats, const MatrixView& parts) {
+  detail::DistillCall c = make_call(false, device, hidden, weight, bias, teacher, labels, options, chunk_budget_bytes);
+  c.shard_step = detail::ShardStep::kParts;
+  c.shard = shard;
+  c.row_stats = row_stats;
+  c.parts = parts;
+  return dispatch_shard("linear_distill_shard_parts", c);
+}
+
+Status linear_distill_shard_reduce(const Device& device, const MatrixView& gathered, int64_t world,
+                                   const VectorView& labels, const DistillOptions& options,
+                                   const MatrixView& row_stats, const VectorView& hard, const DistillOutputs& out) {
+  detail::DistillCall c = make_call(false, device, {}, {}, {}, {}, labels, options, 0);
+  c.shard_step = detail::ShardStep::kReduce;
+  c.parts = gathered;
+  c.world = world;
+  c.row_stats = row_stats;
+  c.hard = hard;
+  c.out = out;
+  return dispatch_shard("linear_distill_shard_reduce", c);
+}
+
+Status linear_distill_shard_backward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
+                                     const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
+                                     const ShardSpec& shard, const DistillOptions& options, size_t chunk_budget_bytes,
+                                     const MatrixView& stats, const VectorView& grad_loss, const LinearGrads& grads) {
+  detail::DistillCall c = make_call(true, device, hidden, weight, bias, teacher, labels, options, chunk_budget_bytes);
+  c.shard_step = detail::ShardStep::kBackward;
+  c.shard = shard;
+  c.stats = stats;
+  c.grad_loss = grad_loss;
+  c.grads = grads;
+  return dispatch_shard("linear_distill_shard_backward", c);
 }
 
 }  // namespace fusedce

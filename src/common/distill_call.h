@@ -7,8 +7,14 @@
 namespace fusedce {
 namespace detail {
 
+/// Which step of the vocabulary-parallel form a call is (kNone: the whole-vocabulary forward or
+/// backward, as `backward` says; kBackward: that backward over a shard).
+enum class ShardStep : int { kNone = 0, kStats, kMerge, kParts, kReduce, kBackward };
+
 struct DistillCall {
   bool backward;  // false: the forward
+  ShardStep shard_step = ShardStep::kNone;
+  ShardSpec shard{};  // the rows of the heads this call holds; vocab_total 0: the whole vocabulary
   Device device;
   MatrixView hidden, weight;  // the student's head
   VectorView bias;            // or empty
@@ -20,17 +26,30 @@ struct DistillCall {
   MatrixView stats;               // backward: the forward's out.stats
   VectorView grad_loss;           // backward
   LinearGrads grads;              // backward
+  MatrixView shard_stats;         // kStats: the output; kMerge: the gathered block
+  int64_t world = 1;              // kMerge, kReduce: ranks in the gathered block
+  MatrixView row_stats;           // kMerge: the output; kParts, kReduce: the input
+  VectorView hard;                // kMerge: the output; kReduce: the input
+  MatrixView parts;               // kParts: the output; kReduce: the gathered block
 
   int64_t rows() const { return hidden.rows; }
   int64_t vocab() const { return weight.rows; }
+  /// V of the full vocabulary, which labels index.
+  int64_t vocab_total() const { return shard.vocab_total > 0 ? shard.vocab_total : weight.rows; }
+  /// The global index of this call's first vocabulary row.
+  int64_t vocab_start() const { return shard.vocab_total > 0 ? shard.vocab_start : 0; }
 };
 
 Status validate_distill_call(const DistillCall& call);
+/// The checks of a vocabulary-parallel step (call.shard_step != kNone).
+Status validate_distill_shard_call(const DistillCall& call);
 
 }  // namespace detail
 
 namespace cpu {
 Status run_distill(const detail::DistillCall& call);
+/// A step of the vocabulary-parallel form (call.shard_step != kNone), validated.
+Status run_distill_shard(const detail::DistillCall& call);
 }  // namespace cpu
 
 namespace cuda {

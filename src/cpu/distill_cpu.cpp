@@ -66,13 +66,28 @@ RowMath row_math_of(const DistillOptions& o) {
   return m;
 }
 
-/// The call's valid rows and their labels (-1: no labels given).
+/// The call's valid rows and their labels as indices into the call's vocabulary rows (-1: no
+/// labels given, or, over a shard, a label another shard holds).
 struct Problem {
   const detail::DistillCall* call;
   RowMath math;
   int64_t N, V, K;
+  bool has_labels;  // labels given: every counted row has a label (and a hard term if weighted)
   std::vector<int64_t> rows, labels;
 };
+
+/// The counted rows of labels (every row of n without labels), the ignored ones left out, and
+/// their labels as they are (-1 without labels). The labels are not range-checked here.
+void counted_rows(const VectorView& labels, int64_t n, int64_t ignore_index, std::vector<int64_t>* rows,
+                  std::vector<int64_t>* label_of) {
+  const bool has_labels = !labels.empty();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t l = has_labels ? label_at(labels, i) : -1;
+    if (has_labels && l == ignore_index) continue;
+    rows->push_back(i);
+    label_of->push_back(l);
+  }
+}
 
 Status build_problem(const detail::DistillCall& c, Problem* p) {
   p->call = &c;
@@ -80,14 +95,16 @@ Status build_problem(const detail::DistillCall& c, Problem* p) {
   p->N = c.rows();
   p->V = c.vocab();
   p->K = c.teacher.topk() ? c.teacher.topk_ids.cols : 0;
-  const bool has_labels = !c.labels.empty();
-  if (has_labels) {
-    Status s = detail::check_targets_host(c.labels, p->V, c.options.ignore_index);
+  p->has_labels = !c.labels.empty();
+  if (p->has_labels) {
+    Status s = detail::check_targets_host(c.labels, c.vocab_total(), c.options.ignore_index);
     if (!s.ok()) return Status(s.code(), "labels" + s.message().substr(s.message().find('[')));
   }
+  const int64_t v0 = c.vocab_start();
   for (int64_t i = 0; i < p->N; ++i) {
-    const int64_t l = has_labels ? label_at(c.labels, i) : -1;
-    if (has_labels && l == c.options.ignore_index) continue;
+    int64_t l = p->has_labels ? label_at(c.labels, i) : -1;
+    if (p->has_labels && l == c.options.ignore_index) continue;
+    if (l >= 0) l = l >= v0 && l < v0 + p->V ? l - v0 : -1;
     if (p->K > 0) {  // the top-k ids of a counted row index the vocabulary
       const int64_t* ids = static_cast<const int64_t*>(c.teacher.topk_ids.data) + i * c.teacher.topk_ids.row_stride;
       for (int64_t k = 0; k < p->K; ++k) {
@@ -207,22 +224,37 @@ void row_hard(const float* y, int64_t V, int64_t label, RowOut* out) {
   out->hard = static_cast<float>(lse - y[label]);
 }
 
+/// The full form's sums over the rows ys, yt (transformed, V entries) given both logsumexps (of
+/// the whole vocabulary): the divergence D and KL(p_s || m) (the JSD's auxiliary sum; 0
+/// otherwise), in double.
+void full_sums(const float* ys, const float* yt, int64_t V, const RowMath& m, double lse_s, double lse_t, double* d,
+               double* kl_s) {
+  *d = 0.0;
+  *kl_s = 0.0;
+  for (int64_t j = 0; j < V; ++j) {
+    const float s = static_cast<float>(ys[j] * m.inv_t - lse_s), t = static_cast<float>(yt[j] * m.inv_t - lse_t);
+    *d += detail::divergence_term(m.kind, s, t, m.beta, m.log_1mb, m.log_b);
+    if (m.kind == detail::DivergenceKind::kJsd) {
+      const float ps = std::exp(s);
+      if (ps != 0.0f) *kl_s += static_cast<double>(ps) * (s - detail::mixture_log(s, t, m.log_1mb, m.log_b));
+    }
+  }
+}
+
+/// The auxiliary statistic the backward reads: D (reverse KL), KL(p_s || m) (JSD), 0 (forward KL).
+float aux_of(const RowMath& m, double d, double kl_s) {
+  return m.kind == detail::DivergenceKind::kReverseKl ? static_cast<float>(d)
+         : m.kind == detail::DivergenceKind::kJsd     ? static_cast<float>(kl_s)
+                                                      : 0.0f;
+}
+
 /// The full form's divergence of the rows ys, yt (transformed), with both logsumexps: D and aux.
 void full_divergence(const float* ys, const float* yt, int64_t V, const RowMath& m, double lse_s, double lse_t,
                      RowOut* out) {
   double d = 0.0, kl_s = 0.0;
-  for (int64_t j = 0; j < V; ++j) {
-    const float s = static_cast<float>(ys[j] * m.inv_t - lse_s), t = static_cast<float>(yt[j] * m.inv_t - lse_t);
-    d += detail::divergence_term(m.kind, s, t, m.beta, m.log_1mb, m.log_b);
-    if (m.kind == detail::DivergenceKind::kJsd) {
-      const float ps = std::exp(s);
-      if (ps != 0.0f) kl_s += static_cast<double>(ps) * (s - detail::mixture_log(s, t, m.log_1mb, m.log_b));
-    }
-  }
+  full_sums(ys, yt, V, m, lse_s, lse_t, &d, &kl_s);
   out->divergence = static_cast<float>(d);
-  out->stats[2] = m.kind == detail::DivergenceKind::kReverseKl ? static_cast<float>(d)
-                  : m.kind == detail::DivergenceKind::kJsd     ? static_cast<float>(kl_s)
-                                                               : 0.0f;
+  out->stats[2] = aux_of(m, d, kl_s);
 }
 
 /// The top-k form's sparse distributions of one row: the student's entries s (and the teacher's
@@ -414,7 +446,7 @@ void backward_row(const Problem& p, float* xs, float* yt, int64_t row, int64_t l
   const RowMath& m = p.math;
   const int64_t V = p.V;
   const float a = m.hard_weight < 1.0f ? (1.0f - m.hard_weight) * g * m.inv_t : 0.0f;  // per unit dz
-  const float b = m.hard_weight > 0.0f && label >= 0 ? m.hard_weight * g : 0.0f;
+  const float b = m.hard_weight > 0.0f && p.has_labels ? m.hard_weight * g : 0.0f;
   const double lse_s = st[0];
   transform_row(xs, V, m.student);  // now y
   float sum_gq = 0.0f;
@@ -554,6 +586,183 @@ Status backward(const Problem& p, const DistillPlan& plan) {
   return Status::Ok();
 }
 
+
+// ---- the vocabulary-parallel steps -------------------------------------------------------------
+//
+// Step 1 gives each row's partial (max, sum of exps) per head over the shard; step 2 folds the
+// ranks' partials in rank order (LseAccum: double sums, one rounding); step 3 sums the
+// divergence, the JSD's KL(p_s || m) and the entropy over the shard in double, given the global
+// log-sum-exps, and hands each sum on as a float32 pair (hi, lo); step 4 adds the ranks' pairs
+// in double in rank order and rounds once. Every rank runs steps 2 and 4 on the same gathered
+// bits in the same order, so every rank has the same results. Step 5 is the backward above over
+// the shard's vocabulary rows (Problem::labels local to the shard).
+
+constexpr int kSW = kDistillShardStatsWidth;
+constexpr int kPW = kDistillPartsWidth;
+
+/// A row's partial state over the shard: the max of scale * y_j and the sum of exp(scale * y_j -
+/// max) (in double, as row_lse sums, rounded once). No finite entry: (-inf, 0); +inf: (+inf, 1).
+detail::LseState row_state(const float* y, int64_t V, float scale) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < V; ++j) mx = std::max(mx, y[j] * scale);
+  if (mx == -INFINITY) return detail::LseState{mx, 0.0f, 0.0f};
+  if (std::isinf(mx)) return detail::LseState{mx, 1.0f, 0.0f};
+  double sum = 0.0;
+  for (int64_t j = 0; j < V; ++j) sum += std::exp(y[j] * scale - mx);
+  return detail::LseState{mx, static_cast<float>(sum), 0.0f};
+}
+
+/// Runs row_fn(k, ys, yt) for every counted row k (index into p.rows) with its two heads'
+/// transformed logit rows over the shard, chunk by chunk.
+template <class RowFn>
+void for_each_transformed_row(const Problem& p, const DistillPlan& plan, RowFn&& row_fn) {
+  const detail::DistillCall& c = *p.call;
+  const int64_t M = static_cast<int64_t>(p.rows.size());
+  if (M == 0) return;
+  const int threads = c.device.num_threads;
+  Head student(c.hidden, c.weight, c.bias, plan.chunk_rows, threads);
+  Head teacher(c.teacher.hidden, c.teacher.weight, c.teacher.bias, plan.chunk_rows, threads);
+  for (int64_t i0 = 0; i0 < M; i0 += plan.chunk_rows) {
+    const int64_t rc = std::min(plan.chunk_rows, M - i0);
+    float* zs = student.form(p.rows.data() + i0, rc);
+    float* zt = teacher.form(p.rows.data() + i0, rc);
+    parallel_for(rc, 1, threads, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        float* ys = zs + r * p.V;
+        float* yt = zt + r * p.V;
+        transform_row(ys, p.V, p.math.student);
+        transform_row(yt, p.V, p.math.teacher);
+        row_fn(i0 + r, ys, yt);
+      }
+    });
+  }
+}
+
+/// Step 1: columns 0, 1 the student's state of z, 2, 3 the teacher's, 4, 5 the student's at
+/// temperature 1, 6 its y at the label and 7 the flag 1 where this shard holds the label (4..7
+/// with a hard term only).
+Status shard_stats(const Problem& p, const DistillPlan& plan) {
+  float* out = static_cast<float*>(p.call->shard_stats.data);
+  std::fill(out, out + (p.N + 1) * kSW, 0.0f);
+  const bool hard = p.has_labels && p.math.hard_weight > 0.0f;
+  for_each_transformed_row(p, plan, [&](int64_t k, const float* ys, const float* yt) {
+    float* o = out + p.rows[k] * kSW;
+    const detail::LseState s = row_state(ys, p.V, p.math.inv_t), t = row_state(yt, p.V, p.math.inv_t);
+    o[0] = s.m;
+    o[1] = s.s;
+    o[2] = t.m;
+    o[3] = t.s;
+    if (!hard) return;
+    const detail::LseState h = row_state(ys, p.V, 1.0f);
+    o[4] = h.m;
+    o[5] = h.s;
+    if (p.labels[k] >= 0) {
+      o[6] = ys[p.labels[k]];
+      o[7] = 1.0f;
+    }
+  });
+  return Status::Ok();
+}
+
+/// log-sum-exp of a fold, in double (the forward's hard term subtracts from it before rounding).
+double accum_lse(const detail::LseAccum& a) { return static_cast<double>(a.m) + std::log(a.s); }
+
+/// Step 2.
+Status shard_merge(const detail::DistillCall& c) {
+  const int64_t N = c.row_stats.rows, world = c.world;
+  std::vector<int64_t> rows, labels;
+  counted_rows(c.labels, N, c.options.ignore_index, &rows, &labels);
+  float* rs = static_cast<float*>(c.row_stats.data);
+  if (N > 0) std::fill(rs, rs + N * kDistillStatsWidth, 0.0f);
+  for (int64_t i = 0; i < N; ++i) float_ref(c.hard, i) = 0.0f;
+  const bool hard = !c.labels.empty() && c.options.hard_weight > 0.0f;
+  const float* g = static_cast<const float*>(c.shard_stats.data);
+  for (size_t k = 0; k < rows.size(); ++k) {
+    const int64_t i = rows[k];
+    detail::LseAccum s = detail::lse_accum_empty(), t = detail::lse_accum_empty(), h = detail::lse_accum_empty();
+    double y = 0.0;
+    int holders = 0;
+    for (int64_t r = 0; r < world; ++r) {  // rank order: the same bits on every rank
+      const float* o = g + (r * (N + 1) + i) * kSW;
+      detail::lse_accum_add(s, detail::LseState{o[0], o[1], 0.0f});
+      detail::lse_accum_add(t, detail::LseState{o[2], o[3], 0.0f});
+      if (!hard) continue;
+      detail::lse_accum_add(h, detail::LseState{o[4], o[5], 0.0f});
+      if (o[7] != 0.0f) {
+        y = o[6];
+        ++holders;
+      }
+    }
+    if (hard && holders != 1) {
+      return Status(StatusCode::kInvalidArgument,
+                    "gathered: row " + std::to_string(i) + "'s label " + std::to_string(labels[k]) + " is held by " +
+                        std::to_string(holders) + " ranks, not 1 (do the shards tile the vocabulary?)");
+    }
+    float* o = rs + i * kDistillStatsWidth;
+    o[0] = detail::lse_accum_value(s);
+    o[1] = detail::lse_accum_value(t);
+    if (!hard) continue;
+    const double lse_h = accum_lse(h);
+    o[3] = static_cast<float>(lse_h);
+    float_ref(c.hard, i) = static_cast<float>(lse_h - y);
+  }
+  return Status::Ok();
+}
+
+/// A double as a float32 pair whose sum in double is the double to about 2^-48 relative.
+void split_double(double x, float* hi, float* lo) {
+  *hi = static_cast<float>(x);
+  *lo = std::isfinite(x) ? static_cast<float>(x - static_cast<double>(*hi)) : 0.0f;
+}
+
+/// Step 3: (D, KL(p_s || m), entropy) over the shard, each as a pair.
+Status shard_parts(const Problem& p, const DistillPlan& plan) {
+  const detail::DistillCall& c = *p.call;
+  float* out = static_cast<float*>(c.parts.data);
+  if (p.N > 0) std::fill(out, out + p.N * kPW, 0.0f);
+  const float* rs = static_cast<const float*>(c.row_stats.data);
+  for_each_transformed_row(p, plan, [&](int64_t k, const float* ys, const float* yt) {
+    const int64_t i = p.rows[k];
+    const double lse_s = rs[i * kDistillStatsWidth], lse_t = rs[i * kDistillStatsWidth + 1];
+    double d = 0.0, kl_s = 0.0;
+    full_sums(ys, yt, p.V, p.math, lse_s, lse_t, &d, &kl_s);
+    float* o = out + i * kPW;
+    split_double(d, o + 0, o + 1);
+    split_double(kl_s, o + 2, o + 3);
+    split_double(row_entropy(ys, p.V, p.math.inv_t, lse_s), o + 4, o + 5);
+  });
+  return Status::Ok();
+}
+
+/// Step 4: the ranks' pairs added in rank order in double, then the forward's outputs.
+Status shard_reduce(const detail::DistillCall& c) {
+  Problem p;
+  p.call = &c;
+  p.math = row_math_of(c.options);
+  p.N = c.row_stats.rows;
+  p.V = 0;
+  p.K = 0;
+  p.has_labels = !c.labels.empty();
+  counted_rows(c.labels, p.N, c.options.ignore_index, &p.rows, &p.labels);
+  const float* g = static_cast<const float*>(c.parts.data);
+  const float* rs = static_cast<const float*>(c.row_stats.data);
+  std::vector<RowOut> outs(p.rows.size());
+  for (size_t k = 0; k < p.rows.size(); ++k) {
+    const int64_t i = p.rows[k];
+    double sums[3] = {0.0, 0.0, 0.0};
+    for (int64_t r = 0; r < c.world; ++r) {  // rank order: the same bits on every rank
+      const float* o = g + (r * p.N + i) * kPW;
+      for (int q = 0; q < 3; ++q) sums[q] += static_cast<double>(o[2 * q]) + static_cast<double>(o[2 * q + 1]);
+    }
+    RowOut& out = outs[k];
+    out.divergence = static_cast<float>(sums[0]);
+    out.entropy = static_cast<float>(sums[2]);
+    out.hard = float_ref(c.hard, i);
+    std::copy(rs + i * kDistillStatsWidth, rs + (i + 1) * kDistillStatsWidth, out.stats);
+    out.stats[2] = aux_of(p.math, sums[0], sums[1]);
+  }
+  return write_forward(p, outs);
+}
 }  // namespace
 
 Status run_distill(const detail::DistillCall& call) {
@@ -563,6 +772,25 @@ Status run_distill(const detail::DistillCall& call) {
   const DistillPlan plan = plan_linear_distill(static_cast<int64_t>(p.rows.size()), p.V, p.K == 0 ? 2 : 1,
                                                call.chunk_budget_bytes);
   return call.backward ? backward(p, plan) : forward(p, plan);
+}
+
+Status run_distill_shard(const detail::DistillCall& call) {
+  if (call.shard_step == detail::ShardStep::kMerge) return shard_merge(call);
+  if (call.shard_step == detail::ShardStep::kReduce) return shard_reduce(call);
+  Problem p;
+  Status s = build_problem(call, &p);
+  if (!s.ok()) return s;
+  const DistillPlan plan = plan_linear_distill(static_cast<int64_t>(p.rows.size()), p.V, 2, call.chunk_budget_bytes);
+  switch (call.shard_step) {
+    case detail::ShardStep::kStats:
+      return shard_stats(p, plan);
+    case detail::ShardStep::kParts:
+      return shard_parts(p, plan);
+    case detail::ShardStep::kBackward:
+      return backward(p, plan);
+    default:
+      return Status(StatusCode::kInvalidArgument, "shard_step must be one of the vocabulary-parallel steps");
+  }
 }
 
 }  // namespace cpu
