@@ -136,7 +136,17 @@ Status linear_distill_backward(const Device& device, const MatrixView& hidden, c
 //      this rank's float32 part (the caller sums it over ranks), grad_weight and grad_bias this
 //      rank's rows.
 // Nothing of size (N, V_local) beyond one chunk per head. The CPU only: on a CUDA device every
-// step returns kUnsupported. The teacher must be a head (the top-k form has no shard steps).
+// step returns kUnsupported.
+//
+// The top-k form over a vocabulary-parallel student head: the teacher is its (N, K) ids (global
+// indices in [0, vocab_total)) and log-probabilities, the same on every rank. Steps 1, 2, 3 and 5
+// are the same entry points with that teacher; step 1 writes the teacher's columns as the empty
+// state (-inf, 0) and step 2 then writes 0 for the teacher's log-sum-exp. Step 3 adds K columns:
+// the student's log-probability q_k at each id this shard holds (0 where another shard holds it:
+// exactly one shard holds each id, so the ranks' columns add up to q exactly). Step 4 is
+// linear_distill_topk_shard_reduce, which forms the divergence from the gathered q and the
+// teacher's log-probabilities, and writes stats of kDistillStatsWidth + K columns (the q last),
+// what step 5 reads.
 
 /// Floats per row of step 1 (the shape of the other vocabulary-parallel statistics, so a front
 /// end gathers them alike; row N is spare, for the front end's records): the student's max and
@@ -146,7 +156,12 @@ constexpr int kDistillShardStatsWidth = kShardStatsWidth;
 
 /// Floats per row of step 3: the divergence, its auxiliary sum and the entropy over the shard,
 /// each a double carried as a float32 pair (hi, lo), hi + lo the double to ~2^-48 relative.
+/// The top-k form writes the entropy's pair only (the first four 0), then its K columns.
 constexpr int kDistillPartsWidth = 6;
+
+/// Columns of step 3's parts and of step 4's stats for a teacher of K top-k ids (K 0: a head).
+constexpr int64_t distill_shard_parts_width(int64_t K) { return kDistillPartsWidth + K; }
+constexpr int64_t distill_shard_stats_width(int64_t K) { return kDistillStatsWidth + K; }
 
 /// Step 1. As linear_distill_forward's arguments, the weights and biases this rank's rows;
 /// labels global indices (checked against shard.vocab_total). stats: float32 (N + 1,
@@ -165,8 +180,8 @@ Status linear_distill_shard_merge(const Device& device, const MatrixView& gather
                                   const VectorView& labels, const DistillOptions& options,
                                   const MatrixView& row_stats, const VectorView& hard);
 
-/// Step 3. Step 1's arguments, step 2's row_stats; parts: float32 (N, kDistillPartsWidth),
-/// contiguous, 0 at ignored rows.
+/// Step 3. Step 1's arguments, step 2's row_stats; parts: float32 (N,
+/// distill_shard_parts_width(K)), contiguous, 0 at ignored rows (K 0 for a teacher head).
 Status linear_distill_shard_parts(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                                   const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
                                   const ShardSpec& shard, const DistillOptions& options, size_t chunk_budget_bytes,
@@ -179,8 +194,17 @@ Status linear_distill_shard_reduce(const Device& device, const MatrixView& gathe
                                    const VectorView& labels, const DistillOptions& options,
                                    const MatrixView& row_stats, const VectorView& hard, const DistillOutputs& out);
 
+/// Step 4 of the top-k form. gathered: float32 (world * N, distill_shard_parts_width(K)), rank
+/// r's step 3 at rows [r N, (r + 1) N); teacher_logprobs (N, K) float32, the teacher's; row_stats
+/// and hard from step 2. Writes out as linear_distill_forward does, out.stats float32 (N,
+/// distill_shard_stats_width(K)), contiguous: row_stats, then the student's q at the K ids.
+Status linear_distill_topk_shard_reduce(const Device& device, const MatrixView& gathered, int64_t world,
+                                        const MatrixView& teacher_logprobs, const VectorView& labels,
+                                        const DistillOptions& options, const MatrixView& row_stats,
+                                        const VectorView& hard, const DistillOutputs& out);
+
 /// Step 5. linear_distill_backward's arguments over this rank's rows of the heads, with step
-/// 4's out.stats. grads.grad_hidden (N, H) float32 is this rank's part; grad_weight (V_local, H)
+/// 4's out.stats (the top-k form: distill_shard_stats_width(K) columns). grads.grad_hidden (N, H) float32 is this rank's part; grad_weight (V_local, H)
 /// and grad_bias (V_local,) its rows.
 Status linear_distill_shard_backward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                                      const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,

@@ -123,18 +123,20 @@ Status check_labels(const DistillCall& c, int64_t N) {
   return check_vector_arg("labels", l, l.dtype, N);
 }
 
-Status check_stats(const MatrixView& m, int64_t N) {
-  if (m.dtype != DType::kFloat32 || m.rows != N || m.cols != kDistillStatsWidth ||
-      (m.rows > 1 && m.row_stride != kDistillStatsWidth) || (N > 0 && m.data == nullptr)) {
+/// stats: contiguous float32 (N, width): kDistillStatsWidth, or, for the vocabulary-parallel
+/// top-k form's step 4 and 5, distill_shard_stats_width(K).
+Status check_stats(const MatrixView& m, int64_t N, int64_t width = kDistillStatsWidth) {
+  if (m.dtype != DType::kFloat32 || m.rows != N || m.cols != width || (m.rows > 1 && m.row_stride != width) ||
+      (N > 0 && m.data == nullptr)) {
     std::ostringstream os;
-    os << "stats must be a contiguous float32 (" << N << ", " << kDistillStatsWidth << ") matrix";
+    os << "stats must be a contiguous float32 (" << N << ", " << width << ") matrix";
     return invalid(os.str());
   }
   return Status::Ok();
 }
 
 /// The forward's outputs, for N rows.
-Status check_forward_outputs(const DistillCall& c, int64_t N) {
+Status check_forward_outputs(const DistillCall& c, int64_t N, int64_t stats_width = kDistillStatsWidth) {
   const DistillOutputs& o = c.out;
   FUSEDCE_CHECK(check_vector_arg("loss", o.loss, DType::kFloat32, c.options.reduction == Reduction::kNone ? N : 1));
   const struct {
@@ -144,12 +146,12 @@ Status check_forward_outputs(const DistillCall& c, int64_t N) {
   for (const auto& r : per_row) {
     if (!r.v.empty() || r.v.size != 0) FUSEDCE_CHECK(check_vector_arg(r.name, r.v, DType::kFloat32, N));
   }
-  return check_stats(o.stats, N);
+  return check_stats(o.stats, N, stats_width);
 }
 
-Status check_backward_args(const DistillCall& c) {
+Status check_backward_args(const DistillCall& c, int64_t stats_width = kDistillStatsWidth) {
   const int64_t N = c.rows(), H = c.hidden.cols, V = c.vocab();
-  FUSEDCE_CHECK(check_stats(c.stats, N));
+  FUSEDCE_CHECK(check_stats(c.stats, N, stats_width));
   FUSEDCE_CHECK(
       check_vector_arg("grad_loss", c.grad_loss, DType::kFloat32, c.options.reduction == Reduction::kNone ? N : 1));
   if ((!c.grads.grad_bias.empty() || c.grads.grad_bias.size != 0) && c.bias.empty()) {
@@ -198,14 +200,13 @@ Status check_shard(const ShardSpec& shard, int64_t local) {
   return os.str().empty() ? Status::Ok() : invalid(os.str());
 }
 
-/// The heads of steps 1, 3 and 5: the student's and a teacher head (not top-k), both of the
-/// shard's V_local rows.
+/// The heads of steps 1, 3 and 5: the student's of the shard's V_local rows, and a teacher head
+/// of the same rows or the teacher's top-k (global ids, range-checked by the backend).
 Status check_shard_heads(const DistillCall& c) {
   FUSEDCE_CHECK(check_matrix_arg("hidden", c.hidden));
   if (c.weight.rows < 1) return invalid("weight must have at least one row (V_local >= 1)");
   FUSEDCE_CHECK(check_head("", c.hidden, c.weight, c.bias, c.rows(), c.vocab()));
-  if (c.teacher.topk()) return invalid("teacher: the vocabulary-parallel distillation takes a teacher head, not top-k ids");
-  FUSEDCE_CHECK(check_head("teacher_", c.teacher.hidden, c.teacher.weight, c.teacher.bias, c.rows(), c.vocab()));
+  FUSEDCE_CHECK(check_teacher(c));
   FUSEDCE_CHECK(check_shard(c.shard, c.vocab()));
   return check_labels(c, c.rows());
 }
@@ -224,12 +225,13 @@ Status validate_distill_shard_call(const DistillCall& c) {
     case ShardStep::kParts:
       FUSEDCE_CHECK(check_shard_heads(c));
       FUSEDCE_CHECK(check_float_block("row_stats", c.row_stats, c.rows(), kDistillStatsWidth));
-      return check_float_block("parts", c.parts, c.rows(), kDistillPartsWidth);
+      return check_float_block("parts", c.parts, c.rows(), distill_shard_parts_width(c.topk_k()));
     case ShardStep::kBackward:
       FUSEDCE_CHECK(check_shard_heads(c));
-      return check_backward_args(c);
+      return check_backward_args(c, c.topk_k() > 0 ? distill_shard_stats_width(c.topk_k()) : kDistillStatsWidth);
     case ShardStep::kMerge:
-    case ShardStep::kReduce: {
+    case ShardStep::kReduce:
+    case ShardStep::kReduceTopk: {
       const int64_t N = c.row_stats.rows;
       if (c.world < 1) return invalid("world must be >= 1, got " + std::to_string(c.world));
       FUSEDCE_CHECK(check_float_block("row_stats", c.row_stats, N, kDistillStatsWidth));
@@ -238,8 +240,12 @@ Status validate_distill_shard_call(const DistillCall& c) {
       if (c.shard_step == ShardStep::kMerge) {
         return check_float_block("gathered", c.shard_stats, c.world * (N + 1), kDistillShardStatsWidth);
       }
-      FUSEDCE_CHECK(check_float_block("gathered", c.parts, c.world * N, kDistillPartsWidth));
-      return check_forward_outputs(c, N);
+      const int64_t K = c.topk_k();
+      if (c.shard_step == ShardStep::kReduceTopk) {
+        FUSEDCE_CHECK(check_topk_matrix("teacher_logprobs", c.teacher.topk_logprobs, DType::kFloat32, N, K));
+      }
+      FUSEDCE_CHECK(check_float_block("gathered", c.parts, c.world * N, distill_shard_parts_width(K)));
+      return check_forward_outputs(c, N, K > 0 ? distill_shard_stats_width(K) : kDistillStatsWidth);
     }
     default:
       return invalid("shard_step must be one of the vocabulary-parallel steps");
@@ -351,6 +357,21 @@ Status linear_distill_shard_reduce(const Device& device, const MatrixView& gathe
   c.hard = hard;
   c.out = out;
   return dispatch_shard("linear_distill_shard_reduce", c);
+}
+
+Status linear_distill_topk_shard_reduce(const Device& device, const MatrixView& gathered, int64_t world,
+                                        const MatrixView& teacher_logprobs, const VectorView& labels,
+                                        const DistillOptions& options, const MatrixView& row_stats,
+                                        const VectorView& hard, const DistillOutputs& out) {
+  detail::DistillCall c = make_call(false, device, {}, {}, {}, {}, labels, options, 0);
+  c.shard_step = detail::ShardStep::kReduceTopk;
+  c.teacher.topk_logprobs = teacher_logprobs;
+  c.parts = gathered;
+  c.world = world;
+  c.row_stats = row_stats;
+  c.hard = hard;
+  c.out = out;
+  return dispatch_shard("linear_distill_topk_shard_reduce", c);
 }
 
 Status linear_distill_shard_backward(const Device& device, const MatrixView& hidden, const MatrixView& weight,

@@ -9,7 +9,7 @@ namespace detail {
 
 /// Which step of the vocabulary-parallel form a call is (kNone: the whole-vocabulary forward or
 /// backward, as `backward` says; kBackward: that backward over a shard).
-enum class ShardStep : int { kNone = 0, kStats, kMerge, kParts, kReduce, kBackward };
+enum class ShardStep : int { kNone = 0, kStats, kMerge, kParts, kReduce, kReduceTopk, kBackward };
 
 struct DistillCall {
   bool backward;  // false: the forward
@@ -27,12 +27,17 @@ struct DistillCall {
   VectorView grad_loss;           // backward
   LinearGrads grads;              // backward
   MatrixView shard_stats;         // kStats: the output; kMerge: the gathered block
-  int64_t world = 1;              // kMerge, kReduce: ranks in the gathered block
+  int64_t world = 1;              // kMerge, kReduce, kReduceTopk: ranks in the gathered block
   MatrixView row_stats;           // kMerge: the output; kParts, kReduce: the input
   VectorView hard;                // kMerge: the output; kReduce: the input
   MatrixView parts;               // kParts: the output; kReduce: the gathered block
 
   int64_t rows() const { return hidden.rows; }
+  /// K of a top-k teacher (kReduceTopk: of its log-probabilities alone), 0 for a teacher head.
+  int64_t topk_k() const {
+    if (shard_step == ShardStep::kReduceTopk) return teacher.topk_logprobs.cols;
+    return teacher.topk() ? teacher.topk_ids.cols : 0;
+  }
   int64_t vocab() const { return weight.rows; }
   /// V of the full vocabulary, which labels index.
   int64_t vocab_total() const { return shard.vocab_total > 0 ? shard.vocab_total : weight.rows; }

@@ -72,6 +72,8 @@ struct Problem {
   const detail::DistillCall* call;
   RowMath math;
   int64_t N, V, K;
+  int64_t v0 = 0;                          // the global index of vocabulary row 0 (a shard's start)
+  int64_t stats_width = kDistillStatsWidth;  // the backward's stats: + K for a shard's top-k form
   bool has_labels;  // labels given: every counted row has a label (and a hard term if weighted)
   std::vector<int64_t> rows, labels;
 };
@@ -95,6 +97,8 @@ Status build_problem(const detail::DistillCall& c, Problem* p) {
   p->N = c.rows();
   p->V = c.vocab();
   p->K = c.teacher.topk() ? c.teacher.topk_ids.cols : 0;
+  p->v0 = c.vocab_start();
+  if (c.shard_step == detail::ShardStep::kBackward && p->K > 0) p->stats_width = distill_shard_stats_width(p->K);
   p->has_labels = !c.labels.empty();
   if (p->has_labels) {
     Status s = detail::check_targets_host(c.labels, c.vocab_total(), c.options.ignore_index);
@@ -105,13 +109,14 @@ Status build_problem(const detail::DistillCall& c, Problem* p) {
     int64_t l = p->has_labels ? label_at(c.labels, i) : -1;
     if (p->has_labels && l == c.options.ignore_index) continue;
     if (l >= 0) l = l >= v0 && l < v0 + p->V ? l - v0 : -1;
-    if (p->K > 0) {  // the top-k ids of a counted row index the vocabulary
+    if (p->K > 0) {  // the top-k ids of a counted row index the (whole) vocabulary
       const int64_t* ids = static_cast<const int64_t*>(c.teacher.topk_ids.data) + i * c.teacher.topk_ids.row_stride;
+      const int64_t vt = c.vocab_total();
       for (int64_t k = 0; k < p->K; ++k) {
-        if (ids[k] < 0 || ids[k] >= p->V) {
+        if (ids[k] < 0 || ids[k] >= vt) {
           return Status(StatusCode::kTargetOutOfRange, "teacher_ids[" + std::to_string(i) + ", " + std::to_string(k) +
                                                            "] = " + std::to_string(ids[k]) + " is out of range [0, " +
-                                                           std::to_string(p->V) + ")");
+                                                           std::to_string(vt) + ")");
         }
       }
     }
@@ -372,13 +377,13 @@ double row_loss(const RowOut& r, float w) {
 }
 
 /// The forward's outputs: per-row values (0 at ignored rows), the loss reduced in double in row
-/// order, the statistics.
-Status write_forward(const Problem& p, const std::vector<RowOut>& outs) {
+/// order, the statistics (rows of `stats_width` floats, the columns past kDistillStatsWidth 0).
+Status write_forward(const Problem& p, const std::vector<RowOut>& outs, int64_t stats_width = kDistillStatsWidth) {
   const DistillOutputs& o = p.call->out;
   const int64_t M = static_cast<int64_t>(outs.size());
   float* st = static_cast<float*>(o.stats.data);
-  if (p.N > 0) std::fill(st, st + p.N * kDistillStatsWidth, 0.0f);
-  for (int64_t k = 0; k < M; ++k) std::copy(outs[k].stats, outs[k].stats + kDistillStatsWidth, st + p.rows[k] * kDistillStatsWidth);
+  if (p.N > 0) std::fill(st, st + p.N * stats_width, 0.0f);
+  for (int64_t k = 0; k < M; ++k) std::copy(outs[k].stats, outs[k].stats + kDistillStatsWidth, st + p.rows[k] * stats_width);
   const struct {
     const VectorView& v;
     float RowOut::*field;
@@ -458,13 +463,18 @@ void backward_row(const Problem& p, float* xs, float* yt, int64_t row, int64_t l
     const MatrixView& tlp = p.call->teacher.topk_logprobs;
     ids = static_cast<const int64_t*>(idm.data) + row * idm.row_stride;
     q->resize(p.K);
-    topk_q(xs, ids, p.K, m.inv_t, lse_s, q->data());
+    if (p.stats_width > kDistillStatsWidth) {  // a shard: the q of every id, from step 4
+      std::copy(st + kDistillStatsWidth, st + kDistillStatsWidth + p.K, q->data());
+    } else {
+      topk_q(xs, ids, p.K, m.inv_t, lse_s, q->data());
+    }
     sparse_of(q->data(), static_cast<const float*>(tlp.data) + row * tlp.row_stride, p.K, m.norm, sp);
     sparse_grad(*sp, m, gq);
-    dk->resize(p.K);
+    dk->assign(p.K, 0.0f);
     for (int64_t k = 0; k < p.K; ++k) {
       sum_gq += (*gq)[k];
-      (*dk)[k] = detail::transform_dy_of_y(m.student, xs[ids[k]]);
+      const int64_t j = ids[k] - p.v0;
+      if (j >= 0 && j < V) (*dk)[k] = detail::transform_dy_of_y(m.student, xs[j]);
     }
   }
   for (int64_t j = 0; j < V; ++j) {
@@ -482,8 +492,11 @@ void backward_row(const Problem& p, float* xs, float* yt, int64_t row, int64_t l
     if (b != 0.0f) dy += b * (static_cast<float>(std::exp(y - static_cast<double>(st[3]))) - (j == label ? 1.0f : 0.0f));
     xs[j] = dy * detail::transform_dy_of_y(m.student, y);
   }
-  if (ids != nullptr) {
-    for (int64_t k = 0; k < p.K; ++k) xs[ids[k]] += a * (*gq)[k] * (*dk)[k];
+  if (ids != nullptr) {  // the ids this call's rows hold (all of them but over a shard)
+    for (int64_t k = 0; k < p.K; ++k) {
+      const int64_t j = ids[k] - p.v0;
+      if (j >= 0 && j < V) xs[j] += a * (*gq)[k] * (*dk)[k];
+    }
   }
 }
 
@@ -574,7 +587,7 @@ Status backward(const Problem& p, const DistillPlan& plan) {
         for (int64_t r = b; r < e; ++r) {
           const int64_t k = i0 + r;
           backward_row(p, xs + r * V, yt ? yt + r * V : nullptr, p.rows[k], p.labels[k],
-                       stats + p.rows[k] * kDistillStatsWidth, row_upstream(p, k), &sp, &q, &gq, &dk);
+                       stats + p.rows[k] * p.stats_width, row_upstream(p, k), &sp, &q, &gq, &dk);
         }
       });
       const Sinks sinks{gw.empty() ? nullptr : gw.data(), gb.empty() ? nullptr : gb.data(),
@@ -613,7 +626,7 @@ detail::LseState row_state(const float* y, int64_t V, float scale) {
 }
 
 /// Runs row_fn(k, ys, yt) for every counted row k (index into p.rows) with its two heads'
-/// transformed logit rows over the shard, chunk by chunk.
+/// transformed logit rows over the shard, chunk by chunk (yt null for a top-k teacher).
 template <class RowFn>
 void for_each_transformed_row(const Problem& p, const DistillPlan& plan, RowFn&& row_fn) {
   const detail::DistillCall& c = *p.call;
@@ -621,33 +634,35 @@ void for_each_transformed_row(const Problem& p, const DistillPlan& plan, RowFn&&
   if (M == 0) return;
   const int threads = c.device.num_threads;
   Head student(c.hidden, c.weight, c.bias, plan.chunk_rows, threads);
-  Head teacher(c.teacher.hidden, c.teacher.weight, c.teacher.bias, plan.chunk_rows, threads);
+  std::unique_ptr<Head> teacher;
+  if (p.K == 0) teacher.reset(new Head(c.teacher.hidden, c.teacher.weight, c.teacher.bias, plan.chunk_rows, threads));
   for (int64_t i0 = 0; i0 < M; i0 += plan.chunk_rows) {
     const int64_t rc = std::min(plan.chunk_rows, M - i0);
     float* zs = student.form(p.rows.data() + i0, rc);
-    float* zt = teacher.form(p.rows.data() + i0, rc);
+    float* zt = teacher ? teacher->form(p.rows.data() + i0, rc) : nullptr;
     parallel_for(rc, 1, threads, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         float* ys = zs + r * p.V;
-        float* yt = zt + r * p.V;
+        float* yt = zt ? zt + r * p.V : nullptr;
         transform_row(ys, p.V, p.math.student);
-        transform_row(yt, p.V, p.math.teacher);
+        if (yt != nullptr) transform_row(yt, p.V, p.math.teacher);
         row_fn(i0 + r, ys, yt);
       }
     });
   }
 }
 
-/// Step 1: columns 0, 1 the student's state of z, 2, 3 the teacher's, 4, 5 the student's at
-/// temperature 1, 6 its y at the label and 7 the flag 1 where this shard holds the label (4..7
-/// with a hard term only).
+/// Step 1: columns 0, 1 the student's state of z, 2, 3 the teacher's (a top-k teacher: the empty
+/// state (-inf, 0)), 4, 5 the student's at temperature 1, 6 its y at the label and 7 the flag 1
+/// where this shard holds the label (4..7 with a hard term only).
 Status shard_stats(const Problem& p, const DistillPlan& plan) {
   float* out = static_cast<float*>(p.call->shard_stats.data);
   std::fill(out, out + (p.N + 1) * kSW, 0.0f);
   const bool hard = p.has_labels && p.math.hard_weight > 0.0f;
   for_each_transformed_row(p, plan, [&](int64_t k, const float* ys, const float* yt) {
     float* o = out + p.rows[k] * kSW;
-    const detail::LseState s = row_state(ys, p.V, p.math.inv_t), t = row_state(yt, p.V, p.math.inv_t);
+    const detail::LseState s = row_state(ys, p.V, p.math.inv_t);
+    const detail::LseState t = yt ? row_state(yt, p.V, p.math.inv_t) : detail::LseState{-INFINITY, 0.0f, 0.0f};
     o[0] = s.m;
     o[1] = s.s;
     o[2] = t.m;
@@ -700,7 +715,8 @@ Status shard_merge(const detail::DistillCall& c) {
     }
     float* o = rs + i * kDistillStatsWidth;
     o[0] = detail::lse_accum_value(s);
-    o[1] = detail::lse_accum_value(t);
+    // a top-k teacher's states are all empty: no teacher log-sum-exp (0, as the forward stores)
+    o[1] = t.s == 0.0 ? 0.0f : detail::lse_accum_value(t);
     if (!hard) continue;
     const double lse_h = accum_lse(h);
     o[3] = static_cast<float>(lse_h);
@@ -715,27 +731,42 @@ void split_double(double x, float* hi, float* lo) {
   *lo = std::isfinite(x) ? static_cast<float>(x - static_cast<double>(*hi)) : 0.0f;
 }
 
-/// Step 3: (D, KL(p_s || m), entropy) over the shard, each as a pair.
+/// Step 3: (D, KL(p_s || m), entropy) over the shard, each as a pair. A top-k teacher: the
+/// entropy's pair, then q_k = z[id_k] - lse at the ids this shard holds (0 at the others).
 Status shard_parts(const Problem& p, const DistillPlan& plan) {
   const detail::DistillCall& c = *p.call;
+  const int64_t width = distill_shard_parts_width(p.K);
   float* out = static_cast<float*>(c.parts.data);
-  if (p.N > 0) std::fill(out, out + p.N * kPW, 0.0f);
+  if (p.N > 0) std::fill(out, out + p.N * width, 0.0f);
   const float* rs = static_cast<const float*>(c.row_stats.data);
+  const MatrixView& idm = c.teacher.topk_ids;
   for_each_transformed_row(p, plan, [&](int64_t k, const float* ys, const float* yt) {
     const int64_t i = p.rows[k];
     const double lse_s = rs[i * kDistillStatsWidth], lse_t = rs[i * kDistillStatsWidth + 1];
-    double d = 0.0, kl_s = 0.0;
-    full_sums(ys, yt, p.V, p.math, lse_s, lse_t, &d, &kl_s);
-    float* o = out + i * kPW;
-    split_double(d, o + 0, o + 1);
-    split_double(kl_s, o + 2, o + 3);
+    float* o = out + i * width;
+    if (yt != nullptr) {
+      double d = 0.0, kl_s = 0.0;
+      full_sums(ys, yt, p.V, p.math, lse_s, lse_t, &d, &kl_s);
+      split_double(d, o + 0, o + 1);
+      split_double(kl_s, o + 2, o + 3);
+    } else {
+      const int64_t* ids = static_cast<const int64_t*>(idm.data) + i * idm.row_stride;
+      for (int64_t t = 0; t < p.K; ++t) {
+        const int64_t j = ids[t] - p.v0;
+        if (j >= 0 && j < p.V) topk_q(ys, &j, 1, p.math.inv_t, lse_s, o + kPW + t);
+      }
+    }
     split_double(row_entropy(ys, p.V, p.math.inv_t, lse_s), o + 4, o + 5);
   });
   return Status::Ok();
 }
 
-/// Step 4: the ranks' pairs added in rank order in double, then the forward's outputs.
+/// Step 4: the ranks' pairs added in rank order in double, then the forward's outputs. The top-k
+/// form: the ranks' q columns added in rank order (one rank's entry and zeros: exact), then the
+/// divergence of the sparse distributions as the forward forms it; stats carry the q.
 Status shard_reduce(const detail::DistillCall& c) {
+  const int64_t K = c.topk_k(), width = distill_shard_parts_width(K),
+                sw = K > 0 ? distill_shard_stats_width(K) : kDistillStatsWidth;
   Problem p;
   p.call = &c;
   p.math = row_math_of(c.options);
@@ -747,21 +778,37 @@ Status shard_reduce(const detail::DistillCall& c) {
   const float* g = static_cast<const float*>(c.parts.data);
   const float* rs = static_cast<const float*>(c.row_stats.data);
   std::vector<RowOut> outs(p.rows.size());
+  std::vector<float> q(p.rows.size() * K, 0.0f);
+  const MatrixView& tlp = c.teacher.topk_logprobs;
+  Sparse sp;
   for (size_t k = 0; k < p.rows.size(); ++k) {
     const int64_t i = p.rows[k];
     double sums[3] = {0.0, 0.0, 0.0};
+    float* qk = q.data() + k * K;
     for (int64_t r = 0; r < c.world; ++r) {  // rank order: the same bits on every rank
-      const float* o = g + (r * p.N + i) * kPW;
-      for (int q = 0; q < 3; ++q) sums[q] += static_cast<double>(o[2 * q]) + static_cast<double>(o[2 * q + 1]);
+      const float* o = g + (r * p.N + i) * width;
+      for (int s = 0; s < 3; ++s) sums[s] += static_cast<double>(o[2 * s]) + static_cast<double>(o[2 * s + 1]);
+      for (int64_t t = 0; t < K; ++t) qk[t] += o[kPW + t];
     }
     RowOut& out = outs[k];
-    out.divergence = static_cast<float>(sums[0]);
     out.entropy = static_cast<float>(sums[2]);
     out.hard = float_ref(c.hard, i);
     std::copy(rs + i * kDistillStatsWidth, rs + (i + 1) * kDistillStatsWidth, out.stats);
-    out.stats[2] = aux_of(p.math, sums[0], sums[1]);
+    if (K > 0) {
+      sparse_of(qk, static_cast<const float*>(tlp.data) + i * tlp.row_stride, K, p.math.norm, &sp);
+      out.divergence = static_cast<float>(sparse_divergence(sp, p.math));
+    } else {
+      out.divergence = static_cast<float>(sums[0]);
+      out.stats[2] = aux_of(p.math, sums[0], sums[1]);
+    }
   }
-  return write_forward(p, outs);
+  Status s = write_forward(p, outs, sw);
+  if (!s.ok() || K == 0) return s;
+  float* st = static_cast<float*>(c.out.stats.data);  // the q after the row's statistics
+  for (size_t k = 0; k < p.rows.size(); ++k) {
+    std::copy(q.data() + k * K, q.data() + (k + 1) * K, st + p.rows[k] * sw + kDistillStatsWidth);
+  }
+  return Status::Ok();
 }
 }  // namespace
 
@@ -776,11 +823,14 @@ Status run_distill(const detail::DistillCall& call) {
 
 Status run_distill_shard(const detail::DistillCall& call) {
   if (call.shard_step == detail::ShardStep::kMerge) return shard_merge(call);
-  if (call.shard_step == detail::ShardStep::kReduce) return shard_reduce(call);
+  if (call.shard_step == detail::ShardStep::kReduce || call.shard_step == detail::ShardStep::kReduceTopk) {
+    return shard_reduce(call);
+  }
   Problem p;
   Status s = build_problem(call, &p);
   if (!s.ok()) return s;
-  const DistillPlan plan = plan_linear_distill(static_cast<int64_t>(p.rows.size()), p.V, 2, call.chunk_budget_bytes);
+  const DistillPlan plan = plan_linear_distill(static_cast<int64_t>(p.rows.size()), p.V, p.K == 0 ? 2 : 1,
+                                               call.chunk_budget_bytes);
   switch (call.shard_step) {
     case detail::ShardStep::kStats:
       return shard_stats(p, plan);

@@ -52,6 +52,9 @@ struct VpCase {
   double ignore_frac;
   size_t budget = 0;
   float s_scale = 1.0f, s_cap = 0.0f, t_scale = 1.0f, t_cap = 0.0f;
+  int64_t k = 0;  // the top-k form: K >= 1 teacher ids (global) and log-probabilities
+  fusedce::TopkNorm norm = fusedce::TopkNorm::kNone;
+  bool repeats = false, absent = false;  // an id repeated in a row; -inf entries
 };
 
 /// A head's operands in `dtype`: the bytes the calls read.
@@ -108,15 +111,41 @@ struct Inputs {
   VpCase c;
   DType dtype;
   Head student, teacher;
-  std::vector<int64_t> labels;
-  std::vector<float> grad_loss;
+  std::vector<int64_t> labels, ids;
+  std::vector<float> tlp, grad_loss;
   fusedce::DistillOptions options;
 };
+
+/// The top-k teacher of each row: K ids of a random peaked distribution over the vocabulary,
+/// largest first, and their log-probabilities; a repeated id and absent entries if asked.
+void make_topk(const VpCase& c, std::mt19937& rng, Inputs* in) {
+  std::normal_distribution<double> nd(0.0, 2.5);
+  for (int64_t i = 0; i < c.n; ++i) {
+    std::vector<double> z(c.v);
+    double m = -1e300, sum = 0.0;
+    for (double& x : z) m = std::max(m, x = nd(rng));
+    for (double x : z) sum += std::exp(x - m);
+    std::vector<int64_t> order(c.v);
+    for (int64_t j = 0; j < c.v; ++j) order[j] = j;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return z[a] > z[b]; });
+    for (int64_t k = 0; k < c.k; ++k) {
+      in->ids.push_back(order[k]);
+      in->tlp.push_back(static_cast<float>(z[order[k]] - m - std::log(sum)));
+    }
+    if (c.repeats && c.k > 2) {
+      in->ids[i * c.k + c.k - 1] = in->ids[i * c.k];
+      in->tlp[i * c.k + c.k - 1] = in->tlp[i * c.k];
+    }
+    if (c.absent && c.k > 1 && i % 2 == 0) in->tlp[i * c.k + 1] = -INFINITY;
+  }
+  in->ids.resize(std::max<size_t>(in->ids.size(), 1));
+  in->tlp.resize(std::max<size_t>(in->tlp.size(), 1));
+}
 
 Inputs make_inputs(const VpCase& c, DType dtype) {
   std::mt19937 rng(static_cast<uint32_t>(c.n * 131 + c.v * 7 + static_cast<int>(c.beta * 10)));
   Inputs in{c, dtype, make_head(c.n, c.h, c.v, 2.0, c.bias, dtype, rng),
-            make_head(c.n, c.h_t, c.v, 2.5, c.bias, dtype, rng), {}, {}, {}};
+            make_head(c.n, c.h_t, c.v, 2.5, c.bias, dtype, rng), {}, {}, {}, {}, {}};
   std::uniform_real_distribution<double> ud(0.0, 1.0);
   for (int64_t i = 0; c.labels && i < c.n; ++i) {
     in.labels.push_back(ud(rng) < c.ignore_frac ? kIgnore : static_cast<int64_t>(rng() % c.v));
@@ -125,6 +154,7 @@ Inputs make_inputs(const VpCase& c, DType dtype) {
   std::normal_distribution<double> gd(1.0, 0.5);
   in.grad_loss.resize(c.reduction == Reduction::kNone ? std::max<int64_t>(c.n, 1) : 1);
   for (float& g : in.grad_loss) g = static_cast<float>(gd(rng));
+  if (c.k > 0) make_topk(c, rng, &in);
   fusedce::DistillOptions& o = in.options;
   o.beta = static_cast<float>(c.beta);
   o.temperature = static_cast<float>(c.temperature);
@@ -133,6 +163,7 @@ Inputs make_inputs(const VpCase& c, DType dtype) {
   o.reduction = c.reduction;
   o.student = fusedce::HeadTransform{c.s_scale, c.s_cap};
   o.teacher = fusedce::HeadTransform{c.t_scale, c.t_cap};
+  o.topk_norm = c.norm;
   return in;
 }
 
@@ -163,20 +194,20 @@ fusedce::VectorView labels_view(Inputs& in) {
 
 int64_t loss_len(const VpCase& c) { return c.reduction == Reduction::kNone ? c.n : 1; }
 
-/// Forward outputs over `r`'s buffers, sized for the case.
-fusedce::DistillOutputs outputs_of(const VpCase& c, Result* r) {
+/// Forward outputs over `r`'s buffers, sized for the case; stats of `stats_width` columns.
+fusedce::DistillOutputs outputs_of(const VpCase& c, Result* r, int64_t stats_width = kRW) {
   const int64_t n1 = std::max<int64_t>(c.n, 1);
   r->loss.assign(std::max<int64_t>(loss_len(c), 1), -7.0f);
   r->divergence.assign(n1, -7.0f);
   r->hard.assign(n1, -7.0f);
   r->entropy.assign(n1, -7.0f);
-  r->stats.assign(n1 * kRW, -7.0f);
+  r->stats.assign(n1 * stats_width, -7.0f);
   fusedce::DistillOutputs out;
   out.loss = fusedce::vector(r->loss.data(), DType::kFloat32, loss_len(c));
   out.divergence = fusedce::vector(r->divergence.data(), DType::kFloat32, c.n);
   out.hard = fusedce::vector(r->hard.data(), DType::kFloat32, c.n);
   out.entropy = fusedce::vector(r->entropy.data(), DType::kFloat32, c.n);
-  out.stats = fusedce::matrix(r->stats.data(), DType::kFloat32, c.n, kRW);
+  out.stats = fusedce::matrix(r->stats.data(), DType::kFloat32, c.n, stats_width);
   return out;
 }
 
@@ -199,8 +230,14 @@ void make_grads(const Inputs& in, int64_t rows, GradBufs* g) {
   if (in.c.bias) g->grads.grad_bias = fusedce::vector(g->gb.data(), in.dtype, rows);
 }
 
-fusedce::DistillTeacher teacher_of(const HeadViews& t) {
+/// The case's teacher: its head's views, or its top-k.
+fusedce::DistillTeacher teacher_of(Inputs& in, const HeadViews& t) {
   fusedce::DistillTeacher teacher;
+  if (in.c.k > 0) {
+    teacher.topk_ids = fusedce::matrix(in.ids.data(), DType::kInt64, in.c.n, in.c.k);
+    teacher.topk_logprobs = fusedce::matrix(in.tlp.data(), DType::kFloat32, in.c.n, in.c.k);
+    return teacher;
+  }
   teacher.hidden = t.hidden;
   teacher.weight = t.weight;
   teacher.bias = t.bias;
@@ -213,13 +250,13 @@ Result run_single(Inputs& in) {
   Result r;
   const HeadViews s = views_of(in.student, c.n, 0, c.v, c.bias), t = views_of(in.teacher, c.n, 0, c.v, c.bias);
   const fusedce::DistillOutputs out = outputs_of(c, &r);
-  const fusedce::Status fs = fusedce::linear_distill_forward(kCpu, s.hidden, s.weight, s.bias, teacher_of(t),
+  const fusedce::Status fs = fusedce::linear_distill_forward(kCpu, s.hidden, s.weight, s.bias, teacher_of(in, t),
                                                              labels_view(in), in.options, c.budget, out);
   EXPECT_TRUE(fs.ok()) << "forward: " << fs.message();
   GradBufs g;
   make_grads(in, c.v, &g);
   const fusedce::Status bs = fusedce::linear_distill_backward(
-      kCpu, s.hidden, s.weight, s.bias, teacher_of(t), labels_view(in), in.options, c.budget, out.stats,
+      kCpu, s.hidden, s.weight, s.bias, teacher_of(in, t), labels_view(in), in.options, c.budget, out.stats,
       fusedce::vector(in.grad_loss.data(), DType::kFloat32, loss_len(c)), g.grads);
   EXPECT_TRUE(bs.ok()) << "backward: " << bs.message();
   r.gh = g.gh;
@@ -238,7 +275,8 @@ Result run_sharded(Inputs& in) {
   for (int64_t r = 1; r < W; ++r) start[r] = start[r - 1] + c.shard_rows[r - 1];
   auto shard = [&](int64_t r) { return fusedce::ShardSpec{start[r], c.v}; };
   auto student = [&](int64_t r) { return views_of(in.student, n, start[r], c.shard_rows[r], c.bias); };
-  auto teacher = [&](int64_t r) { return teacher_of(views_of(in.teacher, n, start[r], c.shard_rows[r], c.bias)); };
+  auto teacher = [&](int64_t r) { return teacher_of(in, views_of(in.teacher, n, start[r], c.shard_rows[r], c.bias)); };
+  const int64_t pw = fusedce::distill_shard_parts_width(c.k), sw = c.k > 0 ? fusedce::distill_shard_stats_width(c.k) : kRW;
   const fusedce::VectorView lv = labels_view(in);
 
   // step 1, and the all-gather in rank order
@@ -267,24 +305,26 @@ Result run_sharded(Inputs& in) {
   }
 
   // step 3, and the all-gather in rank order
-  std::vector<float> parts(std::max<int64_t>(W * n, 1) * kPW, -7.0f);
+  std::vector<float> parts(std::max<int64_t>(W * n, 1) * pw, -7.0f);
   for (int64_t r = 0; r < W; ++r) {
     const HeadViews s = student(r);
     const fusedce::Status st = fusedce::linear_distill_shard_parts(
         kCpu, s.hidden, s.weight, s.bias, teacher(r), lv, shard(r), in.options, c.budget,
         fusedce::matrix(row_stats[r].data(), DType::kFloat32, n, kRW),
-        fusedce::matrix(parts.data() + r * n * kPW, DType::kFloat32, n, kPW));
+        fusedce::matrix(parts.data() + r * n * pw, DType::kFloat32, n, pw));
     EXPECT_TRUE(st.ok()) << "step 3 on rank " << r << ": " << st.message();
   }
-  const fusedce::MatrixView pv = fusedce::matrix(parts.data(), DType::kFloat32, W * n, kPW);
+  const fusedce::MatrixView pv = fusedce::matrix(parts.data(), DType::kFloat32, W * n, pw);
 
   // step 4 on every rank
   std::vector<Result> outs(W);
   for (int64_t r = 0; r < W; ++r) {
-    const fusedce::DistillOutputs out = outputs_of(c, &outs[r]);
-    const fusedce::Status st = fusedce::linear_distill_shard_reduce(
-        kCpu, pv, W, lv, in.options, fusedce::matrix(row_stats[r].data(), DType::kFloat32, n, kRW),
-        fusedce::vector(hard[r].data(), DType::kFloat32, n), out);
+    const fusedce::DistillOutputs out = outputs_of(c, &outs[r], sw);
+    const fusedce::MatrixView rs = fusedce::matrix(row_stats[r].data(), DType::kFloat32, n, kRW);
+    const fusedce::VectorView hv = fusedce::vector(hard[r].data(), DType::kFloat32, n);
+    const fusedce::Status st =
+        c.k > 0 ? fusedce::linear_distill_topk_shard_reduce(kCpu, pv, W, teacher(r).topk_logprobs, lv, in.options, rs, hv, out)
+                : fusedce::linear_distill_shard_reduce(kCpu, pv, W, lv, in.options, rs, hv, out);
     EXPECT_TRUE(st.ok()) << "step 4 on rank " << r << ": " << st.message();
     for (auto field : {&Result::loss, &Result::divergence, &Result::hard, &Result::entropy, &Result::stats}) {
       EXPECT_EQ(0, std::memcmp((outs[r].*field).data(), (outs[0].*field).data(), (outs[0].*field).size() * 4))
@@ -294,6 +334,12 @@ Result run_sharded(Inputs& in) {
 
   // step 5 on every rank, with its own step 4's stats
   Result res = outs[0];
+  if (c.k > 0) {  // the statistics linear_distill_forward writes: the first kRW columns
+    res.stats.clear();
+    for (int64_t i = 0; i < std::max<int64_t>(n, 1); ++i) {
+      res.stats.insert(res.stats.end(), outs[0].stats.begin() + i * sw, outs[0].stats.begin() + i * sw + kRW);
+    }
+  }
   res.gh.assign(std::max<int64_t>(n * c.h, 1), 0.0f);
   for (int64_t r = 0; r < W; ++r) {
     const HeadViews s = student(r);
@@ -301,7 +347,7 @@ Result run_sharded(Inputs& in) {
     make_grads(in, c.shard_rows[r], &g);
     const fusedce::Status st = fusedce::linear_distill_shard_backward(
         kCpu, s.hidden, s.weight, s.bias, teacher(r), lv, shard(r), in.options, c.budget,
-        fusedce::matrix(outs[r].stats.data(), DType::kFloat32, n, kRW),
+        fusedce::matrix(outs[r].stats.data(), DType::kFloat32, n, sw),
         fusedce::vector(in.grad_loss.data(), DType::kFloat32, loss_len(c)), g.grads);
     EXPECT_TRUE(st.ok()) << "step 5 on rank " << r << ": " << st.message();
     for (int64_t i = 0; i < n * c.h; ++i) res.gh[i] += g.gh[i];  // the all-reduce, in rank order
@@ -340,12 +386,13 @@ void expect_close(const std::vector<double>& got, const std::vector<double>& wan
 }
 
 void check_case(const VpCase& c, DType dtype) {
-  SCOPED_TRACE(std::string(c.name) + ", beta " + std::to_string(c.beta) + ", W = " + std::to_string(c.shard_rows.size()) + ", " +
+  SCOPED_TRACE(std::string(c.name) + ", beta " + std::to_string(c.beta) + ", norm " + std::to_string(static_cast<int>(c.norm)) +
+               ", W = " + std::to_string(c.shard_rows.size()) + ", " +
                fusedce::dtype_name(dtype));
   Inputs in = make_inputs(c, dtype);
   const Result want = run_single(in), got = run_sharded(in);
   const size_t n = static_cast<size_t>(c.n), ll = static_cast<size_t>(loss_len(c));
-  const double values = 2.0 * 4.0 * (std::sqrt(static_cast<double>(c.h + c.h_t)) + std::sqrt(static_cast<double>(c.v))) * kU32;
+  const double values = 2.0 * 4.0 * (std::sqrt(static_cast<double>(c.h + (c.k ? 0 : c.h_t))) + std::sqrt(static_cast<double>(c.v))) * kU32;
   auto value_check = [&](const std::vector<float>& g, const std::vector<float>& w, size_t count, const char* what) {
     const std::vector<double> wd = doubles(w, count);
     expect_close(doubles(g, count), wd, values * std::max(1.0, max_abs(wd)), 0.0, what);
@@ -355,7 +402,11 @@ void check_case(const VpCase& c, DType dtype) {
   value_check(got.entropy, want.entropy, n, "entropy");
   value_check(got.hard, want.hard, n, "hard");
   value_check(got.stats, want.stats, n * kRW, "stats");  // the log-sum-exps and the auxiliary sum
-  const double grads = 2.0 * 4.0 * std::sqrt(static_cast<double>(c.v + c.h + c.n)) * kU32;
+  // (times 1 + the largest |t| of a top-k teacher: its entries' gradients carry e^s's rounding
+  // times |s - t|, test_distill.cpp's rule)
+  double amp = 1.0;
+  for (float t : in.tlp) amp = std::max(amp, 1.0 + (std::isinf(t) ? 0.0 : std::abs(t)));
+  const double grads = 2.0 * 4.0 * std::sqrt(static_cast<double>(c.v + c.h + c.n)) * kU32 * amp;
   const double rtol = dtype == DType::kFloat32 ? 0.0 : 2.0 / 256;
   const std::vector<double> gh = doubles(want.gh, n * c.h);
   expect_close(doubles(got.gh, n * c.h), gh, grads * max_abs(gh) + 1e-30, 0.0, "grad_hidden");
@@ -390,10 +441,52 @@ std::vector<VpCase> vp_cases() {
   return cs;
 }
 
+/// The top-k form's cases, each with W = 1, 2, 3 as vp_cases splits them.
+std::vector<VpCase> topk_vp_cases() {
+  std::vector<VpCase> base;
+  for (fusedce::TopkNorm norm : {fusedce::TopkNorm::kNone, fusedce::TopkNorm::kRenorm, fusedce::TopkNorm::kTail}) {
+    for (double beta : {0.0, 0.5, 1.0}) {
+      VpCase a{"K 8 of odd V, hard 0.2, bias, mean", 13, 24, 0, 301, {}, beta, 0.8, 0.2, Reduction::kMean, true, true,
+               0.25};
+      a.k = 8;
+      a.norm = norm;
+      base.push_back(a);
+    }
+    VpCase r{"repeated ids, absent entries, softcap, chunks of 2 rows, none", 11, 16, 0, 77, {}, 0.5, 1.3, 0.0,
+             Reduction::kNone, true, true, 0.2, size_t(2) * 77 * 4, 0.9f, 7.0f};
+    r.k = 6;
+    r.norm = norm;
+    r.repeats = r.absent = true;
+    base.push_back(r);
+    VpCase f{"K = V, no labels, sum", 9, 16, 0, 40, {}, 0.3, 1.0, 0.0, Reduction::kSum, false, false, 0.0};
+    f.k = 40;
+    f.norm = norm;
+    base.push_back(f);
+  }
+  VpCase none{"every row ignored", 6, 8, 0, 50, {}, 0.5, 1.0, 0.3, Reduction::kMean, true, true, 1.0};
+  none.k = 4;
+  base.push_back(none);
+  std::vector<VpCase> cs;
+  for (const VpCase& b : base) {
+    const int64_t v = b.v;
+    for (const std::vector<int64_t>& rows :
+         {std::vector<int64_t>{v}, std::vector<int64_t>{v / 2, v - v / 2}, std::vector<int64_t>{v / 2, 1, v - v / 2 - 1}}) {
+      VpCase c = b;
+      c.shard_rows = rows;
+      cs.push_back(c);
+    }
+  }
+  return cs;
+}
+
 class DistillVp : public ::testing::TestWithParam<DType> {};
 
 TEST_P(DistillVp, ShardedMatchesSingleDevice) {
   for (const VpCase& c : vp_cases()) check_case(c, GetParam());
+}
+
+TEST_P(DistillVp, TopkShardedMatchesSingleDevice) {
+  for (const VpCase& c : topk_vp_cases()) check_case(c, GetParam());
 }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, DistillVp, ::testing::Values(DType::kFloat32, DType::kBFloat16),
@@ -473,17 +566,51 @@ TEST(DistillVpBadInput, WrongStatsShapesAreNamed) {
   expect_named(world, "world");
 }
 
-TEST(DistillVpBadInput, TopkTeacherAndLabelOutsideAreRefused) {
+TEST(DistillVpBadInput, TopkShapesAndIdsOutsideAreRefused) {
   Small p;
-  std::vector<int64_t> ids(Small::N * 2, 0);
+  std::vector<int64_t> ids(Small::N * 2, 7);  // global ids: another shard's, not this one's
   std::vector<float> lp(Small::N * 2, -1.0f);
   fusedce::DistillTeacher topk;
   topk.topk_ids = fusedce::matrix(ids.data(), DType::kInt64, Small::N, 2);
   topk.topk_logprobs = fusedce::matrix(lp.data(), DType::kFloat32, Small::N, 2);
-  const fusedce::Status s = fusedce::linear_distill_shard_stats(
+  auto step1 = [&] {
+    return fusedce::linear_distill_shard_stats(kCpu, p.x(), p.w(), {}, topk, p.lv(), fusedce::ShardSpec{0, Small::V},
+                                               p.options, 0,
+                                               fusedce::matrix(p.stats.data(), DType::kFloat32, Small::N + 1, kSW));
+  };
+  EXPECT_TRUE(step1().ok()) << "ids in another shard: " << step1().message();
+  ids[3] = Small::V;  // one past the vocabulary
+  EXPECT_EQ(step1().code(), fusedce::StatusCode::kTargetOutOfRange) << step1().message();
+  EXPECT_NE(step1().message().find("teacher_ids"), std::string::npos) << step1().message();
+  ids[3] = 7;
+  // step 3's parts without the K columns
+  const fusedce::Status parts = fusedce::linear_distill_shard_parts(
       kCpu, p.x(), p.w(), {}, topk, p.lv(), fusedce::ShardSpec{0, Small::V}, p.options, 0,
-      fusedce::matrix(p.stats.data(), DType::kFloat32, Small::N + 1, kSW));
-  expect_named(s, "teacher");
+      fusedce::matrix(p.row_stats.data(), DType::kFloat32, Small::N, kRW),
+      fusedce::matrix(p.parts.data(), DType::kFloat32, Small::N, kPW));
+  expect_named(parts, "parts");
+  // step 4: logprobs of another K than the gathered columns; stats without the q columns
+  std::vector<float> loss(1), stats(Small::N * fusedce::distill_shard_stats_width(2)),
+      gathered(2 * Small::N * fusedce::distill_shard_parts_width(2));
+  fusedce::DistillOutputs out;
+  out.loss = fusedce::vector(loss.data(), DType::kFloat32, 1);
+  out.stats = fusedce::matrix(stats.data(), DType::kFloat32, Small::N, fusedce::distill_shard_stats_width(2));
+  auto reduce = [&](int64_t k_logprobs, const fusedce::DistillOutputs& o) {
+    return fusedce::linear_distill_topk_shard_reduce(
+        kCpu, fusedce::matrix(gathered.data(), DType::kFloat32, 2 * Small::N, fusedce::distill_shard_parts_width(2)), 2,
+        fusedce::matrix(lp.data(), DType::kFloat32, Small::N, k_logprobs), p.lv(), p.options,
+        fusedce::matrix(p.row_stats.data(), DType::kFloat32, Small::N, kRW),
+        fusedce::vector(p.hard.data(), DType::kFloat32, Small::N), o);
+  };
+  EXPECT_TRUE(reduce(2, out).ok()) << reduce(2, out).message();
+  expect_named(reduce(1, out), "gathered");
+  fusedce::DistillOutputs narrow = out;
+  narrow.stats = fusedce::matrix(stats.data(), DType::kFloat32, Small::N, kRW);
+  expect_named(reduce(2, narrow), "stats");
+}
+
+TEST(DistillVpBadInput, LabelOutsideTheVocabularyIsRefused) {
+  Small p;
   p.labels[3] = Small::V;  // one past the vocabulary (not merely past the shard)
   const fusedce::Status label = p.step1(fusedce::ShardSpec{0, Small::V});
   EXPECT_EQ(label.code(), fusedce::StatusCode::kTargetOutOfRange) << label.message();
