@@ -23,6 +23,10 @@
 //          FUSEDCE_DISTILL_ARGS) -> ld_fwd's outputs (step 4)
 //   ld_shard_bwd(ld_bwd's inputs, vocab_start, vocab_total, FUSEDCE_DISTILL_ARGS, ...) -> ld_bwd's
 //          outputs over this rank's rows, grad_hidden this rank's float32 part (step 5)
+//   ldk_shard_stats / ldk_shard_parts / ldk_shard_bwd: the same with teacher_ids (N, K) (global
+//          ids) and teacher_logprobs (N, K) in place of the teacher's head; parts (N, 6 + K);
+//   ldk_shard_reduce(gathered, row_stats, hard, teacher_logprobs, labels, FUSEDCE_DISTILL_ARGS)
+//          -> ld_fwd's outputs, stats (N, 4 + K): what ldk_shard_bwd reads
 // Each op is a template over a device context `Ctx`, as in ops.h; registry.h lists them.
 #pragma once
 
@@ -278,60 +282,60 @@ inline int64_t world_of(const Tensor& gathered, int64_t per_rank, const char* na
   return gathered.size(0) / per_rank;
 }
 
+// The steps over a teacher `t`: a head (k 0) or k >= 1 top-k entries; `op` names the op.
 template <class Ctx>
-Tensor ld_shard_stats(const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& teacher_hidden,
-                      const Tensor& teacher_weight, const OptTensor& teacher_bias, const OptTensor& labels,
-                      int64_t vocab_start, int64_t vocab_total, FUSEDCE_DISTILL_PARAMS) {
+Tensor shard_stats_of(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
+                      const fusedce::DistillTeacher& t, const OptTensor& labels, int64_t vocab_start,
+                      int64_t vocab_total, const fusedce::DistillOptions& o, int64_t chunk_budget_bytes, const char* op) {
   Ctx ctx(hidden, "hidden");
-  Tensor tb;
-  const fusedce::DistillTeacher t = teacher_head(hidden, teacher_hidden, teacher_weight, teacher_bias, &tb);
   const StudentViews s = student_views(hidden, weight, bias, labels);
-  const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
   Tensor stats = at::empty({hidden.size(0) + 1, fusedce::kDistillShardStatsWidth}, hidden.options().dtype(at::kFloat));
   check_status(fusedce::linear_distill_shard_stats(
                    ctx.device(), s.hidden, s.weight, s.bias, t, s.labels, fusedce::ShardSpec{vocab_start, vocab_total},
                    o, static_cast<size_t>(chunk_budget_bytes),
                    float_block_view(stats, "stats", fusedce::kDistillShardStatsWidth, hidden)),
-               "ld_shard_stats");
+               op);
   return stats;
 }
 
 template <class Ctx>
-std::tuple<Tensor, Tensor, Tensor> ld_shard_parts(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
-                                                  const Tensor& teacher_hidden, const Tensor& teacher_weight,
-                                                  const OptTensor& teacher_bias, const OptTensor& labels,
+std::tuple<Tensor, Tensor, Tensor> shard_parts_of(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
+                                                  const fusedce::DistillTeacher& t, int64_t k, const OptTensor& labels,
                                                   const Tensor& gathered, int64_t vocab_start, int64_t vocab_total,
-                                                  FUSEDCE_DISTILL_PARAMS) {
+                                                  const fusedce::DistillOptions& o, int64_t chunk_budget_bytes,
+                                                  const char* op) {
   Ctx ctx(hidden, "hidden");
-  Tensor tb;
-  const fusedce::DistillTeacher t = teacher_head(hidden, teacher_hidden, teacher_weight, teacher_bias, &tb);
   const StudentViews s = student_views(hidden, weight, bias, labels);
-  const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
-  const int64_t n = hidden.size(0);
+  const int64_t n = hidden.size(0), width = fusedce::distill_shard_parts_width(k);
   const fusedce::MatrixView g = float_block_view(gathered, "gathered", fusedce::kDistillShardStatsWidth, hidden);
   const auto f32 = hidden.options().dtype(at::kFloat);
   Tensor row_stats = at::empty({n, fusedce::kDistillStatsWidth}, f32), hard = at::empty({n}, f32),
-         parts = at::empty({n, fusedce::kDistillPartsWidth}, f32);
+         parts = at::empty({n, width}, f32);
   const fusedce::MatrixView rs = float_block_view(row_stats, "row_stats", fusedce::kDistillStatsWidth, hidden);
   check_status(fusedce::linear_distill_shard_merge(ctx.device(), g, world_of(gathered, n + 1, "gathered"), s.labels,
                                                    o, rs, vector_of(hard, "hard")),
-               "ld_shard_parts");
-  check_status(fusedce::linear_distill_shard_parts(
-                   ctx.device(), s.hidden, s.weight, s.bias, t, s.labels, fusedce::ShardSpec{vocab_start, vocab_total},
-                   o, static_cast<size_t>(chunk_budget_bytes), rs,
-                   float_block_view(parts, "parts", fusedce::kDistillPartsWidth, hidden)),
-               "ld_shard_parts");
+               op);
+  check_status(fusedce::linear_distill_shard_parts(ctx.device(), s.hidden, s.weight, s.bias, t, s.labels,
+                                                   fusedce::ShardSpec{vocab_start, vocab_total}, o,
+                                                   static_cast<size_t>(chunk_budget_bytes), rs,
+                                                   float_block_view(parts, "parts", width, hidden)),
+               op);
   return {row_stats, hard, parts};
 }
 
+// Step 4; teacher_logprobs: the top-k form's (N, K), or none for a teacher head.
 template <class Ctx>
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ld_shard_reduce(const Tensor& gathered, const Tensor& row_stats,
-                                                                   const Tensor& hard, const OptTensor& labels,
-                                                                   FUSEDCE_DISTILL_PARAMS) {
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> shard_reduce_of(const Tensor& gathered, const Tensor& row_stats,
+                                                                   const Tensor& hard, const OptTensor& teacher_logprobs,
+                                                                   const OptTensor& labels,
+                                                                   const fusedce::DistillOptions& o, const char* op) {
   Ctx ctx(row_stats, "row_stats");
-  const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
   const int64_t n = row_stats.size(0);
-  const fusedce::MatrixView g = float_block_view(gathered, "gathered", fusedce::kDistillPartsWidth, row_stats);
+  fusedce::MatrixView tlp;
+  if (teacher_logprobs.has_value()) tlp = topk_matrix_of(*teacher_logprobs, "teacher_logprobs", at::kFloat, row_stats);
+  const int64_t k = teacher_logprobs.has_value() ? teacher_logprobs->size(1) : 0;
+  const fusedce::MatrixView g =
+      float_block_view(gathered, "gathered", fusedce::distill_shard_parts_width(k), row_stats);
   const fusedce::MatrixView rs = float_block_view(row_stats, "row_stats", fusedce::kDistillStatsWidth, row_stats);
   check_same_device(hard, "hard", row_stats, "row_stats");
   TORCH_CHECK_VALUE(hard.dim() == 1 && hard.size(0) == n && hard.scalar_type() == at::kFloat,
@@ -345,36 +349,38 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ld_shard_reduce(const Tensor&
     lv = vector_of(*labels, "labels");
   }
   const auto f32 = row_stats.options();
+  const int64_t sw = k > 0 ? fusedce::distill_shard_stats_width(k) : fusedce::kDistillStatsWidth;
   Tensor loss = o.reduction == fusedce::Reduction::kNone ? at::empty({n}, f32) : at::empty({}, f32);
   Tensor divergence = at::empty({n}, f32), hard_out = at::zeros({n}, f32), entropy = at::empty({n}, f32);
-  Tensor stats = at::empty({n, fusedce::kDistillStatsWidth}, f32);
+  Tensor stats = at::empty({n, sw}, f32);
   fusedce::DistillOutputs out;
   out.loss = vector_of(loss, "loss");
   out.divergence = vector_of(divergence, "divergence");
   if (o.hard_weight > 0.0f) out.hard = vector_of(hard_out, "hard");
   out.entropy = vector_of(entropy, "entropy");
-  out.stats = distill_stats_view(stats);
-  check_status(fusedce::linear_distill_shard_reduce(ctx.device(), g, world_of(gathered, n, "gathered"), lv, o, rs,
-                                                    vector_of(hard, "hard"), out),
-               "ld_shard_reduce");
+  out.stats = float_block_view(stats, "stats", sw, row_stats);
+  const int64_t world = world_of(gathered, n, "gathered");
+  check_status(k > 0 ? fusedce::linear_distill_topk_shard_reduce(ctx.device(), g, world, tlp, lv, o, rs,
+                                                                 vector_of(hard, "hard"), out)
+                     : fusedce::linear_distill_shard_reduce(ctx.device(), g, world, lv, o, rs, vector_of(hard, "hard"),
+                                                            out),
+               op);
   return {loss, divergence, hard_out, entropy, stats};
 }
 
 template <class Ctx>
-std::tuple<Tensor, Tensor, Tensor> ld_shard_bwd(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
-                                                const Tensor& teacher_hidden, const Tensor& teacher_weight,
-                                                const OptTensor& teacher_bias, const OptTensor& labels,
+std::tuple<Tensor, Tensor, Tensor> shard_bwd_of(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
+                                                const fusedce::DistillTeacher& t, int64_t k, const OptTensor& labels,
                                                 const Tensor& stats, const Tensor& grad_loss, int64_t vocab_start,
-                                                int64_t vocab_total, FUSEDCE_DISTILL_PARAMS, bool need_grad_hidden,
-                                                bool need_grad_weight, bool need_grad_bias) {
+                                                int64_t vocab_total, const fusedce::DistillOptions& o,
+                                                int64_t chunk_budget_bytes, bool need_grad_hidden,
+                                                bool need_grad_weight, bool need_grad_bias, const char* op) {
   Ctx ctx(hidden, "hidden");
-  Tensor tb;
-  const fusedce::DistillTeacher t = teacher_head(hidden, teacher_hidden, teacher_weight, teacher_bias, &tb);
   const StudentViews s = student_views(hidden, weight, bias, labels);
-  const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
   TORCH_CHECK_VALUE(!need_grad_bias || bias.has_value(), "fusedce: need_grad_bias is set but bias is not given");
   check_same_device(grad_loss, "grad_loss", hidden, "hidden");
-  const fusedce::MatrixView st = float_block_view(stats, "stats", fusedce::kDistillStatsWidth, hidden);
+  const int64_t sw = k > 0 ? fusedce::distill_shard_stats_width(k) : fusedce::kDistillStatsWidth;
+  const fusedce::MatrixView st = float_block_view(stats, "stats", sw, hidden);
   auto none = [&] { return at::empty({0}, hidden.options()); };
   Tensor grad_hidden = need_grad_hidden ? at::empty(hidden.sizes(), hidden.options().dtype(at::kFloat)) : none();
   Tensor grad_weight = need_grad_weight ? at::empty(weight.sizes(), weight.options()) : none();
@@ -386,8 +392,94 @@ std::tuple<Tensor, Tensor, Tensor> ld_shard_bwd(const Tensor& hidden, const Tens
   check_status(fusedce::linear_distill_shard_backward(
                    ctx.device(), s.hidden, s.weight, s.bias, t, s.labels, fusedce::ShardSpec{vocab_start, vocab_total},
                    o, static_cast<size_t>(chunk_budget_bytes), st, vector_of(grad_loss, "grad_loss"), grads),
-               "ld_shard_bwd");
+               op);
   return {grad_hidden, grad_weight, grad_bias};
+}
+
+// ld_shard_*: a teacher head.
+template <class Ctx>
+Tensor ld_shard_stats(const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& teacher_hidden,
+                      const Tensor& teacher_weight, const OptTensor& teacher_bias, const OptTensor& labels,
+                      int64_t vocab_start, int64_t vocab_total, FUSEDCE_DISTILL_PARAMS) {
+  Tensor tb;
+  const fusedce::DistillTeacher t = teacher_head(hidden, teacher_hidden, teacher_weight, teacher_bias, &tb);
+  return shard_stats_of<Ctx>(hidden, weight, bias, t, labels, vocab_start, vocab_total,
+                             distill_options_of(FUSEDCE_DISTILL_PASS), chunk_budget_bytes, "ld_shard_stats");
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor> ld_shard_parts(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
+                                                  const Tensor& teacher_hidden, const Tensor& teacher_weight,
+                                                  const OptTensor& teacher_bias, const OptTensor& labels,
+                                                  const Tensor& gathered, int64_t vocab_start, int64_t vocab_total,
+                                                  FUSEDCE_DISTILL_PARAMS) {
+  Tensor tb;
+  const fusedce::DistillTeacher t = teacher_head(hidden, teacher_hidden, teacher_weight, teacher_bias, &tb);
+  return shard_parts_of<Ctx>(hidden, weight, bias, t, 0, labels, gathered, vocab_start, vocab_total,
+                             distill_options_of(FUSEDCE_DISTILL_PASS), chunk_budget_bytes, "ld_shard_parts");
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ld_shard_reduce(const Tensor& gathered, const Tensor& row_stats,
+                                                                   const Tensor& hard, const OptTensor& labels,
+                                                                   FUSEDCE_DISTILL_PARAMS) {
+  return shard_reduce_of<Ctx>(gathered, row_stats, hard, c10::nullopt, labels,
+                              distill_options_of(FUSEDCE_DISTILL_PASS), "ld_shard_reduce");
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor> ld_shard_bwd(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
+                                                const Tensor& teacher_hidden, const Tensor& teacher_weight,
+                                                const OptTensor& teacher_bias, const OptTensor& labels,
+                                                const Tensor& stats, const Tensor& grad_loss, int64_t vocab_start,
+                                                int64_t vocab_total, FUSEDCE_DISTILL_PARAMS, bool need_grad_hidden,
+                                                bool need_grad_weight, bool need_grad_bias) {
+  Tensor tb;
+  const fusedce::DistillTeacher t = teacher_head(hidden, teacher_hidden, teacher_weight, teacher_bias, &tb);
+  return shard_bwd_of<Ctx>(hidden, weight, bias, t, 0, labels, stats, grad_loss, vocab_start, vocab_total,
+                           distill_options_of(FUSEDCE_DISTILL_PASS), chunk_budget_bytes, need_grad_hidden,
+                           need_grad_weight, need_grad_bias, "ld_shard_bwd");
+}
+
+// ldk_shard_*: the teacher's top-k, ids global.
+template <class Ctx>
+Tensor ldk_shard_stats(const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& teacher_ids,
+                       const Tensor& teacher_logprobs, const OptTensor& labels, int64_t vocab_start,
+                       int64_t vocab_total, FUSEDCE_DISTILL_PARAMS) {
+  const fusedce::DistillTeacher t = teacher_topk(hidden, teacher_ids, teacher_logprobs);
+  return shard_stats_of<Ctx>(hidden, weight, bias, t, labels, vocab_start, vocab_total,
+                             distill_options_of(FUSEDCE_DISTILL_PASS), chunk_budget_bytes, "ldk_shard_stats");
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor> ldk_shard_parts(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
+                                                   const Tensor& teacher_ids, const Tensor& teacher_logprobs,
+                                                   const OptTensor& labels, const Tensor& gathered,
+                                                   int64_t vocab_start, int64_t vocab_total, FUSEDCE_DISTILL_PARAMS) {
+  const fusedce::DistillTeacher t = teacher_topk(hidden, teacher_ids, teacher_logprobs);
+  return shard_parts_of<Ctx>(hidden, weight, bias, t, teacher_ids.size(1), labels, gathered, vocab_start,
+                             vocab_total, distill_options_of(FUSEDCE_DISTILL_PASS), chunk_budget_bytes,
+                             "ldk_shard_parts");
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ldk_shard_reduce(const Tensor& gathered, const Tensor& row_stats,
+                                                                    const Tensor& hard, const Tensor& teacher_logprobs,
+                                                                    const OptTensor& labels, FUSEDCE_DISTILL_PARAMS) {
+  return shard_reduce_of<Ctx>(gathered, row_stats, hard, teacher_logprobs, labels,
+                              distill_options_of(FUSEDCE_DISTILL_PASS), "ldk_shard_reduce");
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor> ldk_shard_bwd(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
+                                                 const Tensor& teacher_ids, const Tensor& teacher_logprobs,
+                                                 const OptTensor& labels, const Tensor& stats, const Tensor& grad_loss,
+                                                 int64_t vocab_start, int64_t vocab_total, FUSEDCE_DISTILL_PARAMS,
+                                                 bool need_grad_hidden, bool need_grad_weight, bool need_grad_bias) {
+  const fusedce::DistillTeacher t = teacher_topk(hidden, teacher_ids, teacher_logprobs);
+  return shard_bwd_of<Ctx>(hidden, weight, bias, t, teacher_ids.size(1), labels, stats, grad_loss, vocab_start,
+                           vocab_total, distill_options_of(FUSEDCE_DISTILL_PASS), chunk_budget_bytes,
+                           need_grad_hidden, need_grad_weight, need_grad_bias, "ldk_shard_bwd");
 }
 
 }  // namespace fusedce_torch

@@ -59,7 +59,8 @@
 //
 // The distillation ops (ld_fwd / ld_bwd with a teacher head, ldk_fwd / ldk_bwd with its top-k,
 // and the vocabulary-parallel steps ld_shard_stats / ld_shard_parts / ld_shard_reduce /
-// ld_shard_bwd): torch/distill_ops.h; their autograd is python/fusedce/distillation.py's.
+// ld_shard_bwd, ldk_shard_* for the top-k teacher): torch/distill_ops.h; their autograd is
+// python/fusedce/distillation.py's.
 #pragma once
 
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -186,6 +187,20 @@ void for_each_op(Add&& add) {
       "Tensor? teacher_bias, Tensor? labels, Tensor stats, Tensor grad_loss, int vocab_start, int vocab_total, "
       FUSEDCE_DISTILL_ARGS FUSEDCE_DISTILL_GRADS,
       cpp_function<&ld_shard_bwd<Ctx>>());
+  add("ldk_shard_stats(Tensor hidden, Tensor weight, Tensor? bias, Tensor teacher_ids, Tensor teacher_logprobs, "
+      "Tensor? labels, int vocab_start, int vocab_total, " FUSEDCE_DISTILL_ARGS ") -> Tensor",
+      cpp_function<&ldk_shard_stats<Ctx>>());
+  add("ldk_shard_parts(Tensor hidden, Tensor weight, Tensor? bias, Tensor teacher_ids, Tensor teacher_logprobs, "
+      "Tensor? labels, Tensor gathered, int vocab_start, int vocab_total, " FUSEDCE_DISTILL_ARGS
+      ") -> (Tensor row_stats, Tensor hard, Tensor parts)",
+      cpp_function<&ldk_shard_parts<Ctx>>());
+  add("ldk_shard_reduce(Tensor gathered, Tensor row_stats, Tensor hard, Tensor teacher_logprobs, Tensor? labels, "
+      FUSEDCE_DISTILL_ARGS ")" FUSEDCE_DISTILL_OUT,
+      cpp_function<&ldk_shard_reduce<Ctx>>());
+  add("ldk_shard_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor teacher_ids, Tensor teacher_logprobs, "
+      "Tensor? labels, Tensor stats, Tensor grad_loss, int vocab_start, int vocab_total, " FUSEDCE_DISTILL_ARGS
+      FUSEDCE_DISTILL_GRADS,
+      cpp_function<&ldk_shard_bwd<Ctx>>());
 }
 
 // ADInplaceOrView kernel of every op that writes into its arguments: run the op, then bump the

@@ -1,6 +1,6 @@
 """Fake (meta) kernels of the distillation ops of torch/distill_ops.h (schemas in
 torch/registry.h): ``ld_fwd`` / ``ld_bwd`` (a teacher head) and ``ldk_fwd`` / ``ldk_bwd`` (a
-teacher's top-k). python/fusedce/distillation.py strings them together in its autograd.Function:
+teacher's top-k), and the vocabulary-parallel steps ``ld_shard_*`` / ``ldk_shard_*``. python/fusedce/distillation.py strings them together in its autograd.Function:
 they have no autograd formula of their own.
 """
 
@@ -79,4 +79,31 @@ def _ld_shard_reduce_fake(gathered, row_stats, hard, labels, beta, temperature, 
 
 @torch.library.register_fake(_library.qualified("ld_shard_bwd"))
 def _ld_shard_bwd_fake(hidden, weight, bias, *rest):
+    return _backward_fake(hidden, weight, bias, *rest[-3:])
+
+
+# The top-k form's steps (ldk_shard_*): step 3's parts and step 4's stats carry K more columns.
+@torch.library.register_fake(_library.qualified("ldk_shard_stats"))
+def _ldk_shard_stats_fake(hidden, *rest):
+    return hidden.new_empty((hidden.shape[0] + 1, SHARD_STATS_WIDTH), dtype=torch.float32)
+
+
+@torch.library.register_fake(_library.qualified("ldk_shard_parts"))
+def _ldk_shard_parts_fake(hidden, weight, bias, teacher_ids, *rest):
+    n, k = hidden.shape[0], teacher_ids.shape[1]
+    f32 = dict(dtype=torch.float32)
+    return (hidden.new_empty((n, STATS_WIDTH), **f32), hidden.new_empty((n,), **f32),
+            hidden.new_empty((n, PARTS_WIDTH + k), **f32))
+
+
+@torch.library.register_fake(_library.qualified("ldk_shard_reduce"))
+def _ldk_shard_reduce_fake(gathered, row_stats, hard, teacher_logprobs, labels, beta, temperature, hard_weight,
+                           ignore_index, reduction, *rest):
+    loss, divergence, hard_out, entropy, _ = _forward_fake(row_stats, labels, reduction)
+    stats = row_stats.new_empty((row_stats.shape[0], STATS_WIDTH + teacher_logprobs.shape[1]))
+    return loss, divergence, hard_out, entropy, stats
+
+
+@torch.library.register_fake(_library.qualified("ldk_shard_bwd"))
+def _ldk_shard_bwd_fake(hidden, weight, bias, *rest):
     return _backward_fake(hidden, weight, bias, *rest[-3:])

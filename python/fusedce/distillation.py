@@ -26,7 +26,8 @@ loss and gradients NaN, where the CPU raises.
 
 Vocabulary parallel (``linear_distillation(..., process_group=pg)``, the CPU only): each rank
 holds the same rows ``[v0, v1)`` of both heads' weights (and biases), the full hidden states and
-the labels (global indices). The core's five steps (include/fusedce/distill.h) with two
+the labels (global indices); ``linear_distillation_topk(..., process_group=pg)`` the same for
+the student's head, the teacher's top-k (global ids) whole on every rank. The core's five steps (include/fusedce/distill.h) with two
 all-gathers of per-row scalars in the forward ((N + 1, 9) statistics, then (N, 6) partial sums,
 each folded in rank order: the same bits on every rank) and one all-reduce of the float32
 (N, H) grad_hidden in the backward. Layout rules and the agreement of the ranks on an error:
@@ -87,26 +88,35 @@ class _LinearDistill(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
-def _sharded_forward(h, w, bias, th, tw, tb, labels, call, shard):
-    """The forward of a vocabulary-parallel head: step 1 (this rank's statistics), the checked
-    all-gather, steps 2 and 3 (the merge, this rank's partial sums), the all-gather of the
-    parts (none for N = 0: nothing to add), step 4. Returns ld_fwd's outputs, the same on every
-    rank."""
+def _sharded_forward(h, w, bias, a, b, c, labels, call, shard):
+    """The forward of a vocabulary-parallel head, the teacher (a, b, c) its head's rows or (ids,
+    logprobs, None) its top-k: step 1 (this rank's statistics), the checked all-gather, steps 2
+    and 3 (the merge, this rank's partial sums; the top-k form: and its q at the ids it holds),
+    the all-gather of the parts (none for N = 0: nothing to add), step 4. Returns ld_fwd's
+    outputs (the top-k form: stats with the K q after them), the same on every rank."""
     args = (*call.options.op_args(), call.linear.chunk_budget_bytes)
-    head = (h, w, bias, th, tw, tb, labels)
-    stats = ops.ld_shard_stats(*head, *shard.op_args(), *args)
+    if call.where == _TOPK:
+        head = (h, w, bias, a, b, labels)
+        stats = ops.ldk_shard_stats(*head, *shard.op_args(), *args)
+    else:
+        head = (h, w, bias, a, b, c, labels)
+        stats = ops.ld_shard_stats(*head, *shard.op_args(), *args)
     gathered = distributed.gather_checked(stats, h, shard, call.parallel, call.where)
-    row_stats, hard, parts = ops.ld_shard_parts(*head, gathered, *shard.op_args(), *args)
+    shard_parts = ops.ldk_shard_parts if call.where == _TOPK else ops.ld_shard_parts
+    row_stats, hard, parts = shard_parts(*head, gathered, *shard.op_args(), *args)
     if h.shape[0] > 0:
         parts = distributed._all_gather_rows(parts, call.parallel.group)
+    if call.where == _TOPK:
+        return ops.ldk_shard_reduce(parts, row_stats, hard, b, labels, *args)
     return ops.ld_shard_reduce(parts, row_stats, hard, labels, *args)
 
 
 class _ShardedDistill(torch.autograd.Function):
-    """The full form over this rank's rows of both heads: (h, w, bias) the student's, (th, tw,
-    tb) the teacher's, labels (N,) global or None, the Call (with its VocabParallel) and this
-    rank's ShardSpec. Backward: step 5 (this rank's part of grad_hidden, its rows of grad_weight
-    and grad_bias), then one all-reduce (sum) of the float32 grad_hidden, rounded once."""
+    """Over this rank's rows of the student's head (h, w, bias), the teacher (th, tw, tb): its
+    head's same rows, or (ids, logprobs, None) its top-k (global ids); labels (N,) global or None,
+    the Call (with its VocabParallel) and this rank's ShardSpec. Backward: step 5 (this rank's
+    part of grad_hidden, its rows of grad_weight and grad_bias), then one all-reduce (sum) of the
+    float32 grad_hidden, rounded once."""
 
     @staticmethod
     def forward(ctx, h, w, bias, th, tw, tb, labels, call, shard):
@@ -125,9 +135,12 @@ class _ShardedDistill(torch.autograd.Function):
             h, w, bias, th, tw, tb, labels, stats = ctx.saved_tensors
             call = ctx.call
             g = grad_loss.reshape(-1).to(torch.float32).contiguous()
-            part_h, part_w, part_b = ops.ld_shard_bwd(
-                h, w, bias, th, tw, tb, labels, stats, g, *ctx.shard.op_args(), *call.options.op_args(),
-                call.linear.chunk_budget_bytes, need_h, need_w, need_b)
+            rest = (*ctx.shard.op_args(), *call.options.op_args(), call.linear.chunk_budget_bytes, need_h, need_w,
+                    need_b)
+            if call.where == _TOPK:
+                part_h, part_w, part_b = ops.ldk_shard_bwd(h, w, bias, th, tw, labels, stats, g, *rest)
+            else:
+                part_h, part_w, part_b = ops.ld_shard_bwd(h, w, bias, th, tw, tb, labels, stats, g, *rest)
             if need_h:
                 # The sum over ranks of every rank's float32 part, rounded once.
                 grad_h = distributed._all_reduce_sum(part_h, call.parallel.group).to(h.dtype)
@@ -336,7 +349,7 @@ def linear_distillation_topk(student_hidden, student_weight, teacher_ids, teache
                              divergence="forward_kl", beta=None, topk_norm="none", temperature=1.0,
                              ignore_index=-100, hard_weight=0.0, reduction="mean", student_bias=None,
                              student_logit_scale=1.0, student_softcap=None, chunk_budget_bytes=None,
-                             return_metrics=False):
+                             return_metrics=False, process_group=None, vocab_start=None, vocab_total=None):
     """The distillation loss against a teacher given as its top-k per position.
 
     Args:
@@ -349,11 +362,34 @@ def linear_distillation_topk(student_hidden, student_weight, teacher_ids, teache
         divergence: default "forward_kl", the top-k teacher's usual objective (axolotl's default,
             TRL's server distillation's top-k path); the other arguments as in
             :func:`linear_distillation`.
+        process_group, vocab_start, vocab_total: a vocabulary-parallel student head (the CPU
+            only; NotImplementedError on CUDA): student_weight (and student_bias) hold this rank's
+            rows [vocab_start, vocab_start + V_local); teacher_ids are global ids in
+            [0, vocab_total), and they, the teacher's log-probabilities, the hidden states and the
+            labels are the same on every rank. Two all-gathers of per-row float32 values in the
+            forward (the (N + 1, 9) statistics, then (N, 6 + K) parts: each rank's student
+            log-probabilities at the ids it holds), one all-reduce of the (N, H) float32
+            grad_hidden in the backward.
 
     Returns:
         the loss, or ``(loss, metrics)``, as :func:`linear_distillation`.
     """
+    args = (student_hidden, student_weight, teacher_ids, teacher_logprobs, labels, student_bias)
+    run = functools.partial(_linear_distillation_topk, dict(
+        divergence=divergence, beta=beta, topk_norm=topk_norm, temperature=temperature, ignore_index=ignore_index,
+        hard_weight=hard_weight, reduction=reduction, student_logit_scale=student_logit_scale,
+        student_softcap=student_softcap, chunk_budget_bytes=chunk_budget_bytes, return_metrics=return_metrics))
+    return route(_TOPK, run, args, VocabParallel.of(process_group, vocab_start, vocab_total),
+                 target=_rows_like(student_hidden), device=getattr(student_hidden, "device", None),
+                 dtensor_form=None)
+
+
+def _linear_distillation_topk(kw, student_hidden, student_weight, teacher_ids, teacher_logprobs, labels,
+                              student_bias, parallel):
+    """linear_distillation_topk on plain tensors, its keywords in `kw`, with `parallel` its
+    VocabParallel (a process group: this rank's rows of the student's head)."""
     where = _TOPK
+    parallel.check_single(where)
     _check_head(student_hidden, student_weight, student_bias, "student_", None, where)
     shape = student_hidden.shape[:-1]
     check_tensor(teacher_ids, "teacher_ids", where)
@@ -372,11 +408,13 @@ def linear_distillation_topk(student_hidden, student_weight, teacher_ids, teache
     _check_device(((student_weight, "student_weight"), (student_bias, "student_bias"), (teacher_ids, "teacher_ids"),
                    (teacher_logprobs, "teacher_logprobs"), (labels, "labels")), student_hidden, where)
     options = DistillOptions.checked(
-        where, divergence=divergence, beta=beta, temperature=temperature, hard_weight=hard_weight,
-        ignore_index=ignore_index, reduction=reduction, has_labels=labels is not None,
-        student_logit_scale=student_logit_scale, student_softcap=student_softcap, topk_norm=topk_norm)
-    call = _call_of(where, options, chunk_budget_bytes, return_metrics, student_hidden)
+        where, divergence=kw["divergence"], beta=kw["beta"], temperature=kw["temperature"],
+        hard_weight=kw["hard_weight"], ignore_index=kw["ignore_index"], reduction=kw["reduction"],
+        has_labels=labels is not None, student_logit_scale=kw["student_logit_scale"],
+        student_softcap=kw["student_softcap"], topk_norm=kw["topk_norm"])
+    call = _call_of(where, options, kw["chunk_budget_bytes"], kw["return_metrics"], student_hidden, parallel)
+    shard = _shard_of(student_weight, student_hidden, call)
     k = teacher_ids.shape[-1]
     teacher = (teacher_ids.reshape(-1, k).to(torch.int64).contiguous(),
                teacher_logprobs.detach().reshape(-1, k).to(torch.float32).contiguous(), None)
-    return _run(call, student_hidden, student_weight, student_bias, teacher, labels, shape)
+    return _run(call, student_hidden, student_weight, student_bias, teacher, labels, shape, shard)

@@ -17,13 +17,20 @@ reductions and several chunks:
     _grad_tol), each rank's gradients against its rows of the reference's;
   * the loss, the metrics and grad_hidden bit for bit the same on every rank.
 N = 0, every row ignored, and the agreement of the ranks on a bad argument (one rank's, or every
-rank's) are cases of their own. The single-device file's tolerance helpers are imported, not
+rank's) are cases of their own.
+
+fusedce.linear_distillation_topk over a vocabulary-parallel student head (its ids global, whole on
+every rank) is checked the same way (TOPK_CONFIGS: each topk_norm, beta 0 / 0.5 / 1, repeated ids,
+absent entries, K = V, several chunks), its float64 reference test_distillation.py's
+reference_topk, its gradient tolerances times test_distillation.py's top-k amplification
+1 + max |t| (the entries' gradients carry e^s's rounding times |s - t|). The single-device file's tolerance helpers are imported, not
 copied.
 
 Planted bugs (each seen to fail, then reverted): a label kept as its global index on its shard
 (build_problem in src/cpu/distill_cpu.cpp not subtracting vocab_start) fails every hard-mix case
 of 2 and 3 ranks; a 1e-5 relative error on step 4's divergence fails every case's float64
-comparison on 1, 2 and 3 ranks."""
+comparison on 1, 2 and 3 ranks; step 5 of the top-k form summing dD/dq over the shard's own ids
+only fails every top-k case of 2 and 3 ranks (C++ test_distill_vp.cpp's plant, seen there)."""
 
 import math
 
@@ -35,7 +42,7 @@ import fusedce
 from fusedce._distill_options import NAMES
 from conftest import requires_cuda
 from gloo_groups import failures_of, spawn_group
-from test_distillation import IGNORE, _grad_tol, _problem, _value_tol, reference_full
+from test_distillation import IGNORE, _grad_tol, _problem, _topk_teacher, _value_tol, reference_full, reference_topk
 
 VOCAB, HID, HID_T, ROWS = 37, 12, 9, 13
 # Against the single-device call (see the module's docstring).
@@ -138,6 +145,102 @@ def _config_case(config, group, rank, world):
                                    msg=lambda m: f"grad_{name} against float64: {m}")
 
 
+# (dtype, beta, temperature, hard_weight, bias, reduction, labels, topk_norm, K, repeats, absent,
+#  chunk_budget_bytes)
+TOPK_CONFIGS = [
+    (torch.float32, 0.0, 1.0, 0.0, True, "mean", True, "none", 8, False, False, None),
+    (torch.float32, 0.5, 0.8, 0.2, True, "mean", True, "renorm", 6, True, True, None),
+    (torch.float32, 1.0, 1.0, 0.0, False, "none", True, "tail", 5, False, True, None),
+    (torch.bfloat16, 0.5, 1.2, 0.3, True, "sum", True, "tail", 8, True, False, None),
+    (torch.float32, 0.0, 1.0, 0.0, False, "sum", False, "renorm", VOCAB, False, False, 2 * 19 * 4),  # K = V, chunks
+    (torch.float32, 0.5, 1.0, 0.5, True, "none", True, "none", 4, False, False, None),
+]
+
+
+def _run_topk(hs, ws, bs, ids, tlp, labels, kw, **parallel):
+    """_run for the top-k form."""
+    leaves = [_leaf(x) for x in (hs, ws, bs)]
+    loss, metrics = fusedce.linear_distillation_topk(leaves[0], leaves[1], ids, tlp, labels, student_bias=leaves[2],
+                                                     return_metrics=True, **kw, **parallel)
+    if loss.numel() and torch.isfinite(loss).all():
+        w = torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)
+        (loss * w).sum().backward()
+    return loss.detach(), metrics, leaves
+
+
+def _topk_config_case(config, group, rank, world):
+    dtype, beta, temperature, hard_weight, bias, reduction, with_labels, norm, k, repeats, absent, budget = config
+    v0, v1 = _shards(VOCAB, world)[rank]
+    hs, ws, bs, _, _, _, labels = _problem(ROWS, HID, VOCAB, dtype, seed=17 + k, bias=bias)
+    ids, tlp = _topk_teacher(ROWS, VOCAB, k, seed=5 + k, repeats=repeats, absent=absent)
+    if not with_labels:
+        labels = None
+    kw = dict(divergence="jsd", beta=beta, temperature=temperature, hard_weight=hard_weight, reduction=reduction,
+              topk_norm=norm, chunk_budget_bytes=budget)
+    sl = lambda x: None if x is None else x[v0:v1]  # noqa: E731
+    loss, metrics, leaves = _run_topk(hs, sl(ws), sl(bs), ids, tlp, labels, kw, process_group=group,
+                                      vocab_start=v0, vocab_total=VOCAB)
+    _same_on_every_rank(group, world, loss, *metrics.values(), leaves[0].grad)
+    finite = tlp[tlp != -math.inf]
+    amplification = 1.0 + finite.abs().max().item()
+    one_loss, one_metrics, one_leaves = _run_topk(hs, ws, bs, ids, tlp, labels, kw)
+    _same_values(loss, one_loss, "loss")
+    for key, value in one_metrics.items():
+        _same_values(metrics[key], value, key)
+    rows_of = (slice(None), slice(v0, v1), slice(v0, v1))
+    for got, want, rows, name in zip(leaves, one_leaves, rows_of, ("hidden", "weight", "bias")):
+        if got is None:
+            continue
+        assert got.grad.dtype == dtype
+        tol = dict(SAME_GRAD_TOL[dtype])
+        tol["atol"] *= amplification
+        torch.testing.assert_close(got.grad, want.grad[rows], **tol, msg=lambda m: f"grad_{name}: {m}")
+    leaves64 = [None if x is None else x.detach().double().requires_grad_(True) for x in (hs, ws, bs)]
+    ref, ref_m = reference_topk(*leaves64, ids, tlp, labels, beta=beta, norm=norm, temperature=temperature,
+                                hard_weight=hard_weight, reduction=reduction)
+    scale = max(ref.abs().max().item(), 1.0)
+    torch.testing.assert_close(loss.double(), ref.detach(), atol=_value_tol(HID, 0, VOCAB, scale), rtol=0.0)
+    for key, value in ref_m.items():
+        tol = _value_tol(HID, 0, VOCAB, value.abs().max().item())
+        torch.testing.assert_close(metrics[key].double(), value.detach(), atol=tol, rtol=0.0,
+                                   msg=lambda m: f"{key}: {m}")
+    (ref * torch.linspace(0.5, 1.5, ref.numel(), dtype=torch.float64).view(ref.shape)).sum().backward()
+    for got, want, rows, name in zip(leaves, leaves64, rows_of, ("hidden", "weight", "bias")):
+        if got is None:
+            continue
+        atol, rtol = _grad_tol(dtype, want.grad, VOCAB + HID + ROWS, amplification)
+        torch.testing.assert_close(got.grad.double(), want.grad[rows], atol=atol, rtol=rtol,
+                                   msg=lambda m: f"grad_{name} against float64: {m}")
+
+
+def _topk_empty_and_agreement_case(group, rank, world):
+    """The top-k form: N = 0 (mean NaN), every row ignored (gradients 0), an id past the
+    vocabulary named on every rank, then a right call."""
+    v0, v1 = _shards(VOCAB, world)[rank]
+    hs, ws, bs, _, _, _, labels = _problem(0, HID, VOCAB, torch.float32, seed=3, bias=True)
+    ids, tlp = _topk_teacher(0, VOCAB, 4, seed=3)
+    loss, _, _ = _run_topk(hs, ws[v0:v1], bs[v0:v1], ids, tlp, labels, dict(hard_weight=0.4), process_group=group,
+                           vocab_start=v0, vocab_total=VOCAB)
+    assert math.isnan(loss.item())
+    hs, ws, bs, _, _, _, labels = _problem(6, HID, VOCAB, torch.float32, seed=4, bias=True)
+    ids, tlp = _topk_teacher(6, VOCAB, 4, seed=4)
+    ignored = torch.full_like(labels, IGNORE)
+    leaves = [_leaf(x) for x in (hs, ws[v0:v1], bs[v0:v1])]
+    loss = fusedce.linear_distillation_topk(leaves[0], leaves[1], ids, tlp, ignored, student_bias=leaves[2],
+                                            reduction="sum", process_group=group, vocab_start=v0, vocab_total=VOCAB)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert all((x.grad == 0).all() for x in leaves)
+    bad = ids.clone()
+    bad[2, 1] = VOCAB
+    with pytest.raises(ValueError, match=r"teacher_ids\[2, 1\] = 37 is out of range \[0, 37\)"):
+        fusedce.linear_distillation_topk(hs, ws[v0:v1], bad, tlp, labels, process_group=group, vocab_start=v0,
+                                         vocab_total=VOCAB)
+    loss = fusedce.linear_distillation_topk(hs, ws[v0:v1], ids, tlp, labels, process_group=group, vocab_start=v0,
+                                            vocab_total=VOCAB)
+    _same_values(loss, fusedce.linear_distillation_topk(hs, ws, ids, tlp, labels), "loss")
+
+
 def _empty_and_ignored_case(group, rank, world):
     """N = 0 (mean: NaN; sum: 0; no gradient rows) and every row ignored (mean NaN, gradients 0)."""
     v0, v1 = _shards(VOCAB, world)[rank]
@@ -203,11 +306,16 @@ def _run_key(key, group, rank, world):
         _empty_and_ignored_case(group, rank, world)
     elif key == "agreement":
         _agreement_case(group, rank, world)
+    elif key == "topk_empty_agreement":
+        _topk_empty_and_agreement_case(group, rank, world)
+    elif key.startswith("topk"):
+        _topk_config_case(TOPK_CONFIGS[int(key[len("topk"):])], group, rank, world)
     else:
         raise KeyError(key)
 
 
-KEYS = [f"config{i}" for i in range(len(CONFIGS))] + ["empty", "agreement"]
+KEYS = ([f"config{i}" for i in range(len(CONFIGS))] + ["empty", "agreement"] +
+        [f"topk{i}" for i in range(len(TOPK_CONFIGS))] + ["topk_empty_agreement"])
 _RESULTS = {}
 
 
@@ -252,7 +360,8 @@ def test_cuda_core_steps_are_refused():
         torch.ops.fusedce.ld_shard_stats(hs, ws, None, ht, wt, None, labels, 0, VOCAB, *args)
 
 
-@pytest.mark.parametrize("op", ["ld_shard_stats", "ld_shard_parts", "ld_shard_reduce", "ld_shard_bwd"])
+@pytest.mark.parametrize("op", ["ld_shard_stats", "ld_shard_parts", "ld_shard_reduce", "ld_shard_bwd",
+                                "ldk_shard_stats", "ldk_shard_parts", "ldk_shard_reduce", "ldk_shard_bwd"])
 def test_shard_ops_take_the_options_in_the_python_order(op):
     names = [a.name for a in getattr(torch.ops.fusedce, op).default._schema.arguments]
     at = names.index("beta")
@@ -266,7 +375,7 @@ def test_vocab_start_needs_a_group():
         fusedce.linear_distillation(hs, ws, ht, wt, labels, vocab_start=0)
 
 
-def test_core_steps_refuse_a_top_k_teacher_and_bad_blocks():
+def test_core_steps_name_bad_blocks():
     """The shard ops name their bad arguments (what the front end never passes)."""
     ops = torch.ops.fusedce
     hs, ws, _, ht, wt, _, labels = _problem(4, HID, VOCAB, torch.float32, seed=1, h_t=HID_T)
@@ -278,3 +387,14 @@ def test_core_steps_refuse_a_top_k_teacher_and_bad_blocks():
     stats = ops.ld_shard_stats(hs, ws, None, ht, wt, None, labels, 0, VOCAB, *args)
     with pytest.raises(ValueError, match="gathered"):
         ops.ld_shard_parts(hs, ws, None, ht, wt, None, labels, stats[:-1], 0, VOCAB, *args)
+    # the top-k steps: parts without the K columns, logprobs of another K
+    ids, tlp = _topk_teacher(4, VOCAB, 3, seed=1)
+    kstats = ops.ldk_shard_stats(hs, ws, None, ids, tlp, labels, 0, VOCAB, *args)
+    row_stats, hard, parts = ops.ldk_shard_parts(hs, ws, None, ids, tlp, labels, kstats, 0, VOCAB, *args)
+    assert parts.shape == (4, 6 + 3)
+    with pytest.raises(ValueError, match="gathered"):
+        ops.ldk_shard_reduce(parts[:, :-1].contiguous(), row_stats, hard, tlp, labels, *args)
+    with pytest.raises(ValueError, match="teacher_ids"):
+        ops.ldk_shard_stats(hs, ws[:10], None, ids + 30, tlp, labels, 0, VOCAB, *args)
+    out = ops.ldk_shard_reduce(parts, row_stats, hard, tlp, labels, *args)
+    assert out[4].shape == (4, 4 + 3)
