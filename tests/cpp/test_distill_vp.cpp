@@ -3,7 +3,9 @@
 // vocabulary rows (uneven shards, a shard of one row among them), each rank's steps 1, 3 and 5
 // over its rows, the gathers done here in rank order, steps 2 and 4 run once per rank. Checked
 // against linear_distill_forward / linear_distill_backward of the same inputs on one device, and
-// every rank's steps 2 and 4 against each other bit for bit. Then bad input, each named.
+// every rank's steps 2 and 4 against each other bit for bit. Both forms: a teacher head (split
+// as the student's), and the teacher's top-k (global ids, whole on every rank; step 4 is
+// linear_distill_topk_shard_reduce). Then bad input, each named.
 //
 // Tolerances (why each is what it is): both calls compute the same float32 logits (the same
 // products, by vocabulary blocks whose order the shard split may change) and sum over the
@@ -15,7 +17,11 @@
 //  - gradients: 2 * 4 sqrt(V + H + N) u32 times the largest |single-device value|, plus, for
 //    bfloat16 grad_weight and grad_bias (each rounded once from a float32 sum), two units of
 //    bfloat16 roundoff relative (the two float32 sums may round to neighbouring values);
-//    grad_hidden is the float32 sum of the ranks' parts, in rank order (the caller's all-reduce).
+//    grad_hidden is the float32 sum of the ranks' parts, in rank order (the caller's all-reduce);
+//    for a top-k teacher times 1 + its largest |t| (test_distill.cpp's amplification).
+// Planted: step 4 skipping the last rank's parts fails every W = 2, 3 case with counted rows;
+// step 5 of the top-k form summing dD/dq over the shard's own ids only fails every top-k case of
+// W = 2, 3 with counted rows.
 #include <gtest/gtest.h>
 
 #include <algorithm>

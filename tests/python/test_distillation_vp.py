@@ -348,6 +348,9 @@ def test_cuda_is_refused():
     # refused before the group is looked at (any object will do: no collective is reached)
     with pytest.raises(NotImplementedError, match="process_group"):
         fusedce.linear_distillation(hs, ws, ht, wt, labels, process_group=object(), vocab_total=VOCAB)
+    ids, tlp = (x.cuda() for x in _topk_teacher(4, VOCAB, 3, seed=1))
+    with pytest.raises(NotImplementedError, match="process_group"):
+        fusedce.linear_distillation_topk(hs, ws, ids, tlp, labels, process_group=object(), vocab_total=VOCAB)
 
 
 @requires_cuda
