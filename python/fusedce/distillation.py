@@ -49,79 +49,57 @@ _FULL = "fusedce.linear_distillation"
 _TOPK = "fusedce.linear_distillation_topk"
 
 
-class _LinearDistill(torch.autograd.Function):
-    """Over the student's hidden (N, H), weight (V, H), bias (V,) or None and the teacher (a, b,
-    c) = (hidden, weight, bias) of its head, or (ids, logprobs, None) of its top-k; labels (N,)
-    or None; the Call. Returns loss, divergence, hard, entropy (the last three not
-    differentiable)."""
-
-    @staticmethod
-    def forward(ctx, h, w, bias, a, b, c, labels, call):
-        args = (*call.options.op_args(), call.linear.chunk_budget_bytes)
-        if call.where == _TOPK:
-            out = ops.ldk_fwd(h, w, bias, a, b, labels, *args)
-        else:
-            out = ops.ld_fwd(h, w, bias, a, b, c, labels, *args)
-        loss, divergence, hard, entropy, stats = out
-        ctx.save_for_backward(h, w, bias, a, b, c, labels, stats)
-        ctx.call = call
-        ctx.mark_non_differentiable(divergence, hard, entropy)
-        ctx.set_materialize_grads(False)
-        return loss, divergence, hard, entropy
-
-    @staticmethod
-    def backward(ctx, grad_loss, *unused):
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = grad_w = grad_b = None
-        if grad_loss is not None and (need_h or need_w or need_b):
-            h, w, bias, a, b, c, labels, stats = ctx.saved_tensors
-            call = ctx.call
-            g = grad_loss.reshape(-1).to(torch.float32).contiguous()
-            args = (*call.options.op_args(), call.linear.chunk_budget_bytes, need_h, need_w, need_b)
-            if call.where == _TOPK:
-                part_h, part_w, part_b = ops.ldk_bwd(h, w, bias, a, b, labels, stats, g, *args)
-            else:
-                part_h, part_w, part_b = ops.ld_bwd(h, w, bias, a, b, c, labels, stats, g, *args)
-            grad_h = part_h.to(h.dtype) if need_h else None
-            grad_w = part_w if need_w else None
-            grad_b = part_b if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None
-
-
-def _sharded_forward(h, w, bias, a, b, c, labels, call, shard):
-    """The forward of a vocabulary-parallel head, the teacher (a, b, c) its head's rows or (ids,
-    logprobs, None) its top-k: step 1 (this rank's statistics), the checked all-gather, steps 2
-    and 3 (the merge, this rank's partial sums; the top-k form: and its q at the ids it holds),
-    the all-gather of the parts (none for N = 0: nothing to add), step 4. Returns ld_fwd's
-    outputs (the top-k form: stats with the K q after them), the same on every rank."""
+def _forward(h, w, bias, a, b, c, labels, call, shard):
+    """ld_fwd's outputs (loss, divergence, hard, entropy, stats) over the student's head (h, w,
+    bias) and the teacher (a, b, c): its head, or (ids, logprobs, None) its top-k. With a
+    ShardSpec `shard`, the vocabulary-parallel steps: step 1 (this rank's statistics), the
+    checked all-gather, steps 2 and 3 (the merge, this rank's partial sums; the top-k form: and
+    its q at the ids it holds), the all-gather of the parts (none for N = 0: nothing to add),
+    step 4; the same on every rank (the top-k form: stats with the K q after them)."""
     args = (*call.options.op_args(), call.linear.chunk_budget_bytes)
-    if call.where == _TOPK:
-        head = (h, w, bias, a, b, labels)
-        stats = ops.ldk_shard_stats(*head, *shard.op_args(), *args)
-    else:
-        head = (h, w, bias, a, b, c, labels)
-        stats = ops.ld_shard_stats(*head, *shard.op_args(), *args)
+    topk = call.where == _TOPK
+    head = (h, w, bias, a, b, labels) if topk else (h, w, bias, a, b, c, labels)
+    if shard is None:
+        return (ops.ldk_fwd if topk else ops.ld_fwd)(*head, *args)
+    stats = (ops.ldk_shard_stats if topk else ops.ld_shard_stats)(*head, *shard.op_args(), *args)
     gathered = distributed.gather_checked(stats, h, shard, call.parallel, call.where)
-    shard_parts = ops.ldk_shard_parts if call.where == _TOPK else ops.ld_shard_parts
-    row_stats, hard, parts = shard_parts(*head, gathered, *shard.op_args(), *args)
+    row_stats, hard, parts = (ops.ldk_shard_parts if topk else ops.ld_shard_parts)(
+        *head, gathered, *shard.op_args(), *args)
     if h.shape[0] > 0:
         parts = distributed._all_gather_rows(parts, call.parallel.group)
-    if call.where == _TOPK:
+    if topk:
         return ops.ldk_shard_reduce(parts, row_stats, hard, b, labels, *args)
     return ops.ld_shard_reduce(parts, row_stats, hard, labels, *args)
 
 
-class _ShardedDistill(torch.autograd.Function):
-    """Over this rank's rows of the student's head (h, w, bias), the teacher (th, tw, tb): its
-    head's same rows, or (ids, logprobs, None) its top-k (global ids); labels (N,) global or None,
-    the Call (with its VocabParallel) and this rank's ShardSpec. Backward: step 5 (this rank's
-    part of grad_hidden, its rows of grad_weight and grad_bias), then one all-reduce (sum) of the
-    float32 grad_hidden, rounded once."""
+def _backward(h, w, bias, a, b, c, labels, stats, g, call, shard, need):
+    """The student's gradients (grad_hidden float32, grad_weight, grad_bias; None where `need`
+    says no) of sum_i g[i] loss[i]. With a ShardSpec: step 5 (this rank's part of grad_hidden,
+    its rows of grad_weight and grad_bias), then one all-reduce (sum) of the float32
+    grad_hidden over the ranks."""
+    rest = (*call.options.op_args(), call.linear.chunk_budget_bytes, *need)
+    topk = call.where == _TOPK
+    head = (h, w, bias, a, b, labels) if topk else (h, w, bias, a, b, c, labels)
+    if shard is None:
+        part_h, part_w, part_b = (ops.ldk_bwd if topk else ops.ld_bwd)(*head, stats, g, *rest)
+    else:
+        part_h, part_w, part_b = (ops.ldk_shard_bwd if topk else ops.ld_shard_bwd)(
+            *head, stats, g, *shard.op_args(), *rest)
+        if need[0]:
+            part_h = distributed._all_reduce_sum(part_h, call.parallel.group)
+    return tuple(part if wanted else None for part, wanted in zip((part_h, part_w, part_b), need))
+
+
+class _LinearDistill(torch.autograd.Function):
+    """Over the student's hidden (N, H), weight (V, H), bias (V,) or None and the teacher (a, b,
+    c) = (hidden, weight, bias) of its head, or (ids, logprobs, None) of its top-k; labels (N,)
+    or None; the Call; a ShardSpec for this rank's rows of a vocabulary-parallel head, or None.
+    Returns loss, divergence, hard, entropy (the last three not differentiable)."""
 
     @staticmethod
-    def forward(ctx, h, w, bias, th, tw, tb, labels, call, shard):
-        loss, divergence, hard, entropy, stats = _sharded_forward(h, w, bias, th, tw, tb, labels, call, shard)
-        ctx.save_for_backward(h, w, bias, th, tw, tb, labels, stats)
+    def forward(ctx, h, w, bias, a, b, c, labels, call, shard):
+        loss, divergence, hard, entropy, stats = _forward(h, w, bias, a, b, c, labels, call, shard)
+        ctx.save_for_backward(h, w, bias, a, b, c, labels, stats)
         ctx.call, ctx.shard = call, shard
         ctx.mark_non_differentiable(divergence, hard, entropy)
         ctx.set_materialize_grads(False)
@@ -129,23 +107,14 @@ class _ShardedDistill(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need = tuple(ctx.needs_input_grad[:3])
         grad_h = grad_w = grad_b = None
-        if grad_loss is not None and (need_h or need_w or need_b):
-            h, w, bias, th, tw, tb, labels, stats = ctx.saved_tensors
-            call = ctx.call
+        if grad_loss is not None and any(need):
+            h, w, bias, a, b, c, labels, stats = ctx.saved_tensors
             g = grad_loss.reshape(-1).to(torch.float32).contiguous()
-            rest = (*ctx.shard.op_args(), *call.options.op_args(), call.linear.chunk_budget_bytes, need_h, need_w,
-                    need_b)
-            if call.where == _TOPK:
-                part_h, part_w, part_b = ops.ldk_shard_bwd(h, w, bias, th, tw, labels, stats, g, *rest)
-            else:
-                part_h, part_w, part_b = ops.ld_shard_bwd(h, w, bias, th, tw, tb, labels, stats, g, *rest)
-            if need_h:
-                # The sum over ranks of every rank's float32 part, rounded once.
-                grad_h = distributed._all_reduce_sum(part_h, call.parallel.group).to(h.dtype)
-            grad_w = part_w if need_w else None
-            grad_b = part_b if need_b else None
+            grad_h, grad_w, grad_b = _backward(h, w, bias, a, b, c, labels, stats, g, ctx.call, ctx.shard, need)
+            if grad_h is not None:
+                grad_h = grad_h.to(h.dtype)  # the float32 sum (over ranks too), rounded once
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
@@ -238,12 +207,10 @@ def _run(call, hidden, weight, bias, teacher, labels, shape, shard=None):
     lab = None if labels is None else unit_stride_vector(labels.reshape(-1))
     b = unit_stride_vector(bias)
     grad_on = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
-    if shard is not None and grad_on:
-        loss, divergence, hard, entropy = _ShardedDistill.apply(h, w, b, *teacher, lab, call, shard)
+    if grad_on:
+        loss, divergence, hard, entropy = _LinearDistill.apply(h, w, b, *teacher, lab, call, shard)
     elif shard is not None:
-        loss, divergence, hard, entropy, _ = _sharded_forward(h, w, b, *teacher, lab, call, shard)
-    elif grad_on:
-        loss, divergence, hard, entropy = _LinearDistill.apply(h, w, b, *teacher, lab, call)
+        loss, divergence, hard, entropy, _ = _forward(h, w, b, *teacher, lab, call, shard)
     else:
         args = (*call.options.op_args(), call.linear.chunk_budget_bytes)
         if call.where == _TOPK:
