@@ -197,7 +197,7 @@ Status run_rescale(const detail::CeCall& call, cudaStream_t stream) {
 void fill_finalize(BatchParams& bp, const RowParams& p, const detail::CeCall& call, const Options& o) {
   bp.row_loss = p.row_loss;
   bp.loss_out = o.reduction != Reduction::kNone ? static_cast<float*>(call.out.loss.data) : nullptr;
-  if (o.compute_metrics) {
+  if (o.return_metrics) {
     bp.row_entropy = p.row_entropy;
     bp.row_correct = p.row_correct;
     bp.num_correct_out = static_cast<int64_t*>(call.out.num_correct.data);
@@ -245,7 +245,7 @@ RowParams row_params(const detail::CeCall& call, char* base, const CePlan& plan)
   p.batch = plan.prepare ? reinterpret_cast<BatchScalars*>(base + plan.ws.batch) : nullptr;
   p.softcap = o.softcap > 0.0f;
   p.smoothing = o.label_smoothing != 0.0f;
-  p.metrics = forward && o.compute_metrics;
+  p.metrics = forward && o.return_metrics;
   if (forward) {
     if (o.reduction == Reduction::kNone) {
       p.row_loss = static_cast<float*>(call.out.loss.data);
@@ -298,7 +298,7 @@ StreamParams stream_params(const CePlan& plan, const detail::CeCall& call, const
   sp.grad_backwards = s.grad_backwards;
   if (s.finish) {
     sp.finish = true;
-    if (o.reduction != Reduction::kNone || o.compute_metrics) fill_finalize(bp, p, call, o);
+    if (o.reduction != Reduction::kNone || o.return_metrics) fill_finalize(bp, p, call, o);
     sp.fin = bp;
     sp.counters = reinterpret_cast<unsigned long long*>(base + plan.ws.counters);
     sp.block_sums = reinterpret_cast<BatchSums*>(base + plan.ws.block_sums);

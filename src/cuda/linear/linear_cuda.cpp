@@ -198,7 +198,7 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   p.grad_bias = job == Job::kForwardBackward && want_gb;
   p.grad = p.grad_hidden || p.grad_weight || p.grad_bias;
   p.compact = lo.skip_ignored;
-  p.metrics = o.compute_metrics;
+  p.metrics = o.return_metrics;
   p.low_memory = lo.low_memory && p.grad_weight;
   const size_t el = elem_size(dtype);
   const int64_t per16 = static_cast<int64_t>(16 / el);
@@ -245,7 +245,7 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
 
   p.ce_options = o;
   p.ce_options.reduction = Reduction::kNone;
-  p.ce_options.inplace_grad = p.grad;
+  p.ce_options.inplace_backward = p.grad;
   p.ce_options.check_targets = false;
 
   const int64_t C = p.chunk_rows;
