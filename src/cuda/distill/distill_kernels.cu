@@ -134,6 +134,110 @@ __device__ void block_lse(Online (&a)[K], Lse (&out)[K], float* fsmem, double* d
 
 // ---- rows -------------------------------------------------------------------------------------
 
+// Row access in groups of 8 consecutive elements (16 bytes of a 16-bit type, 32 of float32),
+// kUnroll groups of each head loaded before any is used; a row whose start (in either head) is
+// not 16-byte aligned, and the last V % 8 columns, go element by element. Each thread visits the
+// columns of its groups, then its tail columns, in a fixed order: the same bits run to run.
+constexpr int kGroup = 8;
+constexpr int kUnroll = 4;
+
+template <typename T>
+__device__ __forceinline__ bool aligned16(const T* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+/// Eight elements of a row as loaded (16-byte words), converted to float only where used, so
+/// that kUnroll groups of both heads in flight hold 16 or 32 bytes each in registers.
+template <typename T>
+struct Group {
+  static constexpr int kWords = kGroup / Segment<T>::kVec;
+  U32x4 w[kWords];
+};
+
+/// Elements [0, 8) at p (16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void load_group(const T* p, Group<T>& g) {
+#pragma unroll
+  for (int h = 0; h < Group<T>::kWords; ++h) g.w[h] = reinterpret_cast<const U32x4*>(p)[h];
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack_group(const Group<T>& g, float (&v)[kGroup]) {
+  constexpr int kVec = Segment<T>::kVec;
+#pragma unroll
+  for (int h = 0; h < Group<T>::kWords; ++h) {
+    Segment<T> seg;
+    seg.raw = g.w[h];
+#pragma unroll
+    for (int k = 0; k < kVec / 2; ++k) {
+      const float2 q = seg_pair(seg, k);
+      v[h * kVec + 2 * k] = q.x;
+      v[h * kVec + 2 * k + 1] = q.y;
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_group(T* p, const float (&v)[kGroup]) {
+  constexpr int kVec = Segment<T>::kVec;
+#pragma unroll
+  for (int h = 0; h < kGroup / kVec; ++h) {
+    Segment<T> seg;
+#pragma unroll
+    for (int k = 0; k < kVec / 2; ++k) set_pair(seg, k, v[h * kVec + 2 * k], v[h * kVec + 2 * k + 1]);
+    *reinterpret_cast<U32x4*>(p + h * kVec) = seg.raw;
+  }
+}
+
+/// f(j, xs[j], xt[j]) (as float) over this thread's columns j of a row of V, xt read when kTwo
+/// (else f gets 0 for it). With kWrite, xs[j] becomes f's value (each column read before it is
+/// written, by the same thread).
+template <bool kTwo, bool kWrite, typename S, typename T, typename F>
+__device__ __forceinline__ void row_visit(S* xs, const T* xt, int64_t V, F&& f) {
+  int64_t tail = 0;
+  if (aligned16(xs) && (!kTwo || aligned16(xt))) {
+    const int64_t groups = V / kGroup;
+    auto visit = [&](int64_t g, const Group<S>& gs, const Group<T>& gt) {
+      float a[kGroup], b[kGroup] = {};
+      unpack_group(gs, a);
+      if (kTwo) unpack_group(gt, b);
+#pragma unroll
+      for (int e = 0; e < kGroup; ++e) a[e] = f(g * kGroup + e, a[e], b[e]);
+      if (kWrite) store_group(xs + g * kGroup, a);
+    };
+    int64_t g = threadIdx.x;
+    for (; g + (kUnroll - 1) * kThreads < groups; g += kUnroll * kThreads) {
+      Group<S> gs[kUnroll];
+      Group<T> gt[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        load_group(xs + (g + u * kThreads) * kGroup, gs[u]);
+        if (kTwo) load_group(xt + (g + u * kThreads) * kGroup, gt[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) visit(g + u * kThreads, gs[u], gt[u]);
+    }
+    for (; g < groups; g += kThreads) {
+      Group<S> gs;
+      Group<T> gt;
+      load_group(xs + g * kGroup, gs);
+      if (kTwo) load_group(xt + g * kGroup, gt);
+      visit(g, gs, gt);
+    }
+    tail = groups * kGroup;
+  }
+  for (int64_t j = tail + threadIdx.x; j < V; j += kThreads) {
+    const float v = f(j, Elem<S>::to_float(xs[j]), kTwo ? Elem<T>::to_float(xt[j]) : 0.0f);
+    if (kWrite) xs[j] = Elem<S>::from_float(v);
+  }
+}
+
+/// Row i of a chunk (rows of stride ld) of dtype T.
+template <typename T>
+__device__ __forceinline__ T* chunk_row(const void* base, int64_t ld, int64_t i) {
+  return const_cast<T*>(static_cast<const T*>(base)) + i * ld;
+}
+
 template <typename T>
 __device__ __forceinline__ float load(const void* base, int64_t ld, int64_t i, int64_t j) {
   return Elem<T>::to_float(static_cast<const T*>(base)[i * ld + j]);
@@ -260,30 +364,32 @@ __global__ void __launch_bounds__(kThreads) full_forward_kernel(const DistillFor
   const Transform hs{r.s_scale, r.s_softcap}, ht{r.t_scale, r.t_softcap};
   const bool hard = label >= 0 && r.hard_weight > 0.0f;
   // pass 1: the log-sum-exps of z_student, z_teacher and (hard term) y_student
+  S* xs = chunk_row<S>(p.logits, p.ld, i);
+  const T* xt = chunk_row<T>(p.t.logits, p.t.ld, i);
   Online a[3] = {online_empty(), online_empty(), online_empty()};
-  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
-    const float ys = detail::transform_y(hs, load<S>(p.logits, p.ld, i, j));
-    const float yt = detail::transform_y(ht, load<T>(p.t.logits, p.t.ld, i, j));
+  row_visit<true, false>(xs, xt, V, [&](int64_t, float xsj, float xtj) {
+    const float ys = detail::transform_y(hs, xsj);
     online_add(a[0], ys * r.inv_t);
-    online_add(a[1], yt * r.inv_t);
+    online_add(a[1], detail::transform_y(ht, xtj) * r.inv_t);
     if (hard) online_add(a[2], ys);
-  }
+    return xsj;
+  });
   Lse l[3];
   block_lse<3>(a, l, fsmem, dsmem);
   // pass 2: entropy, divergence and the JSD's KL(p_s || m), against them
   const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
   double acc[3] = {0.0, 0.0, 0.0};
-  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
-    const float ys = detail::transform_y(hs, load<S>(p.logits, p.ld, i, j));
-    const float yt = detail::transform_y(ht, load<T>(p.t.logits, p.t.ld, i, j));
-    const float s = logp(l[0], ys * r.inv_t), t = logp(l[1], yt * r.inv_t);
+  row_visit<true, false>(xs, xt, V, [&](int64_t, float xsj, float xtj) {
+    const float s = logp(l[0], detail::transform_y(hs, xsj) * r.inv_t);
+    const float t = logp(l[1], detail::transform_y(ht, xtj) * r.inv_t);
     const float ps = expf(s);
     if (ps != 0.0f) acc[0] += static_cast<double>(ps) * s;
     acc[1] += detail::divergence_term(kind, s, t, r.beta, r.log_1mb, r.log_b);
     if (kind == DivergenceKind::kJsd && ps != 0.0f) {
       acc[2] += static_cast<double>(ps) * (s - detail::mixture_log(s, t, r.log_1mb, r.log_b));
     }
-  }
+    return xsj;
+  });
   block_sum<3>(acc, dsmem);
   RowOut o{static_cast<float>(acc[1]), 0.0f, static_cast<float>(-acc[0]), {}};
   o.stats[0] = static_cast<float>(l[0].full);
@@ -310,20 +416,23 @@ __global__ void __launch_bounds__(kThreads) topk_forward_kernel(const DistillFor
   if (bad_label(r, label) || bad_ids(r, p.t, row)) return write_row(p, row, filled_row(NAN));
   const Transform hs{r.s_scale, r.s_softcap};
   const bool hard = label >= 0 && r.hard_weight > 0.0f;
+  S* xs = chunk_row<S>(p.logits, p.ld, i);
   Online a[2] = {online_empty(), online_empty()};
-  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
-    const float ys = detail::transform_y(hs, load<S>(p.logits, p.ld, i, j));
+  row_visit<false, false>(xs, xs, V, [&](int64_t, float xsj, float) {
+    const float ys = detail::transform_y(hs, xsj);
     online_add(a[0], ys * r.inv_t);
     if (hard) online_add(a[1], ys);
-  }
+    return xsj;
+  });
   Lse l[2];
   block_lse<2>(a, l, fsmem, dsmem);
   double ent[1] = {0.0};
-  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
-    const float s = logp(l[0], detail::transform_y(hs, load<S>(p.logits, p.ld, i, j)) * r.inv_t);
+  row_visit<false, false>(xs, xs, V, [&](int64_t, float xsj, float) {
+    const float s = logp(l[0], detail::transform_y(hs, xsj) * r.inv_t);
     const float ps = expf(s);
     if (ps != 0.0f) ent[0] += static_cast<double>(ps) * s;
-  }
+    return xsj;
+  });
   block_sum<1>(ent, dsmem);
   // the sparse entries: q_k, the student's log-probability at id k
   const int64_t* ids = p.t.ids + row * p.t.ids_stride;
@@ -385,16 +494,21 @@ __global__ void __launch_bounds__(kThreads) full_backward_kernel(const DistillBa
   const Transform hs{r.s_scale, r.s_softcap}, ht{r.t_scale, r.t_softcap};
   const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
   S* x = static_cast<S*>(p.logits) + i * p.ld;
-  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
-    const float y = detail::transform_y(hs, Elem<S>::to_float(x[j]));
+  const float lse_s = st[0], lse_t = st[1], cross = st[2], lse_h = st[3];
+  auto grad = [&](int64_t j, float xj, float xtj) {
+    const float y = detail::transform_y(hs, xj);
     float dy = 0.0f;
     if (a != 0.0f) {
-      const float yt = detail::transform_y(ht, load<T>(p.t.logits, p.t.ld, i, j));
-      const float s = y * r.inv_t - st[0], t = yt * r.inv_t - st[1];
-      dy = a * detail::distill_logit_grad(kind, s, t, st[2], r.log_1mb, r.log_b, r.one_mb);
+      const float s = y * r.inv_t - lse_s, t = detail::transform_y(ht, xtj) * r.inv_t - lse_t;
+      dy = a * detail::distill_logit_grad(kind, s, t, cross, r.log_1mb, r.log_b, r.one_mb);
     }
-    if (b != 0.0f) dy += hard_dy(b, y, st[3], j, label);
-    x[j] = Elem<S>::from_float(dy * detail::transform_dy_of_y(hs, y));
+    if (b != 0.0f) dy += hard_dy(b, y, lse_h, j, label);
+    return dy * detail::transform_dy_of_y(hs, y);
+  };
+  if (a != 0.0f) {
+    row_visit<true, true>(x, chunk_row<T>(p.t.logits, p.t.ld, i), V, grad);
+  } else {  // the hard term only: the teacher's chunk is not read
+    row_visit<false, true>(x, x, V, grad);
   }
 }
 
@@ -484,9 +598,7 @@ __global__ void __launch_bounds__(kThreads) topk_backward_kernel(const DistillBa
     if (b != 0.0f) dy += hard_dy(b, y, st[3], j, label);
     return dy * detail::transform_dy_of_y(hs, y);
   };
-  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
-    x[j] = Elem<S>::from_float(dense(detail::transform_y(hs, Elem<S>::to_float(x[j])), j));
-  }
+  row_visit<false, true>(x, x, V, [&](int64_t j, float xj, float) { return dense(detail::transform_y(hs, xj), j); });
   if (a == 0.0f) return;
   __syncthreads();  // the dense pass wrote every column before the ids' columns are rewritten
   const uint64_t* keys = p.keys + i * p.Kp;
