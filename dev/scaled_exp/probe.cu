@@ -16,6 +16,10 @@
 // The gradient products can then form dlogits = E 2^(k_it) e^(-lse_i) - onehot on load (a
 // power-of-two factor per (row, tile)), so no pass over the (rows x V) logits remains.
 //
+// The float64 reference is formed from cuBLASLt's float32 product; a second one, at 16 sampled
+// rows a shape, from float64 dot products of the bf16 operands (no cuBLASLt), checks it and the
+// full kernel's lse and entropy (the line under each shape's row).
+//
 // Timed against cuBLASLt's plain bf16 logits product and CUTLASS's own ping-pong and cooperative
 // kernels writing plain logits (interleaved rounds, medians); checked against float64 (E, lse,
 // entropy, target logit) before timing.
@@ -503,6 +507,65 @@ __global__ void check_rows(const float* z, int N, const __nv_bfloat16* E, const 
   }
 }
 
+/// The second reference: logits of sampled rows as float64 dot products of the bf16 operands
+/// (no cuBLASLt), z64 (rows x N). One thread a column.
+__global__ void z_f64(const bf16* A, const bf16* W, const int* rows, int K, int N, double* z64) {
+  const int r = blockIdx.y;
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= N) return;
+  const bf16* a = A + int64_t(rows[r]) * K;
+  const bf16* w = W + int64_t(j) * K;
+  double acc = 0.0;
+  for (int k = 0; k < K; ++k) acc += double(float(a[k])) * double(float(w[k]));
+  z64[int64_t(r) * N + j] = acc;
+}
+
+/// Per sampled row (one block each): lse and entropy in float64 from z64, and from the float32
+/// cuBLASLt logits Z; worst[0] = max |lse - lse64| of the kernel under test, worst[1] the same
+/// for the cuBLASLt float32 reference, worst[2] = max |entropy - entropy64| of the kernel.
+__global__ void check_f64(const double* z64, const float* Z, const int* rows, int N, const float* lse,
+                          const float* ent, float* worst) {
+  const int r = blockIdx.x, row = rows[r];
+  __shared__ double red[256];
+  auto reduce = [&](double v, bool is_max) {
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w /= 2) {
+      if (threadIdx.x < w) red[threadIdx.x] = is_max ? fmax(red[threadIdx.x], red[threadIdx.x + w])
+                                                     : red[threadIdx.x] + red[threadIdx.x + w];
+      __syncthreads();
+    }
+    const double out = red[0];
+    __syncthreads();
+    return out;
+  };
+  const double* z = z64 + int64_t(r) * N;
+  const float* zf = Z + int64_t(row) * N;
+  double m = -INFINITY, mf = -INFINITY;
+  for (int j = threadIdx.x; j < N; j += blockDim.x) {
+    m = fmax(m, z[j]);
+    mf = fmax(mf, double(zf[j]));
+  }
+  m = reduce(m, true);
+  mf = reduce(mf, true);
+  double s = 0, zs = 0, sf = 0;
+  for (int j = threadIdx.x; j < N; j += blockDim.x) {
+    const double e = exp(z[j] - m);
+    s += e;
+    zs += e * z[j];
+    sf += exp(double(zf[j]) - mf);
+  }
+  s = reduce(s, false);
+  zs = reduce(zs, false);
+  sf = reduce(sf, false);
+  if (threadIdx.x == 0) {
+    const double l = m + log(s), h = l - zs / s, lf = mf + log(sf);
+    atomicMax(reinterpret_cast<int*>(&worst[0]), __float_as_int(float(fabs(lse[row] - l))));
+    atomicMax(reinterpret_cast<int*>(&worst[1]), __float_as_int(float(fabs(lf - l))));
+    atomicMax(reinterpret_cast<int*>(&worst[2]), __float_as_int(float(fabs(ent[row] - h))));
+  }
+}
+
 /// The shifted variant's per-row offset: ceil(max_j z_ij log2 e) + margin (log2 units).
 __global__ void row_shift(const float* z, int N, float margin, float* shift) {
   const float* row = z + int64_t(blockIdx.x) * N;
@@ -635,6 +698,13 @@ int main() {
   CK(cudaMalloc(&ws, 8 * wsb));
   float* shiftbuf;
   CK(cudaMalloc(&shiftbuf, max_m * 4));
+  constexpr int kSample = 16;
+  int* sample_rows;
+  double* z64;
+  size_t max_n = 0;
+  for (auto c : cases) max_n = std::max(max_n, size_t(c.N));
+  CK(cudaMalloc(&sample_rows, kSample * 4));
+  CK(cudaMalloc(&z64, kSample * max_n * 8));
   fill_random<<<1024, 256>>>(A, max_mk, 1.7f, 1);
   fill_random<<<1024, 256>>>(W, max_nk, 0.04f, 2);
   cudaStream_t s;
@@ -686,6 +756,20 @@ int main() {
     };
     float werr[4], werr_st[4];
     check(full, werr);
+    // The full kernel's lse and entropy (still in lse / ent) and the cuBLASLt float32 reference's
+    // lse, at kSample rows spread over the shape, against float64 dot products of the operands.
+    float w64[3] = {-1, -1, -1};
+    if (full.ok) {
+      std::vector<int> pick(kSample);
+      for (int q = 0; q < kSample; ++q) pick[q] = int((int64_t(q) * (c.M - 1)) / (kSample - 1));
+      CK(cudaMemcpy(sample_rows, pick.data(), kSample * 4, cudaMemcpyHostToDevice));
+      z_f64<<<dim3((c.N + 255) / 256, kSample), 256, 0, s>>>(A, W, sample_rows, c.K, c.N, z64);
+      CK(cudaMemsetAsync(worst, 0, 16, s));
+      check_f64<<<kSample, 256, 0, s>>>(z64, Z, sample_rows, c.N, lse, ent, worst);
+      CK(cudaStreamSynchronize(s));
+      CK(cudaGetLastError());
+      CK(cudaMemcpy(w64, worst, 12, cudaMemcpyDeviceToHost));
+    }
     check(staged, werr_st);
     float werr_sh[4];
     check(shifted, werr_sh);
@@ -710,6 +794,8 @@ int main() {
                 median(t_hand), hand.config(), median(t_ns), nostore.config(), f, full.config(), st,
                 staged.config(), sh, shifted.config(), median(t_mg), std::min(f, st) / a, std::min(f, st) / p,
                 sh / a);
+    std::printf("|   %d x %d x %d, %d rows against float64 dot products | full: lse %.2e, entropy %.2e | cuBLASLt float32 reference: lse %.2e |\n",
+                c.M, c.K, c.N, kSample, w64[0], w64[2], w64[1]);
     std::fflush(stdout);
   }
   return 0;
