@@ -45,12 +45,14 @@
 //
 // The log-probability ops (the three steps of fusedce/logprobs.h) take target (N,) of global
 // class indices (or ignore_index), vocab_start, vocab_total (0 and V for a whole vocabulary),
-// temperature (z = logits / temperature) and ignore_index:
+// temperature (z = logits / temperature), ignore_index and distribution_stats (step 1 also
+// gathers what lp_distribution_stats reads):
 //   lp_stats(logits (N, V_local))            -> stats (N + 1, 9) float32
 //   llp_stats(hidden (N, H), weight (V_local, H), bias (V_local,)?, ..., chunk_budget_bytes)
 //                                            -> stats (N + 1, 9) float32
 //   lp_merge(gathered = every rank's stats in rank order)
 //                                            -> logprob, entropy, lse: float32 (N,)
+//   lp_distribution_stats(gathered, ...)     -> log_sum_sq_probs, mean_logit, is_top1 (1 / 0): float32 (N,)
 //   lp_bwd(logits, ..., grad_logprob (N,), grad_entropy (N,)?) -> dlogits (N, V_local)
 //   lp_bwd_(logits, ...)                     -> (): dlogits written over the logits
 //   llp_bwd(hidden, weight, bias, ...)       -> grad_hidden (N, H) float32 (this rank's part),
@@ -84,7 +86,7 @@
 
 #define FUSEDCE_VP_ARGS "int vocab_start, int vocab_total, " FUSEDCE_CE_ARGS
 
-#define FUSEDCE_LP_ARGS "int vocab_start, int vocab_total, float temperature, int ignore_index"
+#define FUSEDCE_LP_ARGS "int vocab_start, int vocab_total, float temperature, int ignore_index, bool distribution_stats"
 
 namespace fusedce_torch {
 
@@ -148,6 +150,9 @@ void for_each_op(Add&& add) {
       cpp_function<&llp_stats<Ctx>>());
   add("lp_merge(Tensor gathered, Tensor target, " FUSEDCE_LP_ARGS ") -> (Tensor logprob, Tensor entropy, Tensor lse)",
       cpp_function<&lp_merge<Ctx>>());
+  add("lp_distribution_stats(Tensor gathered, Tensor target, " FUSEDCE_LP_ARGS
+      ") -> (Tensor log_sum_sq_probs, Tensor mean_logit, Tensor is_top1)",
+      cpp_function<&lp_distribution_stats<Ctx>>());
   add("lp_bwd(Tensor logits, Tensor target, Tensor lse, Tensor logprob, Tensor entropy, Tensor grad_logprob, "
       "Tensor? grad_entropy, " FUSEDCE_LP_ARGS ") -> Tensor",
       cpp_function<&lp_bwd<Ctx>>());

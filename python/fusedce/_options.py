@@ -154,18 +154,19 @@ class LogprobOptions:
 
     temperature: float = 1.0
     ignore_index: int = -100
+    distribution_stats: bool = False
 
     @classmethod
-    def checked(cls, where, *, temperature=1.0, ignore_index=-100):
+    def checked(cls, where, *, temperature=1.0, ignore_index=-100, distribution_stats=False):
         t = _real(temperature, "temperature", where)
         if not 0.0 < t < _INF:
             raise ValueError(f"{where}: temperature must be finite and > 0, got {temperature!r}")
         _representable(t, "temperature", where, "use a value in [1.2e-38, 3.4e38]")
         _representable(1.0 / t, "1 / temperature", where, "use a value in [3e-38, 8e37]")
-        return cls(t, ignore_index_of(ignore_index, where))
+        return cls(t, ignore_index_of(ignore_index, where), bool(distribution_stats))
 
     def op_args(self):
-        return (self.temperature, self.ignore_index)
+        return (self.temperature, self.ignore_index, self.distribution_stats)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from trl.kernels import ChunkedLogProbFunction  # noqa: E402
 
 import fusedce.integrations.trl as fused_trl  # noqa: E402
 
-OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits")
+OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +59,8 @@ class Float64Head:
         ent = -(logp.exp() * logp).sum(-1) if "entropy" in outputs else None
         lsq = torch.logsumexp(2 * logp, -1).detach() if "log_sum_sq_probs" in outputs else None
         mean = z.mean(-1).detach() if "mean_logits" in outputs else None
-        return lp, ent, lsq, mean, None
+        top1 = z.argmax(-1) == t if "is_top1" in outputs else None  # the first maximum on ties
+        return lp, ent, lsq, mean, top1
 
 
 def error(x, ref):
@@ -68,7 +69,7 @@ def error(x, ref):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("temperature,logit_scale", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.25), (1.3, 2.0)])
-@pytest.mark.parametrize("outputs", [("log_probs",), ("log_probs", "entropy"), OUTPUTS])
+@pytest.mark.parametrize("outputs", [("log_probs",), ("log_probs", "entropy"), ("log_probs", "is_top1"), OUTPUTS])
 def test_head_matches_trls_kernel(bias, temperature, logit_scale, outputs):
     h, w, b, t = head_problem(37, 24, 301, seed=3, bias=bias)
     ours, our_grads = run_head(fused_trl.FusedceLogProbHead, h, w, b, t, temperature, logit_scale, outputs)
@@ -79,12 +80,11 @@ def test_head_matches_trls_kernel(bias, temperature, logit_scale, outputs):
     # rounding of the values (a few units of 2^-24 of the largest).
     for name, x, y, r in zip(("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"), ours, theirs, ref):
         assert (x is None) == (y is None), name
-        if x is not None:
+        if x is not None and name == "is_top1":
+            assert x.dtype == y.dtype == torch.bool and torch.equal(x, y) and torch.equal(x, r), name
+        elif x is not None:
             assert x.dtype == torch.float32, name
             floor = 8 * 2.0**-24 * max(1.0, r.abs().max().item())
-            if name == "log_sum_sq_probs":
-                # formed as 2 log p_t(T) - log p_t(T / 2): float32 rounding of those two terms
-                floor = 8 * 2.0**-24 * (3 * ref[0].abs().max().item() + 1.0) * 2
             assert error(x, r) <= max(2 * error(y, r), floor), (name, error(x, r), error(y, r))
     for name, x, y, r in zip(("hidden", "weight", "bias"), our_grads, their_grads, ref_grads):
         assert (x is None) == (y is None), name
@@ -107,9 +107,9 @@ def test_head_on_awkward_shapes(n, vocab):
 
 
 def test_calls_fusedce_cannot_serve_go_to_trl():
-    """A soft-cap, is_top1 or a logit scale of 0: TRL's own kernel, bit for bit."""
+    """A soft-cap or a logit scale of 0: TRL's own kernel, bit for bit."""
     h, w, b, t = head_problem(11, 16, 97, seed=5, bias=True)
-    for softcap, scale, outputs in ((30.0, 1.0, OUTPUTS), (None, 1.0, OUTPUTS + ("is_top1",)), (None, 0.0, ("log_probs",))):
+    for softcap, scale, outputs in ((30.0, 1.0, OUTPUTS), (None, 0.0, ("log_probs",))):
         assert not fused_trl.can_serve(softcap, scale, outputs)
         ours, og = run_head(fused_trl.FusedceLogProbHead, h, w, b, t, 1.0, scale, outputs, softcap)
         theirs, tg = run_head(ChunkedLogProbFunction, h, w, b, t, 1.0, scale, outputs, softcap)

@@ -44,7 +44,9 @@ LpRows rows_of(const detail::LogprobCall& c) {
   r.ignore_index = c.options.ignore_index;
   r.rows = c.rows();
   r.vocab_start = c.shard.vocab_start;
+  r.vocab_total = c.shard.vocab_total;
   r.inv_t = 1.0f / c.options.temperature;
+  r.dist = c.options.distribution_stats;
   return r;
 }
 
@@ -348,6 +350,11 @@ Status run_logprobs(const detail::LogprobCall& call) {
     launch_lp_merge(r, static_cast<const float*>(call.stats.data), call.world, call.out.logprob, call.out.entropy,
                     call.out.lse, stream);
     return last_error("the log-probability merge kernel");
+  }
+  if (call.step == 4) {
+    launch_lp_distribution_stats(r, static_cast<const float*>(call.stats.data), call.world,
+                                 call.dist.log_sum_sq_probs, call.dist.mean_logit, call.dist.is_top1, stream);
+    return last_error("the distribution statistics kernel");
   }
   if (call.linear) return run_linear(call);
   if (call.step == 1) {
