@@ -33,13 +33,13 @@ are float32.
 bias, beta, temperature, each head's logit scale and soft-cap) and the same returns (per-token
 divergence with gradients to the student, per-token entropy of the student without), computed
 by ``fusedce.linear_distillation`` (beta 0 forward KL, 1 reverse KL, between the generalized
-JSD: TRL's definitions). Calls it cannot serve go to TRL's own function: tensors off the CPU
-(fusedce's distillation has no CUDA path yet) and options ``linear_distillation`` refuses.
+JSD: TRL's definitions). Calls it cannot serve go to TRL's own function: tensors on another
+device than the CPU or CUDA (or on several), and options ``linear_distillation`` refuses.
 """
 
 import torch
 
-from .. import token_logprobs
+from .. import _library, token_logprobs
 from .._distill_options import DistillOptions
 from ..distillation import linear_distillation
 
@@ -123,11 +123,13 @@ def _trls_divergence():
 def can_serve_divergence(tensors, beta, temperature, student_logit_scale, student_final_logit_softcapping,
                          teacher_logit_scale, teacher_final_logit_softcapping):
     """Whether fusedce computes a ChunkedDivergenceFunction call (else TRL's own function does):
-    every tensor given on the CPU (the CUDA path of fusedce's distillation serves this seam once
-    its Python cases have run on a GPU: docs/post_training.md), hidden states of
-    two dimensions, and options that linear_distillation takes (beta in [0, 1], a temperature
-    > 0, finite non-zero logit scales, positive soft-caps or None)."""
-    if any(x is not None and x.device.type != "cpu" for x in tensors) or tensors[0].dim() != 2:
+    every tensor given on one device, the CPU or a CUDA device this build has kernels for,
+    hidden states of two dimensions, and options that linear_distillation takes (beta in [0, 1],
+    a temperature > 0, finite non-zero logit scales, positive soft-caps or None)."""
+    device = tensors[0].device
+    if any(x is not None and x.device != device for x in tensors) or tensors[0].dim() != 2:
+        return False
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not _library.with_cuda):
         return False
     try:
         DistillOptions.checked("fusedce.integrations.trl", divergence="jsd", beta=beta, temperature=temperature,
