@@ -38,7 +38,7 @@ import functools
 
 import torch
 
-from . import distributed
+from . import distributed, dtensor
 from ._checks import check_cuda_build, check_same_device, check_tensor, unit_stride_vector
 from ._distill_options import DistillOptions
 from ._options import Call, LinearOptions, VocabParallel
@@ -266,7 +266,9 @@ def linear_distillation(student_hidden, student_weight, teacher_hidden, teacher_
             states and labels (global indices) are the same on every rank. Two all-gathers of
             per-row float32 scalars in the forward, one all-reduce of the (N, H) float32
             grad_hidden in the backward; student_weight's and student_bias's gradients are this
-            rank's rows.
+            rank's rows. A DTensor student_weight (Shard(0) or replicated) gives the group and the
+            layout itself; the teacher's head then is a DTensor placed alike or a plain tensor of
+            the whole vocabulary (fusedce.dtensor).
 
     Returns:
         the loss (float32), or ``(loss, metrics)``; differentiable with respect to
@@ -280,7 +282,7 @@ def linear_distillation(student_hidden, student_weight, teacher_hidden, teacher_
         chunk_budget_bytes=chunk_budget_bytes, return_metrics=return_metrics))
     return route(_FULL, run, args, VocabParallel.of(process_group, vocab_start, vocab_total),
                  target=_rows_like(student_hidden), device=getattr(student_hidden, "device", None),
-                 dtensor_form=None)
+                 dtensor_form=dtensor.linear_distillation)
 
 
 def _linear_distillation(kw, student_hidden, student_weight, teacher_hidden, teacher_weight, labels, student_bias,
@@ -336,7 +338,8 @@ def linear_distillation_topk(student_hidden, student_weight, teacher_ids, teache
             labels are the same on every rank. Two all-gathers of per-row float32 values in the
             forward (the (N + 1, 9) statistics, then (N, 6 + K) parts: each rank's student
             log-probabilities at the ids it holds), one all-reduce of the (N, H) float32
-            grad_hidden in the backward.
+            grad_hidden in the backward. A DTensor student_weight (Shard(0) or replicated) gives
+            the group and the layout itself.
 
     Returns:
         the loss, or ``(loss, metrics)``, as :func:`linear_distillation`.
@@ -348,7 +351,7 @@ def linear_distillation_topk(student_hidden, student_weight, teacher_ids, teache
         student_softcap=student_softcap, chunk_budget_bytes=chunk_budget_bytes, return_metrics=return_metrics))
     return route(_TOPK, run, args, VocabParallel.of(process_group, vocab_start, vocab_total),
                  target=_rows_like(student_hidden), device=getattr(student_hidden, "device", None),
-                 dtensor_form=None)
+                 dtensor_form=dtensor.linear_distillation_topk)
 
 
 def _linear_distillation_topk(kw, student_hidden, student_weight, teacher_ids, teacher_logprobs, labels,

@@ -1,5 +1,7 @@
-"""DTensor inputs of fusedce.cross_entropy and fusedce.linear_cross_entropy: tensors sharded as
-PyTorch's tensor parallelism hands them over, run through the vocabulary-parallel form of
+"""DTensor inputs of fusedce.cross_entropy and fusedce.linear_cross_entropy (and of the heads of
+fusedce.linear_logprobs, fusedce.logprobs, fusedce.linear_distillation and
+fusedce.linear_distillation_topk: the end of this module): tensors sharded as PyTorch's tensor
+parallelism hands them over, run through the vocabulary-parallel form of
 :mod:`fusedce.distributed` with the group, the column start and the vocabulary size read from
 the DTensors themselves.
 
@@ -470,3 +472,166 @@ def _ce_sharded(run, logits, target, weight, given, mesh, class_dim, layout, whe
     if loss.dim() == 1:  # reduction='none': the loss of each of target's entries
         loss = loss.view(target.shape)
     return (loss, out[1]) if isinstance(out, tuple) else loss
+
+
+# ---- the other linear heads: log-probabilities and distillation, weight sharded on dim 0 -------
+#
+# The same rules as linear_cross_entropy's: a head (the student's, for distillation) sharded on
+# dim 0 runs the function's vocabulary-parallel form over the group of the mesh dimensions that
+# shard it, a replicated head the single-device call; the other inputs are plain tensors or
+# Replicate() DTensors (the same on every rank). A bias that gets a gradient is a DTensor placed
+# as its head; the distillation teacher's head and bias (no gradient) may also be plain tensors
+# of the whole vocabulary, of which each rank reads its rows. Logits (fusedce.logprobs) are
+# sharded on their last dimension. Results are plain tensors, the same bits on every rank.
+
+_HEAD_PLACEMENT = "sharded on dim 0 (Shard(0): the vocabulary, as ColwiseParallel shards an lm_head)"
+
+
+def _head_layout(weight, name, where, others):
+    """The _Layout of the DTensor head `weight` (None: replicated). ValueError when one of
+    `others` ((name, value) pairs) is a DTensor but the head is not, or the head is not (V, H)."""
+    if not is_dtensor(weight):
+        which = next(n for n, v in others if is_dtensor(v))
+        raise ValueError(f"{where}: {which} is a DTensor but {name} is {_describe(weight)}; a DTensor head "
+                         f"is a {name} {_HEAD_PLACEMENT} or replicated")
+    if weight.dim() != 2:
+        raise ValueError(f"{where}: {name} must have shape (V, H), got {tuple(weight.shape)}")
+    return _vocab_layout(weight, 0, name, where, _HEAD_PLACEMENT)
+
+
+def _rows_of_head(value, name, head, head_name, layout, mesh, where, plain_ok):
+    """This rank's rows of a tensor that goes with the head `head` (its bias, or a second head
+    over the same vocabulary): a DTensor placed as the head (its local tensor), or, where
+    `plain_ok` (a tensor that gets no gradient: the teacher's), a plain tensor of the full
+    vocabulary on dim 0 (sliced to this rank's rows; whole for a replicated head). A plain
+    tensor that gets a gradient is refused with a sharded head: each rank would see the gradient
+    of its own rows only."""
+    if value is None:
+        return None
+    alternative = " or a plain tensor of the full vocabulary" if plain_ok else ""
+    if is_dtensor(value):
+        if tuple(value.placements) != tuple(head.placements) or value.shape[0] != head.shape[0]:
+            raise ValueError(f"{where}: {name} must be a DTensor placed as {head_name} "
+                             f"({tuple(head.placements)}, {head.shape[0]} rows){alternative}, got "
+                             f"{_describe(value)} of shape {tuple(value.shape)}")
+        _same_mesh(value, name, mesh, where)
+        return value.to_local()
+    if not plain_ok:
+        raise ValueError(f"{where}: {name} must be a DTensor placed as {head_name} ({tuple(head.placements)}), "
+                         f"got {_describe(value)}")
+    if not isinstance(value, torch.Tensor) or value.dim() < 1 or value.shape[0] != head.shape[0]:
+        raise ValueError(f"{where}: {name} must have {head_name}'s {head.shape[0]} rows (the full vocabulary) "
+                         f"or be a DTensor placed as {head_name}, got {getattr(value, 'shape', type(value).__name__)}")
+    return value if layout is None else value[layout.start:layout.start + layout.count]
+
+
+def _head_call(where, head, head_name, given, target, layout, body):
+    """body(parallel) on the local tensors: under the agreement of the vocabulary's group with
+    the VocabParallel of `layout`, or at once with the caller's (empty) one for a replicated
+    head; `given` (the keywords' VocabParallel) is refused unless empty."""
+    def local(parallel):
+        _refuse_layout_keywords(given, where, head_name)
+        return body(parallel)
+
+    if layout is None:
+        return local(given)
+    return _agreed(where, layout, f"DTensor {head_name}", target, head.to_local().device, local)
+
+
+def linear_logprobs(run, hidden, weight, tokens, bias, parallel):
+    """``run`` (fusedce.linear_logprobs on plain tensors) on the local tensors of a DTensor head:
+    the vocabulary-parallel form for a weight sharded on dim 0, the single-device call for a
+    replicated one. hidden and tokens: plain tensors or Replicate() DTensors on the mesh; bias a
+    DTensor placed as the weight."""
+    where = "fusedce.linear_logprobs"
+    layout = _head_layout(weight, "weight", where, (("hidden", hidden), ("tokens", tokens), ("bias", bias)))
+    mesh = weight.device_mesh
+
+    def body(p):
+        return run(_replicated_local(hidden, "hidden", mesh, where), weight.to_local(),
+                   _replicated_local(tokens, "tokens", mesh, where),
+                   _rows_of_head(bias, "bias", weight, "weight", layout, mesh, where, plain_ok=False), p)
+
+    return _head_call(where, weight, "weight", parallel, tokens, layout, body)
+
+
+def logprobs(run, logits, tokens, parallel):
+    """``run`` (fusedce.logprobs on plain tensors) on the local tensors of DTensor logits sharded
+    on their last dimension (the vocabulary; the loss_parallel convention), or replicated.
+    tokens: a plain tensor or a Replicate() DTensor."""
+    where = "fusedce.logprobs"
+    if not is_dtensor(logits):
+        raise ValueError(f"{where}: tokens is a DTensor but logits is {_describe(logits)}; DTensor logits "
+                         "are sharded on their last dimension (the vocabulary) or replicated")
+    if logits.dim() < 1:
+        raise ValueError(f"{where}: logits must have shape (..., V), got {tuple(logits.shape)}")
+    layout = _vocab_layout(logits, logits.dim() - 1, "logits", where,
+                           "sharded on its last dimension (the vocabulary)")
+    mesh = logits.device_mesh
+
+    def body(p):
+        return run(logits.to_local(), _replicated_local(tokens, "tokens", mesh, where), p)
+
+    return _head_call(where, logits, "logits", parallel, tokens, layout, body)
+
+
+def linear_distillation(run, student_hidden, student_weight, teacher_hidden, teacher_weight, labels,
+                        student_bias, teacher_bias, parallel):
+    """``run`` (fusedce.linear_distillation on plain tensors) on the local tensors of a DTensor
+    student head sharded on dim 0 (or replicated). The teacher's head: a DTensor placed as the
+    student's, or a plain (V, H_t) tensor of the whole vocabulary (each rank uses its rows), its
+    bias placed likewise; the student's bias a DTensor placed as its head; the hidden states and
+    labels plain or Replicate()."""
+    where = "fusedce.linear_distillation"
+    layout = _head_layout(student_weight, "student_weight", where,
+                          (("student_hidden", student_hidden), ("teacher_hidden", teacher_hidden),
+                           ("teacher_weight", teacher_weight), ("labels", labels),
+                           ("student_bias", student_bias), ("teacher_bias", teacher_bias)))
+    mesh = student_weight.device_mesh
+
+    def body(p):
+        tw = _rows_of_head(teacher_weight, "teacher_weight", student_weight, "student_weight", layout, mesh, where,
+                           plain_ok=True)
+        tb_head = teacher_weight if is_dtensor(teacher_weight) else student_weight
+        tb = _rows_of_head(teacher_bias, "teacher_bias", tb_head, "teacher_weight" if is_dtensor(teacher_weight)
+                           else "student_weight", layout, mesh, where, plain_ok=True)
+        return run(_replicated_local(student_hidden, "student_hidden", mesh, where), student_weight.to_local(),
+                   _replicated_local(teacher_hidden, "teacher_hidden", mesh, where), tw,
+                   _replicated_local(labels, "labels", mesh, where, optional=True),
+                   _rows_of_head(student_bias, "student_bias", student_weight, "student_weight", layout, mesh, where,
+                                 plain_ok=False),
+                   tb, p)
+
+    return _head_call(where, student_weight, "student_weight", parallel, _rows_target(student_hidden), layout, body)
+
+
+def linear_distillation_topk(run, student_hidden, student_weight, teacher_ids, teacher_logprobs, labels,
+                             student_bias, parallel):
+    """``run`` (fusedce.linear_distillation_topk on plain tensors) on the local tensors of a
+    DTensor student head sharded on dim 0 (or replicated); its bias a DTensor placed as the head;
+    the hidden states, the teacher's top-k (global ids) and the labels plain or Replicate()."""
+    where = "fusedce.linear_distillation_topk"
+    layout = _head_layout(student_weight, "student_weight", where,
+                          (("student_hidden", student_hidden), ("teacher_ids", teacher_ids),
+                           ("teacher_logprobs", teacher_logprobs), ("labels", labels),
+                           ("student_bias", student_bias)))
+    mesh = student_weight.device_mesh
+
+    def body(p):
+        return run(_replicated_local(student_hidden, "student_hidden", mesh, where), student_weight.to_local(),
+                   _replicated_local(teacher_ids, "teacher_ids", mesh, where),
+                   _replicated_local(teacher_logprobs, "teacher_logprobs", mesh, where),
+                   _replicated_local(labels, "labels", mesh, where, optional=True),
+                   _rows_of_head(student_bias, "student_bias", student_weight, "student_weight", layout, mesh, where,
+                                 plain_ok=False),
+                   p)
+
+    return _head_call(where, student_weight, "student_weight", parallel, _rows_target(student_hidden), layout, body)
+
+
+def _rows_target(hidden):
+    """What the agreement needs of a distillation call (a tensor with every rank's row count):
+    hidden's leading entries (a DTensor's global shape, the same on every rank)."""
+    if isinstance(hidden, torch.Tensor) and hidden.dim() >= 1:
+        return torch.empty(hidden.shape[:-1], dtype=torch.int64, device="meta")
+    return None

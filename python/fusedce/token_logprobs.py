@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from . import distributed, logit_room
+from . import distributed, dtensor, logit_room
 from ._checks import check_cuda_build, check_same_device, check_target_values, check_tensor, unit_stride_vector
 from ._options import Call, LinearOptions, LogprobOptions, ShardSpec, VocabParallel
 from ._router import route
@@ -300,7 +300,9 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
             ``bias``) hold this rank's rows of the head (layout rules: fusedce.distributed's
             docstring); ``hidden`` and ``tokens`` are the same on every rank. The ranks exchange
             one all-gather of (N + 1, 9) float32 statistics in the forward and one all-reduce of
-            the (N, H) float32 grad_hidden in the backward.
+            the (N, H) float32 grad_hidden in the backward. A DTensor weight (Shard(0), as
+            ColwiseParallel shards an lm_head, or replicated) gives the group and the layout
+            itself (fusedce.dtensor).
         keep_logits: trade memory for one matrix product. None (the default): True where the
             kept logits fit the recomputing form's memory bound, else False
             (fusedce.logit_room: the linear cross-entropy's rule for its chunks, or
@@ -337,7 +339,7 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
 
     return route(_LINEAR, functools.partial(_linear_logprobs, call_of), (hidden, weight, tokens, bias),
                  VocabParallel.of(process_group, vocab_start, vocab_total), target=tokens,
-                 device=getattr(hidden, "device", None), dtensor_form=None)
+                 device=getattr(hidden, "device", None), dtensor_form=dtensor.linear_logprobs)
 
 
 def _linear_logprobs(call_of, hidden, weight, tokens, bias, parallel):
@@ -408,7 +410,8 @@ def logprobs(logits, tokens, *, temperature=1.0, return_entropy=False, ignore_in
             :func:`linear_logprobs`.
         process_group, vocab_start, vocab_total: a vocabulary-parallel head: ``logits`` hold this
             rank's columns (layout rules: fusedce.distributed's docstring); one all-gather of
-            (N + 1, 9) float32 statistics per forward, nothing in the backward.
+            (N + 1, 9) float32 statistics per forward, nothing in the backward. DTensor logits
+            sharded on their last dimension give the group and the layout themselves.
 
     Returns:
         logprob (float32, tokens' shape), or ``(logprob, entropy)``, then the stats dict with
@@ -422,7 +425,7 @@ def logprobs(logits, tokens, *, temperature=1.0, return_entropy=False, ignore_in
 
     return route(_LOGITS, functools.partial(_logprobs, call_of), (logits, tokens),
                  VocabParallel.of(process_group, vocab_start, vocab_total), target=tokens,
-                 device=getattr(logits, "device", None), dtensor_form=None)
+                 device=getattr(logits, "device", None), dtensor_form=dtensor.logprobs)
 
 
 def _logprobs(call_of, logits, tokens, parallel):
