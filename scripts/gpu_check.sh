@@ -173,7 +173,7 @@ note "ctest ${CTEST_ARGS:-}: $(grep -hE "tests passed, [0-9]+ tests? failed out 
 fi
 
 if want sanitizer; then
-step "compute-sanitizer on a small sweep"
+step "compute-sanitizer on a small sweep (every run at once: 16 cores, one GPU)"
 # Small CUDA cases of the grid (odd, tiny and mid-size V, every option) and the layout, special
 # value, equivalence and batch tests on CUDA.
 bin="$build/tests/cpp"
@@ -185,57 +185,70 @@ bin="$build/tests/cpp"
 # it reports those reuses as hazards. The async path's results are checked bit for bit against
 # the synchronous one (CudaStream.AsyncReductionGivesTheSameBits); its racecheck count is printed
 # below for information.
-for tool in memcheck racecheck; do
-  rc=0
-  if [ $tool = memcheck ]; then
-    compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/fusedce_grid_tests" \
-      --gtest_filter="${GRID_FILTER:-*cuda_*_V7_N3_*:*cuda_*_V127_N257_*:*cuda_bfloat16_V1024_N257_*:*cuda_*_V1_N1_*}" \
-      > "$out/sanitizer_${tool}_grid.log" 2>&1 || rc=$?
-    compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/fusedce_tests" --gtest_filter="${TESTS_FILTER:-*cuda*:*Cuda*}" \
-      > "$out/sanitizer_memcheck_tests.log" 2>&1 || rc=$?
-  else
-    # The grid's sizes under the synchronous reduction, one and two consumer groups, and the row
-    # kernel's forward. racecheck serialises every cuBLAS product: the linear grid (memcheck
-    # covers it) would take the whole call.
-    compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/fusedce_cuda_tests" \
-      --gtest_filter='CudaSanitize.*Sync*:CudaSanitize.RowKernelForward' \
-      > "$out/sanitizer_${tool}_grid.log" 2>&1 || rc=$?
-  fi
-  # Rows of several chunks, several rows a block: every stage of the stream kernel's ring turns
-  # over, with the gradient's second sweep (the grid's sizes above fit one chunk a row: the ring
-  # never wraps there). memcheck only: racecheck flags every wrap of an mbarrier ring, even the
-  # probe's ring of plain shared stores (dev/race_probe/probe.cu `generic`), so its
-  # count says nothing here; the ring's order is checked by results (CudaStream.MetricsLeave*).
-  # With it the stream kernel's own finish over split rows (stale workspace, counters).
-  if [ $tool = memcheck ]; then
-    compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/fusedce_cuda_tests" \
-      --gtest_filter='CudaStream.MetricsLeaveBitsWhileStagesTurnOver:CudaStream.OneLaunchFinishMatchesSeparatePasses' \
-      > "$out/sanitizer_${tool}_stages.log" 2>&1 || rc=$?
-  fi
-  echo "$tool: exit $rc; $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|tests? ran|PASSED|FAILED' "$out"/sanitizer_${tool}_*.log | tr '\n' ' ')"
-  note "$tool (judged): exit $rc; $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$out"/sanitizer_${tool}_*.log | tr '\n' ' ')gtest $(gtest_counts "$out"/sanitizer_${tool}_*.log)"
-  [ $rc -eq 0 ] || status=1
-done
+# The runs are independent processes, so they run together (the larger ones as gtest shards);
+# each writes its own log, read below once all have ended.
+san_pids=()
+sanitize() {  # log name, shards, tool, binary, filter, extra options of compute-sanitizer
+  local name=$1 shards=$2 tool=$3 binary=$4 filter=$5
+  shift 5
+  local i
+  for ((i = 0; i < shards; ++i)); do
+    GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i compute-sanitizer --tool "$tool" "$@" "$bin/$binary" \
+      --gtest_filter="$filter" > "$out/sanitizer_${name}_$i.log" 2>&1 &
+    san_pids+=("$!:$name")
+  done
+}
+sanitize memcheck_grid 2 memcheck fusedce_grid_tests \
+  "${GRID_FILTER:-*cuda_*_V7_N3_*:*cuda_*_V127_N257_*:*cuda_bfloat16_V1024_N257_*:*cuda_*_V1_N1_*}" --error-exitcode 9
+sanitize memcheck_tests 6 memcheck fusedce_tests "${TESTS_FILTER:-*cuda*:*Cuda*}" --error-exitcode 9
+# Rows of several chunks, several rows a block: every stage of the stream kernel's ring turns
+# over, with the gradient's second sweep (the grid's sizes above fit one chunk a row: the ring
+# never wraps there). memcheck only: racecheck flags every wrap of an mbarrier ring, even the
+# probe's ring of plain shared stores (dev/race_probe/probe.cu `generic`), so its
+# count says nothing here; the ring's order is checked by results (CudaStream.MetricsLeave*).
+# With it the stream kernel's own finish over split rows (stale workspace, counters).
+sanitize memcheck_stages 1 memcheck fusedce_cuda_tests \
+  'CudaStream.MetricsLeaveBitsWhileStagesTurnOver:CudaStream.OneLaunchFinishMatchesSeparatePasses' --error-exitcode 9
+# The grid's sizes under the synchronous reduction, one and two consumer groups, and the row
+# kernel's forward. racecheck serialises every cuBLAS product: the linear grid (memcheck covers
+# it) would take the whole call.
+sanitize racecheck_grid 1 racecheck fusedce_cuda_tests 'CudaSanitize.*Sync*:CudaSanitize.RowKernelForward' \
+  --error-exitcode 9
 # Two consumer groups forced (with the gradient too): the grid's sizes under memcheck (racecheck
-# ran CudaSanitize.TwoGroupsSyncReduction above).
-rc=0
-compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/fusedce_cuda_tests" --gtest_filter='CudaSanitize.TwoGroups' \
-  > "$out/sanitizer_memcheck_groups.log" 2>&1 || rc=$?
-echo "two groups forced: exit $rc; $(grep -hE 'ERROR SUMMARY|PASSED|FAILED' "$out"/sanitizer_memcheck_groups.log | tr '\n' ' ')"
-note "memcheck, two groups forced (judged): exit $rc; $(grep -hE 'ERROR SUMMARY' "$out"/sanitizer_memcheck_groups.log | tr '\n' ' ')gtest $(gtest_counts "$out"/sanitizer_memcheck_groups.log)"
-[ $rc -eq 0 ] || status=1
+# runs CudaSanitize.TwoGroupsSyncReduction above).
+sanitize groups 1 memcheck fusedce_cuda_tests 'CudaSanitize.TwoGroups' --error-exitcode 9
 # Informational: racecheck over the layout, value and equivalence tests of fusedce_tests. They
 # run the public API, hence the default plans, whose asynchronous reduction racecheck reports as
 # above; its count is printed, not judged.
-compute-sanitizer --tool racecheck --print-limit 2 "$bin/fusedce_tests" \
-  --gtest_filter="${RACECHECK_FILTER:-*cuda*:*Cuda*:-*LinearGrid*:*LinearContract*}" \
-  > "$out/sanitizer_racecheck_public.log" 2>&1
-echo "racecheck, public API with the default plans (informational): $(grep -hE 'RACECHECK SUMMARY|PASSED|FAILED' "$out/sanitizer_racecheck_public.log" | tr '\n' ' ')"
-note "racecheck, public API, default plans (informational): $(grep -hE 'RACECHECK SUMMARY' "$out/sanitizer_racecheck_public.log" | tr '\n' ' ')gtest $(gtest_counts "$out/sanitizer_racecheck_public.log")"
+sanitize public 4 racecheck fusedce_tests "${RACECHECK_FILTER:-*cuda*:*Cuda*:-*LinearGrid*:*LinearContract*}" \
+  --print-limit 2
 # Informational: racecheck over the default (asynchronous) reduction on one small sweep.
-compute-sanitizer --tool racecheck --print-limit 2 "$bin/fusedce_grid_tests" --gtest_filter='*cuda_bfloat16_V1024_N257_*' \
-  > "$out/sanitizer_racecheck_async.log" 2>&1
-echo "racecheck, asynchronous reduction (informational): $(grep -hE 'RACECHECK SUMMARY|PASSED|FAILED' "$out/sanitizer_racecheck_async.log" | tr '\n' ' ')"
+sanitize async 1 racecheck fusedce_grid_tests '*cuda_bfloat16_V1024_N257_*' --print-limit 2
+declare -A san_rc=()
+for entry in "${san_pids[@]}"; do
+  rc=0
+  wait "${entry%%:*}" || rc=$?
+  name=${entry#*:}
+  [ "${san_rc[$name]:-0}" -ne 0 ] || san_rc[$name]=$rc
+done
+summary() { grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$@" | sort | uniq -c | sed 's/^ *//' | tr '\n' ' '; }
+judged() {  # the record's line for the runs `names` (judged: their exit codes count)
+  local what=$1 rc=0 name logs=()
+  shift
+  for name in "$@"; do
+    [ "${san_rc[$name]}" -eq 0 ] || rc=${san_rc[$name]}
+    logs+=("$out"/sanitizer_${name}_*.log)
+  done
+  echo "$what: exit $rc; $(summary "${logs[@]}")$(grep -hE 'tests? ran|FAILED  \]' "${logs[@]}" | sort | uniq -c | tr '\n' ' ')"
+  note "$what (judged): exit $rc; $(summary "${logs[@]}")gtest $(gtest_counts "${logs[@]}")"
+  [ $rc -eq 0 ] || status=1
+}
+judged memcheck memcheck_grid memcheck_tests memcheck_stages
+judged racecheck racecheck_grid
+judged "memcheck, two groups forced" groups
+echo "racecheck, public API with the default plans (informational): $(summary "$out"/sanitizer_public_*.log)"
+note "racecheck, public API, default plans (informational): $(summary "$out"/sanitizer_public_*.log)gtest $(gtest_counts "$out"/sanitizer_public_*.log)"
+echo "racecheck, asynchronous reduction (informational): $(summary "$out"/sanitizer_async_*.log)"
 fi
 
 if want bench; then
