@@ -59,7 +59,7 @@
 //                                               grad_weight, grad_bias (or empty (0,))
 // No autograd formula either: python/fusedce/token_logprobs.py calls lp_bwd / llp_bwd.
 //
-// The distillation ops (ld_fwd / ld_bwd with a teacher head, ldk_fwd / ldk_bwd with its top-k,
+// The distillation ops (ld_fwd / ld_bwd / ld_fwd_bwd with a teacher head, ldk_* with its top-k,
 // and the vocabulary-parallel steps ld_shard_stats / ld_shard_parts / ld_shard_reduce /
 // ld_shard_bwd, ldk_shard_* for the top-k teacher): torch/distill_ops.h; their autograd is
 // python/fusedce/distillation.py's.
@@ -172,6 +172,12 @@ void for_each_op(Add&& add) {
   add("ld_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor teacher_hidden, Tensor teacher_weight, "
       "Tensor? teacher_bias, Tensor? labels, Tensor stats, Tensor grad_loss, " FUSEDCE_DISTILL_ARGS FUSEDCE_DISTILL_GRADS,
       cpp_function<&ld_bwd<Ctx>>());
+  add("ld_fwd_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor teacher_hidden, Tensor teacher_weight, "
+      "Tensor? teacher_bias, Tensor? labels, " FUSEDCE_DISTILL_ARGS FUSEDCE_DISTILL_FWD_BWD_OUT,
+      cpp_function<&ld_fwd_bwd<Ctx>>());
+  add("ldk_fwd_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor teacher_ids, Tensor teacher_logprobs, "
+      "Tensor? labels, " FUSEDCE_DISTILL_ARGS FUSEDCE_DISTILL_FWD_BWD_OUT,
+      cpp_function<&ldk_fwd_bwd<Ctx>>());
   add("ldk_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor teacher_ids, Tensor teacher_logprobs, "
       "Tensor? labels, " FUSEDCE_DISTILL_ARGS ")" FUSEDCE_DISTILL_OUT,
       cpp_function<&ldk_fwd<Ctx>>());

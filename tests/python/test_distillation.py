@@ -373,10 +373,49 @@ def test_opcheck(device, reduction):
     ids, tlp = _on(device, *_topk_teacher(6, 13, 4, seed=3))
     args = (0.5, 0.9, 0.25, IGNORE, reduction, 1.0, 0.0, 1.0, 5.0, "tail", 0)
     g = torch.ones(6 if reduction == "none" else 1, device=device)
-    for fwd, bwd, teacher in ((ops.ld_fwd, ops.ld_bwd, (ht, wt, bt)), (ops.ldk_fwd, ops.ldk_bwd, (ids, tlp))):
+    for fwd, bwd, both, teacher in ((ops.ld_fwd, ops.ld_bwd, ops.ld_fwd_bwd, (ht, wt, bt)),
+                                    (ops.ldk_fwd, ops.ldk_bwd, ops.ldk_fwd_bwd, (ids, tlp))):
         torch.library.opcheck(fwd.default, (hs, ws, bs, *teacher, labels, *args))
         stats = fwd(hs, ws, bs, *teacher, labels, *args)[4]
         torch.library.opcheck(bwd.default, (hs, ws, bs, *teacher, labels, stats, g, *args, True, True, True))
+        if reduction != "none":
+            torch.library.opcheck(both.default, (hs, ws, bs, *teacher, labels, *args, True, False, True))
+            # the same bits as the two ops with an upstream gradient of 1
+            got = both(hs, ws, bs, *teacher, labels, *args, True, True, True)
+            want = (*fwd(hs, ws, bs, *teacher, labels, *args), *bwd(hs, ws, bs, *teacher, labels, stats, g, *args,
+                                                                     True, True, True))
+            for x, y in zip(got, want):
+                assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_upstream_gradient_scales_the_forwards_gradients(device, reduction):
+    """Mean and sum form the gradients in the forward (one pass over the logits) and scale them
+    by the upstream gradient in the backward: a factor of 0.37 (and 1, untouched) gives the
+    gradients of reduction none's rows each weighted so, within float32 rounding; a kept graph
+    (retain_graph) gives the same gradients twice."""
+    n, h, vocab = 14, 12, 61
+    hs, ws, bs, ht, wt, bt, labels = _problem(n, h, vocab, torch.float32, seed=8, bias=True)
+    ht, wt, bt, labels = _on(device, ht, wt, bt, labels)
+    kw = dict(beta=0.4, temperature=1.1, hard_weight=0.3)
+    for factor in (0.37, 1.0):
+        leaves = [_leaf(x, device) for x in (hs, ws, bs)]
+        loss = fusedce.linear_distillation(leaves[0], leaves[1], ht, wt, labels, student_bias=leaves[2],
+                                           teacher_bias=bt, reduction=reduction, **kw)
+        (loss * factor).backward(retain_graph=True)
+        first = [x.grad.clone() for x in leaves]
+        for x in leaves:
+            x.grad = None
+        (loss * factor).backward()
+        ref = [_leaf(x, device) for x in (hs, ws, bs)]
+        rows = fusedce.linear_distillation(ref[0], ref[1], ht, wt, labels, student_bias=ref[2], teacher_bias=bt,
+                                           reduction="none", **kw)
+        count = (labels != IGNORE).sum() if reduction == "mean" else 1
+        (rows.sum() * factor / count).backward()
+        for got, again, want in zip(first, (x.grad for x in leaves), (x.grad for x in ref)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+            assert torch.equal(got, again)
 
 
 # ---- arguments ---------------------------------------------------------------------------------

@@ -10,6 +10,10 @@
 //     weight, grad_weight (+)= dlogits^T . hidden (through a float32 accumulator for a 16-bit
 //     weight over several chunks, rounded once) and grad_bias (+)= dlogits^T . ones (float32,
 //     rounded once).
+//   forward and backward together (upstream gradient 1, reduction mean or sum), per chunk: the
+//     logits once, the forward's row kernel, then the backward's on the same buffers (it reads
+//     the rows' statistics the forward kernel just wrote) and the gradient products: the
+//     backward's two logits products saved. The mean's count of rows is formed first.
 // Every row goes through the products (no compaction, which would need the count on the host);
 // an ignored row's dlogits are zeros. The workspace holds the chunk of each head's logits and,
 // for the top-k backward, (K floats twice + Kp sort keys) per chunk row; chunk_budget_bytes (0:
@@ -49,11 +53,11 @@ int64_t ld_of(const MatrixView& m) { return m.rows > 1 ? m.row_stride : m.cols; 
 struct Plan {
   int64_t N, H, H_t, V, K, Kp;
   DType dtype, t_dtype;
-  bool topk, backward, teacher_logits;
+  bool topk, backward, teacher_logits;  // backward: the backward's buffers (the backward, or both)
   int64_t ld, ld_t;  // row strides of the logit chunks: V rounded up to 16 bytes
   int64_t rows;      // token rows per chunk
   bool gw_acc;       // grad_weight through a float32 accumulator (16-bit, several chunks)
-  size_t gemm_ws, logits, t_logits, ones, gw, gb, row_loss, count, entry_y, entry_g, keys, total;
+  size_t gemm_ws, logits, t_logits, ones, gw, gb, row_loss, count, entry_y, entry_g, keys, unit, total;
 };
 
 Plan plan_of(const detail::DistillCall& c) {
@@ -63,14 +67,15 @@ Plan plan_of(const detail::DistillCall& c) {
   p.V = c.weight.rows;
   p.dtype = c.hidden.dtype;
   p.topk = c.teacher.topk();
-  p.backward = c.backward;
+  p.backward = c.backward || c.fused;
+  const bool forward = !c.backward;  // the forward, alone or with the backward
   p.K = p.topk ? c.teacher.topk_ids.cols : 0;
   p.Kp = 1;
   while (p.Kp < p.K) p.Kp <<= 1;
   p.H_t = p.topk ? 0 : c.teacher.hidden.cols;
   p.t_dtype = p.topk ? p.dtype : c.teacher.hidden.dtype;
   // the backward needs the teacher's logits only where the divergence has a weight
-  p.teacher_logits = !p.topk && (!p.backward || c.options.hard_weight < 1.0f);
+  p.teacher_logits = !p.topk && (forward || c.options.hard_weight < 1.0f);
   const size_t el = elem_size(p.dtype), el_t = elem_size(p.t_dtype);
   p.ld = round_up(p.V, static_cast<int64_t>(16 / el));
   p.ld_t = round_up(p.V, static_cast<int64_t>(16 / el_t));
@@ -96,11 +101,12 @@ Plan plan_of(const detail::DistillCall& c) {
   p.ones = want_gb ? take(size_t(p.rows) * el) : 0;
   p.gw = p.gw_acc ? take(size_t(p.V) * size_t(p.H) * 4) : 0;
   p.gb = want_gb ? take(size_t(p.V) * 4) : 0;
-  p.row_loss = !p.backward ? take(size_t(std::max<int64_t>(p.N, 1)) * 4) : 0;
+  p.row_loss = forward ? take(size_t(std::max<int64_t>(p.N, 1)) * 4) : 0;
   p.count = take(sizeof(int64_t));
   p.entry_y = topk_scratch ? take(size_t(p.rows) * size_t(p.K) * 4) : 0;
   p.entry_g = topk_scratch ? take(size_t(p.rows) * size_t(p.K) * 4) : 0;
   p.keys = topk_scratch ? take(size_t(p.rows) * size_t(p.Kp) * 8) : 0;
+  p.unit = c.fused ? take(sizeof(float)) : 0;  // the upstream gradient 1 of the fused call
   p.total = at;
   return p;
 }
@@ -134,6 +140,52 @@ class Run {
       : c_(c), p_(p), ws_(ws), stream_(static_cast<cudaStream_t>(c.device.stream)) {}
 
   Status forward() {
+    DistillForwardParams f = forward_params();
+    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
+      const int64_t nc = std::min(p_.rows, p_.N - r0);
+      FUSEDCE_TRY(logits(r0, nc));
+      FUSEDCE_TRY(forward_rows(&f, r0, nc));
+    }
+    return finish_forward();
+  }
+
+  Status backward() {
+    FUSEDCE_TRY(prepare_backward());
+    if (p_.N == 0) return clear_grads();
+    DistillBackwardParams b = backward_params(static_cast<const float*>(c_.stats.data),
+                                              static_cast<const float*>(c_.grad_loss.data), c_.grad_loss.stride);
+    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
+      const int64_t nc = std::min(p_.rows, p_.N - r0);
+      FUSEDCE_TRY(logits(r0, nc));
+      FUSEDCE_TRY(backward_rows(&b, r0, nc));
+    }
+    return finish_backward();
+  }
+
+  /// The forward and the backward for an upstream gradient of 1, each chunk's logits formed once.
+  Status forward_backward() {
+    FUSEDCE_TRY(prepare_backward());
+    launch_fill_ones(ws_ + p_.unit, 1, DType::kFloat32, stream_);
+    FUSEDCE_TRY(last_error("writing the upstream gradient"));
+    DistillForwardParams f = forward_params();
+    DistillBackwardParams b = backward_params(static_cast<const float*>(c_.out.stats.data), at<float>(p_.unit), 0);
+    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
+      const int64_t nc = std::min(p_.rows, p_.N - r0);
+      FUSEDCE_TRY(logits(r0, nc));
+      FUSEDCE_TRY(forward_rows(&f, r0, nc));  // writes the rows' statistics the backward reads
+      FUSEDCE_TRY(backward_rows(&b, r0, nc));
+    }
+    FUSEDCE_TRY(finish_forward());
+    return p_.N == 0 ? clear_grads() : finish_backward();
+  }
+
+ private:
+  template <typename T>
+  T* at(size_t offset) const {
+    return reinterpret_cast<T*>(ws_ + offset);
+  }
+
+  DistillForwardParams forward_params() const {
     const DistillOutputs& o = c_.out;
     const bool none = c_.options.reduction == Reduction::kNone;
     DistillForwardParams f{};
@@ -150,30 +202,35 @@ class Run {
     f.hard_stride = o.hard.stride;
     f.entropy = static_cast<float*>(o.entropy.data);
     f.entropy_stride = o.entropy.stride;
-    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
-      const int64_t nc = std::min(p_.rows, p_.N - r0);
-      FUSEDCE_TRY(logits(r0, nc));
-      f.logits = ws_ + p_.logits;
-      f.r.r0 = r0;
-      f.r.rows = nc;
-      launch_distill_forward(f, stream_);
-      FUSEDCE_TRY(last_error("the distillation forward kernel"));
-    }
-    if (none) return Status::Ok();
+    return f;
+  }
+
+  /// The forward's row kernel over the chunk rows [r0, r0 + nc), whose logits are formed.
+  Status forward_rows(DistillForwardParams* f, int64_t r0, int64_t nc) {
+    f->logits = ws_ + p_.logits;
+    f->r.r0 = r0;
+    f->r.rows = nc;
+    launch_distill_forward(*f, stream_);
+    return last_error("the distillation forward kernel");
+  }
+
+  /// After the last chunk: the rows' losses reduced in row order (reduction mean or sum).
+  Status finish_forward() {
+    if (c_.options.reduction == Reduction::kNone) return Status::Ok();
     DistillFinishParams fin{};
     fin.r = rows_of(c_);
     fin.N = p_.N;
     fin.row_loss = at<float>(p_.row_loss);
     fin.reduction = static_cast<int>(c_.options.reduction);
-    fin.loss = static_cast<float*>(o.loss.data);
+    fin.loss = static_cast<float*>(c_.out.loss.data);
     fin.count = at<int64_t>(p_.count);
     launch_distill_finish(fin, stream_);
     return last_error("the distillation reduction kernel");
   }
 
-  Status backward() {
-    const LinearGrads& g = c_.grads;
-    if (c_.options.reduction == Reduction::kMean) {  // the mean's count of rows, on the device
+  /// Before any row's gradient: the mean's count of rows (on the device) and grad_bias's ones.
+  Status prepare_backward() {
+    if (c_.options.reduction == Reduction::kMean) {
       DistillFinishParams fin{};
       fin.r = rows_of(c_);
       fin.N = p_.N;
@@ -181,35 +238,45 @@ class Run {
       launch_distill_finish(fin, stream_);
       FUSEDCE_TRY(last_error("counting the rows"));
     }
-    if (g.grad_bias.data) {
+    if (c_.grads.grad_bias.data) {
       launch_fill_ones(ws_ + p_.ones, p_.rows, p_.dtype, stream_);
       FUSEDCE_TRY(last_error("filling the ones vector"));
     }
-    if (p_.N == 0) return clear_grads();
+    return Status::Ok();
+  }
+
+  DistillBackwardParams backward_params(const float* stats, const float* grad_loss, int64_t grad_stride) const {
     DistillBackwardParams b{};
     b.r = rows_of(c_);
     b.ld = p_.ld;
     b.dtype = p_.dtype;
     b.t = teacher_rows();
-    b.stats = static_cast<const float*>(c_.stats.data);
-    b.grad_loss = static_cast<const float*>(c_.grad_loss.data);
-    b.grad_stride = c_.grad_loss.stride;
+    b.stats = stats;
+    b.grad_loss = grad_loss;
+    b.grad_stride = grad_stride;
     b.reduction = static_cast<int>(c_.options.reduction);
     b.count = at<int64_t>(p_.count);
     b.entry_y = p_.entry_y ? at<float>(p_.entry_y) : nullptr;
     b.entry_g = p_.entry_g ? at<float>(p_.entry_g) : nullptr;
     b.keys = p_.keys ? at<uint64_t>(p_.keys) : nullptr;
     b.Kp = p_.Kp;
-    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
-      const int64_t nc = std::min(p_.rows, p_.N - r0);
-      FUSEDCE_TRY(logits(r0, nc));
-      b.logits = ws_ + p_.logits;
-      b.r.r0 = r0;
-      b.r.rows = nc;
-      launch_distill_backward(b, stream_);
-      FUSEDCE_TRY(last_error("the distillation backward kernel"));
-      FUSEDCE_TRY(gradient_products(r0, nc));
-    }
+    return b;
+  }
+
+  /// The backward's row kernel over the chunk rows [r0, r0 + nc) (dlogits in place of the
+  /// student's logits), then the chunk's gradient products.
+  Status backward_rows(DistillBackwardParams* b, int64_t r0, int64_t nc) {
+    b->logits = ws_ + p_.logits;
+    b->r.r0 = r0;
+    b->r.rows = nc;
+    launch_distill_backward(*b, stream_);
+    FUSEDCE_TRY(last_error("the distillation backward kernel"));
+    return gradient_products(r0, nc);
+  }
+
+  /// After the last chunk: grad_weight and grad_bias rounded from their float32 sums.
+  Status finish_backward() {
+    const LinearGrads& g = c_.grads;
     if (p_.gw_acc) {
       launch_convert(ConvertParams{at<float>(p_.gw), g.grad_weight.data, p_.V, p_.H, g.grad_weight.row_stride, p_.dtype},
                      stream_);
@@ -220,12 +287,6 @@ class Run {
       FUSEDCE_TRY(last_error("rounding grad_bias"));
     }
     return Status::Ok();
-  }
-
- private:
-  template <typename T>
-  T* at(size_t offset) const {
-    return reinterpret_cast<T*>(ws_ + offset);
   }
 
   GemmCall base() const {
@@ -385,7 +446,7 @@ Status run_distill(const detail::DistillCall& call) {
   cudaError_t e = cudaMallocAsync(&scratch, plan.total, stream);
   if (e != cudaSuccess) return device_error(e, "allocating the distillation's workspace (cudaMallocAsync)");
   Run run(call, plan, static_cast<char*>(scratch));
-  const Status s = call.backward ? run.backward() : run.forward();
+  const Status s = call.fused ? run.forward_backward() : call.backward ? run.backward() : run.forward();
   e = cudaFreeAsync(scratch, stream);
   if (s.ok() && e != cudaSuccess) return device_error(e, "freeing the distillation's workspace (cudaFreeAsync)");
   return s;
