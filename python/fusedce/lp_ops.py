@@ -11,7 +11,7 @@ statistics, which no single op sees.
 
 import torch
 
-from . import _library
+from ._options import register_fake
 
 # Floats per row of the statistics (fusedce::kLogprobStatsWidth in fusedce/logprobs.h): the
 # shape of the loss's shard statistics, so that fusedce.distributed gathers either alike.
@@ -24,15 +24,14 @@ def _check_rows(x, target, name):
                  lambda: f"fusedce: target must be 1-D with one entry per row of {name} ({x.shape[0]})")
 
 
-@torch.library.register_fake(_library.qualified("lp_stats"))
-def _lp_stats_fake(logits, target, vocab_start, vocab_total, temperature, ignore_index, distribution_stats):
+@register_fake("lp_stats")
+def _lp_stats_fake(logits, target, shard, options):
     _check_rows(logits, target, "logits")
     return logits.new_empty((logits.shape[0] + 1, STATS_WIDTH), dtype=torch.float32)
 
 
-@torch.library.register_fake(_library.qualified("llp_stats"))
-def _llp_stats_fake(hidden, weight, bias, target, vocab_start, vocab_total, temperature, ignore_index,
-                    distribution_stats, chunk_budget_bytes):
+@register_fake("llp_stats")
+def _llp_stats_fake(hidden, weight, bias, target, shard, options, chunk_budget_bytes):
     _check_rows(hidden, target, "hidden")
     return hidden.new_empty((hidden.shape[0] + 1, STATS_WIDTH), dtype=torch.float32)
 
@@ -45,30 +44,27 @@ def _check_gathered(gathered, target):
     return n
 
 
-@torch.library.register_fake(_library.qualified("lp_merge"))
-def _lp_merge_fake(gathered, target, vocab_start, vocab_total, temperature, ignore_index, distribution_stats):
+@register_fake("lp_merge")
+def _lp_merge_fake(gathered, target, shard, options):
     n = _check_gathered(gathered, target)
     return tuple(gathered.new_empty((n,), dtype=torch.float32) for _ in range(3))
 
 
-@torch.library.register_fake(_library.qualified("lp_distribution_stats"))
-def _lp_distribution_stats_fake(gathered, target, vocab_start, vocab_total, temperature, ignore_index,
-                                distribution_stats):
+@register_fake("lp_distribution_stats")
+def _lp_distribution_stats_fake(gathered, target, shard, options):
     n = _check_gathered(gathered, target)
     return tuple(gathered.new_empty((n,), dtype=torch.float32) for _ in range(3))
 
 
-@torch.library.register_fake(_library.qualified("lp_bwd"))
-def _lp_bwd_fake(logits, target, lse, logprob, entropy, grad_logprob, grad_entropy, vocab_start,
-                 vocab_total, temperature, ignore_index, distribution_stats):
+@register_fake("lp_bwd")
+def _lp_bwd_fake(logits, target, lse, logprob, entropy, grad_logprob, grad_entropy, shard, options):
     _check_rows(logits, target, "logits")
     return logits.new_empty(logits.shape)
 
 
-@torch.library.register_fake(_library.qualified("llp_bwd"))
-def _llp_bwd_fake(hidden, weight, bias, target, lse, logprob, entropy, grad_logprob, grad_entropy,
-                  vocab_start, vocab_total, temperature, ignore_index, distribution_stats, chunk_budget_bytes,
-                  need_grad_hidden, need_grad_weight, need_grad_bias):
+@register_fake("llp_bwd")
+def _llp_bwd_fake(hidden, weight, bias, target, lse, logprob, entropy, grad_logprob, grad_entropy, shard, options,
+                  chunk_budget_bytes, need_grad_hidden, need_grad_weight, need_grad_bias):
     _check_rows(hidden, target, "hidden")
     none = hidden.new_empty((0,))
     return (
@@ -78,7 +74,6 @@ def _llp_bwd_fake(hidden, weight, bias, target, lse, logprob, entropy, grad_logp
     )
 
 
-@torch.library.register_fake(_library.qualified("lp_bwd_"))
-def _lp_bwd_inplace_fake(logits, target, lse, logprob, entropy, grad_logprob, grad_entropy, vocab_start,
-                         vocab_total, temperature, ignore_index, distribution_stats):
+@register_fake("lp_bwd_")
+def _lp_bwd_inplace_fake(logits, target, lse, logprob, entropy, grad_logprob, grad_entropy, shard, options):
     _check_rows(logits, target, "logits")
