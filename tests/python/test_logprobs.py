@@ -694,19 +694,20 @@ def test_distribution_stats_linear(device, dtype, keep_logits, grad):
     leaves = [x.detach().clone().requires_grad_(grad) for x in (h, w, b)]
     lp, got = fusedce.linear_logprobs(*leaves[:2], t, leaves[2], temperature=0.9, keep_logits=keep_logits,
                                       return_stats=True)
-    # The head's logits are formed in float32 (streamed) or the input dtype (kept): a token
-    # whose logit is within that rounding of the max may compare either way, so is_top1 is
-    # judged against the float64 argmax only where the top two logits are 1e-3 apart, and the
-    # other two against the logits the call forms.
+    # The head's logits are formed in float32 (the CPU's streamed form) or in the input dtype
+    # (kept logits; CUDA's chunks), so the statistics carry that rounding: each is held to the
+    # float64 value within twice what logits formed in the input dtype (F.linear) move it, plus
+    # float32's 2e-5. A token whose logit is within that rounding of the max may compare either
+    # way, so is_top1 is judged against the float64 argmax where the top two logits are 1e-2
+    # apart (relative; bf16's step is 2^-8).
     top2 = z64.topk(2, -1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 1e-3 * top2[:, 0].abs().clamp(min=1)
-    own = torch.nn.functional.linear(*(x.detach() for x in (h, w, b)))
-    own64 = (own.double() if keep_logits else torch.nn.functional.linear(
-        *(x.detach().float() for x in (h, w, b))).double()) / 0.9
-    lss, mean, _ = _dist_reference(own64.cpu(), t.cpu())
-    _close(got["log_sum_sq_probs"], lss, 2e-5, 1e-5, "linear log_sum_sq_probs")
-    _close(got["mean_logits"], mean, 1e-5, 1e-5, "linear mean_logits")
-    _, _, top1 = _dist_reference(z64.cpu(), t.cpu())
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-2 * top2[:, 0].abs().clamp(min=1)
+    lss, mean, top1 = _dist_reference(z64.cpu(), t.cpu())
+    own64 = torch.nn.functional.linear(*(x.detach() for x in (h, w, b))).double().cpu() / 0.9
+    lss_own, mean_own, _ = _dist_reference(own64, t.cpu())
+    for key, want, moved in (("log_sum_sq_probs", lss, lss_own), ("mean_logits", mean, mean_own)):
+        budget = 2 * (moved - want).abs().max().item() + 2e-5
+        _close(got[key], want, budget, 0.0, f"linear {key}")
     assert torch.equal(got["is_top1"].cpu()[clear.cpu()], top1[clear.cpu()])
     assert got["is_top1"].any() and not got["is_top1"].all()
     if grad:
