@@ -196,37 +196,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> distill_forward(const Tensor&
   return {loss, divergence, hard, entropy, stats};
 }
 
-template <class Ctx>
-std::tuple<Tensor, Tensor, Tensor> distill_backward(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
-                                                    const fusedce::DistillTeacher& teacher, const OptTensor& labels,
-                                                    const Tensor& stats, const Tensor& grad_loss,
-                                                    FUSEDCE_DISTILL_PARAMS, bool need_grad_hidden,
-                                                    bool need_grad_weight, bool need_grad_bias, const char* op) {
-  Ctx ctx(hidden, "hidden");
-  const StudentViews s = student_views(hidden, weight, bias, labels);
-  const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
-  TORCH_CHECK_VALUE(!need_grad_bias || bias.has_value(), "fusedce: need_grad_bias is set but bias is not given");
-  check_same_device(stats, "stats", hidden, "hidden");
-  check_same_device(grad_loss, "grad_loss", hidden, "hidden");
-  TORCH_CHECK_VALUE(stats.dim() == 2 && stats.size(1) == fusedce::kDistillStatsWidth &&
-                        stats.scalar_type() == at::kFloat && stats.is_contiguous(),
-                    "fusedce: stats must be a contiguous float32 (N, ", fusedce::kDistillStatsWidth,
-                    ") tensor, got ", stats.scalar_type(), " of shape ", stats.sizes());
-  auto none = [&] { return at::empty({0}, hidden.options()); };
-  Tensor grad_hidden = need_grad_hidden ? at::empty(hidden.sizes(), hidden.options().dtype(at::kFloat)) : none();
-  Tensor grad_weight = need_grad_weight ? at::empty(weight.sizes(), weight.options()) : none();
-  Tensor grad_bias = need_grad_bias ? at::empty(bias->sizes(), bias->options()) : none();
-  fusedce::LinearGrads grads;
-  if (need_grad_hidden) grads.grad_hidden = matrix_of(grad_hidden, "grad_hidden");
-  if (need_grad_weight) grads.grad_weight = matrix_of(grad_weight, "grad_weight");
-  if (need_grad_bias) grads.grad_bias = vector_of(grad_bias, "grad_bias");
-  check_status(fusedce::linear_distill_backward(ctx.device(), s.hidden, s.weight, s.bias, teacher, s.labels, o,
-                                                static_cast<size_t>(chunk_budget_bytes), distill_stats_view(stats),
-                                                vector_of(grad_loss, "grad_loss"), grads),
-               op);
-  return {grad_hidden, grad_weight, grad_bias};
-}
-
 /// The gradients a backward forms, each an empty (0,) tensor where not asked for.
 struct GradTensors {
   Tensor grad_hidden, grad_weight, grad_bias;
@@ -245,6 +214,29 @@ inline GradTensors grad_tensors(const Tensor& hidden, const Tensor& weight, cons
   if (need_grad_weight) g.views.grad_weight = matrix_of(g.grad_weight, "grad_weight");
   if (need_grad_bias) g.views.grad_bias = vector_of(g.grad_bias, "grad_bias");
   return g;
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor> distill_backward(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
+                                                    const fusedce::DistillTeacher& teacher, const OptTensor& labels,
+                                                    const Tensor& stats, const Tensor& grad_loss,
+                                                    FUSEDCE_DISTILL_PARAMS, bool need_grad_hidden,
+                                                    bool need_grad_weight, bool need_grad_bias, const char* op) {
+  Ctx ctx(hidden, "hidden");
+  const StudentViews s = student_views(hidden, weight, bias, labels);
+  const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
+  check_same_device(stats, "stats", hidden, "hidden");
+  check_same_device(grad_loss, "grad_loss", hidden, "hidden");
+  TORCH_CHECK_VALUE(stats.dim() == 2 && stats.size(1) == fusedce::kDistillStatsWidth &&
+                        stats.scalar_type() == at::kFloat && stats.is_contiguous(),
+                    "fusedce: stats must be a contiguous float32 (N, ", fusedce::kDistillStatsWidth,
+                    ") tensor, got ", stats.scalar_type(), " of shape ", stats.sizes());
+  const GradTensors g = grad_tensors(hidden, weight, bias, need_grad_hidden, need_grad_weight, need_grad_bias);
+  check_status(fusedce::linear_distill_backward(ctx.device(), s.hidden, s.weight, s.bias, teacher, s.labels, o,
+                                                static_cast<size_t>(chunk_budget_bytes), distill_stats_view(stats),
+                                                vector_of(grad_loss, "grad_loss"), g.views),
+               op);
+  return {g.grad_hidden, g.grad_weight, g.grad_bias};
 }
 
 // The forward and the gradients of the reduced loss for an upstream gradient of 1 (reduction
@@ -452,23 +444,15 @@ std::tuple<Tensor, Tensor, Tensor> shard_bwd_of(const Tensor& hidden, const Tens
                                                 bool need_grad_weight, bool need_grad_bias, const char* op) {
   Ctx ctx(hidden, "hidden");
   const StudentViews s = student_views(hidden, weight, bias, labels);
-  TORCH_CHECK_VALUE(!need_grad_bias || bias.has_value(), "fusedce: need_grad_bias is set but bias is not given");
   check_same_device(grad_loss, "grad_loss", hidden, "hidden");
   const int64_t sw = k > 0 ? fusedce::distill_shard_stats_width(k) : fusedce::kDistillStatsWidth;
   const fusedce::MatrixView st = float_block_view(stats, "stats", sw, hidden);
-  auto none = [&] { return at::empty({0}, hidden.options()); };
-  Tensor grad_hidden = need_grad_hidden ? at::empty(hidden.sizes(), hidden.options().dtype(at::kFloat)) : none();
-  Tensor grad_weight = need_grad_weight ? at::empty(weight.sizes(), weight.options()) : none();
-  Tensor grad_bias = need_grad_bias ? at::empty(bias->sizes(), bias->options()) : none();
-  fusedce::LinearGrads grads;
-  if (need_grad_hidden) grads.grad_hidden = matrix_of(grad_hidden, "grad_hidden");
-  if (need_grad_weight) grads.grad_weight = matrix_of(grad_weight, "grad_weight");
-  if (need_grad_bias) grads.grad_bias = vector_of(grad_bias, "grad_bias");
+  const GradTensors g = grad_tensors(hidden, weight, bias, need_grad_hidden, need_grad_weight, need_grad_bias);
   check_status(fusedce::linear_distill_shard_backward(
                    ctx.device(), s.hidden, s.weight, s.bias, t, s.labels, fusedce::ShardSpec{vocab_start, vocab_total},
-                   o, static_cast<size_t>(chunk_budget_bytes), st, vector_of(grad_loss, "grad_loss"), grads),
+                   o, static_cast<size_t>(chunk_budget_bytes), st, vector_of(grad_loss, "grad_loss"), g.views),
                op);
-  return {grad_hidden, grad_weight, grad_bias};
+  return {g.grad_hidden, g.grad_weight, g.grad_bias};
 }
 
 // ld_shard_*: a teacher head.
