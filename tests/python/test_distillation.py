@@ -72,8 +72,15 @@ def _term(s, t, beta):
 
 def _logits(h, w, b, rounding):
     """float64 logits; rounded to `rounding` (a dtype, or None) and back, as a CUDA chunk holds
-    them (autograd then rounds their gradient to it as well, as the CUDA dlogits are)."""
-    x = F.linear(h.double(), w.double(), None if b is None else b.double())
+    them (autograd then rounds their gradient to it as well, as the CUDA dlogits are). With a
+    bias the product is rounded before the bias is added and the sum rounded again: cuBLASLt's
+    bias epilogue with a 16-bit output adds the bias to the rounded product, so every biased
+    logit carries two roundings there, and the model must carry both to bound it."""
+    x = F.linear(h.double(), w.double())
+    if rounding is not None:
+        x = x.to(rounding).double()
+    if b is not None:
+        x = x + b.double()
     return x if rounding is None else x.to(rounding).double()
 
 
@@ -160,13 +167,15 @@ def _value_tol(h, h_t, vocab, ref_scale):
     return 4 * ((h + h_t) ** 0.5 + vocab ** 0.5) * U32 * max(ref_scale, 1.0)
 
 
-def _grad_tol(dtype, ref, terms, amplification=1.0):
+def _grad_tol(dtype, ref, terms, amplification=1.0, floor=0.0):
     """(atol, rtol) of a gradient formed in float32 and rounded once to `dtype` (the rule of
     test_logprobs.py): rtol the dtype's unit roundoff, atol 4 sqrt(terms) float32 roundoffs of
     the largest |ref|, times `amplification`: the top-k form's entry gradients e^s (s - t + 1)
     carry the rounding of e^s times |s - t|, up to the largest |t| of the teacher's entries,
-    before the pull-back through the softmax cancels most of them."""
-    scale = max(ref.abs().max().item(), 1e-30)
+    before the pull-back through the softmax cancels most of them. `floor` (see _grad_floor)
+    bounds the scale from below where the exact gradient cancels to 0 (V = 1: p_s = p_t = 1)
+    but its float32 terms do not."""
+    scale = max(ref.abs().max().item(), floor, 1e-30)
     atol = 4 * terms ** 0.5 * U32 * scale * amplification
     return atol + (2.0 ** -25 if dtype == torch.float16 else 0.0), UNIT_ROUNDOFF[dtype]
 
@@ -204,6 +213,15 @@ def _rounding_budget(own, ref):
     return 3 * (own.detach() - ref.detach()).abs().max().item() if own is not None and ref.numel() else 0.0
 
 
+def _grad_floor(name, leaves64, n):
+    """The size of a leaf's gradient where every row's dlogits are of size 1, whatever they
+    cancel to: the largest |weight| (grad_hidden), |hidden| (grad_weight) or 1 (grad_bias),
+    times the largest loss weight (1.5) over the n rows of the mean."""
+    partner = {"hidden": leaves64[1], "weight": leaves64[0], "bias": None}[name]
+    size = 1.0 if partner is None or partner.numel() == 0 else partner.detach().abs().max().item()
+    return size * 1.5 / max(n, 1)
+
+
 def _check_against(loss, metrics, ref_loss, ref_metrics, leaves, leaves64, dtype, h, h_t, vocab, n,
                    amplification=1.0, own=None):
     """Values, then the gradients of loss.sum() (weighted for 'none') against the reference's;
@@ -227,7 +245,7 @@ def _check_against(loss, metrics, ref_loss, ref_metrics, leaves, leaves64, dtype
         if got is None:
             continue
         assert got.grad.dtype == dtype
-        atol, rtol = _grad_tol(dtype, want.grad, vocab + h + n, amplification)
+        atol, rtol = _grad_tol(dtype, want.grad, vocab + h + n, amplification, _grad_floor(name, leaves64, n))
         atol = max(atol, _rounding_budget(None if mine is None else mine.grad, want.grad))
         _close(got.grad, want.grad, atol, rtol, f"grad_{name}")
 

@@ -55,7 +55,7 @@ def run(fn, problem, *options):
     hs, ws, bs, ht, wt, bt = problem
     leaves = [None if x is None else x.detach().clone().requires_grad_(True) for x in (hs, ws, bs)]
     div, ent = fn.apply(leaves[0], leaves[1], leaves[2], ht, wt, bt, *options)
-    weights = torch.linspace(0.5, 1.5, div.shape[0])
+    weights = torch.linspace(0.5, 1.5, div.shape[0], device=div.device)
     (div * weights).sum().backward()
     return div, ent, [None if x is None else x.grad for x in leaves]
 
