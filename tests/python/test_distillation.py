@@ -11,11 +11,13 @@ error on the float32 loss, and a 0.5% one on the bfloat16 gradients, each fail
 test_full_values_and_gradients and test_topk_values_and_gradients.
 
 On CUDA with 16-bit inputs each logits chunk (and its dlogits) is held in the input dtype, one
-rounding of every logit and dlogit, as the linear cross-entropy does: there the tolerance grows to
-3 times the change those roundings make in the reference itself (the reference run again on
-rounded logits, whose autograd rounds the dlogits too): the rule of test_logprobs.py."""
+rounding of every logit and dlogit (two of a biased head with unaligned H: Rounding), as the
+linear cross-entropy does: there the tolerance grows to 3 times the change those roundings make in
+the reference itself (the reference run again on rounded logits, whose autograd rounds the dlogits
+too): the rule of test_logprobs.py."""
 
 import math
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -70,22 +72,29 @@ def _term(s, t, beta):
     return torch.where(pt == 0, 0.0, beta * pt * (t - lm)) + torch.where(ps == 0, 0.0, (1 - beta) * ps * (s - lm))
 
 
+class Rounding(NamedTuple):
+    """How a CUDA chunk holds a head's logits: in `dtype`, rounded once (product + bias), or,
+    with `bias_after_rounding`, a biased head whose rows of H are not whole 16-byte segments
+    rounded twice (the product, then product + bias): the order of some of cuBLASLt's kernels
+    for such operands (the tests' teachers, H + 5; a model's H is a multiple of 8), chosen by
+    its heuristics per shape, so the tolerance takes the larger change of the two."""
+    dtype: torch.dtype
+    bias_after_rounding: bool = False
+
+
 def _logits(h, w, b, rounding):
-    """float64 logits; rounded to `rounding` (a dtype, or None) and back, as a CUDA chunk holds
-    them (autograd then rounds their gradient to it as well, as the CUDA dlogits are). A biased
-    head whose rows of H are not whole 16-byte segments is rounded twice, the product and then
-    product + bias: cuBLASLt's kernels for such operands add the bias to the rounded product
-    (the tests' teachers, H + 5; a model's H is a multiple of 8), and the model must carry both
-    roundings to bound them."""
+    """float64 logits; rounded as `rounding` (a Rounding, or None) says and back, as a CUDA
+    chunk holds them (autograd then rounds their gradient to the dtype as well, as the CUDA
+    dlogits are)."""
     x = F.linear(h.double(), w.double())
     if rounding is None:
         return x if b is None else x + b.double()
-    unaligned = h.shape[-1] * torch.empty((), dtype=rounding).element_size() % 16 != 0
-    if b is not None and unaligned:
-        x = x.to(rounding).double()
+    unaligned = h.shape[-1] * torch.empty((), dtype=rounding.dtype).element_size() % 16 != 0
+    if b is not None and unaligned and rounding.bias_after_rounding:
+        x = x.to(rounding.dtype).double()
     if b is not None:
         x = x + b.double()
-    return x.to(rounding).double()
+    return x.to(rounding.dtype).double()
 
 
 def _student(hs, ws, bs, scale=1.0, softcap=None, rounding=None):
@@ -198,23 +207,29 @@ def _on(device, *xs):
 
 
 def _own(device, dtype, inputs, run_reference):
-    """On CUDA with 16-bit inputs, (loss, metrics, leaves) of the reference run again with its
-    logits and dlogits rounded to the dtype, as the GPU's chunks hold them: what sets the
-    tolerance there. None elsewhere (the CPU forms float32 logits)."""
+    """On CUDA with 16-bit inputs, [(loss, metrics, leaves)] of the reference run again with its
+    logits and dlogits rounded to the dtype, as the GPU's chunks hold them, once per Rounding
+    order: what sets the tolerance there. [] elsewhere (the CPU forms float32 logits)."""
     if device == "cpu" or dtype == torch.float32:
-        return None
-    leaves = [_leaf64(x) for x in inputs]
-    loss, metrics = run_reference(leaves, dtype)
-    return loss, metrics, leaves
+        return []
+    runs = []
+    for twice in (False, True):
+        leaves = [_leaf64(x) for x in inputs]
+        loss, metrics = run_reference(leaves, Rounding(dtype, twice))
+        runs.append((loss, metrics, leaves))
+    return runs
 
 
 def _leaf64(x):
     return None if x is None else x.detach().double().requires_grad_(True)
 
 
-def _rounding_budget(own, ref):
-    """3 times the largest change that the 16-bit chunks make in the reference (0 without)."""
-    return 3 * (own.detach() - ref.detach()).abs().max().item() if own is not None and ref.numel() else 0.0
+def _rounding_budget(owns, ref):
+    """3 times the largest change that the 16-bit chunks make in the reference, over the
+    rounding orders `owns` (0 without)."""
+    if not ref.numel():
+        return 0.0
+    return max([3 * (own.detach() - ref.detach()).abs().max().item() for own in owns if own is not None], default=0.0)
 
 
 def _grad_floor(name, leaves64, n):
@@ -227,30 +242,30 @@ def _grad_floor(name, leaves64, n):
 
 
 def _check_against(loss, metrics, ref_loss, ref_metrics, leaves, leaves64, dtype, h, h_t, vocab, n,
-                   amplification=1.0, own=None):
+                   amplification=1.0, own=()):
     """Values, then the gradients of loss.sum() (weighted for 'none') against the reference's;
     `own` (see _own) widens each tolerance by its rounding budget."""
-    own_loss, own_metrics, own_leaves = own if own is not None else (None, {}, [None] * 3)
+    own_losses = [o[0] for o in own]
     scale = max(ref_loss.abs().max().item() if ref_loss.numel() else 0.0, 1.0)
-    tol = max(_value_tol(h, h_t, vocab, scale), _rounding_budget(own_loss, ref_loss))
+    tol = max(_value_tol(h, h_t, vocab, scale), _rounding_budget(own_losses, ref_loss))
     _close(loss, ref_loss, tol, 0.0, "loss")
     for key, value in ref_metrics.items():
         tol = max(_value_tol(h, h_t, vocab, value.abs().max().item() if n else 1.0),
-                  _rounding_budget(own_metrics.get(key), value))
+                  _rounding_budget([o[1].get(key) for o in own], value))
         _close(metrics[key], value, tol, 0.0, key)
     if n == 0 or not torch.isfinite(ref_loss).all():
         return
     w = torch.linspace(0.5, 1.5, loss.numel(), dtype=torch.float64).view(loss.shape)
     (loss.double() * w.to(loss.device)).sum().backward()
     (ref_loss * w).sum().backward()
-    if own_loss is not None:
+    for own_loss in own_losses:
         (own_loss * w).sum().backward()
-    for got, want, mine, name in zip(leaves, leaves64, own_leaves, ("hidden", "weight", "bias")):
+    for i, (got, want, name) in enumerate(zip(leaves, leaves64, ("hidden", "weight", "bias"))):
         if got is None:
             continue
         assert got.grad.dtype == dtype
         atol, rtol = _grad_tol(dtype, want.grad, vocab + h + n, amplification, _grad_floor(name, leaves64, n))
-        atol = max(atol, _rounding_budget(None if mine is None else mine.grad, want.grad))
+        atol = max(atol, _rounding_budget([o[2][i].grad for o in own], want.grad))
         _close(got.grad, want.grad, atol, rtol, f"grad_{name}")
 
 
