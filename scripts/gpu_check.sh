@@ -271,7 +271,7 @@ if [ -n "$torch_build_pid" ]; then
   wait "$torch_build_pid" || { tail -20 "$out/torch_build.log"; status=1; note "torch extension build: FAILED"; }
   if want python; then
     rc=0
-    FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} timeout ${PYTEST_TIMEOUT:-3000} python3 -m pytest ${PYTEST_PATHS:-tests/python} -q -rs \
+    FUSEDCE_BUILD_DIR=build-gpu-torch PYTHONPATH=python:${PYTHONPATH:-} timeout ${PYTEST_TIMEOUT:-3000} python3 -m pytest ${PYTEST_PATHS:-tests/python} -q -rsfE \
       -p no:cacheprovider ${PYTEST_ARGS:-} > "$out/pytest.log" 2>&1 || rc=$?
     tail -5 "$out/pytest.log"
     grep -hE "^FAILED|^ERROR" "$out/pytest.log" | head -20
