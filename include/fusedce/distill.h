@@ -147,8 +147,10 @@ Status linear_distill_forward_backward(const Device& device, const MatrixView& h
 //   5. linear_distill_shard_backward: linear_distill_backward over the shard: grad_hidden is
 //      this rank's float32 part (the caller sums it over ranks), grad_weight and grad_bias this
 //      rank's rows.
-// Nothing of size (N, V_local) beyond one chunk per head. The CPU only: on a CUDA device every
-// step returns kUnsupported.
+// Nothing of size (N, V_local) beyond one chunk per head. On the CPU a label or top-k id outside
+// [0, vocab_total) is kTargetOutOfRange, and a label no rank or several ranks hold (shards that
+// do not tile the vocabulary) is kInvalidArgument at step 2; a CUDA device does not wait to read
+// them and gives those rows NaN outputs instead.
 //
 // The top-k form over a vocabulary-parallel student head: the teacher is its (N, K) ids (global
 // indices in [0, vocab_total)) and log-probabilities, the same on every rank. Steps 1, 2, 3 and 5

@@ -24,7 +24,7 @@ CUDA devices (every tensor on the student_hidden's device). On CUDA nothing wait
 labels and top-k ids: one outside [0, V) (a label that is not ``ignore_index``) makes its row's
 loss and gradients NaN, where the CPU raises.
 
-Vocabulary parallel (``linear_distillation(..., process_group=pg)``, the CPU only): each rank
+Vocabulary parallel (``linear_distillation(..., process_group=pg)``, CPU and CUDA): each rank
 holds the same rows ``[v0, v1)`` of both heads' weights (and biases), the full hidden states and
 the labels (global indices); ``linear_distillation_topk(..., process_group=pg)`` the same for
 the student's head, the teacher's top-k (global ids) whole on every rank. The core's five steps (include/fusedce/distill.h) with two
@@ -210,13 +210,9 @@ def _call_of(where, options, chunk_budget_bytes, return_metrics, student_hidden,
 
 
 def _shard_of(student_weight, student_hidden, call):
-    """This rank's ShardSpec for a vocabulary-parallel call (None for a single device); refuses
-    a CUDA device, which has no shard steps."""
+    """This rank's ShardSpec for a vocabulary-parallel call (None for a single device)."""
     if call.parallel.group is None:
         return None
-    if student_hidden.device.type != "cpu":
-        raise NotImplementedError(f"{call.where}: process_group: the vocabulary-parallel distillation runs on the "
-                                  f"CPU only (no CUDA kernels yet), but student_hidden is on {student_hidden.device}")
     return distributed.shard_of(student_weight.shape[0], call.parallel, student_hidden.device, call.where)
 
 

@@ -286,15 +286,10 @@ Status dispatch(const detail::DistillCall& call) {
   return cpu::run_distill(backward);
 }
 
-Status dispatch_shard(const char* step, const detail::DistillCall& call) {
+Status dispatch_shard(const detail::DistillCall& call) {
   Status s = detail::validate_distill_shard_call(call);
   if (!s.ok()) return s;
-  if (call.device.type == DeviceType::kCUDA) {
-    return Status(StatusCode::kUnsupported, std::string(step) +
-                                                ": the vocabulary-parallel distillation is not implemented on CUDA "
-                                                "devices (the CPU only)");
-  }
-  return cpu::run_distill_shard(call);
+  return call.device.type == DeviceType::kCUDA ? cuda::run_distill_shard(call) : cpu::run_distill_shard(call);
 }
 
 detail::DistillCall make_call(bool backward, const Device& device, const MatrixView& hidden, const MatrixView& weight,
@@ -354,7 +349,7 @@ Status linear_distill_shard_stats(const Device& device, const MatrixView& hidden
   c.shard_step = detail::ShardStep::kStats;
   c.shard = shard;
   c.shard_stats = stats;
-  return dispatch_shard("linear_distill_shard_stats", c);
+  return dispatch_shard(c);
 }
 
 Status linear_distill_shard_merge(const Device& device, const MatrixView& gathered, int64_t world,
@@ -366,7 +361,7 @@ Status linear_distill_shard_merge(const Device& device, const MatrixView& gather
   c.world = world;
   c.row_stats = row_stats;
   c.hard = hard;
-  return dispatch_shard("linear_distill_shard_merge", c);
+  return dispatch_shard(c);
 }
 
 Status linear_distill_shard_parts(const Device& device, const MatrixView& hidden, const MatrixView& weight,
@@ -378,7 +373,7 @@ Status linear_distill_shard_parts(const Device& device, const MatrixView& hidden
   c.shard = shard;
   c.row_stats = row_stats;
   c.parts = parts;
-  return dispatch_shard("linear_distill_shard_parts", c);
+  return dispatch_shard(c);
 }
 
 Status linear_distill_shard_reduce(const Device& device, const MatrixView& gathered, int64_t world,
@@ -391,7 +386,7 @@ Status linear_distill_shard_reduce(const Device& device, const MatrixView& gathe
   c.row_stats = row_stats;
   c.hard = hard;
   c.out = out;
-  return dispatch_shard("linear_distill_shard_reduce", c);
+  return dispatch_shard(c);
 }
 
 Status linear_distill_topk_shard_reduce(const Device& device, const MatrixView& gathered, int64_t world,
@@ -406,7 +401,7 @@ Status linear_distill_topk_shard_reduce(const Device& device, const MatrixView& 
   c.row_stats = row_stats;
   c.hard = hard;
   c.out = out;
-  return dispatch_shard("linear_distill_topk_shard_reduce", c);
+  return dispatch_shard(c);
 }
 
 Status linear_distill_shard_backward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
@@ -419,7 +414,7 @@ Status linear_distill_shard_backward(const Device& device, const MatrixView& hid
   c.stats = stats;
   c.grad_loss = grad_loss;
   c.grads = grads;
-  return dispatch_shard("linear_distill_shard_backward", c);
+  return dispatch_shard(c);
 }
 
 }  // namespace fusedce

@@ -59,8 +59,10 @@ Status run_distill_shard(const detail::DistillCall& call);
 }  // namespace cpu
 
 namespace cuda {
-/// Present in every build; without the CUDA backend it returns kUnsupported.
+/// Present in every build; without the CUDA backend they return kUnsupported.
 Status run_distill(const detail::DistillCall& call);
+/// A step of the vocabulary-parallel form (call.shard_step != kNone), validated.
+Status run_distill_shard(const detail::DistillCall& call);
 }  // namespace cuda
 
 }  // namespace fusedce

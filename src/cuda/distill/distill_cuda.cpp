@@ -119,6 +119,8 @@ DistillRows rows_of(const detail::DistillCall& c) {
   r.labels_i64 = c.labels.dtype == DType::kInt64;
   r.ignore_index = o.ignore_index;
   r.V = c.weight.rows;
+  r.v0 = c.vocab_start();
+  r.v_total = c.vocab_total();
   r.kind = static_cast<int>(detail::divergence_kind(o.beta));
   r.beta = o.beta;
   r.one_mb = 1.0f - o.beta;
@@ -132,6 +134,42 @@ DistillRows rows_of(const detail::DistillCall& c) {
   r.t_softcap = o.teacher.softcap;
   r.topk_norm = static_cast<int>(o.topk_norm);
   return r;
+}
+
+/// The forward's row-kernel outputs of the call (row losses into `row_loss` unless reduction
+/// none writes them to the loss itself); the logits pointers are the caller's.
+DistillForwardParams outputs_of(const detail::DistillCall& c, float* row_loss, int64_t stats_width) {
+  const DistillOutputs& o = c.out;
+  const bool none = c.options.reduction == Reduction::kNone;
+  DistillForwardParams f{};
+  f.r = rows_of(c);
+  f.stats = static_cast<float*>(o.stats.data);
+  f.stats_width = stats_width;
+  f.row_loss = none ? static_cast<float*>(o.loss.data) : row_loss;
+  f.row_loss_stride = none ? o.loss.stride : 1;
+  f.divergence = static_cast<float*>(o.divergence.data);
+  f.divergence_stride = o.divergence.stride;
+  f.hard = static_cast<float*>(o.hard.data);
+  f.hard_stride = o.hard.stride;
+  f.entropy = static_cast<float*>(o.entropy.data);
+  f.entropy_stride = o.entropy.stride;
+  return f;
+}
+
+/// The reduced loss of a forward from its rows' losses (reduction mean or sum: one block, in
+/// row order); `count` receives the rows counted.
+Status finish_loss(const detail::DistillCall& c, int64_t N, const float* row_loss, int64_t* count,
+                   cudaStream_t stream) {
+  if (c.options.reduction == Reduction::kNone) return Status::Ok();
+  DistillFinishParams fin{};
+  fin.r = rows_of(c);
+  fin.N = N;
+  fin.row_loss = row_loss;
+  fin.reduction = static_cast<int>(c.options.reduction);
+  fin.loss = static_cast<float*>(c.out.loss.data);
+  fin.count = count;
+  launch_distill_finish(fin, stream);
+  return last_error("the distillation reduction kernel");
 }
 
 class Run {
@@ -162,6 +200,52 @@ class Run {
     return finish_backward();
   }
 
+  /// Step 1 of the vocabulary-parallel form: the rows' states over the shard, chunk by chunk.
+  Status shard_stats() {
+    const MatrixView& out = c_.shard_stats;
+    FUSEDCE_TRY(clear(out.data, size_t(p_.N + 1) * kDistillShardStatsWidth * 4, "clearing the shard's statistics"));
+    DistillShardStatsParams st{};
+    st.r = rows_of(c_);
+    st.ld = p_.ld;
+    st.dtype = p_.dtype;
+    st.t = teacher_rows();
+    st.out = static_cast<float*>(out.data);
+    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
+      const int64_t nc = std::min(p_.rows, p_.N - r0);
+      FUSEDCE_TRY(logits(r0, nc));
+      st.logits = ws_ + p_.logits;
+      st.r.r0 = r0;
+      st.r.rows = nc;
+      launch_distill_shard_stats(st, stream_);
+      FUSEDCE_TRY(last_error("the shard statistics kernel"));
+    }
+    return Status::Ok();
+  }
+
+  /// Step 3: the rows' parts over the shard against step 2's global log-sum-exps.
+  Status shard_parts() {
+    const int64_t width = distill_shard_parts_width(p_.K);
+    FUSEDCE_TRY(clear(c_.parts.data, size_t(p_.N) * size_t(width) * 4, "clearing the shard's parts"));
+    DistillShardPartsParams pp{};
+    pp.r = rows_of(c_);
+    pp.ld = p_.ld;
+    pp.dtype = p_.dtype;
+    pp.t = teacher_rows();
+    pp.row_stats = static_cast<const float*>(c_.row_stats.data);
+    pp.parts = static_cast<float*>(c_.parts.data);
+    pp.width = width;
+    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
+      const int64_t nc = std::min(p_.rows, p_.N - r0);
+      FUSEDCE_TRY(logits(r0, nc));
+      pp.logits = ws_ + p_.logits;
+      pp.r.r0 = r0;
+      pp.r.rows = nc;
+      launch_distill_shard_parts(pp, stream_);
+      FUSEDCE_TRY(last_error("the shard parts kernel"));
+    }
+    return Status::Ok();
+  }
+
   /// The forward and the backward for an upstream gradient of 1, each chunk's logits formed once.
   Status forward_backward() {
     FUSEDCE_TRY(prepare_backward());
@@ -186,22 +270,10 @@ class Run {
   }
 
   DistillForwardParams forward_params() const {
-    const DistillOutputs& o = c_.out;
-    const bool none = c_.options.reduction == Reduction::kNone;
-    DistillForwardParams f{};
-    f.r = rows_of(c_);
+    DistillForwardParams f = outputs_of(c_, at<float>(p_.row_loss), kDistillStatsWidth);
     f.ld = p_.ld;
     f.dtype = p_.dtype;
     f.t = teacher_rows();
-    f.stats = static_cast<float*>(o.stats.data);
-    f.row_loss = none ? static_cast<float*>(o.loss.data) : at<float>(p_.row_loss);
-    f.row_loss_stride = none ? o.loss.stride : 1;
-    f.divergence = static_cast<float*>(o.divergence.data);
-    f.divergence_stride = o.divergence.stride;
-    f.hard = static_cast<float*>(o.hard.data);
-    f.hard_stride = o.hard.stride;
-    f.entropy = static_cast<float*>(o.entropy.data);
-    f.entropy_stride = o.entropy.stride;
     return f;
   }
 
@@ -215,18 +287,7 @@ class Run {
   }
 
   /// After the last chunk: the rows' losses reduced in row order (reduction mean or sum).
-  Status finish_forward() {
-    if (c_.options.reduction == Reduction::kNone) return Status::Ok();
-    DistillFinishParams fin{};
-    fin.r = rows_of(c_);
-    fin.N = p_.N;
-    fin.row_loss = at<float>(p_.row_loss);
-    fin.reduction = static_cast<int>(c_.options.reduction);
-    fin.loss = static_cast<float*>(c_.out.loss.data);
-    fin.count = at<int64_t>(p_.count);
-    launch_distill_finish(fin, stream_);
-    return last_error("the distillation reduction kernel");
-  }
+  Status finish_forward() { return finish_loss(c_, p_.N, at<float>(p_.row_loss), at<int64_t>(p_.count), stream_); }
 
   /// Before any row's gradient: the mean's count of rows (on the device) and grad_bias's ones.
   Status prepare_backward() {
@@ -252,6 +313,9 @@ class Run {
     b.dtype = p_.dtype;
     b.t = teacher_rows();
     b.stats = stats;
+    // a shard's top-k backward reads step 4's statistics, the gathered q after the row's own
+    b.stats_width = c_.shard_step == detail::ShardStep::kBackward && p_.topk ? distill_shard_stats_width(p_.K)
+                                                                              : kDistillStatsWidth;
     b.grad_loss = grad_loss;
     b.grad_stride = grad_stride;
     b.reduction = static_cast<int>(c_.options.reduction);
@@ -420,6 +484,11 @@ class Run {
     return e == cudaSuccess ? last_error("clearing the gradients") : device_error(e, "clearing the gradients");
   }
 
+  Status clear(void* data, size_t bytes, const char* what) {
+    const cudaError_t e = bytes ? cudaMemsetAsync(data, 0, bytes, stream_) : cudaSuccess;
+    return e == cudaSuccess ? Status::Ok() : device_error(e, what);
+  }
+
   const detail::DistillCall& c_;
   const Plan& p_;
   char* ws_;
@@ -433,23 +502,103 @@ Status check_bias_stride(const char* name, const VectorView& b) {
                 std::string(name) + ": the CUDA backend needs stride 1, got " + std::to_string(b.stride));
 }
 
+/// Runs `body(workspace)` on `bytes` of stream-ordered device memory, freed after it.
+template <class Body>
+Status with_workspace(size_t bytes, cudaStream_t stream, Body&& body) {
+  void* scratch = nullptr;
+  cudaError_t e = cudaMallocAsync(&scratch, std::max<size_t>(bytes, 1), stream);
+  if (e != cudaSuccess) return device_error(e, "allocating the distillation's workspace (cudaMallocAsync)");
+  const Status s = body(static_cast<char*>(scratch));
+  e = cudaFreeAsync(scratch, stream);
+  if (s.ok() && e != cudaSuccess) return device_error(e, "freeing the distillation's workspace (cudaFreeAsync)");
+  return s;
+}
+
+Status check_head_biases(const detail::DistillCall& call) {
+  FUSEDCE_TRY(check_bias_stride("bias", call.bias));
+  if (!call.teacher.topk()) FUSEDCE_TRY(check_bias_stride("teacher_bias", call.teacher.bias));
+  return Status::Ok();
+}
+
+/// Step 2 of the vocabulary-parallel form.
+Status shard_merge(const detail::DistillCall& c, cudaStream_t stream) {
+  DistillShardMergeParams m{};
+  m.r = rows_of(c);
+  m.N = c.row_stats.rows;
+  m.world = c.world;
+  m.gathered = static_cast<const float*>(c.shard_stats.data);
+  m.row_stats = static_cast<float*>(c.row_stats.data);
+  m.hard = static_cast<float*>(c.hard.data);
+  m.hard_stride = c.hard.stride;
+  launch_distill_shard_merge(m, stream);
+  return last_error("the shard merge kernel");
+}
+
+/// Step 4 (both forms): the forward's outputs from the gathered parts, then the reduced loss.
+Status shard_reduce(const detail::DistillCall& c, cudaStream_t stream) {
+  const int64_t N = c.row_stats.rows, K = c.topk_k();
+  const size_t row_loss_bytes = align_up(size_t(std::max<int64_t>(N, 1)) * 4);
+  return with_workspace(row_loss_bytes + sizeof(int64_t), stream, [&](char* ws) {
+    DistillShardReduceParams q{};
+    q.f = outputs_of(c, reinterpret_cast<float*>(ws), K > 0 ? distill_shard_stats_width(K) : kDistillStatsWidth);
+    q.N = N;
+    q.world = c.world;
+    q.K = K;
+    q.gathered = static_cast<const float*>(c.parts.data);
+    q.width = distill_shard_parts_width(K);
+    q.teacher_logprobs = static_cast<const float*>(c.teacher.topk_logprobs.data);
+    q.lp_stride = ld_of(c.teacher.topk_logprobs);
+    q.row_stats = static_cast<const float*>(c.row_stats.data);
+    q.hard = static_cast<const float*>(c.hard.data);
+    q.hard_stride = c.hard.stride;
+    launch_distill_shard_reduce(q, stream);
+    FUSEDCE_TRY(last_error("the shard reduction kernel"));
+    return finish_loss(c, N, reinterpret_cast<float*>(ws), reinterpret_cast<int64_t*>(ws + row_loss_bytes), stream);
+  });
+}
+
 }  // namespace
 
 Status run_distill(const detail::DistillCall& call) {
-  FUSEDCE_TRY(check_bias_stride("bias", call.bias));
-  if (!call.teacher.topk()) FUSEDCE_TRY(check_bias_stride("teacher_bias", call.teacher.bias));
+  FUSEDCE_TRY(check_head_biases(call));
   DeviceGuard guard(call.device.index);
   (void)cudaGetLastError();  // an earlier, unrelated error must not be reported as ours
   const Plan plan = plan_of(call);
   cudaStream_t stream = static_cast<cudaStream_t>(call.device.stream);
-  void* scratch = nullptr;
-  cudaError_t e = cudaMallocAsync(&scratch, plan.total, stream);
-  if (e != cudaSuccess) return device_error(e, "allocating the distillation's workspace (cudaMallocAsync)");
-  Run run(call, plan, static_cast<char*>(scratch));
-  const Status s = call.fused ? run.forward_backward() : call.backward ? run.backward() : run.forward();
-  e = cudaFreeAsync(scratch, stream);
-  if (s.ok() && e != cudaSuccess) return device_error(e, "freeing the distillation's workspace (cudaFreeAsync)");
-  return s;
+  return with_workspace(plan.total, stream, [&](char* ws) {
+    Run run(call, plan, ws);
+    return call.fused ? run.forward_backward() : call.backward ? run.backward() : run.forward();
+  });
+}
+
+Status run_distill_shard(const detail::DistillCall& call) {
+  DeviceGuard guard(call.device.index);
+  (void)cudaGetLastError();  // an earlier, unrelated error must not be reported as ours
+  cudaStream_t stream = static_cast<cudaStream_t>(call.device.stream);
+  switch (call.shard_step) {
+    case detail::ShardStep::kMerge:
+      return shard_merge(call, stream);
+    case detail::ShardStep::kReduce:
+    case detail::ShardStep::kReduceTopk:
+      return shard_reduce(call, stream);
+    default:
+      break;
+  }
+  FUSEDCE_TRY(check_head_biases(call));
+  const Plan plan = plan_of(call);
+  return with_workspace(plan.total, stream, [&](char* ws) {
+    Run run(call, plan, ws);
+    switch (call.shard_step) {
+      case detail::ShardStep::kStats:
+        return run.shard_stats();
+      case detail::ShardStep::kParts:
+        return run.shard_parts();
+      case detail::ShardStep::kBackward:
+        return run.backward();
+      default:
+        return Status(StatusCode::kInvalidArgument, "shard_step must be one of the vocabulary-parallel steps");
+    }
+  });
 }
 
 }  // namespace cuda

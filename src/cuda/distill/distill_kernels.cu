@@ -252,16 +252,23 @@ __device__ int64_t label_of(const DistillRows& r, int64_t row) {
 
 __device__ bool counted(const DistillRows& r, int64_t label) { return r.labels == nullptr || label != r.ignore_index; }
 
-/// A counted row whose label cannot be read (outside [0, V)): its outputs become NaN.
+/// A counted row whose label cannot be read (outside [0, v_total)): its outputs become NaN.
 __device__ bool bad_label(const DistillRows& r, int64_t label) {
-  return r.labels != nullptr && (label < 0 || label >= r.V);
+  return r.labels != nullptr && (label < 0 || label >= r.v_total);
 }
 
-/// Whether any of the row's top-k ids lies outside [0, V) (block-wide).
+/// A global vocabulary index as a column of the call's rows: -1 where another shard holds it
+/// (or there is no label).
+__device__ __forceinline__ int64_t local_column(const DistillRows& r, int64_t global) {
+  const int64_t j = global - r.v0;
+  return global >= 0 && j >= 0 && j < r.V ? j : -1;
+}
+
+/// Whether any of the row's top-k ids lies outside [0, v_total) (block-wide).
 __device__ bool bad_ids(const DistillRows& r, const DistillTeacherRows& t, int64_t row) {
   bool bad = false;
   const int64_t* ids = t.ids + row * t.ids_stride;
-  for (int64_t k = threadIdx.x; k < t.K; k += kThreads) bad |= ids[k] < 0 || ids[k] >= r.V;
+  for (int64_t k = threadIdx.x; k < t.K; k += kThreads) bad |= ids[k] < 0 || ids[k] >= r.v_total;
   return block_any(bad);
 }
 
@@ -277,7 +284,7 @@ struct RowOut {
 
 __device__ void write_row(const DistillForwardParams& p, int64_t row, const RowOut& o) {
   if (threadIdx.x != 0) return;
-  for (int q = 0; q < kW; ++q) p.stats[row * kW + q] = o.stats[q];
+  for (int q = 0; q < kW; ++q) p.stats[row * p.stats_width + q] = o.stats[q];
   put(p.divergence, p.divergence_stride, row, o.divergence);
   put(p.hard, p.hard_stride, row, o.hard);
   put(p.entropy, p.entropy_stride, row, o.entropy);
@@ -399,7 +406,7 @@ __global__ void __launch_bounds__(kThreads) full_forward_kernel(const DistillFor
                                                   : 0.0f;
   if (hard) {
     o.stats[3] = static_cast<float>(l[2].full);
-    o.hard = static_cast<float>(l[2].full - detail::transform_y(hs, load<S>(p.logits, p.ld, i, label)));
+    o.hard = static_cast<float>(l[2].full - detail::transform_y(hs, load<S>(p.logits, p.ld, i, local_column(r, label))));
   }
   write_row(p, row, o);
 }
@@ -437,7 +444,9 @@ __global__ void __launch_bounds__(kThreads) topk_forward_kernel(const DistillFor
   // the sparse entries: q_k, the student's log-probability at id k
   const int64_t* ids = p.t.ids + row * p.t.ids_stride;
   const float* tlp = p.t.logprobs + row * p.t.lp_stride;
-  auto q_of = [&](int64_t k) { return logp(l[0], detail::transform_y(hs, load<S>(p.logits, p.ld, i, ids[k])) * r.inv_t); };
+  auto q_of = [&](int64_t k) {
+    return logp(l[0], detail::transform_y(hs, load<S>(p.logits, p.ld, i, local_column(r, ids[k]))) * r.inv_t);
+  };
   const SparseNorm n = sparse_norm(r, K, tlp, q_of, fsmem, dsmem);
   const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
   double d[1] = {0.0};
@@ -454,7 +463,7 @@ __global__ void __launch_bounds__(kThreads) topk_forward_kernel(const DistillFor
   o.stats[0] = static_cast<float>(l[0].full);
   if (hard) {
     o.stats[3] = static_cast<float>(l[1].full);
-    o.hard = static_cast<float>(l[1].full - detail::transform_y(hs, load<S>(p.logits, p.ld, i, label)));
+    o.hard = static_cast<float>(l[1].full - detail::transform_y(hs, load<S>(p.logits, p.ld, i, local_column(r, label))));
   }
   write_row(p, row, o);
 }
@@ -490,7 +499,8 @@ __global__ void __launch_bounds__(kThreads) full_backward_kernel(const DistillBa
   const float g = upstream(p, row);
   const float a = r.hard_weight < 1.0f ? (1.0f - r.hard_weight) * g * r.inv_t : 0.0f;  // per unit dz
   const float b = r.hard_weight > 0.0f && label >= 0 ? r.hard_weight * g : 0.0f;
-  const float* st = p.stats + row * kW;
+  const float* st = p.stats + row * p.stats_width;
+  const int64_t column = local_column(r, label);  // the label's column here, or -1
   const Transform hs{r.s_scale, r.s_softcap}, ht{r.t_scale, r.t_softcap};
   const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
   S* x = static_cast<S*>(p.logits) + i * p.ld;
@@ -502,7 +512,7 @@ __global__ void __launch_bounds__(kThreads) full_backward_kernel(const DistillBa
       const float s = y * r.inv_t - lse_s, t = detail::transform_y(ht, xtj) * r.inv_t - lse_t;
       dy = a * detail::distill_logit_grad(kind, s, t, cross, r.log_1mb, r.log_b, r.one_mb);
     }
-    if (b != 0.0f) dy += hard_dy(b, y, lse_h, j, label);
+    if (b != 0.0f) dy += hard_dy(b, y, lse_h, j, column);
     return dy * detail::transform_dy_of_y(hs, y);
   };
   if (a != 0.0f) {
@@ -533,6 +543,8 @@ __device__ void block_sort(uint64_t* keys, int64_t n) {
 /// Top-k form: one block per chunk row. dD/dq_k (through the normalisation) first, into the
 /// scratch; then the dense part of every column, -a e^{s_j} sum_k dD/dq_k (+ the hard term);
 /// then each distinct id once: its column again, plus a dD/dq_k of each of its entries (k order).
+/// Over a vocabulary shard the q_k come from the statistics (step 4 gathered them from every
+/// shard) and only the ids this shard holds have columns here.
 template <typename S>
 __global__ void __launch_bounds__(kThreads) topk_backward_kernel(const DistillBackwardParams p) {
   __shared__ float fsmem[2 * kWarps];
@@ -545,7 +557,9 @@ __global__ void __launch_bounds__(kThreads) topk_backward_kernel(const DistillBa
   const float g = upstream(p, row);
   const float a = r.hard_weight < 1.0f ? (1.0f - r.hard_weight) * g * r.inv_t : 0.0f;
   const float b = r.hard_weight > 0.0f && label >= 0 ? r.hard_weight * g : 0.0f;
-  const float* st = p.stats + row * kW;
+  const float* st = p.stats + row * p.stats_width;
+  const bool gathered_q = p.stats_width > kW;
+  const int64_t column = local_column(r, label);
   const Transform hs{r.s_scale, r.s_softcap};
   S* x = static_cast<S*>(p.logits) + i * p.ld;
   const int64_t* ids = p.t.ids + row * p.t.ids_stride;
@@ -554,9 +568,12 @@ __global__ void __launch_bounds__(kThreads) topk_backward_kernel(const DistillBa
   float* eg = p.entry_g + i * K;
   float sum_gq = 0.0f;
   if (a != 0.0f) {
-    for (int64_t k = threadIdx.x; k < K; k += kThreads) ey[k] = detail::transform_y(hs, Elem<S>::to_float(x[ids[k]]));
+    for (int64_t k = threadIdx.x; k < K; k += kThreads) {
+      const int64_t j = local_column(r, ids[k]);
+      ey[k] = j >= 0 ? detail::transform_y(hs, Elem<S>::to_float(x[j])) : 0.0f;
+    }
     __syncthreads();  // ey complete: the norms read every entry
-    auto q_of = [&](int64_t k) { return ey[k] * r.inv_t - st[0]; };
+    auto q_of = [&](int64_t k) { return gathered_q ? st[kW + k] : ey[k] * r.inv_t - st[0]; };
     const SparseNorm n = sparse_norm(r, K, tlp, q_of, fsmem, dsmem);
     const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
     double tot[1] = {0.0};
@@ -587,15 +604,16 @@ __global__ void __launch_bounds__(kThreads) topk_backward_kernel(const DistillBa
     }
     block_sum<1>(adjusted, dsmem);  // (its barriers also order eg's writes before the reads below)
     sum_gq = static_cast<float>(adjusted[0]);
-    for (int64_t k = threadIdx.x; k < p.Kp; k += kThreads) {
-      p.keys[i * p.Kp + k] = k < K ? (static_cast<uint64_t>(ids[k]) << 32) | static_cast<uint64_t>(k) : ~uint64_t(0);
+    for (int64_t k = threadIdx.x; k < p.Kp; k += kThreads) {  // ids held elsewhere sort last, as padding
+      const int64_t j = k < K ? local_column(r, ids[k]) : -1;
+      p.keys[i * p.Kp + k] = j >= 0 ? (static_cast<uint64_t>(j) << 32) | static_cast<uint64_t>(k) : ~uint64_t(0);
     }
     __syncthreads();  // keys written before the sort
     block_sort(p.keys + i * p.Kp, p.Kp);
   }
   auto dense = [&](float y, int64_t j) {
     float dy = a != 0.0f ? -a * expf(y * r.inv_t - st[0]) * sum_gq : 0.0f;
-    if (b != 0.0f) dy += hard_dy(b, y, st[3], j, label);
+    if (b != 0.0f) dy += hard_dy(b, y, st[3], j, column);
     return dy * detail::transform_dy_of_y(hs, y);
   };
   row_visit<false, true>(x, x, V, [&](int64_t j, float xj, float) { return dense(detail::transform_y(hs, xj), j); });
@@ -603,12 +621,13 @@ __global__ void __launch_bounds__(kThreads) topk_backward_kernel(const DistillBa
   __syncthreads();  // the dense pass wrote every column before the ids' columns are rewritten
   const uint64_t* keys = p.keys + i * p.Kp;
   for (int64_t q = threadIdx.x; q < K; q += kThreads) {
+    if (keys[q] == ~uint64_t(0)) continue;  // an id another shard holds
     const int64_t id = static_cast<int64_t>(keys[q] >> 32);
     if (q > 0 && static_cast<int64_t>(keys[q - 1] >> 32) == id) continue;  // not its id's first entry
     const int64_t k0 = static_cast<int64_t>(keys[q] & 0xffffffffu);
     const float y = ey[k0], dk = detail::transform_dy_of_y(hs, y);
     float v = dense(y, id);
-    for (int64_t e = q; e < K && static_cast<int64_t>(keys[e] >> 32) == id; ++e) {
+    for (int64_t e = q; e < K && keys[e] != ~uint64_t(0) && static_cast<int64_t>(keys[e] >> 32) == id; ++e) {
       v += a * eg[keys[e] & 0xffffffffu] * dk;
     }
     x[id] = Elem<S>::from_float(v);
@@ -633,6 +652,224 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const DistillFinishPar
   double loss = acc[0];
   if (p.reduction == static_cast<int>(Reduction::kMean)) loss = count == 0 ? NAN : loss / static_cast<double>(count);
   p.loss[0] = static_cast<float>(loss);
+}
+
+// ---- the vocabulary-parallel steps --------------------------------------------------------------
+//
+// As the CPU backend's (src/cpu/distill_cpu.cpp): step 1 each row's (max, sum of exps) per head
+// over the shard, step 2 the ranks' states folded in rank order (LseAccum), step 3 the sums over
+// the shard against the global log-sum-exps, each handed on as a float32 pair (hi, lo), step 4
+// the ranks' pairs added in double in rank order. Steps 2 and 4 read the same gathered bits in
+// the same order on every rank, so every rank has the same results. A row whose label (or a
+// top-k id) lies outside [0, v_total), or whose label no rank or several ranks hold, gets NaN
+// instead of an error (no host synchronisation).
+
+constexpr int kSW = kDistillShardStatsWidth;
+constexpr int kStateColumns = 8;  // step 1's columns; the rest of a row is spare
+constexpr int kPW = kDistillPartsWidth;
+
+/// The block's (max, sum of exp(z - max)) of K running states, as the CPU's row_state: no finite
+/// entry gives (-inf, 0), an infinite max (inf, 1).
+template <int K>
+__device__ void block_state(const Online (&a)[K], float (&m)[K], float (&s)[K], float* fsmem, double* dsmem) {
+#pragma unroll
+  for (int q = 0; q < K; ++q) m[q] = a[q].m;
+  block_max<K>(m, fsmem);
+  double t[K];
+#pragma unroll
+  for (int q = 0; q < K; ++q) t[q] = isinf(m[q]) ? 0.0 : online_scaled(a[q], m[q]);
+  block_sum<K>(t, dsmem);
+#pragma unroll
+  for (int q = 0; q < K; ++q) s[q] = m[q] == -INFINITY ? 0.0f : isinf(m[q]) ? 1.0f : static_cast<float>(t[q]);
+}
+
+/// A double as a float32 pair whose sum in double is the double to about 2^-48 relative.
+__device__ void split_double(double x, float* hi, float* lo) {
+  *hi = static_cast<float>(x);
+  *lo = isfinite(x) ? static_cast<float>(x - static_cast<double>(*hi)) : 0.0f;
+}
+
+/// Step 1, one block per chunk row: columns 0, 1 the student's state of z, 2, 3 the teacher's
+/// (kTwo; else the empty state), 4, 5 the student's at temperature 1, 6 its y at the label and 7
+/// the flag 1 where this shard holds the label (4..7 with a hard term only).
+template <typename S, typename T, bool kTwo>
+__global__ void __launch_bounds__(kThreads) shard_stats_kernel(const DistillShardStatsParams p) {
+  __shared__ float fsmem[3 * kWarps];
+  __shared__ double dsmem[3 * kWarps];
+  const DistillRows& r = p.r;
+  const int64_t i = blockIdx.x, row = r.r0 + i, V = r.V;
+  const int64_t label = label_of(r, row);
+  if (!counted(r, label)) return;  // zeroed by the caller
+  float* o = p.out + row * kSW;
+  if (bad_label(r, label) || (!kTwo && bad_ids(r, p.t, row))) {
+    if (threadIdx.x < kStateColumns) o[threadIdx.x] = NAN;  // column 8 stays the front end's
+    return;
+  }
+  const Transform hs{r.s_scale, r.s_softcap}, ht{r.t_scale, r.t_softcap};
+  const bool hard = label >= 0 && r.hard_weight > 0.0f;
+  S* xs = chunk_row<S>(p.logits, p.ld, i);
+  const T* xt = kTwo ? chunk_row<T>(p.t.logits, p.t.ld, i) : nullptr;
+  Online a[3] = {online_empty(), online_empty(), online_empty()};
+  row_visit<kTwo, false>(xs, xt, V, [&](int64_t, float xsj, float xtj) {
+    const float ys = detail::transform_y(hs, xsj);
+    online_add(a[0], ys * r.inv_t);
+    if (kTwo) online_add(a[1], detail::transform_y(ht, xtj) * r.inv_t);
+    if (hard) online_add(a[2], ys);
+    return xsj;
+  });
+  float m[3], sum[3];
+  block_state<3>(a, m, sum, fsmem, dsmem);
+  if (threadIdx.x != 0) return;
+  o[0] = m[0];
+  o[1] = sum[0];
+  o[2] = kTwo ? m[1] : -INFINITY;
+  o[3] = kTwo ? sum[1] : 0.0f;
+  if (!hard) return;
+  o[4] = m[2];
+  o[5] = sum[2];
+  const int64_t j = local_column(r, label);
+  if (j >= 0) {
+    o[6] = detail::transform_y(hs, load<S>(p.logits, p.ld, i, j));
+    o[7] = 1.0f;
+  }
+}
+
+/// Step 3, one block per chunk row: (D, KL(p_s || m), entropy) over the shard, each as a pair
+/// (kTwo); the top-k form: the entropy's pair, then q_k at the ids this shard holds.
+template <typename S, typename T, bool kTwo>
+__global__ void __launch_bounds__(kThreads) shard_parts_kernel(const DistillShardPartsParams p) {
+  __shared__ double dsmem[3 * kWarps];
+  const DistillRows& r = p.r;
+  const int64_t i = blockIdx.x, row = r.r0 + i, V = r.V;
+  const int64_t label = label_of(r, row);
+  if (!counted(r, label)) return;  // zeroed by the caller
+  float* o = p.parts + row * p.width;
+  if (bad_label(r, label) || (!kTwo && bad_ids(r, p.t, row))) {
+    for (int64_t k = threadIdx.x; k < p.width; k += kThreads) o[k] = NAN;
+    return;
+  }
+  const Transform hs{r.s_scale, r.s_softcap}, ht{r.t_scale, r.t_softcap};
+  const float lse_s = p.row_stats[row * kW], lse_t = p.row_stats[row * kW + 1];
+  const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
+  S* xs = chunk_row<S>(p.logits, p.ld, i);
+  const T* xt = kTwo ? chunk_row<T>(p.t.logits, p.t.ld, i) : nullptr;
+  double acc[3] = {0.0, 0.0, 0.0};  // D, KL(p_s || m), sum p_s s
+  row_visit<kTwo, false>(xs, xt, V, [&](int64_t, float xsj, float xtj) {
+    const float s = detail::transform_y(hs, xsj) * r.inv_t - lse_s;
+    const float ps = expf(s);
+    if (ps != 0.0f) acc[2] += static_cast<double>(ps) * s;
+    if (kTwo) {
+      const float t = detail::transform_y(ht, xtj) * r.inv_t - lse_t;
+      acc[0] += detail::divergence_term(kind, s, t, r.beta, r.log_1mb, r.log_b);
+      if (kind == DivergenceKind::kJsd && ps != 0.0f) {
+        acc[1] += static_cast<double>(ps) * (s - detail::mixture_log(s, t, r.log_1mb, r.log_b));
+      }
+    }
+    return xsj;
+  });
+  block_sum<3>(acc, dsmem);
+  if (!kTwo) {
+    const int64_t* ids = p.t.ids + row * p.t.ids_stride;
+    for (int64_t k = threadIdx.x; k < p.t.K; k += kThreads) {
+      const int64_t j = local_column(r, ids[k]);
+      if (j >= 0) o[kPW + k] = detail::transform_y(hs, load<S>(p.logits, p.ld, i, j)) * r.inv_t - lse_s;
+    }
+  }
+  if (threadIdx.x != 0) return;
+  if (kTwo) {
+    split_double(acc[0], o + 0, o + 1);
+    split_double(acc[1], o + 2, o + 3);
+  }
+  split_double(-acc[2], o + 4, o + 5);
+}
+
+/// Step 2, one thread per row.
+__global__ void __launch_bounds__(kThreads) shard_merge_kernel(const DistillShardMergeParams p) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= p.N) return;
+  float* o = p.row_stats + i * kW;
+  float* hard_out = p.hard + i * p.hard_stride;
+  for (int q = 0; q < kW; ++q) o[q] = 0.0f;
+  *hard_out = 0.0f;
+  const int64_t label = label_of(p.r, i);
+  if (!counted(p.r, label)) return;
+  const bool hard = p.r.labels != nullptr && p.r.hard_weight > 0.0f;
+  detail::LseAccum s = detail::lse_accum_empty(), t = detail::lse_accum_empty(), h = detail::lse_accum_empty();
+  double y = 0.0;
+  int holders = 0;
+  for (int64_t rank = 0; rank < p.world; ++rank) {  // rank order: the same bits on every rank
+    const float* g = p.gathered + (rank * (p.N + 1) + i) * kSW;
+    detail::lse_accum_add(s, detail::LseState{g[0], g[1], 0.0f});
+    detail::lse_accum_add(t, detail::LseState{g[2], g[3], 0.0f});
+    if (!hard) continue;
+    detail::lse_accum_add(h, detail::LseState{g[4], g[5], 0.0f});
+    if (g[7] != 0.0f) {
+      y = g[6];
+      ++holders;
+    }
+  }
+  if (hard && holders != 1) {  // the shards do not tile the vocabulary at this label
+    for (int q = 0; q < kW; ++q) o[q] = NAN;
+    *hard_out = NAN;
+    return;
+  }
+  o[0] = detail::lse_accum_value(s);
+  o[1] = t.s == 0.0 ? 0.0f : detail::lse_accum_value(t);  // a top-k teacher's states are all empty
+  if (!hard) return;
+  const double lse_h = static_cast<double>(h.m) + log(h.s);
+  o[3] = static_cast<float>(lse_h);
+  *hard_out = static_cast<float>(lse_h - y);
+}
+
+/// Step 4, one block per row.
+template <bool kTopk>
+__global__ void __launch_bounds__(kThreads) shard_reduce_kernel(const DistillShardReduceParams p) {
+  __shared__ float fsmem[2 * kWarps];
+  __shared__ double dsmem[2 * kWarps];
+  const DistillRows& r = p.f.r;
+  const int64_t row = blockIdx.x, K = p.K, N = p.N;
+  float* q_out = p.f.stats + row * p.f.stats_width + kW;  // the top-k form's q
+  const int64_t label = label_of(r, row);
+  if (!counted(r, label)) {
+    for (int64_t k = threadIdx.x; k < K; k += kThreads) q_out[k] = 0.0f;
+    return write_row(p.f, row, filled_row(0.0f));
+  }
+  const float* rs = p.row_stats + row * kW;
+  RowOut o{0.0f, p.hard[row * p.hard_stride], 0.0f, {rs[0], rs[1], rs[2], rs[3]}};
+  double sums[3] = {0.0, 0.0, 0.0};
+  for (int64_t rank = 0; rank < p.world; ++rank) {  // rank order: the same bits on every rank
+    const float* g = p.gathered + (rank * N + row) * p.width;
+    for (int q = 0; q < 3; ++q) sums[q] += static_cast<double>(g[2 * q]) + static_cast<double>(g[2 * q + 1]);
+  }
+  o.entropy = static_cast<float>(sums[2]);
+  const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
+  if (kTopk) {
+    auto q_of = [&](int64_t k) {  // one rank's entry and zeros: exact in any order, summed in rank order
+      float q = 0.0f;
+      for (int64_t rank = 0; rank < p.world; ++rank) q += p.gathered[(rank * N + row) * p.width + kPW + k];
+      return q;
+    };
+    const float* tlp = p.teacher_logprobs + row * p.lp_stride;
+    const SparseNorm n = sparse_norm(r, K, tlp, q_of, fsmem, dsmem);
+    double d[1] = {0.0};
+    for (int64_t k = threadIdx.x; k < K; k += kThreads) {
+      q_out[k] = q_of(k);
+      if (tlp[k] == -INFINITY) continue;
+      const float2 st = sparse_entry(r, n, q_of(k), tlp[k]);
+      d[0] += detail::divergence_term(kind, st.x, st.y, r.beta, r.log_1mb, r.log_b);
+    }
+    block_sum<1>(d, dsmem);
+    if (r.topk_norm == static_cast<int>(TopkNorm::kTail)) {
+      d[0] += detail::divergence_term(kind, n.s_tail, n.t_tail, r.beta, r.log_1mb, r.log_b);
+    }
+    o.divergence = static_cast<float>(d[0]);
+  } else {
+    o.divergence = static_cast<float>(sums[0]);
+    o.stats[2] = kind == DivergenceKind::kReverseKl ? o.divergence
+                 : kind == DivergenceKind::kJsd     ? static_cast<float>(sums[1])
+                                                    : 0.0f;
+  }
+  write_row(p.f, row, o);
 }
 
 // ---- dispatch ---------------------------------------------------------------------------------
@@ -680,6 +917,53 @@ void launch_distill_backward(const DistillBackwardParams& p, cudaStream_t stream
 
 void launch_distill_finish(const DistillFinishParams& p, cudaStream_t stream) {
   finish_kernel<<<1, kThreads, 0, stream>>>(p);
+}
+
+void launch_distill_shard_stats(const DistillShardStatsParams& p, cudaStream_t stream) {
+  if (p.r.rows == 0) return;
+  const unsigned blocks = static_cast<unsigned>(p.r.rows);
+  by_dtype(p.dtype, [&](auto s_tag) {
+    using S = decltype(s_tag);
+    if (p.t.K > 0) {
+      shard_stats_kernel<S, S, false><<<blocks, kThreads, 0, stream>>>(p);
+      return;
+    }
+    by_dtype(p.t.dtype, [&](auto t_tag) {
+      using T = decltype(t_tag);
+      shard_stats_kernel<S, T, true><<<blocks, kThreads, 0, stream>>>(p);
+    });
+  });
+}
+
+void launch_distill_shard_parts(const DistillShardPartsParams& p, cudaStream_t stream) {
+  if (p.r.rows == 0) return;
+  const unsigned blocks = static_cast<unsigned>(p.r.rows);
+  by_dtype(p.dtype, [&](auto s_tag) {
+    using S = decltype(s_tag);
+    if (p.t.K > 0) {
+      shard_parts_kernel<S, S, false><<<blocks, kThreads, 0, stream>>>(p);
+      return;
+    }
+    by_dtype(p.t.dtype, [&](auto t_tag) {
+      using T = decltype(t_tag);
+      shard_parts_kernel<S, T, true><<<blocks, kThreads, 0, stream>>>(p);
+    });
+  });
+}
+
+void launch_distill_shard_merge(const DistillShardMergeParams& p, cudaStream_t stream) {
+  if (p.N == 0) return;
+  shard_merge_kernel<<<static_cast<unsigned>((p.N + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
+}
+
+void launch_distill_shard_reduce(const DistillShardReduceParams& p, cudaStream_t stream) {
+  if (p.N == 0) return;
+  const unsigned blocks = static_cast<unsigned>(p.N);
+  if (p.K > 0) {
+    shard_reduce_kernel<true><<<blocks, kThreads, 0, stream>>>(p);
+  } else {
+    shard_reduce_kernel<false><<<blocks, kThreads, 0, stream>>>(p);
+  }
 }
 
 }  // namespace cuda
