@@ -179,11 +179,7 @@ class Run {
 
   Status forward() {
     DistillForwardParams f = forward_params();
-    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
-      const int64_t nc = std::min(p_.rows, p_.N - r0);
-      FUSEDCE_TRY(logits(r0, nc));
-      FUSEDCE_TRY(forward_rows(&f, r0, nc));
-    }
+    FUSEDCE_TRY(over_chunks([&](int64_t r0, int64_t nc) { return forward_rows(&f, r0, nc); }));
     return finish_forward();
   }
 
@@ -192,11 +188,7 @@ class Run {
     if (p_.N == 0) return clear_grads();
     DistillBackwardParams b = backward_params(static_cast<const float*>(c_.stats.data),
                                               static_cast<const float*>(c_.grad_loss.data), c_.grad_loss.stride);
-    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
-      const int64_t nc = std::min(p_.rows, p_.N - r0);
-      FUSEDCE_TRY(logits(r0, nc));
-      FUSEDCE_TRY(backward_rows(&b, r0, nc));
-    }
+    FUSEDCE_TRY(over_chunks([&](int64_t r0, int64_t nc) { return backward_rows(&b, r0, nc); }));
     return finish_backward();
   }
 
@@ -210,16 +202,13 @@ class Run {
     st.dtype = p_.dtype;
     st.t = teacher_rows();
     st.out = static_cast<float*>(out.data);
-    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
-      const int64_t nc = std::min(p_.rows, p_.N - r0);
-      FUSEDCE_TRY(logits(r0, nc));
-      st.logits = ws_ + p_.logits;
+    st.logits = ws_ + p_.logits;
+    return over_chunks([&](int64_t r0, int64_t nc) {
       st.r.r0 = r0;
       st.r.rows = nc;
       launch_distill_shard_stats(st, stream_);
-      FUSEDCE_TRY(last_error("the shard statistics kernel"));
-    }
-    return Status::Ok();
+      return last_error("the shard statistics kernel");
+    });
   }
 
   /// Step 3: the rows' parts over the shard against step 2's global log-sum-exps.
@@ -234,16 +223,13 @@ class Run {
     pp.row_stats = static_cast<const float*>(c_.row_stats.data);
     pp.parts = static_cast<float*>(c_.parts.data);
     pp.width = width;
-    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
-      const int64_t nc = std::min(p_.rows, p_.N - r0);
-      FUSEDCE_TRY(logits(r0, nc));
-      pp.logits = ws_ + p_.logits;
+    pp.logits = ws_ + p_.logits;
+    return over_chunks([&](int64_t r0, int64_t nc) {
       pp.r.r0 = r0;
       pp.r.rows = nc;
       launch_distill_shard_parts(pp, stream_);
-      FUSEDCE_TRY(last_error("the shard parts kernel"));
-    }
-    return Status::Ok();
+      return last_error("the shard parts kernel");
+    });
   }
 
   /// The forward and the backward for an upstream gradient of 1, each chunk's logits formed once.
@@ -253,17 +239,26 @@ class Run {
     FUSEDCE_TRY(last_error("writing the upstream gradient"));
     DistillForwardParams f = forward_params();
     DistillBackwardParams b = backward_params(static_cast<const float*>(c_.out.stats.data), at<float>(p_.unit), 0);
-    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
-      const int64_t nc = std::min(p_.rows, p_.N - r0);
-      FUSEDCE_TRY(logits(r0, nc));
+    FUSEDCE_TRY(over_chunks([&](int64_t r0, int64_t nc) {
       FUSEDCE_TRY(forward_rows(&f, r0, nc));  // writes the rows' statistics the backward reads
-      FUSEDCE_TRY(backward_rows(&b, r0, nc));
-    }
+      return backward_rows(&b, r0, nc);
+    }));
     FUSEDCE_TRY(finish_forward());
     return p_.N == 0 ? clear_grads() : finish_backward();
   }
 
  private:
+  /// body(r0, nc) over the token chunks [r0, r0 + nc), each after its logits are formed.
+  template <class Body>
+  Status over_chunks(Body&& body) {
+    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
+      const int64_t nc = std::min(p_.rows, p_.N - r0);
+      FUSEDCE_TRY(logits(r0, nc));
+      FUSEDCE_TRY(body(r0, nc));
+    }
+    return Status::Ok();
+  }
+
   template <typename T>
   T* at(size_t offset) const {
     return reinterpret_cast<T*>(ws_ + offset);

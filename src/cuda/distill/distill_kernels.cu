@@ -16,6 +16,7 @@
 #include "cuda/port.h"  // first: the platform's runtime header
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/distill_math.h"
 #include "cuda/distill/distill_kernels.h"
@@ -881,37 +882,42 @@ void by_dtype(DType d, F&& f) {
   else f(Half{});
 }
 
+/// launch(S, T, two) with the student's logit type, the teacher's and whether a teacher head
+/// is read (a top-k teacher: T = S, two false).
+template <typename F>
+void by_heads(DType student, const DistillTeacherRows& t, F&& launch) {
+  by_dtype(student, [&](auto s_tag) {
+    if (t.K > 0) {
+      launch(s_tag, s_tag, std::false_type{});
+      return;
+    }
+    by_dtype(t.dtype, [&](auto t_tag) { launch(s_tag, t_tag, std::true_type{}); });
+  });
+}
+
 }  // namespace
 
 void launch_distill_forward(const DistillForwardParams& p, cudaStream_t stream) {
   if (p.r.rows == 0) return;
   const unsigned blocks = static_cast<unsigned>(p.r.rows);
-  by_dtype(p.dtype, [&](auto s_tag) {
-    using S = decltype(s_tag);
-    if (p.t.K > 0) {  // the top-k form
-      topk_forward_kernel<S><<<blocks, kThreads, 0, stream>>>(p);
-      return;
+  by_heads(p.dtype, p.t, [&](auto s_tag, auto t_tag, auto two) {
+    if constexpr (decltype(two)::value) {
+      full_forward_kernel<decltype(s_tag), decltype(t_tag)><<<blocks, kThreads, 0, stream>>>(p);
+    } else {
+      topk_forward_kernel<decltype(s_tag)><<<blocks, kThreads, 0, stream>>>(p);
     }
-    by_dtype(p.t.dtype, [&](auto t_tag) {
-      using T = decltype(t_tag);
-      full_forward_kernel<S, T><<<blocks, kThreads, 0, stream>>>(p);
-    });
   });
 }
 
 void launch_distill_backward(const DistillBackwardParams& p, cudaStream_t stream) {
   if (p.r.rows == 0) return;
   const unsigned blocks = static_cast<unsigned>(p.r.rows);
-  by_dtype(p.dtype, [&](auto s_tag) {
-    using S = decltype(s_tag);
-    if (p.t.K > 0) {  // the top-k form
-      topk_backward_kernel<S><<<blocks, kThreads, 0, stream>>>(p);
-      return;
+  by_heads(p.dtype, p.t, [&](auto s_tag, auto t_tag, auto two) {
+    if constexpr (decltype(two)::value) {
+      full_backward_kernel<decltype(s_tag), decltype(t_tag)><<<blocks, kThreads, 0, stream>>>(p);
+    } else {
+      topk_backward_kernel<decltype(s_tag)><<<blocks, kThreads, 0, stream>>>(p);
     }
-    by_dtype(p.t.dtype, [&](auto t_tag) {
-      using T = decltype(t_tag);
-      full_backward_kernel<S, T><<<blocks, kThreads, 0, stream>>>(p);
-    });
   });
 }
 
@@ -921,33 +927,17 @@ void launch_distill_finish(const DistillFinishParams& p, cudaStream_t stream) {
 
 void launch_distill_shard_stats(const DistillShardStatsParams& p, cudaStream_t stream) {
   if (p.r.rows == 0) return;
-  const unsigned blocks = static_cast<unsigned>(p.r.rows);
-  by_dtype(p.dtype, [&](auto s_tag) {
-    using S = decltype(s_tag);
-    if (p.t.K > 0) {
-      shard_stats_kernel<S, S, false><<<blocks, kThreads, 0, stream>>>(p);
-      return;
-    }
-    by_dtype(p.t.dtype, [&](auto t_tag) {
-      using T = decltype(t_tag);
-      shard_stats_kernel<S, T, true><<<blocks, kThreads, 0, stream>>>(p);
-    });
+  by_heads(p.dtype, p.t, [&](auto s_tag, auto t_tag, auto two) {
+    shard_stats_kernel<decltype(s_tag), decltype(t_tag), decltype(two)::value>
+        <<<static_cast<unsigned>(p.r.rows), kThreads, 0, stream>>>(p);
   });
 }
 
 void launch_distill_shard_parts(const DistillShardPartsParams& p, cudaStream_t stream) {
   if (p.r.rows == 0) return;
-  const unsigned blocks = static_cast<unsigned>(p.r.rows);
-  by_dtype(p.dtype, [&](auto s_tag) {
-    using S = decltype(s_tag);
-    if (p.t.K > 0) {
-      shard_parts_kernel<S, S, false><<<blocks, kThreads, 0, stream>>>(p);
-      return;
-    }
-    by_dtype(p.t.dtype, [&](auto t_tag) {
-      using T = decltype(t_tag);
-      shard_parts_kernel<S, T, true><<<blocks, kThreads, 0, stream>>>(p);
-    });
+  by_heads(p.dtype, p.t, [&](auto s_tag, auto t_tag, auto two) {
+    shard_parts_kernel<decltype(s_tag), decltype(t_tag), decltype(two)::value>
+        <<<static_cast<unsigned>(p.r.rows), kThreads, 0, stream>>>(p);
   });
 }
 
