@@ -196,40 +196,20 @@ class Run {
   Status shard_stats() {
     const MatrixView& out = c_.shard_stats;
     FUSEDCE_TRY(clear(out.data, size_t(p_.N + 1) * kDistillShardStatsWidth * 4, "clearing the shard's statistics"));
-    DistillShardStatsParams st{};
-    st.r = rows_of(c_);
-    st.ld = p_.ld;
-    st.dtype = p_.dtype;
-    st.t = teacher_rows();
+    DistillShardStatsParams st = chunk_params(DistillShardStatsParams{});
     st.out = static_cast<float*>(out.data);
-    st.logits = ws_ + p_.logits;
-    return over_chunks([&](int64_t r0, int64_t nc) {
-      st.r.r0 = r0;
-      st.r.rows = nc;
-      launch_distill_shard_stats(st, stream_);
-      return last_error("the shard statistics kernel");
-    });
+    return chunk_kernel(&st, launch_distill_shard_stats, "the shard statistics kernel");
   }
 
   /// Step 3: the rows' parts over the shard against step 2's global log-sum-exps.
   Status shard_parts() {
     const int64_t width = distill_shard_parts_width(p_.K);
     FUSEDCE_TRY(clear(c_.parts.data, size_t(p_.N) * size_t(width) * 4, "clearing the shard's parts"));
-    DistillShardPartsParams pp{};
-    pp.r = rows_of(c_);
-    pp.ld = p_.ld;
-    pp.dtype = p_.dtype;
-    pp.t = teacher_rows();
+    DistillShardPartsParams pp = chunk_params(DistillShardPartsParams{});
     pp.row_stats = static_cast<const float*>(c_.row_stats.data);
     pp.parts = static_cast<float*>(c_.parts.data);
     pp.width = width;
-    pp.logits = ws_ + p_.logits;
-    return over_chunks([&](int64_t r0, int64_t nc) {
-      pp.r.r0 = r0;
-      pp.r.rows = nc;
-      launch_distill_shard_parts(pp, stream_);
-      return last_error("the shard parts kernel");
-    });
+    return chunk_kernel(&pp, launch_distill_shard_parts, "the shard parts kernel");
   }
 
   /// The forward and the backward for an upstream gradient of 1, each chunk's logits formed once.
@@ -248,6 +228,28 @@ class Run {
   }
 
  private:
+  /// A chunk kernel's parameters: the rows, the logits chunks and the teacher of this call.
+  template <class P>
+  P chunk_params(P p) const {
+    p.r = rows_of(c_);
+    p.logits = ws_ + p_.logits;
+    p.ld = p_.ld;
+    p.dtype = p_.dtype;
+    p.t = teacher_rows();
+    return p;
+  }
+
+  /// launch(*p) over every chunk's rows, after the chunk's logits are formed.
+  template <class P>
+  Status chunk_kernel(P* p, void (*launch)(const P&, cudaStream_t), const char* what) {
+    return over_chunks([&](int64_t r0, int64_t nc) {
+      p->r.r0 = r0;
+      p->r.rows = nc;
+      launch(*p, stream_);
+      return last_error(what);
+    });
+  }
+
   /// body(r0, nc) over the token chunks [r0, r0 + nc), each after its logits are formed.
   template <class Body>
   Status over_chunks(Body&& body) {

@@ -357,6 +357,26 @@ __device__ __forceinline__ float2 sparse_entry(const DistillRows& r, const Spars
   return make_float2(q, t);
 }
 
+/// The row's divergence of the sparse distributions (block-wide): the valid entries' terms
+/// after the normalisation, in a fixed order, plus the tail entry's (TopkNorm::kTail).
+template <class Get>
+__device__ double sparse_divergence(const DistillRows& r, int64_t K, const float* tlp, Get q_of, float* fsmem,
+                                    double* dsmem) {
+  const SparseNorm n = sparse_norm(r, K, tlp, q_of, fsmem, dsmem);
+  const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
+  double d[1] = {0.0};
+  for (int64_t k = threadIdx.x; k < K; k += kThreads) {
+    if (tlp[k] == -INFINITY) continue;
+    const float2 st = sparse_entry(r, n, q_of(k), tlp[k]);
+    d[0] += detail::divergence_term(kind, st.x, st.y, r.beta, r.log_1mb, r.log_b);
+  }
+  block_sum<1>(d, dsmem);
+  if (r.topk_norm == static_cast<int>(TopkNorm::kTail)) {
+    d[0] += detail::divergence_term(kind, n.s_tail, n.t_tail, r.beta, r.log_1mb, r.log_b);
+  }
+  return d[0];
+}
+
 // ---- the forward ------------------------------------------------------------------------------
 
 /// Full form: one block per chunk row; S, T the student's and the teacher's logit dtypes.
@@ -448,19 +468,8 @@ __global__ void __launch_bounds__(kThreads) topk_forward_kernel(const DistillFor
   auto q_of = [&](int64_t k) {
     return logp(l[0], detail::transform_y(hs, load<S>(p.logits, p.ld, i, local_column(r, ids[k]))) * r.inv_t);
   };
-  const SparseNorm n = sparse_norm(r, K, tlp, q_of, fsmem, dsmem);
-  const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
-  double d[1] = {0.0};
-  for (int64_t k = threadIdx.x; k < K; k += kThreads) {
-    if (tlp[k] == -INFINITY) continue;
-    const float2 st = sparse_entry(r, n, q_of(k), tlp[k]);
-    d[0] += detail::divergence_term(kind, st.x, st.y, r.beta, r.log_1mb, r.log_b);
-  }
-  block_sum<1>(d, dsmem);
-  if (r.topk_norm == static_cast<int>(TopkNorm::kTail)) {
-    d[0] += detail::divergence_term(kind, n.s_tail, n.t_tail, r.beta, r.log_1mb, r.log_b);
-  }
-  RowOut o{static_cast<float>(d[0]), 0.0f, static_cast<float>(-ent[0]), {0.0f, 0.0f, 0.0f, 0.0f}};
+  const double d = sparse_divergence(r, K, tlp, q_of, fsmem, dsmem);
+  RowOut o{static_cast<float>(d), 0.0f, static_cast<float>(-ent[0]), {0.0f, 0.0f, 0.0f, 0.0f}};
   o.stats[0] = static_cast<float>(l[0].full);
   if (hard) {
     o.stats[3] = static_cast<float>(l[1].full);
@@ -850,20 +859,8 @@ __global__ void __launch_bounds__(kThreads) shard_reduce_kernel(const DistillSha
       for (int64_t rank = 0; rank < p.world; ++rank) q += p.gathered[(rank * N + row) * p.width + kPW + k];
       return q;
     };
-    const float* tlp = p.teacher_logprobs + row * p.lp_stride;
-    const SparseNorm n = sparse_norm(r, K, tlp, q_of, fsmem, dsmem);
-    double d[1] = {0.0};
-    for (int64_t k = threadIdx.x; k < K; k += kThreads) {
-      q_out[k] = q_of(k);
-      if (tlp[k] == -INFINITY) continue;
-      const float2 st = sparse_entry(r, n, q_of(k), tlp[k]);
-      d[0] += detail::divergence_term(kind, st.x, st.y, r.beta, r.log_1mb, r.log_b);
-    }
-    block_sum<1>(d, dsmem);
-    if (r.topk_norm == static_cast<int>(TopkNorm::kTail)) {
-      d[0] += detail::divergence_term(kind, n.s_tail, n.t_tail, r.beta, r.log_1mb, r.log_b);
-    }
-    o.divergence = static_cast<float>(d[0]);
+    for (int64_t k = threadIdx.x; k < K; k += kThreads) q_out[k] = q_of(k);
+    o.divergence = static_cast<float>(sparse_divergence(r, K, p.teacher_logprobs + row * p.lp_stride, q_of, fsmem, dsmem));
   } else {
     o.divergence = static_cast<float>(sums[0]);
     o.stats[2] = kind == DivergenceKind::kReverseKl ? o.divergence
