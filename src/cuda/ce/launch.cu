@@ -379,15 +379,11 @@ Status run(const detail::CeCall& call, const PlanChoices& choices) {
   if (base == nullptr && plan.ws.total > 0) {
     // No workspace given: stream-ordered scratch (still no host sync, still graph-capturable).
     // Callers on the hot path pass one from cross_entropy_workspace_size instead.
-    void* scratch = nullptr;
-    cudaError_t e = cudaMallocAsync(&scratch, plan.ws.total, stream);
-    if (e != cudaSuccess) return device_error(e, "allocating scratch (cudaMallocAsync)");
-    detail::CeCall with = call;
-    with.workspace = Workspace{scratch, plan.ws.total};
-    Status s = run(with, choices);
-    e = cudaFreeAsync(scratch, stream);
-    if (s.ok() && e != cudaSuccess) return device_error(e, "freeing scratch (cudaFreeAsync)");
-    return s;
+    return with_workspace(plan.ws.total, stream, [&](char* scratch) {
+      detail::CeCall with = call;
+      with.workspace = Workspace{scratch, plan.ws.total};
+      return run(with, choices);
+    });
   }
   if (call.workspace.bytes < plan.ws.total) {
     std::ostringstream os;

@@ -499,18 +499,6 @@ Status check_bias_stride(const char* name, const VectorView& b) {
                 std::string(name) + ": the CUDA backend needs stride 1, got " + std::to_string(b.stride));
 }
 
-/// Runs `body(workspace)` on `bytes` of stream-ordered device memory, freed after it.
-template <class Body>
-Status with_workspace(size_t bytes, cudaStream_t stream, Body&& body) {
-  void* scratch = nullptr;
-  cudaError_t e = cudaMallocAsync(&scratch, std::max<size_t>(bytes, 1), stream);
-  if (e != cudaSuccess) return device_error(e, "allocating the distillation's workspace (cudaMallocAsync)");
-  const Status s = body(static_cast<char*>(scratch));
-  e = cudaFreeAsync(scratch, stream);
-  if (s.ok() && e != cudaSuccess) return device_error(e, "freeing the distillation's workspace (cudaFreeAsync)");
-  return s;
-}
-
 Status check_head_biases(const detail::DistillCall& call) {
   FUSEDCE_TRY(check_bias_stride("bias", call.bias));
   if (!call.teacher.topk()) FUSEDCE_TRY(check_bias_stride("teacher_bias", call.teacher.bias));

@@ -995,13 +995,7 @@ Status run_linear(const detail::LinearCall& call) {
   char* ws = static_cast<char*>(call.workspace.data);
   if (ws == nullptr) {
     // No workspace given: stream-ordered scratch for the call (no host sync, graph-capturable).
-    void* scratch = nullptr;
-    cudaError_t e = cudaMallocAsync(&scratch, plan.total, stream);
-    if (e != cudaSuccess) return device_error(e, "allocating scratch (cudaMallocAsync)");
-    Status s = LinearRun(call, plan, static_cast<char*>(scratch)).run();
-    e = cudaFreeAsync(scratch, stream);
-    if (s.ok() && e != cudaSuccess) return device_error(e, "freeing scratch (cudaFreeAsync)");
-    return s;
+    return with_workspace(plan.total, stream, [&](char* scratch) { return LinearRun(call, plan, scratch).run(); });
   }
   if (call.workspace.bytes < plan.total) {
     std::ostringstream os;
