@@ -361,7 +361,7 @@ int bench_options(int iters, const cudaDeviceProp& prop) {
   add("z_loss 1e-4", [](fusedce::Options& o) { o.z_loss = 1e-4f; });
   add("softcap 30", [](fusedce::Options& o) { o.softcap = 30.0f; });
   add("logit_scale 0.5", [](fusedce::Options& o) { o.logit_scale = 0.5f; });
-  add("metrics", [](fusedce::Options& o) { o.compute_metrics = true; });
+  add("metrics", [](fusedce::Options& o) { o.return_metrics = true; });
   add("class_weight", [](fusedce::Options&) {}, true);
   add("class_weight + smoothing", [](fusedce::Options& o) { o.label_smoothing = 0.1f; }, true);
   add("reduction sum", [](fusedce::Options& o) { o.reduction = fusedce::Reduction::kSum; });
@@ -369,7 +369,7 @@ int bench_options(int iters, const cudaDeviceProp& prop) {
     o.label_smoothing = 0.1f;
     o.z_loss = 1e-4f;
     o.softcap = 30.0f;
-    o.compute_metrics = true;
+    o.return_metrics = true;
   });
   struct Sh { int64_t N, V; };
   for (const Sh sh : {Sh{8192, 128256}, Sh{16384, 32000}}) {
@@ -409,7 +409,7 @@ int bench_options(int iters, const cudaDeviceProp& prop) {
       fusedce::ForwardOutputs out;
       out.loss = fusedce::vector(loss, DType::kFloat32, 1);
       out.lse = fusedce::vector(lse, DType::kFloat32, sh.N);
-      if (op.o.compute_metrics) {
+      if (op.o.return_metrics) {
         out.num_correct = fusedce::vector(correct, DType::kInt64, 1);
         out.entropy_sum = fusedce::vector(entropy, DType::kFloat32, 1);
       }
@@ -666,7 +666,7 @@ int main(int argc, char** argv) {
     all.label_smoothing = 0.1f;
     all.softcap = 30.0f;
     all.z_loss = 1e-4f;
-    all.compute_metrics = true;
+    all.return_metrics = true;
     size_t ws_bytes = 0;
     for (auto job : {fusedce::Job::kForward, fusedce::Job::kForwardBackward, fusedce::Job::kBackward}) {
       ws_bytes = std::max(ws_bytes, fusedce::cross_entropy_workspace_size(job, fusedce::Device::cuda(), sh.N, sh.V, all));
@@ -683,11 +683,11 @@ int main(int argc, char** argv) {
       fusedce::ForwardOutputs out;
       out.loss = fusedce::vector(loss, DType::kFloat32, 1);
       out.lse = fusedce::vector(lse, DType::kFloat32, sh.N);
-      if (opt.compute_metrics) {
+      if (opt.return_metrics) {
         out.num_correct = fusedce::vector(correct, DType::kInt64, 1);
         out.entropy_sum = fusedce::vector(entropy, DType::kFloat32, 1);
       }
-      if (job == JobKind::kForwardGradInplace) opt.inplace_grad = true;
+      if (job == JobKind::kForwardGradInplace) opt.inplace_backward = true;
       auto run = [&](int i) {
         void* x = logits[i % copies];
         void* d = job == JobKind::kForwardGradInplace ? x : dlogits[i % copies];

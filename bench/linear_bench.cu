@@ -197,7 +197,7 @@ void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory, cons
       o.z_loss = 1e-4f;
       o.logit_scale = 0.9f;
       o.softcap = 30.0f;
-      o.compute_metrics = true;
+      o.return_metrics = true;
     }
     fusedce::LinearOptions lo;
     lo.skip_ignored = skip;

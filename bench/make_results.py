@@ -738,8 +738,8 @@ def docs_trl_head(bench_dir=BENCH):
         f"**Every output both heads give** (`log_sum_sq_probs` and `mean_logits` too): fusedce's TRL head "
         f"{_slash(ours_all, lambda r: ms_fine(_t(r)))} ms against TRL's {_slash(trl_all, lambda r: ms_fine(_t(r)))} "
         f"at the {len(shapes)} shapes ({_slash([_t(t) / _t(o) for t, o in zip(trl_all, ours_all)], lambda x: f'{x:.2f}x')}), "
-        f"{_slash(ours_all, _gib2)} GiB over the inputs against {_slash(trl_all, _gib2)}. fusedce's head computes "
-        f"`log_sum_sq_probs` by one more forward; TRL's adds the two outputs for "
+        f"{_slash(ours_all, _gib2)} GiB over the inputs against {_slash(trl_all, _gib2)}. TRL's head adds the two "
+        f"outputs for "
         f"{100 * min(extra):.0f}-{100 * max(extra):.0f}% of its time. GRPO and RLOO ask for neither.",
         f"**Values**: over every fusedce row, log-probabilities within {worst['logprob_maxabs_vs_trl']:.1e} of "
         f"TRL's and the entropy within {worst['entropy_maxabs_vs_trl']:.1e}; gradients within "

@@ -24,7 +24,7 @@ int main(int argc, char** argv) {
 
   fusedce::Options opt;  // defaults: mean over non-ignored rows, as F.cross_entropy
   opt.label_smoothing = 0.1f;
-  opt.compute_metrics = true;
+  opt.return_metrics = true;
   float loss = 0.0f, entropy = 0.0f;
   int64_t correct = 0;
   std::vector<float> lse(N);

@@ -10,7 +10,10 @@
 //   ld_bwd(the same inputs, stats, grad_loss, FUSEDCE_DISTILL_ARGS, need_grad_hidden,
 //          need_grad_weight, need_grad_bias) -> grad_hidden (float32), grad_weight, grad_bias
 //          (the student's dtype); empty (0,) when not asked for
-//   ldk_fwd / ldk_bwd: the same with the teacher as teacher_ids (N, K) int64 and
+//   ld_fwd_bwd(ld_fwd's inputs, need_grad_hidden, need_grad_weight, need_grad_bias) -> ld_fwd's
+//          outputs, then ld_bwd's for an upstream gradient of 1 (reduction mean or sum), each
+//          chunk's logits formed once for both
+//   ldk_fwd / ldk_bwd / ldk_fwd_bwd: the same with the teacher as teacher_ids (N, K) int64 and
 //          teacher_logprobs (N, K) float32 in place of its head.
 // The vocabulary-parallel steps (distill.h; weights and biases this rank's rows, labels global;
 // python/fusedce/distillation.py gathers between them):
@@ -49,6 +52,9 @@
 #define FUSEDCE_DISTILL_GRADS                                                                \
   ", bool need_grad_hidden, bool need_grad_weight, bool need_grad_bias) -> (Tensor grad_hidden, " \
   "Tensor grad_weight, Tensor grad_bias)"
+#define FUSEDCE_DISTILL_FWD_BWD_OUT                                                                       \
+  ", bool need_grad_hidden, bool need_grad_weight, bool need_grad_bias) -> (Tensor loss, Tensor divergence, " \
+  "Tensor hard, Tensor entropy, Tensor stats, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)"
 
 // The same arguments as a kernel takes them, and passed on.
 #define FUSEDCE_DISTILL_PARAMS                                                                                   \
@@ -190,6 +196,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> distill_forward(const Tensor&
   return {loss, divergence, hard, entropy, stats};
 }
 
+/// The gradients a backward forms, each an empty (0,) tensor where not asked for.
+struct GradTensors {
+  Tensor grad_hidden, grad_weight, grad_bias;
+  fusedce::LinearGrads views;
+};
+
+inline GradTensors grad_tensors(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
+                                bool need_grad_hidden, bool need_grad_weight, bool need_grad_bias) {
+  TORCH_CHECK_VALUE(!need_grad_bias || bias.has_value(), "fusedce: need_grad_bias is set but bias is not given");
+  auto none = [&] { return at::empty({0}, hidden.options()); };
+  GradTensors g;
+  g.grad_hidden = need_grad_hidden ? at::empty(hidden.sizes(), hidden.options().dtype(at::kFloat)) : none();
+  g.grad_weight = need_grad_weight ? at::empty(weight.sizes(), weight.options()) : none();
+  g.grad_bias = need_grad_bias ? at::empty(bias->sizes(), bias->options()) : none();
+  if (need_grad_hidden) g.views.grad_hidden = matrix_of(g.grad_hidden, "grad_hidden");
+  if (need_grad_weight) g.views.grad_weight = matrix_of(g.grad_weight, "grad_weight");
+  if (need_grad_bias) g.views.grad_bias = vector_of(g.grad_bias, "grad_bias");
+  return g;
+}
+
 template <class Ctx>
 std::tuple<Tensor, Tensor, Tensor> distill_backward(const Tensor& hidden, const Tensor& weight, const OptTensor& bias,
                                                     const fusedce::DistillTeacher& teacher, const OptTensor& labels,
@@ -199,26 +225,67 @@ std::tuple<Tensor, Tensor, Tensor> distill_backward(const Tensor& hidden, const 
   Ctx ctx(hidden, "hidden");
   const StudentViews s = student_views(hidden, weight, bias, labels);
   const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
-  TORCH_CHECK_VALUE(!need_grad_bias || bias.has_value(), "fusedce: need_grad_bias is set but bias is not given");
   check_same_device(stats, "stats", hidden, "hidden");
   check_same_device(grad_loss, "grad_loss", hidden, "hidden");
   TORCH_CHECK_VALUE(stats.dim() == 2 && stats.size(1) == fusedce::kDistillStatsWidth &&
                         stats.scalar_type() == at::kFloat && stats.is_contiguous(),
                     "fusedce: stats must be a contiguous float32 (N, ", fusedce::kDistillStatsWidth,
                     ") tensor, got ", stats.scalar_type(), " of shape ", stats.sizes());
-  auto none = [&] { return at::empty({0}, hidden.options()); };
-  Tensor grad_hidden = need_grad_hidden ? at::empty(hidden.sizes(), hidden.options().dtype(at::kFloat)) : none();
-  Tensor grad_weight = need_grad_weight ? at::empty(weight.sizes(), weight.options()) : none();
-  Tensor grad_bias = need_grad_bias ? at::empty(bias->sizes(), bias->options()) : none();
-  fusedce::LinearGrads grads;
-  if (need_grad_hidden) grads.grad_hidden = matrix_of(grad_hidden, "grad_hidden");
-  if (need_grad_weight) grads.grad_weight = matrix_of(grad_weight, "grad_weight");
-  if (need_grad_bias) grads.grad_bias = vector_of(grad_bias, "grad_bias");
+  const GradTensors g = grad_tensors(hidden, weight, bias, need_grad_hidden, need_grad_weight, need_grad_bias);
   check_status(fusedce::linear_distill_backward(ctx.device(), s.hidden, s.weight, s.bias, teacher, s.labels, o,
                                                 static_cast<size_t>(chunk_budget_bytes), distill_stats_view(stats),
-                                                vector_of(grad_loss, "grad_loss"), grads),
+                                                vector_of(grad_loss, "grad_loss"), g.views),
                op);
-  return {grad_hidden, grad_weight, grad_bias};
+  return {g.grad_hidden, g.grad_weight, g.grad_bias};
+}
+
+// The forward and the gradients of the reduced loss for an upstream gradient of 1 (reduction
+// mean or sum), in one core call: the forward's outputs, then the gradients asked for.
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> distill_forward_backward(
+    const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const fusedce::DistillTeacher& teacher,
+    const OptTensor& labels, FUSEDCE_DISTILL_PARAMS, bool need_grad_hidden, bool need_grad_weight,
+    bool need_grad_bias, const char* op) {
+  Ctx ctx(hidden, "hidden");
+  const StudentViews s = student_views(hidden, weight, bias, labels);
+  const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
+  const int64_t n = hidden.size(0);
+  const auto f32 = hidden.options().dtype(at::kFloat);
+  Tensor loss = o.reduction == fusedce::Reduction::kNone ? at::empty({n}, f32) : at::empty({}, f32);
+  Tensor divergence = at::empty({n}, f32), hard = at::zeros({n}, f32), entropy = at::empty({n}, f32);
+  Tensor stats = empty_distill_stats(hidden);
+  fusedce::DistillOutputs out;
+  out.loss = vector_of(loss, "loss");
+  out.divergence = vector_of(divergence, "divergence");
+  if (o.hard_weight > 0.0f) out.hard = vector_of(hard, "hard");
+  out.entropy = vector_of(entropy, "entropy");
+  out.stats = distill_stats_view(stats);
+  const GradTensors g = grad_tensors(hidden, weight, bias, need_grad_hidden, need_grad_weight, need_grad_bias);
+  check_status(fusedce::linear_distill_forward_backward(ctx.device(), s.hidden, s.weight, s.bias, teacher, s.labels,
+                                                        o, static_cast<size_t>(chunk_budget_bytes), out, g.views),
+               op);
+  return {loss, divergence, hard, entropy, stats, g.grad_hidden, g.grad_weight, g.grad_bias};
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ld_fwd_bwd(
+    const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& teacher_hidden,
+    const Tensor& teacher_weight, const OptTensor& teacher_bias, const OptTensor& labels, FUSEDCE_DISTILL_PARAMS,
+    bool need_grad_hidden, bool need_grad_weight, bool need_grad_bias) {
+  Tensor tb;
+  const fusedce::DistillTeacher t = teacher_head(hidden, teacher_hidden, teacher_weight, teacher_bias, &tb);
+  return distill_forward_backward<Ctx>(hidden, weight, bias, t, labels, FUSEDCE_DISTILL_PASS, need_grad_hidden,
+                                       need_grad_weight, need_grad_bias, "ld_fwd_bwd");
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ldk_fwd_bwd(
+    const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& teacher_ids,
+    const Tensor& teacher_logprobs, const OptTensor& labels, FUSEDCE_DISTILL_PARAMS, bool need_grad_hidden,
+    bool need_grad_weight, bool need_grad_bias) {
+  const fusedce::DistillTeacher t = teacher_topk(hidden, teacher_ids, teacher_logprobs);
+  return distill_forward_backward<Ctx>(hidden, weight, bias, t, labels, FUSEDCE_DISTILL_PASS, need_grad_hidden,
+                                       need_grad_weight, need_grad_bias, "ldk_fwd_bwd");
 }
 
 template <class Ctx>
@@ -377,23 +444,15 @@ std::tuple<Tensor, Tensor, Tensor> shard_bwd_of(const Tensor& hidden, const Tens
                                                 bool need_grad_weight, bool need_grad_bias, const char* op) {
   Ctx ctx(hidden, "hidden");
   const StudentViews s = student_views(hidden, weight, bias, labels);
-  TORCH_CHECK_VALUE(!need_grad_bias || bias.has_value(), "fusedce: need_grad_bias is set but bias is not given");
   check_same_device(grad_loss, "grad_loss", hidden, "hidden");
   const int64_t sw = k > 0 ? fusedce::distill_shard_stats_width(k) : fusedce::kDistillStatsWidth;
   const fusedce::MatrixView st = float_block_view(stats, "stats", sw, hidden);
-  auto none = [&] { return at::empty({0}, hidden.options()); };
-  Tensor grad_hidden = need_grad_hidden ? at::empty(hidden.sizes(), hidden.options().dtype(at::kFloat)) : none();
-  Tensor grad_weight = need_grad_weight ? at::empty(weight.sizes(), weight.options()) : none();
-  Tensor grad_bias = need_grad_bias ? at::empty(bias->sizes(), bias->options()) : none();
-  fusedce::LinearGrads grads;
-  if (need_grad_hidden) grads.grad_hidden = matrix_of(grad_hidden, "grad_hidden");
-  if (need_grad_weight) grads.grad_weight = matrix_of(grad_weight, "grad_weight");
-  if (need_grad_bias) grads.grad_bias = vector_of(grad_bias, "grad_bias");
+  const GradTensors g = grad_tensors(hidden, weight, bias, need_grad_hidden, need_grad_weight, need_grad_bias);
   check_status(fusedce::linear_distill_shard_backward(
                    ctx.device(), s.hidden, s.weight, s.bias, t, s.labels, fusedce::ShardSpec{vocab_start, vocab_total},
-                   o, static_cast<size_t>(chunk_budget_bytes), st, vector_of(grad_loss, "grad_loss"), grads),
+                   o, static_cast<size_t>(chunk_budget_bytes), st, vector_of(grad_loss, "grad_loss"), g.views),
                op);
-  return {grad_hidden, grad_weight, grad_bias};
+  return {g.grad_hidden, g.grad_weight, g.grad_bias};
 }
 
 // ld_shard_*: a teacher head.

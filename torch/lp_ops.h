@@ -16,10 +16,11 @@
 
 namespace fusedce_torch {
 
-inline fusedce::LogprobOptions logprob_options_of(double temperature, int64_t ignore_index) {
+inline fusedce::LogprobOptions logprob_options_of(double temperature, int64_t ignore_index, bool distribution_stats) {
   fusedce::LogprobOptions o;
   o.temperature = static_cast<float>(temperature);
   o.ignore_index = ignore_index;
+  o.distribution_stats = distribution_stats;
   return o;
 }
 
@@ -60,14 +61,14 @@ inline fusedce::VectorView optional_vector(const OptTensor& t, const char* name,
 // Step 1 over logits (N, V_local): float32 (N + 1, kLogprobStatsWidth).
 template <class Ctx>
 Tensor lp_stats(const Tensor& logits, const Tensor& target, int64_t vocab_start, int64_t vocab_total,
-                double temperature, int64_t ignore_index) {
+                double temperature, int64_t ignore_index, bool distribution_stats) {
   Ctx ctx(logits, "logits");
   const fusedce::MatrixView x = matrix_of(logits, "logits");
   check_inputs(logits, target);
   Tensor stats = empty_lp_stats(logits, logits.size(0));
   check_status(fusedce::logprobs_stats(ctx.device(), x, vector_of(target, "target"),
                                        fusedce::ShardSpec{vocab_start, vocab_total},
-                                       logprob_options_of(temperature, ignore_index), lp_stats_view(stats)),
+                                       logprob_options_of(temperature, ignore_index, distribution_stats), lp_stats_view(stats)),
                "lp_stats");
   return stats;
 }
@@ -75,7 +76,7 @@ Tensor lp_stats(const Tensor& logits, const Tensor& target, int64_t vocab_start,
 // Step 1 of the linear form: the statistics of hidden @ weight.T (+ bias), formed chunk by chunk.
 template <class Ctx>
 Tensor llp_stats(const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
-                 int64_t vocab_start, int64_t vocab_total, double temperature, int64_t ignore_index,
+                 int64_t vocab_start, int64_t vocab_total, double temperature, int64_t ignore_index, bool distribution_stats,
                  int64_t chunk_budget_bytes) {
   Ctx ctx(hidden, "hidden");
   check_hidden_2d(hidden);
@@ -91,17 +92,13 @@ Tensor llp_stats(const Tensor& hidden, const Tensor& weight, const OptTensor& bi
   check_status(fusedce::linear_logprobs_stats(
                    ctx.device(), h, w, bias_c.defined() ? vector_of(bias_c, "bias") : fusedce::VectorView{},
                    vector_of(target, "target"), fusedce::ShardSpec{vocab_start, vocab_total},
-                   logprob_options_of(temperature, ignore_index), budget, lp_stats_view(stats), workspace_of(ws)),
+                   logprob_options_of(temperature, ignore_index, distribution_stats), budget, lp_stats_view(stats), workspace_of(ws)),
                "llp_stats");
   return stats;
 }
 
-// Step 2: the statistics of every rank (one rank's for a single device), in rank order, into
-// logprob, entropy and lse, float32 (N,) each.
-template <class Ctx>
-std::tuple<Tensor, Tensor, Tensor> lp_merge(const Tensor& gathered, const Tensor& target, int64_t vocab_start,
-                                            int64_t vocab_total, double temperature, int64_t ignore_index) {
-  Ctx ctx(gathered, "gathered");
+// The gathered statistics (world * (N + 1), kLogprobStatsWidth) of steps 2 and 4; returns N.
+inline int64_t check_gathered(const Tensor& gathered, const Tensor& target) {
   check_same_device(target, "target", gathered, "gathered");
   TORCH_CHECK_VALUE(gathered.dim() == 2 && gathered.size(1) == fusedce::kLogprobStatsWidth &&
                         gathered.scalar_type() == at::kFloat && gathered.is_contiguous(),
@@ -112,6 +109,16 @@ std::tuple<Tensor, Tensor, Tensor> lp_merge(const Tensor& gathered, const Tensor
   const int64_t n = target.size(0);
   TORCH_CHECK_VALUE(gathered.size(0) >= n + 1 && gathered.size(0) % (n + 1) == 0, "fusedce: gathered has ",
                     gathered.size(0), " rows, which is not world * (N + 1) for the target's N = ", n);
+  return n;
+}
+
+// Step 2: the statistics of every rank (one rank's for a single device), in rank order, into
+// logprob, entropy and lse, float32 (N,) each.
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor> lp_merge(const Tensor& gathered, const Tensor& target, int64_t vocab_start,
+                                            int64_t vocab_total, double temperature, int64_t ignore_index, bool distribution_stats) {
+  Ctx ctx(gathered, "gathered");
+  const int64_t n = check_gathered(gathered, target);
   const auto f32 = gathered.options().dtype(at::kFloat);
   Tensor logprob = at::empty({n}, f32), entropy = at::empty({n}, f32), lse = at::empty({n}, f32);
   fusedce::LogprobOutputs out;
@@ -120,9 +127,31 @@ std::tuple<Tensor, Tensor, Tensor> lp_merge(const Tensor& gathered, const Tensor
   out.lse = vector_of(lse, "lse");
   check_status(fusedce::logprobs_merge(ctx.device(), lp_stats_view(gathered), gathered.size(0) / (n + 1),
                                        vector_of(target, "target"), fusedce::ShardSpec{vocab_start, vocab_total},
-                                       logprob_options_of(temperature, ignore_index), out),
+                                       logprob_options_of(temperature, ignore_index, distribution_stats), out),
                "lp_merge");
   return {logprob, entropy, lse};
+}
+
+// Step 4: from the same gathered statistics (step 1 run with distribution_stats), the
+// distribution statistics log_sum_sq_probs, mean_logit and is_top1 (1 or 0), float32 (N,) each.
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor> lp_distribution_stats(const Tensor& gathered, const Tensor& target,
+                                                         int64_t vocab_start, int64_t vocab_total, double temperature,
+                                                         int64_t ignore_index, bool distribution_stats) {
+  Ctx ctx(gathered, "gathered");
+  const int64_t n = check_gathered(gathered, target);
+  const auto f32 = gathered.options().dtype(at::kFloat);
+  Tensor lss = at::empty({n}, f32), mean = at::empty({n}, f32), top1 = at::empty({n}, f32);
+  fusedce::DistributionStats out;
+  out.log_sum_sq_probs = vector_of(lss, "log_sum_sq_probs");
+  out.mean_logit = vector_of(mean, "mean_logit");
+  out.is_top1 = vector_of(top1, "is_top1");
+  check_status(fusedce::logprobs_distribution_stats(
+                   ctx.device(), lp_stats_view(gathered), gathered.size(0) / (n + 1), vector_of(target, "target"),
+                   fusedce::ShardSpec{vocab_start, vocab_total},
+                   logprob_options_of(temperature, ignore_index, distribution_stats), out),
+               "lp_distribution_stats");
+  return {lss, mean, top1};
 }
 
 // Step 3 over logits into dlogits (N, V_local) in the logits' dtype, for the upstream gradients
@@ -133,7 +162,7 @@ std::tuple<Tensor, Tensor, Tensor> lp_merge(const Tensor& gathered, const Tensor
 template <class Ctx>
 void lp_bwd_into(const Tensor& logits, const Tensor& target, const Tensor& lse, const Tensor& logprob,
                  const Tensor& entropy, const Tensor& grad_logprob, const OptTensor& grad_entropy,
-                 int64_t vocab_start, int64_t vocab_total, double temperature, int64_t ignore_index,
+                 int64_t vocab_start, int64_t vocab_total, double temperature, int64_t ignore_index, bool distribution_stats,
                  const Tensor& dlogits, const char* op) {
   Ctx ctx(logits, "logits");
   const fusedce::MatrixView x = matrix_of(logits, "logits");
@@ -142,7 +171,7 @@ void lp_bwd_into(const Tensor& logits, const Tensor& target, const Tensor& lse, 
   check_same_device(grad_logprob, "grad_logprob", logits);
   check_status(fusedce::logprobs_backward(ctx.device(), x, vector_of(target, "target"),
                                           fusedce::ShardSpec{vocab_start, vocab_total},
-                                          logprob_options_of(temperature, ignore_index), fwd,
+                                          logprob_options_of(temperature, ignore_index, distribution_stats), fwd,
                                           vector_of(grad_logprob, "grad_logprob"),
                                           optional_vector(grad_entropy, "grad_entropy", logits, "logits"),
                                           matrix_of(dlogits, "dlogits")),
@@ -153,10 +182,10 @@ void lp_bwd_into(const Tensor& logits, const Tensor& target, const Tensor& lse, 
 template <class Ctx>
 Tensor lp_bwd(const Tensor& logits, const Tensor& target, const Tensor& lse, const Tensor& logprob,
               const Tensor& entropy, const Tensor& grad_logprob, const OptTensor& grad_entropy, int64_t vocab_start,
-              int64_t vocab_total, double temperature, int64_t ignore_index) {
+              int64_t vocab_total, double temperature, int64_t ignore_index, bool distribution_stats) {
   Tensor dlogits = at::empty(logits.sizes(), logits.options());
   lp_bwd_into<Ctx>(logits, target, lse, logprob, entropy, grad_logprob, grad_entropy, vocab_start, vocab_total,
-                   temperature, ignore_index, dlogits, "lp_bwd");
+                   temperature, ignore_index, distribution_stats, dlogits, "lp_bwd");
   return dlogits;
 }
 
@@ -165,9 +194,9 @@ Tensor lp_bwd(const Tensor& logits, const Tensor& target, const Tensor& lse, con
 template <class Ctx>
 void lp_bwd_(const Tensor& logits, const Tensor& target, const Tensor& lse, const Tensor& logprob,
              const Tensor& entropy, const Tensor& grad_logprob, const OptTensor& grad_entropy, int64_t vocab_start,
-             int64_t vocab_total, double temperature, int64_t ignore_index) {
+             int64_t vocab_total, double temperature, int64_t ignore_index, bool distribution_stats) {
   lp_bwd_into<Ctx>(logits, target, lse, logprob, entropy, grad_logprob, grad_entropy, vocab_start, vocab_total,
-                   temperature, ignore_index, logits, "lp_bwd_");
+                   temperature, ignore_index, distribution_stats, logits, "lp_bwd_");
 }
 
 // Step 3 of the linear form: this rank's part of grad_hidden (float32 (N, H): the sum over ranks
@@ -178,7 +207,7 @@ std::tuple<Tensor, Tensor, Tensor> llp_bwd(const Tensor& hidden, const Tensor& w
                                            const Tensor& target, const Tensor& lse, const Tensor& logprob,
                                            const Tensor& entropy, const Tensor& grad_logprob,
                                            const OptTensor& grad_entropy, int64_t vocab_start, int64_t vocab_total,
-                                           double temperature, int64_t ignore_index, int64_t chunk_budget_bytes,
+                                           double temperature, int64_t ignore_index, bool distribution_stats, int64_t chunk_budget_bytes,
                                            bool need_grad_hidden, bool need_grad_weight, bool need_grad_bias) {
   Ctx ctx(hidden, "hidden");
   check_hidden_2d(hidden);
@@ -204,7 +233,7 @@ std::tuple<Tensor, Tensor, Tensor> llp_bwd(const Tensor& hidden, const Tensor& w
   check_status(fusedce::linear_logprobs_backward(
                    ctx.device(), h, w, bias_c.defined() ? vector_of(bias_c, "bias") : fusedce::VectorView{},
                    vector_of(target, "target"), fusedce::ShardSpec{vocab_start, vocab_total},
-                   logprob_options_of(temperature, ignore_index), budget, fwd,
+                   logprob_options_of(temperature, ignore_index, distribution_stats), budget, fwd,
                    vector_of(grad_logprob, "grad_logprob"),
                    optional_vector(grad_entropy, "grad_entropy", hidden, "hidden"), grads, workspace_of(ws)),
                "llp_bwd");

@@ -135,12 +135,12 @@ struct LossOutputs {
     entropy_sum = at::empty(shape, like.options().dtype(at::kFloat));
   }
 
-  // The core's view of them; sets o->compute_metrics (the core's name for return_metrics).
+  // The core's view of them; sets o->return_metrics (the core's name for return_metrics).
   fusedce::ForwardOutputs views(bool return_metrics, fusedce::Options* o) const {
     fusedce::ForwardOutputs out;
     out.loss = vector_of(loss, "loss");
     out.lse = vector_of(lse, "lse");
-    o->compute_metrics = return_metrics;
+    o->return_metrics = return_metrics;
     if (return_metrics) {
       out.num_correct = vector_of(num_correct, "num_correct");
       out.entropy_sum = vector_of(entropy_sum, "entropy_sum");
@@ -165,7 +165,7 @@ void ce_fwd_bwd_into(const Tensor& logits, const Tensor& target, const OptTensor
   const fusedce::MatrixView x = matrix_of(logits, "logits");
   check_inputs(logits, target);
   o = with_class_weight(o, class_weight, "class_weight", logits, "logits");
-  o.inplace_grad = inplace_backward;
+  o.inplace_backward = inplace_backward;
   const fusedce::ForwardOutputs out = outputs.views(return_metrics, &o);
   const fusedce::MatrixView dx = matrix_of(dlogits, "dlogits");
   Tensor ws_holder;

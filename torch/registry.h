@@ -45,19 +45,21 @@
 //
 // The log-probability ops (the three steps of fusedce/logprobs.h) take target (N,) of global
 // class indices (or ignore_index), vocab_start, vocab_total (0 and V for a whole vocabulary),
-// temperature (z = logits / temperature) and ignore_index:
+// temperature (z = logits / temperature), ignore_index and distribution_stats (step 1 also
+// gathers what lp_distribution_stats reads):
 //   lp_stats(logits (N, V_local))            -> stats (N + 1, 9) float32
 //   llp_stats(hidden (N, H), weight (V_local, H), bias (V_local,)?, ..., chunk_budget_bytes)
 //                                            -> stats (N + 1, 9) float32
 //   lp_merge(gathered = every rank's stats in rank order)
 //                                            -> logprob, entropy, lse: float32 (N,)
+//   lp_distribution_stats(gathered, ...)     -> log_sum_sq_probs, mean_logit, is_top1 (1 / 0): float32 (N,)
 //   lp_bwd(logits, ..., grad_logprob (N,), grad_entropy (N,)?) -> dlogits (N, V_local)
 //   lp_bwd_(logits, ...)                     -> (): dlogits written over the logits
 //   llp_bwd(hidden, weight, bias, ...)       -> grad_hidden (N, H) float32 (this rank's part),
 //                                               grad_weight, grad_bias (or empty (0,))
 // No autograd formula either: python/fusedce/token_logprobs.py calls lp_bwd / llp_bwd.
 //
-// The distillation ops (ld_fwd / ld_bwd with a teacher head, ldk_fwd / ldk_bwd with its top-k,
+// The distillation ops (ld_fwd / ld_bwd / ld_fwd_bwd with a teacher head, ldk_* with its top-k,
 // and the vocabulary-parallel steps ld_shard_stats / ld_shard_parts / ld_shard_reduce /
 // ld_shard_bwd, ldk_shard_* for the top-k teacher): torch/distill_ops.h; their autograd is
 // python/fusedce/distillation.py's.
@@ -84,7 +86,7 @@
 
 #define FUSEDCE_VP_ARGS "int vocab_start, int vocab_total, " FUSEDCE_CE_ARGS
 
-#define FUSEDCE_LP_ARGS "int vocab_start, int vocab_total, float temperature, int ignore_index"
+#define FUSEDCE_LP_ARGS "int vocab_start, int vocab_total, float temperature, int ignore_index, bool distribution_stats"
 
 namespace fusedce_torch {
 
@@ -148,6 +150,9 @@ void for_each_op(Add&& add) {
       cpp_function<&llp_stats<Ctx>>());
   add("lp_merge(Tensor gathered, Tensor target, " FUSEDCE_LP_ARGS ") -> (Tensor logprob, Tensor entropy, Tensor lse)",
       cpp_function<&lp_merge<Ctx>>());
+  add("lp_distribution_stats(Tensor gathered, Tensor target, " FUSEDCE_LP_ARGS
+      ") -> (Tensor log_sum_sq_probs, Tensor mean_logit, Tensor is_top1)",
+      cpp_function<&lp_distribution_stats<Ctx>>());
   add("lp_bwd(Tensor logits, Tensor target, Tensor lse, Tensor logprob, Tensor entropy, Tensor grad_logprob, "
       "Tensor? grad_entropy, " FUSEDCE_LP_ARGS ") -> Tensor",
       cpp_function<&lp_bwd<Ctx>>());
@@ -167,6 +172,12 @@ void for_each_op(Add&& add) {
   add("ld_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor teacher_hidden, Tensor teacher_weight, "
       "Tensor? teacher_bias, Tensor? labels, Tensor stats, Tensor grad_loss, " FUSEDCE_DISTILL_ARGS FUSEDCE_DISTILL_GRADS,
       cpp_function<&ld_bwd<Ctx>>());
+  add("ld_fwd_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor teacher_hidden, Tensor teacher_weight, "
+      "Tensor? teacher_bias, Tensor? labels, " FUSEDCE_DISTILL_ARGS FUSEDCE_DISTILL_FWD_BWD_OUT,
+      cpp_function<&ld_fwd_bwd<Ctx>>());
+  add("ldk_fwd_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor teacher_ids, Tensor teacher_logprobs, "
+      "Tensor? labels, " FUSEDCE_DISTILL_ARGS FUSEDCE_DISTILL_FWD_BWD_OUT,
+      cpp_function<&ldk_fwd_bwd<Ctx>>());
   add("ldk_fwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor teacher_ids, Tensor teacher_logprobs, "
       "Tensor? labels, " FUSEDCE_DISTILL_ARGS ")" FUSEDCE_DISTILL_OUT,
       cpp_function<&ldk_fwd<Ctx>>());

@@ -28,7 +28,7 @@ Tensor ce_shard_stats(const Tensor& logits, const Tensor& target, const OptTenso
   const fusedce::MatrixView x = matrix_of(logits, "logits");
   check_inputs(logits, target);
   o = with_class_weight(o, class_weight, "class_weight", logits, "logits");
-  o.compute_metrics = return_metrics;
+  o.return_metrics = return_metrics;
   Tensor stats = at::empty({logits.size(0) + 1, fusedce::kShardStatsWidth},
                            logits.options().dtype(at::kFloat));
   check_status(fusedce::cross_entropy_shard_stats(
@@ -113,7 +113,7 @@ Tensor lce_shard_stats(const Tensor& hidden, const Tensor& weight, const OptTens
   check_linear_inputs(hidden, weight, bias, target);
   const fusedce::MatrixView w = linear_matrix_of(weight, "weight", "(V_local, H)");
   o = with_class_weight(o, class_weight, "class_weight", hidden, "hidden");
-  o.compute_metrics = return_metrics;
+  o.return_metrics = return_metrics;
   const fusedce::LinearOptions lo = linear_only_options(0, chunk_budget_bytes, low_memory, skip_ignored);
   Tensor stats = at::empty({hidden.size(0) + 1, fusedce::kShardStatsWidth}, hidden.options().dtype(at::kFloat));
   const size_t bytes = fusedce::linear_cross_entropy_shard_workspace_size(1, ctx.device(), h.rows, h.cols, w.rows,

@@ -97,7 +97,7 @@ std::string run_case(DType d, int64_t N, int64_t V, const fusedce::Options& o, c
   fusedce::ForwardOutputs out;
   out.loss = fusedce::vector(dloss, DType::kFloat32, loss_n);
   out.lse = fusedce::vector(dlse, DType::kFloat32, N);
-  if (opt.compute_metrics) {
+  if (opt.return_metrics) {
     out.num_correct = fusedce::vector(dcorrect, DType::kInt64, 1);
     out.entropy_sum = fusedce::vector(dent, DType::kFloat32, 1);
   }
@@ -120,7 +120,7 @@ std::string run_case(DType d, int64_t N, int64_t V, const fusedce::Options& o, c
     h = fnv(f.data(), loss_n * 4, h);
     CHECK_CUDA(cudaMemcpy(f.data(), dlse, N * 4, cudaMemcpyDeviceToHost));
     h = fnv(f.data(), N * 4, h);
-    if (opt.compute_metrics) {
+    if (opt.return_metrics) {
       int64_t c = 0;
       float e = 0;
       CHECK_CUDA(cudaMemcpy(&c, dcorrect, 8, cudaMemcpyDeviceToHost));
@@ -147,9 +147,9 @@ int main() {
   all.label_smoothing = 0.1f;
   all.z_loss = 1e-3f;
   all.softcap = 25.0f;
-  all.compute_metrics = true;
+  all.return_metrics = true;
   smooth.label_smoothing = 0.05f;
-  smooth.compute_metrics = true;
+  smooth.return_metrics = true;
   smooth.reduction = fusedce::Reduction::kSum;
   none.reduction = fusedce::Reduction::kNone;
   weights.label_smoothing = 0.1f;

@@ -15,10 +15,10 @@ struct ForwardOutputs {
   /// Needed later by cross_entropy_backward.
   VectorView lse;
   /// int64 (1,): non-ignored rows whose argmax over z (lowest index on ties) equals the target.
-  /// Written only with Options::compute_metrics.
+  /// Written only with Options::return_metrics.
   VectorView num_correct;
   /// float32 (1,): sum over non-ignored rows of the softmax entropy lse - sum_j p_j z_j, nats.
-  /// Written only with Options::compute_metrics.
+  /// Written only with Options::return_metrics.
   VectorView entropy_sum;
 };
 
@@ -51,7 +51,7 @@ Status cross_entropy_backward(const Device& device, const MatrixView& logits,
 /// Forward with gradient: the forward's outputs and dlogits formed in the same sweep.
 /// @param grad_loss as in cross_entropy_backward, or empty for an upstream gradient of 1
 ///        (the usual case: rescale later with cross_entropy_rescale_grad if it is not 1).
-/// @param dlogits (N, V) in the logits' dtype. With options.inplace_grad it must describe the
+/// @param dlogits (N, V) in the logits' dtype. With options.inplace_backward it must describe the
 ///        logits buffer itself (same pointer and stride); the logits are then overwritten.
 Status cross_entropy_forward_backward(const Device& device, const MatrixView& logits,
                                       const VectorView& target, const Options& options,

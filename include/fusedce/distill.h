@@ -119,6 +119,18 @@ Status linear_distill_backward(const Device& device, const MatrixView& hidden, c
                                const DistillOptions& options, size_t chunk_budget_bytes, const MatrixView& stats,
                                const VectorView& grad_loss, const LinearGrads& grads);
 
+/// The forward and, over the same chunk of logits, the backward for an upstream gradient of 1
+/// (reduction mean or sum; none is refused: its per-row upstream gradients are not known yet):
+/// what linear_distill_forward writes into `out`, and the gradients linear_distill_backward
+/// would form from out.stats and grad_loss = 1. A caller whose upstream gradient g is another
+/// scalar scales the gradients by g. On a CUDA device each chunk's logits are formed once for
+/// both (the backward's second products saved); the CPU runs the two in turn, to the same bits.
+Status linear_distill_forward_backward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
+                                       const VectorView& bias, const DistillTeacher& teacher,
+                                       const VectorView& labels, const DistillOptions& options,
+                                       size_t chunk_budget_bytes, const DistillOutputs& out,
+                                       const LinearGrads& grads);
+
 // ---- the vocabulary-parallel form ------------------------------------------------------------
 //
 // Each rank holds rows [shard.vocab_start, + V_local) of both heads' weights (and biases), the
@@ -135,8 +147,10 @@ Status linear_distill_backward(const Device& device, const MatrixView& hidden, c
 //   5. linear_distill_shard_backward: linear_distill_backward over the shard: grad_hidden is
 //      this rank's float32 part (the caller sums it over ranks), grad_weight and grad_bias this
 //      rank's rows.
-// Nothing of size (N, V_local) beyond one chunk per head. The CPU only: on a CUDA device every
-// step returns kUnsupported.
+// Nothing of size (N, V_local) beyond one chunk per head. On the CPU a label or top-k id outside
+// [0, vocab_total) is kTargetOutOfRange, and a label no rank or several ranks hold (shards that
+// do not tile the vocabulary) is kInvalidArgument at step 2; a CUDA device does not wait to read
+// them and gives those rows NaN outputs instead.
 //
 // The top-k form over a vocabulary-parallel student head: the teacher is its (N, K) ids (global
 // indices in [0, vocab_total)) and log-probabilities, the same on every rank. Steps 1, 2, 3 and 5

@@ -26,13 +26,25 @@
 namespace fusedce {
 
 /// Floats per row of log-probability statistics: max, rest sum (the exps of every entry but one
-/// instance of the max), entropy sum, target z, holds-target flag; columns 5..8 and row N are
-/// zero. The same shape as the loss's shard statistics, so a front end gathers either alike.
+/// instance of the max), entropy sum, target z, holds-target flag; with distribution_stats also
+/// the rest sum of squares (exp(2 (z - max)) over the same entries), the sum of z and the max of
+/// z over the columns before the target's global index (-inf: none); the other columns and
+/// row N are zero. The same shape as the loss's shard statistics, so a front end gathers either
+/// alike.
 constexpr int kLogprobStatsWidth = kShardStatsWidth;
 
 struct LogprobOptions {
-  float temperature = 1.0f;     ///< z = logits / temperature; finite and > 0
-  int64_t ignore_index = -100;  ///< rows with this target: logprob 0, entropy 0, no gradient
+  float temperature = 1.0f;         ///< z = logits / temperature; finite and > 0
+  int64_t ignore_index = -100;      ///< rows with this target: logprob 0, entropy 0, no gradient
+  bool distribution_stats = false;  ///< step 1 also gathers what logprobs_distribution_stats needs
+};
+
+/// Per-row statistics of softmax(z) beside the log-probability (TRL's fused head's optional
+/// outputs, its definitions), float32 (N,) each, 0 at ignored rows:
+///   log_sum_sq_probs = log sum_j p_j^2;  mean_logit = sum_j z_j / vocab_total;
+///   is_top1 = 1 if the target is z's first maximum (torch.argmax's rule on ties), else 0.
+struct DistributionStats {
+  VectorView log_sum_sq_probs, mean_logit, is_top1;
 };
 
 /// Step 2's outputs, float32 (N,) each; step 3 reads them back. entropy may be left empty in
@@ -58,6 +70,13 @@ Status linear_logprobs_stats(const Device& device, const MatrixView& hidden, con
 /// [r (N + 1), (r + 1)(N + 1)).
 Status logprobs_merge(const Device& device, const MatrixView& gathered, int64_t world, const VectorView& target,
                       const ShardSpec& shard, const LogprobOptions& options, const LogprobOutputs& out);
+
+/// Step 2's companion: the distribution statistics from the same gathered statistics, which
+/// step 1 formed with options.distribution_stats (required here). Any of the outputs may be
+/// empty (not written).
+Status logprobs_distribution_stats(const Device& device, const MatrixView& gathered, int64_t world,
+                                   const VectorView& target, const ShardSpec& shard, const LogprobOptions& options,
+                                   const DistributionStats& out);
 
 /// Step 3 over logits: dlogits (N, V_local) in the logits' dtype, of
 /// sum_i grad_logprob[i] * logprob[i] + grad_entropy[i] * entropy[i]; grad_entropy may be empty

@@ -87,8 +87,8 @@ struct Options {
   float z_loss = 0.0f;           ///< adds z_loss * lse^2 per non-ignored row
   VectorView class_weight;       ///< float32 (V,), PyTorch's `weight=`; empty = none
   Reduction reduction = Reduction::kMean;
-  bool compute_metrics = false;  ///< fill num_correct / entropy_sum (forward jobs)
-  bool inplace_grad = false;     ///< forward-with-gradient: dlogits is the logits buffer
+  bool return_metrics = false;  ///< fill num_correct / entropy_sum (forward jobs)
+  bool inplace_backward = false;     ///< forward-with-gradient: dlogits is the logits buffer
   bool check_targets = false;    ///< CUDA: verify targets (one device sync) and report the
                                  ///< first bad row; CPU always checks
 };

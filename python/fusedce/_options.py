@@ -154,18 +154,19 @@ class LogprobOptions:
 
     temperature: float = 1.0
     ignore_index: int = -100
+    distribution_stats: bool = False
 
     @classmethod
-    def checked(cls, where, *, temperature=1.0, ignore_index=-100):
+    def checked(cls, where, *, temperature=1.0, ignore_index=-100, distribution_stats=False):
         t = _real(temperature, "temperature", where)
         if not 0.0 < t < _INF:
             raise ValueError(f"{where}: temperature must be finite and > 0, got {temperature!r}")
         _representable(t, "temperature", where, "use a value in [1.2e-38, 3.4e38]")
         _representable(1.0 / t, "1 / temperature", where, "use a value in [3e-38, 8e37]")
-        return cls(t, ignore_index_of(ignore_index, where))
+        return cls(t, ignore_index_of(ignore_index, where), bool(distribution_stats))
 
     def op_args(self):
-        return (self.temperature, self.ignore_index)
+        return (self.temperature, self.ignore_index, self.distribution_stats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,24 +320,51 @@ def linear_options_in(at, args):
     return before, options, LinearOptions(*after[:len(LINEAR_NAMES)]), after[len(LINEAR_NAMES):]
 
 
+def _argument_groups():
+    """The runs of schema arguments a fake kernel takes as one object, with the object's maker:
+    the six options (Options), an lce op's four linear options (LinearOptions), a shard op's three
+    (a LinearOptions without a shift), vocab_start and vocab_total (a ShardSpec without its local
+    size), and a log-probability op's options (LogprobOptions). Longer runs first."""
+    return (
+        (OPTION_NAMES, Options),
+        (LINEAR_NAMES, LinearOptions),
+        (LINEAR_NAMES[1:], lambda *rest: LinearOptions(0, *rest)),
+        (("vocab_start", "vocab_total"), lambda start, total: ShardSpec(start, total, None)),
+        (tuple(field.name for field in dataclasses.fields(LogprobOptions)), LogprobOptions),
+    )
+
+
+def _grouping(names):
+    """[(start, length, maker)] of the argument groups in an op's argument `names`, left to right."""
+    found, i = [], 0
+    while i < len(names):
+        for group, maker in _argument_groups():
+            if tuple(names[i:i + len(group)]) == group:
+                found.append((i, len(group), maker))
+                i += len(group)
+                break
+        else:
+            i += 1
+    return found
+
+
 def register_fake(name):
     """``torch.library.register_fake`` of the op `name` for a fake kernel written with one
-    ``options`` parameter (an Options) where the schema has the six, and one ``linear``
-    parameter (a LinearOptions) where the four of an lce op follow them: the function registered
-    takes the schema's arguments and hands the kernel the objects."""
+    parameter per argument group of its schema (_argument_groups: ``options`` an Options,
+    ``linear`` a LinearOptions, ``shard`` a ShardSpec, a LogprobOptions) in place of the
+    group's scalars: the function registered takes the schema's arguments and hands the kernel
+    the objects."""
     schema = getattr(_library.ops(), name).default._schema
-    at = options_position(schema)
-    names = tuple(a.name for a in schema.arguments[at + NUM_OPTIONS:at + NUM_OPTIONS + len(LINEAR_NAMES)])
+    groups = _grouping([a.name for a in schema.arguments])
 
     def register(fake):
-        if names == LINEAR_NAMES:
-            def spread(*args):
-                before, options, linear, after = linear_options_in(at, args)
-                return fake(*before, options, linear, *after)
-        else:
-            def spread(*args):
-                before, options, after = options_in(at, args)
-                return fake(*before, options, *after)
+        def spread(*args):
+            packed, at = [], 0
+            for start, length, maker in groups:
+                packed += args[at:start]
+                packed.append(maker(*args[start:start + length]))
+                at = start + length
+            return fake(*packed, *args[at:])
 
         spread.__name__, spread.__qualname__, spread.__doc__ = fake.__name__, fake.__qualname__, fake.__doc__
         torch.library.register_fake(_library.qualified(name), spread)

@@ -1,6 +1,6 @@
 """Fake (meta) kernels of the distillation ops of torch/distill_ops.h (schemas in
-torch/registry.h): ``ld_fwd`` / ``ld_bwd`` (a teacher head) and ``ldk_fwd`` / ``ldk_bwd`` (a
-teacher's top-k), and the vocabulary-parallel steps ``ld_shard_*`` / ``ldk_shard_*``. python/fusedce/distillation.py strings them together in its autograd.Function:
+torch/registry.h): ``ld_fwd`` / ``ld_bwd`` / ``ld_fwd_bwd`` (a teacher head) and ``ldk_fwd`` /
+``ldk_bwd`` / ``ldk_fwd_bwd`` (a teacher's top-k), and the vocabulary-parallel steps ``ld_shard_*`` / ``ldk_shard_*``. python/fusedce/distillation.py strings them together in its autograd.Function:
 they have no autograd formula of their own.
 """
 
@@ -50,6 +50,18 @@ def _ld_bwd_fake(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_b
 @torch.library.register_fake(_library.qualified("ldk_bwd"))
 def _ldk_bwd_fake(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, stats, grad_loss, *rest):
     return _backward_fake(hidden, weight, bias, *rest[-3:])
+
+
+@torch.library.register_fake(_library.qualified("ld_fwd_bwd"))
+def _ld_fwd_bwd_fake(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, labels, beta, temperature,
+                     hard_weight, ignore_index, reduction, *rest):
+    return (*_forward_fake(hidden, labels, reduction), *_backward_fake(hidden, weight, bias, *rest[-3:]))
+
+
+@torch.library.register_fake(_library.qualified("ldk_fwd_bwd"))
+def _ldk_fwd_bwd_fake(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, beta, temperature, hard_weight,
+                      ignore_index, reduction, *rest):
+    return (*_forward_fake(hidden, labels, reduction), *_backward_fake(hidden, weight, bias, *rest[-3:]))
 
 
 # The vocabulary-parallel steps (ld_shard_*): floats per row of step 1's statistics and step 3's

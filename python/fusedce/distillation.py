@@ -24,7 +24,7 @@ CUDA devices (every tensor on the student_hidden's device). On CUDA nothing wait
 labels and top-k ids: one outside [0, V) (a label that is not ``ignore_index``) makes its row's
 loss and gradients NaN, where the CPU raises.
 
-Vocabulary parallel (``linear_distillation(..., process_group=pg)``, the CPU only): each rank
+Vocabulary parallel (``linear_distillation(..., process_group=pg)``, CPU and CUDA): each rank
 holds the same rows ``[v0, v1)`` of both heads' weights (and biases), the full hidden states and
 the labels (global indices); ``linear_distillation_topk(..., process_group=pg)`` the same for
 the student's head, the teacher's top-k (global ids) whole on every rank. The core's five steps (include/fusedce/distill.h) with two
@@ -43,7 +43,8 @@ from ._checks import check_cuda_build, check_same_device, check_tensor, unit_str
 from ._distill_options import DistillOptions
 from ._options import Call, LinearOptions, VocabParallel
 from ._router import route
-from .ops import call_below_autograd, ops
+from .linear_ops import _scale_saved
+from .ops import _graph_is_kept, call_below_autograd, ops
 
 _FULL = "fusedce.linear_distillation"
 _TOPK = "fusedce.linear_distillation_topk"
@@ -90,17 +91,40 @@ def _backward(h, w, bias, a, b, c, labels, stats, g, call, shard, need):
     return tuple(part if wanted else None for part, wanted in zip((part_h, part_w, part_b), need))
 
 
+def _forward_backward(h, w, bias, a, b, c, labels, call, need):
+    """One core call: ld_fwd's outputs, then the student's gradients of the reduced loss for an
+    upstream gradient of 1 (reduction mean or sum; None where `need` says no)."""
+    args = (*call.options.op_args(), call.linear.chunk_budget_bytes, *need)
+    if call.where == _TOPK:
+        out = ops.ldk_fwd_bwd(h, w, bias, a, b, labels, *args)
+    else:
+        out = ops.ld_fwd_bwd(h, w, bias, a, b, c, labels, *args)
+    return out[:5], tuple(grad if wanted else None for grad, wanted in zip(out[5:], need))
+
+
 class _LinearDistill(torch.autograd.Function):
     """Over the student's hidden (N, H), weight (V, H), bias (V,) or None and the teacher (a, b,
     c) = (hidden, weight, bias) of its head, or (ids, logprobs, None) of its top-k; labels (N,)
     or None; the Call; a ShardSpec for this rank's rows of a vocabulary-parallel head, or None.
-    Returns loss, divergence, hard, entropy (the last three not differentiable)."""
+    Returns loss, divergence, hard, entropy (the last three not differentiable).
+
+    A single device with reduction mean or sum forms the gradients in the forward, over the same
+    chunks of logits (ld_fwd_bwd: no second pass of products in the backward), and the backward
+    scales them by the upstream gradient (ce_rescale_: nothing is touched when it is 1). With
+    reduction none, or a vocabulary-parallel head, the backward forms them from the saved
+    statistics."""
 
     @staticmethod
     def forward(ctx, h, w, bias, a, b, c, labels, call, shard):
-        loss, divergence, hard, entropy, stats = _forward(h, w, bias, a, b, c, labels, call, shard)
-        ctx.save_for_backward(h, w, bias, a, b, c, labels, stats)
-        ctx.call, ctx.shard = call, shard
+        need = tuple(ctx.needs_input_grad[:3])
+        ctx.fused = shard is None and call.options.reduction != "none"
+        if ctx.fused:
+            (loss, divergence, hard, entropy, _), grads = _forward_backward(h, w, bias, a, b, c, labels, call, need)
+            ctx.save_for_backward(*grads)
+        else:
+            loss, divergence, hard, entropy, stats = _forward(h, w, bias, a, b, c, labels, call, shard)
+            ctx.save_for_backward(h, w, bias, a, b, c, labels, stats)
+        ctx.call, ctx.shard, ctx.dtype = call, shard, h.dtype
         ctx.mark_non_differentiable(divergence, hard, entropy)
         ctx.set_materialize_grads(False)
         return loss, divergence, hard, entropy
@@ -110,11 +134,16 @@ class _LinearDistill(torch.autograd.Function):
         need = tuple(ctx.needs_input_grad[:3])
         grad_h = grad_w = grad_b = None
         if grad_loss is not None and any(need):
-            h, w, bias, a, b, c, labels, stats = ctx.saved_tensors
             g = grad_loss.reshape(-1).to(torch.float32).contiguous()
-            grad_h, grad_w, grad_b = _backward(h, w, bias, a, b, c, labels, stats, g, ctx.call, ctx.shard, need)
+            if ctx.fused:
+                keep = _graph_is_kept()
+                grad_h, grad_w, grad_b = (None if saved is None or not wanted else _scale_saved(saved, g, keep)
+                                          for saved, wanted in zip(ctx.saved_tensors, need))
+            else:
+                h, w, bias, a, b, c, labels, stats = ctx.saved_tensors
+                grad_h, grad_w, grad_b = _backward(h, w, bias, a, b, c, labels, stats, g, ctx.call, ctx.shard, need)
             if grad_h is not None:
-                grad_h = grad_h.to(h.dtype)  # the float32 sum (over ranks too), rounded once
+                grad_h = grad_h.to(ctx.dtype)  # the float32 sum (over ranks too), rounded once
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
@@ -181,13 +210,9 @@ def _call_of(where, options, chunk_budget_bytes, return_metrics, student_hidden,
 
 
 def _shard_of(student_weight, student_hidden, call):
-    """This rank's ShardSpec for a vocabulary-parallel call (None for a single device); refuses
-    a CUDA device, which has no shard steps."""
+    """This rank's ShardSpec for a vocabulary-parallel call (None for a single device)."""
     if call.parallel.group is None:
         return None
-    if student_hidden.device.type != "cpu":
-        raise NotImplementedError(f"{call.where}: process_group: the vocabulary-parallel distillation runs on the "
-                                  f"CPU only (no CUDA kernels yet), but student_hidden is on {student_hidden.device}")
     return distributed.shard_of(student_weight.shape[0], call.parallel, student_hidden.device, call.where)
 
 

@@ -75,10 +75,24 @@ def _check_token_values(t, vocab, call, device):
 
 
 def _merged(stats, target, call, shard):
-    """Step 2: this rank's statistics alone (single device), or every rank's, gathered."""
+    """Step 2 over this rank's statistics alone (single device), or every rank's, gathered:
+    logprob, entropy, lse, and with the options' distribution_stats the three (N,) statistics of
+    lp_distribution_stats (else None)."""
     if call.parallel.group is not None:
         stats = distributed.gather_checked(stats, target, shard, call.parallel, call.where)
-    return ops.lp_merge(stats, target, *shard.op_args(), *call.options.op_args())
+    args = (*shard.op_args(), *call.options.op_args())
+    logprob, entropy, lse = ops.lp_merge(stats, target, *args)
+    dist = ops.lp_distribution_stats(stats, target, *args) if call.options.distribution_stats else None
+    return logprob, entropy, lse, dist
+
+
+def _returned(ctx, logprob, entropy, dist):
+    """An autograd.Function's outputs: logprob, entropy, then the distribution statistics (not
+    differentiable) when asked for."""
+    if dist is None:
+        return logprob, entropy
+    ctx.mark_non_differentiable(*dist)
+    return (logprob, entropy, *dist)
 
 
 def _upstream(g, like):
@@ -102,14 +116,14 @@ class _Logprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, target, call, shard):
         stats = ops.lp_stats(x, target, *shard.op_args(), *call.options.op_args())
-        logprob, entropy, lse = _merged(stats, target, call, shard)
+        logprob, entropy, lse, dist = _merged(stats, target, call, shard)
         ctx.save_for_backward(x, target, lse, logprob, entropy)
         ctx.call, ctx.shard = call, shard
         ctx.set_materialize_grads(False)
-        return logprob, entropy
+        return _returned(ctx, logprob, entropy, dist)
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy):
+    def backward(ctx, grad_logprob, grad_entropy, *unused):
         grad = None
         if (grad_logprob is not None or grad_entropy is not None) and ctx.needs_input_grad[0]:
             x, target, lse, logprob, entropy = ctx.saved_tensors
@@ -130,14 +144,14 @@ class _LinearLogprobs(torch.autograd.Function):
     def forward(ctx, h, w, bias, target, call, shard):
         stats = ops.llp_stats(h, w, bias, target, *shard.op_args(), *call.options.op_args(),
                               call.linear.chunk_budget_bytes)
-        logprob, entropy, lse = _merged(stats, target, call, shard)
+        logprob, entropy, lse, dist = _merged(stats, target, call, shard)
         ctx.save_for_backward(h, w, bias, target, lse, logprob, entropy)
         ctx.call, ctx.shard = call, shard
         ctx.set_materialize_grads(False)
-        return logprob, entropy
+        return _returned(ctx, logprob, entropy, dist)
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy):
+    def backward(ctx, grad_logprob, grad_entropy, *unused):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = grad_w = grad_b = None
         if (grad_logprob is not None or grad_entropy is not None) and (need_h or need_w or need_b):
@@ -187,11 +201,11 @@ def _float32_product(a, b):
 
 def _kept_forward(h, w, bias, target, call, shard):
     """keep_logits=True's forward: the logits (N, V_local) formed once in hidden's dtype, then the
-    logits form's steps over them. Returns logprob, entropy, lse and the logits."""
+    logits form's steps over them. Returns logprob, entropy, lse, the distribution statistics
+    (or None) and the logits."""
     logits = torch.nn.functional.linear(h, w, bias)
     stats = call_below_autograd(ops.lp_stats.default, logits, target, *shard.op_args(), *call.options.op_args())
-    logprob, entropy, lse = _merged(stats, target, call, shard)
-    return logprob, entropy, lse, logits
+    return (*_merged(stats, target, call, shard), logits)
 
 
 class _KeptLinearLogprobs(torch.autograd.Function):
@@ -205,14 +219,14 @@ class _KeptLinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, w, bias, target, call, shard):
-        logprob, entropy, lse, logits = _kept_forward(h, w, bias, target, call, shard)
+        logprob, entropy, lse, dist, logits = _kept_forward(h, w, bias, target, call, shard)
         ctx.save_for_backward(h, w, logits, target, lse, logprob, entropy)
         ctx.call, ctx.shard = call, shard
         ctx.set_materialize_grads(False)
-        return logprob, entropy
+        return _returned(ctx, logprob, entropy, dist)
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy):
+    def backward(ctx, grad_logprob, grad_entropy, *unused):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = grad_w = grad_b = None
         if (grad_logprob is None and grad_entropy is None) or not (need_h or need_w or need_b):
@@ -246,9 +260,17 @@ def _shard(local_vocab, call, device):
     return distributed.shard_of(local_vocab, call.parallel, device, call.where)
 
 
-def _results(logprob, entropy, shape, call):
-    logprob = logprob.view(shape)
-    return (logprob, entropy.view(shape)) if call.return_entropy else logprob
+def _results(out, shape, call):
+    """What a function returns from (logprob, entropy[, the three distribution statistics])."""
+    logprob = out[0].view(shape)
+    if not call.return_entropy and not call.options.distribution_stats:
+        return logprob
+    got = (logprob, out[1].view(shape)) if call.return_entropy else (logprob,)
+    if call.options.distribution_stats:
+        log_sum_sq, mean, top1 = out[2:5]
+        got += ({"log_sum_sq_probs": log_sum_sq.view(shape), "mean_logits": mean.view(shape),
+                 "is_top1": (top1 != 0).view(shape)},)
+    return got
 
 
 # ---- the functions ------------------------------------------------------------------------
@@ -256,7 +278,7 @@ def _results(logprob, entropy, shape, call):
 
 def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, return_entropy=False,
                     ignore_index=-100, chunk_budget_bytes=None, check_tokens=False, process_group=None,
-                    vocab_start=None, vocab_total=None, keep_logits=None):
+                    vocab_start=None, vocab_total=None, keep_logits=None, return_stats=False):
     """Per-token log-probabilities (and entropy) of the logits ``hidden @ weight.T + bias`` at a
     sampling temperature, storing the (N, V) logits only where they fit the memory budget.
 
@@ -295,16 +317,24 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
             when the graph is kept for another backward (``retain_graph=True``), a second
             (N, V_local) buffer for dlogits. Without a gradient the logits are formed and freed
             on return (the same values as with one).
+        return_stats: also return a dict of per-token statistics of softmax(z), from the same
+            pass over the logits, not differentiable, of tokens' shape (0 / False at ignored
+            positions): "log_sum_sq_probs" (float32, log sum_v p_v^2), "mean_logits" (float32,
+            the mean of z over the vocabulary) and "is_top1" (bool, whether the token is z's
+            argmax, the first one on ties: torch.argmax's rule). TRL's fused head's optional
+            outputs, with its definitions.
 
     Returns:
-        logprob, float32 of tokens' shape; or ``(logprob, entropy)`` with ``return_entropy``.
-        Both are differentiable with respect to hidden, weight and bias.
+        logprob, float32 of tokens' shape; or ``(logprob, entropy)`` with ``return_entropy``;
+        the stats dict after them with ``return_stats``. logprob and entropy are differentiable
+        with respect to hidden, weight and bias.
     """
     def call_of(hidden, parallel):  # the call object, built once, where the router runs the call
         linear = LinearOptions.checked(_LINEAR, hidden, chunk_budget_bytes=chunk_budget_bytes)
         _check_keep_logits(keep_logits, chunk_budget_bytes, _LINEAR)
-        return Call.of(_LINEAR, LogprobOptions.checked(_LINEAR, temperature=temperature, ignore_index=ignore_index),
-                       linear, parallel, check_targets=bool(check_tokens), keep_logits=keep_logits,
+        options = LogprobOptions.checked(_LINEAR, temperature=temperature, ignore_index=ignore_index,
+                                         distribution_stats=return_stats)
+        return Call.of(_LINEAR, options, linear, parallel, check_targets=bool(check_tokens), keep_logits=keep_logits,
                        return_entropy=bool(return_entropy))
 
     return route(_LINEAR, functools.partial(_linear_logprobs, call_of), (hidden, weight, tokens, bias),
@@ -354,39 +384,44 @@ def _linear_logprobs(call_of, hidden, weight, tokens, bias, parallel):
                                        torch.is_grad_enabled() and weight.requires_grad, h.device.type,
                                        call.linear.chunk_budget_bytes or None)
     if keep and grad_on:
-        logprob, entropy = _KeptLinearLogprobs.apply(h, w, b, t, call, shard)
+        out = _KeptLinearLogprobs.apply(h, w, b, t, call, shard)
     elif keep:
-        logprob, entropy, _, _ = _kept_forward(h, w, b, t, call, shard)
+        logprob, entropy, _, dist, _ = _kept_forward(h, w, b, t, call, shard)
+        out = (logprob, entropy, *(dist or ()))
     elif grad_on:
-        logprob, entropy = _LinearLogprobs.apply(h, w, b, t, call, shard)
+        out = _LinearLogprobs.apply(h, w, b, t, call, shard)
     else:
         stats = call_below_autograd(ops.llp_stats.default, h, w, b, t, *shard.op_args(), *call.options.op_args(),
                                     call.linear.chunk_budget_bytes)
-        logprob, entropy, _ = _merged(stats, t, call, shard)
-    return _results(logprob, entropy, tokens.shape, call)
+        logprob, entropy, _, dist = _merged(stats, t, call, shard)
+        out = (logprob, entropy, *(dist or ()))
+    return _results(out, tokens.shape, call)
 
 
 def logprobs(logits, tokens, *, temperature=1.0, return_entropy=False, ignore_index=-100, check_tokens=False,
-             process_group=None, vocab_start=None, vocab_total=None):
+             process_group=None, vocab_start=None, vocab_total=None, return_stats=False):
     """Per-token log-probabilities (and entropy) of ``logits`` (..., V) at a sampling
     temperature: ``log_softmax(logits / temperature).gather(-1, tokens)``, exact in collapse.
 
     Args:
         logits: float32, bfloat16 or float16, shape (..., V).
         tokens: int64 or int32, shape logits.shape[:-1], in [0, V) or ``ignore_index``.
-        temperature, return_entropy, ignore_index, check_tokens: as in :func:`linear_logprobs`.
+        temperature, return_entropy, ignore_index, check_tokens, return_stats: as in
+            :func:`linear_logprobs`.
         process_group, vocab_start, vocab_total: a vocabulary-parallel head: ``logits`` hold this
             rank's columns (layout rules: fusedce.distributed's docstring); one all-gather of
             (N + 1, 9) float32 statistics per forward, nothing in the backward. DTensor logits
             sharded on their last dimension give the group and the layout themselves.
 
     Returns:
-        logprob (float32, tokens' shape), or ``(logprob, entropy)``; differentiable with
-        respect to logits (the gradient has the logits' dtype).
+        logprob (float32, tokens' shape), or ``(logprob, entropy)``, then the stats dict with
+        ``return_stats``; logprob and entropy are differentiable with respect to logits (the
+        gradient has the logits' dtype).
     """
     def call_of(parallel):  # the call object, built once, where the router runs the call
-        return Call.of(_LOGITS, LogprobOptions.checked(_LOGITS, temperature=temperature, ignore_index=ignore_index),
-                       parallel=parallel, check_targets=bool(check_tokens), return_entropy=bool(return_entropy))
+        options = LogprobOptions.checked(_LOGITS, temperature=temperature, ignore_index=ignore_index,
+                                         distribution_stats=return_stats)
+        return Call.of(_LOGITS, options, parallel=parallel, check_targets=bool(check_tokens), return_entropy=bool(return_entropy))
 
     return route(_LOGITS, functools.partial(_logprobs, call_of), (logits, tokens),
                  VocabParallel.of(process_group, vocab_start, vocab_total), target=tokens,
@@ -414,8 +449,9 @@ def _logprobs(call_of, logits, tokens, parallel):
     shard = _shard(vocab, call, x.device)
     _check_token_values(t, shard.vocab_total, call, x.device)
     if torch.is_grad_enabled() and logits.requires_grad:
-        logprob, entropy = _Logprobs.apply(x, t, call, shard)
+        out = _Logprobs.apply(x, t, call, shard)
     else:
         stats = call_below_autograd(ops.lp_stats.default, x, t, *shard.op_args(), *call.options.op_args())
-        logprob, entropy, _ = _merged(stats, t, call, shard)
-    return _results(logprob, entropy, tokens.shape, call)
+        logprob, entropy, _, dist = _merged(stats, t, call, shard)
+        out = (logprob, entropy, *(dist or ()))
+    return _results(out, tokens.shape, call)

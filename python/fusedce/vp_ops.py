@@ -9,7 +9,8 @@ op sees.
 
 Arguments shared by the three: target (N,) of global class indices, class_weight (V_local,) or
 None, vocab_start, vocab_total, then the options (docs/contract.md, "Options") as in ops.py; the
-fake kernels take them as one Options.
+fake kernels take them as objects (_options.register_fake): a ShardSpec, an Options and, for
+the linear form, a LinearOptions.
 """
 
 import torch
@@ -29,13 +30,13 @@ def _check_rows(logits, target):
 
 
 @register_fake("ce_shard_stats")
-def _ce_shard_stats_fake(logits, target, class_weight, vocab_start, vocab_total, options, return_metrics):
+def _ce_shard_stats_fake(logits, target, class_weight, shard, options, return_metrics):
     _check_rows(logits, target)
     return logits.new_empty((logits.shape[0] + 1, STATS_WIDTH), dtype=torch.float32)
 
 
 @register_fake("ce_shard_merge")
-def _ce_shard_merge_fake(gathered, target, class_weight, vocab_start, vocab_total, options, return_metrics):
+def _ce_shard_merge_fake(gathered, target, class_weight, shard, options, return_metrics):
     n = target.shape[0]
     torch._check(gathered.dim() == 2 and gathered.shape[1] == STATS_WIDTH,
                  lambda: f"fusedce: gathered must be (world * (N + 1), {STATS_WIDTH})")
@@ -54,8 +55,7 @@ def _ce_shard_merge_fake(gathered, target, class_weight, vocab_start, vocab_tota
 
 
 @register_fake("ce_shard_bwd")
-def _ce_shard_bwd_fake(logits, target, class_weight, lse, row_weight, batch, grad_loss, vocab_start, vocab_total,
-                       options):
+def _ce_shard_bwd_fake(logits, target, class_weight, lse, row_weight, batch, grad_loss, shard, options):
     _check_rows(logits, target)
     return logits.new_empty(logits.shape)
 
@@ -70,16 +70,14 @@ def _check_linear_rows(hidden, weight, target):
 
 
 @register_fake("lce_shard_stats")
-def _lce_shard_stats_fake(hidden, weight, bias, target, class_weight, vocab_start, vocab_total, options,
-                          chunk_budget_bytes, low_memory, skip_ignored, return_metrics):
+def _lce_shard_stats_fake(hidden, weight, bias, target, class_weight, shard, options, linear, return_metrics):
     _check_linear_rows(hidden, weight, target)
     return hidden.new_empty((hidden.shape[0] + 1, STATS_WIDTH), dtype=torch.float32)
 
 
 @register_fake("lce_shard_bwd")
-def _lce_shard_bwd_fake(hidden, weight, bias, target, class_weight, lse, row_weight, batch, grad_loss,
-                        vocab_start, vocab_total, options, chunk_budget_bytes, low_memory, skip_ignored,
-                        need_grad_hidden, need_grad_weight, need_grad_bias):
+def _lce_shard_bwd_fake(hidden, weight, bias, target, class_weight, lse, row_weight, batch, grad_loss, shard, options,
+                        linear, need_grad_hidden, need_grad_weight, need_grad_bias):
     _check_linear_rows(hidden, weight, target)
     none = hidden.new_empty((0,))
     return (

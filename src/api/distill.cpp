@@ -149,15 +149,19 @@ Status check_forward_outputs(const DistillCall& c, int64_t N, int64_t stats_widt
   return check_stats(o.stats, N, stats_width);
 }
 
-Status check_backward_args(const DistillCall& c, int64_t stats_width = kDistillStatsWidth) {
-  const int64_t N = c.rows(), H = c.hidden.cols, V = c.vocab();
-  FUSEDCE_CHECK(check_stats(c.stats, N, stats_width));
-  FUSEDCE_CHECK(
-      check_vector_arg("grad_loss", c.grad_loss, DType::kFloat32, c.options.reduction == Reduction::kNone ? N : 1));
+/// The gradients asked for: grad_hidden float32 (N, H), grad_weight and grad_bias hidden's dtype.
+Status check_grads_args(const DistillCall& c) {
   if ((!c.grads.grad_bias.empty() || c.grads.grad_bias.size != 0) && c.bias.empty()) {
     return invalid("grad_bias is given but bias is not");
   }
-  return check_linear_grads_arg(c.grads, N, V, H, c.hidden.dtype, DType::kFloat32);
+  return check_linear_grads_arg(c.grads, c.rows(), c.vocab(), c.hidden.cols, c.hidden.dtype, DType::kFloat32);
+}
+
+Status check_backward_args(const DistillCall& c, int64_t stats_width = kDistillStatsWidth) {
+  FUSEDCE_CHECK(check_stats(c.stats, c.rows(), stats_width));
+  FUSEDCE_CHECK(check_vector_arg("grad_loss", c.grad_loss, DType::kFloat32,
+                                 c.options.reduction == Reduction::kNone ? c.rows() : 1));
+  return check_grads_args(c);
 }
 
 }  // namespace
@@ -172,6 +176,14 @@ Status validate_distill_call(const DistillCall& c) {
   FUSEDCE_CHECK(check_head("", c.hidden, c.weight, c.bias, c.rows(), c.vocab()));
   FUSEDCE_CHECK(check_teacher(c));
   FUSEDCE_CHECK(check_labels(c, c.rows()));
+  if (c.fused) {
+    if (c.options.reduction == Reduction::kNone) {
+      return invalid("reduction must be mean or sum for the forward and backward in one call (none needs the "
+                     "per-row upstream gradients: call the backward with them)");
+    }
+    FUSEDCE_CHECK(check_forward_outputs(c, c.rows()));
+    return check_grads_args(c);
+  }
   return c.backward ? check_backward_args(c) : check_forward_outputs(c, c.rows());
 }
 
@@ -260,18 +272,24 @@ Status dispatch(const detail::DistillCall& call) {
   Status s = detail::validate_distill_call(call);
   if (!s.ok()) return s;
   if (call.device.type == DeviceType::kCUDA) return cuda::run_distill(call);
-  return cpu::run_distill(call);
+  if (!call.fused) return cpu::run_distill(call);
+  // The CPU: the forward, then the backward from its stats with an upstream gradient of 1.
+  detail::DistillCall forward = call;
+  forward.fused = false;
+  s = cpu::run_distill(forward);
+  if (!s.ok()) return s;
+  float one = 1.0f;
+  detail::DistillCall backward = forward;
+  backward.backward = true;
+  backward.stats = call.out.stats;
+  backward.grad_loss = VectorView{&one, DType::kFloat32, 1, 1};
+  return cpu::run_distill(backward);
 }
 
-Status dispatch_shard(const char* step, const detail::DistillCall& call) {
+Status dispatch_shard(const detail::DistillCall& call) {
   Status s = detail::validate_distill_shard_call(call);
   if (!s.ok()) return s;
-  if (call.device.type == DeviceType::kCUDA) {
-    return Status(StatusCode::kUnsupported, std::string(step) +
-                                                ": the vocabulary-parallel distillation is not implemented on CUDA "
-                                                "devices (the CPU only)");
-  }
-  return cpu::run_distill_shard(call);
+  return call.device.type == DeviceType::kCUDA ? cuda::run_distill_shard(call) : cpu::run_distill_shard(call);
 }
 
 detail::DistillCall make_call(bool backward, const Device& device, const MatrixView& hidden, const MatrixView& weight,
@@ -311,6 +329,18 @@ Status linear_distill_backward(const Device& device, const MatrixView& hidden, c
   return dispatch(c);
 }
 
+Status linear_distill_forward_backward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
+                                       const VectorView& bias, const DistillTeacher& teacher,
+                                       const VectorView& labels, const DistillOptions& options,
+                                       size_t chunk_budget_bytes, const DistillOutputs& out,
+                                       const LinearGrads& grads) {
+  detail::DistillCall c = make_call(false, device, hidden, weight, bias, teacher, labels, options, chunk_budget_bytes);
+  c.fused = true;
+  c.out = out;
+  c.grads = grads;
+  return dispatch(c);
+}
+
 Status linear_distill_shard_stats(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                                   const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
                                   const ShardSpec& shard, const DistillOptions& options, size_t chunk_budget_bytes,
@@ -319,7 +349,7 @@ Status linear_distill_shard_stats(const Device& device, const MatrixView& hidden
   c.shard_step = detail::ShardStep::kStats;
   c.shard = shard;
   c.shard_stats = stats;
-  return dispatch_shard("linear_distill_shard_stats", c);
+  return dispatch_shard(c);
 }
 
 Status linear_distill_shard_merge(const Device& device, const MatrixView& gathered, int64_t world,
@@ -331,7 +361,7 @@ Status linear_distill_shard_merge(const Device& device, const MatrixView& gather
   c.world = world;
   c.row_stats = row_stats;
   c.hard = hard;
-  return dispatch_shard("linear_distill_shard_merge", c);
+  return dispatch_shard(c);
 }
 
 Status linear_distill_shard_parts(const Device& device, const MatrixView& hidden, const MatrixView& weight,
@@ -343,7 +373,7 @@ Status linear_distill_shard_parts(const Device& device, const MatrixView& hidden
   c.shard = shard;
   c.row_stats = row_stats;
   c.parts = parts;
-  return dispatch_shard("linear_distill_shard_parts", c);
+  return dispatch_shard(c);
 }
 
 Status linear_distill_shard_reduce(const Device& device, const MatrixView& gathered, int64_t world,
@@ -356,7 +386,7 @@ Status linear_distill_shard_reduce(const Device& device, const MatrixView& gathe
   c.row_stats = row_stats;
   c.hard = hard;
   c.out = out;
-  return dispatch_shard("linear_distill_shard_reduce", c);
+  return dispatch_shard(c);
 }
 
 Status linear_distill_topk_shard_reduce(const Device& device, const MatrixView& gathered, int64_t world,
@@ -371,7 +401,7 @@ Status linear_distill_topk_shard_reduce(const Device& device, const MatrixView& 
   c.row_stats = row_stats;
   c.hard = hard;
   c.out = out;
-  return dispatch_shard("linear_distill_topk_shard_reduce", c);
+  return dispatch_shard(c);
 }
 
 Status linear_distill_shard_backward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
@@ -384,7 +414,7 @@ Status linear_distill_shard_backward(const Device& device, const MatrixView& hid
   c.stats = stats;
   c.grad_loss = grad_loss;
   c.grads = grads;
-  return dispatch_shard("linear_distill_shard_backward", c);
+  return dispatch_shard(c);
 }
 
 }  // namespace fusedce

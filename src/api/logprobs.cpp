@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <sstream>
+#include <utility>
 
 #include "common/call.h"
 #include "common/logprob_call.h"
@@ -81,6 +82,16 @@ Status check_out(const LogprobOutputs& o, int64_t N, bool need_entropy) {
   return Status::Ok();
 }
 
+/// Step 4's outputs: each float32 (N,) or empty.
+Status check_dist(const DistributionStats& d, int64_t N) {
+  const std::pair<const char*, const VectorView*> outs[] = {
+      {"log_sum_sq_probs", &d.log_sum_sq_probs}, {"mean_logit", &d.mean_logit}, {"is_top1", &d.is_top1}};
+  for (const auto& o : outs) {
+    if (!o.second->empty() || o.second->size != 0) FUSEDCE_CHECK(check_vector_arg(o.first, *o.second, DType::kFloat32, N));
+  }
+  return Status::Ok();
+}
+
 Status check_grads(const LogprobCall& c) {
   const int64_t N = c.rows();
   FUSEDCE_CHECK(check_vector_arg("grad_logprob", c.grad_logprob, DType::kFloat32, N));
@@ -122,13 +133,18 @@ Status validate_logprob_call(const LogprobCall& c) {
     FUSEDCE_CHECK(check_inputs(c));
     return check_stats("stats", c.stats, N + 1);
   }
-  if (c.step == 2) {
+  if (c.step == 2 || c.step == 4) {
     if (c.world < 1) return invalid("world must be >= 1");
     if (c.shard.vocab_total < 1) return invalid("shard.vocab_total must be >= 1");
     FUSEDCE_CHECK(check_stats("gathered", c.stats, c.world * (N + 1)));
-    return check_out(c.out, N, false);
+    if (c.step == 2) return check_out(c.out, N, false);
+    if (!c.options.distribution_stats) {
+      return invalid("options.distribution_stats must be set: step 1 gathers what the distribution statistics "
+                     "need only with it");
+    }
+    return check_dist(c.dist, N);
   }
-  if (c.step != 3) return invalid("step must be 1, 2 or 3");
+  if (c.step != 3) return invalid("step must be 1, 2, 3 or 4");
   FUSEDCE_CHECK(check_inputs(c));
   FUSEDCE_CHECK(check_out(c.out, N, !c.grad_entropy.empty()));
   return check_grads(c);
@@ -195,6 +211,16 @@ Status logprobs_merge(const Device& device, const MatrixView& gathered, int64_t 
   c.stats = gathered;
   c.world = world;
   c.out = out;
+  return dispatch(c);
+}
+
+Status logprobs_distribution_stats(const Device& device, const MatrixView& gathered, int64_t world,
+                                   const VectorView& target, const ShardSpec& shard, const LogprobOptions& options,
+                                   const DistributionStats& out) {
+  detail::LogprobCall c = base_call(4, device, target, shard, options);
+  c.stats = gathered;
+  c.world = world;
+  c.dist = out;
   return dispatch(c);
 }
 

@@ -12,7 +12,8 @@ namespace detail {
 enum class ShardStep : int { kNone = 0, kStats, kMerge, kParts, kReduce, kReduceTopk, kBackward };
 
 struct DistillCall {
-  bool backward;  // false: the forward
+  bool backward;       // false: the forward
+  bool fused = false;  // the forward and the backward with grad_loss 1 (out and grads; backward false)
   ShardStep shard_step = ShardStep::kNone;
   ShardSpec shard{};  // the rows of the heads this call holds; vocab_total 0: the whole vocabulary
   Device device;
@@ -58,8 +59,10 @@ Status run_distill_shard(const detail::DistillCall& call);
 }  // namespace cpu
 
 namespace cuda {
-/// Present in every build; without the CUDA backend it returns kUnsupported.
+/// Present in every build; without the CUDA backend they return kUnsupported.
 Status run_distill(const detail::DistillCall& call);
+/// A step of the vocabulary-parallel form (call.shard_step != kNone), validated.
+Status run_distill_shard(const detail::DistillCall& call);
 }  // namespace cuda
 
 }  // namespace fusedce

@@ -8,7 +8,7 @@ namespace fusedce {
 namespace detail {
 
 struct LogprobCall {
-  int step;     // 1 statistics, 2 merge, 3 gradients
+  int step;     // 1 statistics, 2 merge, 3 gradients, 4 distribution statistics (from step 2's input)
   bool linear;  // steps 1 and 3: hidden @ weight.T + bias instead of logits
   Device device;
   MatrixView logits;                  // logits form
@@ -18,9 +18,10 @@ struct LogprobCall {
   ShardSpec shard;
   LogprobOptions options;
   size_t chunk_budget_bytes = 0;      // linear form; 0 = default
-  MatrixView stats;                   // step 1 output, step 2 input (gathered)
-  int64_t world = 1;                  // step 2
+  MatrixView stats;                   // step 1 output, steps 2 and 4 input (gathered)
+  int64_t world = 1;                  // steps 2 and 4
   LogprobOutputs out;                 // step 2 output, step 3 input
+  DistributionStats dist;             // step 4 output
   VectorView grad_logprob, grad_entropy;  // step 3; grad_entropy may be empty
   MatrixView dlogits;                 // step 3, logits form
   LinearGrads grads;                  // step 3, linear form

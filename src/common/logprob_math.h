@@ -35,23 +35,24 @@ struct LpState {
   float m;
   A r;  // sum over the entries but one instance of m of exp(z - m)
   A u;  // sum over all entries of exp(z - m) * (z - m)
+  A q;  // sum over the entries but one instance of m of exp(2 (z - m)): sum p^2 = (1 + q) / (1 + r)^2
 };
 
 template <typename A>
 FUSEDCE_HD LpState<A> lp_empty() {
-  return LpState<A>{-INFINITY, A(0), A(0)};
+  return LpState<A>{-INFINITY, A(0), A(0), A(0)};
 }
 
 /// Add one z to a state.
 template <typename A>
 FUSEDCE_HD void lp_push(LpState<A>& s, float z) {
   if (z != z) {
-    s.r = s.u = A(NAN);
+    s.r = s.u = s.q = A(NAN);
     return;
   }
   if (z == -INFINITY) return;
   if (s.m == -INFINITY) {
-    s.m = z;  // r, u stay 0 (or NaN)
+    s.m = z;  // r, u, q stay 0 (or NaN)
     return;
   }
   if (z > s.m) {
@@ -59,12 +60,14 @@ FUSEDCE_HD void lp_push(LpState<A>& s, float z) {
     const A f = lp_exp(d);
     s.u = (s.u + (A(1) + s.r) * d) * f;
     s.r = (s.r + A(1)) * f;
+    s.q = (s.q + A(1)) * f * f;
     s.m = z;
   } else {
     const A d = A(z) - A(s.m);
     const A e = lp_exp(d);
     s.r += e;
     s.u += e * d;
+    s.q += e * e;
   }
 }
 
@@ -72,16 +75,18 @@ FUSEDCE_HD void lp_push(LpState<A>& s, float z) {
 /// rounding; ties of the max keep one instance out of r and count the other in it.
 template <typename A, typename B>
 FUSEDCE_HD LpState<A> lp_merge(const LpState<A>& a, const LpState<B>& b) {
-  if (b.m == -INFINITY) return LpState<A>{a.m, a.r + A(b.r), a.u + A(b.u)};
-  if (a.m == -INFINITY) return LpState<A>{b.m, A(b.r) + a.r, A(b.u) + a.u};
+  if (b.m == -INFINITY) return LpState<A>{a.m, a.r + A(b.r), a.u + A(b.u), a.q + A(b.q)};
+  if (a.m == -INFINITY) return LpState<A>{b.m, A(b.r) + a.r, A(b.u) + a.u, A(b.q) + a.q};
   if (a.m >= b.m) {
     const A d = A(b.m) - A(a.m);
     const A f = lp_exp(d);
-    return LpState<A>{a.m, a.r + (A(1) + A(b.r)) * f, a.u + (A(b.u) + (A(1) + A(b.r)) * d) * f};
+    return LpState<A>{a.m, a.r + (A(1) + A(b.r)) * f, a.u + (A(b.u) + (A(1) + A(b.r)) * d) * f,
+                      a.q + (A(1) + A(b.q)) * f * f};
   }
   const A d = A(a.m) - A(b.m);
   const A f = lp_exp(d);
-  return LpState<A>{b.m, A(b.r) + (A(1) + a.r) * f, A(b.u) + (a.u + (A(1) + a.r) * d) * f};
+  return LpState<A>{b.m, A(b.r) + (A(1) + a.r) * f, A(b.u) + (a.u + (A(1) + a.r) * d) * f,
+                    A(b.q) + (A(1) + a.q) * f * f};
 }
 
 /// A row's results from its merged state and its target's z.
@@ -100,6 +105,20 @@ FUSEDCE_HD LpResult lp_finish(const LpState<A>& s, float z_t) {
   const float lp = static_cast<float>((A(z_t) - A(s.m)) - l1);
   const float h = static_cast<float>(l1 - s.u / (A(1) + s.r));
   return LpResult{lse, lp, h};
+}
+
+/// A row's distribution statistics (fusedce/logprobs.h, DistributionStats) from its merged
+/// state (with q), the sum of its z, the max of z before its target's index and the target's z.
+/// No finite z: log_sum_sq_probs NaN (log 0 - 2 log 0, as a direct evaluation gives).
+struct LpDist {
+  float log_sum_sq_probs, mean_logit, is_top1;
+};
+
+template <typename A>
+FUSEDCE_HD LpDist lp_dist_finish(const LpState<A>& s, double z_sum, float max_before, float z_t, int64_t vocab) {
+  const float lss = s.m == -INFINITY ? NAN : static_cast<float>(lp_log1p(s.q) - A(2) * lp_log1p(s.r));
+  const bool top1 = z_t >= s.m && z_t > max_before;  // false for a NaN z_t
+  return LpDist{lss, static_cast<float>(z_sum / static_cast<double>(vocab)), top1 ? 1.0f : 0.0f};
 }
 
 /// Per-row constants of the gradient: dz_j = g_lp (delta_jt - p_j) - g_H p_j (z_j - lse + H).

@@ -136,7 +136,7 @@ Status check_outputs(const CeCall& c) {
     s = check_vector("lse", c.out.lse, DType::kFloat32, n);
     if (!s.ok()) return s;
   }
-  if (o.compute_metrics) {
+  if (o.return_metrics) {
     s = check_vector("num_correct", c.out.num_correct, DType::kInt64, 1);
     if (!s.ok()) return s;
     s = check_vector("entropy_sum", c.out.entropy_sum, DType::kFloat32, 1);
@@ -166,16 +166,16 @@ Status check_dlogits(const CeCall& c) {
   }
   const bool same = c.dlogits.data == c.logits.data &&
                     (c.logits.rows <= 1 || c.dlogits.row_stride == c.logits.row_stride);
-  if (c.options.inplace_grad && c.job == Job::kForwardBackward) {
+  if (c.options.inplace_backward && c.job == Job::kForwardBackward) {
     if (!same) {
-      return invalid("options.inplace_grad is set but dlogits does not describe the logits buffer "
+      return invalid("options.inplace_backward is set but dlogits does not describe the logits buffer "
                      "(same data pointer and row_stride)");
     }
     return Status::Ok();
   }
   if (same && c.logits.rows > 0) {
     if (c.job == Job::kBackward) return Status::Ok();  // row by row, each element read then written
-    return invalid("dlogits is the logits buffer: set options.inplace_grad to overwrite the logits");
+    return invalid("dlogits is the logits buffer: set options.inplace_backward to overwrite the logits");
   }
   uintptr_t a0, a1, b0, b1;
   matrix_range(c.logits, &a0, &a1);

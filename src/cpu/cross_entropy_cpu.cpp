@@ -119,8 +119,8 @@ Status run(const detail::CeCall& call) {
   const bool forward = call.job != Job::kBackward;
   const bool gradient = call.job != Job::kForward;
   std::vector<float> row_loss(forward ? N : 0), row_lse(forward ? N : 0);
-  std::vector<float> row_entropy(forward && o.compute_metrics ? N : 0);
-  std::vector<uint8_t> row_correct(forward && o.compute_metrics ? N : 0);
+  std::vector<float> row_entropy(forward && o.return_metrics ? N : 0);
+  std::vector<uint8_t> row_correct(forward && o.return_metrics ? N : 0);
 
   RowArgs a{};
   a.logits = static_cast<const char*>(L.data);
@@ -135,7 +135,7 @@ Status run(const detail::CeCall& call) {
   a.c = detail::make_loss_constants(o, V, static_cast<float>(weight_sum));
   a.softcap = o.softcap > 0.0f;
   a.smoothing = o.label_smoothing != 0.0f;
-  a.metrics = forward && o.compute_metrics;
+  a.metrics = forward && o.return_metrics;
   a.forward = forward;
   a.gradient = gradient;
   a.lse_in = static_cast<const float*>(call.lse_in.data);
@@ -169,7 +169,7 @@ Status run(const detail::CeCall& call) {
   if (!out.lse.empty()) {
     for (int64_t i = 0; i < N; ++i) at<float>(out.lse, i) = row_lse[i];
   }
-  if (o.compute_metrics) {
+  if (o.return_metrics) {
     int64_t correct = 0;
     double entropy = 0.0;
     for (int64_t i = 0; i < N; ++i) {

@@ -17,8 +17,8 @@ struct ComputedRows {
   const std::vector<int64_t>& rows;   // each computed row's index among the call's rows
   const std::vector<float>& loss;     // per computed row
   const std::vector<float>& lse;      // per computed row
-  const std::vector<uint8_t>& correct;  // per computed row; read only with compute_metrics
-  const std::vector<float>& entropy;    // per computed row; read only with compute_metrics
+  const std::vector<uint8_t>& correct;  // per computed row; read only with return_metrics
+  const std::vector<float>& entropy;    // per computed row; read only with return_metrics
 };
 
 /// Writes `out` for a call over n_rows rows: per-row loss and lse (0 at rows not computed),
@@ -40,7 +40,7 @@ inline void write_forward_outputs(const ForwardOutputs& out, const Options& o, d
     for (int64_t i = 0; i < n_rows; ++i) put(out.lse, i, 0.0f);
     for (int64_t i = 0; i < m; ++i) put(out.lse, r.rows[i], r.lse[i]);
   }
-  if (o.compute_metrics) {
+  if (o.return_metrics) {
     int64_t nc = 0;
     double ent = 0.0;
     for (int64_t i = 0; i < m; ++i) {

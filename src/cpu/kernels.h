@@ -79,6 +79,8 @@ struct LpRowStats {
   detail::LpState<double> st;
   float z_t;
   bool holds;
+  double z_sum;      // with distribution_stats: the sum of z over the columns
+  float max_before;  // with distribution_stats: max of z over the columns before the target (-inf: none)
 };
 
 /// Everything the log-probability row kernels (fusedce/logprobs.h, steps 1 and 3) need. Item k
@@ -91,6 +93,7 @@ struct LpRowArgs {
   const int64_t* rows;     // or nullptr
   const int64_t* targets;  // item k's target in these columns (outside [0, vocab): another shard's)
   float scale;             // z = x * scale (1 / temperature), so dz/dx = scale
+  bool distribution_stats; // step 1: also st.q, z_sum and max_before
 
   LpRowStats* stats;              // step 1: one per item
   const detail::LpRowGrad* grad;  // step 3: one per item

@@ -484,18 +484,20 @@ void rescale_rows_t(const RescaleArgs& a, int64_t row_begin, int64_t row_end) {
 // still the sum of the entries' values.
 
 // The log-probability state of buf[0:n8) (padding -inf): its max m, r = sum exp(z - m) over
-// every entry but one instance of m, u = sum exp(z - m) (z - m). A NaN entry makes r and u NaN.
+// every entry but one instance of m, u = sum exp(z - m) (z - m), and with kSquares q = sum
+// exp(2 (z - m)) over the entries r counts (else 0). A NaN entry makes r, u (and q) NaN.
+template <bool kSquares>
 inline detail::LpState<float> lp_chunk_state(const float* buf, int64_t n8) {
   const float m = chunk_max(buf, n8);  // NaN entries are passed over
   if (m == -kInf) {
     // No finite or +inf entry: the empty state, unless a NaN was passed over (rare path).
     for (int64_t k = 0; k < n8; ++k) {
-      if (buf[k] != buf[k]) return detail::LpState<float>{m, NAN, NAN};
+      if (buf[k] != buf[k]) return detail::LpState<float>{m, NAN, NAN, NAN};
     }
     return detail::lp_empty<float>();
   }
   const vf mv = splatv(m), zero = splatv(0.0f);
-  vf s = zero, u = zero, ties = zero;
+  vf s = zero, u = zero, ties = zero, q = zero;
   for (int64_t k = 0; k < n8; k += kLanes) {
     const vf z = loadv(buf + k);
     const vf d = z - mv;
@@ -505,8 +507,11 @@ inline detail::LpState<float> lp_chunk_state(const float* buf, int64_t n8) {
     ties += at_max ? splatv(1.0f) : zero;
     // e == 0 (z = -inf, or below vexp's range) adds 0, not 0 * -inf; a NaN lane adds NaN.
     u += (at_max | (e == zero)) ? zero : e * d;
+    if (kSquares) q += at_max ? zero : e * e;
   }
-  return detail::LpState<float>{m, hsumv(s) + (hsumv(ties) - 1.0f), hsumv(u)};
+  // Ties of the max: exp(0) = 1 in r and in q alike, for every instance but one.
+  const float extra = hsumv(ties) - 1.0f;
+  return detail::LpState<float>{m, hsumv(s) + extra, hsumv(u), kSquares ? hsumv(q) + extra : 0.0f};
 }
 
 // Statistics of items [begin, end): each row read once, chunk by chunk.
@@ -518,7 +523,7 @@ void lp_stats_rows_t(const LpRowArgs& a, int64_t begin, int64_t end) {
   for (int64_t k = begin; k < end; ++k) {
     const T* x = base + (a.rows ? a.rows[k] : k) * a.stride;
     const int64_t t = a.targets[k];
-    LpRowStats out{detail::lp_empty<double>(), 0.0f, false};
+    LpRowStats out{detail::lp_empty<double>(), 0.0f, false, 0.0, -kInf};
     for (int64_t j0 = 0; j0 < V; j0 += kChunk) {
       const int64_t n = std::min(kChunk, V - j0), n8 = round_up_lanes(n);
       load_chunk(x + j0, n, buf);
@@ -528,7 +533,22 @@ void lp_stats_rows_t(const LpRowArgs& a, int64_t begin, int64_t end) {
         out.holds = true;
       }
       for (int64_t q = n; q < n8; ++q) buf[q] = -kInf;  // neutral for the max and the sums
-      out.st = detail::lp_merge(out.st, lp_chunk_state(buf, n8));
+      if (!a.distribution_stats) {
+        out.st = detail::lp_merge(out.st, lp_chunk_state<false>(buf, n8));
+        continue;
+      }
+      const detail::LpState<float> cs = lp_chunk_state<true>(buf, n8);
+      out.st = detail::lp_merge(out.st, cs);
+      double zs = 0.0;
+      for (int64_t q = 0; q < n; ++q) zs += buf[q];
+      out.z_sum += zs;
+      // The columns before the target (t is local: below 0, none here; past V, all of them).
+      const int64_t before = std::min<int64_t>(std::max<int64_t>(t - j0, 0), n);
+      if (before == n) {
+        out.max_before = std::fmax(out.max_before, cs.m);  // the chunk's max (NaN passed over)
+      } else {
+        for (int64_t q = 0; q < before; ++q) out.max_before = std::fmax(out.max_before, buf[q]);
+      }
     }
     a.stats[k] = out;
   }

@@ -142,7 +142,7 @@ Status prepare(const detail::LinearCall& call, Problem* p) {
   a.c = detail::make_loss_constants(o, V, static_cast<float>(weight_sum));
   a.softcap = o.softcap > 0.0f;
   a.smoothing = o.label_smoothing != 0.0f;
-  a.metrics = o.compute_metrics;
+  a.metrics = o.return_metrics;
   a.forward = true;
   a.gradient = call.job == Job::kForwardBackward;
   a.grad_stride = 1;
@@ -199,8 +199,8 @@ Status run_linear(const detail::LinearCall& call) {
     if (M > 0) fault_in_fresh(gw.data, V, H, gw.ld, threads);
   }
   std::vector<float> gb(want_gb ? V : 0, 0.0f);
-  std::vector<float> lse(M), loss_row(M), entropy(o.compute_metrics ? M : 0);
-  std::vector<uint8_t> correct(o.compute_metrics ? M : 0);
+  std::vector<float> lse(M), loss_row(M), entropy(o.return_metrics ? M : 0);
+  std::vector<uint8_t> correct(o.return_metrics ? M : 0);
   ScratchFloats z(M > 0 ? rows_per_chunk * V : 0);
   std::vector<float> hc(rows_per_chunk * H), ghc(want_gh ? rows_per_chunk * H : 0);
 
@@ -231,8 +231,8 @@ Status run_linear(const detail::LinearCall& call) {
     a.grad_loss = p.up.data() + i0;
     a.row_loss = loss_row.data() + i0;
     a.row_lse = lse.data() + i0;
-    a.row_entropy = o.compute_metrics ? entropy.data() + i0 : nullptr;
-    a.row_correct = o.compute_metrics ? correct.data() + i0 : nullptr;
+    a.row_entropy = o.return_metrics ? entropy.data() + i0 : nullptr;
+    a.row_correct = o.return_metrics ? correct.data() + i0 : nullptr;
     run_rows(a, mc, threads);
     if (!backward) continue;
     // 3. grad_weight and grad_bias by vocabulary blocks (chunks add in row order), grad_hidden

@@ -179,7 +179,7 @@ Status build_problem(const detail::LinearCall& call, Problem* pp) {
   }
   p.softcap = o.softcap > 0.0f;
   p.smoothing = o.label_smoothing != 0.0f;
-  p.metrics = o.compute_metrics;
+  p.metrics = o.return_metrics;
   return Status::Ok();
 }
 

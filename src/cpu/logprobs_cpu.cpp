@@ -179,6 +179,7 @@ LpRowArgs logits_rows(const Problem& p) {
   a.rows = p.rows.data();
   a.targets = p.targets.data();
   a.scale = p.inv_t;
+  a.distribution_stats = p.call->options.distribution_stats;
   return a;
 }
 
@@ -191,6 +192,7 @@ LpRowArgs chunk_rows(const Problem& p, const float* z, int64_t i0) {
   a.stride = p.V;
   a.targets = p.targets.data() + i0;
   a.scale = p.inv_t;
+  a.distribution_stats = p.call->options.distribution_stats;
   return a;
 }
 
@@ -205,6 +207,11 @@ Status write_stats(const Problem& p, const std::vector<LpRowStats>& rs) {
     o[2] = static_cast<float>(rs[i].st.u);
     o[3] = rs[i].holds ? rs[i].z_t : 0.0f;
     o[4] = rs[i].holds ? 1.0f : 0.0f;
+    if (c.options.distribution_stats) {
+      o[5] = static_cast<float>(rs[i].st.q);
+      o[6] = static_cast<float>(rs[i].z_sum);
+      o[7] = rs[i].max_before;
+    }
   }
   return Status::Ok();
 }
@@ -246,7 +253,7 @@ Status merge(const detail::LogprobCall& c) {
       float z_t = NAN;
       for (int64_t r = 0; r < R; ++r) {
         const float* row = g + (r * (N + 1) + i) * kLogprobStatsWidth;
-        st = detail::lp_merge(st, detail::LpState<float>{row[0], row[1], row[2]});
+        st = detail::lp_merge(st, detail::LpState<float>{row[0], row[1], row[2], 0.0f});
         if (row[4] != 0.0f) z_t = row[3];
       }
       res = detail::lp_finish(st, z_t);
@@ -254,6 +261,36 @@ Status merge(const detail::LogprobCall& c) {
     float_ref(c.out.logprob, i) = res.logprob;
     float_ref(c.out.lse, i) = res.lse;
     if (with_entropy) float_ref(c.out.entropy, i) = res.entropy;
+  }
+  return Status::Ok();
+}
+
+/// Step 4: each row's distribution statistics from every rank's statistics, folded in rank
+/// order (the sums in double), the same on every rank.
+Status distribution_stats(const detail::LogprobCall& c) {
+  Status s = detail::check_targets_host(c.target, c.shard.vocab_total, c.options.ignore_index);
+  if (!s.ok()) return s;
+  const int64_t N = c.rows(), R = c.world;
+  const float* g = static_cast<const float*>(c.stats.data);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t t = load_target(c.target.data, c.target.dtype, c.target.stride, i);
+    detail::LpDist d{0.0f, 0.0f, 0.0f};
+    if (t != c.options.ignore_index) {
+      detail::LpState<double> st = detail::lp_empty<double>();
+      double z_sum = 0.0;
+      float max_before = -INFINITY, z_t = NAN;
+      for (int64_t r = 0; r < R; ++r) {
+        const float* row = g + (r * (N + 1) + i) * kLogprobStatsWidth;
+        st = detail::lp_merge(st, detail::LpState<float>{row[0], row[1], row[2], row[5]});
+        z_sum += row[6];
+        max_before = std::fmax(max_before, row[7]);
+        if (row[4] != 0.0f) z_t = row[3];
+      }
+      d = detail::lp_dist_finish(st, z_sum, max_before, z_t, c.shard.vocab_total);
+    }
+    if (!c.dist.log_sum_sq_probs.empty()) float_ref(c.dist.log_sum_sq_probs, i) = d.log_sum_sq_probs;
+    if (!c.dist.mean_logit.empty()) float_ref(c.dist.mean_logit, i) = d.mean_logit;
+    if (!c.dist.is_top1.empty()) float_ref(c.dist.is_top1, i) = d.is_top1;
   }
   return Status::Ok();
 }
@@ -467,6 +504,7 @@ Status backward_linear(const Problem& p) {
 
 Status run_logprobs(const detail::LogprobCall& call) {
   if (call.step == 2) return merge(call);
+  if (call.step == 4) return distribution_stats(call);
   Problem p;
   Status s = build_problem(call, &p);
   if (!s.ok()) return s;

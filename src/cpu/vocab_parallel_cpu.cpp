@@ -41,7 +41,7 @@ RowArgs shard_args(const detail::ShardCall& c, const std::vector<float>& weight,
   a.c = detail::make_loss_constants(o, c.shard.vocab_total, weight_sum);
   a.softcap = o.softcap > 0.0f;
   a.smoothing = o.label_smoothing != 0.0f;
-  a.metrics = o.compute_metrics;
+  a.metrics = o.return_metrics;
   a.target_offset = c.shard.vocab_start;
   a.g_chain = 1.0f;
   return a;
@@ -136,7 +136,7 @@ Status merge(const detail::ShardCall& c) {
   if (o.reduction != Reduction::kNone) {
     at<float>(c.out.loss, 0) = static_cast<float>(o.reduction == Reduction::kMean ? total / den : total);
   }
-  if (o.compute_metrics) {
+  if (o.return_metrics) {
     at<int64_t>(c.out.num_correct, 0) = correct;
     at<float>(c.out.entropy_sum, 0) = static_cast<float>(entropy);
   }

@@ -5,11 +5,16 @@
 namespace fusedce {
 namespace cuda {
 
-Status run_distill(const detail::DistillCall&) {
+namespace {
+Status unsupported() {
   return Status(StatusCode::kUnsupported,
                 "device is CUDA but this build of fusedce has no CUDA distillation "
                 "(configure with FUSEDCE_CUDA=ON where nvcc and cuBLASLt are available)");
 }
+}  // namespace
+
+Status run_distill(const detail::DistillCall&) { return unsupported(); }
+Status run_distill_shard(const detail::DistillCall&) { return unsupported(); }
 
 }  // namespace cuda
 }  // namespace fusedce

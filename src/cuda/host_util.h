@@ -25,6 +25,20 @@ inline Status last_error(const char* what) {
   return e == cudaSuccess ? Status::Ok() : device_error(e, what);
 }
 
+/// Runs body(workspace) on `bytes` of stream-ordered device memory (cudaMallocAsync), freed
+/// after it on the same stream; body returns a Status, which is the result unless the free
+/// fails after a success.
+template <class Body>
+Status with_workspace(size_t bytes, cudaStream_t stream, Body&& body) {
+  void* scratch = nullptr;
+  cudaError_t e = cudaMallocAsync(&scratch, bytes > 0 ? bytes : 1, stream);
+  if (e != cudaSuccess) return device_error(e, "allocating the call's workspace (cudaMallocAsync)");
+  const Status s = body(static_cast<char*>(scratch));
+  e = cudaFreeAsync(scratch, stream);
+  if (s.ok() && e != cudaSuccess) return device_error(e, "freeing the call's workspace (cudaFreeAsync)");
+  return s;
+}
+
 /// Makes device.index current for the call and restores the caller's device after.
 class DeviceGuard {
  public:

@@ -284,7 +284,7 @@ Outputs run_forward(Backend& b, const Problem& p, const RunSpec& spec) {
   fusedce::ForwardOutputs out;
   out.loss = loss.view(DType::kFloat32);
   if (spec.lse) out.lse = lse.view(DType::kFloat32);
-  if (o.compute_metrics) {
+  if (o.return_metrics) {
     out.num_correct = correct.view(DType::kInt64);
     out.entropy_sum = entropy.view(DType::kFloat32);
   }
@@ -300,7 +300,7 @@ Outputs run_forward(Backend& b, const Problem& p, const RunSpec& spec) {
   OutMatrix dlogits(b, p.dtype, spec.gradient && !spec.inplace ? p.rows : 0, p.vocab, spec.dlogits_pad,
                     spec.dlogits_offset);
   fusedce::MatrixView dlogits_view = spec.inplace ? in.logits_view : dlogits.view();
-  if (spec.inplace) o.inplace_grad = true;
+  if (spec.inplace) o.inplace_backward = true;
 
   fusedce::Workspace ws;
   const fusedce::Job job = spec.gradient ? fusedce::Job::kForwardBackward : fusedce::Job::kForward;
@@ -318,7 +318,7 @@ Outputs run_forward(Backend& b, const Problem& p, const RunSpec& spec) {
 
   result.loss = loss.fetch<float>("loss");
   if (spec.lse) result.lse = lse.fetch<float>("lse");
-  if (o.compute_metrics) {
+  if (o.return_metrics) {
     result.num_correct = correct.fetch<int64_t>("num_correct")[0];
     result.entropy_sum = entropy.fetch<float>("entropy_sum")[0];
   }
@@ -416,7 +416,7 @@ void expect_forward_matches(const Outputs& out, const Problem& p, const Referenc
     }
     m.report();
   }
-  if (o.compute_metrics) {
+  if (o.return_metrics) {
     EXPECT_EQ(out.num_correct, ref.num_correct()) << "num_correct";
     double bound = 0.0;
     EXPECT_TRUE(within(out.entropy_sum, ref.entropy_sum(), ref.entropy_scale(), tol, &bound))

@@ -78,7 +78,7 @@ struct RunSpec {
   int64_t grad_loss_stride = 1;
   int64_t dlogits_pad = 0;     ///< dlogits row_stride = V + pad
   int64_t dlogits_offset = 0;  ///< elements before dlogits row 0 (unaligned views)
-  bool inplace = false;        ///< dlogits is the logits buffer (options.inplace_grad is set)
+  bool inplace = false;        ///< dlogits is the logits buffer (options.inplace_backward is set)
 
   int num_threads = 0;         ///< CPU backend: Device::num_threads (0 = all)
 };
@@ -122,7 +122,7 @@ fusedce::Status run_rescale(Backend& backend, GradMatrix* grad, const std::vecto
 
 // ---- judging ---------------------------------------------------------------------------------
 
-/// Loss (per row or reduced), lse (when asked; 0 at ignored rows) and, with compute_metrics,
+/// Loss (per row or reduced), lse (when asked; 0 at ignored rows) and, with return_metrics,
 /// num_correct (exact) and entropy_sum.
 void expect_forward_matches(const Outputs& out, const Problem& problem, const Reference& ref,
                             const RunSpec& spec);

@@ -40,7 +40,7 @@ fusedce::Options make_options(OptionSet s) {
   if (s == OptionSet::kLogitScale || all) o.logit_scale = 1.5f;
   if (s == OptionSet::kSoftcap || all) o.softcap = 10.0f;
   if (s == OptionSet::kZLoss || all) o.z_loss = 1e-3f;
-  if (s == OptionSet::kMetrics || all) o.compute_metrics = true;
+  if (s == OptionSet::kMetrics || all) o.return_metrics = true;
   if (s == OptionSet::kReduceNone || s == OptionSet::kAllReduceNone) o.reduction = fusedce::Reduction::kNone;
   if (s == OptionSet::kReduceSum) o.reduction = fusedce::Reduction::kSum;
   return o;

@@ -22,7 +22,7 @@ RefParams RefParams::from(const fusedce::Options& o, int64_t vocab, const std::v
   p.weight.assign(class_weight.begin(), class_weight.end());
   p.reduction = o.reduction;
   p.ignore_index = o.ignore_index;
-  p.metrics = o.compute_metrics;
+  p.metrics = o.return_metrics;
   return p;
 }
 

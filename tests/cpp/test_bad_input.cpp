@@ -158,16 +158,16 @@ const std::vector<BadCall>& bad_calls() {
       {"loss_null", F::kForward, "loss", [](Call& c, Buffers&) { c.out.loss.data = nullptr; }},
       {"lse_size", F::kForward, "lse", [](Call& c, Buffers&) { c.out.lse.size = kRows + 1; }},
       {"num_correct_missing", F::kForward, "num_correct", [](Call& c, Buffers& b) {
-         c.options.compute_metrics = true;
+         c.options.return_metrics = true;
          c.out.entropy_sum = fusedce::vector(b.entropy.data(), DType::kFloat32, 1);
        }},
       {"num_correct_dtype", F::kForward, "num_correct", [](Call& c, Buffers& b) {
-         c.options.compute_metrics = true;
+         c.options.return_metrics = true;
          c.out.num_correct = fusedce::vector(b.correct.data(), DType::kInt32, 1);
          c.out.entropy_sum = fusedce::vector(b.entropy.data(), DType::kFloat32, 1);
        }},
       {"entropy_sum_missing", F::kForward, "entropy_sum", [](Call& c, Buffers& b) {
-         c.options.compute_metrics = true;
+         c.options.return_metrics = true;
          c.out.num_correct = fusedce::vector(b.correct.data(), DType::kInt64, 1);
        }},
       // backward
@@ -188,9 +188,9 @@ const std::vector<BadCall>& bad_calls() {
       {"dlogits_dtype", F::kForwardBackward, "dlogits",
        [](Call& c, Buffers& b) { c.dlogits = fusedce::matrix(b.dlogits16.data(), DType::kFloat16, kRows, kVocab); }},
       {"dlogits_stride_below_vocab", F::kForwardBackward, "dlogits", [](Call& c, Buffers&) { c.dlogits.row_stride = 3; }},
-      {"inplace_grad_other_buffer", F::kForwardBackward, "inplace_grad", [](Call& c, Buffers&) { c.options.inplace_grad = true; }},
-      {"inplace_grad_other_stride", F::kForwardBackward, "inplace_grad", [](Call& c, Buffers&) {
-         c.options.inplace_grad = true;
+      {"inplace_backward_other_buffer", F::kForwardBackward, "inplace_backward", [](Call& c, Buffers&) { c.options.inplace_backward = true; }},
+      {"inplace_backward_other_stride", F::kForwardBackward, "inplace_backward", [](Call& c, Buffers&) {
+         c.options.inplace_backward = true;
          c.logits.rows = kRows / 2;  // rows 2 x stride apart: a view of the same buffer
          c.logits.row_stride = 2 * kVocab;
          c.target.size = kRows / 2;
@@ -198,7 +198,7 @@ const std::vector<BadCall>& bad_calls() {
          c.dlogits = c.logits;
          c.dlogits.row_stride = kVocab;
        }},
-      {"dlogits_is_logits_without_inplace_grad", F::kForwardBackward, "inplace_grad",
+      {"dlogits_is_logits_without_inplace_backward", F::kForwardBackward, "inplace_backward",
        [](Call& c, Buffers&) { c.dlogits = c.logits; }},
       {"dlogits_overlaps_logits", F::kForwardBackward, "dlogits", [](Call& c, Buffers&) {
          c.logits.rows = 3;

@@ -90,7 +90,7 @@ struct DeviceProblem {
     fusedce::ForwardOutputs out;
     out.loss = fusedce::vector(loss, DType::kFloat32, o.reduction == fusedce::Reduction::kNone ? N : 1);
     out.lse = fusedce::vector(lse, DType::kFloat32, N);
-    if (o.compute_metrics) {
+    if (o.return_metrics) {
       out.num_correct = fusedce::vector(correct, DType::kInt64, 1);
       out.entropy_sum = fusedce::vector(entropy, DType::kFloat32, 1);
     }
@@ -135,7 +135,7 @@ struct DeviceProblem {
     at += loss_n * 4;
     cudaMemcpy(at, lse, N * 4, cudaMemcpyDeviceToHost);
     at += N * 4;
-    if (o.compute_metrics) {
+    if (o.return_metrics) {
       cudaMemcpy(at, entropy, 4, cudaMemcpyDeviceToHost);
       cudaMemcpy(at + 4, correct, 8, cudaMemcpyDeviceToHost);
     }
@@ -148,7 +148,7 @@ fusedce::Options all_options() {
   o.label_smoothing = 0.1f;
   o.z_loss = 1e-3f;
   o.softcap = 25.0f;
-  o.compute_metrics = true;
+  o.return_metrics = true;
   return o;
 }
 
@@ -236,7 +236,7 @@ void expect_metrics_leave_bits(const Shape& sh, DType d, const fusedce::Options&
                (o.softcap ? " softcap" : " logit_scale"));
   DeviceProblem p(d, sh.N, sh.V, rng);
   fusedce::Options with = o;
-  with.compute_metrics = true;
+  with.return_metrics = true;
   p.reserve_workspace(with);
   ASSERT_OK(p.forward_backward(o, nullptr));
   const std::vector<uint8_t> plain = p.results(o);
@@ -257,7 +257,7 @@ TEST(CudaStream, MetricsLeaveLossAndGradientBits) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::mt19937_64 rng = test_rng();
   fusedce::Options capped = all_options();
-  capped.compute_metrics = false;
+  capped.return_metrics = false;
   for (const Shape& sh : {Shape{555, 61081}, Shape{257, 262144}}) {
     for (DType d : {DType::kFloat32, DType::kBFloat16}) {
       for (const fusedce::Options& o : {scaled_options(), capped}) expect_metrics_leave_bits(sh, d, o, rng);
@@ -315,7 +315,7 @@ void expect_gpu_agrees_with_cpu(DeviceProblem& p, const fusedce::Options& o, boo
   fusedce::ForwardOutputs out;
   out.loss = fusedce::vector(c_loss.data(), DType::kFloat32, loss_n);
   out.lse = fusedce::vector(c_lse.data(), DType::kFloat32, N);
-  if (o.compute_metrics) {
+  if (o.return_metrics) {
     out.num_correct = fusedce::vector(&c_cor, DType::kInt64, 1);
     out.entropy_sum = fusedce::vector(&c_ent, DType::kFloat32, 1);
   }
@@ -326,7 +326,7 @@ void expect_gpu_agrees_with_cpu(DeviceProblem& p, const fusedce::Options& o, boo
   Mismatches loss("loss"), lse("lse"), grad("dlogits"), metrics("metrics");
   for (size_t i = 0; i < loss_n; ++i) loss.check(g_loss[i], c_loss[i], std::fabs(c_loss[i]) + 1.0, lt, i);
   for (int64_t i = 0; i < N; ++i) lse.check(g_lse[i], c_lse[i], std::fabs(c_lse[i]) + 1.0, lt, i);
-  if (o.compute_metrics) {
+  if (o.return_metrics) {
     // entropy = lse - sum p z: its rounding error scales with the terms that cancel (|lse|),
     // not with the (possibly small) entropy itself.
     double ent_scale = 1.0;
@@ -367,7 +367,7 @@ TEST(CudaAgreement, CpuAndCudaAgreeOnRandomProblems) {
     if (rng() % 2) o.z_loss = 1e-4f;
     if (rng() % 3 == 0) o.softcap = 30.0f;
     if (rng() % 3 == 0) o.logit_scale = 0.5f;
-    o.compute_metrics = rng() % 2;
+    o.return_metrics = rng() % 2;
     o.reduction = static_cast<fusedce::Reduction>(rng() % 3);
     SCOPED_TRACE("trial " + std::to_string(trial) + ": " + fusedce::dtype_name(d) + " N=" + std::to_string(N) +
                  " V=" + std::to_string(V));
@@ -422,7 +422,7 @@ TEST(CudaStream, ConsumerGroupsForwardAgreesWithCpu) {
   std::mt19937_64 rng = test_rng();
   fusedce::Options none, metrics;
   none.reduction = fusedce::Reduction::kNone;
-  metrics.compute_metrics = true;
+  metrics.return_metrics = true;
   metrics.label_smoothing = 0.05f;
   for (const int groups : {2, 1}) {
     Choices forced;
@@ -444,7 +444,7 @@ TEST(CudaStream, ConsumerGroupsGradientAgreesWithCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::mt19937_64 rng = test_rng();
   fusedce::Options metrics;
-  metrics.compute_metrics = true;
+  metrics.return_metrics = true;
   metrics.label_smoothing = 0.05f;
   metrics.reduction = fusedce::Reduction::kSum;
   Choices two;
@@ -570,7 +570,7 @@ TEST(CudaStream, OneLaunchFinishMatchesSeparatePasses) {
               const float a = f32(ref, loss_at), b = f32(got, loss_at);
               EXPECT_TRUE((std::isnan(a) && std::isnan(b)) || std::fabs(a - b) <= 1e-6f * std::fabs(a)) << a << " vs " << b;
             }
-            if (o.compute_metrics) {
+            if (o.return_metrics) {
               EXPECT_NEAR(f32(got, ent_at), f32(ref, ent_at), 1e-6f * std::fabs(f32(ref, ent_at)) + 1e-6f) << "entropy";
               EXPECT_TRUE(std::equal(ref.begin() + ent_at + 4, ref.end(), got.begin() + ent_at + 4)) << "num_correct";
             }
@@ -668,7 +668,7 @@ TEST(CudaGraph, LinearCapturedReplaysOnNewInputs) {
   ASSERT_CUDA(cudaMemcpy(d_t, tgt.data(), N * 8, cudaMemcpyHostToDevice));
   fusedce::Options o;
   o.label_smoothing = 0.1f;
-  o.compute_metrics = true;
+  o.return_metrics = true;
   fusedce::LinearGrads g;
   g.grad_hidden = fusedce::matrix(d_gh, d, N, H);
   g.grad_weight = fusedce::matrix(d_gw, d, V, H);

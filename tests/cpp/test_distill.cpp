@@ -402,7 +402,9 @@ std::vector<double> to_doubles(const std::vector<uint8_t>& b, DType d, size_t co
   return out;
 }
 
-Got run_backend(Backend& be, const Problem& p) {
+/// The forward, then the backward from its stats and p.grad_loss; with `fused`, the two in one
+/// call (linear_distill_forward_backward: the upstream gradient 1, whatever p.grad_loss holds).
+Got run_backend(Backend& be, const Problem& p, bool fused = false) {
   const Case& c = p.c;
   const int64_t n = c.n, v = c.v, h = c.h;
   const DType d = p.student.dtype;
@@ -463,8 +465,18 @@ Got run_backend(Backend& be, const Problem& p) {
   out.hard = fusedce::vector(hard.data(), DType::kFloat32, n);
   out.entropy = fusedce::vector(ent.data(), DType::kFloat32, n);
   out.stats = fusedce::matrix(stats.data(), DType::kFloat32, n, fusedce::kDistillStatsWidth);
-  const fusedce::Status fs = fusedce::linear_distill_forward(be.device(), hv, wv, bv, teacher, lv, o, c.budget, out);
-  EXPECT_TRUE(fs.ok()) << "forward: " << fs.message();
+  DeviceBuffer gl = DeviceBuffer::from_vector(be, p.grad_loss), gh = poisoned(std::max<int64_t>(n * h, 1)),
+               gw(be, v * h * el), gb(be, v * el);
+  gw.fill(0x7f);
+  gb.fill(0x7f);
+  fusedce::LinearGrads g;
+  g.grad_hidden = fusedce::matrix(gh.data(), DType::kFloat32, n, h);
+  g.grad_weight = fusedce::matrix(gw.data(), d, v, h);
+  if (c.bias) g.grad_bias = fusedce::vector(gb.data(), d, v);
+  const fusedce::Status fs =
+      fused ? fusedce::linear_distill_forward_backward(be.device(), hv, wv, bv, teacher, lv, o, c.budget, out, g)
+            : fusedce::linear_distill_forward(be.device(), hv, wv, bv, teacher, lv, o, c.budget, out);
+  EXPECT_TRUE(fs.ok()) << (fused ? "forward_backward: " : "forward: ") << fs.message();
   if (!fs.ok()) {
     got.ok = false;
     return got;
@@ -474,16 +486,10 @@ Got run_backend(Backend& be, const Problem& p) {
   got.divergence = div.to_host_as<float>();
   got.hard = hard.to_host_as<float>();
   got.entropy = ent.to_host_as<float>();
-  DeviceBuffer gl = DeviceBuffer::from_vector(be, p.grad_loss), gh = poisoned(std::max<int64_t>(n * h, 1)),
-               gw(be, v * h * el), gb(be, v * el);
-  gw.fill(0x7f);
-  gb.fill(0x7f);
-  fusedce::LinearGrads g;
-  g.grad_hidden = fusedce::matrix(gh.data(), DType::kFloat32, n, h);
-  g.grad_weight = fusedce::matrix(gw.data(), d, v, h);
-  if (c.bias) g.grad_bias = fusedce::vector(gb.data(), d, v);
-  const fusedce::Status bs_ = fusedce::linear_distill_backward(be.device(), hv, wv, bv, teacher, lv, o, c.budget,
-                                                              out.stats, fusedce::vector(gl.data(), DType::kFloat32, nl), g);
+  const fusedce::Status bs_ =
+      fused ? fusedce::Status::Ok()
+            : fusedce::linear_distill_backward(be.device(), hv, wv, bv, teacher, lv, o, c.budget, out.stats,
+                                               fusedce::vector(gl.data(), DType::kFloat32, nl), g);
   EXPECT_TRUE(bs_.ok()) << "backward: " << bs_.message();
   if (!bs_.ok()) {
     got.ok = false;
@@ -688,6 +694,38 @@ TEST_P(Distill, RunsAreBitwiseEqual) {
   EXPECT_EQ(a.gb, b.gb) << "grad_bias differs between runs";
 }
 
+/// The forward and backward in one call (each chunk's logits formed once on CUDA) against the
+/// two calls with an upstream gradient of 1: the same bits, outputs and gradients, for both
+/// forms, mean and sum, several chunks, no rows. (hard_weight 1 is left out: there the separate
+/// backward forms no teacher logits, so its chunks hold more rows and grad_weight's sums run in
+/// another order.)
+TEST_P(Distill, ForwardBackwardMatchesTheTwoCalls) {
+  Backend* be = backend();
+  if (be == nullptr) GTEST_SKIP() << skip_;
+  const Case cases[] = {
+      {"mean, bias, hard, chunks", 37, 40, 45, 2053, 0.5, 1.3, 0.3, Reduction::kMean, true, true, 0.2,
+       rows_budget(3, 2053, 2)},
+      {"sum, forward KL, one chunk", 21, 24, 16, 301, 0.0, 0.9, 0.0, Reduction::kSum, false, false, 0.0, 0},
+      {"no rows", 0, 24, 16, 301, 1.0, 1.0, 0.0, Reduction::kMean, true, true, 0.0, 0},
+  };
+  for (Case c : cases) {
+    for (int64_t k : {int64_t(0), int64_t(7)}) {
+      c.k = k;
+      Problem p = make_problem(c, std::get<1>(GetParam()));
+      for (auto& g : p.grad_loss) g = 1.0f;
+      const Got two = run_backend(*be, p), one = run_backend(*be, p, true);
+      ASSERT_TRUE(two.ok && one.ok) << c.name;
+      const std::string what = std::string(c.name) + (k ? " (top-k)" : "");
+      EXPECT_EQ(0, std::memcmp(two.loss.data(), one.loss.data(), two.loss.size() * 4)) << what << ": loss";
+      EXPECT_EQ(two.divergence, one.divergence) << what << ": divergence";
+      EXPECT_EQ(two.entropy, one.entropy) << what << ": entropy";
+      EXPECT_EQ(two.gh, one.gh) << what << ": grad_hidden";
+      EXPECT_EQ(two.gw, one.gw) << what << ": grad_weight";
+      if (c.bias) EXPECT_EQ(two.gb, one.gb) << what << ": grad_bias";
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, Distill,
                          ::testing::Combine(::testing::ValuesIn(all_backends()),
                                             ::testing::Values(DType::kFloat32, DType::kBFloat16)),
@@ -725,6 +763,50 @@ TEST(DistillReference, GradientMatchesFiniteDifferences) {
       }
     }
   }
+}
+
+}  // namespace
+}  // namespace fusedce_test
+
+namespace fusedce_test {
+namespace {
+
+/// The forward and backward in one call takes reduction mean or sum only (none's per-row
+/// upstream gradients are not known in the forward), and names its gradients' mistakes.
+TEST(DistillBadInput, ForwardBackwardIsNamed) {
+  const int64_t n = 3, h = 4, v = 5;
+  std::vector<float> hid(n * h, 0.5f), w(v * h, 0.25f), th(n * h, 0.5f), tw(v * h, 0.1f), loss(n), div(n), hard(n),
+      ent(n), stats(n * fusedce::kDistillStatsWidth), gh(n * h), gw(v * h), gb(v);
+  fusedce::DistillTeacher teacher;
+  teacher.hidden = fusedce::matrix(th.data(), DType::kFloat32, n, h);
+  teacher.weight = fusedce::matrix(tw.data(), DType::kFloat32, v, h);
+  fusedce::DistillOutputs out;
+  out.divergence = fusedce::vector(div.data(), DType::kFloat32, n);
+  out.entropy = fusedce::vector(ent.data(), DType::kFloat32, n);
+  out.stats = fusedce::matrix(stats.data(), DType::kFloat32, n, fusedce::kDistillStatsWidth);
+  fusedce::LinearGrads g;
+  g.grad_hidden = fusedce::matrix(gh.data(), DType::kFloat32, n, h);
+  auto run = [&](const fusedce::DistillOptions& o, const fusedce::LinearGrads& grads) {
+    out.loss = fusedce::vector(loss.data(), DType::kFloat32, o.reduction == Reduction::kNone ? n : 1);
+    return fusedce::linear_distill_forward_backward(fusedce::Device::cpu(), fusedce::matrix(hid.data(), DType::kFloat32, n, h),
+                                                    fusedce::matrix(w.data(), DType::kFloat32, v, h), {}, teacher, {}, o,
+                                                    0, out, grads);
+  };
+  fusedce::DistillOptions o;
+  o.reduction = Reduction::kNone;
+  fusedce::Status s = run(o, g);
+  EXPECT_EQ(s.code(), fusedce::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("reduction must be mean or sum"), std::string::npos) << s.message();
+  o.reduction = Reduction::kMean;
+  EXPECT_TRUE(run(o, g).ok());
+  fusedce::LinearGrads with_bias = g;
+  with_bias.grad_bias = fusedce::vector(gb.data(), DType::kFloat32, v);
+  s = run(o, with_bias);
+  EXPECT_NE(s.message().find("grad_bias is given but bias is not"), std::string::npos) << s.message();
+  fusedce::LinearGrads wrong = g;
+  wrong.grad_weight = fusedce::matrix(gw.data(), DType::kFloat32, v - 1, h);
+  s = run(o, wrong);
+  EXPECT_NE(s.message().find("grad_weight"), std::string::npos) << s.message();
 }
 
 }  // namespace

@@ -39,7 +39,7 @@ class Equivalence : public BackendTest<Case> {
   OptionSet set() const { return static_cast<OptionSet>(GetParam().variant); }
 };
 
-// options.inplace_grad with dlogits = logits (strided rows): the same bits as a separate buffer,
+// options.inplace_backward with dlogits = logits (strided rows): the same bits as a separate buffer,
 // for the gradient and for every forward output.
 TEST_P(Equivalence, InplaceGradientEqualsOutOfPlace) {
   std::mt19937_64 rng = test_rng();
@@ -61,7 +61,7 @@ TEST_P(Equivalence, InplaceGradientEqualsOutOfPlace) {
   EXPECT_TRUE(out_of_place.grad.same_bits(inplace.grad, &diff)) << diff;
 }
 
-// compute_metrics leaves loss, lse and gradient bit-identical (docs/contract.md, "Metrics").
+// return_metrics leaves loss, lse and gradient bit-identical (docs/contract.md, "Metrics").
 TEST_P(Equivalence, MetricsLeaveResultsBitIdentical) {
   std::mt19937_64 rng = test_rng();
   const Problem p = make(GetParam(), set(), 23, 2500, 0, rng);
@@ -70,9 +70,9 @@ TEST_P(Equivalence, MetricsLeaveResultsBitIdentical) {
     RunSpec spec;
     spec.options = make_options(set());
     spec.gradient = gradient;
-    spec.options.compute_metrics = false;
+    spec.options.return_metrics = false;
     const Outputs off = run_forward(backend(), p, spec);
-    spec.options.compute_metrics = true;
+    spec.options.return_metrics = true;
     const Outputs on = run_forward(backend(), p, spec);
     ASSERT_TRUE(off.status.ok()) << off.status.message();
     ASSERT_TRUE(on.status.ok()) << on.status.message();

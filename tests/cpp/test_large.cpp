@@ -100,7 +100,7 @@ TEST_P(LargeBatch, MoreThan2To31LogitsForward) {
 
   fusedce::Options o;
   o.reduction = fusedce::Reduction::kNone;
-  o.compute_metrics = true;
+  o.return_metrics = true;
   fusedce::ForwardOutputs out;
   out.loss = fusedce::vector(loss.data(), DType::kFloat32, kRows);
   out.lse = fusedce::vector(lse.data(), DType::kFloat32, kRows);

@@ -158,7 +158,7 @@ TEST_P(EmptyBatch, NullPointersAreFine) {
     SCOPED_TRACE(fusedce::reduction_name(r));
     fusedce::Options o;
     o.reduction = r;
-    o.compute_metrics = true;
+    o.return_metrics = true;
     const float sentinel = 123.0f;
     const int64_t correct_sentinel = 77;
     scalar.upload(&sentinel, 4);

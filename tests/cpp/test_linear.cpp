@@ -272,7 +272,7 @@ LinRun run(Backend& backend, const LinCase& lc, DType d, const std::vector<uint8
   const int64_t N = lc.N, H = lc.H, V = lc.V, ld = H + pad;
   const size_t el = elem_size(d);
   fusedce::Options o = lc.o;
-  o.compute_metrics = metrics;
+  o.return_metrics = metrics;
   DeviceBuffer d_hid = DeviceBuffer::from_vector(backend, spread_rows(hid, H, pad, el)),
                d_w = DeviceBuffer::from_vector(backend, spread_rows(w, H, pad, el)),
                d_b = DeviceBuffer::from_vector(backend, b), d_t = DeviceBuffer::from_vector(backend, tgt),
@@ -633,7 +633,7 @@ TEST_P(LinearContract, DeterministicWorkspaceAndEmptyBatch) {
   P p(*backend);
   fusedce::Options o;
   o.label_smoothing = 0.1f;
-  o.compute_metrics = true;
+  o.return_metrics = true;
   fusedce::LinearOptions lo;
   lo.chunk_budget_bytes = size_t(64) * P::V * 2;  // five chunks
   fusedce::Status st;
@@ -669,7 +669,7 @@ TEST_P(LinearContract, LowMemoryStaysUnder512MiB) {
   if (backend == nullptr) GTEST_SKIP() << why;
   const DType d = DType::kBFloat16;
   fusedce::Options o;
-  o.compute_metrics = true;
+  o.return_metrics = true;
   fusedce::LinearOptions lo;
   lo.low_memory = true;
   struct Shape { int64_t N, H, V; };
@@ -795,7 +795,7 @@ TEST_P(LinearCapture, SkipIgnoredFollowsTheDeviceCount) {
   lc.o.logit_scale = 0.9f;
   lc.o.softcap = 5.0f;
   lc.o.z_loss = 1e-3f;
-  lc.o.compute_metrics = true;
+  lc.o.return_metrics = true;
 
   std::mt19937_64 rng = test_rng();
   const LinInputs in = random_inputs(N, H, V, d, true, cc.reduction == Reduction::kNone, rng);

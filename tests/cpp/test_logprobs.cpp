@@ -3,7 +3,10 @@
 // order, against a float64 reference written here (log p anchored at each row's max, so that it
 // does not collapse itself); collapsed rows at 20-100 nats (80 at temperature 0.8), where
 // float32's z_t - lse is 0 (past ~87 nats the values are float32 subnormals: absolute 1e-41); rows
-// whose max occurs more than once; the gradient of g_lp * logprob + g_H * entropy; bad input named.
+// whose max occurs more than once; the gradient of g_lp * logprob + g_H * entropy; the
+// distribution statistics (log sum p^2, the mean logit, whether the target is the first argmax:
+// ties before, at and after the target, in one chunk and across chunks and shards); bad input
+// named.
 #include <gtest/gtest.h>
 
 #if defined(__linux__)
@@ -100,10 +103,13 @@ Problem ties_problem() {
 
 struct Ref {
   std::vector<double> lp, ent, dz;  // dz (n, v): d/dz of sum g_lp lp + g_h ent
+  std::vector<double> log_sum_sq, mean;  // log sum_j p_j^2, mean_j z_j
+  std::vector<bool> top1;                // the target is the first argmax of z
 };
 
 Ref reference(const Problem& p, double temperature) {
-  Ref r{std::vector<double>(p.n), std::vector<double>(p.n), std::vector<double>(p.n * p.v, 0.0)};
+  Ref r{std::vector<double>(p.n), std::vector<double>(p.n), std::vector<double>(p.n * p.v, 0.0),
+        std::vector<double>(p.n), std::vector<double>(p.n), std::vector<bool>(p.n)};
   for (int64_t i = 0; i < p.n; ++i) {
     if (p.target[i] == kIgnore) continue;
     std::vector<double> z(p.v), logp(p.v);
@@ -122,6 +128,14 @@ Ref reference(const Problem& p, double temperature) {
     const int64_t t = p.target[i];
     r.lp[i] = logp[t];
     r.ent[i] = h;
+    double sq = 0.0, zsum = 0.0;  // log sum p^2 = 2 logp_a + log sum exp(2 (logp_j - logp_a))
+    for (int64_t j = 0; j < p.v; ++j) {
+      sq += std::exp(2.0 * (logp[j] - logp[a]));
+      zsum += z[j];
+    }
+    r.log_sum_sq[i] = 2.0 * logp[a] + std::log(sq);
+    r.mean[i] = zsum / static_cast<double>(p.v);
+    r.top1[i] = a == t;  // a: the first index of the max (the scan above keeps the first)
     double others = 0.0;  // 1 - p_t without cancellation
     for (int64_t j = 0; j < p.v; ++j) others += j == t ? 0.0 : std::exp(logp[j]);
     for (int64_t j = 0; j < p.v; ++j) {
@@ -139,12 +153,14 @@ void expect_close(double got, double want, double rtol, double atol, const std::
 
 /// One problem through steps 1-3 in `world` uneven shards, compared with the float64 reference;
 /// `collapsed` rows are held to a relative bound only (their values reach float32 subnormals).
+/// With `dist`, step 1 also gathers the distribution statistics, and step 4 forms them.
 void check_steps(Backend* backend, bool linear, int world, const Problem& p, float temperature, bool collapsed,
-                 const std::string& tag) {
+                 const std::string& tag, bool dist = false) {
   const Ref ref = reference(p, temperature);
   const fusedce::Device dev = backend->device();
   fusedce::LogprobOptions o;
   o.temperature = temperature;
+  o.distribution_stats = dist;
   DeviceBuffer target = DeviceBuffer::from_vector(*backend, p.target);
   const auto tv = fusedce::vector(target.data(), DType::kInt64, p.n);
   std::vector<int64_t> bounds{0};
@@ -183,6 +199,36 @@ void check_steps(Backend* backend, bool linear, int world, const Problem& p, flo
   for (int64_t i = 0; i < p.n; ++i) {
     expect_close(got[i], ref.lp[i], 2e-5, 2e-5 * (!collapsed) + 1e-41, tag + " logprob row " + std::to_string(i));
     expect_close(got[p.n + i], ref.ent[i], 1e-4, 2e-5 * (!collapsed) + 1e-41, tag + " entropy row " + std::to_string(i));
+  }
+  if (dist) {
+    // log sum p^2 = log1p(q) - 2 log1p(r), with r and q summed in float per chunk or lane (folded
+    // in double) and stored in float32: each log1p within a few float32 roundoffs, so 2e-6 plus
+    // 1e-6 of the value (a 1e-5 relative bias on it fails: planted in lp_dist_finish); the mean
+    // to a few float32 roundoffs of the largest |z|; is_top1 exactly.
+    DeviceBuffer ds(*backend, 3 * p.n * 4);
+    fusedce::DistributionStats d;
+    d.log_sum_sq_probs = fusedce::vector(ds.at(0), DType::kFloat32, p.n);
+    d.mean_logit = fusedce::vector(ds.at(p.n * 4), DType::kFloat32, p.n);
+    d.is_top1 = fusedce::vector(ds.at(2 * p.n * 4), DType::kFloat32, p.n);
+    ASSERT_TRUE(fusedce::logprobs_distribution_stats(
+                    dev, fusedce::matrix(gathered.data(), DType::kFloat32, world * (p.n + 1), kW), world, tv,
+                    {0, p.v}, o, d)
+                    .ok());
+    const std::vector<float> dh = ds.to_host_as<float>();
+    for (int64_t i = 0; i < p.n; ++i) {
+      const std::string row = " row " + std::to_string(i);
+      if (p.target[i] == kIgnore) {
+        EXPECT_EQ(dh[i], 0.0f) << tag << row;
+        EXPECT_EQ(dh[p.n + i], 0.0f) << tag << row;
+        EXPECT_EQ(dh[2 * p.n + i], 0.0f) << tag << row;
+        continue;
+      }
+      double zmax = 0.0;
+      for (int64_t j = 0; j < p.v; ++j) zmax = std::max(zmax, std::abs(double(p.logits[i * p.v + j]) / temperature));
+      expect_close(dh[i], ref.log_sum_sq[i], 1e-6, 2e-6, tag + " log_sum_sq_probs" + row);
+      expect_close(dh[p.n + i], ref.mean[i], 0.0, 4e-7 * zmax, tag + " mean_logit" + row);
+      EXPECT_EQ(dh[2 * p.n + i], ref.top1[i] ? 1.0f : 0.0f) << tag << " is_top1" << row;
+    }
   }
   // step 3, per shard, against the reference's dz
   DeviceBuffer g = DeviceBuffer::from_vector(*backend, p.g_lp), gh = DeviceBuffer::from_vector(*backend, p.g_h);
@@ -252,8 +298,12 @@ TEST_P(Logprobs, StepsMatchFloat64) {
   for (float collapse : {0.0f, 20.0f, 45.0f, 80.0f}) {
     for (float temperature : {1.0f, 0.8f}) {
       const Problem p = make_problem(11, 203, collapse, 7u + static_cast<uint32_t>(collapse));
-      check_steps(backend, linear, world, p, temperature, collapse != 0.0f,
-                  "collapse " + std::to_string(collapse) + " T " + std::to_string(temperature));
+      for (bool dist : {false, true}) {
+        check_steps(backend, linear, world, p, temperature, collapse != 0.0f,
+                    "collapse " + std::to_string(collapse) + " T " + std::to_string(temperature) +
+                        (dist ? " distribution stats" : ""),
+                    dist);
+      }
     }
   }
 }
@@ -265,7 +315,10 @@ TEST_P(Logprobs, TiesAtTheMax) {
   if (backend == nullptr) GTEST_SKIP() << why;
   const Problem p = ties_problem();
   for (float temperature : {1.0f, 0.8f}) {
-    check_steps(backend, linear, world, p, temperature, false, "ties T " + std::to_string(temperature));
+    for (bool dist : {false, true}) {
+      check_steps(backend, linear, world, p, temperature, false,
+                  "ties T " + std::to_string(temperature) + (dist ? " distribution stats" : ""), dist);
+    }
   }
 }
 
@@ -708,6 +761,22 @@ TEST(LogprobsBadInput, ArgumentsAreNamed) {
   EXPECT_NE(s.message().find("stats must be"), std::string::npos) << s.message();
   s = fusedce::logprobs_stats(dev, xv, tv, {2, 4}, o, sv);
   EXPECT_NE(s.message().find("shard.vocab_start"), std::string::npos) << s.message();
+  // step 4: only over statistics gathered with distribution_stats; each output (N,) float32
+  std::vector<int64_t> ok_t{0, 1, 2};
+  const auto okv = fusedce::vector(ok_t.data(), DType::kInt64, 3);
+  std::vector<float> d(3, 0.0f);
+  fusedce::DistributionStats ds;
+  ds.is_top1 = fusedce::vector(d.data(), DType::kFloat32, 3);
+  s = fusedce::logprobs_distribution_stats(dev, sv, 1, okv, {0, 4}, o, ds);
+  EXPECT_NE(s.message().find("options.distribution_stats"), std::string::npos) << s.message();
+  o.distribution_stats = true;
+  EXPECT_TRUE(fusedce::logprobs_distribution_stats(dev, sv, 1, okv, {0, 4}, o, ds).ok());
+  ds.mean_logit = fusedce::vector(d.data(), DType::kFloat32, 2);
+  s = fusedce::logprobs_distribution_stats(dev, sv, 1, okv, {0, 4}, o, ds);
+  EXPECT_NE(s.message().find("mean_logit"), std::string::npos) << s.message();
+  ds.mean_logit = {};
+  s = fusedce::logprobs_distribution_stats(dev, sv, 2, okv, {0, 4}, o, ds);
+  EXPECT_NE(s.message().find("gathered must be"), std::string::npos) << s.message();
 }
 
 /// The linear backward's gradients: each of its shape and dtype (grad_hidden float32,

@@ -87,7 +87,7 @@ TEST_P(LongRow, LossWithinFloat32Rounding) {
 
   fusedce::Options o;
   o.reduction = fusedce::Reduction::kNone;
-  o.compute_metrics = true;
+  o.return_metrics = true;
   fusedce::ForwardOutputs out;
   out.loss = fusedce::vector(loss.data(), DType::kFloat32, 1);
   out.lse = fusedce::vector(lse.data(), DType::kFloat32, 1);

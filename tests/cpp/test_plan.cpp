@@ -55,7 +55,7 @@ int64_t chunks_of(int64_t V, DType d) {
 
 TEST(Plan, WorkspacePiecesAreAlignedDisjointAndServeFewerRows) {
   Options all;
-  all.compute_metrics = true;
+  all.return_metrics = true;
   for (Job job : {Job::kForward, Job::kBackward, Job::kForwardBackward}) {
     for (int64_t N : {int64_t(0), int64_t(1), int64_t(7), int64_t(1024), int64_t(1025), int64_t(100000)}) {
       SCOPED_TRACE("job " + std::to_string(int(job)) + " N=" + std::to_string(N));
@@ -255,7 +255,7 @@ TEST(Plan, OptionsPickTheStreamKernelsVariant) {
   smooth.label_smoothing = 0.1f;
   cap.softcap = 30.0f;
   neg.logit_scale = -1.0f;
-  metrics.compute_metrics = true;
+  metrics.return_metrics = true;
   EXPECT_EQ(plan(Job::kForward, 4096, 32000, DType::kBFloat16).sp.opts, fusedce::cuda::kStreamPlain);
   EXPECT_EQ(plan(Job::kForward, 4096, 32000, DType::kBFloat16, smooth).sp.opts, fusedce::cuda::kStreamOptions);
   EXPECT_EQ(plan(Job::kForward, 4096, 32000, DType::kBFloat16, metrics).sp.opts, fusedce::cuda::kStreamOptions);
@@ -373,7 +373,7 @@ StraightPlan straight_plan(Job job, int64_t N, int64_t V, DType dtype, const Opt
   s.count_den = s.finish && grad && mean && s.splits == 1 && !weighted && !o.check_targets && N <= 32768;
   s.prepare = (mean && grad && !s.count_den) || weighted || o.check_targets;
   s.count_rows = mean && !s.prepare && !s.count_den;
-  const bool metrics = forward && o.compute_metrics;
+  const bool metrics = forward && o.return_metrics;
   const bool extras = o.softcap > 0.0f || o.label_smoothing != 0.0f || metrics || weighted || o.logit_scale < 0.0f;
   bool finalized = false;
   if (s.stream) {
@@ -399,7 +399,7 @@ StraightPlan straight_plan(Job job, int64_t N, int64_t V, DType dtype, const Opt
     s.row_pass = true;
     s.row = straight_rows(segments, forward, dev.sm90);
   }
-  s.finalize = !finalized && forward && (o.reduction != Reduction::kNone || o.compute_metrics);
+  s.finalize = !finalized && forward && (o.reduction != Reduction::kNone || o.return_metrics);
   return s;
 }
 
@@ -409,12 +409,12 @@ TEST(Plan, DefaultsMatchAStraightDerivationOverTheTestedShapes) {
   all.label_smoothing = 0.1f;
   all.z_loss = 1e-3f;
   all.softcap = 25.0f;
-  all.compute_metrics = true;
+  all.return_metrics = true;
   none.reduction = Reduction::kNone;
   weighted.class_weight = fusedce::vector(weights, DType::kFloat32, 1);
   negative.logit_scale = -0.5f;
   smooth.label_smoothing = 0.05f;
-  smooth.compute_metrics = true;
+  smooth.return_metrics = true;
   smooth.reduction = Reduction::kSum;
   const int64_t rows[] = {0, 1, 3, 40, 131, 132, 140, 150, 257, 300, 555, 700, 1024, 1025, 1100, 2000, 4096, 8192, 16384};
   const int64_t vocab[] = {1,     5,     7,      127,    1024,   4099,   8000,   16387,  24001,

@@ -36,7 +36,7 @@ Outputs run_and_check(Backend& b, const Problem& p, const fusedce::Options& opti
 fusedce::Options per_row(OptionSet set) {
   fusedce::Options o = make_options(set);
   o.reduction = Reduction::kNone;
-  o.compute_metrics = true;
+  o.return_metrics = true;
   return o;
 }
 
@@ -175,7 +175,7 @@ TEST_P(SpecialValues, EveryRowIgnored) {
     SCOPED_TRACE(fusedce::reduction_name(r));
     fusedce::Options o = make_options(set());
     o.reduction = r;
-    o.compute_metrics = true;
+    o.return_metrics = true;
     const Outputs out = run_and_check(backend(), p, o);
     ASSERT_TRUE(out.status.ok());
     if (r == Reduction::kMean) {
@@ -237,7 +237,7 @@ TEST_P(OptionValues, EdgesOfTheRanges) {
       break;
     case 1:
       o.label_smoothing = 1.0f;
-      o.compute_metrics = true;
+      o.return_metrics = true;
       break;
     case 2:
       // No metrics: tanh saturates to exactly 1 in float32 for arguments above ~9 but not in
@@ -247,7 +247,7 @@ TEST_P(OptionValues, EdgesOfTheRanges) {
       break;
     default:
       o.z_loss = 0.5f;
-      o.compute_metrics = true;
+      o.return_metrics = true;
       break;
   }
   for (Reduction r : {Reduction::kNone, Reduction::kMean}) {
@@ -307,7 +307,7 @@ TEST_P(Metrics, ArgmaxTiesGoToTheLowestIndex) {
       p.target[i] = layout.rows[i].target;
     }
     RunSpec spec;
-    spec.options.compute_metrics = true;
+    spec.options.return_metrics = true;
     if (transformed) {
       spec.options.logit_scale = 1.5f;
       spec.options.softcap = 10.0f;

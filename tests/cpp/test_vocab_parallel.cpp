@@ -87,7 +87,7 @@ TEST_P(VocabParallel, ShardedEqualsUnsharded) {
     for (auto& e : w) e = 0.25f + static_cast<float>(rng() % 100) / 40.0f;
   }
   fusedce::Options o = vc.o;
-  o.compute_metrics = true;
+  o.return_metrics = true;
   const auto T = fusedce::vector(t.data(), DType::kInt64, N);
   const int64_t loss_n = o.reduction == Reduction::kNone ? N : 1;
   std::vector<float> up(loss_n);

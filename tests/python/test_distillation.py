@@ -11,11 +11,13 @@ error on the float32 loss, and a 0.5% one on the bfloat16 gradients, each fail
 test_full_values_and_gradients and test_topk_values_and_gradients.
 
 On CUDA with 16-bit inputs each logits chunk (and its dlogits) is held in the input dtype, one
-rounding of every logit and dlogit, as the linear cross-entropy does: there the tolerance grows to
-3 times the change those roundings make in the reference itself (the reference run again on
-rounded logits, whose autograd rounds the dlogits too): the rule of test_logprobs.py."""
+rounding of every logit and dlogit (two of a biased head with unaligned H: Rounding), as the
+linear cross-entropy does: there the tolerance grows to 3 times the change those roundings make in
+the reference itself (the reference run again on rounded logits, whose autograd rounds the dlogits
+too): the rule of test_logprobs.py."""
 
 import math
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -70,11 +72,29 @@ def _term(s, t, beta):
     return torch.where(pt == 0, 0.0, beta * pt * (t - lm)) + torch.where(ps == 0, 0.0, (1 - beta) * ps * (s - lm))
 
 
+class Rounding(NamedTuple):
+    """How a CUDA chunk holds a head's logits: in `dtype`, rounded once (product + bias), or,
+    with `bias_after_rounding`, a biased head whose rows of H are not whole 16-byte segments
+    rounded twice (the product, then product + bias): the order of some of cuBLASLt's kernels
+    for such operands (the tests' teachers, H + 5; a model's H is a multiple of 8), chosen by
+    its heuristics per shape, so the tolerance takes the larger change of the two."""
+    dtype: torch.dtype
+    bias_after_rounding: bool = False
+
+
 def _logits(h, w, b, rounding):
-    """float64 logits; rounded to `rounding` (a dtype, or None) and back, as a CUDA chunk holds
-    them (autograd then rounds their gradient to it as well, as the CUDA dlogits are)."""
-    x = F.linear(h.double(), w.double(), None if b is None else b.double())
-    return x if rounding is None else x.to(rounding).double()
+    """float64 logits; rounded as `rounding` (a Rounding, or None) says and back, as a CUDA
+    chunk holds them (autograd then rounds their gradient to the dtype as well, as the CUDA
+    dlogits are)."""
+    x = F.linear(h.double(), w.double())
+    if rounding is None:
+        return x if b is None else x + b.double()
+    unaligned = h.shape[-1] * torch.empty((), dtype=rounding.dtype).element_size() % 16 != 0
+    if b is not None and unaligned and rounding.bias_after_rounding:
+        x = x.to(rounding.dtype).double()
+    if b is not None:
+        x = x + b.double()
+    return x.to(rounding.dtype).double()
 
 
 def _student(hs, ws, bs, scale=1.0, softcap=None, rounding=None):
@@ -160,13 +180,15 @@ def _value_tol(h, h_t, vocab, ref_scale):
     return 4 * ((h + h_t) ** 0.5 + vocab ** 0.5) * U32 * max(ref_scale, 1.0)
 
 
-def _grad_tol(dtype, ref, terms, amplification=1.0):
+def _grad_tol(dtype, ref, terms, amplification=1.0, floor=0.0):
     """(atol, rtol) of a gradient formed in float32 and rounded once to `dtype` (the rule of
     test_logprobs.py): rtol the dtype's unit roundoff, atol 4 sqrt(terms) float32 roundoffs of
     the largest |ref|, times `amplification`: the top-k form's entry gradients e^s (s - t + 1)
     carry the rounding of e^s times |s - t|, up to the largest |t| of the teacher's entries,
-    before the pull-back through the softmax cancels most of them."""
-    scale = max(ref.abs().max().item(), 1e-30)
+    before the pull-back through the softmax cancels most of them. `floor` (see _grad_floor)
+    bounds the scale from below where the exact gradient cancels to 0 (V = 1: p_s = p_t = 1)
+    but its float32 terms do not."""
+    scale = max(ref.abs().max().item(), floor, 1e-30)
     atol = 4 * terms ** 0.5 * U32 * scale * amplification
     return atol + (2.0 ** -25 if dtype == torch.float16 else 0.0), UNIT_ROUNDOFF[dtype]
 
@@ -185,50 +207,65 @@ def _on(device, *xs):
 
 
 def _own(device, dtype, inputs, run_reference):
-    """On CUDA with 16-bit inputs, (loss, metrics, leaves) of the reference run again with its
-    logits and dlogits rounded to the dtype, as the GPU's chunks hold them: what sets the
-    tolerance there. None elsewhere (the CPU forms float32 logits)."""
+    """On CUDA with 16-bit inputs, [(loss, metrics, leaves)] of the reference run again with its
+    logits and dlogits rounded to the dtype, as the GPU's chunks hold them, once per Rounding
+    order: what sets the tolerance there. [] elsewhere (the CPU forms float32 logits)."""
     if device == "cpu" or dtype == torch.float32:
-        return None
-    leaves = [_leaf64(x) for x in inputs]
-    loss, metrics = run_reference(leaves, dtype)
-    return loss, metrics, leaves
+        return []
+    runs = []
+    for twice in (False, True):
+        leaves = [_leaf64(x) for x in inputs]
+        loss, metrics = run_reference(leaves, Rounding(dtype, twice))
+        runs.append((loss, metrics, leaves))
+    return runs
 
 
 def _leaf64(x):
     return None if x is None else x.detach().double().requires_grad_(True)
 
 
-def _rounding_budget(own, ref):
-    """3 times the largest change that the 16-bit chunks make in the reference (0 without)."""
-    return 3 * (own.detach() - ref.detach()).abs().max().item() if own is not None and ref.numel() else 0.0
+def _rounding_budget(owns, ref):
+    """3 times the largest change that the 16-bit chunks make in the reference, over the
+    rounding orders `owns` (0 without)."""
+    if not ref.numel():
+        return 0.0
+    return max([3 * (own.detach() - ref.detach()).abs().max().item() for own in owns if own is not None], default=0.0)
+
+
+def _grad_floor(name, leaves64, n):
+    """The size of a leaf's gradient where every row's dlogits are of size 1, whatever they
+    cancel to: the largest |weight| (grad_hidden), |hidden| (grad_weight) or 1 (grad_bias),
+    times the largest loss weight (1.5) over the n rows of the mean."""
+    partner = {"hidden": leaves64[1], "weight": leaves64[0], "bias": None}[name]
+    size = 1.0 if partner is None or partner.numel() == 0 else partner.detach().abs().max().item()
+    return size * 1.5 / max(n, 1)
 
 
 def _check_against(loss, metrics, ref_loss, ref_metrics, leaves, leaves64, dtype, h, h_t, vocab, n,
-                   amplification=1.0, own=None):
+                   amplification=1.0, own=()):
     """Values, then the gradients of loss.sum() (weighted for 'none') against the reference's;
     `own` (see _own) widens each tolerance by its rounding budget."""
-    own_loss, own_metrics, own_leaves = own if own is not None else (None, {}, [None] * 3)
+    own_losses = [o[0] for o in own]
     scale = max(ref_loss.abs().max().item() if ref_loss.numel() else 0.0, 1.0)
-    tol = max(_value_tol(h, h_t, vocab, scale), _rounding_budget(own_loss, ref_loss))
+    tol = max(_value_tol(h, h_t, vocab, scale), _rounding_budget(own_losses, ref_loss))
     _close(loss, ref_loss, tol, 0.0, "loss")
     for key, value in ref_metrics.items():
         tol = max(_value_tol(h, h_t, vocab, value.abs().max().item() if n else 1.0),
-                  _rounding_budget(own_metrics.get(key), value))
+                  _rounding_budget([o[1].get(key) for o in own], value))
         _close(metrics[key], value, tol, 0.0, key)
     if n == 0 or not torch.isfinite(ref_loss).all():
         return
     w = torch.linspace(0.5, 1.5, loss.numel(), dtype=torch.float64).view(loss.shape)
     (loss.double() * w.to(loss.device)).sum().backward()
     (ref_loss * w).sum().backward()
-    if own_loss is not None:
+    for own_loss in own_losses:
         (own_loss * w).sum().backward()
-    for got, want, mine, name in zip(leaves, leaves64, own_leaves, ("hidden", "weight", "bias")):
+    for i, (got, want, name) in enumerate(zip(leaves, leaves64, ("hidden", "weight", "bias"))):
         if got is None:
             continue
         assert got.grad.dtype == dtype
-        atol, rtol = _grad_tol(dtype, want.grad, vocab + h + n, amplification)
-        atol = max(atol, _rounding_budget(None if mine is None else mine.grad, want.grad))
+        atol, rtol = _grad_tol(dtype, want.grad, vocab + h + n, amplification, _grad_floor(name, leaves64, n))
+        atol = max(atol, _rounding_budget([o[2][i].grad for o in own], want.grad))
         _close(got.grad, want.grad, atol, rtol, f"grad_{name}")
 
 
@@ -373,10 +410,49 @@ def test_opcheck(device, reduction):
     ids, tlp = _on(device, *_topk_teacher(6, 13, 4, seed=3))
     args = (0.5, 0.9, 0.25, IGNORE, reduction, 1.0, 0.0, 1.0, 5.0, "tail", 0)
     g = torch.ones(6 if reduction == "none" else 1, device=device)
-    for fwd, bwd, teacher in ((ops.ld_fwd, ops.ld_bwd, (ht, wt, bt)), (ops.ldk_fwd, ops.ldk_bwd, (ids, tlp))):
+    for fwd, bwd, both, teacher in ((ops.ld_fwd, ops.ld_bwd, ops.ld_fwd_bwd, (ht, wt, bt)),
+                                    (ops.ldk_fwd, ops.ldk_bwd, ops.ldk_fwd_bwd, (ids, tlp))):
         torch.library.opcheck(fwd.default, (hs, ws, bs, *teacher, labels, *args))
         stats = fwd(hs, ws, bs, *teacher, labels, *args)[4]
         torch.library.opcheck(bwd.default, (hs, ws, bs, *teacher, labels, stats, g, *args, True, True, True))
+        if reduction != "none":
+            torch.library.opcheck(both.default, (hs, ws, bs, *teacher, labels, *args, True, False, True))
+            # the same bits as the two ops with an upstream gradient of 1
+            got = both(hs, ws, bs, *teacher, labels, *args, True, True, True)
+            want = (*fwd(hs, ws, bs, *teacher, labels, *args), *bwd(hs, ws, bs, *teacher, labels, stats, g, *args,
+                                                                     True, True, True))
+            for x, y in zip(got, want):
+                assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_upstream_gradient_scales_the_forwards_gradients(device, reduction):
+    """Mean and sum form the gradients in the forward (one pass over the logits) and scale them
+    by the upstream gradient in the backward: a factor of 0.37 (and 1, untouched) gives the
+    gradients of reduction none's rows each weighted so, within float32 rounding; a kept graph
+    (retain_graph) gives the same gradients twice."""
+    n, h, vocab = 14, 12, 61
+    hs, ws, bs, ht, wt, bt, labels = _problem(n, h, vocab, torch.float32, seed=8, bias=True)
+    ht, wt, bt, labels = _on(device, ht, wt, bt, labels)
+    kw = dict(beta=0.4, temperature=1.1, hard_weight=0.3)
+    for factor in (0.37, 1.0):
+        leaves = [_leaf(x, device) for x in (hs, ws, bs)]
+        loss = fusedce.linear_distillation(leaves[0], leaves[1], ht, wt, labels, student_bias=leaves[2],
+                                           teacher_bias=bt, reduction=reduction, **kw)
+        (loss * factor).backward(retain_graph=True)
+        first = [x.grad.clone() for x in leaves]
+        for x in leaves:
+            x.grad = None
+        (loss * factor).backward()
+        ref = [_leaf(x, device) for x in (hs, ws, bs)]
+        rows = fusedce.linear_distillation(ref[0], ref[1], ht, wt, labels, student_bias=ref[2], teacher_bias=bt,
+                                           reduction="none", **kw)
+        count = (labels != IGNORE).sum() if reduction == "mean" else 1
+        (rows.sum() * factor / count).backward()
+        for got, again, want in zip(first, (x.grad for x in leaves), (x.grad for x in ref)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+            assert torch.equal(got, again)
 
 
 # ---- arguments ---------------------------------------------------------------------------------

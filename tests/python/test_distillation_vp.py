@@ -1,5 +1,5 @@
-"""fusedce.linear_distillation over a vocabulary-parallel pair of heads (``process_group=``, the
-CPU only): gloo groups of 1, 2 and 3 ranks with uneven shards of V = 37 (19 / 18, 13 / 12 / 12),
+"""fusedce.linear_distillation over a vocabulary-parallel pair of heads (``process_group=``):
+gloo groups of 1, 2 and 3 ranks with uneven shards of V = 37 (19 / 18, 13 / 12 / 12),
 each rank holding the same rows of both heads' weights and biases.
 
 Every case runs on every rank and checks, for each of divergence beta 0 / 0.5 / 1, temperatures,
@@ -340,27 +340,38 @@ def test_vocabulary_parallel_distillation(world, key, tmp_path_factory):
 # ---- without a group -----------------------------------------------------------------------------
 
 
-@requires_cuda
-def test_cuda_is_refused():
-    """No CUDA shard kernels: the front end names process_group; the core's steps say so."""
-    hs, ws, _, ht, wt, _, labels = (None if x is None else x.cuda() for x in
-                                    _problem(4, HID, VOCAB, torch.float32, seed=1, h_t=HID_T))
-    # refused before the group is looked at (any object will do: no collective is reached)
-    with pytest.raises(NotImplementedError, match="process_group"):
-        fusedce.linear_distillation(hs, ws, ht, wt, labels, process_group=object(), vocab_total=VOCAB)
-    ids, tlp = (x.cuda() for x in _topk_teacher(4, VOCAB, 3, seed=1))
-    with pytest.raises(NotImplementedError, match="process_group"):
-        fusedce.linear_distillation_topk(hs, ws, ids, tlp, labels, process_group=object(), vocab_total=VOCAB)
+def _five_steps(device, topk, problem, args):
+    """The five shard ops at world 1 (each gathered block the rank's own), on `device`: the
+    forward's outputs and the student's gradients (upstream gradient 1), on the CPU."""
+    ops = torch.ops.fusedce
+    hs, ws, bs, ht, wt, bt, labels, ids, tlp = (None if x is None else x.to(device) for x in problem)
+    teacher = (ids, tlp) if topk else (ht, wt, bt)
+    pre = "ldk" if topk else "ld"
+    stats = getattr(ops, pre + "_shard_stats")(hs, ws, bs, *teacher, labels, 0, VOCAB, *args)
+    row_stats, hard, parts = getattr(ops, pre + "_shard_parts")(hs, ws, bs, *teacher, labels, stats, 0, VOCAB, *args)
+    out = (ops.ldk_shard_reduce(parts, row_stats, hard, tlp, labels, *args) if topk
+           else ops.ld_shard_reduce(parts, row_stats, hard, labels, *args))
+    grads = getattr(ops, pre + "_shard_bwd")(hs, ws, bs, *teacher, labels, out[-1], torch.ones(1, device=device),
+                                              0, VOCAB, *args, True, True, True)
+    return [x.cpu() for x in (*out, *grads)]
 
 
 @requires_cuda
-def test_cuda_core_steps_are_refused():
-    """The core's shard steps on a CUDA device return kUnsupported (the op raises)."""
-    hs, ws, _, ht, wt, _, labels = (None if x is None else x.cuda() for x in
-                                    _problem(4, HID, VOCAB, torch.float32, seed=1, h_t=HID_T))
-    args = (0.5, 1.0, 0.0, IGNORE, "mean", 1.0, 0.0, 1.0, 0.0, "none", 0)
-    with pytest.raises(RuntimeError, match="not implemented on CUDA"):
-        torch.ops.fusedce.ld_shard_stats(hs, ws, None, ht, wt, None, labels, 0, VOCAB, *args)
+@pytest.mark.parametrize("topk", [False, True], ids=["head", "topk"])
+def test_cuda_shard_steps_match_the_cpu(topk):
+    """The core's five steps on a CUDA device (world 1: the gathered blocks are the rank's own;
+    several ranks on one GPU are tests/cpp/test_distill_vp.cpp's) against the CPU's, float32:
+    the same float32 computation in other orders, within _value_tol's budget of each output's
+    largest entry (a planted 1e-5 relative error exceeds it)."""
+    hs, ws, bs, ht, wt, bt, labels = _problem(9, HID, VOCAB, torch.float32, seed=3, h_t=HID_T, bias=True)
+    ids, tlp = _topk_teacher(9, VOCAB, 5, seed=3)
+    problem = (hs, ws, bs, ht, wt, bt, labels, ids, tlp)
+    args = (0.5, 1.3, 0.2, IGNORE, "mean", 1.0, 0.0, 1.0, 0.0, "tail" if topk else "none", 0)
+    cpu, gpu = _five_steps("cpu", topk, problem, args), _five_steps("cuda", topk, problem, args)
+    names = ["loss", "divergence", "hard", "entropy", "stats", "grad_hidden", "grad_weight", "grad_bias"]
+    for name, want, got in zip(names, cpu, gpu):
+        tol = 2 * _value_tol(HID, 0 if topk else HID_T, VOCAB, max(want.abs().max().item(), 1.0))
+        torch.testing.assert_close(got, want, atol=tol, rtol=0.0, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("op", ["ld_shard_stats", "ld_shard_parts", "ld_shard_reduce", "ld_shard_bwd",

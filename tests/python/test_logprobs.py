@@ -610,6 +610,111 @@ def test_bad_input_is_named():
         fusedce.linear_logprobs(h, w, t, keep_logits=1)
 
 
+# ---- distribution statistics (return_stats) ------------------------------------------------
+
+
+def _dist_reference(z64, tokens, ignore_index=IGNORE):
+    """log sum p^2, the mean of z and whether the token is z's first argmax, in float64 (0 /
+    False at ignored rows)."""
+    keep = tokens != ignore_index
+    if z64.shape[0] == 0:
+        zero = z64.new_zeros((0,))
+        return zero, zero, keep
+    logp = z64 - torch.logsumexp(z64, -1, keepdim=True)
+    lss = torch.logsumexp(2 * logp, -1)
+    top1 = z64.argmax(-1) == torch.where(keep, tokens, -1)
+    return torch.where(keep, lss, 0.0), torch.where(keep, z64.mean(-1), 0.0), top1 & keep
+
+
+def _tied_logits(n, vocab, seed):
+    """Peaked logits with exact ties at each row's max: rows 0 mod 3 a copy of the max before the
+    token (is_top1 False though the token's logit is the max), rows 1 mod 3 a copy after it
+    (True), rows 2 mod 3 none; the token at the max in most rows."""
+    x, likely = _peaked_logits(n, vocab, seed)
+    t = _tokens(n, vocab, seed, likely, ignore_frac=0.1)
+    for i in range(n):
+        j = int(x[i].argmax())
+        if vocab < 3 or t[i] == IGNORE:
+            continue
+        t[i] = j if i % 4 else t[i]
+        if i % 3 == 0 and j > 0:
+            x[i, j - 1] = x[i, j]
+        elif i % 3 == 1 and j < vocab - 1:
+            x[i, j + 1] = x[i, j]
+    return x, t
+
+
+def _check_dist(got, z64, t, what):
+    """log sum p^2 within 2e-6 + 1e-6 of its size (float32 sums of p and p^2 stored as float32;
+    a 1e-5 relative bias fails), the mean within float32 roundoff of the largest |z|, is_top1
+    exactly (ties by torch.argmax's first-index rule)."""
+    lss, mean, top1 = _dist_reference(z64, t.cpu())
+    assert set(got) == {"log_sum_sq_probs", "mean_logits", "is_top1"}
+    _close(got["log_sum_sq_probs"].reshape(-1), lss, 2e-6, 1e-6, f"{what} log_sum_sq_probs")
+    zmax = z64.abs().max().item() if z64.numel() else 0.0
+    _close(got["mean_logits"].reshape(-1), mean, 4e-7 * zmax + 1e-30, 0.0, f"{what} mean_logits")
+    assert got["is_top1"].dtype == torch.bool
+    assert torch.equal(got["is_top1"].reshape(-1).cpu(), top1), f"{what} is_top1"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,vocab", [(13, 301), (7, 1), (0, 50), (33, 2053), (6, 5000)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_distribution_stats_over_logits(device, dtype, n, vocab, temperature):
+    x, t = _tied_logits(n, vocab, seed=n + 3 * vocab)
+    x = x.to(dtype)
+    z64 = x.double() / temperature
+    lp, ent, got = fusedce.logprobs(x.to(device), t.to(device), temperature=temperature, return_entropy=True,
+                                    return_stats=True)
+    lp_ref, ent_ref = reference(z64, t)
+    _close(lp, lp_ref, 2e-5, 2e-6, "logprob")  # the other outputs are unchanged by return_stats
+    _check_dist(got, z64, t, "logits form")
+    only = fusedce.logprobs(x.to(device), t.to(device), temperature=temperature, return_stats=True)
+    assert len(only) == 2 and torch.equal(only[0], lp)
+    # with a gradient: the statistics are not differentiable, logprob and entropy are
+    xg = x.to(device).requires_grad_(True)
+    lp_g, ent_g, got_g = fusedce.logprobs(xg, t.to(device), temperature=temperature, return_entropy=True,
+                                          return_stats=True)
+    assert not any(v.requires_grad for v in got_g.values())
+    for k in got:
+        assert torch.equal(got_g[k], got[k]), k
+    (lp_g.sum() + ent_g.sum()).backward()
+    assert xg.grad is not None and xg.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("keep_logits", [False, True], ids=["stream", "keep"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_distribution_stats_linear(device, dtype, keep_logits, grad):
+    n, hid, vocab = 29, 24, 1031
+    h, w, b, t = _linear_problem(n, hid, vocab, dtype, device, seed=21, bias=True)
+    z64 = torch.nn.functional.linear(h.double(), w.double(), b.double()) / 0.9
+    leaves = [x.detach().clone().requires_grad_(grad) for x in (h, w, b)]
+    lp, got = fusedce.linear_logprobs(*leaves[:2], t, leaves[2], temperature=0.9, keep_logits=keep_logits,
+                                      return_stats=True)
+    # The head's logits are formed in float32 (the CPU's streamed form) or in the input dtype
+    # (kept logits; CUDA's chunks), so the statistics carry that rounding: each is held to the
+    # float64 value within twice what logits formed in the input dtype (F.linear) move it, plus
+    # float32's 2e-5. A token whose logit is within that rounding of the max may compare either
+    # way, so is_top1 is judged against the float64 argmax where the top two logits are 1e-2
+    # apart (relative; bf16's step is 2^-8).
+    top2 = z64.topk(2, -1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-2 * top2[:, 0].abs().clamp(min=1)
+    lss, mean, top1 = _dist_reference(z64.cpu(), t.cpu())
+    own64 = torch.nn.functional.linear(*(x.detach() for x in (h, w, b))).double().cpu() / 0.9
+    lss_own, mean_own, _ = _dist_reference(own64, t.cpu())
+    for key, want, moved in (("log_sum_sq_probs", lss, lss_own), ("mean_logits", mean, mean_own)):
+        budget = 2 * (moved - want).abs().max().item() + 2e-5
+        _close(got[key], want, budget, 0.0, f"linear {key}")
+    assert torch.equal(got["is_top1"].cpu()[clear.cpu()], top1[clear.cpu()])
+    assert got["is_top1"].any() and not got["is_top1"].all()
+    if grad:
+        lp.sum().backward()
+        assert all(x.grad is not None for x in leaves)
+
+
 # ---- the ops --------------------------------------------------------------------------------
 
 
@@ -617,24 +722,32 @@ def test_bad_input_is_named():
 def test_opcheck(device):
     h, w, b, t = _linear_problem(7, 8, 45, torch.float32, device, seed=4, bias=True)
     logits = (h @ w.T).contiguous()
-    stats = ops.lp_stats(logits, t, 0, 45, 0.8, IGNORE)
-    lp, ent, lse = ops.lp_merge(stats, t, 0, 45, 0.8, IGNORE)
+    opts = (0, 45, 0.8, IGNORE, False)  # vocab_start, vocab_total, temperature, ignore_index, distribution_stats
+    dist_opts = opts[:-1] + (True,)
+    stats = ops.lp_stats(logits, t, *opts)
+    dist_stats = ops.lp_stats(logits, t, *dist_opts)
+    lp, ent, lse = ops.lp_merge(stats, t, *opts)
     g = torch.randn(7, device=device)
     checks = [
-        (ops.lp_stats.default, (logits, t, 0, 45, 0.8, IGNORE)),
-        (ops.llp_stats.default, (h, w, b, t, 0, 45, 0.8, IGNORE, 0)),
-        (ops.lp_merge.default, (stats, t, 0, 45, 0.8, IGNORE)),
-        (ops.lp_bwd.default, (logits, t, lse, lp, ent, g, g, 0, 45, 0.8, IGNORE)),
-        (ops.lp_bwd_.default, (logits.clone(), t, lse, lp, ent, g, None, 0, 45, 0.8, IGNORE)),
-        (ops.llp_bwd.default, (h, w, b, t, lse, lp, ent, g, None, 0, 45, 0.8, IGNORE, 0, True, True, True)),
+        (ops.lp_stats.default, (logits, t, *opts)),
+        (ops.lp_stats.default, (logits, t, *dist_opts)),
+        (ops.llp_stats.default, (h, w, b, t, *opts, 0)),
+        (ops.llp_stats.default, (h, w, b, t, *dist_opts, 0)),
+        (ops.lp_merge.default, (stats, t, *opts)),
+        (ops.lp_distribution_stats.default, (dist_stats, t, *dist_opts)),
+        (ops.lp_bwd.default, (logits, t, lse, lp, ent, g, g, *opts)),
+        (ops.lp_bwd_.default, (logits.clone(), t, lse, lp, ent, g, None, *opts)),
+        (ops.llp_bwd.default, (h, w, b, t, lse, lp, ent, g, None, *opts, 0, True, True, True)),
     ]
     for op, args in checks:
         torch.library.opcheck(op, args)
     # lp_bwd_ writes lp_bwd's dlogits over its logits, and tells autograd (the version counter)
     x = logits.clone()
     version = x._version
-    ops.lp_bwd_(x, t, lse, lp, ent, g, g, 0, 45, 0.8, IGNORE)
-    assert torch.equal(x, ops.lp_bwd(logits, t, lse, lp, ent, g, g, 0, 45, 0.8, IGNORE)) and x._version > version
+    ops.lp_bwd_(x, t, lse, lp, ent, g, g, *opts)
+    assert torch.equal(x, ops.lp_bwd(logits, t, lse, lp, ent, g, g, *opts)) and x._version > version
+    # the statistics' columns 0-4 are the same with distribution_stats (it only adds columns)
+    assert torch.equal(dist_stats[:, :5], stats[:, :5])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -704,10 +817,20 @@ def _vp_cases(world, rank, group):
         chunk = torch.chunk(x, world, dim=1)[rank]
         c0 = sum(c.shape[1] for c in torch.chunk(x, world, dim=1)[:rank])
         xl = chunk.detach().clone().requires_grad_(True)
-        lp, ent = fusedce.logprobs(xl, t, temperature=temperature, return_entropy=True, process_group=group,
-                                   vocab_total=vocab)
+        lp, ent, dist_part = fusedce.logprobs(xl, t, temperature=temperature, return_entropy=True,
+                                              process_group=group, vocab_total=vocab, return_stats=True)
         xf = x.detach().clone().requires_grad_(True)
-        lpf, entf = fusedce.logprobs(xf, t, temperature=temperature, return_entropy=True)
+        lpf, entf, dist_full = fusedce.logprobs(xf, t, temperature=temperature, return_entropy=True,
+                                                return_stats=True)
+        # the distribution statistics folded over the ranks: the single device's (the sums in
+        # another order), the same bits on every rank
+        assert torch.equal(dist_part["is_top1"], dist_full["is_top1"])
+        for key in ("log_sum_sq_probs", "mean_logits"):
+            torch.testing.assert_close(dist_part[key], dist_full[key], rtol=2e-6, atol=2e-6)
+            mine = dist_part[key].clone()
+            every = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(every, mine, group=group)
+            assert all(torch.equal(e, every[0]) for e in every), key
         torch.testing.assert_close(lp, lpf, rtol=2e-6, atol=2e-6)
         torch.testing.assert_close(ent, entf, rtol=2e-6, atol=2e-6)
         _objective(lp, ent, old, adv).backward()

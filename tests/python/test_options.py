@@ -125,11 +125,13 @@ def test_linear_options_checked():
 
 
 def test_logprob_and_shard_objects_follow_the_lp_schemas():
-    for op in ("lp_stats", "llp_stats", "lp_merge", "lp_bwd", "llp_bwd", "lp_bwd_"):
+    for op in ("lp_stats", "llp_stats", "lp_merge", "lp_distribution_stats", "lp_bwd", "llp_bwd", "lp_bwd_"):
         names = _names(op)
         at = names.index("vocab_start")
-        assert names[at:at + 4] == ["vocab_start", "vocab_total", "temperature", "ignore_index"], op
-    assert LogprobOptions.checked("f", temperature=2, ignore_index=3).op_args() == (2.0, 3)
+        assert names[at:at + 5] == ["vocab_start", "vocab_total", "temperature", "ignore_index",
+                                    "distribution_stats"], op
+    assert LogprobOptions.checked("f", temperature=2, ignore_index=3).op_args() == (2.0, 3, False)
+    assert LogprobOptions.checked("f", distribution_stats=1).op_args() == (1.0, -100, True)
     assert ShardSpec(5, 20, 7, 2).op_args() == (5, 20)
     assert ShardSpec.whole(9) == ShardSpec(0, 9, 9, None)
     with pytest.raises(ValueError, match="f: temperature must be finite and > 0"):

@@ -55,7 +55,7 @@ def run(fn, problem, *options):
     hs, ws, bs, ht, wt, bt = problem
     leaves = [None if x is None else x.detach().clone().requires_grad_(True) for x in (hs, ws, bs)]
     div, ent = fn.apply(leaves[0], leaves[1], leaves[2], ht, wt, bt, *options)
-    weights = torch.linspace(0.5, 1.5, div.shape[0])
+    weights = torch.linspace(0.5, 1.5, div.shape[0], device=div.device)
     (div * weights).sum().backward()
     return div, ent, [None if x is None else x.grad for x in leaves]
 
@@ -112,6 +112,47 @@ def test_divergence_matches_trls(bias, options):
     compare(problem, options)
 
 
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("options", OPTIONS, ids=["fkl", "jsd0.3_capped_student", "rkl_capped_teacher", "jsd_both_capped"])
+def test_divergence_matches_trls_on_cuda(dtype, options):
+    """On a GPU fusedce's CUDA path serves the seam; TRL's side is its Triton kernel. float32:
+    the CPU test's bounds. bfloat16 (the trainer's usual dtype, both heads' logits in it): each
+    side rounds its logits to bfloat16 (2^-8) in its own order of the H-term products, so the two
+    differ by bfloat16 rounding: 2^-6 of the largest value or gradient (a planted 1e-2 error
+    would show)."""
+    problem = tuple(None if x is None else x.to("cuda", dtype) for x in heads(29, 24, 40, 301, seed=4, bias=True))
+    assert fused_trl.can_serve_divergence(problem, *options)
+    if dtype == torch.float32:
+        compare(problem, options)
+        return
+    ours = run(fused_trl.FusedceDivergence, problem, *options)
+    theirs = run(ChunkedDivergenceFunction, problem, *options)
+    for x, y, name in ((ours[0], theirs[0], "divergence"), (ours[1], theirs[1], "entropy")):
+        assert x.dtype == torch.float32 and x.shape == y.shape, name
+        assert (x - y).abs().max().item() <= 2.0 ** -6 * max(1.0, y.abs().max().item()), name
+    for name, x, y in zip(("hidden", "weight", "bias"), ours[2], theirs[2]):
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert (x.float() - y.float()).abs().max().item() <= 2.0 ** -6 * y.float().abs().max().item(), name
+
+
+@needs_gpu
+def test_cuda_step_matches_the_cpu_step():
+    """The same problem through the seam on the GPU and on the CPU (float32): equal within the
+    CPU comparison's bounds (both are fusedce's; only their orders of the sums differ)."""
+    problem = heads(29, 24, 40, 301, seed=9, bias=True)
+    options = OPTIONS[1]
+    cpu = run(fused_trl.FusedceDivergence, problem, *options)
+    gpu = run(fused_trl.FusedceDivergence, tuple(None if x is None else x.cuda() for x in problem), *options)
+    assert_values_close(gpu[0].cpu(), cpu[0], "divergence")
+    assert_values_close(gpu[1].cpu(), cpu[1], "entropy")
+    for name, x, y in zip(("hidden", "weight", "bias"), gpu[2], cpu[2]):
+        assert_grads_close(x.cpu(), y, f"grad {name}")
+
+
 @pytest.mark.parametrize("n,vocab", [(0, 40), (5, 1), (9, 3)], ids=["no_tokens", "V1", "V3"])
 def test_divergence_on_awkward_shapes(n, vocab):
     compare(heads(n, 8, 12, vocab, seed=2, bias=True), (0.5, 1.1, 1.0, None, 1.0, None))
@@ -130,8 +171,8 @@ def test_planted_error_fails_the_comparison():
 
 
 def test_calls_fusedce_cannot_serve_go_to_trl():
-    """A logit scale of 0 (fusedce refuses it; TRL takes it) and tensors off the CPU: TRL's own
-    function, bit for bit."""
+    """A logit scale of 0 (fusedce refuses it; TRL takes it), tensors on a meta device or on two
+    devices: TRL's own function, bit for bit (the first), or not served."""
     problem = heads(11, 16, 20, 97, seed=5, bias=True)
     options = (0.5, 1.0, 0.0, None, 1.0, None)
     assert not fused_trl.can_serve_divergence(problem, *options)
@@ -140,6 +181,8 @@ def test_calls_fusedce_cannot_serve_go_to_trl():
         assert torch.equal(x, y)
     meta = tuple(None if x is None else x.to("meta") for x in problem)
     assert not fused_trl.can_serve_divergence(meta, 0.5, 1.0, 1.0, None, 1.0, None)
+    mixed = problem[:3] + meta[3:]
+    assert not fused_trl.can_serve_divergence(mixed, 0.5, 1.0, 1.0, None, 1.0, None)
     assert not fused_trl.can_serve_divergence(problem, 1.5, 1.0, 1.0, None, 1.0, None)
 
 

@@ -14,16 +14,14 @@ which returns ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``, 
     fusedce.integrations.trl.revert()     # TRL's own kernel again
 
 ``apply()`` replaces that one name with :data:`FusedceLogProbHead`, which serves the call with
-``fusedce.linear_logprobs`` (log-probabilities and entropy, with their gradients to the hidden
-states, the head and its bias) and, without gradients, the two statistics TRL's DPO and KTO ask
-for: ``log_sum_sq_probs = log sum_v p_v^2``, from the identity ``2 log p_t(T) - log p_t(T / 2)``
-(one more forward at half the temperature; its float32 error grows with those two terms, a few
-1e-6 where the target's log-probability is near -20, against TRL's 5e-7), and ``mean_logits``, the mean over the vocabulary of
-the scaled logits, exactly as ``scale / T * (h . mean_v w + mean_v b)`` (no logits formed).
-A positive logit scale is folded into the temperature. What fusedce's log-probabilities do not
-take yet, a soft-cap (``final_logit_softcapping``), a logit scale of 0 or below, or the argmax
-test ``is_top1``, goes to TRL's own kernel for that call, so every TRL model and trainer keeps working; GRPO and RLOO ask for
-neither (their outputs are log-probabilities and entropy).
+one ``fusedce.linear_logprobs`` call: log-probabilities and entropy, with their gradients to the
+hidden states, the head and its bias, and (``return_stats``, from the same pass over the logits,
+without gradients) the statistics TRL's other trainers ask for: ``log_sum_sq_probs = log sum_v
+p_v^2``, ``mean_logits`` (the mean over the vocabulary of the scaled logits) and ``is_top1``
+(whether the label is the first argmax), with TRL's definitions. A positive logit scale is
+folded into the temperature. What fusedce's log-probabilities do not take yet, a soft-cap
+(``final_logit_softcapping``) or a logit scale of 0 or below, goes to TRL's own kernel for that
+call, so every TRL model and trainer keeps working; GRPO and RLOO ask for neither.
 
 The computation follows TRL's: under autocast the hidden states and the head are cast to
 autocast's dtype (TRL's ``compute_dtype``), otherwise to the hidden states' dtype; the outputs
@@ -35,13 +33,13 @@ are float32.
 bias, beta, temperature, each head's logit scale and soft-cap) and the same returns (per-token
 divergence with gradients to the student, per-token entropy of the student without), computed
 by ``fusedce.linear_distillation`` (beta 0 forward KL, 1 reverse KL, between the generalized
-JSD: TRL's definitions). Calls it cannot serve go to TRL's own function: tensors off the CPU
-(fusedce's distillation has no CUDA path yet) and options ``linear_distillation`` refuses.
+JSD: TRL's definitions). Calls it cannot serve go to TRL's own function: tensors on another
+device than the CPU or CUDA (or on several), and options ``linear_distillation`` refuses.
 """
 
 import torch
 
-from .. import token_logprobs
+from .. import _library, token_logprobs
 from .._distill_options import DistillOptions
 from ..distillation import linear_distillation
 
@@ -61,10 +59,13 @@ def _utils():
     return utils
 
 
+_STATS = ("log_sum_sq_probs", "mean_logits", "is_top1")
+
+
 def can_serve(final_logit_softcapping, logit_scale, outputs):
     """Whether fusedce computes a call with these options (else TRL's own kernel does): no
-    soft-cap, a positive logit scale (folded into the temperature), no ``is_top1``."""
-    return final_logit_softcapping is None and float(logit_scale) > 0 and "is_top1" not in tuple(outputs)
+    soft-cap and a positive logit scale (folded into the temperature); any of TRL's outputs."""
+    return final_logit_softcapping is None and float(logit_scale) > 0
 
 
 class FusedceLogProbHead:
@@ -89,23 +90,15 @@ class FusedceLogProbHead:
         w = weight.to(compute_dtype)
         b = None if bias is None else bias.to(compute_dtype)
         want_entropy = "entropy" in outputs
+        want_stats = any(name in outputs for name in _STATS)
         with torch.autocast(device.type, enabled=False):
-            got = token_logprobs.linear_logprobs(h, w, targets, b, temperature=t_eff, return_entropy=want_entropy)
-            log_probs, entropy = got if want_entropy else (got, None)
-            log_sum_sq_probs = mean_logits = None
-            if "log_sum_sq_probs" in outputs:
-                with torch.no_grad():
-                    half = token_logprobs.linear_logprobs(h.detach(), w.detach(), targets,
-                                                          None if b is None else b.detach(), temperature=t_eff / 2)
-                    log_sum_sq_probs = 2 * log_probs.detach() - half
-            if "mean_logits" in outputs:
-                with torch.no_grad():
-                    mean_w = w.detach().mean(0, dtype=torch.float32)
-                    mean_x = h.detach().float() @ mean_w
-                    if b is not None:
-                        mean_x = mean_x + b.detach().mean(dtype=torch.float32)
-                    mean_logits = mean_x / t_eff
-        return log_probs, entropy, log_sum_sq_probs, mean_logits, None
+            got = token_logprobs.linear_logprobs(h, w, targets, b, temperature=t_eff, return_entropy=want_entropy,
+                                                 return_stats=want_stats)
+        got = got if isinstance(got, tuple) else (got,)
+        log_probs = got[0]
+        entropy = got[1] if want_entropy else None
+        stats = got[-1] if want_stats else {}
+        return (log_probs, entropy, *(stats.get(name) if name in outputs else None for name in _STATS))
 
 
 # ---- the distillation trainer's divergence ---------------------------------------------------
@@ -130,11 +123,13 @@ def _trls_divergence():
 def can_serve_divergence(tensors, beta, temperature, student_logit_scale, student_final_logit_softcapping,
                          teacher_logit_scale, teacher_final_logit_softcapping):
     """Whether fusedce computes a ChunkedDivergenceFunction call (else TRL's own function does):
-    every tensor given on the CPU (the CUDA path of fusedce's distillation serves this seam once
-    its Python cases have run on a GPU: docs/post_training.md), hidden states of
-    two dimensions, and options that linear_distillation takes (beta in [0, 1], a temperature
-    > 0, finite non-zero logit scales, positive soft-caps or None)."""
-    if any(x is not None and x.device.type != "cpu" for x in tensors) or tensors[0].dim() != 2:
+    every tensor given on one device, the CPU or a CUDA device this build has kernels for,
+    hidden states of two dimensions, and options that linear_distillation takes (beta in [0, 1],
+    a temperature > 0, finite non-zero logit scales, positive soft-caps or None)."""
+    device = tensors[0].device
+    if any(x is not None and x.device != device for x in tensors) or tensors[0].dim() != 2:
+        return False
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not _library.with_cuda):
         return False
     try:
         DistillOptions.checked("fusedce.integrations.trl", divergence="jsd", beta=beta, temperature=temperature,

@@ -197,7 +197,7 @@ Status run_rescale(const detail::CeCall& call, cudaStream_t stream) {
 void fill_finalize(BatchParams& bp, const RowParams& p, const detail::CeCall& call, const Options& o) {
   bp.row_loss = p.row_loss;
   bp.loss_out = o.reduction != Reduction::kNone ? static_cast<float*>(call.out.loss.data) : nullptr;
-  if (o.compute_metrics) {
+  if (o.return_metrics) {
     bp.row_entropy = p.row_entropy;
     bp.row_correct = p.row_correct;
     bp.num_correct_out = static_cast<int64_t*>(call.out.num_correct.data);
@@ -245,7 +245,7 @@ RowParams row_params(const detail::CeCall& call, char* base, const CePlan& plan)
   p.batch = plan.prepare ? reinterpret_cast<BatchScalars*>(base + plan.ws.batch) : nullptr;
   p.softcap = o.softcap > 0.0f;
   p.smoothing = o.label_smoothing != 0.0f;
-  p.metrics = forward && o.compute_metrics;
+  p.metrics = forward && o.return_metrics;
   if (forward) {
     if (o.reduction == Reduction::kNone) {
       p.row_loss = static_cast<float*>(call.out.loss.data);
@@ -298,7 +298,7 @@ StreamParams stream_params(const CePlan& plan, const detail::CeCall& call, const
   sp.grad_backwards = s.grad_backwards;
   if (s.finish) {
     sp.finish = true;
-    if (o.reduction != Reduction::kNone || o.compute_metrics) fill_finalize(bp, p, call, o);
+    if (o.reduction != Reduction::kNone || o.return_metrics) fill_finalize(bp, p, call, o);
     sp.fin = bp;
     sp.counters = reinterpret_cast<unsigned long long*>(base + plan.ws.counters);
     sp.block_sums = reinterpret_cast<BatchSums*>(base + plan.ws.block_sums);
@@ -379,15 +379,11 @@ Status run(const detail::CeCall& call, const PlanChoices& choices) {
   if (base == nullptr && plan.ws.total > 0) {
     // No workspace given: stream-ordered scratch (still no host sync, still graph-capturable).
     // Callers on the hot path pass one from cross_entropy_workspace_size instead.
-    void* scratch = nullptr;
-    cudaError_t e = cudaMallocAsync(&scratch, plan.ws.total, stream);
-    if (e != cudaSuccess) return device_error(e, "allocating scratch (cudaMallocAsync)");
-    detail::CeCall with = call;
-    with.workspace = Workspace{scratch, plan.ws.total};
-    Status s = run(with, choices);
-    e = cudaFreeAsync(scratch, stream);
-    if (s.ok() && e != cudaSuccess) return device_error(e, "freeing scratch (cudaFreeAsync)");
-    return s;
+    return with_workspace(plan.ws.total, stream, [&](char* scratch) {
+      detail::CeCall with = call;
+      with.workspace = Workspace{scratch, plan.ws.total};
+      return run(with, choices);
+    });
   }
   if (call.workspace.bytes < plan.ws.total) {
     std::ostringstream os;

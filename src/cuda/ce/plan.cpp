@@ -54,7 +54,7 @@ WorkspaceLayout plan_workspace(Job job, int64_t rows, const Options& o) {
     w.row_loss = at;
     at += align_up(rows * sizeof(float));
   }
-  if (forward && o.compute_metrics) {
+  if (forward && o.return_metrics) {
     w.row_entropy = at;
     at += align_up(rows * sizeof(float));
     w.row_correct = at;
@@ -145,7 +145,7 @@ CePlan plan_ce(const CeShape& shape, const Options& o, const DeviceFacts& dev, c
   const int vec = vec_of(shape.dtype);
   plan.segments = row_segments(shape.vocab, vec - 1, vec);
   // The plain kernels assume logit_scale > 0 (they take the max over raw logits).
-  const bool metrics = forward && o.compute_metrics;
+  const bool metrics = forward && o.return_metrics;
   const bool softcap = o.softcap > 0.0f;
   plan.extras = softcap || o.label_smoothing != 0.0f || metrics || weighted || o.logit_scale < 0.0f;
 
@@ -196,7 +196,7 @@ CePlan plan_ce(const CeShape& shape, const Options& o, const DeviceFacts& dev, c
     plan.row_grad = grad;
     plan.row = plan_rows(plan.segments, forward, dev);
   }
-  plan.finalize = !finalized && forward && (o.reduction != Reduction::kNone || o.compute_metrics);
+  plan.finalize = !finalized && forward && (o.reduction != Reduction::kNone || o.return_metrics);
   return plan;
 }
 

@@ -10,6 +10,10 @@
 //     weight, grad_weight (+)= dlogits^T . hidden (through a float32 accumulator for a 16-bit
 //     weight over several chunks, rounded once) and grad_bias (+)= dlogits^T . ones (float32,
 //     rounded once).
+//   forward and backward together (upstream gradient 1, reduction mean or sum), per chunk: the
+//     logits once, the forward's row kernel, then the backward's on the same buffers (it reads
+//     the rows' statistics the forward kernel just wrote) and the gradient products: the
+//     backward's two logits products saved. The mean's count of rows is formed first.
 // Every row goes through the products (no compaction, which would need the count on the host);
 // an ignored row's dlogits are zeros. The workspace holds the chunk of each head's logits and,
 // for the top-k backward, (K floats twice + Kp sort keys) per chunk row; chunk_budget_bytes (0:
@@ -49,11 +53,11 @@ int64_t ld_of(const MatrixView& m) { return m.rows > 1 ? m.row_stride : m.cols; 
 struct Plan {
   int64_t N, H, H_t, V, K, Kp;
   DType dtype, t_dtype;
-  bool topk, backward, teacher_logits;
+  bool topk, backward, teacher_logits;  // backward: the backward's buffers (the backward, or both)
   int64_t ld, ld_t;  // row strides of the logit chunks: V rounded up to 16 bytes
   int64_t rows;      // token rows per chunk
   bool gw_acc;       // grad_weight through a float32 accumulator (16-bit, several chunks)
-  size_t gemm_ws, logits, t_logits, ones, gw, gb, row_loss, count, entry_y, entry_g, keys, total;
+  size_t gemm_ws, logits, t_logits, ones, gw, gb, row_loss, count, entry_y, entry_g, keys, unit, total;
 };
 
 Plan plan_of(const detail::DistillCall& c) {
@@ -63,14 +67,15 @@ Plan plan_of(const detail::DistillCall& c) {
   p.V = c.weight.rows;
   p.dtype = c.hidden.dtype;
   p.topk = c.teacher.topk();
-  p.backward = c.backward;
+  p.backward = c.backward || c.fused;
+  const bool forward = !c.backward;  // the forward, alone or with the backward
   p.K = p.topk ? c.teacher.topk_ids.cols : 0;
   p.Kp = 1;
   while (p.Kp < p.K) p.Kp <<= 1;
   p.H_t = p.topk ? 0 : c.teacher.hidden.cols;
   p.t_dtype = p.topk ? p.dtype : c.teacher.hidden.dtype;
   // the backward needs the teacher's logits only where the divergence has a weight
-  p.teacher_logits = !p.topk && (!p.backward || c.options.hard_weight < 1.0f);
+  p.teacher_logits = !p.topk && (forward || c.options.hard_weight < 1.0f);
   const size_t el = elem_size(p.dtype), el_t = elem_size(p.t_dtype);
   p.ld = round_up(p.V, static_cast<int64_t>(16 / el));
   p.ld_t = round_up(p.V, static_cast<int64_t>(16 / el_t));
@@ -96,11 +101,12 @@ Plan plan_of(const detail::DistillCall& c) {
   p.ones = want_gb ? take(size_t(p.rows) * el) : 0;
   p.gw = p.gw_acc ? take(size_t(p.V) * size_t(p.H) * 4) : 0;
   p.gb = want_gb ? take(size_t(p.V) * 4) : 0;
-  p.row_loss = !p.backward ? take(size_t(std::max<int64_t>(p.N, 1)) * 4) : 0;
+  p.row_loss = forward ? take(size_t(std::max<int64_t>(p.N, 1)) * 4) : 0;
   p.count = take(sizeof(int64_t));
   p.entry_y = topk_scratch ? take(size_t(p.rows) * size_t(p.K) * 4) : 0;
   p.entry_g = topk_scratch ? take(size_t(p.rows) * size_t(p.K) * 4) : 0;
   p.keys = topk_scratch ? take(size_t(p.rows) * size_t(p.Kp) * 8) : 0;
+  p.unit = c.fused ? take(sizeof(float)) : 0;  // the upstream gradient 1 of the fused call
   p.total = at;
   return p;
 }
@@ -113,6 +119,8 @@ DistillRows rows_of(const detail::DistillCall& c) {
   r.labels_i64 = c.labels.dtype == DType::kInt64;
   r.ignore_index = o.ignore_index;
   r.V = c.weight.rows;
+  r.v0 = c.vocab_start();
+  r.v_total = c.vocab_total();
   r.kind = static_cast<int>(detail::divergence_kind(o.beta));
   r.beta = o.beta;
   r.one_mb = 1.0f - o.beta;
@@ -128,52 +136,159 @@ DistillRows rows_of(const detail::DistillCall& c) {
   return r;
 }
 
+/// The forward's row-kernel outputs of the call (row losses into `row_loss` unless reduction
+/// none writes them to the loss itself); the logits pointers are the caller's.
+DistillForwardParams outputs_of(const detail::DistillCall& c, float* row_loss, int64_t stats_width) {
+  const DistillOutputs& o = c.out;
+  const bool none = c.options.reduction == Reduction::kNone;
+  DistillForwardParams f{};
+  f.r = rows_of(c);
+  f.stats = static_cast<float*>(o.stats.data);
+  f.stats_width = stats_width;
+  f.row_loss = none ? static_cast<float*>(o.loss.data) : row_loss;
+  f.row_loss_stride = none ? o.loss.stride : 1;
+  f.divergence = static_cast<float*>(o.divergence.data);
+  f.divergence_stride = o.divergence.stride;
+  f.hard = static_cast<float*>(o.hard.data);
+  f.hard_stride = o.hard.stride;
+  f.entropy = static_cast<float*>(o.entropy.data);
+  f.entropy_stride = o.entropy.stride;
+  return f;
+}
+
+/// The reduced loss of a forward from its rows' losses (reduction mean or sum: one block, in
+/// row order); `count` receives the rows counted.
+Status finish_loss(const detail::DistillCall& c, int64_t N, const float* row_loss, int64_t* count,
+                   cudaStream_t stream) {
+  if (c.options.reduction == Reduction::kNone) return Status::Ok();
+  DistillFinishParams fin{};
+  fin.r = rows_of(c);
+  fin.N = N;
+  fin.row_loss = row_loss;
+  fin.reduction = static_cast<int>(c.options.reduction);
+  fin.loss = static_cast<float*>(c.out.loss.data);
+  fin.count = count;
+  launch_distill_finish(fin, stream);
+  return last_error("the distillation reduction kernel");
+}
+
 class Run {
  public:
   Run(const detail::DistillCall& c, const Plan& p, char* ws)
       : c_(c), p_(p), ws_(ws), stream_(static_cast<cudaStream_t>(c.device.stream)) {}
 
   Status forward() {
-    const DistillOutputs& o = c_.out;
-    const bool none = c_.options.reduction == Reduction::kNone;
-    DistillForwardParams f{};
-    f.r = rows_of(c_);
-    f.ld = p_.ld;
-    f.dtype = p_.dtype;
-    f.t = teacher_rows();
-    f.stats = static_cast<float*>(o.stats.data);
-    f.row_loss = none ? static_cast<float*>(o.loss.data) : at<float>(p_.row_loss);
-    f.row_loss_stride = none ? o.loss.stride : 1;
-    f.divergence = static_cast<float*>(o.divergence.data);
-    f.divergence_stride = o.divergence.stride;
-    f.hard = static_cast<float*>(o.hard.data);
-    f.hard_stride = o.hard.stride;
-    f.entropy = static_cast<float*>(o.entropy.data);
-    f.entropy_stride = o.entropy.stride;
-    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
-      const int64_t nc = std::min(p_.rows, p_.N - r0);
-      FUSEDCE_TRY(logits(r0, nc));
-      f.logits = ws_ + p_.logits;
-      f.r.r0 = r0;
-      f.r.rows = nc;
-      launch_distill_forward(f, stream_);
-      FUSEDCE_TRY(last_error("the distillation forward kernel"));
-    }
-    if (none) return Status::Ok();
-    DistillFinishParams fin{};
-    fin.r = rows_of(c_);
-    fin.N = p_.N;
-    fin.row_loss = at<float>(p_.row_loss);
-    fin.reduction = static_cast<int>(c_.options.reduction);
-    fin.loss = static_cast<float*>(o.loss.data);
-    fin.count = at<int64_t>(p_.count);
-    launch_distill_finish(fin, stream_);
-    return last_error("the distillation reduction kernel");
+    DistillForwardParams f = forward_params();
+    FUSEDCE_TRY(over_chunks([&](int64_t r0, int64_t nc) { return forward_rows(&f, r0, nc); }));
+    return finish_forward();
   }
 
   Status backward() {
-    const LinearGrads& g = c_.grads;
-    if (c_.options.reduction == Reduction::kMean) {  // the mean's count of rows, on the device
+    FUSEDCE_TRY(prepare_backward());
+    if (p_.N == 0) return clear_grads();
+    DistillBackwardParams b = backward_params(static_cast<const float*>(c_.stats.data),
+                                              static_cast<const float*>(c_.grad_loss.data), c_.grad_loss.stride);
+    FUSEDCE_TRY(over_chunks([&](int64_t r0, int64_t nc) { return backward_rows(&b, r0, nc); }));
+    return finish_backward();
+  }
+
+  /// Step 1 of the vocabulary-parallel form: the rows' states over the shard, chunk by chunk.
+  Status shard_stats() {
+    const MatrixView& out = c_.shard_stats;
+    FUSEDCE_TRY(clear(out.data, size_t(p_.N + 1) * kDistillShardStatsWidth * 4, "clearing the shard's statistics"));
+    DistillShardStatsParams st = chunk_params(DistillShardStatsParams{});
+    st.out = static_cast<float*>(out.data);
+    return chunk_kernel(&st, launch_distill_shard_stats, "the shard statistics kernel");
+  }
+
+  /// Step 3: the rows' parts over the shard against step 2's global log-sum-exps.
+  Status shard_parts() {
+    const int64_t width = distill_shard_parts_width(p_.K);
+    FUSEDCE_TRY(clear(c_.parts.data, size_t(p_.N) * size_t(width) * 4, "clearing the shard's parts"));
+    DistillShardPartsParams pp = chunk_params(DistillShardPartsParams{});
+    pp.row_stats = static_cast<const float*>(c_.row_stats.data);
+    pp.parts = static_cast<float*>(c_.parts.data);
+    pp.width = width;
+    return chunk_kernel(&pp, launch_distill_shard_parts, "the shard parts kernel");
+  }
+
+  /// The forward and the backward for an upstream gradient of 1, each chunk's logits formed once.
+  Status forward_backward() {
+    FUSEDCE_TRY(prepare_backward());
+    launch_fill_ones(ws_ + p_.unit, 1, DType::kFloat32, stream_);
+    FUSEDCE_TRY(last_error("writing the upstream gradient"));
+    DistillForwardParams f = forward_params();
+    DistillBackwardParams b = backward_params(static_cast<const float*>(c_.out.stats.data), at<float>(p_.unit), 0);
+    FUSEDCE_TRY(over_chunks([&](int64_t r0, int64_t nc) {
+      FUSEDCE_TRY(forward_rows(&f, r0, nc));  // writes the rows' statistics the backward reads
+      return backward_rows(&b, r0, nc);
+    }));
+    FUSEDCE_TRY(finish_forward());
+    return p_.N == 0 ? clear_grads() : finish_backward();
+  }
+
+ private:
+  /// A chunk kernel's parameters: the rows, the logits chunks and the teacher of this call.
+  template <class P>
+  P chunk_params(P p) const {
+    p.r = rows_of(c_);
+    p.logits = ws_ + p_.logits;
+    p.ld = p_.ld;
+    p.dtype = p_.dtype;
+    p.t = teacher_rows();
+    return p;
+  }
+
+  /// launch(*p) over every chunk's rows, after the chunk's logits are formed.
+  template <class P>
+  Status chunk_kernel(P* p, void (*launch)(const P&, cudaStream_t), const char* what) {
+    return over_chunks([&](int64_t r0, int64_t nc) {
+      p->r.r0 = r0;
+      p->r.rows = nc;
+      launch(*p, stream_);
+      return last_error(what);
+    });
+  }
+
+  /// body(r0, nc) over the token chunks [r0, r0 + nc), each after its logits are formed.
+  template <class Body>
+  Status over_chunks(Body&& body) {
+    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
+      const int64_t nc = std::min(p_.rows, p_.N - r0);
+      FUSEDCE_TRY(logits(r0, nc));
+      FUSEDCE_TRY(body(r0, nc));
+    }
+    return Status::Ok();
+  }
+
+  template <typename T>
+  T* at(size_t offset) const {
+    return reinterpret_cast<T*>(ws_ + offset);
+  }
+
+  DistillForwardParams forward_params() const {
+    DistillForwardParams f = outputs_of(c_, at<float>(p_.row_loss), kDistillStatsWidth);
+    f.ld = p_.ld;
+    f.dtype = p_.dtype;
+    f.t = teacher_rows();
+    return f;
+  }
+
+  /// The forward's row kernel over the chunk rows [r0, r0 + nc), whose logits are formed.
+  Status forward_rows(DistillForwardParams* f, int64_t r0, int64_t nc) {
+    f->logits = ws_ + p_.logits;
+    f->r.r0 = r0;
+    f->r.rows = nc;
+    launch_distill_forward(*f, stream_);
+    return last_error("the distillation forward kernel");
+  }
+
+  /// After the last chunk: the rows' losses reduced in row order (reduction mean or sum).
+  Status finish_forward() { return finish_loss(c_, p_.N, at<float>(p_.row_loss), at<int64_t>(p_.count), stream_); }
+
+  /// Before any row's gradient: the mean's count of rows (on the device) and grad_bias's ones.
+  Status prepare_backward() {
+    if (c_.options.reduction == Reduction::kMean) {
       DistillFinishParams fin{};
       fin.r = rows_of(c_);
       fin.N = p_.N;
@@ -181,35 +296,48 @@ class Run {
       launch_distill_finish(fin, stream_);
       FUSEDCE_TRY(last_error("counting the rows"));
     }
-    if (g.grad_bias.data) {
+    if (c_.grads.grad_bias.data) {
       launch_fill_ones(ws_ + p_.ones, p_.rows, p_.dtype, stream_);
       FUSEDCE_TRY(last_error("filling the ones vector"));
     }
-    if (p_.N == 0) return clear_grads();
+    return Status::Ok();
+  }
+
+  DistillBackwardParams backward_params(const float* stats, const float* grad_loss, int64_t grad_stride) const {
     DistillBackwardParams b{};
     b.r = rows_of(c_);
     b.ld = p_.ld;
     b.dtype = p_.dtype;
     b.t = teacher_rows();
-    b.stats = static_cast<const float*>(c_.stats.data);
-    b.grad_loss = static_cast<const float*>(c_.grad_loss.data);
-    b.grad_stride = c_.grad_loss.stride;
+    b.stats = stats;
+    // a shard's top-k backward reads step 4's statistics, the gathered q after the row's own
+    b.stats_width = c_.shard_step == detail::ShardStep::kBackward && p_.topk ? distill_shard_stats_width(p_.K)
+                                                                              : kDistillStatsWidth;
+    b.grad_loss = grad_loss;
+    b.grad_stride = grad_stride;
     b.reduction = static_cast<int>(c_.options.reduction);
     b.count = at<int64_t>(p_.count);
     b.entry_y = p_.entry_y ? at<float>(p_.entry_y) : nullptr;
     b.entry_g = p_.entry_g ? at<float>(p_.entry_g) : nullptr;
     b.keys = p_.keys ? at<uint64_t>(p_.keys) : nullptr;
     b.Kp = p_.Kp;
-    for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
-      const int64_t nc = std::min(p_.rows, p_.N - r0);
-      FUSEDCE_TRY(logits(r0, nc));
-      b.logits = ws_ + p_.logits;
-      b.r.r0 = r0;
-      b.r.rows = nc;
-      launch_distill_backward(b, stream_);
-      FUSEDCE_TRY(last_error("the distillation backward kernel"));
-      FUSEDCE_TRY(gradient_products(r0, nc));
-    }
+    return b;
+  }
+
+  /// The backward's row kernel over the chunk rows [r0, r0 + nc) (dlogits in place of the
+  /// student's logits), then the chunk's gradient products.
+  Status backward_rows(DistillBackwardParams* b, int64_t r0, int64_t nc) {
+    b->logits = ws_ + p_.logits;
+    b->r.r0 = r0;
+    b->r.rows = nc;
+    launch_distill_backward(*b, stream_);
+    FUSEDCE_TRY(last_error("the distillation backward kernel"));
+    return gradient_products(r0, nc);
+  }
+
+  /// After the last chunk: grad_weight and grad_bias rounded from their float32 sums.
+  Status finish_backward() {
+    const LinearGrads& g = c_.grads;
     if (p_.gw_acc) {
       launch_convert(ConvertParams{at<float>(p_.gw), g.grad_weight.data, p_.V, p_.H, g.grad_weight.row_stride, p_.dtype},
                      stream_);
@@ -220,12 +348,6 @@ class Run {
       FUSEDCE_TRY(last_error("rounding grad_bias"));
     }
     return Status::Ok();
-  }
-
- private:
-  template <typename T>
-  T* at(size_t offset) const {
-    return reinterpret_cast<T*>(ws_ + offset);
   }
 
   GemmCall base() const {
@@ -359,6 +481,11 @@ class Run {
     return e == cudaSuccess ? last_error("clearing the gradients") : device_error(e, "clearing the gradients");
   }
 
+  Status clear(void* data, size_t bytes, const char* what) {
+    const cudaError_t e = bytes ? cudaMemsetAsync(data, 0, bytes, stream_) : cudaSuccess;
+    return e == cudaSuccess ? Status::Ok() : device_error(e, what);
+  }
+
   const detail::DistillCall& c_;
   const Plan& p_;
   char* ws_;
@@ -372,23 +499,91 @@ Status check_bias_stride(const char* name, const VectorView& b) {
                 std::string(name) + ": the CUDA backend needs stride 1, got " + std::to_string(b.stride));
 }
 
+Status check_head_biases(const detail::DistillCall& call) {
+  FUSEDCE_TRY(check_bias_stride("bias", call.bias));
+  if (!call.teacher.topk()) FUSEDCE_TRY(check_bias_stride("teacher_bias", call.teacher.bias));
+  return Status::Ok();
+}
+
+/// Step 2 of the vocabulary-parallel form.
+Status shard_merge(const detail::DistillCall& c, cudaStream_t stream) {
+  DistillShardMergeParams m{};
+  m.r = rows_of(c);
+  m.N = c.row_stats.rows;
+  m.world = c.world;
+  m.gathered = static_cast<const float*>(c.shard_stats.data);
+  m.row_stats = static_cast<float*>(c.row_stats.data);
+  m.hard = static_cast<float*>(c.hard.data);
+  m.hard_stride = c.hard.stride;
+  launch_distill_shard_merge(m, stream);
+  return last_error("the shard merge kernel");
+}
+
+/// Step 4 (both forms): the forward's outputs from the gathered parts, then the reduced loss.
+Status shard_reduce(const detail::DistillCall& c, cudaStream_t stream) {
+  const int64_t N = c.row_stats.rows, K = c.topk_k();
+  const size_t row_loss_bytes = align_up(size_t(std::max<int64_t>(N, 1)) * 4);
+  return with_workspace(row_loss_bytes + sizeof(int64_t), stream, [&](char* ws) {
+    DistillShardReduceParams q{};
+    q.f = outputs_of(c, reinterpret_cast<float*>(ws), K > 0 ? distill_shard_stats_width(K) : kDistillStatsWidth);
+    q.N = N;
+    q.world = c.world;
+    q.K = K;
+    q.gathered = static_cast<const float*>(c.parts.data);
+    q.width = distill_shard_parts_width(K);
+    q.teacher_logprobs = static_cast<const float*>(c.teacher.topk_logprobs.data);
+    q.lp_stride = ld_of(c.teacher.topk_logprobs);
+    q.row_stats = static_cast<const float*>(c.row_stats.data);
+    q.hard = static_cast<const float*>(c.hard.data);
+    q.hard_stride = c.hard.stride;
+    launch_distill_shard_reduce(q, stream);
+    FUSEDCE_TRY(last_error("the shard reduction kernel"));
+    return finish_loss(c, N, reinterpret_cast<float*>(ws), reinterpret_cast<int64_t*>(ws + row_loss_bytes), stream);
+  });
+}
+
 }  // namespace
 
 Status run_distill(const detail::DistillCall& call) {
-  FUSEDCE_TRY(check_bias_stride("bias", call.bias));
-  if (!call.teacher.topk()) FUSEDCE_TRY(check_bias_stride("teacher_bias", call.teacher.bias));
+  FUSEDCE_TRY(check_head_biases(call));
   DeviceGuard guard(call.device.index);
   (void)cudaGetLastError();  // an earlier, unrelated error must not be reported as ours
   const Plan plan = plan_of(call);
   cudaStream_t stream = static_cast<cudaStream_t>(call.device.stream);
-  void* scratch = nullptr;
-  cudaError_t e = cudaMallocAsync(&scratch, plan.total, stream);
-  if (e != cudaSuccess) return device_error(e, "allocating the distillation's workspace (cudaMallocAsync)");
-  Run run(call, plan, static_cast<char*>(scratch));
-  const Status s = call.backward ? run.backward() : run.forward();
-  e = cudaFreeAsync(scratch, stream);
-  if (s.ok() && e != cudaSuccess) return device_error(e, "freeing the distillation's workspace (cudaFreeAsync)");
-  return s;
+  return with_workspace(plan.total, stream, [&](char* ws) {
+    Run run(call, plan, ws);
+    return call.fused ? run.forward_backward() : call.backward ? run.backward() : run.forward();
+  });
+}
+
+Status run_distill_shard(const detail::DistillCall& call) {
+  DeviceGuard guard(call.device.index);
+  (void)cudaGetLastError();  // an earlier, unrelated error must not be reported as ours
+  cudaStream_t stream = static_cast<cudaStream_t>(call.device.stream);
+  switch (call.shard_step) {
+    case detail::ShardStep::kMerge:
+      return shard_merge(call, stream);
+    case detail::ShardStep::kReduce:
+    case detail::ShardStep::kReduceTopk:
+      return shard_reduce(call, stream);
+    default:
+      break;
+  }
+  FUSEDCE_TRY(check_head_biases(call));
+  const Plan plan = plan_of(call);
+  return with_workspace(plan.total, stream, [&](char* ws) {
+    Run run(call, plan, ws);
+    switch (call.shard_step) {
+      case detail::ShardStep::kStats:
+        return run.shard_stats();
+      case detail::ShardStep::kParts:
+        return run.shard_parts();
+      case detail::ShardStep::kBackward:
+        return run.backward();
+      default:
+        return Status(StatusCode::kInvalidArgument, "shard_step must be one of the vocabulary-parallel steps");
+    }
+  });
 }
 
 }  // namespace cuda

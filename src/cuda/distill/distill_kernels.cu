@@ -16,6 +16,7 @@
 #include "cuda/port.h"  // first: the platform's runtime header
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/distill_math.h"
 #include "cuda/distill/distill_kernels.h"
@@ -134,6 +135,110 @@ __device__ void block_lse(Online (&a)[K], Lse (&out)[K], float* fsmem, double* d
 
 // ---- rows -------------------------------------------------------------------------------------
 
+// Row access in groups of 8 consecutive elements (16 bytes of a 16-bit type, 32 of float32),
+// kUnroll groups of each head loaded before any is used; a row whose start (in either head) is
+// not 16-byte aligned, and the last V % 8 columns, go element by element. Each thread visits the
+// columns of its groups, then its tail columns, in a fixed order: the same bits run to run.
+constexpr int kGroup = 8;
+constexpr int kUnroll = 4;
+
+template <typename T>
+__device__ __forceinline__ bool aligned16(const T* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+/// Eight elements of a row as loaded (16-byte words), converted to float only where used, so
+/// that kUnroll groups of both heads in flight hold 16 or 32 bytes each in registers.
+template <typename T>
+struct Group {
+  static constexpr int kWords = kGroup / Segment<T>::kVec;
+  U32x4 w[kWords];
+};
+
+/// Elements [0, 8) at p (16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void load_group(const T* p, Group<T>& g) {
+#pragma unroll
+  for (int h = 0; h < Group<T>::kWords; ++h) g.w[h] = reinterpret_cast<const U32x4*>(p)[h];
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack_group(const Group<T>& g, float (&v)[kGroup]) {
+  constexpr int kVec = Segment<T>::kVec;
+#pragma unroll
+  for (int h = 0; h < Group<T>::kWords; ++h) {
+    Segment<T> seg;
+    seg.raw = g.w[h];
+#pragma unroll
+    for (int k = 0; k < kVec / 2; ++k) {
+      const float2 q = seg_pair(seg, k);
+      v[h * kVec + 2 * k] = q.x;
+      v[h * kVec + 2 * k + 1] = q.y;
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_group(T* p, const float (&v)[kGroup]) {
+  constexpr int kVec = Segment<T>::kVec;
+#pragma unroll
+  for (int h = 0; h < kGroup / kVec; ++h) {
+    Segment<T> seg;
+#pragma unroll
+    for (int k = 0; k < kVec / 2; ++k) set_pair(seg, k, v[h * kVec + 2 * k], v[h * kVec + 2 * k + 1]);
+    *reinterpret_cast<U32x4*>(p + h * kVec) = seg.raw;
+  }
+}
+
+/// f(j, xs[j], xt[j]) (as float) over this thread's columns j of a row of V, xt read when kTwo
+/// (else f gets 0 for it). With kWrite, xs[j] becomes f's value (each column read before it is
+/// written, by the same thread).
+template <bool kTwo, bool kWrite, typename S, typename T, typename F>
+__device__ __forceinline__ void row_visit(S* xs, const T* xt, int64_t V, F&& f) {
+  int64_t tail = 0;
+  if (aligned16(xs) && (!kTwo || aligned16(xt))) {
+    const int64_t groups = V / kGroup;
+    auto visit = [&](int64_t g, const Group<S>& gs, const Group<T>& gt) {
+      float a[kGroup], b[kGroup] = {};
+      unpack_group(gs, a);
+      if (kTwo) unpack_group(gt, b);
+#pragma unroll
+      for (int e = 0; e < kGroup; ++e) a[e] = f(g * kGroup + e, a[e], b[e]);
+      if (kWrite) store_group(xs + g * kGroup, a);
+    };
+    int64_t g = threadIdx.x;
+    for (; g + (kUnroll - 1) * kThreads < groups; g += kUnroll * kThreads) {
+      Group<S> gs[kUnroll];
+      Group<T> gt[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        load_group(xs + (g + u * kThreads) * kGroup, gs[u]);
+        if (kTwo) load_group(xt + (g + u * kThreads) * kGroup, gt[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) visit(g + u * kThreads, gs[u], gt[u]);
+    }
+    for (; g < groups; g += kThreads) {
+      Group<S> gs;
+      Group<T> gt;
+      load_group(xs + g * kGroup, gs);
+      if (kTwo) load_group(xt + g * kGroup, gt);
+      visit(g, gs, gt);
+    }
+    tail = groups * kGroup;
+  }
+  for (int64_t j = tail + threadIdx.x; j < V; j += kThreads) {
+    const float v = f(j, Elem<S>::to_float(xs[j]), kTwo ? Elem<T>::to_float(xt[j]) : 0.0f);
+    if (kWrite) xs[j] = Elem<S>::from_float(v);
+  }
+}
+
+/// Row i of a chunk (rows of stride ld) of dtype T.
+template <typename T>
+__device__ __forceinline__ T* chunk_row(const void* base, int64_t ld, int64_t i) {
+  return const_cast<T*>(static_cast<const T*>(base)) + i * ld;
+}
+
 template <typename T>
 __device__ __forceinline__ float load(const void* base, int64_t ld, int64_t i, int64_t j) {
   return Elem<T>::to_float(static_cast<const T*>(base)[i * ld + j]);
@@ -148,16 +253,23 @@ __device__ int64_t label_of(const DistillRows& r, int64_t row) {
 
 __device__ bool counted(const DistillRows& r, int64_t label) { return r.labels == nullptr || label != r.ignore_index; }
 
-/// A counted row whose label cannot be read (outside [0, V)): its outputs become NaN.
+/// A counted row whose label cannot be read (outside [0, v_total)): its outputs become NaN.
 __device__ bool bad_label(const DistillRows& r, int64_t label) {
-  return r.labels != nullptr && (label < 0 || label >= r.V);
+  return r.labels != nullptr && (label < 0 || label >= r.v_total);
 }
 
-/// Whether any of the row's top-k ids lies outside [0, V) (block-wide).
+/// A global vocabulary index as a column of the call's rows: -1 where another shard holds it
+/// (or there is no label).
+__device__ __forceinline__ int64_t local_column(const DistillRows& r, int64_t global) {
+  const int64_t j = global - r.v0;
+  return global >= 0 && j >= 0 && j < r.V ? j : -1;
+}
+
+/// Whether any of the row's top-k ids lies outside [0, v_total) (block-wide).
 __device__ bool bad_ids(const DistillRows& r, const DistillTeacherRows& t, int64_t row) {
   bool bad = false;
   const int64_t* ids = t.ids + row * t.ids_stride;
-  for (int64_t k = threadIdx.x; k < t.K; k += kThreads) bad |= ids[k] < 0 || ids[k] >= r.V;
+  for (int64_t k = threadIdx.x; k < t.K; k += kThreads) bad |= ids[k] < 0 || ids[k] >= r.v_total;
   return block_any(bad);
 }
 
@@ -173,7 +285,7 @@ struct RowOut {
 
 __device__ void write_row(const DistillForwardParams& p, int64_t row, const RowOut& o) {
   if (threadIdx.x != 0) return;
-  for (int q = 0; q < kW; ++q) p.stats[row * kW + q] = o.stats[q];
+  for (int q = 0; q < kW; ++q) p.stats[row * p.stats_width + q] = o.stats[q];
   put(p.divergence, p.divergence_stride, row, o.divergence);
   put(p.hard, p.hard_stride, row, o.hard);
   put(p.entropy, p.entropy_stride, row, o.entropy);
@@ -245,6 +357,26 @@ __device__ __forceinline__ float2 sparse_entry(const DistillRows& r, const Spars
   return make_float2(q, t);
 }
 
+/// The row's divergence of the sparse distributions (block-wide): the valid entries' terms
+/// after the normalisation, in a fixed order, plus the tail entry's (TopkNorm::kTail).
+template <class Get>
+__device__ double sparse_divergence(const DistillRows& r, int64_t K, const float* tlp, Get q_of, float* fsmem,
+                                    double* dsmem) {
+  const SparseNorm n = sparse_norm(r, K, tlp, q_of, fsmem, dsmem);
+  const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
+  double d[1] = {0.0};
+  for (int64_t k = threadIdx.x; k < K; k += kThreads) {
+    if (tlp[k] == -INFINITY) continue;
+    const float2 st = sparse_entry(r, n, q_of(k), tlp[k]);
+    d[0] += detail::divergence_term(kind, st.x, st.y, r.beta, r.log_1mb, r.log_b);
+  }
+  block_sum<1>(d, dsmem);
+  if (r.topk_norm == static_cast<int>(TopkNorm::kTail)) {
+    d[0] += detail::divergence_term(kind, n.s_tail, n.t_tail, r.beta, r.log_1mb, r.log_b);
+  }
+  return d[0];
+}
+
 // ---- the forward ------------------------------------------------------------------------------
 
 /// Full form: one block per chunk row; S, T the student's and the teacher's logit dtypes.
@@ -260,30 +392,32 @@ __global__ void __launch_bounds__(kThreads) full_forward_kernel(const DistillFor
   const Transform hs{r.s_scale, r.s_softcap}, ht{r.t_scale, r.t_softcap};
   const bool hard = label >= 0 && r.hard_weight > 0.0f;
   // pass 1: the log-sum-exps of z_student, z_teacher and (hard term) y_student
+  S* xs = chunk_row<S>(p.logits, p.ld, i);
+  const T* xt = chunk_row<T>(p.t.logits, p.t.ld, i);
   Online a[3] = {online_empty(), online_empty(), online_empty()};
-  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
-    const float ys = detail::transform_y(hs, load<S>(p.logits, p.ld, i, j));
-    const float yt = detail::transform_y(ht, load<T>(p.t.logits, p.t.ld, i, j));
+  row_visit<true, false>(xs, xt, V, [&](int64_t, float xsj, float xtj) {
+    const float ys = detail::transform_y(hs, xsj);
     online_add(a[0], ys * r.inv_t);
-    online_add(a[1], yt * r.inv_t);
+    online_add(a[1], detail::transform_y(ht, xtj) * r.inv_t);
     if (hard) online_add(a[2], ys);
-  }
+    return xsj;
+  });
   Lse l[3];
   block_lse<3>(a, l, fsmem, dsmem);
   // pass 2: entropy, divergence and the JSD's KL(p_s || m), against them
   const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
   double acc[3] = {0.0, 0.0, 0.0};
-  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
-    const float ys = detail::transform_y(hs, load<S>(p.logits, p.ld, i, j));
-    const float yt = detail::transform_y(ht, load<T>(p.t.logits, p.t.ld, i, j));
-    const float s = logp(l[0], ys * r.inv_t), t = logp(l[1], yt * r.inv_t);
+  row_visit<true, false>(xs, xt, V, [&](int64_t, float xsj, float xtj) {
+    const float s = logp(l[0], detail::transform_y(hs, xsj) * r.inv_t);
+    const float t = logp(l[1], detail::transform_y(ht, xtj) * r.inv_t);
     const float ps = expf(s);
     if (ps != 0.0f) acc[0] += static_cast<double>(ps) * s;
     acc[1] += detail::divergence_term(kind, s, t, r.beta, r.log_1mb, r.log_b);
     if (kind == DivergenceKind::kJsd && ps != 0.0f) {
       acc[2] += static_cast<double>(ps) * (s - detail::mixture_log(s, t, r.log_1mb, r.log_b));
     }
-  }
+    return xsj;
+  });
   block_sum<3>(acc, dsmem);
   RowOut o{static_cast<float>(acc[1]), 0.0f, static_cast<float>(-acc[0]), {}};
   o.stats[0] = static_cast<float>(l[0].full);
@@ -293,7 +427,7 @@ __global__ void __launch_bounds__(kThreads) full_forward_kernel(const DistillFor
                                                   : 0.0f;
   if (hard) {
     o.stats[3] = static_cast<float>(l[2].full);
-    o.hard = static_cast<float>(l[2].full - detail::transform_y(hs, load<S>(p.logits, p.ld, i, label)));
+    o.hard = static_cast<float>(l[2].full - detail::transform_y(hs, load<S>(p.logits, p.ld, i, local_column(r, label))));
   }
   write_row(p, row, o);
 }
@@ -310,42 +444,36 @@ __global__ void __launch_bounds__(kThreads) topk_forward_kernel(const DistillFor
   if (bad_label(r, label) || bad_ids(r, p.t, row)) return write_row(p, row, filled_row(NAN));
   const Transform hs{r.s_scale, r.s_softcap};
   const bool hard = label >= 0 && r.hard_weight > 0.0f;
+  S* xs = chunk_row<S>(p.logits, p.ld, i);
   Online a[2] = {online_empty(), online_empty()};
-  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
-    const float ys = detail::transform_y(hs, load<S>(p.logits, p.ld, i, j));
+  row_visit<false, false>(xs, xs, V, [&](int64_t, float xsj, float) {
+    const float ys = detail::transform_y(hs, xsj);
     online_add(a[0], ys * r.inv_t);
     if (hard) online_add(a[1], ys);
-  }
+    return xsj;
+  });
   Lse l[2];
   block_lse<2>(a, l, fsmem, dsmem);
   double ent[1] = {0.0};
-  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
-    const float s = logp(l[0], detail::transform_y(hs, load<S>(p.logits, p.ld, i, j)) * r.inv_t);
+  row_visit<false, false>(xs, xs, V, [&](int64_t, float xsj, float) {
+    const float s = logp(l[0], detail::transform_y(hs, xsj) * r.inv_t);
     const float ps = expf(s);
     if (ps != 0.0f) ent[0] += static_cast<double>(ps) * s;
-  }
+    return xsj;
+  });
   block_sum<1>(ent, dsmem);
   // the sparse entries: q_k, the student's log-probability at id k
   const int64_t* ids = p.t.ids + row * p.t.ids_stride;
   const float* tlp = p.t.logprobs + row * p.t.lp_stride;
-  auto q_of = [&](int64_t k) { return logp(l[0], detail::transform_y(hs, load<S>(p.logits, p.ld, i, ids[k])) * r.inv_t); };
-  const SparseNorm n = sparse_norm(r, K, tlp, q_of, fsmem, dsmem);
-  const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
-  double d[1] = {0.0};
-  for (int64_t k = threadIdx.x; k < K; k += kThreads) {
-    if (tlp[k] == -INFINITY) continue;
-    const float2 st = sparse_entry(r, n, q_of(k), tlp[k]);
-    d[0] += detail::divergence_term(kind, st.x, st.y, r.beta, r.log_1mb, r.log_b);
-  }
-  block_sum<1>(d, dsmem);
-  if (r.topk_norm == static_cast<int>(TopkNorm::kTail)) {
-    d[0] += detail::divergence_term(kind, n.s_tail, n.t_tail, r.beta, r.log_1mb, r.log_b);
-  }
-  RowOut o{static_cast<float>(d[0]), 0.0f, static_cast<float>(-ent[0]), {0.0f, 0.0f, 0.0f, 0.0f}};
+  auto q_of = [&](int64_t k) {
+    return logp(l[0], detail::transform_y(hs, load<S>(p.logits, p.ld, i, local_column(r, ids[k]))) * r.inv_t);
+  };
+  const double d = sparse_divergence(r, K, tlp, q_of, fsmem, dsmem);
+  RowOut o{static_cast<float>(d), 0.0f, static_cast<float>(-ent[0]), {0.0f, 0.0f, 0.0f, 0.0f}};
   o.stats[0] = static_cast<float>(l[0].full);
   if (hard) {
     o.stats[3] = static_cast<float>(l[1].full);
-    o.hard = static_cast<float>(l[1].full - detail::transform_y(hs, load<S>(p.logits, p.ld, i, label)));
+    o.hard = static_cast<float>(l[1].full - detail::transform_y(hs, load<S>(p.logits, p.ld, i, local_column(r, label))));
   }
   write_row(p, row, o);
 }
@@ -381,20 +509,26 @@ __global__ void __launch_bounds__(kThreads) full_backward_kernel(const DistillBa
   const float g = upstream(p, row);
   const float a = r.hard_weight < 1.0f ? (1.0f - r.hard_weight) * g * r.inv_t : 0.0f;  // per unit dz
   const float b = r.hard_weight > 0.0f && label >= 0 ? r.hard_weight * g : 0.0f;
-  const float* st = p.stats + row * kW;
+  const float* st = p.stats + row * p.stats_width;
+  const int64_t column = local_column(r, label);  // the label's column here, or -1
   const Transform hs{r.s_scale, r.s_softcap}, ht{r.t_scale, r.t_softcap};
   const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
   S* x = static_cast<S*>(p.logits) + i * p.ld;
-  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
-    const float y = detail::transform_y(hs, Elem<S>::to_float(x[j]));
+  const float lse_s = st[0], lse_t = st[1], cross = st[2], lse_h = st[3];
+  auto grad = [&](int64_t j, float xj, float xtj) {
+    const float y = detail::transform_y(hs, xj);
     float dy = 0.0f;
     if (a != 0.0f) {
-      const float yt = detail::transform_y(ht, load<T>(p.t.logits, p.t.ld, i, j));
-      const float s = y * r.inv_t - st[0], t = yt * r.inv_t - st[1];
-      dy = a * detail::distill_logit_grad(kind, s, t, st[2], r.log_1mb, r.log_b, r.one_mb);
+      const float s = y * r.inv_t - lse_s, t = detail::transform_y(ht, xtj) * r.inv_t - lse_t;
+      dy = a * detail::distill_logit_grad(kind, s, t, cross, r.log_1mb, r.log_b, r.one_mb);
     }
-    if (b != 0.0f) dy += hard_dy(b, y, st[3], j, label);
-    x[j] = Elem<S>::from_float(dy * detail::transform_dy_of_y(hs, y));
+    if (b != 0.0f) dy += hard_dy(b, y, lse_h, j, column);
+    return dy * detail::transform_dy_of_y(hs, y);
+  };
+  if (a != 0.0f) {
+    row_visit<true, true>(x, chunk_row<T>(p.t.logits, p.t.ld, i), V, grad);
+  } else {  // the hard term only: the teacher's chunk is not read
+    row_visit<false, true>(x, x, V, grad);
   }
 }
 
@@ -419,6 +553,8 @@ __device__ void block_sort(uint64_t* keys, int64_t n) {
 /// Top-k form: one block per chunk row. dD/dq_k (through the normalisation) first, into the
 /// scratch; then the dense part of every column, -a e^{s_j} sum_k dD/dq_k (+ the hard term);
 /// then each distinct id once: its column again, plus a dD/dq_k of each of its entries (k order).
+/// Over a vocabulary shard the q_k come from the statistics (step 4 gathered them from every
+/// shard) and only the ids this shard holds have columns here.
 template <typename S>
 __global__ void __launch_bounds__(kThreads) topk_backward_kernel(const DistillBackwardParams p) {
   __shared__ float fsmem[2 * kWarps];
@@ -431,7 +567,9 @@ __global__ void __launch_bounds__(kThreads) topk_backward_kernel(const DistillBa
   const float g = upstream(p, row);
   const float a = r.hard_weight < 1.0f ? (1.0f - r.hard_weight) * g * r.inv_t : 0.0f;
   const float b = r.hard_weight > 0.0f && label >= 0 ? r.hard_weight * g : 0.0f;
-  const float* st = p.stats + row * kW;
+  const float* st = p.stats + row * p.stats_width;
+  const bool gathered_q = p.stats_width > kW;
+  const int64_t column = local_column(r, label);
   const Transform hs{r.s_scale, r.s_softcap};
   S* x = static_cast<S*>(p.logits) + i * p.ld;
   const int64_t* ids = p.t.ids + row * p.t.ids_stride;
@@ -440,9 +578,12 @@ __global__ void __launch_bounds__(kThreads) topk_backward_kernel(const DistillBa
   float* eg = p.entry_g + i * K;
   float sum_gq = 0.0f;
   if (a != 0.0f) {
-    for (int64_t k = threadIdx.x; k < K; k += kThreads) ey[k] = detail::transform_y(hs, Elem<S>::to_float(x[ids[k]]));
+    for (int64_t k = threadIdx.x; k < K; k += kThreads) {
+      const int64_t j = local_column(r, ids[k]);
+      ey[k] = j >= 0 ? detail::transform_y(hs, Elem<S>::to_float(x[j])) : 0.0f;
+    }
     __syncthreads();  // ey complete: the norms read every entry
-    auto q_of = [&](int64_t k) { return ey[k] * r.inv_t - st[0]; };
+    auto q_of = [&](int64_t k) { return gathered_q ? st[kW + k] : ey[k] * r.inv_t - st[0]; };
     const SparseNorm n = sparse_norm(r, K, tlp, q_of, fsmem, dsmem);
     const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
     double tot[1] = {0.0};
@@ -473,30 +614,30 @@ __global__ void __launch_bounds__(kThreads) topk_backward_kernel(const DistillBa
     }
     block_sum<1>(adjusted, dsmem);  // (its barriers also order eg's writes before the reads below)
     sum_gq = static_cast<float>(adjusted[0]);
-    for (int64_t k = threadIdx.x; k < p.Kp; k += kThreads) {
-      p.keys[i * p.Kp + k] = k < K ? (static_cast<uint64_t>(ids[k]) << 32) | static_cast<uint64_t>(k) : ~uint64_t(0);
+    for (int64_t k = threadIdx.x; k < p.Kp; k += kThreads) {  // ids held elsewhere sort last, as padding
+      const int64_t j = k < K ? local_column(r, ids[k]) : -1;
+      p.keys[i * p.Kp + k] = j >= 0 ? (static_cast<uint64_t>(j) << 32) | static_cast<uint64_t>(k) : ~uint64_t(0);
     }
     __syncthreads();  // keys written before the sort
     block_sort(p.keys + i * p.Kp, p.Kp);
   }
   auto dense = [&](float y, int64_t j) {
     float dy = a != 0.0f ? -a * expf(y * r.inv_t - st[0]) * sum_gq : 0.0f;
-    if (b != 0.0f) dy += hard_dy(b, y, st[3], j, label);
+    if (b != 0.0f) dy += hard_dy(b, y, st[3], j, column);
     return dy * detail::transform_dy_of_y(hs, y);
   };
-  for (int64_t j = threadIdx.x; j < V; j += kThreads) {
-    x[j] = Elem<S>::from_float(dense(detail::transform_y(hs, Elem<S>::to_float(x[j])), j));
-  }
+  row_visit<false, true>(x, x, V, [&](int64_t j, float xj, float) { return dense(detail::transform_y(hs, xj), j); });
   if (a == 0.0f) return;
   __syncthreads();  // the dense pass wrote every column before the ids' columns are rewritten
   const uint64_t* keys = p.keys + i * p.Kp;
   for (int64_t q = threadIdx.x; q < K; q += kThreads) {
+    if (keys[q] == ~uint64_t(0)) continue;  // an id another shard holds
     const int64_t id = static_cast<int64_t>(keys[q] >> 32);
     if (q > 0 && static_cast<int64_t>(keys[q - 1] >> 32) == id) continue;  // not its id's first entry
     const int64_t k0 = static_cast<int64_t>(keys[q] & 0xffffffffu);
     const float y = ey[k0], dk = detail::transform_dy_of_y(hs, y);
     float v = dense(y, id);
-    for (int64_t e = q; e < K && static_cast<int64_t>(keys[e] >> 32) == id; ++e) {
+    for (int64_t e = q; e < K && keys[e] != ~uint64_t(0) && static_cast<int64_t>(keys[e] >> 32) == id; ++e) {
       v += a * eg[keys[e] & 0xffffffffu] * dk;
     }
     x[id] = Elem<S>::from_float(v);
@@ -523,6 +664,212 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const DistillFinishPar
   p.loss[0] = static_cast<float>(loss);
 }
 
+// ---- the vocabulary-parallel steps --------------------------------------------------------------
+//
+// As the CPU backend's (src/cpu/distill_cpu.cpp): step 1 each row's (max, sum of exps) per head
+// over the shard, step 2 the ranks' states folded in rank order (LseAccum), step 3 the sums over
+// the shard against the global log-sum-exps, each handed on as a float32 pair (hi, lo), step 4
+// the ranks' pairs added in double in rank order. Steps 2 and 4 read the same gathered bits in
+// the same order on every rank, so every rank has the same results. A row whose label (or a
+// top-k id) lies outside [0, v_total), or whose label no rank or several ranks hold, gets NaN
+// instead of an error (no host synchronisation).
+
+constexpr int kSW = kDistillShardStatsWidth;
+constexpr int kStateColumns = 8;  // step 1's columns; the rest of a row is spare
+constexpr int kPW = kDistillPartsWidth;
+
+/// The block's (max, sum of exp(z - max)) of K running states, as the CPU's row_state: no finite
+/// entry gives (-inf, 0), an infinite max (inf, 1).
+template <int K>
+__device__ void block_state(const Online (&a)[K], float (&m)[K], float (&s)[K], float* fsmem, double* dsmem) {
+#pragma unroll
+  for (int q = 0; q < K; ++q) m[q] = a[q].m;
+  block_max<K>(m, fsmem);
+  double t[K];
+#pragma unroll
+  for (int q = 0; q < K; ++q) t[q] = isinf(m[q]) ? 0.0 : online_scaled(a[q], m[q]);
+  block_sum<K>(t, dsmem);
+#pragma unroll
+  for (int q = 0; q < K; ++q) s[q] = m[q] == -INFINITY ? 0.0f : isinf(m[q]) ? 1.0f : static_cast<float>(t[q]);
+}
+
+/// A double as a float32 pair whose sum in double is the double to about 2^-48 relative.
+__device__ void split_double(double x, float* hi, float* lo) {
+  *hi = static_cast<float>(x);
+  *lo = isfinite(x) ? static_cast<float>(x - static_cast<double>(*hi)) : 0.0f;
+}
+
+/// Step 1, one block per chunk row: columns 0, 1 the student's state of z, 2, 3 the teacher's
+/// (kTwo; else the empty state), 4, 5 the student's at temperature 1, 6 its y at the label and 7
+/// the flag 1 where this shard holds the label (4..7 with a hard term only).
+template <typename S, typename T, bool kTwo>
+__global__ void __launch_bounds__(kThreads) shard_stats_kernel(const DistillShardStatsParams p) {
+  __shared__ float fsmem[3 * kWarps];
+  __shared__ double dsmem[3 * kWarps];
+  const DistillRows& r = p.r;
+  const int64_t i = blockIdx.x, row = r.r0 + i, V = r.V;
+  const int64_t label = label_of(r, row);
+  if (!counted(r, label)) return;  // zeroed by the caller
+  float* o = p.out + row * kSW;
+  if (bad_label(r, label) || (!kTwo && bad_ids(r, p.t, row))) {
+    if (threadIdx.x < kStateColumns) o[threadIdx.x] = NAN;  // column 8 stays the front end's
+    return;
+  }
+  const Transform hs{r.s_scale, r.s_softcap}, ht{r.t_scale, r.t_softcap};
+  const bool hard = label >= 0 && r.hard_weight > 0.0f;
+  S* xs = chunk_row<S>(p.logits, p.ld, i);
+  const T* xt = kTwo ? chunk_row<T>(p.t.logits, p.t.ld, i) : nullptr;
+  Online a[3] = {online_empty(), online_empty(), online_empty()};
+  row_visit<kTwo, false>(xs, xt, V, [&](int64_t, float xsj, float xtj) {
+    const float ys = detail::transform_y(hs, xsj);
+    online_add(a[0], ys * r.inv_t);
+    if (kTwo) online_add(a[1], detail::transform_y(ht, xtj) * r.inv_t);
+    if (hard) online_add(a[2], ys);
+    return xsj;
+  });
+  float m[3], sum[3];
+  block_state<3>(a, m, sum, fsmem, dsmem);
+  if (threadIdx.x != 0) return;
+  o[0] = m[0];
+  o[1] = sum[0];
+  o[2] = kTwo ? m[1] : -INFINITY;
+  o[3] = kTwo ? sum[1] : 0.0f;
+  if (!hard) return;
+  o[4] = m[2];
+  o[5] = sum[2];
+  const int64_t j = local_column(r, label);
+  if (j >= 0) {
+    o[6] = detail::transform_y(hs, load<S>(p.logits, p.ld, i, j));
+    o[7] = 1.0f;
+  }
+}
+
+/// Step 3, one block per chunk row: (D, KL(p_s || m), entropy) over the shard, each as a pair
+/// (kTwo); the top-k form: the entropy's pair, then q_k at the ids this shard holds.
+template <typename S, typename T, bool kTwo>
+__global__ void __launch_bounds__(kThreads) shard_parts_kernel(const DistillShardPartsParams p) {
+  __shared__ double dsmem[3 * kWarps];
+  const DistillRows& r = p.r;
+  const int64_t i = blockIdx.x, row = r.r0 + i, V = r.V;
+  const int64_t label = label_of(r, row);
+  if (!counted(r, label)) return;  // zeroed by the caller
+  float* o = p.parts + row * p.width;
+  if (bad_label(r, label) || (!kTwo && bad_ids(r, p.t, row))) {
+    for (int64_t k = threadIdx.x; k < p.width; k += kThreads) o[k] = NAN;
+    return;
+  }
+  const Transform hs{r.s_scale, r.s_softcap}, ht{r.t_scale, r.t_softcap};
+  const float lse_s = p.row_stats[row * kW], lse_t = p.row_stats[row * kW + 1];
+  const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
+  S* xs = chunk_row<S>(p.logits, p.ld, i);
+  const T* xt = kTwo ? chunk_row<T>(p.t.logits, p.t.ld, i) : nullptr;
+  double acc[3] = {0.0, 0.0, 0.0};  // D, KL(p_s || m), sum p_s s
+  row_visit<kTwo, false>(xs, xt, V, [&](int64_t, float xsj, float xtj) {
+    const float s = detail::transform_y(hs, xsj) * r.inv_t - lse_s;
+    const float ps = expf(s);
+    if (ps != 0.0f) acc[2] += static_cast<double>(ps) * s;
+    if (kTwo) {
+      const float t = detail::transform_y(ht, xtj) * r.inv_t - lse_t;
+      acc[0] += detail::divergence_term(kind, s, t, r.beta, r.log_1mb, r.log_b);
+      if (kind == DivergenceKind::kJsd && ps != 0.0f) {
+        acc[1] += static_cast<double>(ps) * (s - detail::mixture_log(s, t, r.log_1mb, r.log_b));
+      }
+    }
+    return xsj;
+  });
+  block_sum<3>(acc, dsmem);
+  if (!kTwo) {
+    const int64_t* ids = p.t.ids + row * p.t.ids_stride;
+    for (int64_t k = threadIdx.x; k < p.t.K; k += kThreads) {
+      const int64_t j = local_column(r, ids[k]);
+      if (j >= 0) o[kPW + k] = detail::transform_y(hs, load<S>(p.logits, p.ld, i, j)) * r.inv_t - lse_s;
+    }
+  }
+  if (threadIdx.x != 0) return;
+  if (kTwo) {
+    split_double(acc[0], o + 0, o + 1);
+    split_double(acc[1], o + 2, o + 3);
+  }
+  split_double(-acc[2], o + 4, o + 5);
+}
+
+/// Step 2, one thread per row.
+__global__ void __launch_bounds__(kThreads) shard_merge_kernel(const DistillShardMergeParams p) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= p.N) return;
+  float* o = p.row_stats + i * kW;
+  float* hard_out = p.hard + i * p.hard_stride;
+  for (int q = 0; q < kW; ++q) o[q] = 0.0f;
+  *hard_out = 0.0f;
+  const int64_t label = label_of(p.r, i);
+  if (!counted(p.r, label)) return;
+  const bool hard = p.r.labels != nullptr && p.r.hard_weight > 0.0f;
+  detail::LseAccum s = detail::lse_accum_empty(), t = detail::lse_accum_empty(), h = detail::lse_accum_empty();
+  double y = 0.0;
+  int holders = 0;
+  for (int64_t rank = 0; rank < p.world; ++rank) {  // rank order: the same bits on every rank
+    const float* g = p.gathered + (rank * (p.N + 1) + i) * kSW;
+    detail::lse_accum_add(s, detail::LseState{g[0], g[1], 0.0f});
+    detail::lse_accum_add(t, detail::LseState{g[2], g[3], 0.0f});
+    if (!hard) continue;
+    detail::lse_accum_add(h, detail::LseState{g[4], g[5], 0.0f});
+    if (g[7] != 0.0f) {
+      y = g[6];
+      ++holders;
+    }
+  }
+  if (hard && holders != 1) {  // the shards do not tile the vocabulary at this label
+    for (int q = 0; q < kW; ++q) o[q] = NAN;
+    *hard_out = NAN;
+    return;
+  }
+  o[0] = detail::lse_accum_value(s);
+  o[1] = t.s == 0.0 ? 0.0f : detail::lse_accum_value(t);  // a top-k teacher's states are all empty
+  if (!hard) return;
+  const double lse_h = static_cast<double>(h.m) + log(h.s);
+  o[3] = static_cast<float>(lse_h);
+  *hard_out = static_cast<float>(lse_h - y);
+}
+
+/// Step 4, one block per row.
+template <bool kTopk>
+__global__ void __launch_bounds__(kThreads) shard_reduce_kernel(const DistillShardReduceParams p) {
+  __shared__ float fsmem[2 * kWarps];
+  __shared__ double dsmem[2 * kWarps];
+  const DistillRows& r = p.f.r;
+  const int64_t row = blockIdx.x, K = p.K, N = p.N;
+  float* q_out = p.f.stats + row * p.f.stats_width + kW;  // the top-k form's q
+  const int64_t label = label_of(r, row);
+  if (!counted(r, label)) {
+    for (int64_t k = threadIdx.x; k < K; k += kThreads) q_out[k] = 0.0f;
+    return write_row(p.f, row, filled_row(0.0f));
+  }
+  const float* rs = p.row_stats + row * kW;
+  RowOut o{0.0f, p.hard[row * p.hard_stride], 0.0f, {rs[0], rs[1], rs[2], rs[3]}};
+  double sums[3] = {0.0, 0.0, 0.0};
+  for (int64_t rank = 0; rank < p.world; ++rank) {  // rank order: the same bits on every rank
+    const float* g = p.gathered + (rank * N + row) * p.width;
+    for (int q = 0; q < 3; ++q) sums[q] += static_cast<double>(g[2 * q]) + static_cast<double>(g[2 * q + 1]);
+  }
+  o.entropy = static_cast<float>(sums[2]);
+  const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
+  if (kTopk) {
+    auto q_of = [&](int64_t k) {  // one rank's entry and zeros: exact in any order, summed in rank order
+      float q = 0.0f;
+      for (int64_t rank = 0; rank < p.world; ++rank) q += p.gathered[(rank * N + row) * p.width + kPW + k];
+      return q;
+    };
+    for (int64_t k = threadIdx.x; k < K; k += kThreads) q_out[k] = q_of(k);
+    o.divergence = static_cast<float>(sparse_divergence(r, K, p.teacher_logprobs + row * p.lp_stride, q_of, fsmem, dsmem));
+  } else {
+    o.divergence = static_cast<float>(sums[0]);
+    o.stats[2] = kind == DivergenceKind::kReverseKl ? o.divergence
+                 : kind == DivergenceKind::kJsd     ? static_cast<float>(sums[1])
+                                                    : 0.0f;
+  }
+  write_row(p.f, row, o);
+}
+
 // ---- dispatch ---------------------------------------------------------------------------------
 
 template <typename F>
@@ -532,42 +879,78 @@ void by_dtype(DType d, F&& f) {
   else f(Half{});
 }
 
+/// launch(S, T, two) with the student's logit type, the teacher's and whether a teacher head
+/// is read (a top-k teacher: T = S, two false).
+template <typename F>
+void by_heads(DType student, const DistillTeacherRows& t, F&& launch) {
+  by_dtype(student, [&](auto s_tag) {
+    if (t.K > 0) {
+      launch(s_tag, s_tag, std::false_type{});
+      return;
+    }
+    by_dtype(t.dtype, [&](auto t_tag) { launch(s_tag, t_tag, std::true_type{}); });
+  });
+}
+
 }  // namespace
 
 void launch_distill_forward(const DistillForwardParams& p, cudaStream_t stream) {
   if (p.r.rows == 0) return;
   const unsigned blocks = static_cast<unsigned>(p.r.rows);
-  by_dtype(p.dtype, [&](auto s_tag) {
-    using S = decltype(s_tag);
-    if (p.t.K > 0) {  // the top-k form
-      topk_forward_kernel<S><<<blocks, kThreads, 0, stream>>>(p);
-      return;
+  by_heads(p.dtype, p.t, [&](auto s_tag, auto t_tag, auto two) {
+    if constexpr (decltype(two)::value) {
+      full_forward_kernel<decltype(s_tag), decltype(t_tag)><<<blocks, kThreads, 0, stream>>>(p);
+    } else {
+      topk_forward_kernel<decltype(s_tag)><<<blocks, kThreads, 0, stream>>>(p);
     }
-    by_dtype(p.t.dtype, [&](auto t_tag) {
-      using T = decltype(t_tag);
-      full_forward_kernel<S, T><<<blocks, kThreads, 0, stream>>>(p);
-    });
   });
 }
 
 void launch_distill_backward(const DistillBackwardParams& p, cudaStream_t stream) {
   if (p.r.rows == 0) return;
   const unsigned blocks = static_cast<unsigned>(p.r.rows);
-  by_dtype(p.dtype, [&](auto s_tag) {
-    using S = decltype(s_tag);
-    if (p.t.K > 0) {  // the top-k form
-      topk_backward_kernel<S><<<blocks, kThreads, 0, stream>>>(p);
-      return;
+  by_heads(p.dtype, p.t, [&](auto s_tag, auto t_tag, auto two) {
+    if constexpr (decltype(two)::value) {
+      full_backward_kernel<decltype(s_tag), decltype(t_tag)><<<blocks, kThreads, 0, stream>>>(p);
+    } else {
+      topk_backward_kernel<decltype(s_tag)><<<blocks, kThreads, 0, stream>>>(p);
     }
-    by_dtype(p.t.dtype, [&](auto t_tag) {
-      using T = decltype(t_tag);
-      full_backward_kernel<S, T><<<blocks, kThreads, 0, stream>>>(p);
-    });
   });
 }
 
 void launch_distill_finish(const DistillFinishParams& p, cudaStream_t stream) {
   finish_kernel<<<1, kThreads, 0, stream>>>(p);
+}
+
+void launch_distill_shard_stats(const DistillShardStatsParams& p, cudaStream_t stream) {
+  if (p.r.rows == 0) return;
+  by_heads(p.dtype, p.t, [&](auto s_tag, auto t_tag, auto two) {
+    shard_stats_kernel<decltype(s_tag), decltype(t_tag), decltype(two)::value>
+        <<<static_cast<unsigned>(p.r.rows), kThreads, 0, stream>>>(p);
+  });
+}
+
+void launch_distill_shard_parts(const DistillShardPartsParams& p, cudaStream_t stream) {
+  if (p.r.rows == 0) return;
+  by_heads(p.dtype, p.t, [&](auto s_tag, auto t_tag, auto two) {
+    shard_parts_kernel<decltype(s_tag), decltype(t_tag), decltype(two)::value>
+        <<<static_cast<unsigned>(p.r.rows), kThreads, 0, stream>>>(p);
+  });
+}
+
+void launch_distill_shard_merge(const DistillShardMergeParams& p, cudaStream_t stream) {
+  if (p.N == 0) return;
+  shard_merge_kernel<<<static_cast<unsigned>((p.N + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
+}
+
+void launch_distill_shard_reduce(const DistillShardReduceParams& p, cudaStream_t stream) {
+  if (p.N == 0) return;
+  const unsigned blocks = static_cast<unsigned>(p.N);
+  if (p.K > 0) {
+    shard_reduce_kernel<true><<<blocks, kThreads, 0, stream>>>(p);
+  } else {
+    shard_reduce_kernel<false><<<blocks, kThreads, 0, stream>>>(p);
+  }
 }
 
 }  // namespace cuda

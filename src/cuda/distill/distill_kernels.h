@@ -21,7 +21,9 @@ struct DistillRows {
   int64_t ignore_index;
   int64_t r0;    // the chunk's first row
   int64_t rows;  // rows in the chunk
-  int64_t V;
+  int64_t V;        // the vocabulary rows of the call's heads
+  int64_t v0;       // the global index of row 0 (a vocabulary shard's start; 0 otherwise)
+  int64_t v_total;  // the whole vocabulary, which labels and top-k ids index (V unless a shard)
   int kind;  // detail::DivergenceKind
   float beta, one_mb, log_1mb, log_b, inv_t, hard_weight;
   float s_scale, s_softcap, t_scale, t_softcap;  // each head's transform (softcap 0: off)
@@ -48,7 +50,8 @@ struct DistillForwardParams {
   int64_t ld;
   DType dtype;
   DistillTeacherRows t;
-  float* stats;  // (N, kDistillStatsWidth) contiguous
+  float* stats;  // (N, stats_width) contiguous, the row's statistics first
+  int64_t stats_width;
   float* row_loss;
   int64_t row_loss_stride;
   float* divergence;
@@ -68,7 +71,8 @@ struct DistillBackwardParams {
   int64_t ld;
   DType dtype;
   DistillTeacherRows t;
-  const float* stats;  // (N, kDistillStatsWidth)
+  const float* stats;  // (N, stats_width): the row's statistics, then (a shard's top-k form) its K q
+  int64_t stats_width;
   const float* grad_loss;
   int64_t grad_stride;
   int reduction;        // Reduction as int
@@ -89,6 +93,62 @@ struct DistillFinishParams {
   float* loss;
   int64_t* count;
 };
+
+// ---- the vocabulary-parallel steps (fusedce/distill.h) ------------------------------------------
+
+/// Step 1 over one chunk: each counted row's states over the shard (rows of
+/// kDistillShardStatsWidth floats; the caller zeroes the (N + 1) rows first).
+struct DistillShardStatsParams {
+  DistillRows r;
+  const void* logits;
+  int64_t ld;
+  DType dtype;
+  DistillTeacherRows t;
+  float* out;
+};
+
+/// Step 3 over one chunk: each counted row's parts over the shard given the global log-sum-exps
+/// (rows of `width` floats; the caller zeroes them first).
+struct DistillShardPartsParams {
+  DistillRows r;
+  const void* logits;
+  int64_t ld;
+  DType dtype;
+  DistillTeacherRows t;
+  const float* row_stats;  // (N, kDistillStatsWidth), step 2's
+  float* parts;
+  int64_t width;
+};
+
+/// Step 2: one thread per row folds the world's step-1 rows in rank order.
+struct DistillShardMergeParams {
+  DistillRows r;  // labels, ignore_index, hard_weight
+  int64_t N, world;
+  const float* gathered;  // (world (N + 1), kDistillShardStatsWidth)
+  float* row_stats;       // (N, kDistillStatsWidth)
+  float* hard;
+  int64_t hard_stride;
+};
+
+/// Step 4: one block per row adds the world's step-3 rows in rank order and writes the forward's
+/// outputs through `f` (f.stats of f.stats_width columns; the top-k form's q after the first
+/// kDistillStatsWidth). The reduced loss is finish's, from f.row_loss.
+struct DistillShardReduceParams {
+  DistillForwardParams f;  // r, outputs; logits and t.logits unused
+  int64_t N, world, K;     // K: the top-k form's ids, 0 for a teacher head
+  const float* gathered;   // (world N, width)
+  int64_t width;
+  const float* teacher_logprobs;  // (N, K), row stride lp_stride; the top-k form
+  int64_t lp_stride;
+  const float* row_stats;  // (N, kDistillStatsWidth)
+  const float* hard;
+  int64_t hard_stride;
+};
+
+void launch_distill_shard_stats(const DistillShardStatsParams& p, cudaStream_t stream);
+void launch_distill_shard_parts(const DistillShardPartsParams& p, cudaStream_t stream);
+void launch_distill_shard_merge(const DistillShardMergeParams& p, cudaStream_t stream);
+void launch_distill_shard_reduce(const DistillShardReduceParams& p, cudaStream_t stream);
 
 void launch_distill_forward(const DistillForwardParams& p, cudaStream_t stream);
 void launch_distill_backward(const DistillBackwardParams& p, cudaStream_t stream);

@@ -198,7 +198,7 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   p.grad_bias = job == Job::kForwardBackward && want_gb;
   p.grad = p.grad_hidden || p.grad_weight || p.grad_bias;
   p.compact = lo.skip_ignored;
-  p.metrics = o.compute_metrics;
+  p.metrics = o.return_metrics;
   p.low_memory = lo.low_memory && p.grad_weight;
   const size_t el = elem_size(dtype);
   const int64_t per16 = static_cast<int64_t>(16 / el);
@@ -245,7 +245,7 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
 
   p.ce_options = o;
   p.ce_options.reduction = Reduction::kNone;
-  p.ce_options.inplace_grad = p.grad;
+  p.ce_options.inplace_backward = p.grad;
   p.ce_options.check_targets = false;
 
   const int64_t C = p.chunk_rows;
@@ -995,13 +995,7 @@ Status run_linear(const detail::LinearCall& call) {
   char* ws = static_cast<char*>(call.workspace.data);
   if (ws == nullptr) {
     // No workspace given: stream-ordered scratch for the call (no host sync, graph-capturable).
-    void* scratch = nullptr;
-    cudaError_t e = cudaMallocAsync(&scratch, plan.total, stream);
-    if (e != cudaSuccess) return device_error(e, "allocating scratch (cudaMallocAsync)");
-    Status s = LinearRun(call, plan, static_cast<char*>(scratch)).run();
-    e = cudaFreeAsync(scratch, stream);
-    if (s.ok() && e != cudaSuccess) return device_error(e, "freeing scratch (cudaFreeAsync)");
-    return s;
+    return with_workspace(plan.total, stream, [&](char* scratch) { return LinearRun(call, plan, scratch).run(); });
   }
   if (call.workspace.bytes < plan.total) {
     std::ostringstream os;

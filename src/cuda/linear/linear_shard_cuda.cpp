@@ -293,15 +293,7 @@ Status run_linear_shard(const detail::LinearCall& call) {
   cudaStream_t stream = static_cast<cudaStream_t>(call.device.stream);
   auto run = [&](char* ws) { return call.shard_step == 1 ? ShardRun(call, plan, ws).stats() : ShardRun(call, plan, ws).backward(); };
   char* ws = static_cast<char*>(call.workspace.data);
-  if (ws == nullptr) {
-    void* scratch = nullptr;
-    cudaError_t e = cudaMallocAsync(&scratch, plan.total, stream);
-    if (e != cudaSuccess) return device_error(e, "allocating scratch (cudaMallocAsync)");
-    Status s = run(static_cast<char*>(scratch));
-    e = cudaFreeAsync(scratch, stream);
-    if (s.ok() && e != cudaSuccess) return device_error(e, "freeing scratch (cudaFreeAsync)");
-    return s;
-  }
+  if (ws == nullptr) return with_workspace(plan.total, stream, run);
   if (call.workspace.bytes < plan.total) {
     return Status(StatusCode::kWorkspaceTooSmall, "workspace has " + std::to_string(call.workspace.bytes) +
                                                       " bytes, this call needs " + std::to_string(plan.total) +

@@ -44,7 +44,9 @@ LpRows rows_of(const detail::LogprobCall& c) {
   r.ignore_index = c.options.ignore_index;
   r.rows = c.rows();
   r.vocab_start = c.shard.vocab_start;
+  r.vocab_total = c.shard.vocab_total;
   r.inv_t = 1.0f / c.options.temperature;
+  r.dist = c.options.distribution_stats;
   return r;
 }
 
@@ -318,15 +320,7 @@ Status run_linear(const detail::LogprobCall& call) {
   cudaStream_t stream = static_cast<cudaStream_t>(call.device.stream);
   auto run = [&](char* ws) { return call.step == 1 ? LinearRun(call, plan, ws).stats() : LinearRun(call, plan, ws).backward(); };
   char* ws = static_cast<char*>(call.workspace.data);
-  if (ws == nullptr) {
-    void* scratch = nullptr;
-    cudaError_t e = cudaMallocAsync(&scratch, plan.total, stream);
-    if (e != cudaSuccess) return device_error(e, "allocating scratch (cudaMallocAsync)");
-    Status s = run(static_cast<char*>(scratch));
-    e = cudaFreeAsync(scratch, stream);
-    if (s.ok() && e != cudaSuccess) return device_error(e, "freeing scratch (cudaFreeAsync)");
-    return s;
-  }
+  if (ws == nullptr) return with_workspace(plan.total, stream, run);
   if (call.workspace.bytes < plan.total) {
     return Status(StatusCode::kWorkspaceTooSmall, "workspace has " + std::to_string(call.workspace.bytes) +
                                                       " bytes, this call needs " + std::to_string(plan.total) +
@@ -348,6 +342,11 @@ Status run_logprobs(const detail::LogprobCall& call) {
     launch_lp_merge(r, static_cast<const float*>(call.stats.data), call.world, call.out.logprob, call.out.entropy,
                     call.out.lse, stream);
     return last_error("the log-probability merge kernel");
+  }
+  if (call.step == 4) {
+    launch_lp_distribution_stats(r, static_cast<const float*>(call.stats.data), call.world,
+                                 call.dist.log_sum_sq_probs, call.dist.mean_logit, call.dist.is_top1, stream);
+    return last_error("the distribution statistics kernel");
   }
   if (call.linear) return run_linear(call);
   if (call.step == 1) {

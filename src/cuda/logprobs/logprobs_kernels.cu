@@ -37,15 +37,36 @@ constexpr int kUnroll = 4;
 /// the sums against it (each segment's in float, the running ones in double: their rounding
 /// does not grow with V). A segment whose max passes the running one moves the state to it
 /// first (one exp), and its first element equal to the new max is the instance r leaves out.
+/// kDist: also q (the squares' sum, as r), the sum of z over the row's columns and the max of z
+/// over the columns before the local target index tl.
 struct LaneState {
   float m = -INFINITY;
-  double r = 0.0, u = 0.0;
+  double r = 0.0, u = 0.0, q = 0.0, z_sum = 0.0;
+  float max_before = -INFINITY;
   bool nan = false;
 
-  template <typename T>
-  __device__ __forceinline__ void push(const Segment<T>& seg, float inv_t) {
+  /// Segment `seg` holds columns [j0, j0 + kVec) (those outside [0, V) are -inf fill).
+  template <bool kDist, typename T>
+  __device__ __forceinline__ void push(const Segment<T>& seg, float inv_t, int64_t j0, int64_t V, int64_t tl) {
     constexpr int kVec = Segment<T>::kVec;
     const float top = seg_max(seg) * inv_t;
+    if (kDist) {
+      const bool whole = j0 >= 0 && j0 + kVec <= V;
+      float zs = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kVec / 2; ++k) {
+        const float2 p = seg_pair(seg, k);
+        const int64_t j = j0 + 2 * k;
+        if (whole || (j >= 0 && j < V)) zs += p.x * inv_t;
+        if (whole || (j + 1 >= 0 && j + 1 < V)) zs += p.y * inv_t;
+        if (j0 + kVec > tl && j0 < tl) {  // the segment holding the target: the columns before it
+          if (j < tl) max_before = fmaxf(max_before, p.x * inv_t);
+          if (j + 1 < tl) max_before = fmaxf(max_before, p.y * inv_t);
+        }
+      }
+      z_sum += zs;
+      if (j0 + kVec <= tl) max_before = fmaxf(max_before, top);
+    }
     bool skip = false;
     if (top > m) {
       if (m != -INFINITY) {
@@ -53,6 +74,7 @@ struct LaneState {
         const double f = exp(d);
         u = (u + (1.0 + r) * d) * f;
         r = (r + 1.0) * f;
+        if (kDist) q = (q + 1.0) * f * f;
       }
       m = top;
       skip = true;
@@ -65,7 +87,7 @@ struct LaneState {
       }
       return;
     }
-    float rs = 0.0f, us = 0.0f;
+    float rs = 0.0f, us = 0.0f, qs = 0.0f;
 #pragma unroll
     for (int k = 0; k < kVec / 2; ++k) {
       const float2 p = seg_pair(seg, k);
@@ -81,14 +103,16 @@ struct LaneState {
         const float x = expf(d);
         rs += x;
         if (x > 0.0f) us += x * d;  // 0, not 0 * -inf
+        if (kDist) qs += x * x;
       }
     }
     r += rs;
     u += us;
+    if (kDist) q += qs;
   }
 };
 
-template <typename T>
+template <typename T, bool kDist>
 __global__ void __launch_bounds__(kThreads) lp_stats_kernel(const LpRows r, const T* logits, int64_t stride,
                                                             int64_t V, float* stats) {
   constexpr int kVec = Segment<T>::kVec;
@@ -96,6 +120,8 @@ __global__ void __launch_bounds__(kThreads) lp_stats_kernel(const LpRows r, cons
   // exp(d), which float32 holds only as a subnormal (a few bits) past d = -87, so its rounding
   // would not average out over them.
   __shared__ detail::LpState<double> part[kThreads];
+  __shared__ double z_part[kDist ? kThreads : 1];
+  __shared__ float before_part[kDist ? kThreads : 1];
   const int64_t i = blockIdx.x;
   const int tid = threadIdx.x;
   float* out = stats + i * kLogprobStatsWidth;
@@ -104,6 +130,7 @@ __global__ void __launch_bounds__(kThreads) lp_stats_kernel(const LpRows r, cons
     if (tid < kLogprobStatsWidth) out[tid] = 0.0f;
     return;
   }
+  const int64_t tl = t - r.vocab_start;
   const T* x = logits + i * stride;
   const int off = row_offset(x);
   const int64_t segs = (V + off + kVec - 1) / kVec;
@@ -115,28 +142,42 @@ __global__ void __launch_bounds__(kThreads) lp_stats_kernel(const LpRows r, cons
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) seg[k] = load_segment(x, s0 + k * kThreads, off, V, fill);
 #pragma unroll
-    for (int k = 0; k < kUnroll; ++k) lane.push(seg[k], r.inv_t);
+    for (int k = 0; k < kUnroll; ++k) lane.push<kDist>(seg[k], r.inv_t, (s0 + k * kThreads) * kVec - off, V, tl);
   }
-  for (; s0 < segs; s0 += kThreads) lane.push(load_segment(x, s0, off, V, fill), r.inv_t);
+  for (; s0 < segs; s0 += kThreads) lane.push<kDist>(load_segment(x, s0, off, V, fill), r.inv_t, s0 * kVec - off, V, tl);
   detail::LpState<double> s = lane.m == -INFINITY ? detail::lp_empty<double>()
-                                                  : detail::LpState<double>{lane.m, lane.r, lane.u};
-  if (lane.nan) s.r = s.u = NAN;
+                                                  : detail::LpState<double>{lane.m, lane.r, lane.u, lane.q};
+  if (lane.nan) s.r = s.u = s.q = NAN;
   part[tid] = s;
+  if (kDist) {
+    z_part[tid] = lane.z_sum;
+    before_part[tid] = lane.max_before;
+  }
   __syncthreads();
   for (int k = kThreads / 2; k > 0; k >>= 1) {
-    if (tid < k) part[tid] = detail::lp_merge(part[tid], part[tid + k]);
+    if (tid < k) {
+      part[tid] = detail::lp_merge(part[tid], part[tid + k]);
+      if (kDist) {
+        z_part[tid] += z_part[tid + k];
+        before_part[tid] = fmaxf(before_part[tid], before_part[tid + k]);
+      }
+    }
     __syncthreads();
   }
   if (tid == 0) {
-    const int64_t tl = t - r.vocab_start;
     const bool holds = tl >= 0 && tl < V;
     out[0] = part[0].m;
     out[1] = static_cast<float>(part[0].r);
     out[2] = static_cast<float>(part[0].u);
     out[3] = holds ? Elem<T>::to_float(x[tl]) * r.inv_t : 0.0f;
     out[4] = holds ? 1.0f : 0.0f;
+    if (kDist) {
+      out[5] = static_cast<float>(part[0].q);
+      out[6] = static_cast<float>(z_part[0]);
+      out[7] = before_part[0];
+    }
   }
-  if (tid >= 5 && tid < kLogprobStatsWidth) out[tid] = 0.0f;
+  if (tid >= (kDist ? 8 : 5) && tid < kLogprobStatsWidth) out[tid] = 0.0f;
 }
 
 __global__ void __launch_bounds__(kMergeThreads) lp_merge_kernel(const LpRows r, const float* gathered, int64_t world,
@@ -150,7 +191,7 @@ __global__ void __launch_bounds__(kMergeThreads) lp_merge_kernel(const LpRows r,
     float z_t = NAN;
     for (int64_t k = 0; k < world; ++k) {
       const float* row = gathered + (k * (r.rows + 1) + i) * kLogprobStatsWidth;
-      st = detail::lp_merge(st, detail::LpState<float>{row[0], row[1], row[2]});
+      st = detail::lp_merge(st, detail::LpState<float>{row[0], row[1], row[2], 0.0f});
       if (row[4] != 0.0f) z_t = row[3];
     }
     res = detail::lp_finish(st, z_t);
@@ -158,6 +199,30 @@ __global__ void __launch_bounds__(kMergeThreads) lp_merge_kernel(const LpRows r,
   logprob[i * lp_stride] = res.logprob;
   lse[i * lse_stride] = res.lse;
   if (entropy) entropy[i * ent_stride] = res.entropy;
+}
+
+__global__ void __launch_bounds__(kMergeThreads)
+    lp_dist_kernel(const LpRows r, const float* gathered, int64_t world, float* lss, int64_t lss_stride, float* mean,
+                   int64_t mean_stride, float* top1, int64_t top1_stride) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kMergeThreads + threadIdx.x;
+  if (i >= r.rows) return;
+  detail::LpDist d{0.0f, 0.0f, 0.0f};
+  if (lp_target(r, i) != r.ignore_index) {
+    detail::LpState<double> st = detail::lp_empty<double>();
+    double z_sum = 0.0;
+    float max_before = -INFINITY, z_t = NAN;
+    for (int64_t k = 0; k < world; ++k) {
+      const float* row = gathered + (k * (r.rows + 1) + i) * kLogprobStatsWidth;
+      st = detail::lp_merge(st, detail::LpState<float>{row[0], row[1], row[2], row[5]});
+      z_sum += row[6];
+      max_before = fmaxf(max_before, row[7]);
+      if (row[4] != 0.0f) z_t = row[3];
+    }
+    d = detail::lp_dist_finish(st, z_sum, max_before, z_t, r.vocab_total);
+  }
+  if (lss) lss[i * lss_stride] = d.log_sum_sq_probs;
+  if (mean) mean[i * mean_stride] = d.mean_logit;
+  if (top1) top1[i * top1_stride] = d.is_top1;
 }
 
 struct LpBackwardParams {
@@ -247,9 +312,24 @@ void by_dtype(DType d, F&& f) {
 void launch_lp_stats(const LpRows& r, const MatrixView& logits, float* stats, cudaStream_t stream) {
   by_dtype(logits.dtype, [&](auto tag) {
     using T = decltype(tag);
-    lp_stats_kernel<T><<<static_cast<unsigned>(r.rows + 1), kThreads, 0, stream>>>(
-        r, static_cast<const T*>(logits.data), logits.row_stride, logits.cols, stats);
+    const unsigned blocks = static_cast<unsigned>(r.rows + 1);
+    const T* x = static_cast<const T*>(logits.data);
+    if (r.dist) {
+      lp_stats_kernel<T, true><<<blocks, kThreads, 0, stream>>>(r, x, logits.row_stride, logits.cols, stats);
+    } else {
+      lp_stats_kernel<T, false><<<blocks, kThreads, 0, stream>>>(r, x, logits.row_stride, logits.cols, stats);
+    }
   });
+}
+
+void launch_lp_distribution_stats(const LpRows& r, const float* gathered, int64_t world,
+                                  const VectorView& log_sum_sq_probs, const VectorView& mean_logit,
+                                  const VectorView& is_top1, cudaStream_t stream) {
+  if (r.rows == 0) return;
+  const unsigned blocks = static_cast<unsigned>((r.rows + kMergeThreads - 1) / kMergeThreads);
+  lp_dist_kernel<<<blocks, kMergeThreads, 0, stream>>>(
+      r, gathered, world, static_cast<float*>(log_sum_sq_probs.data), log_sum_sq_probs.stride,
+      static_cast<float*>(mean_logit.data), mean_logit.stride, static_cast<float*>(is_top1.data), is_top1.stride);
 }
 
 void launch_lp_merge(const LpRows& r, const float* gathered, int64_t world, const VectorView& logprob,

@@ -19,7 +19,9 @@ struct LpRows {
   int64_t ignore_index;
   int64_t rows;
   int64_t vocab_start;  // global index of the local first column
+  int64_t vocab_total;  // the whole vocabulary (the mean logit's divisor)
   float inv_t;          // 1 / temperature
+  bool dist;            // step 1 also gathers the distribution statistics' columns
 };
 
 /// Step 1 over logits (rows, V_local): float32 stats rows [0, rows] (row `rows` zeroed: the
@@ -30,6 +32,12 @@ void launch_lp_stats(const LpRows& r, const MatrixView& logits, float* stats, cu
 /// entropy (may be null) and lse.
 void launch_lp_merge(const LpRows& r, const float* gathered, int64_t world, const VectorView& logprob,
                      const VectorView& entropy, const VectorView& lse, cudaStream_t stream);
+
+/// Step 4: the distribution statistics (each output may be empty) from `world` blocks of
+/// (rows + 1) statistics rows formed with r.dist, folded in rank order.
+void launch_lp_distribution_stats(const LpRows& r, const float* gathered, int64_t world,
+                                  const VectorView& log_sum_sq_probs, const VectorView& mean_logit,
+                                  const VectorView& is_top1, cudaStream_t stream);
 
 /// Step 3 over logits: dlogits (may be the logits buffer itself: each element is read before it
 /// is written, by the same thread) from step 2's outputs and the upstream gradients

@@ -356,7 +356,7 @@ Status run_shard(const detail::ShardCall& call) {
     m.row_weight_stride = call.row_weight.stride;
     m.batch = static_cast<float*>(call.batch.data);
     m.batch_stride = call.batch.stride;
-    if (o.compute_metrics) {
+    if (o.return_metrics) {
       m.num_correct = static_cast<int64_t*>(call.out.num_correct.data);
       m.entropy_sum = static_cast<float*>(call.out.entropy_sum.data);
     }
