@@ -233,7 +233,7 @@ FLOOR = "floor (3 bare products)"  # python -m fusedce.bench's floor peer: the b
 
 
 def ok(r):
-    return r["status"] == "ok" and r["median_ms"] != "" and r["correct"] != "False"
+    return r["status"] == "ok" and r["median_ms"] != "" and r.get("correct") != "False"
 
 
 def peer_cell(r, with_memory):
@@ -494,8 +494,45 @@ def render_trl(path, name, entry):
     return trl_run_lines(rows, name, entry) + render_part(rows, name)
 
 
+DISTILL_COLUMNS = ["part", "shape", "dtype", "temperature", "variant", "impl", "status", "median_ms", "p10_ms",
+                   "p90_ms", "runs", "tflops_counted", "note", "device_name", "torch_version",
+                   "loss_absdiff", "grad_hidden_maxrel", "grad_weight_maxrel", "peak_over_inputs_gib"]
+
+
+def render_distill(path, name, entry):
+    """One table per shape and variant (bench/distill_bench.py): each implementation's time, its
+    time over the products' floor, the counted TFLOP/s, peak memory over the inputs and
+    its differences from the float64 reference (loss absolute, gradients relative); the floor's
+    row (the bare products) opens each shape of the full-head part (the top-k part has none)."""
+    rows = read_csv(path, DISTILL_COLUMNS)
+    machine = f"{one_value(rows, 'device_name', name)}, torch {one_value(rows, 'torch_version', name)}"
+    date = entry.get("date") or rows[0]["date"][:10]
+    out = source_lines(name, entry, machine, required(entry, "commit", name), date, None)
+    header = ["implementation", "ms (p10-p90)", "x floor", "TFLOP/s counted", "peak over inputs GiB",
+              "loss diff", "grad_hidden rel diff", "grad_weight rel diff", "note"]
+    for shape in ordered(r["shape"] for r in rows):
+        floor = [r for r in rows if r["shape"] == shape and r["impl"] == "cublas floor" and ok(r)]
+        for variant in ordered(r["variant"] for r in rows if r["shape"] == shape and r["impl"] != "cublas floor"):
+            body = []
+            for r in floor + [r for r in rows if (r["shape"], r["variant"]) == (shape, variant)
+                              and r["impl"] != "cublas floor"]:
+                if not ok(r):
+                    body.append([r["impl"], f"{r['status']}: {r['note']}"] + [""] * 7)
+                    continue
+                body.append([r["impl"], timing_cell(r), f"{float(r['vs_floor']):.2f}" if r.get("vs_floor") else "",
+                             f"{float(r['tflops_counted']):.0f}" if r["tflops_counted"] else "",
+                             gib_cell(r["peak_over_inputs_gib"]), diff_cell(r["loss_absdiff"]),
+                             diff_cell(r["grad_hidden_maxrel"]), diff_cell(r["grad_weight_maxrel"]),
+                             "" if r["impl"] == "cublas floor" else r["note"]])
+            n_h_v = shape.replace("x", " x ")
+            out += ["", f"**{n_h_v}, {one_value([r for r in rows if r['shape'] == shape], 'dtype', name)}, "
+                    f"{variant}**", ""] + table(header, body)
+    return out
+
+
 RENDERERS = {"fusedce_bench": render_ce_bench, "linear_bench": render_linear_bench, "fusedce.bench": render_peers,
-             "fusedce.bench shard": render_shard, "trl_post_training": render_trl}
+             "fusedce.bench shard": render_shard, "trl_post_training": render_trl,
+             "distill_bench": render_distill}
 
 
 def render_source(bench_dir, folder, entry):

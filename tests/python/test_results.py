@@ -373,3 +373,30 @@ def test_a_fresh_trl_benchmark_csv_renders(tmp_path):
     assert re.search(r"\| fusedce \| log_probs, entropy \|  \| [0-9.]+ \([0-9.]+-[0-9.]+\) \| [0-9.]+x \|", text)
     assert "| trl + fusedce.integrations.trl | " in text and "| fusedce.transformers.apply() | " in text
     assert "- step: 2 sequences of 8 prompt + 16 completion tokens" in text
+
+
+def test_a_fresh_distill_benchmark_csv_renders(tmp_path):
+    """What bench/distill_bench.py --smoke writes is what the generator reads: a table per shape
+    and variant of both parts, the floor's row opening each full-head table at 1.00x, every
+    implementation's row with its time or the reason it was skipped."""
+    spec = importlib.util.spec_from_file_location("distill_bench", BENCH / "distill_bench.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    run = tmp_path / "run"
+    assert script.main(["--smoke", "--device", "cpu", "--dtype", "float32", "--out", str(run)]) == 0
+    for folder in make_results.SOURCE_DIRS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "runs.json").write_text(json.dumps({"sources": []}))
+    files = ["distill.csv", "distill_topk.csv"]
+    for file in files:
+        shutil.copy(run / file, tmp_path / "h200" / file)
+    (tmp_path / "h200" / "runs.json").write_text(json.dumps({"sources": [
+        {"file": file, "format": "distill_bench", "title": file, "commit": "0000000",
+         "command": "python3 bench/distill_bench.py --smoke"} for file in files]}))
+    text = make_results.render(str(tmp_path))
+    for n, h, v in script.SMOKE_SHAPES:
+        assert f"**{n} x {h} x {v}, float32, jsd beta=0.5**" in text
+        assert f"**{n} x {h} x {v}, float32, forward_kl topk_norm=tail**" in text
+    assert re.search(r"\| cublas floor \| [0-9.]+ \([0-9.]+-[0-9.]+\) \| 1\.00 \|", text)
+    assert re.search(r"\| fusedce \| [0-9.]+ \([0-9.]+-[0-9.]+\) \| [0-9.]+ \|", text)
+    assert "| liger fused | skipped: " in text
