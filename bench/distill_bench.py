@@ -46,6 +46,8 @@ Each torch.compile row compiles in its checked call (not timed) and each variant
 float64 reference first (about 4 GiB per float64 head at V = 128256, H = 4096): where one
 command's time is bounded, split the run by --only and --shapes.
 
+Each row goes to its CSV as soon as it is measured, so a run cut short by a time limit keeps
+the rows it finished. --variants picks variants by name (';'-separated).
 --impls picks implementations by the names above (--impls "fusedce,cublas floor" once fusedce's
 CUDA path lands, say); --only full or topk one part. --smoke runs both parts at tiny shapes on
 the CPU, for tests/python/test_distill_bench.py.
@@ -363,6 +365,11 @@ def chosen(impls, a):
     return [(name, load) for name, load in impls if a.impls is None or name in a.impls]
 
 
+def chosen_variants(a):
+    """The full part's variants --variants keeps (all without it)."""
+    return [v for v in VARIANTS if a.variants is None or v.name in a.variants]
+
+
 # ---- running one row ------------------------------------------------------------------------------
 
 
@@ -516,8 +523,7 @@ def full_reference(v, hs, ws, ht, wt, labels, a):
     return float64_reference(rows_of, hs, ws, counted(labels, hs.shape[0]), a.reference_rows)
 
 
-def full_part(a):
-    rows = []
+def full_part(a, emit):
     for n, hid, vocab in a.shapes:
         hs, ws, ht, wt = head_pair(n, hid, vocab, a.dtype, a.device)
         leaves = [hs.requires_grad_(True), ws.requires_grad_(True)]
@@ -525,9 +531,9 @@ def full_part(a):
         floor_ms = None
         if a.impls is None or "cublas floor" in a.impls:
             floor = floor_row({**base, "variant": "the four products", "impl": "cublas floor"}, hs, ws, ht, wt, a)
-            rows.append({**floor, **common_columns(a.device)})
+            emit({**floor, **common_columns(a.device)})
             floor_ms = floor.get("median_ms")
-        for v in VARIANTS:
+        for v in chosen_variants(a):
             labels = labels_for(n, vocab, a.device) if v.labels else None
             inputs = (hs, ws, ht, wt, labels)
 
@@ -539,17 +545,15 @@ def full_part(a):
                                        full_flops(hs, ws, ht), floor_ms)
                 if reference is None and impl == "torch eager":
                     reference = eager_reference(outputs, a)
-                rows.append({**out, **common_columns(a.device)})
+                emit({**out, **common_columns(a.device)})
                 del outputs
                 release(a.device)
             del reference, labels
         del hs, ws, ht, wt, leaves
         release(a.device)
-    return rows
 
 
-def topk_part(a):
-    rows = []
+def topk_part(a, emit):
     for n, hid, vocab in a.shapes:
         hs, ws, ht, wt = head_pair(n, hid, vocab, a.dtype, a.device)
         k = min(a.topk, vocab)
@@ -557,7 +561,7 @@ def topk_part(a):
         del ht, wt
         leaves = [hs.requires_grad_(True), ws.requires_grad_(True)]
         base = {"part": "topk", **shape_columns(n, hid, vocab, a), "k": k}
-        for norm in TOPK_NORMS:
+        for norm in [n for n in TOPK_NORMS if a.variants is None or f"forward_kl topk_norm={n}" in a.variants]:
             def rows_of(h, w, sl, norm=norm):
                 return topk_rows(h @ w.T, ids[sl], t[sl], a.temperature, norm)
 
@@ -569,13 +573,12 @@ def topk_part(a):
                                        a, 6 * n * vocab * hid)
                 if reference is None and impl == "torch eager":
                     reference = eager_reference(outputs, a)
-                rows.append({**out, **common_columns(a.device)})
+                emit({**out, **common_columns(a.device)})
                 del outputs
                 release(a.device)
             del reference
         del hs, ws, ids, t, leaves
         release(a.device)
-    return rows
 
 
 def targets(rows):
@@ -627,6 +630,9 @@ def parse_args(argv):
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
     p.add_argument("--shapes", help="NxHxV, comma-separated (default 1024x4096x128256,8192x4096x128256)")
+    p.add_argument("--variants", help="variants to run, by the names of the CSV's variant column, "
+                   "separated by ';' (default all): " + "; ".join([v.name for v in VARIANTS]
+                                                                   + [f"forward_kl topk_norm={n}" for n in TOPK_NORMS]))
     p.add_argument("--impls", help="comma-separated implementations to run (default all): " + ", ".join(IMPL_NAMES))
     p.add_argument("--temperature", type=float, default=1.0, help="every implementation's (default 1)")
     p.add_argument("--topk", type=int, default=64, help="K of the top-k part (default 64)")
@@ -648,6 +654,12 @@ def parse_args(argv):
         unknown = sorted(a.impls - set(IMPL_NAMES))
         if unknown:
             p.error(f"--impls: unknown {', '.join(unknown)}; choose from {', '.join(IMPL_NAMES)}")
+    if a.variants is not None:
+        a.variants = {x.strip() for x in a.variants.split(";") if x.strip()}
+        names = [v.name for v in VARIANTS] + [f"forward_kl topk_norm={n}" for n in TOPK_NORMS]
+        unknown = sorted(a.variants - set(names))
+        if unknown:
+            p.error(f"--variants: unknown {', '.join(unknown)}; choose from {'; '.join(names)}")
     a.dtype = DTYPES[a.dtype]
     a.shapes = parse_shapes(a.shapes, p) if a.shapes else (SMOKE_SHAPES if a.smoke else SHAPES)
     a.reference_rows = 24 if a.smoke else REFERENCE_ROWS  # --smoke: several chunks even at its sizes
@@ -663,16 +675,21 @@ def main(argv=None):
     failed = False
     for name in a.only:
         file, part = PARTS[name]
+        path = os.path.join(a.out, file)
         started = time.time()
+        rows = []
+
+        def emit(row, rows=rows, path=path):
+            """Each row to the CSV as it comes, so a run cut short keeps what it measured."""
+            rows.append(row)
+            write_csv(path, rows)
         try:
-            rows = part(a)
+            part(a, emit)
         except Exception:  # a part that breaks leaves the other to run
             print(f"\n== {name}: failed")
             traceback.print_exc()
             failed = True
             continue
-        path = os.path.join(a.out, file)
-        write_csv(path, rows)
         print_rows(f"{name} ({time.time() - started:.0f} s) -> {path}", rows, COLUMNS)
         if name == "full":
             print("\n".join(["\n== targets"] + targets(rows)))

@@ -133,7 +133,33 @@ def test_eager_stands_in_where_the_float64_reference_does_not_fit(tmp_path, monk
 def test_bad_arguments_name_the_option(capsys):
     module = _script()
     for argv, option in ((["--shapes", "8x4"], "--shapes"), (["--impls", "fusedce,nope"], "--impls"),
-                         (["--only", "topk,nope"], "--only")):
+                         (["--only", "topk,nope"], "--only"), (["--variants", "jsd beta=0.5;nope"], "--variants")):
         with pytest.raises(SystemExit):
             module.main(["--device", "cpu", *argv])
         assert option in capsys.readouterr().err
+
+
+def test_variants_pick_rows_and_a_run_cut_short_keeps_its_rows(tmp_path, monkeypatch):
+    """--variants keeps the named variants of either part; each row is in the CSV as soon as it
+    is measured: a part that breaks after its first rows leaves them in the file."""
+    module = _script()
+    argv = ["--smoke", "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path), "--impls", "fusedce",
+            "--variants", "forward_kl beta=0;forward_kl topk_norm=tail"]
+    assert module.main(argv) == 0
+    assert {r["variant"] for r in _rows(tmp_path / "distill.csv")} == {"forward_kl beta=0"}
+    assert {r["variant"] for r in _rows(tmp_path / "distill_topk.csv")} == {"forward_kl topk_norm=tail"}
+
+    calls = []
+    real = module.run_row
+
+    def breaks_on_the_second_shape(row, *args, **kwargs):
+        calls.append(row["shape"])
+        if len(set(calls)) > 1:
+            raise RuntimeError("cut short")
+        return real(row, *args, **kwargs)
+    monkeypatch.setattr(module, "run_row", breaks_on_the_second_shape)
+    out = tmp_path / "cut"
+    assert module.main(argv[:-4] + ["--out", str(out), "--only", "full", "--impls", "fusedce",
+                                     "--variants", "forward_kl beta=0"]) == 1
+    rows = _rows(out / "distill.csv")
+    assert [r["shape"] for r in rows] == [calls[0]] and rows[0]["status"] == "ok", rows
