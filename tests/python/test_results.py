@@ -347,6 +347,19 @@ def test_the_docs_logit_room_claims_hold():
         assert keeps == ((n, h, v) != make_results.TRL_GRPO_HEAD), (n, h, v)
 
 
+def _render_fresh(tmp_path, run, files, fmt, command):
+    """RESULTS.md as the generator renders it from a bench tree under tmp_path that holds only
+    `files` of the run folder `run`, as h200 sources of format `fmt`."""
+    for folder in make_results.SOURCE_DIRS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "runs.json").write_text(json.dumps({"sources": []}))
+    for file in files:
+        shutil.copy(run / file, tmp_path / "h200" / file)
+    (tmp_path / "h200" / "runs.json").write_text(json.dumps({"sources": [
+        {"file": file, "format": fmt, "title": file, "commit": "0000000", "command": command} for file in files]}))
+    return make_results.render(str(tmp_path))
+
+
 def test_a_fresh_trl_benchmark_csv_renders(tmp_path):
     """What bench/trl_post_training.py --smoke writes is what the generator reads: every part's
     CSV renders, one table per kernel shape and one row per step variant."""
@@ -358,16 +371,8 @@ def test_a_fresh_trl_benchmark_csv_renders(tmp_path):
     run = tmp_path / "run"
     assert script.main(["--smoke", "--device", "cpu", "--dtype", "float32", "--model-dtype", "float32",
                         "--out", str(run)]) == 0
-    for folder in make_results.SOURCE_DIRS:
-        (tmp_path / folder).mkdir()
-        (tmp_path / folder / "runs.json").write_text(json.dumps({"sources": []}))
-    files = ["logprobs_trl.csv", "grpo_step_trl.csv", "sft_step_trl.csv"]
-    for file in files:
-        shutil.copy(run / file, tmp_path / "h200" / file)
-    (tmp_path / "h200" / "runs.json").write_text(json.dumps({"sources": [
-        {"file": file, "format": "trl_post_training", "title": file, "commit": "0000000",
-         "command": "python3 bench/trl_post_training.py --smoke"} for file in files]}))
-    text = make_results.render(str(tmp_path))
+    text = _render_fresh(tmp_path, run, ["logprobs_trl.csv", "grpo_step_trl.csv", "sft_step_trl.csv"],
+                         "trl_post_training", "python3 bench/trl_post_training.py --smoke")
     for n, h, v in script.SMOKE_KERNEL_SHAPES:
         assert f"**{n} x {h} x {v}, float32**" in text
     assert re.search(r"\| fusedce \| log_probs, entropy \|  \| [0-9.]+ \([0-9.]+-[0-9.]+\) \| [0-9.]+x \|", text)
@@ -384,16 +389,8 @@ def test_a_fresh_distill_benchmark_csv_renders(tmp_path):
     spec.loader.exec_module(script)
     run = tmp_path / "run"
     assert script.main(["--smoke", "--device", "cpu", "--dtype", "float32", "--out", str(run)]) == 0
-    for folder in make_results.SOURCE_DIRS:
-        (tmp_path / folder).mkdir()
-        (tmp_path / folder / "runs.json").write_text(json.dumps({"sources": []}))
-    files = ["distill.csv", "distill_topk.csv"]
-    for file in files:
-        shutil.copy(run / file, tmp_path / "h200" / file)
-    (tmp_path / "h200" / "runs.json").write_text(json.dumps({"sources": [
-        {"file": file, "format": "distill_bench", "title": file, "commit": "0000000",
-         "command": "python3 bench/distill_bench.py --smoke"} for file in files]}))
-    text = make_results.render(str(tmp_path))
+    text = _render_fresh(tmp_path, run, ["distill.csv", "distill_topk.csv"], "distill_bench",
+                         "python3 bench/distill_bench.py --smoke")
     for n, h, v in script.SMOKE_SHAPES:
         assert f"**{n} x {h} x {v}, float32, jsd beta=0.5**" in text
         assert f"**{n} x {h} x {v}, float32, forward_kl topk_norm=tail**" in text
