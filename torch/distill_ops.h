@@ -161,13 +161,34 @@ inline fusedce::DistillTeacher teacher_topk(const Tensor& hidden, const Tensor& 
   return t;
 }
 
-inline Tensor empty_distill_stats(const Tensor& hidden) {
-  return at::empty({hidden.size(0), fusedce::kDistillStatsWidth}, hidden.options().dtype(at::kFloat));
-}
-
 inline fusedce::MatrixView distill_stats_view(const Tensor& stats) {
   return fusedce::matrix(stats.numel() > 0 ? stats.data_ptr() : nullptr, fusedce::DType::kFloat32, stats.size(0),
-                         fusedce::kDistillStatsWidth);
+                         stats.size(1));
+}
+
+/// A forward's outputs for n rows (loss, divergence, hard, entropy and the backward's float32
+/// (n, stats_width) statistics) and the core's views of them; `hard` is zeros and unviewed
+/// without a hard loss.
+struct ForwardTensors {
+  Tensor loss, divergence, hard, entropy, stats;
+  fusedce::DistillOutputs views;
+};
+
+inline ForwardTensors forward_tensors(const Tensor& like, int64_t n, const fusedce::DistillOptions& o,
+                                      int64_t stats_width) {
+  const auto f32 = like.options().dtype(at::kFloat);
+  ForwardTensors t;
+  t.loss = o.reduction == fusedce::Reduction::kNone ? at::empty({n}, f32) : at::empty({}, f32);
+  t.divergence = at::empty({n}, f32);
+  t.hard = at::zeros({n}, f32);
+  t.entropy = at::empty({n}, f32);
+  t.stats = at::empty({n, stats_width}, f32);
+  t.views.loss = vector_of(t.loss, "loss");
+  t.views.divergence = vector_of(t.divergence, "divergence");
+  if (o.hard_weight > 0.0f) t.views.hard = vector_of(t.hard, "hard");
+  t.views.entropy = vector_of(t.entropy, "entropy");
+  t.views.stats = distill_stats_view(t.stats);
+  return t;
 }
 
 template <class Ctx>
@@ -179,21 +200,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> distill_forward(const Tensor&
   Ctx ctx(hidden, "hidden");
   const StudentViews s = student_views(hidden, weight, bias, labels);
   const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
-  const int64_t n = hidden.size(0);
-  const auto f32 = hidden.options().dtype(at::kFloat);
-  Tensor loss = o.reduction == fusedce::Reduction::kNone ? at::empty({n}, f32) : at::empty({}, f32);
-  Tensor divergence = at::empty({n}, f32), hard = at::zeros({n}, f32), entropy = at::empty({n}, f32);
-  Tensor stats = empty_distill_stats(hidden);
-  fusedce::DistillOutputs out;
-  out.loss = vector_of(loss, "loss");
-  out.divergence = vector_of(divergence, "divergence");
-  if (o.hard_weight > 0.0f) out.hard = vector_of(hard, "hard");
-  out.entropy = vector_of(entropy, "entropy");
-  out.stats = distill_stats_view(stats);
+  const ForwardTensors f = forward_tensors(hidden, hidden.size(0), o, fusedce::kDistillStatsWidth);
   check_status(fusedce::linear_distill_forward(ctx.device(), s.hidden, s.weight, s.bias, teacher, s.labels, o,
-                                               static_cast<size_t>(chunk_budget_bytes), out),
+                                               static_cast<size_t>(chunk_budget_bytes), f.views),
                op);
-  return {loss, divergence, hard, entropy, stats};
+  return {f.loss, f.divergence, f.hard, f.entropy, f.stats};
 }
 
 /// The gradients a backward forms, each an empty (0,) tensor where not asked for.
@@ -249,22 +260,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> disti
   Ctx ctx(hidden, "hidden");
   const StudentViews s = student_views(hidden, weight, bias, labels);
   const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
-  const int64_t n = hidden.size(0);
-  const auto f32 = hidden.options().dtype(at::kFloat);
-  Tensor loss = o.reduction == fusedce::Reduction::kNone ? at::empty({n}, f32) : at::empty({}, f32);
-  Tensor divergence = at::empty({n}, f32), hard = at::zeros({n}, f32), entropy = at::empty({n}, f32);
-  Tensor stats = empty_distill_stats(hidden);
-  fusedce::DistillOutputs out;
-  out.loss = vector_of(loss, "loss");
-  out.divergence = vector_of(divergence, "divergence");
-  if (o.hard_weight > 0.0f) out.hard = vector_of(hard, "hard");
-  out.entropy = vector_of(entropy, "entropy");
-  out.stats = distill_stats_view(stats);
+  const ForwardTensors f = forward_tensors(hidden, hidden.size(0), o, fusedce::kDistillStatsWidth);
   const GradTensors g = grad_tensors(hidden, weight, bias, need_grad_hidden, need_grad_weight, need_grad_bias);
   check_status(fusedce::linear_distill_forward_backward(ctx.device(), s.hidden, s.weight, s.bias, teacher, s.labels,
-                                                        o, static_cast<size_t>(chunk_budget_bytes), out, g.views),
+                                                        o, static_cast<size_t>(chunk_budget_bytes), f.views, g.views),
                op);
-  return {loss, divergence, hard, entropy, stats, g.grad_hidden, g.grad_weight, g.grad_bias};
+  return {f.loss, f.divergence, f.hard, f.entropy, f.stats, g.grad_hidden, g.grad_weight, g.grad_bias};
 }
 
 template <class Ctx>
@@ -415,24 +416,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> shard_reduce_of(const Tensor&
                       " entries, got shape ", labels->sizes());
     lv = vector_of(*labels, "labels");
   }
-  const auto f32 = row_stats.options();
   const int64_t sw = k > 0 ? fusedce::distill_shard_stats_width(k) : fusedce::kDistillStatsWidth;
-  Tensor loss = o.reduction == fusedce::Reduction::kNone ? at::empty({n}, f32) : at::empty({}, f32);
-  Tensor divergence = at::empty({n}, f32), hard_out = at::zeros({n}, f32), entropy = at::empty({n}, f32);
-  Tensor stats = at::empty({n, sw}, f32);
-  fusedce::DistillOutputs out;
-  out.loss = vector_of(loss, "loss");
-  out.divergence = vector_of(divergence, "divergence");
-  if (o.hard_weight > 0.0f) out.hard = vector_of(hard_out, "hard");
-  out.entropy = vector_of(entropy, "entropy");
-  out.stats = float_block_view(stats, "stats", sw, row_stats);
+  const ForwardTensors f = forward_tensors(row_stats, n, o, sw);
   const int64_t world = world_of(gathered, n, "gathered");
   check_status(k > 0 ? fusedce::linear_distill_topk_shard_reduce(ctx.device(), g, world, tlp, lv, o, rs,
-                                                                 vector_of(hard, "hard"), out)
+                                                                 vector_of(hard, "hard"), f.views)
                      : fusedce::linear_distill_shard_reduce(ctx.device(), g, world, lv, o, rs, vector_of(hard, "hard"),
-                                                            out),
+                                                            f.views),
                op);
-  return {loss, divergence, hard_out, entropy, stats};
+  return {f.loss, f.divergence, f.hard, f.entropy, f.stats};
 }
 
 template <class Ctx>

@@ -1,7 +1,8 @@
 // The CPU linear path's matrix products: row-major float32, run on the calling thread (the
 // caller spreads disjoint output blocks over its pool, so no product starts threads of its own).
-// One build does them through OpenBLAS (gemm_openblas.cpp) or through the core's own tile
-// products (gemm.cpp); CMake decides, and blas_name() says which.
+// A build with OpenBLAS does them through it (gemm_openblas.cpp) unless its kernels are below
+// the CPU's (blas_choice.h); otherwise, and in a build without it, the core's own tile products
+// (gemm.cpp) do. blas_name() says which.
 //
 // The sum behind each output element runs over k in an order fixed by the shapes alone, so a
 // block's results do not depend on which thread computes it or how many threads there are.
@@ -28,8 +29,12 @@ struct GemmOps {
   const char* kernels;
 };
 
-/// The products this build uses: OpenBLAS when it was linked, else builtin_gemm().
+/// The products this build uses on this CPU: OpenBLAS when it was linked and its kernels fit the
+/// CPU (openblas_core_fits), else builtin_gemm(). Decided once.
 GemmOps gemm();
+
+/// The core type of the OpenBLAS linked (its own pick), or nullptr in a build without OpenBLAS.
+const char* openblas_core();
 
 /// The core's own tile products (AVX2 when the CPU has it), in every build.
 GemmOps builtin_gemm();

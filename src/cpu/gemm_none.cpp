@@ -6,5 +6,7 @@ namespace cpu {
 
 GemmOps gemm() { return builtin_gemm(); }
 
+const char* openblas_core() { return nullptr; }
+
 }  // namespace cpu
 }  // namespace fusedce

@@ -12,24 +12,14 @@
 // cannot meet the BLAS torch brings (MKL exports sgemm_ too). With the shared library instead,
 // the setting applies to that library in the whole process.
 //
-// Kernels: a DYNAMIC_ARCH OpenBLAS picks its kernels by CPU model, and a release older than the
-// CPU (Debian 12's 0.3.21 on Emerald Rapids, model 0xCF) falls back to its SSE3 "Prescott"
-// kernels, 4-5x slower than its AVX-512 ones. For the private (static) copy only, a fallback
-// below what the CPU's instruction set allows is corrected once, before the first product, by
-// OpenBLAS's own re-initialisation with a forced core type. The process environment is never
-// written: the build gives the private copy's two environment reads to
-// fusedce_openblas_getenv (objcopy --redefine-sym getenv=..., CMakeLists.txt), which answers
-// OPENBLAS_CORETYPE with the forced core and passes every other name to getenv. A value the user
-// set is left alone.
+// Kernels: a DYNAMIC_ARCH OpenBLAS picks its kernels by CPU model; where it fell back to kernels
+// below the CPU's AVX2 (a release older than the CPU), the core's own tiles run instead
+// (openblas_core_fits, blas_choice.h), decided once.
 #include <dlfcn.h>
 
-#include <atomic>
-#include <cstdlib>
 #include <cstring>
-#include <initializer_list>
-#include <mutex>
-#include <strings.h>
 
+#include "cpu/blas_choice.h"
 #include "cpu/gemm.h"
 
 extern "C" {
@@ -38,58 +28,11 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
                  const float* b, int ldb, float beta, float* c, int ldc);
 void openblas_set_num_threads(int n);
 char* openblas_get_corename(void);
-#if defined(FUSEDCE_OPENBLAS_PRIVATE)
-void gotoblas_dynamic_init(void);
-void gotoblas_dynamic_quit(void);
-#endif
 }
 
 namespace fusedce {
 namespace cpu {
 namespace {
-
-bool core_is_one_of(const char* core, std::initializer_list<const char*> names) {
-  for (const char* n : names) {
-    if (strcasecmp(core, n) == 0) return true;
-  }
-  return false;
-}
-
-/// The OpenBLAS core type this CPU's instruction set allows for sgemm, or nullptr when the one
-/// OpenBLAS chose already uses it (or the CPU has no AVX2).
-const char* better_core(const char* current) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx512 && !core_is_one_of(current, {"SkylakeX", "Cooperlake", "SapphireRapids"})) return "SkylakeX";
-  if (!avx512 && avx2 && !core_is_one_of(current, {"Haswell", "Zen", "SkylakeX", "Cooperlake", "SapphireRapids"})) {
-    return "Haswell";
-  }
-#endif
-  (void)current;
-  return nullptr;
-}
-
-#if defined(FUSEDCE_OPENBLAS_PRIVATE)
-/// The core type the private OpenBLAS is told at its next initialisation (nullptr: its own pick).
-std::atomic<const char*> forced_core{nullptr};
-#endif
-
-void setup_once() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    openblas_set_num_threads(1);
-#if defined(FUSEDCE_OPENBLAS_PRIVATE)
-    const char* better = better_core(openblas_get_corename());
-    if (better != nullptr && std::getenv("OPENBLAS_CORETYPE") == nullptr) {
-      forced_core.store(better);
-      gotoblas_dynamic_quit();
-      gotoblas_dynamic_init();
-    }
-#endif
-  });
-}
 
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 
@@ -132,20 +75,16 @@ const char* bound_library() {
 }  // namespace
 
 GemmOps gemm() {
-  setup_once();
-  static const char* const name = bound_library();
-  return GemmOps{nt, nn, tn, name, openblas_get_corename()};
+  static const GemmOps ops = [] {
+    openblas_set_num_threads(1);
+    const char* core = openblas_get_corename();
+    if (!openblas_core_fits(core, host_vector_isa())) return builtin_gemm();
+    return GemmOps{nt, nn, tn, bound_library(), core};
+  }();
+  return ops;
 }
+
+const char* openblas_core() { return openblas_get_corename(); }
 
 }  // namespace cpu
 }  // namespace fusedce
-
-#if defined(FUSEDCE_OPENBLAS_PRIVATE)
-/// The private OpenBLAS's getenv (its references renamed to this at build time): the forced core
-/// for OPENBLAS_CORETYPE unless the user set one, the environment for every other name.
-extern "C" char* fusedce_openblas_getenv(const char* name) {
-  char* value = std::getenv(name);
-  if (value != nullptr || std::strcmp(name, "OPENBLAS_CORETYPE") != 0) return value;
-  return const_cast<char*>(fusedce::cpu::forced_core.load());
-}
-#endif

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/blas_choice.h"
 #include "cpu/gemm.h"
 #include "fusedce/version.h"
 #include "problem.h"
@@ -114,33 +115,44 @@ TEST(CpuGemm, BuildsProductsMatchFloat64) { check_all(fusedce::cpu::gemm()); }
 
 TEST(CpuGemm, BuiltinProductsMatchFloat64) { check_all(fusedce::cpu::builtin_gemm()); }
 
-// The build says which products it took, the same at configure time (CMake's message, passed
-// here) and at run time (where cblas_sgemm was bound).
+// The build says which products it took: the library CMake found (its message, passed here),
+// unless that is OpenBLAS with kernels below this CPU's, where the core's tiles run.
 TEST(CpuGemm, BuildNamesItsBlas) {
-  EXPECT_STREQ(fusedce::cpu_blas(), FUSEDCE_TEST_EXPECT_CPU_BLAS);
-  EXPECT_STREQ(fusedce::cpu::gemm().blas, FUSEDCE_TEST_EXPECT_CPU_BLAS);
+  const char* core = fusedce::cpu::openblas_core();
+  const bool declined = core != nullptr && !fusedce::cpu::openblas_core_fits(core, fusedce::cpu::host_vector_isa());
+  const char* expected = declined ? "none" : FUSEDCE_TEST_EXPECT_CPU_BLAS;
+  EXPECT_STREQ(fusedce::cpu_blas(), expected);
+  EXPECT_STREQ(fusedce::cpu::gemm().blas, expected);
+  if (std::strcmp(FUSEDCE_TEST_EXPECT_CPU_BLAS, "OpenBLAS") == 0) {
+    EXPECT_NE(core, nullptr);
+  }
 }
 
-// OpenBLAS runs kernels of the instruction set the CPU has, not a generic fallback (a release
-// older than the CPU falls back to its SSE3 kernels; the core then re-picks them), and the
-// process environment is left as it was: the core type reaches OpenBLAS without setenv.
-TEST(CpuGemm, OpenBlasUsesTheCpusVectorKernels) {
+// OpenBLAS runs only with kernels of the CPU's vector unit; a generic fallback (a release older
+// than the CPU) leaves the products to the tiles.
+TEST(CpuGemm, OpenBlasRunsOnlyWithTheCpusVectorKernels) {
   const fusedce::cpu::GemmOps ops = fusedce::cpu::gemm();
-  if (std::strcmp(ops.blas, "OpenBLAS") != 0) GTEST_SKIP() << "built without OpenBLAS";
-  // Never set by the core: present only when the user chose the core type (then it rules).
-  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) GTEST_SKIP() << "OPENBLAS_CORETYPE set by the user";
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    for (const char* generic : {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Sandybridge", "Katmai",
-                                "Coppermine", "Northwood", "Banias", "Atom"}) {
-      EXPECT_STRCASENE(ops.kernels, generic) << "OpenBLAS kernels below the CPU's AVX2";
-    }
+  if (std::strcmp(ops.blas, "OpenBLAS") != 0) {
+    EXPECT_STREQ(ops.kernels, "tiles");
+    return;
   }
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512vl")) {
-    EXPECT_STRCASENE(ops.kernels, "Haswell") << "OpenBLAS kernels below the CPU's AVX-512";
+  EXPECT_TRUE(fusedce::cpu::openblas_core_fits(ops.kernels, fusedce::cpu::host_vector_isa())) << ops.kernels;
+}
+
+TEST(BlasChoice, AvxTwoCpuTakesOnlyVectorCores) {
+  const fusedce::cpu::VectorIsa avx2{true};
+  for (const char* core : {"Haswell", "zen", "SkylakeX", "Cooperlake", "SapphireRapids"}) {
+    EXPECT_TRUE(fusedce::cpu::openblas_core_fits(core, avx2)) << core;
   }
-#endif
+  for (const char* core : {"Prescott", "Core2", "Nehalem", "Sandybridge", "Atom", "", "Haswellish"}) {
+    EXPECT_FALSE(fusedce::cpu::openblas_core_fits(core, avx2)) << core;
+  }
+  EXPECT_FALSE(fusedce::cpu::openblas_core_fits(nullptr, avx2));
+}
+
+TEST(BlasChoice, CpuWithoutAvxTwoTakesAnyCore) {
+  const fusedce::cpu::VectorIsa none{false};
+  for (const char* core : {"Prescott", "Nehalem", "Haswell"}) EXPECT_TRUE(fusedce::cpu::openblas_core_fits(core, none));
 }
 
 }  // namespace

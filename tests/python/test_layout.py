@@ -1,6 +1,5 @@
 """The source layout's rules, checked on every run: no function in src/cuda longer than 150
-lines (function_lengths.py beside this file), no setting read from the environment in src/ (the one
-exception passes OpenBLAS's own OPENBLAS_CORETYPE through to the private OpenBLAS), and no
+lines (function_lengths.py beside this file), no setting read from the environment in src/, and no
 work-log words in the comments of src/ and bench/ (dates, session numbers)."""
 
 import re
@@ -37,9 +36,7 @@ def test_function_lengths_sees_a_long_function(tmp_path):
 
 
 def test_no_environment_settings_in_src():
-    allowed = {"src/cpu/gemm_openblas.cpp"}
-    found = [str(p.relative_to(ROOT)) for p in _sources("src", "include")
-             if "getenv(" in p.read_text(errors="replace") and str(p.relative_to(ROOT)) not in allowed]
+    found = [str(p.relative_to(ROOT)) for p in _sources("src", "include") if "getenv(" in p.read_text(errors="replace")]
     assert not found, f"getenv in {found}: pass settings explicitly (PlanChoices), experiments go in dev/"
 
 
