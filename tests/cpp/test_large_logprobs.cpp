@@ -5,7 +5,9 @@
 // logprob and entropy of rows at both ends and both sides of 2^31 (and a few random ones), every
 // ignored row's zeros, and the gradients of a weighted objective g_lp * logprob + g_H * entropy
 // whose weights are zero except on four rows (two of them past 2^31): grad_weight entirely, and
-// grad_hidden of every row (zero off those four).
+// grad_hidden of every row (zero off those four). The distribution statistics too (log of the sum
+// of squared probabilities, mean logit, whether the target is the argmax; two checked rows'
+// targets are their argmax).
 //
 // Memory: weight and grad_weight 16 MiB each, hidden and grad_hidden 0.5 MiB each; the backend's
 // logit chunks (128 MiB on the CPU). Time on two CPU cores: about 15-20 s.
@@ -38,6 +40,8 @@ constexpr double kTemperature = 0.9;
 /// the bracket is, so bounds scale with the magnitude, not with |dz|.
 struct RowRef {
   double logprob = 0.0, entropy = 0.0;
+  double log_sum_sq = 0.0, mean_logit = 0.0, mean_abs_logit = 0.0;
+  int64_t argmax = 0;
   std::vector<double> dz, mag;
 };
 
@@ -55,7 +59,15 @@ RowRef reference_row(const std::vector<float>& hidden, const std::vector<float>&
   for (int64_t j = 0; j < kVocab; ++j) s += std::exp(z[j] - m);
   const double lse = m + std::log(s);
   RowRef r;
-  for (int64_t j = 0; j < kVocab; ++j) r.entropy -= std::exp(z[j] - lse) * (z[j] - lse);
+  double sum_sq = 0.0;
+  for (int64_t j = 0; j < kVocab; ++j) {
+    r.entropy -= std::exp(z[j] - lse) * (z[j] - lse);
+    sum_sq += std::exp(2.0 * (z[j] - lse));
+    r.mean_logit += z[j] / kVocab;
+    r.mean_abs_logit += std::abs(z[j]) / kVocab;
+    if (z[j] > z[r.argmax]) r.argmax = j;
+  }
+  r.log_sum_sq = std::log(sum_sq);
   r.logprob = z[t] - lse;
   r.dz.resize(kVocab);
   r.mag.resize(kVocab);
@@ -94,6 +106,7 @@ TEST_P(LargeLinearLogprobs, MoreThan2To31Logits) {
     const bool keep = std::find(checked.begin(), checked.end(), i) != checked.end();
     target[i] = (!keep && r % 10 < 3) ? kIgnore : static_cast<int64_t>((r >> 8) % kVocab);
   }
+  for (int64_t i : {int64_t(1), int64_t(8192)}) target[i] = reference_row(hidden, weight, i, 0, 0.0, 0.0).argmax;
   std::vector<float> g_lp(kRows, 0.0f), g_h(kRows, 0.0f);
   for (int64_t i : weighted) {
     g_lp[i] = nd(rng);
@@ -103,6 +116,7 @@ TEST_P(LargeLinearLogprobs, MoreThan2To31Logits) {
   const fusedce::Device dev = backend->device();
   fusedce::LogprobOptions o;
   o.temperature = static_cast<float>(kTemperature);
+  o.distribution_stats = true;
   const fusedce::ShardSpec whole{0, kVocab};
   DeviceBuffer hid = DeviceBuffer::from_vector(*backend, hidden), w = DeviceBuffer::from_vector(*backend, weight);
   DeviceBuffer tgt = DeviceBuffer::from_vector(*backend, target);
@@ -121,6 +135,13 @@ TEST_P(LargeLinearLogprobs, MoreThan2To31Logits) {
   lo.lse = fusedce::vector(out.at(2 * kRows * 4), DType::kFloat32, kRows);
   s = fusedce::logprobs_merge(dev, sv, 1, tv, whole, o, lo);
   ASSERT_TRUE(s.ok()) << s.message();
+  DeviceBuffer dist(*backend, 3 * kRows * 4);
+  fusedce::DistributionStats ds;
+  ds.log_sum_sq_probs = fusedce::vector(dist.at(0), DType::kFloat32, kRows);
+  ds.mean_logit = fusedce::vector(dist.at(kRows * 4), DType::kFloat32, kRows);
+  ds.is_top1 = fusedce::vector(dist.at(2 * kRows * 4), DType::kFloat32, kRows);
+  s = fusedce::logprobs_distribution_stats(dev, sv, 1, tv, whole, o, ds);
+  ASSERT_TRUE(s.ok()) << s.message();
 
   DeviceBuffer glb = DeviceBuffer::from_vector(*backend, g_lp), ghb = DeviceBuffer::from_vector(*backend, g_h);
   DeviceBuffer gw(*backend, kVocab * kHidden * 4), gh(*backend, kRows * kHidden * 4);
@@ -134,10 +155,14 @@ TEST_P(LargeLinearLogprobs, MoreThan2To31Logits) {
   backend->synchronize();
 
   const std::vector<float> got = out.to_host_as<float>();
+  const std::vector<float> dist_h = dist.to_host_as<float>();
   int64_t bad = 0;
   for (int64_t i = 0; i < kRows; ++i) {
-    const bool ok = target[i] == kIgnore ? got[i] == 0.0f && got[kRows + i] == 0.0f
-                                         : std::isfinite(got[i]) && got[i] <= 0.0f && got[kRows + i] > 0.0f;
+    const float lss = dist_h[i], mean = dist_h[kRows + i], top1 = dist_h[2 * kRows + i];
+    const bool ok = target[i] == kIgnore
+                        ? got[i] == 0.0f && got[kRows + i] == 0.0f && lss == 0.0f && mean == 0.0f && top1 == 0.0f
+                        : std::isfinite(got[i]) && got[i] <= 0.0f && got[kRows + i] > 0.0f && lss <= 0.0f &&
+                              std::isfinite(mean) && (top1 == 0.0f || top1 == 1.0f);
     if (!ok && bad++ < 5) {
       ADD_FAILURE() << "row " << i << " (target " << target[i] << "): logprob " << got[i] << ", entropy "
                     << got[kRows + i];
@@ -153,6 +178,9 @@ TEST_P(LargeLinearLogprobs, MoreThan2To31Logits) {
     const std::string tag = "row " + std::to_string(i);
     expect_close(got[i], r.logprob, 2e-5 * (1.0 + std::abs(r.logprob)), tag + " logprob");
     expect_close(got[kRows + i], r.entropy, 1e-4 * std::abs(r.entropy) + 2e-5, tag + " entropy");
+    expect_close(dist_h[i], r.log_sum_sq, 4e-6 * (1.0 + std::abs(r.log_sum_sq)), tag + " log_sum_sq_probs");
+    expect_close(dist_h[kRows + i], r.mean_logit, 1e-5 * r.mean_abs_logit, tag + " mean_logit");
+    EXPECT_EQ(dist_h[2 * kRows + i], r.argmax == target[i] ? 1.0f : 0.0f) << tag << " is_top1";
     refs.push_back(std::move(r));
   }
   auto ref_of = [&](int64_t i) -> const RowRef& {
