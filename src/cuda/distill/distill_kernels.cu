@@ -98,6 +98,35 @@ __device__ __forceinline__ void online_add(Online& a, float z) {
   }
 }
 
+/// A group's running max and float sum of exp(z - m) (at most kGroup terms, each <= 1).
+struct GroupOnline {
+  float m, s;
+};
+
+__device__ __forceinline__ GroupOnline group_online_empty() { return GroupOnline{-INFINITY, 0.0f}; }
+
+__device__ __forceinline__ void group_online_add(GroupOnline& a, float z) {
+  if (z > a.m) {
+    a.s = a.s * expf(a.m - z) + 1.0f;
+    a.m = z;
+  } else {
+    a.s += z == a.m ? 1.0f : expf(z - a.m);  // (-inf == -inf: not exp(NaN))
+  }
+}
+
+/// Folds a group's state into the thread's running one, and empties the group's.
+__device__ __forceinline__ void online_fold(Online& a, GroupOnline& g) {
+  if (g.s != 0.0f || g.m != -INFINITY) {
+    if (g.m > a.m) {
+      a.s = a.s * expf(a.m - g.m) + g.s;
+      a.m = g.m;
+    } else {
+      a.s += g.m == a.m ? static_cast<double>(g.s) : static_cast<double>(g.s * expf(g.m - a.m));
+    }
+  }
+  g = group_online_empty();
+}
+
 __device__ __forceinline__ double online_scaled(const Online& a, float m) {
   return a.m == m ? a.s : a.s * static_cast<double>(expf(a.m - m));
 }
@@ -190,11 +219,17 @@ __device__ __forceinline__ void store_group(T* p, const float (&v)[kGroup]) {
   }
 }
 
+struct NoGroupEnd {
+  __device__ void operator()() const {}
+};
+
 /// f(j, xs[j], xt[j]) (as float) over this thread's columns j of a row of V, xt read when kTwo
 /// (else f gets 0 for it). With kWrite, xs[j] becomes f's value (each column read before it is
-/// written, by the same thread).
-template <bool kTwo, bool kWrite, typename S, typename T, typename F>
-__device__ __forceinline__ void row_visit(S* xs, const T* xt, int64_t V, F&& f) {
+/// written, by the same thread). group_end() runs after each group of kGroup columns and after
+/// each tail column: where a caller folds what f summed in float over the group into its double
+/// sums, so the double additions (and conversions) come once a group, not once a column.
+template <bool kTwo, bool kWrite, typename S, typename T, typename F, typename G = NoGroupEnd>
+__device__ __forceinline__ void row_visit(S* xs, const T* xt, int64_t V, F&& f, G&& group_end = G{}) {
   int64_t tail = 0;
   if (aligned16(xs) && (!kTwo || aligned16(xt))) {
     const int64_t groups = V / kGroup;
@@ -205,6 +240,7 @@ __device__ __forceinline__ void row_visit(S* xs, const T* xt, int64_t V, F&& f) 
 #pragma unroll
       for (int e = 0; e < kGroup; ++e) a[e] = f(g * kGroup + e, a[e], b[e]);
       if (kWrite) store_group(xs + g * kGroup, a);
+      group_end();
     };
     int64_t g = threadIdx.x;
     for (; g + (kUnroll - 1) * kThreads < groups; g += kUnroll * kThreads) {
@@ -230,6 +266,7 @@ __device__ __forceinline__ void row_visit(S* xs, const T* xt, int64_t V, F&& f) 
   for (int64_t j = tail + threadIdx.x; j < V; j += kThreads) {
     const float v = f(j, Elem<S>::to_float(xs[j]), kTwo ? Elem<T>::to_float(xt[j]) : 0.0f);
     if (kWrite) xs[j] = Elem<S>::from_float(v);
+    group_end();
   }
 }
 
@@ -377,6 +414,47 @@ __device__ double sparse_divergence(const DistillRows& r, int64_t K, const float
   return d[0];
 }
 
+// ---- one column's terms ------------------------------------------------------------------------
+
+/// One column's summands in the forward, from the student's and teacher's log-probabilities s
+/// and t: p_s s (the entropy's, negated), the divergence term f(s, t) (common/distill_math.h)
+/// and, for the JSD, p_s (s - l) (KL(p_s || m)'s). e^s and e^t are formed once and the mixture's
+/// log from them, l = log((1 - beta) e^s + beta e^t): where that sum underflows every term is
+/// taken as 0 (each is below the smallest float times |s - l|), and a term whose weight e^s or
+/// e^t is 0 adds exactly 0 (not 0 * inf).
+struct EntryTerms {
+  float entropy, divergence, aux;
+};
+
+__device__ __forceinline__ EntryTerms entry_terms(DivergenceKind kind, float s, float t, const DistillRows& r) {
+  const float ps = expf(s), pt = expf(t);
+  EntryTerms e{ps == 0.0f ? 0.0f : ps * s, 0.0f, 0.0f};
+  if (kind == DivergenceKind::kForwardKl) {
+    e.divergence = pt == 0.0f ? 0.0f : pt * (t - s);
+  } else if (kind == DivergenceKind::kReverseKl) {
+    e.divergence = ps == 0.0f ? 0.0f : ps * (s - t);
+  } else {
+    const float mix = r.one_mb * ps + r.beta * pt;
+    if (mix == 0.0f) return e;  // both weights (all but) 0: so are the terms
+    const float l = logf(mix);
+    const float fs = ps == 0.0f ? 0.0f : ps * (s - l);
+    e.divergence = (pt == 0.0f ? 0.0f : r.beta * pt * (t - l)) + r.one_mb * fs;
+    e.aux = fs;
+  }
+  return e;
+}
+
+/// d D / d z_j (common/distill_math.h, distill_logit_grad) with e^s, e^t and the mixture's log
+/// formed once each, as entry_terms.
+__device__ __forceinline__ float logit_grad(DivergenceKind kind, float s, float t, float aux, const DistillRows& r) {
+  const float ps = expf(s);
+  if (kind == DivergenceKind::kForwardKl) return ps - expf(t);
+  if (ps == 0.0f) return 0.0f;
+  if (kind == DivergenceKind::kReverseKl) return ps * (s - t - aux);
+  const float mix = r.one_mb * ps + r.beta * expf(t);
+  return mix == 0.0f ? 0.0f : r.one_mb * ps * (s - logf(mix) - aux);
+}
+
 // ---- the forward ------------------------------------------------------------------------------
 
 /// Full form: one block per chunk row; S, T the student's and the teacher's logit dtypes.
@@ -395,29 +473,44 @@ __global__ void __launch_bounds__(kThreads) full_forward_kernel(const DistillFor
   S* xs = chunk_row<S>(p.logits, p.ld, i);
   const T* xt = chunk_row<T>(p.t.logits, p.t.ld, i);
   Online a[3] = {online_empty(), online_empty(), online_empty()};
-  row_visit<true, false>(xs, xt, V, [&](int64_t, float xsj, float xtj) {
-    const float ys = detail::transform_y(hs, xsj);
-    online_add(a[0], ys * r.inv_t);
-    online_add(a[1], detail::transform_y(ht, xtj) * r.inv_t);
-    if (hard) online_add(a[2], ys);
-    return xsj;
-  });
+  GroupOnline ga[3] = {group_online_empty(), group_online_empty(), group_online_empty()};
+  row_visit<true, false>(
+      xs, xt, V,
+      [&](int64_t, float xsj, float xtj) {
+        const float ys = detail::transform_y(hs, xsj);
+        group_online_add(ga[0], ys * r.inv_t);
+        group_online_add(ga[1], detail::transform_y(ht, xtj) * r.inv_t);
+        if (hard) group_online_add(ga[2], ys);
+        return xsj;
+      },
+      [&] {
+#pragma unroll
+        for (int q = 0; q < 3; ++q) online_fold(a[q], ga[q]);
+      });
   Lse l[3];
   block_lse<3>(a, l, fsmem, dsmem);
   // pass 2: entropy, divergence and the JSD's KL(p_s || m), against them
   const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
   double acc[3] = {0.0, 0.0, 0.0};
-  row_visit<true, false>(xs, xt, V, [&](int64_t, float xsj, float xtj) {
-    const float s = logp(l[0], detail::transform_y(hs, xsj) * r.inv_t);
-    const float t = logp(l[1], detail::transform_y(ht, xtj) * r.inv_t);
-    const float ps = expf(s);
-    if (ps != 0.0f) acc[0] += static_cast<double>(ps) * s;
-    acc[1] += detail::divergence_term(kind, s, t, r.beta, r.log_1mb, r.log_b);
-    if (kind == DivergenceKind::kJsd && ps != 0.0f) {
-      acc[2] += static_cast<double>(ps) * (s - detail::mixture_log(s, t, r.log_1mb, r.log_b));
-    }
-    return xsj;
-  });
+  float part[3] = {0.0f, 0.0f, 0.0f};
+  row_visit<true, false>(
+      xs, xt, V,
+      [&](int64_t, float xsj, float xtj) {
+        const float s = logp(l[0], detail::transform_y(hs, xsj) * r.inv_t);
+        const float t = logp(l[1], detail::transform_y(ht, xtj) * r.inv_t);
+        const EntryTerms e = entry_terms(kind, s, t, r);
+        part[0] += e.entropy;
+        part[1] += e.divergence;
+        part[2] += e.aux;
+        return xsj;
+      },
+      [&] {
+#pragma unroll
+        for (int q = 0; q < 3; ++q) {
+          acc[q] += static_cast<double>(part[q]);
+          part[q] = 0.0f;
+        }
+      });
   block_sum<3>(acc, dsmem);
   RowOut o{static_cast<float>(acc[1]), 0.0f, static_cast<float>(-acc[0]), {}};
   o.stats[0] = static_cast<float>(l[0].full);
@@ -446,21 +539,35 @@ __global__ void __launch_bounds__(kThreads) topk_forward_kernel(const DistillFor
   const bool hard = label >= 0 && r.hard_weight > 0.0f;
   S* xs = chunk_row<S>(p.logits, p.ld, i);
   Online a[2] = {online_empty(), online_empty()};
-  row_visit<false, false>(xs, xs, V, [&](int64_t, float xsj, float) {
-    const float ys = detail::transform_y(hs, xsj);
-    online_add(a[0], ys * r.inv_t);
-    if (hard) online_add(a[1], ys);
-    return xsj;
-  });
+  GroupOnline ga[2] = {group_online_empty(), group_online_empty()};
+  row_visit<false, false>(
+      xs, xs, V,
+      [&](int64_t, float xsj, float) {
+        const float ys = detail::transform_y(hs, xsj);
+        group_online_add(ga[0], ys * r.inv_t);
+        if (hard) group_online_add(ga[1], ys);
+        return xsj;
+      },
+      [&] {
+        online_fold(a[0], ga[0]);
+        online_fold(a[1], ga[1]);
+      });
   Lse l[2];
   block_lse<2>(a, l, fsmem, dsmem);
   double ent[1] = {0.0};
-  row_visit<false, false>(xs, xs, V, [&](int64_t, float xsj, float) {
-    const float s = logp(l[0], detail::transform_y(hs, xsj) * r.inv_t);
-    const float ps = expf(s);
-    if (ps != 0.0f) ent[0] += static_cast<double>(ps) * s;
-    return xsj;
-  });
+  float part = 0.0f;
+  row_visit<false, false>(
+      xs, xs, V,
+      [&](int64_t, float xsj, float) {
+        const float s = logp(l[0], detail::transform_y(hs, xsj) * r.inv_t);
+        const float ps = expf(s);
+        part += ps == 0.0f ? 0.0f : ps * s;
+        return xsj;
+      },
+      [&] {
+        ent[0] += static_cast<double>(part);
+        part = 0.0f;
+      });
   block_sum<1>(ent, dsmem);
   // the sparse entries: q_k, the student's log-probability at id k
   const int64_t* ids = p.t.ids + row * p.t.ids_stride;
@@ -520,7 +627,7 @@ __global__ void __launch_bounds__(kThreads) full_backward_kernel(const DistillBa
     float dy = 0.0f;
     if (a != 0.0f) {
       const float s = y * r.inv_t - lse_s, t = detail::transform_y(ht, xtj) * r.inv_t - lse_t;
-      dy = a * detail::distill_logit_grad(kind, s, t, cross, r.log_1mb, r.log_b, r.one_mb);
+      dy = a * logit_grad(kind, s, t, cross, r);
     }
     if (b != 0.0f) dy += hard_dy(b, y, lse_h, j, column);
     return dy * detail::transform_dy_of_y(hs, y);
