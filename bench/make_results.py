@@ -814,8 +814,39 @@ def docs_trl_steps(bench_dir=BENCH):
         f"logits: {float(s_logits['grad_maxrel_vs_first']):.1e})."])
 
 
+def readme_distill(bench_dir=BENCH):
+    """The README bullet of the fused linear distillation (h200/distill.csv): the JSD at the
+    largest and smallest BT of the run, against its peers there and the four products' floor."""
+    name = "h200/distill.csv"
+    _manifest_entry(bench_dir, "h200", "distill.csv")
+    rows = read_csv(os.path.join(bench_dir, "h200", "distill.csv"), DISTILL_COLUMNS)
+    ok = {(r["shape"], r["variant"], r["impl"]): r for r in rows if r["status"] == "ok"}
+    shapes = sorted({r["shape"] for r in rows}, key=lambda x: int(x.split("x")[0]))
+
+    def get(shape, impl, variant="jsd beta=0.5"):
+        r = ok.get((shape, "the four products" if impl == "cublas floor" else variant, impl))
+        if r is None:
+            raise SourceError(f"{name}: no ok {impl} row for {variant} at {shape} (README quotes it)")
+        return r
+
+    big, small = shapes[-1], shapes[0]
+    n_big, h, v = big.split("x")
+    f, t, l, lc, fl = (get(big, i) for i in ("fusedce", "trl", "liger fused", "liger chunked", "cublas floor"))
+    f1, c1 = get(small, "fusedce"), get(small, "torch.compile")
+    return (f"- Fused linear distillation (`bench/distill_bench.py`; bf16, H {h}, V {v}, forward + backward,\n"
+            f"  the JSD at beta 0.5): at BT {n_big} {ms_fine(_t(f))} ms against TRL's `ChunkedDivergenceFunction`'s "
+            f"{ms_fine(_t(t))}\n"
+            f"  ({_t(t) / _t(f):.2f}x) and Liger's `LigerFusedLinearJSD`'s {ms_fine(_t(l))} ({_t(l) / _t(f):.2f}x; its "
+            f"chunked loss {ms_fine(_t(lc))}),\n"
+            f"  at a peak of {_gib2(f)} GiB over the inputs against Liger's {_gib2(l)}; {_t(f) / _t(fl):.2f}x the time "
+            f"of the four\n"
+            f"  products alone ({ms_fine(_t(fl))} ms): the row kernels between them are the rest. At BT "
+            f"{small.split('x')[0]} {ms_fine(_t(f1))} ms\n"
+            f"  against torch.compile's {ms_fine(_t(c1))} over materialised logits.")
+
+
 BLOCKS = {"ce_kernels": readme_ce_kernels, "cpu": readme_cpu, "trl": readme_trl, "trl_head": docs_trl_head,
-          "trl_steps": docs_trl_steps}
+          "trl_steps": docs_trl_steps, "distill": readme_distill}
 
 
 def render_blocks(readme_text, bench_dir=BENCH, name="README.md"):

@@ -69,6 +69,7 @@ def test_every_source_is_shown():
                                           ("h200/logprobs_trl.csv", "median_ms"),
                                           ("h200/grpo_step_trl.csv", "median_ms"),
                                           ("h200/sft_step_trl.csv", "median_ms"),
+                                          ("h200/distill.csv", "median_ms"),
                                           ("cpu/results.csv", "median_ms")])
 def test_a_changed_value_shows(bench_copy, name, column):
     def edit(rows):
@@ -90,7 +91,7 @@ def test_check_flags_a_stale_file(tmp_path):
 
 def test_readme_figures_are_what_the_csvs_give():
     readme = (ROOT / "README.md").read_text()
-    for block in ("ce_kernels", "cpu", "trl"):
+    for block in ("ce_kernels", "cpu", "trl", "distill"):
         assert f"<!-- make_results: {block} -->" in readme
     assert make_results.render_blocks(readme) == readme, (
         "README.md's generated figures differ from the CSVs: run python3 bench/make_results.py")
@@ -127,6 +128,26 @@ def test_the_cpu_ranges_follow_the_csv(bench_copy):
     assert "with the backward and 1.33-2.27x\n  forward" in before
     assert "with the backward and 0.19-2.27x\n  forward" in after  # 1.86x / 10 at 128 x 32000
     assert before in readme and after not in readme
+
+
+def test_the_distillation_bullet_follows_the_csv(bench_copy):
+    """fusedce's JSD time at the largest BT moves the README's time, both speed-ups and the ratio
+    to the floor; without TRL's row there the block is refused."""
+    def slower(rows):
+        for r in rows:
+            if (r["shape"], r["variant"], r["impl"]) == ("8192x4096x128256", "jsd beta=0.5", "fusedce"):
+                r["median_ms"] = str(2 * float(r["median_ms"]))
+
+    readme = (ROOT / "README.md").read_text()
+    before = make_results.readme_distill()
+    _edit_csv(bench_copy / "h200" / "distill.csv", slower)
+    after = make_results.readme_distill(str(bench_copy))
+    assert before in readme and after not in readme
+    assert "at BT 8192 134.81 ms" in after and "(0.86x)" in after and "2.69x the time" in after
+    _edit_csv(bench_copy / "h200" / "distill.csv", lambda rows: rows.__setitem__(
+        slice(None), [r for r in rows if r["impl"] != "trl"]))
+    with pytest.raises(make_results.SourceError, match=r"h200/distill.csv: no ok trl row for jsd beta=0.5"):
+        make_results.readme_distill(str(bench_copy))
 
 
 def test_a_readme_figure_without_its_row_is_refused(bench_copy):
