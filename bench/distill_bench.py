@@ -28,7 +28,9 @@ weights. Two parts, each its own CSV:
         logits, grad_hidden, grad_weight) over a row's time.
 
 Every row: median, 10th and 90th percentile of CUDA-event times after warm-up; peak device
-memory over the inputs (and beyond the loss and gradients it returns); the loss and the largest
+memory over the inputs (torch's allocator's peak plus the high-water mark of the stream-ordered
+pool, where fusedce's distillation takes its workspace: a row's note says when that pool could
+not be read) (and beyond the loss and gradients it returns); the loss and the largest
 absolute difference of the loss, grad_hidden and grad_weight from a float64 reference computed
 here in row chunks (from torch eager in the input dtype, with a note, if the float64 one does not
 fit). An implementation that cannot run here gives a row with status "skipped" and the reason
@@ -65,7 +67,7 @@ import torch
 import fusedce
 from fusedce.bench.measure import device_name, spread, sync, time_runs
 from fusedce.bench.rows import (common_columns, gib, max_abs, max_rel, peak_memory, print_rows, release,
-                                 write_csv)
+                                 stream_ordered_pool, write_csv)
 
 IGNORE = -100
 SHAPES = [(1024, 4096, 128256), (8192, 4096, 128256)]
@@ -406,6 +408,8 @@ def run_row(row, load, inputs, leaves, reference, a, counted_flops=None, floor_m
         kept = checked if reference is None else None
         del checked
         row.update(timing(run, leaves, a))
+        if isinstance(a.pool, str):
+            row["note"] = f"{note}; peak without the stream-ordered pool ({a.pool})"
     except NotImplementedError as e:  # fusedce's CUDA path before it is written
         return {**row, "status": "skipped", "note": first_line(e)}, None
     except Exception as e:
@@ -441,7 +445,8 @@ def timing(run, leaves, a):
     median, p10, p90 = spread(time_runs(run, a.repeat, a.warmup, a.device))
     for x in leaves:  # the last run's gradients are not the next run's inputs
         x.grad = None
-    over, beyond = peak_memory(run, a.device)
+    pool = a.pool if not isinstance(a.pool, str) else None
+    over, beyond = peak_memory(run, a.device, pool)
     return {"median_ms": median, "p10_ms": p10, "p90_ms": p90, "runs": a.repeat, "peak_over_inputs_gib": gib(over),
             "peak_beyond_outputs_gib": gib(beyond)}
 
@@ -665,6 +670,8 @@ def parse_args(argv):
     a.reference_rows = 24 if a.smoke else REFERENCE_ROWS  # --smoke: several chunks even at its sizes
     a.repeat = a.repeat or (2 if a.smoke else 10)
     a.warmup = a.warmup if a.warmup is not None else (0 if a.smoke else 3)
+    # The core's workspace where it takes one itself (cudaMallocAsync) counts in the peak too.
+    a.pool = stream_ordered_pool() if a.device == "cuda" else None
     return a
 
 

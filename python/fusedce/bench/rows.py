@@ -21,18 +21,68 @@ def _bytes_of(tensors):
     return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
 
 
-def peak_memory(run, device):
+class _StreamOrderedPool:
+    """The device's current memory pool, which cudaMallocAsync draws from: where fusedce's core
+    takes a call's workspace when no torch tensor is passed for it (the distillation's CUDA
+    path), memory torch's allocator statistics never see. Read through cuda.bindings (which torch
+    itself depends on); with torch's allocator on the cudaMallocAsync backend the same pool holds
+    torch's tensors, already counted, so it is not read then."""
+
+    def __init__(self):
+        from cuda.bindings import driver, runtime as rt
+
+        if torch.cuda.get_allocator_backend() != "native":
+            raise RuntimeError("torch allocates from the stream-ordered pool itself")
+        self.rt, self.u64 = rt, driver.cuuint64_t
+        err, self.pool = rt.cudaDeviceGetMemPool(torch.cuda.current_device())
+        self._check(err)
+
+    def _check(self, err):
+        if err != self.rt.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cuda.bindings: {err}")
+
+    def _get(self, attr):
+        err, value = self.rt.cudaMemPoolGetAttribute(self.pool, attr)
+        self._check(err)
+        return int(value)
+
+    def start(self):
+        """Resets the pool's high-water mark; returns the bytes in use now."""
+        attrs = self.rt.cudaMemPoolAttr
+        (err,) = self.rt.cudaMemPoolSetAttribute(self.pool, attrs.cudaMemPoolAttrUsedMemHigh, self.u64(0))
+        self._check(err)
+        return self._get(attrs.cudaMemPoolAttrUsedMemCurrent)
+
+    def high(self):
+        return self._get(self.rt.cudaMemPoolAttr.cudaMemPoolAttrUsedMemHigh)
+
+
+def stream_ordered_pool():
+    """A _StreamOrderedPool, or the reason there is none (a str) where it cannot be read."""
+    try:
+        return _StreamOrderedPool()
+    except Exception as e:  # noqa: BLE001 - any failure only means the pool is not counted
+        return f"{type(e).__name__}: {e}"
+
+
+def peak_memory(run, device, pool=None):
     """(peak over what is live before run(), the same less run()'s outputs) in bytes, from one
-    call; (None, None) on the CPU (no allocator statistics)."""
+    call; (None, None) on the CPU (no allocator statistics). With `pool` (stream_ordered_pool()),
+    the call's high-water mark in the stream-ordered pool is added to torch's: the core's
+    workspace there is live while the call's outputs are (they are allocated before it), so the
+    sum is the call's peak."""
     if device != "cuda":
         return None, None
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
+    pool_base = pool.start() if pool is not None else 0
     outputs = run(0)
     torch.cuda.synchronize()
     over = torch.cuda.max_memory_allocated() - base
+    if pool is not None:
+        over += max(0, pool.high() - pool_base)
     return over, over - _bytes_of(outputs)
 
 
