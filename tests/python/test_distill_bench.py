@@ -163,3 +163,39 @@ def test_variants_pick_rows_and_a_run_cut_short_keeps_its_rows(tmp_path, monkeyp
                                      "--variants", "forward_kl beta=0"]) == 1
     rows = _rows(out / "distill.csv")
     assert [r["shape"] for r in rows] == [calls[0]] and rows[0]["status"] == "ok", rows
+
+
+# ---- the peak of a call whose workspace torch does not allocate --------------------------------
+
+
+def test_without_a_gpu_the_stream_ordered_pool_is_a_reason():
+    from fusedce.bench.rows import stream_ordered_pool
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: test_cuda_peak_counts_the_stream_ordered_pool covers it")
+    assert isinstance(stream_ordered_pool(), str)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_peak_counts_the_stream_ordered_pool():
+    """64 MiB taken with cudaMallocAsync inside the call (as fusedce's distillation takes its
+    workspace) is in the peak with the pool, and not without it."""
+    from cuda.bindings import runtime as rt
+
+    from fusedce.bench.rows import peak_memory, stream_ordered_pool
+
+    pool = stream_ordered_pool()
+    assert not isinstance(pool, str), pool
+    size = 64 << 20
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def run(_i):
+        err, ptr = rt.cudaMallocAsync(size, stream)
+        assert err == rt.cudaError_t.cudaSuccess
+        (err,) = rt.cudaFreeAsync(ptr, stream)
+        assert err == rt.cudaError_t.cudaSuccess
+        return ()
+
+    with_pool, _ = peak_memory(run, "cuda", pool)
+    without, _ = peak_memory(run, "cuda")
+    assert with_pool >= size and without < size
