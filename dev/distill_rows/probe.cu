@@ -16,8 +16,12 @@
 //   exp2/128, exp2/512: exp2 with 128 or 512 threads a row;
 //   read    the same two passes with a max and a plain sum in place of the exponentials: the
 //           memory time of the reads and reductions alone (its values are not the loss's).
-// Each is checked against float64 on the host at 6 rows (lse, entropy, JSD, aux) and against the
-// lib variant on every row before it is timed (CUDA events, median of 20 after 3 warm-up calls,
+// Then the backward row pass (the student's chunk becomes d loss / d z in place, from the
+// forward's lse and aux, for an upstream gradient of 1): lib (expf, logf) and exp2, 256 threads,
+// beside a pass that reads one head and writes it back (its memory time). The backward's values
+// are checked against float64 at 6 rows, relative to each row's largest |gradient|.
+// Each forward variant is checked against float64 on the host at 6 rows (lse, entropy, JSD, aux)
+// and against the lib variant on every row before it is timed (CUDA events, median of 20 after 3 warm-up calls,
 // chunk larger than L2). Printed: ms a chunk, the two passes' bytes over that time (GB/s), and the
 // largest differences.
 //
@@ -294,6 +298,101 @@ __global__ void __launch_bounds__(kThreads) forward_rows(const __nv_bfloat16* zs
   }
 }
 
+// ---- the backward row pass --------------------------------------------------------------------
+
+enum class Back { kLib, kExp2, kCopy };
+
+/// xs (the student's chunk) becomes d JSD / d z_s per column, from the row's forward results;
+/// xt is read (the teacher's chunk). kCopy only reads xs and writes it back.
+template <int kThreads, Back kForm>
+__global__ void __launch_bounds__(kThreads) backward_rows(__nv_bfloat16* zs, const __nv_bfloat16* zt, int64_t V,
+                                                          const RowOut* fwd) {
+  constexpr bool kE2 = kForm == Back::kExp2;
+  const int64_t row = blockIdx.x;
+  __nv_bfloat16* xs = zs + row * V;
+  const __nv_bfloat16* xt = zt + row * V;
+  const float c = kE2 ? kLog2e : 1.0f;
+  const float ls = static_cast<float>(fwd[row].lse_s * c), lt = static_cast<float>(fwd[row].lse_t * c);
+  const float aux = static_cast<float>(fwd[row].aux * c);  // in the units of s, t
+  const float one_mb = 1.0f - kBeta, scale = kE2 ? kLn2 : 1.0f;
+  for (int64_t g = threadIdx.x; g < V / 8; g += kThreads) {
+    float a[8], b[8];
+    load8(xs + g * 8, a);
+    if (kForm != Back::kCopy) load8(xt + g * 8, b);
+    __align__(16) __nv_bfloat162 o[4];
+#pragma unroll
+    for (int k = 0; k < 8; k += 2) {
+      float d[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (kForm == Back::kCopy) {
+          d[e] = a[k + e];
+          continue;
+        }
+        const float s = a[k + e] * c - ls, t = b[k + e] * c - lt;
+        const float ps = kE2 ? exp2f(s) : expf(s), pt = kE2 ? exp2f(t) : expf(t);
+        const float mix = one_mb * ps + kBeta * pt;
+        d[e] = mix == 0.0f ? 0.0f : one_mb * ps * (s - (kE2 ? log2f(mix) : logf(mix)) - aux) * scale;
+      }
+      o[k / 2] = __floats2bfloat162_rn(d[0], d[1]);
+    }
+    *reinterpret_cast<uint4*>(xs + g * 8) = *reinterpret_cast<const uint4*>(o);
+  }
+}
+
+/// A row's float64 gradient d JSD / d z_s (the forward's definitions).
+std::vector<double> reference_grad(int64_t row, int64_t V, const RowOut& r) {
+  std::vector<double> g(V);
+  for (int64_t j = 0; j < V; ++j) {
+    const double zs = __bfloat162float(__float2bfloat16(logit(row, j, 0, V)));
+    const double zt = __bfloat162float(__float2bfloat16(logit(row, j, 1, V)));
+    const double s = zs - r.lse_s, t = zt - r.lse_t, ps = std::exp(s), pt = std::exp(t);
+    g[j] = (1.0 - kBeta) * ps * (s - std::log((1.0 - kBeta) * ps + kBeta * pt) - r.aux);
+  }
+  return g;
+}
+
+template <int kThreads, Back kForm>
+void run_back(const char* name, const __nv_bfloat16* zs, const __nv_bfloat16* zt, __nv_bfloat16* work, int64_t rows,
+              int64_t V, const RowOut* fwd, const std::vector<std::vector<double>>& refs,
+              const std::vector<int64_t>& at) {
+  CHECK(cudaMemcpy(work, zs, rows * V * 2, cudaMemcpyDeviceToDevice));
+  backward_rows<kThreads, kForm><<<rows, kThreads>>>(work, zt, V, fwd);
+  CHECK(cudaGetLastError());
+  double worst_rel = 0.0;
+  if (kForm != Back::kCopy) {
+    std::vector<__nv_bfloat16> got(V);
+    for (size_t q = 0; q < at.size(); ++q) {
+      CHECK(cudaMemcpy(got.data(), work + at[q] * V, V * 2, cudaMemcpyDeviceToHost));
+      double big = 0.0, err = 0.0;
+      for (int64_t j = 0; j < V; ++j) {
+        big = std::max(big, std::abs(refs[q][j]));
+        err = std::max(err, std::abs(double(__bfloat162float(got[j])) - refs[q][j]));
+      }
+      worst_rel = std::max(worst_rel, err / big);
+    }
+  } else {
+    worst_rel = NAN;
+  }
+  std::vector<float> ms;
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  for (int k = 0; k < 23; ++k) {
+    CHECK(cudaMemcpy(work, zs, rows * V * 2, cudaMemcpyDeviceToDevice));
+    CHECK(cudaEventRecord(a));
+    backward_rows<kThreads, kForm><<<rows, kThreads>>>(work, zt, V, fwd);
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float t = 0.0f;
+    CHECK(cudaEventElapsedTime(&t, a, b));
+    if (k >= 3) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double med = ms[ms.size() / 2], bytes = (kForm == Back::kCopy ? 2.0 : 3.0) * rows * V * 2.0;
+  std::printf("| %-9s | %7.3f | %6.0f | %.2e |\n", name, med, bytes / med / 1e6, worst_rel);
+}
+
 RowOut reference(int64_t row, int64_t V) {
   std::vector<double> zs(V), zt(V);
   double ms = -INFINITY, mt = -INFINITY;
@@ -391,5 +490,21 @@ int main(int argc, char** argv) {
   run<128, Form::kExp2>("exp2/128", zs, zt, rows, V, out, &lib, nullptr);
   run<512, Form::kExp2>("exp2/512", zs, zt, rows, V, out, &lib, nullptr);
   run<256, Form::kRead>("read", zs, zt, rows, V, out, &lib, nullptr);
+
+  // the backward, from the lib forward's results (its rows' float64 reference from the host's)
+  RowOut* fwd;
+  __nv_bfloat16* work;
+  CHECK(cudaMalloc(&fwd, rows * sizeof(RowOut)));
+  CHECK(cudaMalloc(&work, rows * V * 2));
+  CHECK(cudaMemcpy(fwd, lib.data(), rows * sizeof(RowOut), cudaMemcpyHostToDevice));
+  const std::vector<int64_t> at{0, 1, rows / 2, rows - 1};
+  std::vector<std::vector<double>> refs;
+  for (int64_t row : at) refs.push_back(reference_grad(row, V, lib[row]));
+  std::printf("\nthe backward row pass (d JSD / d z_s in place, from the lib forward's lse and aux)\n");
+  std::printf("| variant | ms | GB/s (reads + write) | max |diff| vs float64 / row's max |grad| (4 rows) |\n");
+  std::printf("|---|---|---|---|\n");
+  run_back<256, Back::kLib>("lib", zs, zt, work, rows, V, fwd, refs, at);
+  run_back<256, Back::kExp2>("exp2", zs, zt, work, rows, V, fwd, refs, at);
+  run_back<256, Back::kCopy>("copy", zs, zt, work, rows, V, fwd, refs, at);
   return 0;
 }
