@@ -36,6 +36,8 @@ class _StreamOrderedPool:
         self.rt, self.u64 = rt, driver.cuuint64_t
         err, self.pool = rt.cudaDeviceGetMemPool(torch.cuda.current_device())
         self._check(err)
+        self.start()  # each call once here, so that a binding that does not fit fails now
+        self.high()
 
     def _check(self, err):
         if err != self.rt.cudaError_t.cudaSuccess:
