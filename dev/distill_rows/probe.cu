@@ -148,16 +148,19 @@ __device__ void block_lse(Online (&a)[K], float (&m)[K], float (&l)[K]) {
   for (int q = 0; q < K; ++q) l[q] = static_cast<float>(kExp2 ? log2(s[q]) : log(s[q]));
 }
 
-/// Eight bf16 logits of a row at a 16-byte aligned address, as float.
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
-  const uint4 w = *reinterpret_cast<const uint4*>(p);
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w);
+/// Eight bf16 logits in a 16-byte word, as float.
+__device__ __forceinline__ void unpack8(uint4 w, float (&v)[8]) {
+  const uint32_t u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const float2 f = __bfloat1622float2(h[k]);
-    v[2 * k] = f.x;
-    v[2 * k + 1] = f.y;
+    v[2 * k] = __uint_as_float(u[k] << 16);
+    v[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u);
   }
+}
+
+/// Eight bf16 logits of a row at a 16-byte aligned address, as float.
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
+  unpack8(*reinterpret_cast<const uint4*>(p), v);
 }
 
 /// f(group of 8 of each head) over this thread's groups (V a multiple of 8, rows 16-byte aligned),
@@ -176,8 +179,8 @@ __device__ __forceinline__ void visit(const __nv_bfloat16* xs, const __nv_bfloat
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       float a[8], b[8];
-      load8(reinterpret_cast<const __nv_bfloat16*>(&ws[u]), a);
-      load8(reinterpret_cast<const __nv_bfloat16*>(&wt[u]), b);
+      unpack8(ws[u], a);
+      unpack8(wt[u], b);
       f(a, b);
     }
   }
