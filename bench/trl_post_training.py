@@ -38,9 +38,11 @@ with kept ones (the kernel part's rates are left to the reader: the same shapes,
 """
 
 import argparse
+import atexit
 import gc
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -251,6 +253,13 @@ def step_sizes(a):
     return (2, 8, 16) if a.smoke else (a.completions, a.prompt_tokens, a.completion_tokens)
 
 
+def scratch_dir(prefix):
+    """A fresh folder for a trainer's output_dir (nothing is saved there), removed at exit."""
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    return tmp
+
+
 def trainer_args(a, device, tmp, **extra):
     return dict(output_dir=tmp, report_to=[], use_cpu=device != "cuda", bf16=device == "cuda", save_strategy="no",
                 logging_steps=1, max_steps=1, seed=0, **extra)
@@ -336,7 +345,7 @@ def grpo_part(a):
         print(f"note: TRL's trainers pass a vocabulary chunk of {trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE}, "
               f"the kernel part {TRL_CHUNK}")
     seqs, prompt, completion = step_sizes(a)
-    tmp = tempfile.mkdtemp(prefix="fusedce_grpo_")
+    tmp = scratch_dir("fusedce_grpo_")
     args = GRPOConfig(**trainer_args(a, device, tmp), per_device_train_batch_size=seqs, num_generations=seqs,
                       max_completion_length=completion)
     prompts = Dataset.from_dict({"prompt": [" ".join(f"w{(7 * i + k) % 200}" for k in range(5)) for i in range(seqs)]})
@@ -400,7 +409,7 @@ def sft_part(a):
     from trl import SFTConfig, SFTTrainer
 
     seqs, prompt, completion = step_sizes(a)
-    tmp = tempfile.mkdtemp(prefix="fusedce_sft_")
+    tmp = scratch_dir("fusedce_sft_")
     args = SFTConfig(**trainer_args(a, device, tmp), per_device_train_batch_size=seqs,
                      max_length=prompt + completion)
     texts = Dataset.from_dict({"text": [" ".join(f"w{(3 * i + k) % 200}" for k in range(12)) for i in range(seqs)]})
