@@ -191,6 +191,21 @@ inline ForwardTensors forward_tensors(const Tensor& like, int64_t n, const fused
   return t;
 }
 
+/// The workspace of a call (torch's allocator: the caching allocator on CUDA, so the chunk
+/// buffers count in torch's memory statistics and come from its pool), held by *holder; empty
+/// where the call needs none (the CPU).
+template <class Ctx>
+fusedce::Workspace distill_workspace(fusedce::DistillJob job, Ctx& ctx, const Tensor& hidden,
+                                     const StudentViews& s, const fusedce::DistillTeacher& teacher,
+                                     const fusedce::DistillOptions& o, int64_t chunk_budget_bytes,
+                                     const fusedce::LinearGrads& grads, Tensor* holder) {
+  const size_t bytes = fusedce::linear_distill_workspace_size(job, ctx.device(), s.hidden, s.weight, teacher, o,
+                                                              static_cast<size_t>(chunk_budget_bytes), grads);
+  if (bytes == 0) return {};
+  *holder = at::empty({static_cast<int64_t>(bytes)}, hidden.options().dtype(at::kByte));
+  return workspace_of(*holder);
+}
+
 template <class Ctx>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> distill_forward(const Tensor& hidden, const Tensor& weight,
                                                                    const OptTensor& bias,
@@ -201,8 +216,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> distill_forward(const Tensor&
   const StudentViews s = student_views(hidden, weight, bias, labels);
   const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
   const ForwardTensors f = forward_tensors(hidden, hidden.size(0), o, fusedce::kDistillStatsWidth);
+  Tensor ws;
+  const fusedce::Workspace w =
+      distill_workspace(fusedce::DistillJob::kForward, ctx, hidden, s, teacher, o, chunk_budget_bytes, {}, &ws);
   check_status(fusedce::linear_distill_forward(ctx.device(), s.hidden, s.weight, s.bias, teacher, s.labels, o,
-                                               static_cast<size_t>(chunk_budget_bytes), f.views),
+                                               static_cast<size_t>(chunk_budget_bytes), f.views, w),
                op);
   return {f.loss, f.divergence, f.hard, f.entropy, f.stats};
 }
@@ -243,9 +261,12 @@ std::tuple<Tensor, Tensor, Tensor> distill_backward(const Tensor& hidden, const 
                     "fusedce: stats must be a contiguous float32 (N, ", fusedce::kDistillStatsWidth,
                     ") tensor, got ", stats.scalar_type(), " of shape ", stats.sizes());
   const GradTensors g = grad_tensors(hidden, weight, bias, need_grad_hidden, need_grad_weight, need_grad_bias);
+  Tensor ws;
+  const fusedce::Workspace w = distill_workspace(fusedce::DistillJob::kBackward, ctx, hidden, s, teacher, o,
+                                                 chunk_budget_bytes, g.views, &ws);
   check_status(fusedce::linear_distill_backward(ctx.device(), s.hidden, s.weight, s.bias, teacher, s.labels, o,
                                                 static_cast<size_t>(chunk_budget_bytes), distill_stats_view(stats),
-                                                vector_of(grad_loss, "grad_loss"), g.views),
+                                                vector_of(grad_loss, "grad_loss"), g.views, w),
                op);
   return {g.grad_hidden, g.grad_weight, g.grad_bias};
 }
@@ -262,8 +283,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> disti
   const fusedce::DistillOptions o = distill_options_of(FUSEDCE_DISTILL_PASS);
   const ForwardTensors f = forward_tensors(hidden, hidden.size(0), o, fusedce::kDistillStatsWidth);
   const GradTensors g = grad_tensors(hidden, weight, bias, need_grad_hidden, need_grad_weight, need_grad_bias);
+  Tensor ws;
+  const fusedce::Workspace w = distill_workspace(fusedce::DistillJob::kForwardBackward, ctx, hidden, s, teacher, o,
+                                                 chunk_budget_bytes, g.views, &ws);
   check_status(fusedce::linear_distill_forward_backward(ctx.device(), s.hidden, s.weight, s.bias, teacher, s.labels,
-                                                        o, static_cast<size_t>(chunk_budget_bytes), f.views, g.views),
+                                                        o, static_cast<size_t>(chunk_budget_bytes), f.views, g.views,
+                                                        w),
                op);
   return {f.loss, f.divergence, f.hard, f.entropy, f.stats, g.grad_hidden, g.grad_weight, g.grad_bias};
 }
@@ -358,10 +383,13 @@ Tensor shard_stats_of(const Tensor& hidden, const Tensor& weight, const OptTenso
   Ctx ctx(hidden, "hidden");
   const StudentViews s = student_views(hidden, weight, bias, labels);
   Tensor stats = at::empty({hidden.size(0) + 1, fusedce::kDistillShardStatsWidth}, hidden.options().dtype(at::kFloat));
+  Tensor ws;
+  const fusedce::Workspace w =
+      distill_workspace(fusedce::DistillJob::kShardStats, ctx, hidden, s, t, o, chunk_budget_bytes, {}, &ws);
   check_status(fusedce::linear_distill_shard_stats(
                    ctx.device(), s.hidden, s.weight, s.bias, t, s.labels, fusedce::ShardSpec{vocab_start, vocab_total},
                    o, static_cast<size_t>(chunk_budget_bytes),
-                   float_block_view(stats, "stats", fusedce::kDistillShardStatsWidth, hidden)),
+                   float_block_view(stats, "stats", fusedce::kDistillShardStatsWidth, hidden), w),
                op);
   return stats;
 }
@@ -383,10 +411,13 @@ std::tuple<Tensor, Tensor, Tensor> shard_parts_of(const Tensor& hidden, const Te
   check_status(fusedce::linear_distill_shard_merge(ctx.device(), g, world_of(gathered, n + 1, "gathered"), s.labels,
                                                    o, rs, vector_of(hard, "hard")),
                op);
+  Tensor ws;
+  const fusedce::Workspace w =
+      distill_workspace(fusedce::DistillJob::kShardParts, ctx, hidden, s, t, o, chunk_budget_bytes, {}, &ws);
   check_status(fusedce::linear_distill_shard_parts(ctx.device(), s.hidden, s.weight, s.bias, t, s.labels,
                                                    fusedce::ShardSpec{vocab_start, vocab_total}, o,
                                                    static_cast<size_t>(chunk_budget_bytes), rs,
-                                                   float_block_view(parts, "parts", width, hidden)),
+                                                   float_block_view(parts, "parts", width, hidden), w),
                op);
   return {row_stats, hard, parts};
 }
@@ -440,9 +471,12 @@ std::tuple<Tensor, Tensor, Tensor> shard_bwd_of(const Tensor& hidden, const Tens
   const int64_t sw = k > 0 ? fusedce::distill_shard_stats_width(k) : fusedce::kDistillStatsWidth;
   const fusedce::MatrixView st = float_block_view(stats, "stats", sw, hidden);
   const GradTensors g = grad_tensors(hidden, weight, bias, need_grad_hidden, need_grad_weight, need_grad_bias);
+  Tensor ws;
+  const fusedce::Workspace w =
+      distill_workspace(fusedce::DistillJob::kShardBackward, ctx, hidden, s, t, o, chunk_budget_bytes, g.views, &ws);
   check_status(fusedce::linear_distill_shard_backward(
                    ctx.device(), s.hidden, s.weight, s.bias, t, s.labels, fusedce::ShardSpec{vocab_start, vocab_total},
-                   o, static_cast<size_t>(chunk_budget_bytes), st, vector_of(grad_loss, "grad_loss"), g.views),
+                   o, static_cast<size_t>(chunk_budget_bytes), st, vector_of(grad_loss, "grad_loss"), g.views, w),
                op);
   return {g.grad_hidden, g.grad_weight, g.grad_bias};
 }

@@ -109,7 +109,8 @@ constexpr int64_t kDistillMaxChunkRows = 256;
 /// linear cross-entropy's default rule; plan_linear_distill is the CPU's plan.
 Status linear_distill_forward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                               const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
-                              const DistillOptions& options, size_t chunk_budget_bytes, const DistillOutputs& out);
+                              const DistillOptions& options, size_t chunk_budget_bytes, const DistillOutputs& out,
+    Workspace workspace = {});
 
 /// The backward, from the forward's stats and the upstream gradient of the loss (float32, (N,)
 /// for none, (1,) otherwise): grads.grad_hidden (N, H) float32, grad_weight (V, H) and grad_bias
@@ -117,7 +118,8 @@ Status linear_distill_forward(const Device& device, const MatrixView& hidden, co
 Status linear_distill_backward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                                const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
                                const DistillOptions& options, size_t chunk_budget_bytes, const MatrixView& stats,
-                               const VectorView& grad_loss, const LinearGrads& grads);
+                               const VectorView& grad_loss, const LinearGrads& grads,
+    Workspace workspace = {});
 
 /// The forward and, over the same chunk of logits, the backward for an upstream gradient of 1
 /// (reduction mean or sum; none is refused: its per-row upstream gradients are not known yet):
@@ -129,7 +131,29 @@ Status linear_distill_forward_backward(const Device& device, const MatrixView& h
                                        const VectorView& bias, const DistillTeacher& teacher,
                                        const VectorView& labels, const DistillOptions& options,
                                        size_t chunk_budget_bytes, const DistillOutputs& out,
-                                       const LinearGrads& grads);
+                                       const LinearGrads& grads,
+    Workspace workspace = {});
+
+/// The entry points that take a workspace, for linear_distill_workspace_size.
+enum class DistillJob : int32_t {
+  kForward = 0,
+  kBackward = 1,
+  kForwardBackward = 2,
+  kShardStats = 3,
+  kShardParts = 4,
+  kShardBackward = 5,
+};
+
+/// Bytes of device workspace the job needs (0 on the CPU), from the call's own arguments: their
+/// shapes and dtypes (data pointers not read, except that `grads` says by which of its views
+/// are non-empty the gradients a backward forms). Every entry point above and the shard steps
+/// stats, parts and backward take the workspace as their last argument; given none (empty), the
+/// CUDA backend takes stream-ordered scratch (cudaMallocAsync) for the call, and one smaller
+/// than this size is kWorkspaceTooSmall.
+size_t linear_distill_workspace_size(DistillJob job, const Device& device, const MatrixView& hidden,
+                                     const MatrixView& weight, const DistillTeacher& teacher,
+                                     const DistillOptions& options, size_t chunk_budget_bytes,
+                                     const LinearGrads& grads = {});
 
 // ---- the vocabulary-parallel form ------------------------------------------------------------
 //
@@ -183,7 +207,8 @@ constexpr int64_t distill_shard_stats_width(int64_t K) { return kDistillStatsWid
 Status linear_distill_shard_stats(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                                   const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
                                   const ShardSpec& shard, const DistillOptions& options, size_t chunk_budget_bytes,
-                                  const MatrixView& stats);
+                                  const MatrixView& stats,
+    Workspace workspace = {});
 
 /// Step 2. gathered: float32 (world * (N + 1), kDistillShardStatsWidth), rank r's step 1 at rows
 /// [r (N + 1), (r + 1)(N + 1)). row_stats: float32 (N, kDistillStatsWidth), contiguous: the
@@ -199,7 +224,8 @@ Status linear_distill_shard_merge(const Device& device, const MatrixView& gather
 Status linear_distill_shard_parts(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                                   const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
                                   const ShardSpec& shard, const DistillOptions& options, size_t chunk_budget_bytes,
-                                  const MatrixView& row_stats, const MatrixView& parts);
+                                  const MatrixView& row_stats, const MatrixView& parts,
+    Workspace workspace = {});
 
 /// Step 4. gathered: float32 (world * N, kDistillPartsWidth), rank r's step 3 at rows
 /// [r N, (r + 1) N); row_stats and hard from step 2. Writes out as linear_distill_forward does
@@ -223,6 +249,7 @@ Status linear_distill_topk_shard_reduce(const Device& device, const MatrixView& 
 Status linear_distill_shard_backward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                                      const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
                                      const ShardSpec& shard, const DistillOptions& options, size_t chunk_budget_bytes,
-                                     const MatrixView& stats, const VectorView& grad_loss, const LinearGrads& grads);
+                                     const MatrixView& stats, const VectorView& grad_loss, const LinearGrads& grads,
+    Workspace workspace = {});
 
 }  // namespace fusedce

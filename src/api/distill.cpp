@@ -312,20 +312,24 @@ detail::DistillCall make_call(bool backward, const Device& device, const MatrixV
 
 Status linear_distill_forward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                               const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
-                              const DistillOptions& options, size_t chunk_budget_bytes, const DistillOutputs& out) {
+                              const DistillOptions& options, size_t chunk_budget_bytes, const DistillOutputs& out,
+    Workspace workspace) {
   detail::DistillCall c = make_call(false, device, hidden, weight, bias, teacher, labels, options, chunk_budget_bytes);
   c.out = out;
+  c.workspace = workspace;
   return dispatch(c);
 }
 
 Status linear_distill_backward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                                const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
                                const DistillOptions& options, size_t chunk_budget_bytes, const MatrixView& stats,
-                               const VectorView& grad_loss, const LinearGrads& grads) {
+                               const VectorView& grad_loss, const LinearGrads& grads,
+    Workspace workspace) {
   detail::DistillCall c = make_call(true, device, hidden, weight, bias, teacher, labels, options, chunk_budget_bytes);
   c.stats = stats;
   c.grad_loss = grad_loss;
   c.grads = grads;
+  c.workspace = workspace;
   return dispatch(c);
 }
 
@@ -333,22 +337,26 @@ Status linear_distill_forward_backward(const Device& device, const MatrixView& h
                                        const VectorView& bias, const DistillTeacher& teacher,
                                        const VectorView& labels, const DistillOptions& options,
                                        size_t chunk_budget_bytes, const DistillOutputs& out,
-                                       const LinearGrads& grads) {
+                                       const LinearGrads& grads,
+    Workspace workspace) {
   detail::DistillCall c = make_call(false, device, hidden, weight, bias, teacher, labels, options, chunk_budget_bytes);
   c.fused = true;
   c.out = out;
   c.grads = grads;
+  c.workspace = workspace;
   return dispatch(c);
 }
 
 Status linear_distill_shard_stats(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                                   const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
                                   const ShardSpec& shard, const DistillOptions& options, size_t chunk_budget_bytes,
-                                  const MatrixView& stats) {
+                                  const MatrixView& stats,
+    Workspace workspace) {
   detail::DistillCall c = make_call(false, device, hidden, weight, bias, teacher, labels, options, chunk_budget_bytes);
   c.shard_step = detail::ShardStep::kStats;
   c.shard = shard;
   c.shard_stats = stats;
+  c.workspace = workspace;
   return dispatch_shard(c);
 }
 
@@ -367,12 +375,14 @@ Status linear_distill_shard_merge(const Device& device, const MatrixView& gather
 Status linear_distill_shard_parts(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                                   const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
                                   const ShardSpec& shard, const DistillOptions& options, size_t chunk_budget_bytes,
-                                  const MatrixView& row_stats, const MatrixView& parts) {
+                                  const MatrixView& row_stats, const MatrixView& parts,
+    Workspace workspace) {
   detail::DistillCall c = make_call(false, device, hidden, weight, bias, teacher, labels, options, chunk_budget_bytes);
   c.shard_step = detail::ShardStep::kParts;
   c.shard = shard;
   c.row_stats = row_stats;
   c.parts = parts;
+  c.workspace = workspace;
   return dispatch_shard(c);
 }
 
@@ -407,14 +417,28 @@ Status linear_distill_topk_shard_reduce(const Device& device, const MatrixView& 
 Status linear_distill_shard_backward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                                      const VectorView& bias, const DistillTeacher& teacher, const VectorView& labels,
                                      const ShardSpec& shard, const DistillOptions& options, size_t chunk_budget_bytes,
-                                     const MatrixView& stats, const VectorView& grad_loss, const LinearGrads& grads) {
+                                     const MatrixView& stats, const VectorView& grad_loss, const LinearGrads& grads,
+    Workspace workspace) {
   detail::DistillCall c = make_call(true, device, hidden, weight, bias, teacher, labels, options, chunk_budget_bytes);
   c.shard_step = detail::ShardStep::kBackward;
   c.shard = shard;
   c.stats = stats;
   c.grad_loss = grad_loss;
   c.grads = grads;
+  c.workspace = workspace;
   return dispatch_shard(c);
+}
+
+size_t linear_distill_workspace_size(DistillJob job, const Device& device, const MatrixView& hidden,
+                                     const MatrixView& weight, const DistillTeacher& teacher,
+                                     const DistillOptions& options, size_t chunk_budget_bytes,
+                                     const LinearGrads& grads) {
+  if (device.type != DeviceType::kCUDA) return 0;
+  const bool backward = job == DistillJob::kBackward || job == DistillJob::kShardBackward;
+  detail::DistillCall c = make_call(backward, device, hidden, weight, {}, teacher, {}, options, chunk_budget_bytes);
+  c.fused = job == DistillJob::kForwardBackward;
+  if (backward || c.fused) c.grads = grads;
+  return cuda::distill_workspace_size(c);
 }
 
 }  // namespace fusedce

@@ -32,6 +32,7 @@ struct DistillCall {
   MatrixView row_stats;           // kMerge: the output; kParts, kReduce: the input
   VectorView hard;                // kMerge: the output; kReduce: the input
   MatrixView parts;               // kParts: the output; kReduce: the gathered block
+  Workspace workspace;            // or empty: the CUDA backend's own scratch
 
   int64_t rows() const { return hidden.rows; }
   /// K of a top-k teacher (kReduceTopk: of its log-probabilities alone), 0 for a teacher head.
@@ -63,6 +64,8 @@ namespace cuda {
 Status run_distill(const detail::DistillCall& call);
 /// A step of the vocabulary-parallel form (call.shard_step != kNone), validated.
 Status run_distill_shard(const detail::DistillCall& call);
+/// Bytes of workspace the call takes (its data pointers not read); 0 without the CUDA backend.
+size_t distill_workspace_size(const detail::DistillCall& call);
 }  // namespace cuda
 
 }  // namespace fusedce

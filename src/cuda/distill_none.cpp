@@ -15,6 +15,7 @@ Status unsupported() {
 
 Status run_distill(const detail::DistillCall&) { return unsupported(); }
 Status run_distill_shard(const detail::DistillCall&) { return unsupported(); }
+size_t distill_workspace_size(const detail::DistillCall&) { return 0; }
 
 }  // namespace cuda
 }  // namespace fusedce

@@ -21,7 +21,10 @@
 //    of every logit, as the linear cross-entropy) and its dlogits in that dtype too, which moves
 //    results far more than float32 arithmetic. There the budget adds 3 times the largest change
 //    that the same two roundings make in the float64 reference (the reference run on rounded
-//    logits and rounded dlogits), per output: the rule of tests/python/test_logprobs.py.
+//    logits and rounded dlogits), per output: the rule of tests/python/test_logprobs.py. Its
+//    16-bit grad_weight is summed over the token chunks in its own dtype (one rounding a chunk),
+//    so grad_weight's budget adds the unit roundoff times the sum of |grad_weight so far| at
+//    each chunk's end but the last (the chunks from the backend's plan, cuda_backward_rows).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -40,6 +43,7 @@ namespace fusedce_test {
 namespace {
 
 using fusedce::DType;
+using fusedce::StatusCode;
 using fusedce::Reduction;
 using fusedce::TopkNorm;
 
@@ -333,18 +337,23 @@ struct Ref {
   std::vector<double> divergence, hard, entropy, row_loss;
   double loss = 0.0;
   std::vector<double> gh, gw, gb;  // (n, h), (v, h), (v,)
+  // sum over the token chunks but the last of |grad_weight summed to the chunk's end|: what a
+  // backend that rounds grad_weight once a chunk may lose, in units of its unit roundoff
+  std::vector<double> gw_partials;
 };
 
 /// The reference of p; `round` set: every logit rounded to dt (its head's dtype) and every
 /// dlogit to the student's, as a backend that keeps its chunks in the input dtype does.
-Ref reference(const Problem& p, bool round) {
+/// chunk_rows > 0: gw_partials over token chunks of that many rows.
+Ref reference(const Problem& p, bool round, int64_t chunk_rows = 0) {
   const Case& c = p.c;
   const int64_t n = c.n, v = c.v, h = c.h;
   const std::vector<double> xs = logits_of(p.student, round, p.student.dtype);
   std::vector<double> xt;
   if (c.k == 0) xt = logits_of(p.teacher, round, p.teacher.dtype);
   Ref r{std::vector<double>(n), std::vector<double>(n), std::vector<double>(n), std::vector<double>(n), 0.0,
-        std::vector<double>(n * h, 0.0), std::vector<double>(v * h, 0.0), std::vector<double>(v, 0.0)};
+        std::vector<double>(n * h, 0.0), std::vector<double>(v * h, 0.0), std::vector<double>(v, 0.0),
+        std::vector<double>(v * h, 0.0)};
   int64_t count = 0;
   for (int64_t i = 0; i < n; ++i) count += !c.labels || p.labels[i] != kIgnore;
   double sum = 0.0;
@@ -373,6 +382,9 @@ Ref reference(const Problem& p, bool round) {
         r.gw[j * h + k] += d * p.student.hidden[i * h + k];
       }
     }
+    if (chunk_rows > 0 && (i + 1) % chunk_rows == 0 && i + 1 < n) {
+      for (size_t q = 0; q < r.gw.size(); ++q) r.gw_partials[q] += std::abs(r.gw[q]);
+    }
   }
   r.loss = c.reduction == Reduction::kMean ? (count == 0 ? std::nan("") : sum / count) : sum;
   return r;
@@ -381,6 +393,7 @@ Ref reference(const Problem& p, bool round) {
 // ---- running a backend ----------------------------------------------------------------------
 
 struct Got {
+  StatusCode status = StatusCode::kOk;  // Ws::kShort: the first call's
   std::vector<float> loss, divergence, hard, entropy, gh;
   std::vector<double> gw, gb;
   bool ok = true;
@@ -404,7 +417,11 @@ std::vector<double> to_doubles(const std::vector<uint8_t>& b, DType d, size_t co
 
 /// The forward, then the backward from its stats and p.grad_loss; with `fused`, the two in one
 /// call (linear_distill_forward_backward: the upstream gradient 1, whatever p.grad_loss holds).
-Got run_backend(Backend& be, const Problem& p, bool fused = false) {
+/// How run_backend gives the calls their workspace: none (the backend's own scratch), one of the
+/// size linear_distill_workspace_size reports (poisoned first), or one byte less than that.
+enum class Ws { kOwn, kExact, kShort };
+
+Got run_backend(Backend& be, const Problem& p, bool fused = false, Ws given = Ws::kOwn) {
   const Case& c = p.c;
   const int64_t n = c.n, v = c.v, h = c.h;
   const DType d = p.student.dtype;
@@ -473,9 +490,25 @@ Got run_backend(Backend& be, const Problem& p, bool fused = false) {
   g.grad_hidden = fusedce::matrix(gh.data(), DType::kFloat32, n, h);
   g.grad_weight = fusedce::matrix(gw.data(), d, v, h);
   if (c.bias) g.grad_bias = fusedce::vector(gb.data(), d, v);
+  DeviceBuffer wsf, wsb;
+  auto workspace = [&](fusedce::DistillJob job, DeviceBuffer* holder) {
+    if (given == Ws::kOwn) return fusedce::Workspace{};
+    size_t bytes = fusedce::linear_distill_workspace_size(job, be.device(), hv, wv, teacher, o, c.budget, g);
+    if (given == Ws::kShort && bytes > 0) --bytes;
+    *holder = DeviceBuffer(be, std::max<size_t>(bytes, 1));
+    holder->fill(0x7f);
+    return fusedce::Workspace{bytes > 0 ? holder->data() : nullptr, bytes};
+  };
+  const fusedce::Workspace wf =
+      workspace(fused ? fusedce::DistillJob::kForwardBackward : fusedce::DistillJob::kForward, &wsf);
   const fusedce::Status fs =
-      fused ? fusedce::linear_distill_forward_backward(be.device(), hv, wv, bv, teacher, lv, o, c.budget, out, g)
-            : fusedce::linear_distill_forward(be.device(), hv, wv, bv, teacher, lv, o, c.budget, out);
+      fused ? fusedce::linear_distill_forward_backward(be.device(), hv, wv, bv, teacher, lv, o, c.budget, out, g, wf)
+            : fusedce::linear_distill_forward(be.device(), hv, wv, bv, teacher, lv, o, c.budget, out, wf);
+  if (given == Ws::kShort && wf.data != nullptr) {
+    got.ok = false;
+    got.status = fs.code();
+    return got;
+  }
   EXPECT_TRUE(fs.ok()) << (fused ? "forward_backward: " : "forward: ") << fs.message();
   if (!fs.ok()) {
     got.ok = false;
@@ -486,10 +519,11 @@ Got run_backend(Backend& be, const Problem& p, bool fused = false) {
   got.divergence = div.to_host_as<float>();
   got.hard = hard.to_host_as<float>();
   got.entropy = ent.to_host_as<float>();
+  const fusedce::Workspace wb = fused ? fusedce::Workspace{} : workspace(fusedce::DistillJob::kBackward, &wsb);
   const fusedce::Status bs_ =
       fused ? fusedce::Status::Ok()
             : fusedce::linear_distill_backward(be.device(), hv, wv, bv, teacher, lv, o, c.budget, out.stats,
-                                               fusedce::vector(gl.data(), DType::kFloat32, nl), g);
+                                               fusedce::vector(gl.data(), DType::kFloat32, nl), g, wb);
   EXPECT_TRUE(bs_.ok()) << "backward: " << bs_.message();
   if (!bs_.ok()) {
     got.ok = false;
@@ -516,10 +550,12 @@ double max_diff(const std::vector<double>& a, const std::vector<double>& b) {
   return m;
 }
 
-/// Compares `got` (count values) with `want`: |got - want| <= atol + rtol |want|, NaN where
-/// want is NaN; reports the first few failures with the tolerance's parts.
+/// Compares `got` (count values) with `want`: |got - want| <= atol + rtol |want| (+ rtol
+/// extra[i] where given), NaN where want is NaN; reports the first few failures with the
+/// tolerance's parts.
 template <typename G>
-void expect_all_close(const G& got, const std::vector<double>& want, double atol, double rtol, const std::string& what) {
+void expect_all_close(const G& got, const std::vector<double>& want, double atol, double rtol, const std::string& what,
+                      const std::vector<double>* extra = nullptr) {
   int bad = 0;
   for (size_t i = 0; i < want.size() && bad < 4; ++i) {
     const double g = got[i], w = want[i];
@@ -530,7 +566,7 @@ void expect_all_close(const G& got, const std::vector<double>& want, double atol
       }
       continue;
     }
-    const double tol = atol + rtol * std::abs(w);
+    const double tol = atol + rtol * (std::abs(w) + (extra ? (*extra)[i] : 0.0));
     if (!(std::abs(g - w) <= tol)) {
       ADD_FAILURE() << what << "[" << i << "]: got " << g << ", want " << w << " (|diff| " << std::abs(g - w)
                     << " > tol " << tol << " = atol " << atol << " + rtol " << rtol << " * |want|)";
@@ -539,14 +575,41 @@ void expect_all_close(const G& got, const std::vector<double>& want, double atol
   }
 }
 
+/// Token rows per chunk of the CUDA backend's backward call for case c (its plan in
+/// src/cuda/distill/distill_cuda.cpp: the logit rows of the heads it forms, in their dtypes at
+/// 16-byte row strides, and the top-k backward's scratch, within the budget); the default budget
+/// holds every row of these cases.
+int64_t cuda_backward_rows(const Case& c, DType d) {
+  const int64_t n = std::max<int64_t>(c.n, 1);
+  if (c.budget == 0) return n;
+  auto stride_bytes = [&](DType t) {
+    const int64_t el = t == DType::kFloat32 ? 4 : 2, per16 = 16 / el;
+    return size_t((c.v + per16 - 1) / per16 * per16 * el);
+  };
+  size_t row = stride_bytes(d);
+  if (c.k == 0 && c.hard_weight < 1.0) row += stride_bytes(c.teacher_f32 ? DType::kFloat32 : d);
+  if (c.k > 0) {
+    int64_t kp = 1;
+    while (kp < c.k) kp <<= 1;
+    row += size_t(c.k) * 8 + size_t(kp) * 8;
+  }
+  const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(c.budget / row));
+  if (cap < 256) return std::min(cap, n);
+  const int64_t whole = cap / 128 * 128, chunks = (n + whole - 1) / whole;
+  int64_t rows = (n + chunks - 1) / chunks;
+  if (rows > 128) rows = std::min<int64_t>((rows + 127) / 128 * 128, whole);
+  return rows;
+}
+
 void check_case(Backend& be, const Case& c, DType dtype) {
   SCOPED_TRACE(std::string(c.name) + " on " + backend_name(be.kind()) + ", " + fusedce::dtype_name(dtype));
   const Problem p = make_problem(c, dtype);
   const Got got = run_backend(be, p);
   if (!got.ok) return;
-  const Ref ref = reference(p, false);
-  // the CUDA backend's 16-bit logit chunks: the budget of rounding every logit and dlogit once
+  // the CUDA backend's 16-bit logit chunks: the budget of rounding every logit and dlogit once;
+  // and its 16-bit grad_weight, rounded once a chunk
   const bool rounded = be.kind() == BackendKind::kCuda && dtype != DType::kFloat32;
+  const Ref ref = reference(p, false, rounded ? cuda_backward_rows(c, dtype) : 0);
   const Ref rr = rounded ? reference(p, true) : ref;
   const int64_t n = c.n, v = c.v, h = c.h;
   const double f32 = 4.0 * (std::sqrt(static_cast<double>(c.h + (c.k ? 0 : c.h_t))) + std::sqrt(static_cast<double>(v))) * kU32;
@@ -582,7 +645,8 @@ void check_case(Backend& be, const Case& c, DType dtype) {
     return 4.0 * std::sqrt(terms) * kU32 * max_abs(want) * amp + 3.0 * max_diff(want, want_r) + 1e-30;
   };
   expect_all_close(got.gh, ref.gh, grad_atol(ref.gh, rr.gh), 0.0, "grad_hidden");
-  expect_all_close(got.gw, ref.gw, grad_atol(ref.gw, rr.gw), dtype == DType::kFloat32 ? 0.0 : ud, "grad_weight");
+  expect_all_close(got.gw, ref.gw, grad_atol(ref.gw, rr.gw), dtype == DType::kFloat32 ? 0.0 : ud, "grad_weight",
+                   &ref.gw_partials);
   if (c.bias) expect_all_close(got.gb, ref.gb, grad_atol(ref.gb, rr.gb), dtype == DType::kFloat32 ? 0.0 : ud, "grad_bias");
   // ignored rows: zero grad_hidden rows and zero per-row outputs
   for (int64_t i = 0; c.labels && i < n; ++i) {
@@ -692,6 +756,38 @@ TEST_P(Distill, RunsAreBitwiseEqual) {
   EXPECT_EQ(a.gh, b.gh) << "grad_hidden differs between runs";
   EXPECT_EQ(a.gw, b.gw) << "grad_weight differs between runs";
   EXPECT_EQ(a.gb, b.gb) << "grad_bias differs between runs";
+}
+
+/// A caller's workspace of the size linear_distill_workspace_size reports (poisoned first) gives
+/// the same bits as the backend's own scratch, for every call and both forms; one byte less is
+/// kWorkspaceTooSmall, naming the size to ask for. The CPU needs none (size 0).
+TEST_P(Distill, CallersWorkspace) {
+  Backend* be = backend();
+  if (be == nullptr) GTEST_SKIP() << skip_;
+  Case c{"V 2053 in chunks, bias, hard", 37, 40, 45, 2053, 0.5, 1.3, 0.3, Reduction::kMean, true, true, 0.2,
+         rows_budget(3, 2053, 2)};
+  for (int64_t k : {int64_t(0), int64_t(7)}) {
+    c.k = k;
+    Problem p = make_problem(c, std::get<1>(GetParam()));
+    for (bool fused : {false, true}) {
+      for (auto& g : p.grad_loss) g = fused ? 1.0f : g;
+      const std::string what = std::string(k ? "top-k" : "head") + (fused ? ", forward_backward" : "");
+      const Got own = run_backend(*be, p, fused), given = run_backend(*be, p, fused, Ws::kExact);
+      ASSERT_TRUE(own.ok && given.ok) << what;
+      EXPECT_EQ(0, std::memcmp(own.loss.data(), given.loss.data(), own.loss.size() * 4)) << what << ": loss";
+      EXPECT_EQ(own.divergence, given.divergence) << what << ": divergence";
+      EXPECT_EQ(own.gh, given.gh) << what << ": grad_hidden";
+      EXPECT_EQ(own.gw, given.gw) << what << ": grad_weight";
+      EXPECT_EQ(own.gb, given.gb) << what << ": grad_bias";
+      const Got short_ws = run_backend(*be, p, fused, Ws::kShort);
+      if (be->kind() == BackendKind::kCuda) {
+        EXPECT_FALSE(short_ws.ok) << what;
+        EXPECT_EQ(short_ws.status, StatusCode::kWorkspaceTooSmall) << what;
+      } else {
+        EXPECT_TRUE(short_ws.ok) << what << ": the CPU takes no workspace";
+      }
+    }
+  }
 }
 
 /// The forward and backward in one call (each chunk's logits formed once on CUDA) against the

@@ -7,18 +7,22 @@
 //     loss; after the last chunk one block reduces the rows' losses in row order.
 //   backward, per chunk: the student's logits again (and the teacher's, unless hard_weight is 1),
 //     turned into dlogits in place by the row kernel; then grad_hidden (float32) = dlogits .
-//     weight, grad_weight (+)= dlogits^T . hidden (through a float32 accumulator for a 16-bit
-//     weight over several chunks, rounded once) and grad_bias (+)= dlogits^T . ones (float32,
+//     weight, grad_weight (+)= dlogits^T . hidden in the weight's dtype (each chunk's product
+//     adds the sum so far in float32 and rounds once: a 16-bit weight's gradient is rounded once
+//     a chunk, as many times as there are chunks) and grad_bias (+)= dlogits^T . ones (float32,
 //     rounded once).
 //   forward and backward together (upstream gradient 1, reduction mean or sum), per chunk: the
 //     logits once, the forward's row kernel, then the backward's on the same buffers (it reads
 //     the rows' statistics the forward kernel just wrote) and the gradient products: the
 //     backward's two logits products saved. The mean's count of rows is formed first.
 // Every row goes through the products (no compaction, which would need the count on the host);
-// an ignored row's dlogits are zeros. The workspace holds the chunk of each head's logits and,
-// for the top-k backward, (K floats twice + Kp sort keys) per chunk row; chunk_budget_bytes (0:
-// the linear cross-entropy's default rule) bounds those bytes. FLOPs: 2 N V (H + H_t) forward
-// (the top-k form: 2 N V H), 2 N V (H + H_t) + 4 N V H backward. No host synchronisation.
+// an ignored row's dlogits are zeros. The workspace (the caller's, or stream-ordered scratch)
+// holds the chunk of each head's logits and, for the top-k backward, (K floats twice + Kp sort
+// keys) per chunk row; chunk_budget_bytes bounds those bytes (0: default_distill_budget, which
+// keeps the extra memory beyond the gradients within the larger of 512 MiB and one copy of the
+// student's weight: a float32 grad_weight accumulator over the chunks would add twice that).
+// FLOPs: 2 N V (H + H_t) forward (the top-k form: 2 N V H), 2 N V (H + H_t) + 4 N V H backward.
+// No host synchronisation.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -45,6 +49,18 @@ namespace {
 
 int64_t round_up(int64_t n, int64_t q) { return (n + q - 1) / q * q; }
 
+/// Least default bytes of logit chunks, and what the cuBLASLt workspace and the per-row vectors
+/// may take beside them.
+constexpr size_t kLeastDistillBudget = size_t(448) << 20;
+constexpr size_t kDistillOverheadBytes = size_t(64) << 20;
+
+/// The default logit-chunk bytes: the larger of kLeastDistillBudget and one copy of the
+/// student's (V, H) weight in its dtype less the overhead.
+size_t default_distill_budget(int64_t V, int64_t H, DType dtype) {
+  const size_t weight = size_t(V) * size_t(H) * elem_size(dtype);
+  return std::max(kLeastDistillBudget, weight > kDistillOverheadBytes ? weight - kDistillOverheadBytes : 0);
+}
+
 /// A view's leading dimension for cuBLASLt: its row stride, or its columns when it has at most
 /// one row (whose row stride may be anything).
 int64_t ld_of(const MatrixView& m) { return m.rows > 1 ? m.row_stride : m.cols; }
@@ -56,8 +72,7 @@ struct Plan {
   bool topk, backward, teacher_logits;  // backward: the backward's buffers (the backward, or both)
   int64_t ld, ld_t;  // row strides of the logit chunks: V rounded up to 16 bytes
   int64_t rows;      // token rows per chunk
-  bool gw_acc;       // grad_weight through a float32 accumulator (16-bit, several chunks)
-  size_t gemm_ws, logits, t_logits, ones, gw, gb, row_loss, count, entry_y, entry_g, keys, unit, total;
+  size_t gemm_ws, logits, t_logits, ones, gb, row_loss, count, entry_y, entry_g, keys, unit, total;
 };
 
 Plan plan_of(const detail::DistillCall& c) {
@@ -82,13 +97,13 @@ Plan plan_of(const detail::DistillCall& c) {
   const bool topk_scratch = p.topk && p.backward;
   const size_t row_bytes = size_t(p.ld) * el + (p.teacher_logits ? size_t(p.ld_t) * el_t : 0) +
                            (topk_scratch ? size_t(p.K) * 8 + size_t(p.Kp) * 8 : 0);
-  const size_t budget = c.chunk_budget_bytes > 0 ? c.chunk_budget_bytes : default_chunk_budget(p.V, p.H);
-  p.rows = std::max<int64_t>(1, std::min<int64_t>(static_cast<int64_t>(budget / row_bytes), std::max<int64_t>(p.N, 1)));
-  if (p.rows >= 256 && p.rows < p.N) p.rows = p.rows / 128 * 128;  // whole tiles for the products
-  const LinearGrads& g = c.grads;
-  const bool want_gw = p.backward && g.grad_weight.data != nullptr;
-  const bool want_gb = p.backward && g.grad_bias.data != nullptr;
-  p.gw_acc = want_gw && p.dtype != DType::kFloat32 && p.rows < p.N;
+  const size_t budget = c.chunk_budget_bytes > 0 ? c.chunk_budget_bytes : default_distill_budget(p.V, p.H, p.dtype);
+  const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(budget / row_bytes));
+  // as few chunks as fit, of even size in whole 128-row tiles for the products where the cap
+  // allows (no thin remainder)
+  p.rows = cap >= 256 ? balanced_rows(std::max<int64_t>(p.N, 1), cap / 128 * 128)
+                      : std::min<int64_t>(cap, std::max<int64_t>(p.N, 1));
+  const bool want_gb = p.backward && c.grads.grad_bias.data != nullptr;
   size_t at = 0;
   auto take = [&](size_t bytes) {
     const size_t here = at;
@@ -99,7 +114,6 @@ Plan plan_of(const detail::DistillCall& c) {
   p.logits = take(size_t(p.rows) * size_t(p.ld) * el);
   p.t_logits = p.teacher_logits ? take(size_t(p.rows) * size_t(p.ld_t) * el_t) : 0;
   p.ones = want_gb ? take(size_t(p.rows) * el) : 0;
-  p.gw = p.gw_acc ? take(size_t(p.V) * size_t(p.H) * 4) : 0;
   p.gb = want_gb ? take(size_t(p.V) * 4) : 0;
   p.row_loss = forward ? take(size_t(std::max<int64_t>(p.N, 1)) * 4) : 0;
   p.count = take(sizeof(int64_t));
@@ -335,14 +349,9 @@ class Run {
     return gradient_products(r0, nc);
   }
 
-  /// After the last chunk: grad_weight and grad_bias rounded from their float32 sums.
+  /// After the last chunk: grad_bias rounded from its float32 sum.
   Status finish_backward() {
     const LinearGrads& g = c_.grads;
-    if (p_.gw_acc) {
-      launch_convert(ConvertParams{at<float>(p_.gw), g.grad_weight.data, p_.V, p_.H, g.grad_weight.row_stride, p_.dtype},
-                     stream_);
-      FUSEDCE_TRY(last_error("rounding grad_weight"));
-    }
     if (g.grad_bias.data) {
       launch_convert(ConvertParams{at<float>(p_.gb), g.grad_bias.data, p_.V, 1, g.grad_bias.stride, p_.dtype}, stream_);
       FUSEDCE_TRY(last_error("rounding grad_bias"));
@@ -427,7 +436,7 @@ class Run {
       FUSEDCE_TRY(gemm(h));
     }
     if (g.grad_weight.data) {
-      // grad_weight^T (H x V) (+)= hidden^T (H x nc) . dlogits (nc x V)
+      // grad_weight^T (H x V) (+)= hidden^T (H x nc) . dlogits (nc x V), in the weight's dtype
       GemmCall w = base();
       w.a = rows_op(c_.hidden, r0, nc);
       w.b = dl;
@@ -436,15 +445,9 @@ class Run {
       w.n = p_.V;
       w.beta = r0 == 0 ? 0.0f : 1.0f;
       w.role = GemmRole::kGradWeight;
-      if (p_.gw_acc) {
-        w.d = ws_ + p_.gw;
-        w.d_dtype = DType::kFloat32;
-        w.ld_d = p_.H;
-      } else {
-        w.d = g.grad_weight.data;
-        w.d_dtype = p_.dtype;
-        w.ld_d = ld_of(g.grad_weight);
-      }
+      w.d = g.grad_weight.data;
+      w.d_dtype = p_.dtype;
+      w.ld_d = ld_of(g.grad_weight);
       FUSEDCE_TRY(gemm(w));
     }
     if (g.grad_bias.data) {
@@ -542,7 +545,23 @@ Status shard_reduce(const detail::DistillCall& c, cudaStream_t stream) {
   });
 }
 
+/// body(ws) over the caller's workspace (kWorkspaceTooSmall when it is), or stream-ordered scratch
+/// without one.
+template <class Body>
+Status with_call_workspace(const detail::DistillCall& call, const Plan& plan, cudaStream_t stream, Body&& body) {
+  char* ws = static_cast<char*>(call.workspace.data);
+  if (ws == nullptr) return with_workspace(plan.total, stream, body);
+  if (call.workspace.bytes < plan.total) {
+    return Status(StatusCode::kWorkspaceTooSmall, "workspace has " + std::to_string(call.workspace.bytes) +
+                                                      " bytes, the call needs " + std::to_string(plan.total) +
+                                                      " (ask linear_distill_workspace_size)");
+  }
+  return body(ws);
+}
+
 }  // namespace
+
+size_t distill_workspace_size(const detail::DistillCall& call) { return plan_of(call).total; }
 
 Status run_distill(const detail::DistillCall& call) {
   FUSEDCE_TRY(check_head_biases(call));
@@ -550,7 +569,7 @@ Status run_distill(const detail::DistillCall& call) {
   (void)cudaGetLastError();  // an earlier, unrelated error must not be reported as ours
   const Plan plan = plan_of(call);
   cudaStream_t stream = static_cast<cudaStream_t>(call.device.stream);
-  return with_workspace(plan.total, stream, [&](char* ws) {
+  return with_call_workspace(call, plan, stream, [&](char* ws) {
     Run run(call, plan, ws);
     return call.fused ? run.forward_backward() : call.backward ? run.backward() : run.forward();
   });
@@ -571,7 +590,7 @@ Status run_distill_shard(const detail::DistillCall& call) {
   }
   FUSEDCE_TRY(check_head_biases(call));
   const Plan plan = plan_of(call);
-  return with_workspace(plan.total, stream, [&](char* ws) {
+  return with_call_workspace(call, plan, stream, [&](char* ws) {
     Run run(call, plan, ws);
     switch (call.shard_step) {
       case detail::ShardStep::kStats:

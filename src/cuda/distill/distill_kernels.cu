@@ -30,6 +30,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kW = kDistillStatsWidth;
+// Columns a thread takes at once (16 bytes of a 16-bit type, 32 of float32; see row_visit).
+constexpr int kGroup = 8;
 // TRL's tail bucket (as the CPU backend): the K entries' log-sum is clamped to at most this.
 constexpr double kTailMaxLogSum = -1e-7;
 
@@ -89,44 +91,6 @@ struct Online {
 
 __device__ __forceinline__ Online online_empty() { return Online{-INFINITY, 0.0}; }
 
-__device__ __forceinline__ void online_add(Online& a, float z) {
-  if (z > a.m) {
-    a.s = a.s * expf(a.m - z) + 1.0;
-    a.m = z;
-  } else {
-    a.s += z == a.m ? 1.0 : static_cast<double>(expf(z - a.m));  // (-inf == -inf: not exp(NaN))
-  }
-}
-
-/// A group's running max and float sum of exp(z - m) (at most kGroup terms, each <= 1).
-struct GroupOnline {
-  float m, s;
-};
-
-__device__ __forceinline__ GroupOnline group_online_empty() { return GroupOnline{-INFINITY, 0.0f}; }
-
-__device__ __forceinline__ void group_online_add(GroupOnline& a, float z) {
-  if (z > a.m) {
-    a.s = a.s * expf(a.m - z) + 1.0f;
-    a.m = z;
-  } else {
-    a.s += z == a.m ? 1.0f : expf(z - a.m);  // (-inf == -inf: not exp(NaN))
-  }
-}
-
-/// Folds a group's state into the thread's running one, and empties the group's.
-__device__ __forceinline__ void online_fold(Online& a, GroupOnline& g) {
-  if (g.s != 0.0f || g.m != -INFINITY) {
-    if (g.m > a.m) {
-      a.s = a.s * expf(a.m - g.m) + g.s;
-      a.m = g.m;
-    } else {
-      a.s += g.m == a.m ? static_cast<double>(g.s) : static_cast<double>(g.s * expf(g.m - a.m));
-    }
-  }
-  g = group_online_empty();
-}
-
 __device__ __forceinline__ double online_scaled(const Online& a, float m) {
   return a.m == m ? a.s : a.s * static_cast<double>(expf(a.m - m));
 }
@@ -162,13 +126,52 @@ __device__ void block_lse(Online (&a)[K], Lse (&out)[K], float* fsmem, double* d
   }
 }
 
+// ---- the forwards' log-sum-exp ------------------------------------------------------------------
+//
+// e^x is formed as 2^(x log2 e): 2^x is one special-function instruction where expf is several
+// (the difference z - max is formed first and then scaled, so its rounding stays relative to the
+// difference). A group of kGroup columns takes its max first, then its kGroup exponentials
+// independently of each other (no dependent chain through a running max per column), and folds
+// into the thread's running state once. The state stays in natural units (max m, sum of
+// e^(z - m)), so a row whose other columns all underflow has lse = its max exactly.
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr double kLn2 = 0.6931471805599453;
+
+__device__ __forceinline__ float exp_via2(float x) { return exp2f(x * kLog2e); }
+
+/// The larger of m and z, NaN sticking (fmaxf would drop it, and a NaN logit must reach the loss).
+__device__ __forceinline__ float max_nan(float m, float z) { return isnan(z) || z > m ? z : m; }
+
+/// Adds n (kGroup, or 1 for a tail column) values z to a running state: the group's max g, the
+/// sum of e^(z - g) in float (at most kGroup terms, each <= 1), folded in double. A group of
+/// -inf adds nothing; NaN reaches the sum; an infinite max leaves a sum block_lse ignores (its
+/// log-normaliser is the max).
+__device__ __forceinline__ void group_lse_add(Online& a, const float (&z)[kGroup], int n) {
+  float g = z[0];
+#pragma unroll
+  for (int k = 1; k < kGroup; ++k) {
+    if (k < n) g = max_nan(g, z[k]);
+  }
+  if (g == -INFINITY) return;
+  float e[kGroup];
+#pragma unroll
+  for (int k = 0; k < kGroup; ++k) e[k] = k < n ? exp_via2(z[k] - g) : 0.0f;
+  const float s = ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
+  if (g > a.m) {
+    a.s = a.s * static_cast<double>(exp_via2(a.m - g)) + static_cast<double>(s);
+    a.m = g;
+  } else {
+    a.s += static_cast<double>(s * exp_via2(g - a.m));
+  }
+}
+
 // ---- rows -------------------------------------------------------------------------------------
 
 // Row access in groups of 8 consecutive elements (16 bytes of a 16-bit type, 32 of float32),
 // kUnroll groups of each head loaded before any is used; a row whose start (in either head) is
 // not 16-byte aligned, and the last V % 8 columns, go element by element. Each thread visits the
 // columns of its groups, then its tail columns, in a fixed order: the same bits run to run.
-constexpr int kGroup = 8;
 constexpr int kUnroll = 4;
 
 template <typename T>
@@ -219,17 +222,11 @@ __device__ __forceinline__ void store_group(T* p, const float (&v)[kGroup]) {
   }
 }
 
-struct NoGroupEnd {
-  __device__ void operator()() const {}
-};
-
 /// f(j, xs[j], xt[j]) (as float) over this thread's columns j of a row of V, xt read when kTwo
 /// (else f gets 0 for it). With kWrite, xs[j] becomes f's value (each column read before it is
-/// written, by the same thread). group_end() runs after each group of kGroup columns and after
-/// each tail column: where a caller folds what f summed in float over the group into its double
-/// sums, so the double additions (and conversions) come once a group, not once a column.
-template <bool kTwo, bool kWrite, typename S, typename T, typename F, typename G = NoGroupEnd>
-__device__ __forceinline__ void row_visit(S* xs, const T* xt, int64_t V, F&& f, G&& group_end = G{}) {
+/// written, by the same thread).
+template <bool kTwo, bool kWrite, typename S, typename T, typename F>
+__device__ __forceinline__ void row_visit(S* xs, const T* xt, int64_t V, F&& f) {
   int64_t tail = 0;
   if (aligned16(xs) && (!kTwo || aligned16(xt))) {
     const int64_t groups = V / kGroup;
@@ -240,7 +237,6 @@ __device__ __forceinline__ void row_visit(S* xs, const T* xt, int64_t V, F&& f, 
 #pragma unroll
       for (int e = 0; e < kGroup; ++e) a[e] = f(g * kGroup + e, a[e], b[e]);
       if (kWrite) store_group(xs + g * kGroup, a);
-      group_end();
     };
     int64_t g = threadIdx.x;
     for (; g + (kUnroll - 1) * kThreads < groups; g += kUnroll * kThreads) {
@@ -266,7 +262,49 @@ __device__ __forceinline__ void row_visit(S* xs, const T* xt, int64_t V, F&& f, 
   for (int64_t j = tail + threadIdx.x; j < V; j += kThreads) {
     const float v = f(j, Elem<S>::to_float(xs[j]), kTwo ? Elem<T>::to_float(xt[j]) : 0.0f);
     if (kWrite) xs[j] = Elem<S>::from_float(v);
-    group_end();
+  }
+}
+
+/// f(a, b, n) over this thread's columns of a row of V, in row_visit's order: a the student's
+/// values of n consecutive columns (n = kGroup, or 1 for a tail column, whose other entries are
+/// not read) and b the teacher's (kTwo; else zeros).
+template <bool kTwo, typename S, typename T, typename F>
+__device__ __forceinline__ void row_groups(const S* xs, const T* xt, int64_t V, F&& f) {
+  int64_t tail = 0;
+  if (aligned16(xs) && (!kTwo || aligned16(xt))) {
+    const int64_t groups = V / kGroup;
+    auto visit = [&](const Group<S>& gs, const Group<T>& gt) {
+      float a[kGroup], b[kGroup] = {};
+      unpack_group(gs, a);
+      if (kTwo) unpack_group(gt, b);
+      f(a, b, kGroup);
+    };
+    int64_t g = threadIdx.x;
+    for (; g + (kUnroll - 1) * kThreads < groups; g += kUnroll * kThreads) {
+      Group<S> gs[kUnroll];
+      Group<T> gt[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        load_group(xs + (g + u * kThreads) * kGroup, gs[u]);
+        if (kTwo) load_group(xt + (g + u * kThreads) * kGroup, gt[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) visit(gs[u], gt[u]);
+    }
+    for (; g < groups; g += kThreads) {
+      Group<S> gs;
+      Group<T> gt;
+      load_group(xs + g * kGroup, gs);
+      if (kTwo) load_group(xt + g * kGroup, gt);
+      visit(gs, gt);
+    }
+    tail = groups * kGroup;
+  }
+  for (int64_t j = tail + threadIdx.x; j < V; j += kThreads) {
+    float a[kGroup] = {}, b[kGroup] = {};
+    a[0] = Elem<S>::to_float(xs[j]);
+    if (kTwo) b[0] = Elem<T>::to_float(xt[j]);
+    f(a, b, 1);
   }
 }
 
@@ -416,18 +454,20 @@ __device__ double sparse_divergence(const DistillRows& r, int64_t K, const float
 
 // ---- one column's terms ------------------------------------------------------------------------
 
-/// One column's summands in the forward, from the student's and teacher's log-probabilities s
-/// and t: p_s s (the entropy's, negated), the divergence term f(s, t) (common/distill_math.h)
-/// and, for the JSD, p_s (s - l) (KL(p_s || m)'s). e^s and e^t are formed once and the mixture's
-/// log from them, l = log((1 - beta) e^s + beta e^t): where that sum underflows every term is
-/// taken as 0 (each is below the smallest float times |s - l|), and a term whose weight e^s or
-/// e^t is 0 adds exactly 0 (not 0 * inf).
+/// One column's summands in the forward, from the student's and teacher's log-probabilities in
+/// base-2 units s = log2 p_s and t = log2 p_t: p_s s (the entropy's, negated), the divergence
+/// term f(s, t) (common/distill_math.h) and, for the JSD, p_s (s - l) (KL(p_s || m)'s), each in
+/// base-2 units (the caller's sums times ln 2 are the natural ones: every term is a probability
+/// times a difference of logs). p_s = 2^s and p_t = 2^t are formed once and the mixture's log
+/// from them, l = log2((1 - beta) p_s + beta p_t): where that sum underflows every term is taken
+/// as 0 (each is below the smallest float times |s - l|), and a term whose weight p_s or p_t is 0
+/// adds exactly 0 (not 0 * inf).
 struct EntryTerms {
   float entropy, divergence, aux;
 };
 
-__device__ __forceinline__ EntryTerms entry_terms(DivergenceKind kind, float s, float t, const DistillRows& r) {
-  const float ps = expf(s), pt = expf(t);
+__device__ __forceinline__ EntryTerms entry_terms2(DivergenceKind kind, float s, float t, const DistillRows& r) {
+  const float ps = exp2f(s), pt = exp2f(t);
   EntryTerms e{ps == 0.0f ? 0.0f : ps * s, 0.0f, 0.0f};
   if (kind == DivergenceKind::kForwardKl) {
     e.divergence = pt == 0.0f ? 0.0f : pt * (t - s);
@@ -436,7 +476,7 @@ __device__ __forceinline__ EntryTerms entry_terms(DivergenceKind kind, float s, 
   } else {
     const float mix = r.one_mb * ps + r.beta * pt;
     if (mix == 0.0f) return e;  // both weights (all but) 0: so are the terms
-    const float l = logf(mix);
+    const float l = log2f(mix);
     const float fs = ps == 0.0f ? 0.0f : ps * (s - l);
     e.divergence = (pt == 0.0f ? 0.0f : r.beta * pt * (t - l)) + r.one_mb * fs;
     e.aux = fs;
@@ -445,7 +485,7 @@ __device__ __forceinline__ EntryTerms entry_terms(DivergenceKind kind, float s, 
 }
 
 /// d D / d z_j (common/distill_math.h, distill_logit_grad) with e^s, e^t and the mixture's log
-/// formed once each, as entry_terms.
+/// formed once each, as entry_terms2 (natural units here).
 __device__ __forceinline__ float logit_grad(DivergenceKind kind, float s, float t, float aux, const DistillRows& r) {
   const float ps = expf(s);
   if (kind == DivergenceKind::kForwardKl) return ps - expf(t);
@@ -470,48 +510,45 @@ __global__ void __launch_bounds__(kThreads) full_forward_kernel(const DistillFor
   const Transform hs{r.s_scale, r.s_softcap}, ht{r.t_scale, r.t_softcap};
   const bool hard = label >= 0 && r.hard_weight > 0.0f;
   // pass 1: the log-sum-exps of z_student, z_teacher and (hard term) y_student
-  S* xs = chunk_row<S>(p.logits, p.ld, i);
+  const S* xs = chunk_row<S>(p.logits, p.ld, i);
   const T* xt = chunk_row<T>(p.t.logits, p.t.ld, i);
   Online a[3] = {online_empty(), online_empty(), online_empty()};
-  GroupOnline ga[3] = {group_online_empty(), group_online_empty(), group_online_empty()};
-  row_visit<true, false>(
-      xs, xt, V,
-      [&](int64_t, float xsj, float xtj) {
-        const float ys = detail::transform_y(hs, xsj);
-        group_online_add(ga[0], ys * r.inv_t);
-        group_online_add(ga[1], detail::transform_y(ht, xtj) * r.inv_t);
-        if (hard) group_online_add(ga[2], ys);
-        return xsj;
-      },
-      [&] {
+  row_groups<true>(xs, xt, V, [&](const float (&vs)[kGroup], const float (&vt)[kGroup], int n) {
+    float zs[kGroup], zt[kGroup], ys[kGroup];
 #pragma unroll
-        for (int q = 0; q < 3; ++q) online_fold(a[q], ga[q]);
-      });
+    for (int k = 0; k < kGroup; ++k) {
+      ys[k] = detail::transform_y(hs, vs[k]);
+      zs[k] = ys[k] * r.inv_t;
+      zt[k] = detail::transform_y(ht, vt[k]) * r.inv_t;
+    }
+    group_lse_add(a[0], zs, n);
+    group_lse_add(a[1], zt, n);
+    if (hard) group_lse_add(a[2], ys, n);
+  });
   Lse l[3];
   block_lse<3>(a, l, fsmem, dsmem);
-  // pass 2: entropy, divergence and the JSD's KL(p_s || m), against them
+  // pass 2: entropy, divergence and the JSD's KL(p_s || m), against them, in base 2 (entry_terms2);
+  // the float sums of a group added in double
   const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
   double acc[3] = {0.0, 0.0, 0.0};
-  float part[3] = {0.0f, 0.0f, 0.0f};
-  row_visit<true, false>(
-      xs, xt, V,
-      [&](int64_t, float xsj, float xtj) {
-        const float s = logp(l[0], detail::transform_y(hs, xsj) * r.inv_t);
-        const float t = logp(l[1], detail::transform_y(ht, xtj) * r.inv_t);
-        const EntryTerms e = entry_terms(kind, s, t, r);
-        part[0] += e.entropy;
-        part[1] += e.divergence;
-        part[2] += e.aux;
-        return xsj;
-      },
-      [&] {
+  row_groups<true>(xs, xt, V, [&](const float (&vs)[kGroup], const float (&vt)[kGroup], int n) {
+    float part[3] = {0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int q = 0; q < 3; ++q) {
-          acc[q] += static_cast<double>(part[q]);
-          part[q] = 0.0f;
-        }
-      });
+    for (int k = 0; k < kGroup; ++k) {
+      if (k >= n) break;
+      const float s2 = logp(l[0], detail::transform_y(hs, vs[k]) * r.inv_t) * kLog2e;
+      const float t2 = logp(l[1], detail::transform_y(ht, vt[k]) * r.inv_t) * kLog2e;
+      const EntryTerms e = entry_terms2(kind, s2, t2, r);
+      part[0] += e.entropy;
+      part[1] += e.divergence;
+      part[2] += e.aux;
+    }
+#pragma unroll
+    for (int q = 0; q < 3; ++q) acc[q] += static_cast<double>(part[q]);
+  });
   block_sum<3>(acc, dsmem);
+#pragma unroll
+  for (int q = 0; q < 3; ++q) acc[q] *= kLn2;
   RowOut o{static_cast<float>(acc[1]), 0.0f, static_cast<float>(-acc[0]), {}};
   o.stats[0] = static_cast<float>(l[0].full);
   o.stats[1] = static_cast<float>(l[1].full);
@@ -537,38 +574,34 @@ __global__ void __launch_bounds__(kThreads) topk_forward_kernel(const DistillFor
   if (bad_label(r, label) || bad_ids(r, p.t, row)) return write_row(p, row, filled_row(NAN));
   const Transform hs{r.s_scale, r.s_softcap};
   const bool hard = label >= 0 && r.hard_weight > 0.0f;
-  S* xs = chunk_row<S>(p.logits, p.ld, i);
+  const S* xs = chunk_row<S>(p.logits, p.ld, i);
   Online a[2] = {online_empty(), online_empty()};
-  GroupOnline ga[2] = {group_online_empty(), group_online_empty()};
-  row_visit<false, false>(
-      xs, xs, V,
-      [&](int64_t, float xsj, float) {
-        const float ys = detail::transform_y(hs, xsj);
-        group_online_add(ga[0], ys * r.inv_t);
-        if (hard) group_online_add(ga[1], ys);
-        return xsj;
-      },
-      [&] {
-        online_fold(a[0], ga[0]);
-        online_fold(a[1], ga[1]);
-      });
+  row_groups<false>(xs, xs, V, [&](const float (&vs)[kGroup], const float (&)[kGroup], int n) {
+    float zs[kGroup], ys[kGroup];
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) {
+      ys[k] = detail::transform_y(hs, vs[k]);
+      zs[k] = ys[k] * r.inv_t;
+    }
+    group_lse_add(a[0], zs, n);
+    if (hard) group_lse_add(a[1], ys, n);
+  });
   Lse l[2];
   block_lse<2>(a, l, fsmem, dsmem);
   double ent[1] = {0.0};
-  float part = 0.0f;
-  row_visit<false, false>(
-      xs, xs, V,
-      [&](int64_t, float xsj, float) {
-        const float s = logp(l[0], detail::transform_y(hs, xsj) * r.inv_t);
-        const float ps = expf(s);
-        part += ps == 0.0f ? 0.0f : ps * s;
-        return xsj;
-      },
-      [&] {
-        ent[0] += static_cast<double>(part);
-        part = 0.0f;
-      });
+  row_groups<false>(xs, xs, V, [&](const float (&vs)[kGroup], const float (&)[kGroup], int n) {
+    float part = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) {
+      if (k >= n) break;
+      const float s2 = logp(l[0], detail::transform_y(hs, vs[k]) * r.inv_t) * kLog2e;
+      const float ps = exp2f(s2);
+      part += ps == 0.0f ? 0.0f : ps * s2;
+    }
+    ent[0] += static_cast<double>(part);
+  });
   block_sum<1>(ent, dsmem);
+  ent[0] *= kLn2;
   // the sparse entries: q_k, the student's log-probability at id k
   const int64_t* ids = p.t.ids + row * p.t.ids_stride;
   const float* tlp = p.t.logprobs + row * p.t.lp_stride;
@@ -824,15 +857,20 @@ __global__ void __launch_bounds__(kThreads) shard_stats_kernel(const DistillShar
   }
   const Transform hs{r.s_scale, r.s_softcap}, ht{r.t_scale, r.t_softcap};
   const bool hard = label >= 0 && r.hard_weight > 0.0f;
-  S* xs = chunk_row<S>(p.logits, p.ld, i);
+  const S* xs = chunk_row<S>(p.logits, p.ld, i);
   const T* xt = kTwo ? chunk_row<T>(p.t.logits, p.t.ld, i) : nullptr;
   Online a[3] = {online_empty(), online_empty(), online_empty()};
-  row_visit<kTwo, false>(xs, xt, V, [&](int64_t, float xsj, float xtj) {
-    const float ys = detail::transform_y(hs, xsj);
-    online_add(a[0], ys * r.inv_t);
-    if (kTwo) online_add(a[1], detail::transform_y(ht, xtj) * r.inv_t);
-    if (hard) online_add(a[2], ys);
-    return xsj;
+  row_groups<kTwo>(xs, xt, V, [&](const float (&vs)[kGroup], const float (&vt)[kGroup], int n) {
+    float zs[kGroup], zt[kGroup], ys[kGroup];
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) {
+      ys[k] = detail::transform_y(hs, vs[k]);
+      zs[k] = ys[k] * r.inv_t;
+      zt[k] = kTwo ? detail::transform_y(ht, vt[k]) * r.inv_t : 0.0f;
+    }
+    group_lse_add(a[0], zs, n);
+    if (kTwo) group_lse_add(a[1], zt, n);
+    if (hard) group_lse_add(a[2], ys, n);
   });
   float m[3], sum[3];
   block_state<3>(a, m, sum, fsmem, dsmem);

@@ -164,5 +164,9 @@ void launch_zero_strided(float* dst, int64_t n, int64_t stride, cudaStream_t str
 /// for a shard); defined in linear_cuda.cpp, used by its plan and the shard plan.
 size_t default_chunk_budget(int64_t V, int64_t H);
 
+/// Rows per chunk for `positions` rows with at most `cap` a chunk: as few chunks as fit, of even
+/// size (whole `granule`s where possible); defined in linear_cuda.cpp.
+int64_t balanced_rows(int64_t positions, int64_t cap, int64_t granule = 128);
+
 }  // namespace cuda
 }  // namespace fusedce

@@ -92,6 +92,18 @@ size_t default_chunk_budget(int64_t V, int64_t H) {
   return std::max(kDefaultChunkBudget, weight_f32 > kChunkOverheadBytes ? weight_f32 - kChunkOverheadBytes : 0);
 }
 
+/// Rows per chunk for `positions` rows with at most `cap` per chunk: as many chunks as needed, of
+/// even size (whole tiles of 128 where possible), so that no chunk is a thin ragged remainder
+/// whose products run far below the matrix units' rate (2048 rows in a 1792-row buffer:
+/// 2 x 1024, not 1792 + 256). Never more than `cap`.
+int64_t balanced_rows(int64_t positions, int64_t cap, int64_t granule) {
+  if (positions <= cap) return std::max<int64_t>(positions, 1);
+  const int64_t chunks = (positions + cap - 1) / cap;
+  int64_t rows = (positions + chunks - 1) / chunks;
+  if (rows > granule) rows = std::min<int64_t>((rows + granule - 1) / granule * granule, cap);
+  return rows;
+}
+
 namespace {
 
 
@@ -104,18 +116,6 @@ constexpr size_t kSliceAccBytes = size_t(128) << 20;
 /// low_memory: a vocabulary slice spans at least this many columns (or the whole vocabulary)
 /// when the buffer allows, so the slice products stay large.
 constexpr int64_t kMinSliceVocab = 4096;
-
-/// Rows per chunk for `positions` rows with at most `cap` per chunk: as many chunks as needed, of
-/// even size (whole tiles of 128 where possible), so that no chunk is a thin ragged remainder
-/// whose products run far below the matrix units' rate (2048 rows in a 1792-row buffer:
-/// 2 x 1024, not 1792 + 256). Never more than `cap`.
-int64_t balanced_rows(int64_t positions, int64_t cap, int64_t granule = 128) {
-  if (positions <= cap) return std::max<int64_t>(positions, 1);
-  const int64_t chunks = (positions + cap - 1) / cap;
-  int64_t rows = (positions + chunks - 1) / chunks;
-  if (rows > granule) rows = std::min<int64_t>((rows + granule - 1) / granule * granule, cap);
-  return rows;
-}
 
 int64_t round_up(int64_t n, int64_t q) { return (n + q - 1) / q * q; }
 
