@@ -842,8 +842,13 @@ def readme_distill(bench_dir=BENCH):
             f"between\n"
             f"  them are the rest. At BT {small.split('x')[0]} {ms_fine(_t(f1))} ms against torch.compile's "
             f"{ms_fine(_t(c1))} over\n"
-            f"  materialised logits. Memory: bench/RESULTS.md's note on this table (the run's peak column\n"
-            f"  missed the core's own workspace).")
+            f"  materialised logits. Peak memory over the inputs at BT {n_big}: {_gib(f)} GiB against\n"
+            f"  Liger's {_gib(l)} and TRL's {_gib(t)}.")
+
+
+def _gib(row):
+    """A row's peak over the inputs (GiB), as the README quotes it."""
+    return f"{float(row['peak_over_inputs_gib']):.2f}"
 
 
 BLOCKS = {"ce_kernels": readme_ce_kernels, "cpu": readme_cpu, "trl": readme_trl, "trl_head": docs_trl_head,
