@@ -1,9 +1,8 @@
 // Experiment: what bounds the fused distillation's forward row kernel (src/cuda/distill/
 // distill_kernels.cu, full_forward_kernel), and which form reaches the memory time. Per row of a
 // token chunk of both heads' bf16 logits (z_s, z_t, temperature 1): the two log-sum-exps, then
-// the student's entropy, the generalized JSD at beta 0.5 and its auxiliary KL(p_s || m). The
-// library's kernel takes 13.9 ms a call at 8192 x 128256 (three chunks) where reading each head
-// twice takes about 1.3 ms.
+// the student's entropy, the generalized JSD at beta 0.5 and its auxiliary KL(p_s || m).
+// Reading each head twice takes about a third of the best form's time here (the read variant).
 //
 // Variants, each one block per row unless said:
 //   lib     the library's form: pass 1 an online max-and-sum per column (a branch and an exp per
@@ -25,8 +24,15 @@
 // chunk larger than L2). Printed: ms a chunk, the two passes' bytes over that time (GB/s), and the
 // largest differences.
 //
+// With FUSEDCE_PROBE_LIBRARY the library's own forward kernel runs too (linked from its source),
+// and exp2/cap is the exp2 form with the library's head transform inline (its soft-cap branch,
+// never taken here: does code that sits in the unrolled loop but never runs cost time?).
+//
 // Build (here, no GPU):
 //   nvcc -std=c++17 -O3 -arch=sm_90 -lineinfo dev/distill_rows/probe.cu -o build-probe/distill_rows
+//   nvcc -std=c++17 -O3 -arch=sm_90 -lineinfo --expt-relaxed-constexpr -DFUSEDCE_PROBE_LIBRARY
+//     -DFUSEDCE_WITH_CUDA -Iinclude -Isrc dev/distill_rows/probe.cu src/cuda/distill/distill_kernels.cu
+//     -o build-probe/distill_rows_lib
 // Run (GPU): build-probe/distill_rows [rows] [V]   (default 2731 128256: one of three chunks of 8192)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -37,6 +43,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+
+#ifdef FUSEDCE_PROBE_LIBRARY
+#include "common/distill_math.h"
+#include "cuda/distill/distill_kernels.h"
+#endif
 
 #define CHECK(x)                                                                   \
   do {                                                                             \
@@ -228,12 +239,20 @@ __device__ __forceinline__ void group_max_sum(Online& a, const float (&z)[8]) {
 
 // ---- the kernel -------------------------------------------------------------------------------
 
-enum class Form { kLib, kGmax, kExp2, kRead };
+enum class Form { kLib, kGmax, kExp2, kExp2Cap, kRead };
+
+/// The library's head transform, its soft-cap branch inline in the loop (taken only for cap > 0):
+/// exp2/cap asks whether code that never runs but sits in the unrolled loop costs time.
+__device__ __forceinline__ float head_transform(float x, float scale, float cap) {
+  const float y = scale * x;
+  return cap > 0.0f ? cap * tanhf(y / cap) : y;
+}
 
 template <int kThreads, Form kForm>
 __global__ void __launch_bounds__(kThreads) forward_rows(const __nv_bfloat16* zs, const __nv_bfloat16* zt,
-                                                         int64_t V, RowOut* out) {
-  constexpr bool kE2 = kForm == Form::kExp2;
+                                                         int64_t V, RowOut* out, float scale, float cap) {
+  constexpr bool kCap = kForm == Form::kExp2Cap;
+  constexpr bool kE2 = kForm == Form::kExp2 || kCap;
   const int64_t row = blockIdx.x;
   const __nv_bfloat16* xs = zs + row * V;
   const __nv_bfloat16* xt = zt + row * V;
@@ -258,8 +277,8 @@ __global__ void __launch_bounds__(kThreads) forward_rows(const __nv_bfloat16* zs
     } else {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
-        vs[k] *= c;
-        vt[k] *= c;
+        vs[k] = (kCap ? head_transform(vs[k], scale, cap) : vs[k]) * c;
+        vt[k] = (kCap ? head_transform(vt[k], scale, cap) : vt[k]) * c;
       }
       group_max_sum<kE2>(a[0], vs);
       group_max_sum<kE2>(a[1], vt);
@@ -281,7 +300,9 @@ __global__ void __launch_bounds__(kThreads) forward_rows(const __nv_bfloat16* zs
     }
 #pragma unroll
     for (int k = 0; k < (kForm == Form::kRead ? 0 : 8); ++k) {
-      const float s = (vs[k] * c - m[0]) - l[0], t = (vt[k] * c - m[1]) - l[1];
+      const float ys = kCap ? head_transform(vs[k], scale, cap) : vs[k];
+      const float yt = kCap ? head_transform(vt[k], scale, cap) : vt[k];
+      const float s = (ys * c - m[0]) - l[0], t = (yt * c - m[1]) - l[1];
       const float ps = kE2 ? exp2f(s) : expf(s), pt = kE2 ? exp2f(t) : expf(t);
       const float mix = one_mb * ps + kBeta * pt;
       const float lm = kE2 ? log2f(mix) : logf(mix);
@@ -434,7 +455,7 @@ double worst(const std::vector<RowOut>& a, const std::vector<RowOut>& b) {
 template <int kThreads, Form kForm>
 void run(const char* name, const __nv_bfloat16* zs, const __nv_bfloat16* zt, int64_t rows, int64_t V,
          RowOut* out, const std::vector<RowOut>* lib, std::vector<RowOut>* keep) {
-  forward_rows<kThreads, kForm><<<rows, kThreads>>>(zs, zt, V, out);
+  forward_rows<kThreads, kForm><<<rows, kThreads>>>(zs, zt, V, out, 1.0f, 0.0f);
   CHECK(cudaGetLastError());
   std::vector<RowOut> got(rows);
   CHECK(cudaMemcpy(got.data(), out, rows * sizeof(RowOut), cudaMemcpyDeviceToHost));
@@ -447,14 +468,14 @@ void run(const char* name, const __nv_bfloat16* zs, const __nv_bfloat16* zt, int
   if (!values) vs_ref = NAN;
   const double vs_lib = lib != nullptr && values ? worst(got, *lib) : NAN;
   if (keep != nullptr) *keep = got;
-  for (int k = 0; k < 3; ++k) forward_rows<kThreads, kForm><<<rows, kThreads>>>(zs, zt, V, out);
+  for (int k = 0; k < 3; ++k) forward_rows<kThreads, kForm><<<rows, kThreads>>>(zs, zt, V, out, 1.0f, 0.0f);
   std::vector<float> ms;
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
   for (int k = 0; k < 20; ++k) {
     CHECK(cudaEventRecord(a));
-    forward_rows<kThreads, kForm><<<rows, kThreads>>>(zs, zt, V, out);
+    forward_rows<kThreads, kForm><<<rows, kThreads>>>(zs, zt, V, out, 1.0f, 0.0f);
     CHECK(cudaEventRecord(b));
     CHECK(cudaEventSynchronize(b));
     float t = 0.0f;
@@ -467,6 +488,71 @@ void run(const char* name, const __nv_bfloat16* zs, const __nv_bfloat16* zt, int
 }
 
 }  // namespace
+
+#ifdef FUSEDCE_PROBE_LIBRARY
+/// The library's own forward row kernel (src/cuda/distill/distill_kernels.cu, linked in) on the
+/// same logits: JSD at beta 0.5, temperature 1, no labels; its lse's checked against lib's.
+void run_library(const __nv_bfloat16* zs, const __nv_bfloat16* zt, int64_t rows, int64_t V,
+                 const std::vector<RowOut>& lib) {
+  using namespace fusedce::cuda;
+  float *stats, *row_loss, *div, *ent;
+  CHECK(cudaMalloc(&stats, rows * 4 * sizeof(float)));
+  CHECK(cudaMalloc(&row_loss, rows * sizeof(float)));
+  CHECK(cudaMalloc(&div, rows * sizeof(float)));
+  CHECK(cudaMalloc(&ent, rows * sizeof(float)));
+  DistillForwardParams p{};
+  p.r.rows = rows;
+  p.r.V = V;
+  p.r.v_total = V;
+  p.r.kind = static_cast<int>(fusedce::detail::DivergenceKind::kJsd);
+  p.r.beta = kBeta;
+  p.r.one_mb = 1.0f - kBeta;
+  p.r.log_1mb = std::log(1.0f - kBeta);
+  p.r.log_b = std::log(kBeta);
+  p.r.inv_t = 1.0f;
+  p.r.s_scale = p.r.t_scale = 1.0f;
+  p.logits = zs;
+  p.ld = V;
+  p.dtype = fusedce::DType::kBFloat16;
+  p.t.logits = zt;
+  p.t.ld = V;
+  p.t.dtype = fusedce::DType::kBFloat16;
+  p.stats = stats;
+  p.stats_width = 4;
+  p.row_loss = row_loss;
+  p.row_loss_stride = 1;
+  p.divergence = div;
+  p.divergence_stride = 1;
+  p.entropy = ent;
+  p.entropy_stride = 1;
+  launch_distill_forward(p, nullptr);
+  CHECK(cudaGetLastError());
+  std::vector<float> st(rows * 4), d(rows);
+  CHECK(cudaMemcpy(st.data(), stats, st.size() * 4, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(d.data(), div, d.size() * 4, cudaMemcpyDeviceToHost));
+  double w = 0.0;
+  for (int64_t i = 0; i < rows; ++i) {
+    w = std::max({w, std::abs(st[i * 4] - lib[i].lse_s), std::abs(st[i * 4 + 1] - lib[i].lse_t),
+                  std::abs(d[i] - lib[i].jsd)});
+  }
+  std::vector<float> ms;
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  for (int k = 0; k < 23; ++k) {
+    CHECK(cudaEventRecord(a));
+    launch_distill_forward(p, nullptr);
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float t = 0.0f;
+    CHECK(cudaEventElapsedTime(&t, a, b));
+    if (k >= 3) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double med = ms[ms.size() / 2], bytes = 2.0 * 2.0 * rows * V * 2.0;
+  std::printf("| %-9s | %7.3f | %6.0f | %s | %.2e |\n", "library", med, bytes / med / 1e6, "(lse, jsd vs lib)", w);
+}
+#endif
 
 int main(int argc, char** argv) {
   const int64_t rows = argc > 1 ? std::atoll(argv[1]) : 2731, V = argc > 2 ? std::atoll(argv[2]) : 128256;
@@ -492,7 +578,11 @@ int main(int argc, char** argv) {
   run<256, Form::kExp2>("exp2", zs, zt, rows, V, out, &lib, nullptr);
   run<128, Form::kExp2>("exp2/128", zs, zt, rows, V, out, &lib, nullptr);
   run<512, Form::kExp2>("exp2/512", zs, zt, rows, V, out, &lib, nullptr);
+  run<256, Form::kExp2Cap>("exp2/cap", zs, zt, rows, V, out, &lib, nullptr);
   run<256, Form::kRead>("read", zs, zt, rows, V, out, &lib, nullptr);
+#ifdef FUSEDCE_PROBE_LIBRARY
+  run_library(zs, zt, rows, V, lib);
+#endif
 
   // the backward, from the lib forward's results (its rows' float64 reference from the host's)
   RowOut* fwd;

@@ -495,10 +495,34 @@ __device__ __forceinline__ float logit_grad(DivergenceKind kind, float s, float 
   return mix == 0.0f ? 0.0f : r.one_mb * ps * (s - logf(mix) - aux);
 }
 
+// ---- the heads' transforms --------------------------------------------------------------------
+
+/// A head's transform (common/distill_math.h) with whether either head has a soft-cap fixed at
+/// compile time (kCap): the cap's branch inside an unrolled column loop may be if-converted,
+/// paying a tanhf and a division per column even where no cap is set.
+template <bool kCap>
+__device__ __forceinline__ float head_y(const Transform& h, float x) {
+  if constexpr (kCap) {
+    return detail::transform_y(h, x);
+  } else {
+    return h.scale * x;
+  }
+}
+
+/// dy/dx from y, as detail::transform_dy_of_y.
+template <bool kCap>
+__device__ __forceinline__ float head_dy(const Transform& h, float y) {
+  if constexpr (kCap) {
+    return detail::transform_dy_of_y(h, y);
+  } else {
+    return h.scale;
+  }
+}
+
 // ---- the forward ------------------------------------------------------------------------------
 
 /// Full form: one block per chunk row; S, T the student's and the teacher's logit dtypes.
-template <typename S, typename T>
+template <typename S, typename T, bool kCap>
 __global__ void __launch_bounds__(kThreads) full_forward_kernel(const DistillForwardParams p) {
   __shared__ float fsmem[3 * kWarps];
   __shared__ double dsmem[3 * kWarps];
@@ -517,9 +541,9 @@ __global__ void __launch_bounds__(kThreads) full_forward_kernel(const DistillFor
     float zs[kGroup], zt[kGroup], ys[kGroup];
 #pragma unroll
     for (int k = 0; k < kGroup; ++k) {
-      ys[k] = detail::transform_y(hs, vs[k]);
+      ys[k] = head_y<kCap>(hs, vs[k]);
       zs[k] = ys[k] * r.inv_t;
-      zt[k] = detail::transform_y(ht, vt[k]) * r.inv_t;
+      zt[k] = head_y<kCap>(ht, vt[k]) * r.inv_t;
     }
     group_lse_add(a[0], zs, n);
     group_lse_add(a[1], zt, n);
@@ -536,8 +560,8 @@ __global__ void __launch_bounds__(kThreads) full_forward_kernel(const DistillFor
 #pragma unroll
     for (int k = 0; k < kGroup; ++k) {
       if (k >= n) break;
-      const float s2 = logp(l[0], detail::transform_y(hs, vs[k]) * r.inv_t) * kLog2e;
-      const float t2 = logp(l[1], detail::transform_y(ht, vt[k]) * r.inv_t) * kLog2e;
+      const float s2 = logp(l[0], head_y<kCap>(hs, vs[k]) * r.inv_t) * kLog2e;
+      const float t2 = logp(l[1], head_y<kCap>(ht, vt[k]) * r.inv_t) * kLog2e;
       const EntryTerms e = entry_terms2(kind, s2, t2, r);
       part[0] += e.entropy;
       part[1] += e.divergence;
@@ -557,13 +581,13 @@ __global__ void __launch_bounds__(kThreads) full_forward_kernel(const DistillFor
                                                   : 0.0f;
   if (hard) {
     o.stats[3] = static_cast<float>(l[2].full);
-    o.hard = static_cast<float>(l[2].full - detail::transform_y(hs, load<S>(p.logits, p.ld, i, local_column(r, label))));
+    o.hard = static_cast<float>(l[2].full - head_y<kCap>(hs, load<S>(p.logits, p.ld, i, local_column(r, label))));
   }
   write_row(p, row, o);
 }
 
 /// Top-k form: one block per chunk row.
-template <typename S>
+template <typename S, bool kCap>
 __global__ void __launch_bounds__(kThreads) topk_forward_kernel(const DistillForwardParams p) {
   __shared__ float fsmem[2 * kWarps];
   __shared__ double dsmem[2 * kWarps];
@@ -580,7 +604,7 @@ __global__ void __launch_bounds__(kThreads) topk_forward_kernel(const DistillFor
     float zs[kGroup], ys[kGroup];
 #pragma unroll
     for (int k = 0; k < kGroup; ++k) {
-      ys[k] = detail::transform_y(hs, vs[k]);
+      ys[k] = head_y<kCap>(hs, vs[k]);
       zs[k] = ys[k] * r.inv_t;
     }
     group_lse_add(a[0], zs, n);
@@ -594,7 +618,7 @@ __global__ void __launch_bounds__(kThreads) topk_forward_kernel(const DistillFor
 #pragma unroll
     for (int k = 0; k < kGroup; ++k) {
       if (k >= n) break;
-      const float s2 = logp(l[0], detail::transform_y(hs, vs[k]) * r.inv_t) * kLog2e;
+      const float s2 = logp(l[0], head_y<kCap>(hs, vs[k]) * r.inv_t) * kLog2e;
       const float ps = exp2f(s2);
       part += ps == 0.0f ? 0.0f : ps * s2;
     }
@@ -606,14 +630,14 @@ __global__ void __launch_bounds__(kThreads) topk_forward_kernel(const DistillFor
   const int64_t* ids = p.t.ids + row * p.t.ids_stride;
   const float* tlp = p.t.logprobs + row * p.t.lp_stride;
   auto q_of = [&](int64_t k) {
-    return logp(l[0], detail::transform_y(hs, load<S>(p.logits, p.ld, i, local_column(r, ids[k]))) * r.inv_t);
+    return logp(l[0], head_y<kCap>(hs, load<S>(p.logits, p.ld, i, local_column(r, ids[k]))) * r.inv_t);
   };
   const double d = sparse_divergence(r, K, tlp, q_of, fsmem, dsmem);
   RowOut o{static_cast<float>(d), 0.0f, static_cast<float>(-ent[0]), {0.0f, 0.0f, 0.0f, 0.0f}};
   o.stats[0] = static_cast<float>(l[0].full);
   if (hard) {
     o.stats[3] = static_cast<float>(l[1].full);
-    o.hard = static_cast<float>(l[1].full - detail::transform_y(hs, load<S>(p.logits, p.ld, i, local_column(r, label))));
+    o.hard = static_cast<float>(l[1].full - head_y<kCap>(hs, load<S>(p.logits, p.ld, i, local_column(r, label))));
   }
   write_row(p, row, o);
 }
@@ -639,7 +663,7 @@ __device__ __forceinline__ float hard_dy(float b, float y, float lse_h, int64_t 
 }
 
 /// Full form: one block per chunk row; the student's logits become their gradient in place.
-template <typename S, typename T>
+template <typename S, typename T, bool kCap>
 __global__ void __launch_bounds__(kThreads) full_backward_kernel(const DistillBackwardParams p) {
   const DistillRows& r = p.r;
   const int64_t i = blockIdx.x, row = r.r0 + i, V = r.V;
@@ -656,14 +680,14 @@ __global__ void __launch_bounds__(kThreads) full_backward_kernel(const DistillBa
   S* x = static_cast<S*>(p.logits) + i * p.ld;
   const float lse_s = st[0], lse_t = st[1], cross = st[2], lse_h = st[3];
   auto grad = [&](int64_t j, float xj, float xtj) {
-    const float y = detail::transform_y(hs, xj);
+    const float y = head_y<kCap>(hs, xj);
     float dy = 0.0f;
     if (a != 0.0f) {
-      const float s = y * r.inv_t - lse_s, t = detail::transform_y(ht, xtj) * r.inv_t - lse_t;
+      const float s = y * r.inv_t - lse_s, t = head_y<kCap>(ht, xtj) * r.inv_t - lse_t;
       dy = a * logit_grad(kind, s, t, cross, r);
     }
     if (b != 0.0f) dy += hard_dy(b, y, lse_h, j, column);
-    return dy * detail::transform_dy_of_y(hs, y);
+    return dy * head_dy<kCap>(hs, y);
   };
   if (a != 0.0f) {
     row_visit<true, true>(x, chunk_row<T>(p.t.logits, p.t.ld, i), V, grad);
@@ -695,7 +719,7 @@ __device__ void block_sort(uint64_t* keys, int64_t n) {
 /// then each distinct id once: its column again, plus a dD/dq_k of each of its entries (k order).
 /// Over a vocabulary shard the q_k come from the statistics (step 4 gathered them from every
 /// shard) and only the ids this shard holds have columns here.
-template <typename S>
+template <typename S, bool kCap>
 __global__ void __launch_bounds__(kThreads) topk_backward_kernel(const DistillBackwardParams p) {
   __shared__ float fsmem[2 * kWarps];
   __shared__ double dsmem[2 * kWarps];
@@ -720,7 +744,7 @@ __global__ void __launch_bounds__(kThreads) topk_backward_kernel(const DistillBa
   if (a != 0.0f) {
     for (int64_t k = threadIdx.x; k < K; k += kThreads) {
       const int64_t j = local_column(r, ids[k]);
-      ey[k] = j >= 0 ? detail::transform_y(hs, Elem<S>::to_float(x[j])) : 0.0f;
+      ey[k] = j >= 0 ? head_y<kCap>(hs, Elem<S>::to_float(x[j])) : 0.0f;
     }
     __syncthreads();  // ey complete: the norms read every entry
     auto q_of = [&](int64_t k) { return gathered_q ? st[kW + k] : ey[k] * r.inv_t - st[0]; };
@@ -764,9 +788,9 @@ __global__ void __launch_bounds__(kThreads) topk_backward_kernel(const DistillBa
   auto dense = [&](float y, int64_t j) {
     float dy = a != 0.0f ? -a * expf(y * r.inv_t - st[0]) * sum_gq : 0.0f;
     if (b != 0.0f) dy += hard_dy(b, y, st[3], j, column);
-    return dy * detail::transform_dy_of_y(hs, y);
+    return dy * head_dy<kCap>(hs, y);
   };
-  row_visit<false, true>(x, x, V, [&](int64_t j, float xj, float) { return dense(detail::transform_y(hs, xj), j); });
+  row_visit<false, true>(x, x, V, [&](int64_t j, float xj, float) { return dense(head_y<kCap>(hs, xj), j); });
   if (a == 0.0f) return;
   __syncthreads();  // the dense pass wrote every column before the ids' columns are rewritten
   const uint64_t* keys = p.keys + i * p.Kp;
@@ -775,7 +799,7 @@ __global__ void __launch_bounds__(kThreads) topk_backward_kernel(const DistillBa
     const int64_t id = static_cast<int64_t>(keys[q] >> 32);
     if (q > 0 && static_cast<int64_t>(keys[q - 1] >> 32) == id) continue;  // not its id's first entry
     const int64_t k0 = static_cast<int64_t>(keys[q] & 0xffffffffu);
-    const float y = ey[k0], dk = detail::transform_dy_of_y(hs, y);
+    const float y = ey[k0], dk = head_dy<kCap>(hs, y);
     float v = dense(y, id);
     for (int64_t e = q; e < K && keys[e] != ~uint64_t(0) && static_cast<int64_t>(keys[e] >> 32) == id; ++e) {
       v += a * eg[keys[e] & 0xffffffffu] * dk;
@@ -842,7 +866,7 @@ __device__ void split_double(double x, float* hi, float* lo) {
 /// Step 1, one block per chunk row: columns 0, 1 the student's state of z, 2, 3 the teacher's
 /// (kTwo; else the empty state), 4, 5 the student's at temperature 1, 6 its y at the label and 7
 /// the flag 1 where this shard holds the label (4..7 with a hard term only).
-template <typename S, typename T, bool kTwo>
+template <typename S, typename T, bool kTwo, bool kCap>
 __global__ void __launch_bounds__(kThreads) shard_stats_kernel(const DistillShardStatsParams p) {
   __shared__ float fsmem[3 * kWarps];
   __shared__ double dsmem[3 * kWarps];
@@ -864,9 +888,9 @@ __global__ void __launch_bounds__(kThreads) shard_stats_kernel(const DistillShar
     float zs[kGroup], zt[kGroup], ys[kGroup];
 #pragma unroll
     for (int k = 0; k < kGroup; ++k) {
-      ys[k] = detail::transform_y(hs, vs[k]);
+      ys[k] = head_y<kCap>(hs, vs[k]);
       zs[k] = ys[k] * r.inv_t;
-      zt[k] = kTwo ? detail::transform_y(ht, vt[k]) * r.inv_t : 0.0f;
+      zt[k] = kTwo ? head_y<kCap>(ht, vt[k]) * r.inv_t : 0.0f;
     }
     group_lse_add(a[0], zs, n);
     if (kTwo) group_lse_add(a[1], zt, n);
@@ -884,14 +908,14 @@ __global__ void __launch_bounds__(kThreads) shard_stats_kernel(const DistillShar
   o[5] = sum[2];
   const int64_t j = local_column(r, label);
   if (j >= 0) {
-    o[6] = detail::transform_y(hs, load<S>(p.logits, p.ld, i, j));
+    o[6] = head_y<kCap>(hs, load<S>(p.logits, p.ld, i, j));
     o[7] = 1.0f;
   }
 }
 
 /// Step 3, one block per chunk row: (D, KL(p_s || m), entropy) over the shard, each as a pair
 /// (kTwo); the top-k form: the entropy's pair, then q_k at the ids this shard holds.
-template <typename S, typename T, bool kTwo>
+template <typename S, typename T, bool kTwo, bool kCap>
 __global__ void __launch_bounds__(kThreads) shard_parts_kernel(const DistillShardPartsParams p) {
   __shared__ double dsmem[3 * kWarps];
   const DistillRows& r = p.r;
@@ -910,11 +934,11 @@ __global__ void __launch_bounds__(kThreads) shard_parts_kernel(const DistillShar
   const T* xt = kTwo ? chunk_row<T>(p.t.logits, p.t.ld, i) : nullptr;
   double acc[3] = {0.0, 0.0, 0.0};  // D, KL(p_s || m), sum p_s s
   row_visit<kTwo, false>(xs, xt, V, [&](int64_t, float xsj, float xtj) {
-    const float s = detail::transform_y(hs, xsj) * r.inv_t - lse_s;
+    const float s = head_y<kCap>(hs, xsj) * r.inv_t - lse_s;
     const float ps = expf(s);
     if (ps != 0.0f) acc[2] += static_cast<double>(ps) * s;
     if (kTwo) {
-      const float t = detail::transform_y(ht, xtj) * r.inv_t - lse_t;
+      const float t = head_y<kCap>(ht, xtj) * r.inv_t - lse_t;
       acc[0] += detail::divergence_term(kind, s, t, r.beta, r.log_1mb, r.log_b);
       if (kind == DivergenceKind::kJsd && ps != 0.0f) {
         acc[1] += static_cast<double>(ps) * (s - detail::mixture_log(s, t, r.log_1mb, r.log_b));
@@ -927,7 +951,7 @@ __global__ void __launch_bounds__(kThreads) shard_parts_kernel(const DistillShar
     const int64_t* ids = p.t.ids + row * p.t.ids_stride;
     for (int64_t k = threadIdx.x; k < p.t.K; k += kThreads) {
       const int64_t j = local_column(r, ids[k]);
-      if (j >= 0) o[kPW + k] = detail::transform_y(hs, load<S>(p.logits, p.ld, i, j)) * r.inv_t - lse_s;
+      if (j >= 0) o[kPW + k] = head_y<kCap>(hs, load<S>(p.logits, p.ld, i, j)) * r.inv_t - lse_s;
     }
   }
   if (threadIdx.x != 0) return;
@@ -1024,16 +1048,24 @@ void by_dtype(DType d, F&& f) {
   else f(Half{});
 }
 
-/// launch(S, T, two) with the student's logit type, the teacher's and whether a teacher head
-/// is read (a top-k teacher: T = S, two false).
+/// launch(S, T, two, cap) with the student's logit type, the teacher's, whether a teacher head
+/// is read (a top-k teacher: T = S, two false) and whether either head has a soft-cap.
 template <typename F>
-void by_heads(DType student, const DistillTeacherRows& t, F&& launch) {
+void by_heads(DType student, const DistillTeacherRows& t, const DistillRows& r, F&& launch) {
+  const bool capped = r.s_softcap > 0.0f || (t.K == 0 && r.t_softcap > 0.0f);
+  auto with_cap = [&](auto s_tag, auto t_tag, auto two) {
+    if (capped) {
+      launch(s_tag, t_tag, two, std::true_type{});
+    } else {
+      launch(s_tag, t_tag, two, std::false_type{});
+    }
+  };
   by_dtype(student, [&](auto s_tag) {
     if (t.K > 0) {
-      launch(s_tag, s_tag, std::false_type{});
+      with_cap(s_tag, s_tag, std::false_type{});
       return;
     }
-    by_dtype(t.dtype, [&](auto t_tag) { launch(s_tag, t_tag, std::true_type{}); });
+    by_dtype(t.dtype, [&](auto t_tag) { with_cap(s_tag, t_tag, std::true_type{}); });
   });
 }
 
@@ -1042,11 +1074,11 @@ void by_heads(DType student, const DistillTeacherRows& t, F&& launch) {
 void launch_distill_forward(const DistillForwardParams& p, cudaStream_t stream) {
   if (p.r.rows == 0) return;
   const unsigned blocks = static_cast<unsigned>(p.r.rows);
-  by_heads(p.dtype, p.t, [&](auto s_tag, auto t_tag, auto two) {
+  by_heads(p.dtype, p.t, p.r, [&](auto s_tag, auto t_tag, auto two, auto cap) {
     if constexpr (decltype(two)::value) {
-      full_forward_kernel<decltype(s_tag), decltype(t_tag)><<<blocks, kThreads, 0, stream>>>(p);
+      full_forward_kernel<decltype(s_tag), decltype(t_tag), decltype(cap)::value><<<blocks, kThreads, 0, stream>>>(p);
     } else {
-      topk_forward_kernel<decltype(s_tag)><<<blocks, kThreads, 0, stream>>>(p);
+      topk_forward_kernel<decltype(s_tag), decltype(cap)::value><<<blocks, kThreads, 0, stream>>>(p);
     }
   });
 }
@@ -1054,11 +1086,11 @@ void launch_distill_forward(const DistillForwardParams& p, cudaStream_t stream) 
 void launch_distill_backward(const DistillBackwardParams& p, cudaStream_t stream) {
   if (p.r.rows == 0) return;
   const unsigned blocks = static_cast<unsigned>(p.r.rows);
-  by_heads(p.dtype, p.t, [&](auto s_tag, auto t_tag, auto two) {
+  by_heads(p.dtype, p.t, p.r, [&](auto s_tag, auto t_tag, auto two, auto cap) {
     if constexpr (decltype(two)::value) {
-      full_backward_kernel<decltype(s_tag), decltype(t_tag)><<<blocks, kThreads, 0, stream>>>(p);
+      full_backward_kernel<decltype(s_tag), decltype(t_tag), decltype(cap)::value><<<blocks, kThreads, 0, stream>>>(p);
     } else {
-      topk_backward_kernel<decltype(s_tag)><<<blocks, kThreads, 0, stream>>>(p);
+      topk_backward_kernel<decltype(s_tag), decltype(cap)::value><<<blocks, kThreads, 0, stream>>>(p);
     }
   });
 }
@@ -1069,16 +1101,16 @@ void launch_distill_finish(const DistillFinishParams& p, cudaStream_t stream) {
 
 void launch_distill_shard_stats(const DistillShardStatsParams& p, cudaStream_t stream) {
   if (p.r.rows == 0) return;
-  by_heads(p.dtype, p.t, [&](auto s_tag, auto t_tag, auto two) {
-    shard_stats_kernel<decltype(s_tag), decltype(t_tag), decltype(two)::value>
+  by_heads(p.dtype, p.t, p.r, [&](auto s_tag, auto t_tag, auto two, auto cap) {
+    shard_stats_kernel<decltype(s_tag), decltype(t_tag), decltype(two)::value, decltype(cap)::value>
         <<<static_cast<unsigned>(p.r.rows), kThreads, 0, stream>>>(p);
   });
 }
 
 void launch_distill_shard_parts(const DistillShardPartsParams& p, cudaStream_t stream) {
   if (p.r.rows == 0) return;
-  by_heads(p.dtype, p.t, [&](auto s_tag, auto t_tag, auto two) {
-    shard_parts_kernel<decltype(s_tag), decltype(t_tag), decltype(two)::value>
+  by_heads(p.dtype, p.t, p.r, [&](auto s_tag, auto t_tag, auto two, auto cap) {
+    shard_parts_kernel<decltype(s_tag), decltype(t_tag), decltype(two)::value, decltype(cap)::value>
         <<<static_cast<unsigned>(p.r.rows), kThreads, 0, stream>>>(p);
   });
 }
