@@ -24,9 +24,13 @@
 // chunk larger than L2). Printed: ms a chunk, the two passes' bytes over that time (GB/s), and the
 // largest differences.
 //
-// With FUSEDCE_PROBE_LIBRARY the library's own forward kernel runs too (linked from its source),
-// and exp2/cap is the exp2 form with the library's head transform inline (its soft-cap branch,
-// never taken here: does code that sits in the unrolled loop but never runs cost time?).
+// With FUSEDCE_PROBE_LIBRARY the library's own forward kernel runs too (linked from its source).
+// The exp2 form with one of the library's features added, to find what costs the library's
+// kernel its time: exp2/cap the head transform with its soft-cap branch inline (never taken);
+// exp2/kinds the divergence chosen per column by a runtime kind, with the library's exit where
+// the mixture underflows; exp2/hard the hard term's third running state behind a runtime flag
+// (false here); exp2/nan the NaN-keeping group max and its exit for a group of -inf; exp2/all4
+// all four.
 //
 // Build (here, no GPU):
 //   nvcc -std=c++17 -O3 -arch=sm_90 -lineinfo dev/distill_rows/probe.cu -o build-probe/distill_rows
@@ -226,10 +230,22 @@ __device__ __forceinline__ void fold(Online& a, float gm, float gs) {
   }
 }
 
-/// gmax: the group's max first, then its exps, independent of each other.
-template <bool kExp2>
+/// The larger of m and z, NaN sticking (the library's max_nan).
+__device__ __forceinline__ float max_nan(float m, float z) { return isnan(z) || z > m ? z : m; }
+
+/// gmax: the group's max first, then its exps, independent of each other (kNan: the library's
+/// NaN-keeping max and its early exit for a group of -inf).
+template <bool kExp2, bool kNan = false>
 __device__ __forceinline__ void group_max_sum(Online& a, const float (&z)[8]) {
-  float gm = fmaxf(fmaxf(fmaxf(z[0], z[1]), fmaxf(z[2], z[3])), fmaxf(fmaxf(z[4], z[5]), fmaxf(z[6], z[7])));
+  float gm;
+  if (kNan) {
+    gm = z[0];
+#pragma unroll
+    for (int k = 1; k < 8; ++k) gm = max_nan(gm, z[k]);
+    if (gm == -INFINITY) return;
+  } else {
+    gm = fmaxf(fmaxf(fmaxf(z[0], z[1]), fmaxf(z[2], z[3])), fmaxf(fmaxf(z[4], z[5]), fmaxf(z[6], z[7])));
+  }
   float e[8];
 #pragma unroll
   for (int k = 0; k < 8; ++k) e[k] = kExp2 ? exp2f(z[k] - gm) : expf(z[k] - gm);
@@ -239,7 +255,7 @@ __device__ __forceinline__ void group_max_sum(Online& a, const float (&z)[8]) {
 
 // ---- the kernel -------------------------------------------------------------------------------
 
-enum class Form { kLib, kGmax, kExp2, kExp2Cap, kRead };
+enum class Form { kLib, kGmax, kExp2, kExp2Cap, kExp2Kinds, kExp2Hard, kExp2Nan, kLibLike, kRead };
 
 /// The library's head transform, its soft-cap branch inline in the loop (taken only for cap > 0):
 /// exp2/cap asks whether code that never runs but sits in the unrolled loop costs time.
@@ -250,14 +266,22 @@ __device__ __forceinline__ float head_transform(float x, float scale, float cap)
 
 template <int kThreads, Form kForm>
 __global__ void __launch_bounds__(kThreads) forward_rows(const __nv_bfloat16* zs, const __nv_bfloat16* zt,
-                                                         int64_t V, RowOut* out, float scale, float cap) {
-  constexpr bool kCap = kForm == Form::kExp2Cap;
-  constexpr bool kE2 = kForm == Form::kExp2 || kCap;
+                                                         int64_t V, RowOut* out, float scale, float cap, int kind,
+                                                         bool hard) {
+  // the library's features one at a time (kLibLike: all four)
+  constexpr bool kLike = kForm == Form::kLibLike;
+  constexpr bool kCap = kForm == Form::kExp2Cap || kLike;
+  constexpr bool kKinds = kForm == Form::kExp2Kinds || kLike;
+  constexpr bool kHard = kForm == Form::kExp2Hard || kLike;
+  constexpr bool kNan = kForm == Form::kExp2Nan || kLike;
+  constexpr bool kE2 = kForm == Form::kExp2 || kCap || kKinds || kHard || kNan;
   const int64_t row = blockIdx.x;
   const __nv_bfloat16* xs = zs + row * V;
   const __nv_bfloat16* xt = zt + row * V;
   const float c = kE2 ? kLog2e : 1.0f;  // logits to the units of the exponentials used
-  Online a[2] = {{-INFINITY, 0.0}, {-INFINITY, 0.0}};
+  Online a[kHard ? 3 : 2] = {};
+#pragma unroll
+  for (int q = 0; q < (kHard ? 3 : 2); ++q) a[q] = Online{-INFINITY, 0.0};
   visit<kThreads>(xs, xt, V, [&](float (&vs)[8], float (&vt)[8]) {
     if (kForm == Form::kRead) {
 #pragma unroll
@@ -280,12 +304,15 @@ __global__ void __launch_bounds__(kThreads) forward_rows(const __nv_bfloat16* zs
         vs[k] = (kCap ? head_transform(vs[k], scale, cap) : vs[k]) * c;
         vt[k] = (kCap ? head_transform(vt[k], scale, cap) : vt[k]) * c;
       }
-      group_max_sum<kE2>(a[0], vs);
-      group_max_sum<kE2>(a[1], vt);
+      group_max_sum<kE2, kNan>(a[0], vs);
+      group_max_sum<kE2, kNan>(a[1], vt);
+      if constexpr (kHard) {
+        if (hard) group_max_sum<kE2, kNan>(a[2], vs);  // the hard term's state (never, here)
+      }
     }
   });
-  float m[2], l[2];
-  block_lse<kThreads, 2, kE2>(a, m, l);
+  float m[kHard ? 3 : 2], l[kHard ? 3 : 2];
+  block_lse<kThreads, kHard ? 3 : 2, kE2>(a, m, l);
   // pass 2, against (m + l): s, t log-probabilities (log2 units for exp2)
   const float one_mb = 1.0f - kBeta;
   double acc[3] = {0.0, 0.0, 0.0};
@@ -304,6 +331,25 @@ __global__ void __launch_bounds__(kThreads) forward_rows(const __nv_bfloat16* zs
       const float yt = kCap ? head_transform(vt[k], scale, cap) : vt[k];
       const float s = (ys * c - m[0]) - l[0], t = (yt * c - m[1]) - l[1];
       const float ps = kE2 ? exp2f(s) : expf(s), pt = kE2 ? exp2f(t) : expf(t);
+      if constexpr (kKinds) {
+        // the library's entry_terms2: the divergence by a runtime kind, nothing more where the
+        // mixture underflows
+        pe += ps == 0.0f ? 0.0f : ps * s;
+        if (kind == 0) {
+          pd += pt == 0.0f ? 0.0f : pt * (t - s);
+        } else if (kind == 1) {
+          pd += ps == 0.0f ? 0.0f : ps * (s - t);
+        } else {
+          const float mix = one_mb * ps + kBeta * pt;
+          if (mix != 0.0f) {
+            const float lm = log2f(mix);
+            const float fs = ps == 0.0f ? 0.0f : ps * (s - lm);
+            pd += (pt == 0.0f ? 0.0f : kBeta * pt * (t - lm)) + one_mb * fs;
+            pa += fs;
+          }
+        }
+        continue;
+      }
       const float mix = one_mb * ps + kBeta * pt;
       const float lm = kE2 ? log2f(mix) : logf(mix);
       const float fs = ps == 0.0f ? 0.0f : ps * (s - lm);
@@ -455,7 +501,7 @@ double worst(const std::vector<RowOut>& a, const std::vector<RowOut>& b) {
 template <int kThreads, Form kForm>
 void run(const char* name, const __nv_bfloat16* zs, const __nv_bfloat16* zt, int64_t rows, int64_t V,
          RowOut* out, const std::vector<RowOut>* lib, std::vector<RowOut>* keep) {
-  forward_rows<kThreads, kForm><<<rows, kThreads>>>(zs, zt, V, out, 1.0f, 0.0f);
+  forward_rows<kThreads, kForm><<<rows, kThreads>>>(zs, zt, V, out, 1.0f, 0.0f, 2, false);
   CHECK(cudaGetLastError());
   std::vector<RowOut> got(rows);
   CHECK(cudaMemcpy(got.data(), out, rows * sizeof(RowOut), cudaMemcpyDeviceToHost));
@@ -468,14 +514,14 @@ void run(const char* name, const __nv_bfloat16* zs, const __nv_bfloat16* zt, int
   if (!values) vs_ref = NAN;
   const double vs_lib = lib != nullptr && values ? worst(got, *lib) : NAN;
   if (keep != nullptr) *keep = got;
-  for (int k = 0; k < 3; ++k) forward_rows<kThreads, kForm><<<rows, kThreads>>>(zs, zt, V, out, 1.0f, 0.0f);
+  for (int k = 0; k < 3; ++k) forward_rows<kThreads, kForm><<<rows, kThreads>>>(zs, zt, V, out, 1.0f, 0.0f, 2, false);
   std::vector<float> ms;
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
   for (int k = 0; k < 20; ++k) {
     CHECK(cudaEventRecord(a));
-    forward_rows<kThreads, kForm><<<rows, kThreads>>>(zs, zt, V, out, 1.0f, 0.0f);
+    forward_rows<kThreads, kForm><<<rows, kThreads>>>(zs, zt, V, out, 1.0f, 0.0f, 2, false);
     CHECK(cudaEventRecord(b));
     CHECK(cudaEventSynchronize(b));
     float t = 0.0f;
@@ -579,6 +625,10 @@ int main(int argc, char** argv) {
   run<128, Form::kExp2>("exp2/128", zs, zt, rows, V, out, &lib, nullptr);
   run<512, Form::kExp2>("exp2/512", zs, zt, rows, V, out, &lib, nullptr);
   run<256, Form::kExp2Cap>("exp2/cap", zs, zt, rows, V, out, &lib, nullptr);
+  run<256, Form::kExp2Kinds>("exp2/kinds", zs, zt, rows, V, out, &lib, nullptr);
+  run<256, Form::kExp2Hard>("exp2/hard", zs, zt, rows, V, out, &lib, nullptr);
+  run<256, Form::kExp2Nan>("exp2/nan", zs, zt, rows, V, out, &lib, nullptr);
+  run<256, Form::kLibLike>("exp2/all4", zs, zt, rows, V, out, &lib, nullptr);
   run<256, Form::kRead>("read", zs, zt, rows, V, out, &lib, nullptr);
 #ifdef FUSEDCE_PROBE_LIBRARY
   run_library(zs, zt, rows, V, lib);
