@@ -24,19 +24,46 @@
 // kernels writing plain logits (interleaved rounds, medians); checked against float64 (E, lse,
 // entropy, target logit) before timing.
 //
+// The per-(row, tile) partials are checked one by one (the "partials:" lines after each shape's),
+// so that a wrong lse or entropy can be traced to the tiles that cause it. The float64 reference
+// per (row, tile) comes from the cuBLASLt float32 logits: ln sum_j e^z_ij, the tile's
+// e^z-weighted means of z and |z|, and ceil(max_j z_ij log2 e) as the kernel forms it. For each
+// variant (full, staged, staged with the row offset given, no E store), every pair is checked:
+// S_it 2^k_it against sum_j e^z_ij (relative: a different choice of k compares fairly);
+// U_it 2^k_it against sum_j e^z_ij z_ij (relative to sum_j e^z_ij |z_ij|, as z has both signs);
+// k_it against the tile's ceil(max log2 e) (off by one can be the two products' rounding at an
+// integer) or the given row offset; E against 2^(z log2 e - k_it) per tile where E is stored.
+// The bad pairs are summarized by where they lie (rows, N-tiles, whether the last N-tile, bad
+// rows per 128-row M-tile, 128 x 192 output tiles whole or in part), and each is compared with
+// the references of nearby slots (N-tiles t-2..t+2 of every row in its M-tile and of rows
+// +-128, +-256): a partial that matches another slot's reference landed in the wrong slot.
+// Then the same kernel runs again on partials filled with a NaN sentinel: slots still holding
+// it were never written (the first run's values there were left over), and written slots that
+// differ bitwise from the first run show a race (the kernel is otherwise deterministic). The
+// reference itself is checked per tile at the 16 sampled rows against the float64 dot products,
+// so that an error in cuBLASLt's product is not taken for the kernel's.
+//
+// Shapes whose rows (K or N bf16 values) are not a multiple of 16 bytes are skipped: TMA needs
+// 16-byte row pitches.
+//
 // Build (here, no GPU; the include dir is the one CMake unpacks from the pinned CUTLASS wheel,
 // e.g. build-sm90/_deps/cutlass-4.2.0.0/cutlass_library/source/include):
 //   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG -lineinfo -I<cutlass include dir> \
 //     dev/scaled_exp/probe.cu -o build-probe/scaled_exp -lcublasLt
-// Run (GPU): the binary; one line a shape.
+// Run (GPU): the binary; a table row and a float64 line a shape, then its "partials:" lines.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdarg>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "cute/tensor.hpp"
@@ -295,7 +322,10 @@ class ScaledExpEpilogue {
         for (int v1 = 0; v1 < V1; ++v1) {
           const int r = m * V1 + v1;
           const int row = row0 + get<0>(tCcD(make_coord(make_coord(0, v1, 0), m, 0)));
-          if (row < M) {
+          // The scheduler's swizzle pads the tile grid to whole swizzle groups: a padded N-tile
+          // (n_tile >= tiles) holds no column, and its row's slot would be the next row's first
+          // tiles (row * tiles + n_tile), so it writes nothing.
+          if (row < M && n_tile < params.tiles) {
             const int64_t at = int64_t(row) * params.tiles + n_tile;
             params.k[at] = koff[r];
             params.s[at] = ssum[r];
@@ -581,6 +611,474 @@ __global__ void row_shift(const float* z, int N, float margin, float* shift) {
   if (threadIdx.x == 0) shift[blockIdx.x] = ceilf(red[0] * 1.4426950408889634f) + margin;
 }
 
+// ---- Per-(row, tile) checks of the partials ----
+
+constexpr int kTileN = 192;  // the N extent of Tile192: one partial per 192 columns
+// Per-(row, tile) flags. A pair is bad (kPartialBad) when S or U is off by more than
+// kPartialTol, k is off by more than one, or a value is not finite.
+enum : uint8_t {
+  kBadS = 1,        // S 2^k against sum_j e^z: relative error > kPartialTol
+  kBadU = 2,        // U 2^k against sum_j e^z z: error relative to sum_j e^z |z| > kPartialTol
+  kOff1 = 4,        // k one off the expected (may be the rounding of z at an integer)
+  kOffMore = 8,     // k off by more than one
+  kNonFinite = 16,  // k, S or U not finite
+  kBadE = 32,       // E against 2^(z log2 e - k), k the kernel's: relative error > kETol
+  kDiffers = 64,    // second run: written, but bitwise not the first run's value
+  kUnwritten = 128  // second run: still the NaN sentinel
+};
+constexpr uint8_t kPartialBad = kBadS | kBadU | kOffMore | kNonFinite;
+constexpr double kPartialTol = 1e-3, kMatchTol = 1e-4, kETol = 1e-2;
+// Candidate slots for a misplaced partial: every row of the pair's 128-row M-tile and rows
+// +-128, +-256, each at N-tiles t-2..t+2.
+constexpr int kNearRows = 128 + 4, kNearTiles = 5;
+
+__host__ __device__ inline bool finite_f(float x) { return fabsf(x) <= 3.402823466e38f; }
+
+/// A kernel partial (k, S, U) against one slot's reference (rl = ln sum_j e^z, ru and ra = the
+/// e^z-weighted means of z and |z|): rel = S 2^k / sum_j e^z - 1, se = |rel|, ue = the error of
+/// U 2^k relative to sum_j e^z |z|. Infinite where a value is not finite or S <= 0.
+__host__ __device__ inline void pair_errors(float k, float s, float u, double rl, double ru, double ra, double& rel,
+                                            double& se, double& ue) {
+  if (!(finite_f(k) && finite_f(s) && finite_f(u) && s > 0.0f)) {
+    rel = se = ue = INFINITY;
+    return;
+  }
+  const double d = double(k) * 0.69314718055994531 - rl;  // ln(2^k / sum_j e^z)
+  rel = expm1(d + log(double(s)));
+  se = fabs(rel);
+  ue = fabs(double(u) * exp(d) - ru) / fmax(ra, 1e-300);
+  if (!(se <= 1e300)) se = INFINITY;
+  if (!(ue <= 1e300)) ue = INFINITY;
+}
+
+/// The float64 reference per (row, tile) from the float32 logits z (one warp a pair): rl = ln
+/// sum_j e^z_ij, ru = sum_j e^z z / sum_j e^z, ra = sum_j e^z |z| / sum_j e^z, and rk =
+/// ceil(max_j z log2 e) formed in float32 as the epilogue forms it.
+__global__ void ref_tiles(const float* z, int M, int N, int tiles, double* rl, double* ru, double* ra, float* rk) {
+  const int lane = threadIdx.x & 31;
+  const int64_t P = int64_t(M) * tiles, nw = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t p = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; p < P; p += nw) {
+    const int row = int(p / tiles), t = int(p % tiles);
+    const float* zr = z + int64_t(row) * N + int64_t(t) * kTileN;
+    const int n = min(kTileN, N - t * kTileN);
+    float m = -INFINITY;
+    for (int j = lane; j < n; j += 32) m = fmaxf(m, zr[j]);
+    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    double s = 0, su = 0, sa = 0;
+    for (int j = lane; j < n; j += 32) {
+      const double zj = zr[j], e = exp(zj - double(m));
+      s += e;
+      su += e * zj;
+      sa += e * fabs(zj);
+    }
+    for (int o = 16; o > 0; o /= 2) {
+      s += __shfl_xor_sync(0xffffffffu, s, o);
+      su += __shfl_xor_sync(0xffffffffu, su, o);
+      sa += __shfl_xor_sync(0xffffffffu, sa, o);
+    }
+    if (lane == 0) {
+      rl[p] = double(m) + log(s);
+      ru[p] = su / s;
+      ra[p] = sa / s;
+      rk[p] = ceilf(m * 1.4426950408889634f);
+    }
+  }
+}
+
+/// Device buffers of the partials check, (rows x tiles) each unless said.
+struct PairBufs {
+  double *rl, *ru, *ra;  // reference (ref_tiles)
+  float* rk;
+  uint8_t* flags;
+  int* match;        // bad pairs: the nearest other slot, (drow + 1024) * 8 + (dt + 2); -1: none
+  float* match_err;  // bad pairs: that slot's error, max(S, U)
+  float* ratio;      // S 2^k / sum_j e^z
+  float* worst;      // 3: worst S, U and E errors (float bits, atomicMax)
+};
+
+/// Every (row, tile) partial of one kernel run against the reference (one warp a pair): flags,
+/// the S ratio and the worst errors; with `search`, each bad pair's nearest other slot among the
+/// candidates. kexp_row: the given per-row offset (StagedShift), else k is expected to be the
+/// tile's ceil(max log2 e). E: the stored E (rows x N), or null.
+__global__ void check_partials(const float* z, int M, int N, int tiles, const float* k, const float* s,
+                               const float* u, const float* kexp_row, const __nv_bfloat16* E, PairBufs b,
+                               int search) {
+  const int lane = threadIdx.x & 31;
+  const int64_t P = int64_t(M) * tiles, nw = int64_t(gridDim.x) * (blockDim.x / 32);
+  double ws = 0, wu = 0, we = 0;
+  for (int64_t p = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; p < P; p += nw) {
+    const int row = int(p / tiles), t = int(p % tiles);
+    const float kk = k[p], ss = s[p], uu = u[p];
+    double rel, se, ue;
+    pair_errors(kk, ss, uu, b.rl[p], b.ru[p], b.ra[p], rel, se, ue);
+    const float ke = kexp_row ? kexp_row[row] : b.rk[p];
+    uint8_t f = 0;
+    if (!(finite_f(kk) && finite_f(ss) && finite_f(uu))) f |= kNonFinite;
+    if (!(se <= kPartialTol)) f |= kBadS;
+    if (!(ue <= kPartialTol)) f |= kBadU;
+    const float dk = fabsf(kk - ke);
+    if (dk == 1.0f)
+      f |= kOff1;
+    else if (!(dk == 0.0f))
+      f |= kOffMore;
+    double e_err = 0;
+    if (E) {
+      const int n = min(kTileN, N - t * kTileN);
+      const float* zr = z + int64_t(row) * N + int64_t(t) * kTileN;
+      const __nv_bfloat16* er = E + int64_t(row) * N + int64_t(t) * kTileN;
+      for (int j = lane; j < n; j += 32) {
+        const double ref = exp2(double(zr[j]) * 1.4426950408889634 - double(kk));
+        double err = fabs(double(__bfloat162float(er[j])) - ref) / fmax(ref, 1e-30);
+        if (!(err <= 1e300)) err = INFINITY;
+        e_err = fmax(e_err, err);
+      }
+      for (int o = 16; o > 0; o /= 2) e_err = fmax(e_err, __shfl_xor_sync(0xffffffffu, e_err, o));
+      if (!(e_err <= kETol)) f |= kBadE;
+    }
+    ws = fmax(ws, se);
+    wu = fmax(wu, ue);
+    we = fmax(we, e_err);
+    if (search && (f & kPartialBad)) {  // warp-uniform: every lane has the same f
+      const int rb = row & ~127;
+      float best = INFINITY;
+      int code = -1;
+      for (int ci = lane; ci < kNearRows * kNearTiles; ci += 32) {
+        const int rc = ci / kNearTiles, dt = ci % kNearTiles - kNearTiles / 2;
+        const int r2 = rc < 128 ? rb + rc : row + (rc == 128 ? -256 : rc == 129 ? -128 : rc == 130 ? 128 : 256);
+        const int t2 = t + dt;
+        if (r2 < 0 || r2 >= M || t2 < 0 || t2 >= tiles || (r2 == row && t2 == t)) continue;
+        const int64_t q = int64_t(r2) * tiles + t2;
+        double rel2, se2, ue2;
+        pair_errors(kk, ss, uu, b.rl[q], b.ru[q], b.ra[q], rel2, se2, ue2);
+        const float e2 = float(fmax(se2, ue2));
+        if (e2 < best) best = e2, code = (r2 - row + 1024) * 8 + (dt + kNearTiles / 2);
+      }
+      for (int o = 16; o > 0; o /= 2) {
+        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oc = __shfl_xor_sync(0xffffffffu, code, o);
+        if (ob < best || (ob == best && oc > code)) best = ob, code = oc;
+      }
+      if (lane == 0) {
+        b.match[p] = code;
+        b.match_err[p] = best;
+      }
+    }
+    if (lane == 0) {
+      b.flags[p] = f;
+      b.ratio[p] = float(1.0 + rel);
+    }
+  }
+  if (lane == 0) {
+    atomicMax(reinterpret_cast<int*>(&b.worst[0]), __float_as_int(float(ws)));
+    atomicMax(reinterpret_cast<int*>(&b.worst[1]), __float_as_int(float(wu)));
+    atomicMax(reinterpret_cast<int*>(&b.worst[2]), __float_as_int(float(we)));
+  }
+}
+
+/// The second run's partials against the first run's (saved in k1, s1, u1): kUnwritten where a
+/// value is still the NaN sentinel (all bits set), else kDiffers where one differs bitwise.
+__global__ void diff_partials(const float* k, const float* s, const float* u, const float* k1, const float* s1,
+                              const float* u1, int64_t P, uint8_t* flags) {
+  for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < P; p += int64_t(gridDim.x) * blockDim.x) {
+    const uint32_t a = __float_as_uint(k[p]), c = __float_as_uint(s[p]), e = __float_as_uint(u[p]);
+    uint8_t f = flags[p];
+    if (a == 0xffffffffu || c == 0xffffffffu || e == 0xffffffffu)
+      f |= kUnwritten;
+    else if (a != __float_as_uint(k1[p]) || c != __float_as_uint(s1[p]) || e != __float_as_uint(u1[p]))
+      f |= kDiffers;
+    flags[p] = f;
+  }
+}
+
+/// The reference itself per tile at the sampled rows: ln sum_j e^z from the cuBLASLt float32
+/// logits (rl) against the float64 dot products (z64, one row per sampled row; one warp a pair).
+/// worst: the largest relative difference of sum_j e^z; count and list (the first 8 by arrival,
+/// as row * tiles + tile) of those over kPartialTol.
+__global__ void check_ref_tiles(const double* z64, const int* rows, int nrows, int N, int tiles, const double* rl,
+                                float* worst, unsigned* count, int* list) {
+  const int lane = threadIdx.x & 31;
+  const int64_t P = int64_t(nrows) * tiles, nw = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t p = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; p < P; p += nw) {
+    const int r = int(p / tiles), t = int(p % tiles);
+    const double* zr = z64 + int64_t(r) * N + int64_t(t) * kTileN;
+    const int n = min(kTileN, N - t * kTileN);
+    double m = -INFINITY;
+    for (int j = lane; j < n; j += 32) m = fmax(m, zr[j]);
+    for (int o = 16; o > 0; o /= 2) m = fmax(m, __shfl_xor_sync(0xffffffffu, m, o));
+    double sum = 0;
+    for (int j = lane; j < n; j += 32) sum += exp(zr[j] - m);
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) {
+      const int64_t q = int64_t(rows[r]) * tiles + t;
+      double err = fabs(expm1(rl[q] - (m + log(sum))));
+      if (!(err <= 1e300)) err = INFINITY;
+      atomicMax(reinterpret_cast<int*>(worst), __float_as_int(float(err)));
+      if (!(err <= kPartialTol)) {
+        const unsigned i = atomicAdd(count, 1u);
+        if (i < 8) list[i] = int(q);
+      }
+    }
+  }
+}
+
+/// Appends printf-formatted text.
+void app(std::string& o, const char* fmt, ...) {
+  char buf[4096];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  o += buf;
+}
+
+template <class T>
+T dev_at(const T* p, int64_t i) {
+  T v;
+  CK(cudaMemcpy(&v, p + i, sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+/// Where the pairs with (flags & mask) lie: rows, N-tiles, the last N-tile, M-tiles of 128 rows
+/// and output tiles of 128 x 192. Returns their count; prints nothing when there are none.
+int64_t summarize(std::string& o, const char* what, const std::vector<uint8_t>& f, uint8_t mask, int M, int tiles) {
+  const int mtiles = (M + 127) / 128;
+  int64_t n = 0, in_last = 0;
+  int rows = 0, rmin = M, rmax = -1, tmin = tiles, tmax = -1;
+  std::vector<int> rows_mt(mtiles, 0);
+  std::vector<int64_t> pairs_mt(mtiles, 0), pairs_nt(tiles, 0);
+  std::vector<int> rows_blk(size_t(mtiles) * tiles, 0);  // bad rows per (M-tile, N-tile)
+  for (int r = 0; r < M; ++r) {
+    bool any = false;
+    for (int t = 0; t < tiles; ++t)
+      if (f[size_t(r) * tiles + t] & mask) {
+        ++n;
+        any = true;
+        rmin = std::min(rmin, r);
+        rmax = std::max(rmax, r);
+        tmin = std::min(tmin, t);
+        tmax = std::max(tmax, t);
+        in_last += t == tiles - 1;
+        ++pairs_mt[r / 128];
+        ++pairs_nt[t];
+        ++rows_blk[size_t(r / 128) * tiles + t];
+      }
+    if (any) ++rows, ++rows_mt[r / 128];
+  }
+  if (n == 0) return 0;
+  auto rows_in = [&](int b) { return std::min(128, M - b * 128); };
+  int mt_touched = 0, mt_whole = 0, blk_touched = 0, blk_whole = 0, nt_touched = 0;
+  for (int b = 0; b < mtiles; ++b) {
+    mt_touched += rows_mt[b] > 0;
+    mt_whole += rows_mt[b] == rows_in(b);
+    for (int t = 0; t < tiles; ++t) {
+      blk_touched += rows_blk[size_t(b) * tiles + t] > 0;
+      blk_whole += rows_blk[size_t(b) * tiles + t] == rows_in(b);
+    }
+  }
+  for (int t = 0; t < tiles; ++t) nt_touched += pairs_nt[t] > 0;
+  app(o, "partials:   %s: %lld (row, tile) pairs in %d rows; rows %d..%d, N-tiles %d..%d; in the last N-tile (%d) %lld, "
+      "interior %lld; M-tiles (row / 128) touched %d of %d, every row bad in %d; N-tiles touched %d of %d; output tiles "
+      "(128 x 192) touched %d, every row bad in %d\n",
+      what, (long long)n, rows, rmin, rmax, tmin, tmax, tiles - 1, (long long)in_last, (long long)(n - in_last),
+      mt_touched, mtiles, mt_whole, nt_touched, tiles, blk_touched, blk_whole);
+  app(o, "partials:   %s per M-tile (M-tile:bad rows/bad pairs):", what);
+  for (int b = 0; b < mtiles; ++b)
+    if (rows_mt[b]) app(o, " %d:%d/%lld", b, rows_mt[b], (long long)pairs_mt[b]);
+  app(o, "\n");
+  app(o, "partials:   %s per N-tile (N-tile:bad pairs; the first 24 of %d touched):", what, nt_touched);
+  for (int t = 0, shown = 0; t < tiles && shown < 24; ++t)
+    if (pairs_nt[t]) app(o, " %d:%lld", t, (long long)pairs_nt[t]), ++shown;
+  app(o, "\n");
+  app(o, "partials:   %s output tiles ((M-tile, N-tile):bad rows; the first 16 of %d touched, M-tile-major):", what,
+      blk_touched);
+  for (int b = 0, shown = 0; b < mtiles && shown < 16; ++b)
+    for (int t = 0; t < tiles && shown < 16; ++t)
+      if (rows_blk[size_t(b) * tiles + t]) app(o, " (%d,%d):%d", b, t, rows_blk[size_t(b) * tiles + t]), ++shown;
+  app(o, "\n");
+  return n;
+}
+
+/// The partials check's buffers and its report for one kernel variant.
+struct PartialsCheck {
+  PairBufs b{};
+  float *k1 = nullptr, *s1 = nullptr, *u1 = nullptr;  // the first run's partials, saved
+  float* rworst = nullptr;
+  unsigned* rcount = nullptr;
+  int* rlist = nullptr;
+  static constexpr int kGrid = 4096, kBlock = 256;
+
+  void alloc(size_t pairs) {
+    CK(cudaMalloc(&b.rl, pairs * 8));
+    CK(cudaMalloc(&b.ru, pairs * 8));
+    CK(cudaMalloc(&b.ra, pairs * 8));
+    CK(cudaMalloc(&b.rk, pairs * 4));
+    CK(cudaMalloc(&b.flags, pairs));
+    CK(cudaMalloc(&b.match, pairs * 4));
+    CK(cudaMalloc(&b.match_err, pairs * 4));
+    CK(cudaMalloc(&b.ratio, pairs * 4));
+    CK(cudaMalloc(&b.worst, 3 * 4));
+    CK(cudaMalloc(&k1, pairs * 4));
+    CK(cudaMalloc(&s1, pairs * 4));
+    CK(cudaMalloc(&u1, pairs * 4));
+    CK(cudaMalloc(&rworst, 4));
+    CK(cudaMalloc(&rcount, 4));
+    CK(cudaMalloc(&rlist, 8 * 4));
+  }
+
+  void reference(const float* Z, int M, int N, int tiles, cudaStream_t s) {
+    ref_tiles<<<kGrid, kBlock, 0, s>>>(Z, M, N, tiles, b.rl, b.ru, b.ra, b.rk);
+    CK(cudaGetLastError());
+  }
+
+  /// The reference's per-tile sums at the sampled rows against the float64 dot products.
+  void reference_f64(std::string& o, const double* z64, const int* rows, int nrows, int N, int tiles, cudaStream_t s) {
+    CK(cudaMemsetAsync(rworst, 0, 4, s));
+    CK(cudaMemsetAsync(rcount, 0, 4, s));
+    check_ref_tiles<<<kGrid, kBlock, 0, s>>>(z64, rows, nrows, N, tiles, b.rl, rworst, rcount, rlist);
+    CK(cudaStreamSynchronize(s));
+    CK(cudaGetLastError());
+    float w;
+    unsigned cnt;
+    int list[8];
+    CK(cudaMemcpy(&w, rworst, 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(&cnt, rcount, 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(list, rlist, sizeof list, cudaMemcpyDeviceToHost));
+    app(o, "partials:   the reference's ln sum_j e^z per (row, tile) at %d sampled rows x %d tiles against float64 dot "
+        "products of the operands: %u pairs > %.0e relative, worst %.2e",
+        nrows, tiles, cnt, kPartialTol, w);
+    for (unsigned i = 0; i < std::min(cnt, 8u); ++i) app(o, "%s(row %d, tile %d)", i ? " " : "; such pairs: ", list[i] / tiles, list[i] % tiles);
+    app(o, "\n");
+  }
+
+  /// One variant: the first run's partials (as left in k, s, u by the caller's run) checked and
+  /// summarized, then a second run (`run`) on sentinel-filled partials.
+  template <class Run>
+  void variant(std::string& o, const char* shape, const char* name, const char* config, Run run, const float* Z, int M,
+               int N, int tiles, float* k, float* s, float* u, const float* kexp_row, const __nv_bfloat16* E,
+               cudaStream_t st) {
+    const int64_t P = int64_t(M) * tiles;
+    std::vector<uint8_t> f(P);
+    float w[3];
+    auto check = [&](int search) {
+      CK(cudaMemsetAsync(b.worst, 0, 12, st));
+      check_partials<<<kGrid, kBlock, 0, st>>>(Z, M, N, tiles, k, s, u, kexp_row, E, b, search);
+      CK(cudaStreamSynchronize(st));
+      CK(cudaGetLastError());
+      CK(cudaMemcpy(f.data(), b.flags, P, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(w, b.worst, 12, cudaMemcpyDeviceToHost));
+    };
+    auto count = [&](uint8_t mask) {
+      int64_t n = 0;
+      for (int64_t p = 0; p < P; ++p) n += (f[p] & mask) != 0;
+      return n;
+    };
+    check(1);
+    app(o, "partials: %s %s (%s): %lld (row, tile) pairs against the float32 reference (S 2^k vs sum_j e^z relative; "
+        "U 2^k vs sum_j e^z z relative to sum_j e^z |z|; k vs %s; E vs 2^(z log2 e - k)%s): S > %.0e: %lld, U > %.0e: "
+        "%lld, k off by 1: %lld, k off by more: %lld, not finite: %lld, E > %.0e: %lld; bad: %lld; worst S %.2e, U "
+        "%.2e, E %.2e\n",
+        shape, name, config, (long long)P, kexp_row ? "the given row offset" : "ceil(tile max log2 e)",
+        E ? "" : ", not stored", kPartialTol, (long long)count(kBadS), kPartialTol, (long long)count(kBadU),
+        (long long)count(kOff1), (long long)count(kOffMore), (long long)count(kNonFinite), kETol,
+        (long long)count(kBadE), (long long)count(kPartialBad), w[0], w[1], w[2]);
+    const int64_t nbad = summarize(o, "bad pairs", f, kPartialBad, M, tiles);
+    if (nbad > 0) {
+      std::vector<int> match(P);
+      std::vector<float> merr(P), ratio(P);
+      CK(cudaMemcpy(match.data(), b.match, P * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(merr.data(), b.match_err, P * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(ratio.data(), b.ratio, P * 4, cudaMemcpyDeviceToHost));
+      std::vector<int64_t> bad;
+      bad.reserve(nbad);
+      for (int64_t p = 0; p < P; ++p)
+        if (f[p] & kPartialBad) bad.push_back(p);
+      // S 2^k over the reference, across the bad pairs.
+      std::vector<float> rb;
+      rb.reserve(bad.size());
+      for (int64_t p : bad) rb.push_back(ratio[p]);
+      std::sort(rb.begin(), rb.end());
+      app(o, "partials:   bad pairs' S 2^k / sum_j e^z: min %.6f, median %.6f, max %.6f\n", rb.front(),
+          rb[rb.size() / 2], rb.back());
+      // Another slot's reference matched (within kMatchTol): the partial landed in the wrong slot.
+      std::vector<std::pair<int64_t, int>> hist;
+      {
+        std::vector<int64_t> counts(2048 * 8, 0);
+        for (int64_t p : bad)
+          if (match[p] >= 0 && merr[p] <= kMatchTol) ++counts[match[p]];
+        for (int cde = 0; cde < 2048 * 8; ++cde)
+          if (counts[cde]) hist.push_back({counts[cde], cde});
+        std::sort(hist.rbegin(), hist.rend());
+      }
+      int64_t matched = 0;
+      for (auto& h : hist) matched += h.first;
+      app(o, "partials:   bad pairs matching another slot's reference within %.0e (S and U; candidates: N-tiles t-2..t+2 "
+          "of the rows of the same M-tile and of rows +-128, +-256): %lld of %lld; by offset (row, tile):count, the 8 "
+          "most frequent:",
+          kMatchTol, (long long)matched, (long long)nbad);
+      for (size_t i = 0; i < std::min<size_t>(hist.size(), 8); ++i)
+        app(o, " (%+d,%+d):%lld", hist[i].second / 8 - 1024, hist[i].second % 8 - kNearTiles / 2,
+            (long long)hist[i].first);
+      app(o, "\n");
+      // The first four bad pairs in row-major order, those at the quartiles and the last.
+      std::vector<int64_t> pick;
+      for (int64_t i : {int64_t(0), int64_t(1), int64_t(2), int64_t(3), nbad / 4, nbad / 2, 3 * nbad / 4, nbad - 1})
+        if (i < nbad && std::find(pick.begin(), pick.end(), i) == pick.end()) pick.push_back(i);
+      std::sort(pick.begin(), pick.end());
+      app(o, "partials:   %d bad pairs (in row-major order: the first four, those at the quartiles, the last):\n",
+          int(pick.size()));
+      for (int64_t i : pick) {
+        const int64_t p = bad[size_t(i)];
+        const int row = int(p / tiles), t = int(p % tiles);
+        const float kk = dev_at(k, p), ss = dev_at(s, p), uu = dev_at(u, p);
+        const double rl = dev_at(b.rl, p), ru = dev_at(b.ru, p), ra = dev_at(b.ra, p);
+        const float ke = kexp_row ? dev_at(kexp_row, int64_t(row)) : dev_at(b.rk, p);
+        double rel, se, ue;
+        pair_errors(kk, ss, uu, rl, ru, ra, rel, se, ue);
+        char fl[64] = "";
+        if (f[p] & kBadS) strcat(fl, " S");
+        if (f[p] & kBadU) strcat(fl, " U");
+        if (f[p] & kOff1) strcat(fl, " k+-1");
+        if (f[p] & kOffMore) strcat(fl, " k");
+        if (f[p] & kNonFinite) strcat(fl, " non-finite");
+        if (f[p] & kBadE) strcat(fl, " E");
+        app(o, "partials:     row %d (M-tile %d, row %d in it), N-tile %d%s: kernel k %g, S %.6e, U %.6e, ln(S 2^k) "
+            "%.7f, U/S %.6f; reference k %g, ln sum_j e^z %.7f, sum_j e^z z / sum_j e^z %.6f; S 2^k / reference "
+            "%.6f, U error %.2e; flags:%s; nearest other slot (row %+d, tile %+d): error %.2e%s\n",
+            row, row / 128, row % 128, t, t == tiles - 1 ? " (last)" : "", kk, ss, uu,
+            log(double(ss)) + double(kk) * 0.69314718055994531, double(uu) / double(ss), ke, rl, ru, 1.0 + rel, ue,
+            fl, match[p] >= 0 ? match[p] / 8 - 1024 : 0, match[p] >= 0 ? match[p] % 8 - kNearTiles / 2 : 0,
+            merr[p], match[p] >= 0 && merr[p] <= kMatchTol ? " (matches)" : "");
+      }
+    }
+    if (count(kBadE) > 0) summarize(o, "E > 1e-2", f, kBadE, M, tiles);
+    // The second run: partials filled with the NaN sentinel first.
+    CK(cudaMemcpyAsync(k1, k, P * 4, cudaMemcpyDeviceToDevice, st));
+    CK(cudaMemcpyAsync(s1, s, P * 4, cudaMemcpyDeviceToDevice, st));
+    CK(cudaMemcpyAsync(u1, u, P * 4, cudaMemcpyDeviceToDevice, st));
+    CK(cudaMemsetAsync(k, 0xff, P * 4, st));
+    CK(cudaMemsetAsync(s, 0xff, P * 4, st));
+    CK(cudaMemsetAsync(u, 0xff, P * 4, st));
+    run();
+    check(0);
+    diff_partials<<<kGrid, kBlock, 0, st>>>(k, s, u, k1, s1, u1, P, b.flags);
+    CK(cudaStreamSynchronize(st));
+    CK(cudaGetLastError());
+    CK(cudaMemcpy(f.data(), b.flags, P, cudaMemcpyDeviceToHost));
+    app(o, "partials: %s %s, second run on partials filled with a NaN sentinel: unwritten %lld, written but bitwise not "
+        "the first run's %lld, bad %lld (unwritten ones included), E > %.0e %lld; worst S %.2e, U %.2e, E %.2e\n",
+        shape, name, (long long)count(kUnwritten), (long long)count(kDiffers), (long long)count(kPartialBad), kETol,
+        (long long)count(kBadE), w[0], w[1], w[2]);
+    summarize(o, "unwritten", f, kUnwritten, M, tiles);
+    summarize(o, "differing from the first run", f, kDiffers, M, tiles);
+    // The first run's partials back, so that what runs next finds them as it would without this
+    // check (a slot the next kernel leaves unwritten keeps what it held).
+    CK(cudaMemcpyAsync(k, k1, P * 4, cudaMemcpyDeviceToDevice, st));
+    CK(cudaMemcpyAsync(s, s1, P * 4, cudaMemcpyDeviceToDevice, st));
+    CK(cudaMemcpyAsync(u, u1, P * 4, cudaMemcpyDeviceToDevice, st));
+    CK(cudaStreamSynchronize(st));
+  }
+};
+
 template <class F>
 float time_it(F f, cudaStream_t s, int reps = 15) {
   cudaEvent_t a, b;
@@ -602,6 +1100,7 @@ float time_it(F f, cudaStream_t s, int reps = 15) {
 }
 
 /// cuBLASLt: row-major D (M x N) = A (M x K, row-major) W^T (W: N x K row-major); D's type dt.
+/// Untimed: 0, or -1 where no algorithm was found, -2 where the product failed.
 struct Lt {
   cublasLtHandle_t h;
   Lt() { cublasLtCreate(&h); }
@@ -625,7 +1124,10 @@ struct Lt {
     if (found == 0) return -1;
     float alpha = 1, beta = 0;
     auto f = [&] { cublasLtMatmul(h, op, &alpha, W, la, A, lb, &beta, D, ld, D, ld, &r.algo, ws, wsb, s); };
-    return timed ? time_it(f, s) : (f(), 0.0f);
+    if (!timed)  // -2: the product failed (the reference's product is reported by the partials check)
+      return cublasLtMatmul(h, op, &alpha, W, la, A, lb, &beta, D, ld, D, ld, &r.algo, ws, wsb, s) ==
+                     CUBLAS_STATUS_SUCCESS ? 0.0f : -2.0f;
+    return time_it(f, s);
   }
 };
 
@@ -670,8 +1172,12 @@ int main() {
   };
   const std::vector<Case> cases = {{4096, 4096, 128256}, {8192, 4096, 128256}, {8192, 4096, 151936},
                                    {4096, 2304, 256000}, {1000, 512, 5002}};
+  // TMA addresses rows whose pitch is a multiple of 16 bytes: A's and W's (K bf16 values) and the
+  // plain kernels' logits (N); other shapes are skipped.
+  auto tma_rows_ok = [](Case c) { return (int64_t(c.K) * 2) % 16 == 0 && (int64_t(c.N) * 2) % 16 == 0; };
   size_t max_mn = 0, max_nk = 0, max_mk = 0, max_m = 0, max_mt = 0;
   for (auto c : cases) {
+    if (!tma_rows_ok(c)) continue;
     max_mn = std::max(max_mn, size_t(c.M) * c.N);
     max_nk = std::max(max_nk, size_t(c.N) * c.K);
     max_mk = std::max(max_mk, size_t(c.M) * c.K);
@@ -702,7 +1208,10 @@ int main() {
   int* sample_rows;
   double* z64;
   size_t max_n = 0;
-  for (auto c : cases) max_n = std::max(max_n, size_t(c.N));
+  for (auto c : cases)
+    if (tma_rows_ok(c)) max_n = std::max(max_n, size_t(c.N));
+  PartialsCheck pc;
+  pc.alloc(max_mt);
   CK(cudaMalloc(&sample_rows, kSample * 4));
   CK(cudaMalloc(&z64, kSample * max_n * 8));
   fill_random<<<1024, 256>>>(A, max_mk, 1.7f, 1);
@@ -712,6 +1221,12 @@ int main() {
   Lt lt;
   std::printf("| M x K x N | full: E rel err, lse, entropy, target abs err | staged: the same | staged, row offset given: the same | cuBLASLt ms | CUTLASS coop 256x192 plain | ping-pong 128x192 plain (TMA epilogue) | ping-pong, hand epilogue: plain stores | exp, statistics, no E store | full | full, E staged | staged, row offset given | merge + target dot | best full / cuBLASLt | best full / ping-pong plain | row offset given / cuBLASLt |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (auto c : cases) {
+    if (!tma_rows_ok(c)) {
+      std::printf("| %d x %d x %d | skipped: rows of %d bytes are not 16-byte aligned for TMA |\n", c.M, c.K, c.N,
+                  (int64_t(c.N) * 2) % 16 != 0 ? c.N * 2 : c.K * 2);
+      std::fflush(stdout);
+      continue;
+    }
     const int tiles = (c.N + 191) / 192;
     fill_targets<<<(c.M + 255) / 256, 256, 0, s>>>(tgt, c.M, c.N, 7);
     ScaledExpOut out{reinterpret_cast<__nv_bfloat16*>(D), c.N, kp, sp, up, tiles, tgt, tl};
@@ -741,7 +1256,25 @@ int main() {
     };
     // Each full kernel's E and statistics against float64 (worst E relative error, lse, entropy
     // and target-logit absolute errors); -1: it did not run.
-    lt.run(c.M, c.N, c.K, A, W, Z, CUDA_R_32F, ws + 6 * wsb, wsb, s, false);
+    const float lt_ref = lt.run(c.M, c.N, c.K, A, W, Z, CUDA_R_32F, ws + 6 * wsb, wsb, s, false);
+    // The partials check's reference per (row, tile), from Z; its lines are printed after the
+    // shape's others.
+    pc.reference(Z, c.M, c.N, tiles, s);
+    char shape[64];
+    snprintf(shape, sizeof shape, "%d x %d x %d", c.M, c.K, c.N);
+    std::string pout;
+    app(pout, "partials: %s: %d N-tiles of %d (the last %d columns), %d M-tiles of 128 rows; the cuBLASLt float32 "
+        "reference product: %s\n",
+        shape, tiles, kTileN, c.N - (tiles - 1) * kTileN, (c.M + 127) / 128,
+        lt_ref == 0.0f ? "ran" : lt_ref == -1.0f ? "no algorithm found (Z is stale)" : "failed (Z is stale)");
+    auto diag = [&](auto& cand, const char* name, const float* kexp_row, const __nv_bfloat16* E) {
+      if (!cand.ok) {
+        app(pout, "partials: %s %s: did not run\n", shape, name);
+        return;
+      }
+      pc.variant(pout, shape, name, cand.config(), [&] { cand.r.run(s); }, Z, c.M, c.N, tiles, kp, sp, up, kexp_row, E,
+                 s);
+    };
     auto check = [&](auto& cand, float* werr) {
       for (int i = 0; i < 4; ++i) werr[i] = -1;
       if (!cand.ok) return;
@@ -769,10 +1302,20 @@ int main() {
       CK(cudaStreamSynchronize(s));
       CK(cudaGetLastError());
       CK(cudaMemcpy(w64, worst, 12, cudaMemcpyDeviceToHost));
+      pc.reference_f64(pout, z64, sample_rows, kSample, c.N, tiles, s);
+    } else {
+      app(pout, "partials:   the reference per (row, tile) not checked against float64 dot products (full did not run)\n");
     }
+    // Each variant's partials as its check above left them (full's: still in kp / sp / up), then a
+    // second run; no E store: one run made here, then the second.
+    diag(full, "full", nullptr, reinterpret_cast<const __nv_bfloat16*>(D));
     check(staged, werr_st);
+    diag(staged, "staged", nullptr, reinterpret_cast<const __nv_bfloat16*>(D));
     float werr_sh[4];
     check(shifted, werr_sh);
+    diag(shifted, "staged, row offset given", shiftbuf, reinterpret_cast<const __nv_bfloat16*>(D));
+    if (nostore.ok) nostore.r.run(s);
+    diag(nostore, "no E store", nullptr, nullptr);
     std::vector<float> t_lt, t_co, t_pp, t_hand, t_ns, t_full, t_st, t_sh, t_mg;
     for (int round = 0; round < 3; ++round) {
       t_lt.push_back(lt.run(c.M, c.N, c.K, A, W, D, CUDA_R_16BF, ws + 6 * wsb, wsb, s, true));
@@ -796,6 +1339,7 @@ int main() {
                 sh / a);
     std::printf("|   %d x %d x %d, %d rows against float64 dot products | full: lse %.2e, entropy %.2e | cuBLASLt float32 reference: lse %.2e |\n",
                 c.M, c.K, c.N, kSample, w64[0], w64[2], w64[1]);
+    std::fputs(pout.c_str(), stdout);
     std::fflush(stdout);
   }
   return 0;
