@@ -35,7 +35,8 @@
 # background meanwhile, or comes built with TORCH_PREBUILT (a tarball of a build directory made
 # against the machine's torch). The CUDA tests' heaviest shard (the cross-entropy stream tests,
 # bound by their CPU references) takes 160 to 250 s depending on the host, so each gtest shard
-# gets TEST_TIMEOUT seconds (default 420); where one call cannot hold all three steps, split it:
+# gets TEST_TIMEOUT seconds (default 420), and that binary runs in 8 shards (GTEST_SHARDS); where
+# one call cannot hold all three steps, split it:
 # STEPS="tests sanitizer", then STEPS=python.
 # The record: every run writes gpu_check.txt (to $OUT and to bench/h200/gpu_check.txt): its first
 # line `commit <full sha>` ($GPU_CHECK_COMMIT, else git's HEAD: the device machine's copy of the
@@ -152,19 +153,29 @@ if (want python || want peers || want report || want demo || want shard) && pyth
 fi
 
 if want tests && [ -n "${PREBUILT:-}" ]; then
-step "tests (prebuilt gtest binaries, 4 shards each, filter ${GTEST_FILTER:-*cuda*:*Cuda*})"
+# Shards per binary: fusedce_cuda_tests holds the CPU-reference-bound cross-entropy stream tests
+# (the call's longest shard at 4), so it gets 8; 20 processes on the 16 cores in all.
+# GTEST_SHARDS ("binary=count ...") overrides a binary's count.
+shards_of() {
+  local name=$1 n=4 kv
+  [ "$name" = fusedce_cuda_tests ] && n=8
+  for kv in ${GTEST_SHARDS:-}; do [ "${kv%%=*}" = "$name" ] && n=${kv#*=}; done
+  echo "$n"
+}
+step "tests (prebuilt gtest binaries in shards, filter ${GTEST_FILTER:-*cuda*:*Cuda*})"
 pids=()
 for t in "$build"/tests/cpp/fusedce_*tests; do
-  for i in 0 1 2 3; do
+  n=$(shards_of "$(basename "$t")")
+  for ((i = 0; i < n; ++i)); do
     # A hung kernel must not eat the whole call: each shard gets TEST_TIMEOUT seconds.
-    GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$i timeout -k 5 "${TEST_TIMEOUT:-420}" "$t" --gtest_filter="${GTEST_FILTER:-*cuda*:*Cuda*}" \
-      > "$out/gtest_$(basename "$t")_$i.log" 2>&1 &
+    GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i timeout -k 5 "${TEST_TIMEOUT:-420}" "$t" --gtest_filter="${GTEST_FILTER:-*cuda*:*Cuda*}" \
+      > "$out/gtest_$(basename "$t")_shard$i.log" 2>&1 &
     pids+=($!)
   done
 done
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-note "gtest (${GTEST_FILTER:-*cuda*:*Cuda*}): $(gtest_counts "$out"/gtest_*_[0-3].log)"
-cat "$out"/gtest_*.log > "$out/gtest.log" && rm -f "$out"/gtest_*_[0-3].log
+note "gtest (${GTEST_FILTER:-*cuda*:*Cuda*}): $(gtest_counts "$out"/gtest_*_shard*.log)"
+cat "$out"/gtest_*_shard*.log > "$out/gtest.log" && rm -f "$out"/gtest_*_shard*.log
 grep -hE "^\[  (PASSED|FAILED)  \]|tests? ran" "$out/gtest.log" | sort | uniq -c
 grep -hE "^\[  FAILED  \].*\(" "$out/gtest.log" | head -30
 grep -hE "^\[  FAILED  \].*\(" "$out/gtest.log" | sed 's/, where GetParam().*//; s/ ([0-9]* ms)$//' | sort -u | head -20 \
