@@ -21,7 +21,9 @@ per-token log-probabilities. Three parts, each its own CSV:
           through TRL's fused head with entropy and is_top1 for its metrics) and its backward,
           against the model's own loss (model(input_ids, labels=...).loss, what SFT's "nll"
           equals) with fusedce.transformers.apply() (and with metrics=True, which also counts
-          the entropy and argmax hits SFTTrainer logs), and with plain transformers.
+          the entropy and argmax hits SFTTrainer logs; low_memory=True, the fused loss's extra
+          memory within 512 MiB; skip_ignored=True, its products over the labelled positions
+          only), and with plain transformers.
 
 Run on a GPU from the repository root (the carried wheels installed to /tmp/site first):
 
@@ -422,10 +424,15 @@ def sft_part(a):
     inputs = sft_inputs(a, device)
     num_items = (inputs["labels"][:, 1:] != -100).sum()
 
+    # each fusedce variant's apply() options (memory against time: the same loss)
+    applied = {"fusedce.transformers.apply()": {}, "fusedce.transformers.apply(metrics=True)": {"metrics": True},
+               "fusedce.transformers.apply(low_memory=True)": {"low_memory": True},
+               "fusedce.transformers.apply(skip_ignored=True)": {"skip_ignored": True}}
+
     def prepare(variant):
         fused_tf.revert()
         if variant.startswith("fusedce.transformers"):
-            fused_tf.apply(metrics=variant.endswith("metrics=True)"))
+            fused_tf.apply(**applied[variant])
 
         note = None
         if variant.startswith("fusedce.transformers"):
@@ -445,8 +452,7 @@ def sft_part(a):
             return loss.detach(), _grads_of(policy)
         return run, note
 
-    variants = ["trl", "fusedce.transformers.apply()", "fusedce.transformers.apply(metrics=True)",
-                "transformers (logits)"]
+    variants = ["trl", *applied, "transformers (logits)"]
     try:
         rows = step_rows("sft", variants, prepare, policy, a, device)
     finally:

@@ -164,6 +164,45 @@ def test_loss_and_gradients_match(applied, spy, family):
     assert_same_training_signal(ours, theirs)
 
 
+def test_apply_passes_its_memory_options_to_every_fused_loss(monkeypatch):
+    # apply()'s chunk_budget_bytes, low_memory and skip_ignored reach every fused linear loss
+    # call, and revert() forgets them; loss and gradients stay transformers' own (a budget of a
+    # few rows forces several chunks; the second sequence's padding gives skip_ignored rows).
+    names = ("chunk_budget_bytes", "low_memory", "skip_ignored")
+    seen = []
+    real = fct.linear_cross_entropy
+
+    def recording(*args, **kwargs):
+        seen.append({k: kwargs.get(k) for k in names})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fct, "linear_cross_entropy", recording)
+    model = tiny_model("llama", seed=4)
+    data = [batch(2, 16, seed=7, pad_from=[16, 5])]
+    theirs = loss_and_grads(model, data)
+    options = dict(chunk_budget_bytes=3 * VOCAB * 4, low_memory=True, skip_ignored=True)
+    fct.apply(**options)
+    try:
+        ours = loss_and_grads(model, data)
+    finally:
+        fct.revert()
+    assert seen == [options]
+    assert_same_training_signal(ours, theirs)
+    fct.apply()
+    try:
+        loss_and_grads(model, data)
+    finally:
+        fct.revert()
+    assert seen[-1] == dict(chunk_budget_bytes=None, low_memory=False, skip_ignored=False)
+
+
+@pytest.mark.parametrize("budget", [0, -1, 1.5, True, 2**63])
+def test_apply_refuses_a_bad_chunk_budget(budget):
+    with pytest.raises(ValueError, match="fusedce.transformers.apply: chunk_budget_bytes"):
+        fct.apply(chunk_budget_bytes=budget)
+    assert not fct.is_applied()
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_gradient_accumulation_with_num_items_in_batch(applied, spy, family):
     # Two micro-batches with different numbers of real tokens, normalised by the count over both,

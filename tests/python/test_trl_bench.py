@@ -55,6 +55,10 @@ def test_smoke_run_on_the_cpu(tmp_path):
     assert float(grpo[1]["grad_maxrel_vs_first"]) < 1e-4, grpo[1]
 
     sft = _rows(tmp_path / "sft_step_trl.csv")
+    assert [r["variant"] for r in sft] == ["trl", "fusedce.transformers.apply()",
+                                           "fusedce.transformers.apply(metrics=True)",
+                                           "fusedce.transformers.apply(low_memory=True)",
+                                           "fusedce.transformers.apply(skip_ignored=True)", "transformers (logits)"]
     assert all(r["status"] == "ok" for r in sft), sft
     for r in sft[1:]:
         assert float(r["loss_absdiff_vs_first"]) < 1e-5 * max(1.0, float(sft[0]["loss"])), r

@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from .._options import LinearOptions
 from . import _settings
 from ._call import _fusable_head, _unwrap_call, _wrap_call
 from ._loss import TokenCrossEntropyLoss, causal_lm_loss
@@ -32,23 +33,34 @@ def _swap(old, new):
                 setattr(module, "ForCausalLMLoss", new)
 
 
-def apply(fused_linear=True, metrics=False):
+def apply(fused_linear=True, metrics=False, *, chunk_budget_bytes=None, low_memory=False, skip_ignored=False):
     """Route every causal-LM training loss of transformers through fusedce (idempotent; calling
     it again with other arguments switches). With ``fused_linear`` the loss of a call with
     labels and gradients comes from fused linear cross-entropy and the logits are never made
     (the package's docstring); without it, from fusedce.cross_entropy over the logits. Models that
     compute their own cross-entropy get TokenCrossEntropyLoss in either case. With
     ``metrics``, every such loss computed with gradients enabled also adds its token metrics to
-    the sums that :func:`token_metrics` and :class:`MetricsCallback` read."""
+    the sums that :func:`token_metrics` and :class:`MetricsCallback` read.
+
+    ``chunk_budget_bytes``, ``low_memory`` and ``skip_ignored`` go to every fused linear loss
+    (fusedce.linear_cross_entropy's options of the same names: the scratch memory of its logit
+    chunks, the bound of 512 MiB of extra memory at the cost of recomputation, and the products
+    over the positions whose label is not ignored only); they change memory and time, not the
+    loss beyond float rounding."""
     from transformers import PreTrainedModel
     from transformers.loss import loss_utils
 
+    # checked here, so that a bad value fails at apply() rather than inside a training step
+    LinearOptions.checked("fusedce.transformers.apply", torch.empty(0), chunk_budget_bytes=chunk_budget_bytes)
     if _settings.original is None:
         _settings.original = loss_utils.ForCausalLMLoss
         _swap(_settings.original, causal_lm_loss)
         _serve_own_cross_entropy(PreTrainedModel)
     _settings.fused_linear = bool(fused_linear)
     _settings.metrics = bool(metrics)
+    _settings.chunk_budget_bytes = chunk_budget_bytes
+    _settings.low_memory = bool(low_memory)
+    _settings.skip_ignored = bool(skip_ignored)
     # The wrapped call arms lm_head (fused_linear) and tells whose call a loss belongs to
     # (metrics); with neither, PreTrainedModel stays as transformers defines it.
     if _settings.fused_linear or _settings.metrics:
@@ -70,6 +82,9 @@ def revert():
     _leave_own_cross_entropy(PreTrainedModel)
     _settings.fused_linear = False
     _settings.metrics = False
+    _settings.chunk_budget_bytes = None
+    _settings.low_memory = False
+    _settings.skip_ignored = False
     _swap(causal_lm_loss, _settings.original)
     _settings.original = None
 

@@ -67,7 +67,8 @@ def _head_loss(head, hidden, target, shift, ignore_index, num_items, logit_scale
     loss = linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index,
                                 reduction="mean" if num_items is None else "sum",
                                 logit_scale=logit_scale, softcap=softcap, shift=shift,
-                                return_metrics=_settings.metrics)
+                                return_metrics=_settings.metrics, chunk_budget_bytes=_settings.chunk_budget_bytes,
+                                low_memory=_settings.low_memory, skip_ignored=_settings.skip_ignored)
     metrics = None
     if _settings.metrics:
         loss, values = loss

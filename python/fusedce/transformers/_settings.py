@@ -5,3 +5,7 @@ its value of the import)."""
 original = None  # transformers' ForCausalLMLoss while applied
 fused_linear = False  # apply(fused_linear=...)
 metrics = False  # apply(metrics=...)
+# apply()'s options of the fused linear loss, handed to every linear_cross_entropy call it makes
+chunk_budget_bytes = None
+low_memory = False
+skip_ignored = False
