@@ -36,8 +36,8 @@
 # against the machine's torch). The CUDA tests' heaviest shard (the cross-entropy stream tests,
 # bound by their CPU references) takes 160 to 250 s depending on the host, so each gtest shard
 # gets TEST_TIMEOUT seconds (default 420), and that binary runs in 8 shards (GTEST_SHARDS); where
-# one call cannot hold all three steps, split it:
-# STEPS="tests sanitizer", then STEPS=python.
+# one call cannot hold all three steps, split it: STEPS="tests sanitizer", then copy that call's
+# gpu_check.txt to bench/h200/ and run STEPS=python with GPU_CHECK_APPEND=1 (one record of both).
 # The record: every run writes gpu_check.txt (to $OUT and to bench/h200/gpu_check.txt): its first
 # line `commit <full sha>` ($GPU_CHECK_COMMIT, else git's HEAD: the device machine's copy of the
 # tree may carry a .git of another commit), then the date, the GPU, the steps and each one's pass / fail
@@ -82,10 +82,24 @@ else
   tree="as committed"
   [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && tree="changed from the commit"
 fi
+# GPU_CHECK_APPEND=1 continues the record of an earlier call for the same commit (a check split
+# over two device calls): when bench/h200/gpu_check.txt, as carried, begins with this commit's
+# line, its lines (with that part's status) come first and this run's follow, so that one file
+# holds every step. Otherwise the record starts anew.
+prior=
+if [ -n "${GPU_CHECK_APPEND:-}" ] && [ -f bench/h200/gpu_check.txt ] \
+  && [ "$(head -1 bench/h200/gpu_check.txt)" = "commit $commit" ]; then
+  prior=$(cat bench/h200/gpu_check.txt)
+fi
 {
-  echo "commit $commit"
-  echo "tree $tree"
-  echo "date $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  if [ -n "$prior" ]; then
+    echo "$prior"
+    echo "continued $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  else
+    echo "commit $commit"
+    echo "tree $tree"
+    echo "date $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  fi
   echo "gpu $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
   echo "nvcc $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' | head -1)"
   echo "binaries $([ -n "${PREBUILT:-}" ] && echo "prebuilt ($PREBUILT)" || echo "built here")"
