@@ -73,6 +73,28 @@ using Epi = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RM, 4, float, RM, 4,
     cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
 
+cutlass::KernelHardwareInfo hw_info() {
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = 0;
+  hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
+  return hw;
+}
+
+/// The float32 row-major D (M x N) of either kernel's epilogue, no C.
+template <class GK>
+typename GK::EpilogueArguments epilogue_args(int M, int N, float* d) {
+  return {{1.0f, 0.0f}, nullptr, with_ld<typename GK::StrideC>(N, int64_t(M) * N), d,
+          with_ld<typename GK::StrideD>(N, int64_t(M) * N)};
+}
+
+/// Checks the arguments and the workspace and initializes `gemm` for them.
+template <class Gemm>
+bool prepare(Gemm& gemm, const typename Gemm::Arguments& args, void* ws, size_t wsb, cudaStream_t s) {
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
+  if (Gemm::get_workspace_size(args) > wsb) return false;
+  return gemm.initialize(args, ws, s) == cutlass::Status::kSuccess;
+}
+
 // The scaled product: A = (E, F) K-major, B = W MN-major.
 struct Scaled {
   using StrideA = cutlass::detail::TagToStrideA_t<RM>;
@@ -98,22 +120,15 @@ struct Scaled {
   // row index fastest, W (K x N) row-major.
   bool init(int M, int N, int K, const bf16* e, const bf16* f, const bf16* w, float* d, void* ws, size_t wsb,
             cudaStream_t s) {
-    cutlass::KernelHardwareInfo hw;
-    hw.device_id = 0;
-    hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
     const int groups = (K + kGroup - 1) / kGroup;
     typename Main::StrideScale ds = make_stride(_1{}, int64_t(M), int64_t(M) * groups);
-    typename Gemm::Arguments args{
-        cutlass::gemm::GemmUniversalMode::kGemm,
-        {M, N, K, 1},
-        {e, with_ld<StrideA>(K, int64_t(M) * K), w,
-         with_ld<StrideB>(N, int64_t(K) * N), f, ds, kGroup},
-        {{1.0f, 0.0f}, nullptr, with_ld<typename GK::StrideC>(N, int64_t(M) * N), d,
-         with_ld<typename GK::StrideD>(N, int64_t(M) * N)},
-        hw};
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
-    if (Gemm::get_workspace_size(args) > wsb) return false;
-    return gemm.initialize(args, ws, s) == cutlass::Status::kSuccess;
+    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                  {M, N, K, 1},
+                                  {e, with_ld<StrideA>(K, int64_t(M) * K), w, with_ld<StrideB>(N, int64_t(K) * N), f,
+                                   ds, kGroup},
+                                  epilogue_args<GK>(M, N, d),
+                                  hw_info()};
+    return prepare(gemm, args, ws, wsb, s);
   }
   bool run(cudaStream_t s) { return gemm.run(s) == cutlass::Status::kSuccess; }
 };
@@ -129,20 +144,13 @@ struct Plain {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GK>;
   Gemm gemm;
   bool init(int M, int N, int K, const bf16* a, const bf16* w, float* d, void* ws, size_t wsb, cudaStream_t s) {
-    cutlass::KernelHardwareInfo hw;
-    hw.device_id = 0;
-    hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
-    typename Gemm::Arguments args{
-        cutlass::gemm::GemmUniversalMode::kGemm,
-        {M, N, K, 1},
-        {a, with_ld<typename GK::StrideA>(K, int64_t(M) * K), w,
-         with_ld<typename GK::StrideB>(N, int64_t(K) * N)},
-        {{1.0f, 0.0f}, nullptr, with_ld<typename GK::StrideC>(N, int64_t(M) * N), d,
-         with_ld<typename GK::StrideD>(N, int64_t(M) * N)},
-        hw};
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
-    if (Gemm::get_workspace_size(args) > wsb) return false;
-    return gemm.initialize(args, ws, s) == cutlass::Status::kSuccess;
+    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                  {M, N, K, 1},
+                                  {a, with_ld<typename GK::StrideA>(K, int64_t(M) * K), w,
+                                   with_ld<typename GK::StrideB>(N, int64_t(K) * N)},
+                                  epilogue_args<GK>(M, N, d),
+                                  hw_info()};
+    return prepare(gemm, args, ws, wsb, s);
   }
   bool run(cudaStream_t s) { return gemm.run(s) == cutlass::Status::kSuccess; }
 };
