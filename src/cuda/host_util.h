@@ -39,6 +39,22 @@ Status with_workspace(size_t bytes, cudaStream_t stream, Body&& body) {
   return s;
 }
 
+/// Runs body(workspace) on the caller's workspace `given` when it has one, else on
+/// stream-ordered scratch (with_workspace). A given workspace under `bytes` is
+/// kWorkspaceTooSmall, naming the size to ask for and `size_fn`, the function that reports it.
+template <class Body>
+Status with_call_workspace(const Workspace& given, size_t bytes, const char* size_fn, cudaStream_t stream,
+                           Body&& body) {
+  char* ws = static_cast<char*>(given.data);
+  if (ws == nullptr) return with_workspace(bytes, stream, body);
+  if (given.bytes < bytes) {
+    std::ostringstream os;
+    os << "workspace has " << given.bytes << " bytes, this call needs " << bytes << " (ask " << size_fn << ")";
+    return Status(StatusCode::kWorkspaceTooSmall, os.str());
+  }
+  return body(ws);
+}
+
 /// Makes device.index current for the call and restores the caller's device after.
 class DeviceGuard {
  public:

@@ -545,20 +545,6 @@ Status shard_reduce(const detail::DistillCall& c, cudaStream_t stream) {
   });
 }
 
-/// body(ws) over the caller's workspace (kWorkspaceTooSmall when it is), or stream-ordered scratch
-/// without one.
-template <class Body>
-Status with_call_workspace(const detail::DistillCall& call, const Plan& plan, cudaStream_t stream, Body&& body) {
-  char* ws = static_cast<char*>(call.workspace.data);
-  if (ws == nullptr) return with_workspace(plan.total, stream, body);
-  if (call.workspace.bytes < plan.total) {
-    return Status(StatusCode::kWorkspaceTooSmall, "workspace has " + std::to_string(call.workspace.bytes) +
-                                                      " bytes, the call needs " + std::to_string(plan.total) +
-                                                      " (ask linear_distill_workspace_size)");
-  }
-  return body(ws);
-}
-
 }  // namespace
 
 size_t distill_workspace_size(const detail::DistillCall& call) { return plan_of(call).total; }
@@ -569,7 +555,7 @@ Status run_distill(const detail::DistillCall& call) {
   (void)cudaGetLastError();  // an earlier, unrelated error must not be reported as ours
   const Plan plan = plan_of(call);
   cudaStream_t stream = static_cast<cudaStream_t>(call.device.stream);
-  return with_call_workspace(call, plan, stream, [&](char* ws) {
+  return with_call_workspace(call.workspace, plan.total, "linear_distill_workspace_size", stream, [&](char* ws) {
     Run run(call, plan, ws);
     return call.fused ? run.forward_backward() : call.backward ? run.backward() : run.forward();
   });
@@ -590,7 +576,7 @@ Status run_distill_shard(const detail::DistillCall& call) {
   }
   FUSEDCE_TRY(check_head_biases(call));
   const Plan plan = plan_of(call);
-  return with_call_workspace(call, plan, stream, [&](char* ws) {
+  return with_call_workspace(call.workspace, plan.total, "linear_distill_workspace_size", stream, [&](char* ws) {
     Run run(call, plan, ws);
     switch (call.shard_step) {
       case detail::ShardStep::kStats:

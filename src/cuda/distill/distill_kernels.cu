@@ -30,7 +30,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kW = kDistillStatsWidth;
-// Columns a thread takes at once (16 bytes of a 16-bit type, 32 of float32; see row_visit).
+// Columns a thread takes at once (16 bytes of a 16-bit type, 32 of float32; see row_chunks).
 constexpr int kGroup = 8;
 // TRL's tail bucket (as the CPU backend): the K entries' log-sum is clamped to at most this.
 constexpr double kTailMaxLogSum = -1e-7;
@@ -222,11 +222,12 @@ __device__ __forceinline__ void store_group(T* p, const float (&v)[kGroup]) {
   }
 }
 
-/// f(j, xs[j], xt[j]) (as float) over this thread's columns j of a row of V, xt read when kTwo
-/// (else f gets 0 for it). With kWrite, xs[j] becomes f's value (each column read before it is
-/// written, by the same thread).
+/// f(j0, a, b, n) over this thread's columns of a row of V: a the student's values of n
+/// consecutive columns from column j0 (n = kGroup, or 1 for a tail column, whose other entries
+/// are not read), b the teacher's (kTwo; else zeros). With kWrite, a's n values as f leaves them
+/// are stored back over xs (each column read before it is written, by the same thread).
 template <bool kTwo, bool kWrite, typename S, typename T, typename F>
-__device__ __forceinline__ void row_visit(S* xs, const T* xt, int64_t V, F&& f) {
+__device__ __forceinline__ void row_chunks(S* xs, const T* xt, int64_t V, F&& f) {
   int64_t tail = 0;
   if (aligned16(xs) && (!kTwo || aligned16(xt))) {
     const int64_t groups = V / kGroup;
@@ -234,8 +235,7 @@ __device__ __forceinline__ void row_visit(S* xs, const T* xt, int64_t V, F&& f) 
       float a[kGroup], b[kGroup] = {};
       unpack_group(gs, a);
       if (kTwo) unpack_group(gt, b);
-#pragma unroll
-      for (int e = 0; e < kGroup; ++e) a[e] = f(g * kGroup + e, a[e], b[e]);
+      f(g * kGroup, a, b, kGroup);
       if (kWrite) store_group(xs + g * kGroup, a);
     };
     int64_t g = threadIdx.x;
@@ -260,52 +260,31 @@ __device__ __forceinline__ void row_visit(S* xs, const T* xt, int64_t V, F&& f) 
     tail = groups * kGroup;
   }
   for (int64_t j = tail + threadIdx.x; j < V; j += kThreads) {
-    const float v = f(j, Elem<S>::to_float(xs[j]), kTwo ? Elem<T>::to_float(xt[j]) : 0.0f);
-    if (kWrite) xs[j] = Elem<S>::from_float(v);
-  }
-}
-
-/// f(a, b, n) over this thread's columns of a row of V, in row_visit's order: a the student's
-/// values of n consecutive columns (n = kGroup, or 1 for a tail column, whose other entries are
-/// not read) and b the teacher's (kTwo; else zeros).
-template <bool kTwo, typename S, typename T, typename F>
-__device__ __forceinline__ void row_groups(const S* xs, const T* xt, int64_t V, F&& f) {
-  int64_t tail = 0;
-  if (aligned16(xs) && (!kTwo || aligned16(xt))) {
-    const int64_t groups = V / kGroup;
-    auto visit = [&](const Group<S>& gs, const Group<T>& gt) {
-      float a[kGroup], b[kGroup] = {};
-      unpack_group(gs, a);
-      if (kTwo) unpack_group(gt, b);
-      f(a, b, kGroup);
-    };
-    int64_t g = threadIdx.x;
-    for (; g + (kUnroll - 1) * kThreads < groups; g += kUnroll * kThreads) {
-      Group<S> gs[kUnroll];
-      Group<T> gt[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        load_group(xs + (g + u * kThreads) * kGroup, gs[u]);
-        if (kTwo) load_group(xt + (g + u * kThreads) * kGroup, gt[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) visit(gs[u], gt[u]);
-    }
-    for (; g < groups; g += kThreads) {
-      Group<S> gs;
-      Group<T> gt;
-      load_group(xs + g * kGroup, gs);
-      if (kTwo) load_group(xt + g * kGroup, gt);
-      visit(gs, gt);
-    }
-    tail = groups * kGroup;
-  }
-  for (int64_t j = tail + threadIdx.x; j < V; j += kThreads) {
     float a[kGroup] = {}, b[kGroup] = {};
     a[0] = Elem<S>::to_float(xs[j]);
     if (kTwo) b[0] = Elem<T>::to_float(xt[j]);
-    f(a, b, 1);
+    f(j, a, b, 1);
+    if (kWrite) xs[j] = Elem<S>::from_float(a[0]);
   }
+}
+
+/// f(j, xs[j], xt[j]) (as float) over this thread's columns j of a row of V, xt read when kTwo
+/// (else f gets 0 for it). With kWrite, xs[j] becomes f's value.
+template <bool kTwo, bool kWrite, typename S, typename T, typename F>
+__device__ __forceinline__ void row_visit(S* xs, const T* xt, int64_t V, F&& f) {
+  row_chunks<kTwo, kWrite>(xs, xt, V, [&](int64_t j0, float (&a)[kGroup], const float (&b)[kGroup], int n) {
+#pragma unroll
+    for (int e = 0; e < kGroup; ++e) {
+      if (e < n) a[e] = f(j0 + e, a[e], b[e]);
+    }
+  });
+}
+
+/// f(a, b, n) over this thread's columns of a row of V, in row_chunks' order (read only).
+template <bool kTwo, typename S, typename T, typename F>
+__device__ __forceinline__ void row_groups(const S* xs, const T* xt, int64_t V, F&& f) {
+  row_chunks<kTwo, false>(const_cast<S*>(xs), xt, V,
+                          [&](int64_t, const float (&a)[kGroup], const float (&b)[kGroup], int n) { f(a, b, n); });
 }
 
 /// Row i of a chunk (rows of stride ld) of dtype T.
@@ -522,16 +501,16 @@ __device__ __forceinline__ float head_dy(const Transform& h, float y) {
 // ---- the forward ------------------------------------------------------------------------------
 
 /// Blocks an SM the full forward is compiled for: it is bound by the latency of its exponentials,
-/// so three blocks (80 registers a thread, without spills for 16-bit logits) run it faster than
-/// the two that its unbounded 106 registers leave; float32 logits would spill at 80.
-template <typename S>
+/// so three blocks (80 registers a thread, without spills where both heads are 16-bit) run it
+/// faster than the two that its unbounded 106 registers leave; a float32 head would spill at 80.
+template <typename S, typename T>
 constexpr int forward_min_blocks() {
-  return sizeof(S) == 4 ? 1 : 3;
+  return sizeof(S) == 2 && sizeof(T) == 2 ? 3 : 1;
 }
 
 /// Full form: one block per chunk row; S, T the student's and the teacher's logit dtypes.
 template <typename S, typename T, bool kCap>
-__global__ void __launch_bounds__(kThreads, forward_min_blocks<S>()) full_forward_kernel(const DistillForwardParams p) {
+__global__ void __launch_bounds__(kThreads, forward_min_blocks<S, T>()) full_forward_kernel(const DistillForwardParams p) {
   __shared__ float fsmem[3 * kWarps];
   __shared__ double dsmem[3 * kWarps];
   const DistillRows& r = p.r;

@@ -292,14 +292,7 @@ Status run_linear_shard(const detail::LinearCall& call) {
   const ShardPlan plan = plan_shard(call);
   cudaStream_t stream = static_cast<cudaStream_t>(call.device.stream);
   auto run = [&](char* ws) { return call.shard_step == 1 ? ShardRun(call, plan, ws).stats() : ShardRun(call, plan, ws).backward(); };
-  char* ws = static_cast<char*>(call.workspace.data);
-  if (ws == nullptr) return with_workspace(plan.total, stream, run);
-  if (call.workspace.bytes < plan.total) {
-    return Status(StatusCode::kWorkspaceTooSmall, "workspace has " + std::to_string(call.workspace.bytes) +
-                                                      " bytes, this call needs " + std::to_string(plan.total) +
-                                                      " (ask linear_cross_entropy_shard_workspace_size)");
-  }
-  return run(ws);
+  return with_call_workspace(call.workspace, plan.total, "linear_cross_entropy_shard_workspace_size", stream, run);
 }
 
 }  // namespace cuda

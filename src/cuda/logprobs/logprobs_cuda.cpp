@@ -319,14 +319,7 @@ Status run_linear(const detail::LogprobCall& call) {
   const Plan plan = plan_of(call);
   cudaStream_t stream = static_cast<cudaStream_t>(call.device.stream);
   auto run = [&](char* ws) { return call.step == 1 ? LinearRun(call, plan, ws).stats() : LinearRun(call, plan, ws).backward(); };
-  char* ws = static_cast<char*>(call.workspace.data);
-  if (ws == nullptr) return with_workspace(plan.total, stream, run);
-  if (call.workspace.bytes < plan.total) {
-    return Status(StatusCode::kWorkspaceTooSmall, "workspace has " + std::to_string(call.workspace.bytes) +
-                                                      " bytes, this call needs " + std::to_string(plan.total) +
-                                                      " (ask linear_logprobs_workspace_size)");
-  }
-  return run(ws);
+  return with_call_workspace(call.workspace, plan.total, "linear_logprobs_workspace_size", stream, run);
 }
 
 }  // namespace
