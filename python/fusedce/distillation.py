@@ -280,7 +280,7 @@ def linear_distillation(student_hidden, student_weight, teacher_hidden, teacher_
             transform of its logits, y = s x or c tanh(s x / c) (softcap None: off).
         chunk_budget_bytes: bytes of logits one chunk of rows may hold, both heads together:
             float32 logits on the CPU (None: 128 MiB), logits in the inputs' dtypes on CUDA (None:
-            the linear cross-entropy's default rule).
+            the larger of 448 MiB and one copy of the student's weight in its dtype).
         return_metrics: also return a dict of per-row float32 values of the leading shape:
             "divergence", "hard_loss" (0 with hard_weight 0) and "entropy" (the student's, of
             softmax(z)), not differentiable, 0 at left-out rows.

@@ -20,7 +20,8 @@
 // holds the chunk of each head's logits and, for the top-k backward, (K floats twice + Kp sort
 // keys) per chunk row; chunk_budget_bytes bounds those bytes (0: default_distill_budget, which
 // keeps the extra memory beyond the gradients within the larger of 512 MiB and one copy of the
-// student's weight: a float32 grad_weight accumulator over the chunks would add twice that).
+// student's weight, plus the cuBLASLt workspace and the per-row vectors: a float32 grad_weight
+// accumulator over the chunks would add twice that).
 // FLOPs: 2 N V (H + H_t) forward (the top-k form: 2 N V H), 2 N V (H + H_t) + 4 N V H backward.
 // No host synchronisation.
 #include <cuda_runtime.h>
@@ -49,16 +50,17 @@ namespace {
 
 int64_t round_up(int64_t n, int64_t q) { return (n + q - 1) / q * q; }
 
-/// Least default bytes of logit chunks, and what the cuBLASLt workspace and the per-row vectors
-/// may take beside them.
+/// Least default bytes of logit chunks (with the cuBLASLt workspace and the per-row vectors,
+/// at most 64 MiB beside them, 512 MiB in all).
 constexpr size_t kLeastDistillBudget = size_t(448) << 20;
-constexpr size_t kDistillOverheadBytes = size_t(64) << 20;
 
 /// The default logit-chunk bytes: the larger of kLeastDistillBudget and one copy of the
-/// student's (V, H) weight in its dtype less the overhead.
+/// student's (V, H) weight in its dtype. The whole copy, not less the overhead: two heads of the
+/// same vocabulary in 16 bits then fit H / 2 rows a chunk (2048 at H 4096), whole tiles of the
+/// products, where a budget a little smaller leaves chunks of 13 tiles whose grad_hidden product
+/// (R x H outputs summed over V) fills its last wave of tiles poorly.
 size_t default_distill_budget(int64_t V, int64_t H, DType dtype) {
-  const size_t weight = size_t(V) * size_t(H) * elem_size(dtype);
-  return std::max(kLeastDistillBudget, weight > kDistillOverheadBytes ? weight - kDistillOverheadBytes : 0);
+  return std::max(kLeastDistillBudget, size_t(V) * size_t(H) * elem_size(dtype));
 }
 
 /// A view's leading dimension for cuBLASLt: its row stride, or its columns when it has at most

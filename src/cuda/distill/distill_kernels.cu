@@ -440,7 +440,9 @@ __device__ double sparse_divergence(const DistillRows& r, int64_t K, const float
 /// times a difference of logs). p_s = 2^s and p_t = 2^t are formed once and the mixture's log
 /// from them, l = log2((1 - beta) p_s + beta p_t): where that sum underflows every term is taken
 /// as 0 (each is below the smallest float times |s - l|), and a term whose weight p_s or p_t is 0
-/// adds exactly 0 (not 0 * inf).
+/// adds exactly 0 (not 0 * inf). The mixture's log is the special-function unit's (__log2f, one
+/// instruction, absolute error near 2^-22: far below the float rounding of the log-probabilities
+/// it meets, |s| of order log2 V), where log2f is a polynomial of some 25 instructions.
 struct EntryTerms {
   float entropy, divergence, aux;
 };
@@ -453,25 +455,36 @@ __device__ __forceinline__ EntryTerms entry_terms2(DivergenceKind kind, float s,
   } else if (kind == DivergenceKind::kReverseKl) {
     e.divergence = ps == 0.0f ? 0.0f : ps * (s - t);
   } else {
+    // selects, not branches: a branch per column would keep the unrolled loop from overlapping
+    // the columns' special-function latencies
     const float mix = r.one_mb * ps + r.beta * pt;
-    if (mix == 0.0f) return e;  // both weights (all but) 0: so are the terms
-    const float l = log2f(mix);
-    const float fs = ps == 0.0f ? 0.0f : ps * (s - l);
-    e.divergence = (pt == 0.0f ? 0.0f : r.beta * pt * (t - l)) + r.one_mb * fs;
+    const float l = __log2f(mix);
+    const bool live = mix != 0.0f;  // else both weights are (all but) 0, and so are the terms
+    const float fs = live && ps != 0.0f ? ps * (s - l) : 0.0f;
+    e.divergence = (live && pt != 0.0f ? r.beta * pt * (t - l) : 0.0f) + r.one_mb * fs;
     e.aux = fs;
   }
   return e;
 }
 
-/// d D / d z_j (common/distill_math.h, distill_logit_grad) with e^s, e^t and the mixture's log
-/// formed once each, as entry_terms2 (natural units here).
-__device__ __forceinline__ float logit_grad(DivergenceKind kind, float s, float t, float aux, const DistillRows& r) {
-  const float ps = expf(s);
-  if (kind == DivergenceKind::kForwardKl) return ps - expf(t);
-  if (ps == 0.0f) return 0.0f;
-  if (kind == DivergenceKind::kReverseKl) return ps * (s - t - aux);
-  const float mix = r.one_mb * ps + r.beta * expf(t);
-  return mix == 0.0f ? 0.0f : r.one_mb * ps * (s - logf(mix) - aux);
+/// d D / d z_j (common/distill_math.h, distill_logit_grad) from the log-probabilities in base-2
+/// units s = log2 p_s and t = log2 p_t, aux2 the auxiliary sum times log2 e: e^s, e^t and the
+/// mixture's log are formed once each as 2^x and log2 (one special-function instruction each,
+/// where expf and logf are several), as entry_terms2; a difference of base-2 logs times ln 2 is
+/// the natural one. The kind is a constant and a zero weight is a select, not a branch, so the
+/// unrolled column loop overlaps its columns' special-function latencies.
+template <DivergenceKind kKind>
+__device__ __forceinline__ float logit_grad2(float s, float t, float aux2, const DistillRows& r) {
+  const float ps = exp2f(s), pt = exp2f(t);
+  if constexpr (kKind == DivergenceKind::kForwardKl) {
+    return ps - pt;
+  } else if constexpr (kKind == DivergenceKind::kReverseKl) {
+    return ps != 0.0f ? static_cast<float>(kLn2) * ps * (s - t - aux2) : 0.0f;
+  } else {
+    const float mix = r.one_mb * ps + r.beta * pt;
+    const float v = static_cast<float>(kLn2) * r.one_mb * ps * (s - __log2f(mix) - aux2);
+    return ps != 0.0f && mix != 0.0f ? v : 0.0f;
+  }
 }
 
 // ---- the heads' transforms --------------------------------------------------------------------
@@ -508,8 +521,12 @@ constexpr int forward_min_blocks() {
   return sizeof(S) == 2 && sizeof(T) == 2 ? 3 : 1;
 }
 
-/// Full form: one block per chunk row; S, T the student's and the teacher's logit dtypes.
-template <typename S, typename T, bool kCap>
+/// Full form: one block per chunk row; S, T the student's and the teacher's logit dtypes; the
+/// divergence (kKind, a DivergenceKind) and whether any row has a hard term (kHard: labels and a
+/// hard weight) fixed at compile time, so that the unrolled column loops carry only their own
+/// arithmetic and state: the kernel is bound by the latency of its exponentials, and a third
+/// running state or another kind's terms, even never used, cost registers and so occupancy.
+template <typename S, typename T, bool kCap, int kKind, bool kHard>
 __global__ void __launch_bounds__(kThreads, forward_min_blocks<S, T>()) full_forward_kernel(const DistillForwardParams p) {
   __shared__ float fsmem[3 * kWarps];
   __shared__ double dsmem[3 * kWarps];
@@ -519,7 +536,7 @@ __global__ void __launch_bounds__(kThreads, forward_min_blocks<S, T>()) full_for
   if (!counted(r, label)) return write_row(p, row, filled_row(0.0f));
   if (bad_label(r, label)) return write_row(p, row, filled_row(NAN));
   const Transform hs{r.s_scale, r.s_softcap}, ht{r.t_scale, r.t_softcap};
-  const bool hard = label >= 0 && r.hard_weight > 0.0f;
+  const bool hard = kHard && label >= 0;
   // pass 1: the log-sum-exps of z_student, z_teacher and (hard term) y_student
   const S* xs = chunk_row<S>(p.logits, p.ld, i);
   const T* xt = chunk_row<T>(p.t.logits, p.t.ld, i);
@@ -540,7 +557,7 @@ __global__ void __launch_bounds__(kThreads, forward_min_blocks<S, T>()) full_for
   block_lse<3>(a, l, fsmem, dsmem);
   // pass 2: entropy, divergence and the JSD's KL(p_s || m), against them, in base 2 (entry_terms2);
   // the float sums of a group added in double
-  const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
+  constexpr DivergenceKind kind = static_cast<DivergenceKind>(kKind);
   double acc[3] = {0.0, 0.0, 0.0};
   row_groups<true>(xs, xt, V, [&](const float (&vs)[kGroup], const float (&vt)[kGroup], int n) {
     float part[3] = {0.0f, 0.0f, 0.0f};
@@ -646,11 +663,13 @@ __device__ void fill_row(const DistillBackwardParams& p, int64_t i, float v) {
 
 /// The hard term's part of dy at column j: b (softmax(y)_j - [j == label]).
 __device__ __forceinline__ float hard_dy(float b, float y, float lse_h, int64_t j, int64_t label) {
-  return b * (expf(y - lse_h) - (j == label ? 1.0f : 0.0f));
+  return b * (exp_via2(y - lse_h) - (j == label ? 1.0f : 0.0f));
 }
 
-/// Full form: one block per chunk row; the student's logits become their gradient in place.
-template <typename S, typename T, bool kCap>
+/// Full form: one block per chunk row; the student's logits become their gradient in place. The
+/// divergence kind (kKind) is a constant and each combination of the two terms has a column loop
+/// of its own, so no column carries a branch on them (see logit_grad2).
+template <typename S, typename T, bool kCap, int kKind>
 __global__ void __launch_bounds__(kThreads) full_backward_kernel(const DistillBackwardParams p) {
   const DistillRows& r = p.r;
   const int64_t i = blockIdx.x, row = r.r0 + i, V = r.V;
@@ -663,23 +682,31 @@ __global__ void __launch_bounds__(kThreads) full_backward_kernel(const DistillBa
   const float* st = p.stats + row * p.stats_width;
   const int64_t column = local_column(r, label);  // the label's column here, or -1
   const Transform hs{r.s_scale, r.s_softcap}, ht{r.t_scale, r.t_softcap};
-  const DivergenceKind kind = static_cast<DivergenceKind>(r.kind);
+  constexpr DivergenceKind kind = static_cast<DivergenceKind>(kKind);
   S* x = static_cast<S*>(p.logits) + i * p.ld;
-  const float lse_s = st[0], lse_t = st[1], cross = st[2], lse_h = st[3];
-  auto grad = [&](int64_t j, float xj, float xtj) {
-    const float y = head_y<kCap>(hs, xj);
-    float dy = 0.0f;
-    if (a != 0.0f) {
-      const float s = y * r.inv_t - lse_s, t = head_y<kCap>(ht, xtj) * r.inv_t - lse_t;
-      dy = a * logit_grad(kind, s, t, cross, r);
-    }
-    if (b != 0.0f) dy += hard_dy(b, y, lse_h, j, column);
-    return dy * head_dy<kCap>(hs, y);
+  const T* xt = a != 0.0f ? chunk_row<T>(p.t.logits, p.t.ld, i) : nullptr;  // (no teacher chunk at hard weight 1)
+  const float lse_s = st[0], lse_t = st[1], cross2 = st[2] * kLog2e, lse_h = st[3];
+  // the divergence's part of dy per unit a: each log-probability formed in natural units first,
+  // then scaled, so its rounding stays relative to the difference
+  auto soft = [&](float y, float xtj) {
+    const float s2 = (y * r.inv_t - lse_s) * kLog2e, t2 = (head_y<kCap>(ht, xtj) * r.inv_t - lse_t) * kLog2e;
+    return logit_grad2<kind>(s2, t2, cross2, r);
   };
-  if (a != 0.0f) {
-    row_visit<true, true>(x, chunk_row<T>(p.t.logits, p.t.ld, i), V, grad);
-  } else {  // the hard term only: the teacher's chunk is not read
-    row_visit<false, true>(x, x, V, grad);
+  if (a != 0.0f && b != 0.0f) {
+    row_visit<true, true>(x, xt, V, [&](int64_t j, float xj, float xtj) {
+      const float y = head_y<kCap>(hs, xj);
+      return (a * soft(y, xtj) + hard_dy(b, y, lse_h, j, column)) * head_dy<kCap>(hs, y);
+    });
+  } else if (a != 0.0f) {
+    row_visit<true, true>(x, xt, V, [&](int64_t, float xj, float xtj) {
+      const float y = head_y<kCap>(hs, xj);
+      return a * soft(y, xtj) * head_dy<kCap>(hs, y);
+    });
+  } else {  // the hard term only (or an upstream gradient of 0): the teacher's chunk is not read
+    row_visit<false, true>(x, x, V, [&](int64_t j, float xj, float) {
+      const float y = head_y<kCap>(hs, xj);
+      return (b != 0.0f ? hard_dy(b, y, lse_h, j, column) : 0.0f) * head_dy<kCap>(hs, y);
+    });
   }
 }
 
@@ -773,7 +800,7 @@ __global__ void __launch_bounds__(kThreads) topk_backward_kernel(const DistillBa
     block_sort(p.keys + i * p.Kp, p.Kp);
   }
   auto dense = [&](float y, int64_t j) {
-    float dy = a != 0.0f ? -a * expf(y * r.inv_t - st[0]) * sum_gq : 0.0f;
+    float dy = a != 0.0f ? -a * exp_via2(y * r.inv_t - st[0]) * sum_gq : 0.0f;
     if (b != 0.0f) dy += hard_dy(b, y, st[3], j, column);
     return dy * head_dy<kCap>(hs, y);
   };
@@ -1058,12 +1085,35 @@ void by_heads(DType student, const DistillTeacherRows& t, const DistillRows& r, 
 
 }  // namespace
 
+/// f(kind, hard) with the divergence kind and whether the call has a hard term as constants.
+template <typename F>
+void by_terms(const DistillRows& r, F&& f) {
+  auto with_kind = [&](auto hard) {
+    switch (static_cast<DivergenceKind>(r.kind)) {
+      case DivergenceKind::kForwardKl:
+        return f(std::integral_constant<int, static_cast<int>(DivergenceKind::kForwardKl)>{}, hard);
+      case DivergenceKind::kReverseKl:
+        return f(std::integral_constant<int, static_cast<int>(DivergenceKind::kReverseKl)>{}, hard);
+      default:
+        return f(std::integral_constant<int, static_cast<int>(DivergenceKind::kJsd)>{}, hard);
+    }
+  };
+  if (r.labels != nullptr && r.hard_weight > 0.0f) {
+    with_kind(std::true_type{});
+  } else {
+    with_kind(std::false_type{});
+  }
+}
+
 void launch_distill_forward(const DistillForwardParams& p, cudaStream_t stream) {
   if (p.r.rows == 0) return;
   const unsigned blocks = static_cast<unsigned>(p.r.rows);
   by_heads(p.dtype, p.t, p.r, [&](auto s_tag, auto t_tag, auto two, auto cap) {
     if constexpr (decltype(two)::value) {
-      full_forward_kernel<decltype(s_tag), decltype(t_tag), decltype(cap)::value><<<blocks, kThreads, 0, stream>>>(p);
+      by_terms(p.r, [&](auto kind, auto hard) {
+        full_forward_kernel<decltype(s_tag), decltype(t_tag), decltype(cap)::value, decltype(kind)::value,
+                            decltype(hard)::value><<<blocks, kThreads, 0, stream>>>(p);
+      });
     } else {
       topk_forward_kernel<decltype(s_tag), decltype(cap)::value><<<blocks, kThreads, 0, stream>>>(p);
     }
@@ -1075,7 +1125,10 @@ void launch_distill_backward(const DistillBackwardParams& p, cudaStream_t stream
   const unsigned blocks = static_cast<unsigned>(p.r.rows);
   by_heads(p.dtype, p.t, p.r, [&](auto s_tag, auto t_tag, auto two, auto cap) {
     if constexpr (decltype(two)::value) {
-      full_backward_kernel<decltype(s_tag), decltype(t_tag), decltype(cap)::value><<<blocks, kThreads, 0, stream>>>(p);
+      by_terms(p.r, [&](auto kind, auto) {
+        full_backward_kernel<decltype(s_tag), decltype(t_tag), decltype(cap)::value, decltype(kind)::value>
+            <<<blocks, kThreads, 0, stream>>>(p);
+      });
     } else {
       topk_backward_kernel<decltype(s_tag), decltype(cap)::value><<<blocks, kThreads, 0, stream>>>(p);
     }
