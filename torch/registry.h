@@ -36,9 +36,10 @@
 //                     row_weight (N,), batch (2,): what ce_shard_bwd needs
 //   ce_shard_bwd   -> dlogits (N, V_local) in the logits' dtype
 // The linear form (hidden (N, H), weight (V_local, H) this rank's rows of the head, bias
-// (V_local,) or None, class_weight the local slice; then the shard, the options and the linear
-// options chunk_budget_bytes, low_memory, skip_ignored of the lce_* ops):
+// (V_local,) or None, target (N,) unshifted, class_weight the local slice; then the shard, the
+// options and the four linear options of the lce_* ops):
 //   lce_shard_stats -> stats (N + 1, 9) float32, as ce_shard_stats of hidden @ weight.T + bias
+//   lce_shard_merge -> as ce_shard_merge, over the effective (shifted) targets
 //   lce_shard_bwd   -> grad_hidden (N, H) float32 (this rank's part), grad_weight, grad_bias
 // They have no autograd formula: the autograd.Functions of python/fusedce/distributed.py call
 // the step-3 ops in their backward, because a gradient needs every rank's merged statistics.
@@ -80,9 +81,11 @@
 #include "options.h"
 #include "vp_ops.h"
 
+#define FUSEDCE_LINEAR_ARGS ", int shift_seq_len, int chunk_budget_bytes, bool low_memory, bool skip_ignored"
+
 #define FUSEDCE_LCE_ARGS                                                                       \
   "Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, " FUSEDCE_CE_ARGS \
-  ", int shift_seq_len, int chunk_budget_bytes, bool low_memory, bool skip_ignored"
+  FUSEDCE_LINEAR_ARGS
 
 #define FUSEDCE_VP_ARGS "int vocab_start, int vocab_total, " FUSEDCE_CE_ARGS
 
@@ -135,12 +138,16 @@ void for_each_op(Add&& add) {
       "Tensor batch, Tensor grad_loss, " FUSEDCE_VP_ARGS ") -> Tensor",
       cpp_function<&ce_shard_bwd<Ctx>>());
   add("lce_shard_stats(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, "
-      FUSEDCE_VP_ARGS ", int chunk_budget_bytes, bool low_memory, bool skip_ignored, bool return_metrics) -> Tensor",
+      FUSEDCE_VP_ARGS FUSEDCE_LINEAR_ARGS ", bool return_metrics) -> Tensor",
       cpp_function<&lce_shard_stats<Ctx>>());
+  add("lce_shard_merge(Tensor gathered, Tensor target, Tensor? class_weight, " FUSEDCE_VP_ARGS FUSEDCE_LINEAR_ARGS
+      ", bool return_metrics) -> (Tensor loss, Tensor lse, Tensor num_correct, Tensor entropy_sum, "
+      "Tensor row_weight, Tensor batch)",
+      cpp_function<&lce_shard_merge<Ctx>>());
   add("lce_shard_bwd(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, "
-      "Tensor lse, Tensor row_weight, Tensor batch, Tensor grad_loss, " FUSEDCE_VP_ARGS
-      ", int chunk_budget_bytes, bool low_memory, bool skip_ignored, bool need_grad_hidden, "
-      "bool need_grad_weight, bool need_grad_bias) -> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)",
+      "Tensor lse, Tensor row_weight, Tensor batch, Tensor grad_loss, " FUSEDCE_VP_ARGS FUSEDCE_LINEAR_ARGS
+      ", bool need_grad_hidden, bool need_grad_weight, bool need_grad_bias) -> (Tensor grad_hidden, "
+      "Tensor grad_weight, Tensor grad_bias)",
       cpp_function<&lce_shard_bwd<Ctx>>());
 
   // log-probabilities

@@ -42,11 +42,13 @@ Tensor ce_shard_stats(const Tensor& logits, const Tensor& target, const OptTenso
 // Step 2: every rank's statistics, gathered in rank order ((world * (N + 1), kShardStatsWidth)),
 // merged into the loss, lse and metrics of the full vocabulary, plus row_weight (N,) and batch
 // (2,) for step 3. `class_weight` is the local slice of the class weights (it only says that the loss
-// is weighted: the weights themselves travel in the statistics).
-template <class Ctx>
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ce_shard_merge(
+// is weighted: the weights themselves travel in the statistics). `merge` is the core's merge of
+// the logits form or of the linear form, called as (device, gathered, world, target, shard,
+// options, out, row_weight, batch); `op` names it in errors.
+template <class Ctx, class Merge>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> shard_merge(
     const Tensor& gathered, const Tensor& target, const OptTensor& class_weight, int64_t vocab_start,
-    int64_t vocab_total, fusedce::Options o, bool return_metrics) {
+    int64_t vocab_total, fusedce::Options o, bool return_metrics, const char* op, Merge&& merge) {
   Ctx ctx(gathered, "gathered");
   check_same_device(target, "target", gathered, "gathered");
   TORCH_CHECK_VALUE(gathered.dim() == 2 && gathered.size(1) == fusedce::kShardStatsWidth &&
@@ -64,14 +66,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ce_shard_merge(
   const auto f32 = gathered.options().dtype(at::kFloat);
   Tensor row_weight = at::empty({n}, f32);
   Tensor batch = at::empty({2}, f32);
-  check_status(fusedce::cross_entropy_shard_merge(
-                   ctx.device(),
-                   fusedce::matrix(gathered.data_ptr(), fusedce::DType::kFloat32, gathered.size(0),
-                                   fusedce::kShardStatsWidth),
-                   gathered.size(0) / (n + 1), vector_of(target, "target"), shard_of(vocab_start, vocab_total),
-                   o, out, vector_of(row_weight, "row_weight"), vector_of(batch, "batch")),
-               "ce_shard_merge");
+  check_status(merge(ctx.device(),
+                     fusedce::matrix(gathered.data_ptr(), fusedce::DType::kFloat32, gathered.size(0),
+                                     fusedce::kShardStatsWidth),
+                     gathered.size(0) / (n + 1), vector_of(target, "target"), shard_of(vocab_start, vocab_total), o,
+                     out, vector_of(row_weight, "row_weight"), vector_of(batch, "batch")),
+               op);
   return {outputs.loss, outputs.lse, outputs.num_correct, outputs.entropy_sum, row_weight, batch};
+}
+
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ce_shard_merge(
+    const Tensor& gathered, const Tensor& target, const OptTensor& class_weight, int64_t vocab_start,
+    int64_t vocab_total, fusedce::Options o, bool return_metrics) {
+  return shard_merge<Ctx>(gathered, target, class_weight, vocab_start, vocab_total, o, return_metrics,
+                          "ce_shard_merge", fusedce::cross_entropy_shard_merge);
 }
 
 // Step 3: this rank's dlogits from the merged lse, row_weight and batch, for the upstream
@@ -97,15 +106,16 @@ Tensor ce_shard_bwd(const Tensor& logits, const Tensor& target, const OptTensor&
   return dlogits;
 }
 
-// ---- the linear form: steps 1 and 3 over this rank's rows of the head ------------------------
+// ---- the linear form: its three steps over this rank's rows of the head ---------------------
+// target: the global targets, unshifted; the linear options as lce_fwd takes them.
 
 // Step 1 of the linear form: the statistics of hidden @ weight.T (+ bias) over this rank's
 // V_local rows of the head, as ce_shard_stats gives them for those logits (which are never
-// stored beyond one chunk). target: the effective (already shifted) global targets.
+// stored beyond one chunk).
 template <class Ctx>
 Tensor lce_shard_stats(const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
                        const OptTensor& class_weight, int64_t vocab_start, int64_t vocab_total, fusedce::Options o,
-                       int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored,
+                       int64_t shift_seq_len, int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored,
                        bool return_metrics) {
   Ctx ctx(hidden, "hidden");
   check_hidden_2d(hidden);
@@ -114,7 +124,7 @@ Tensor lce_shard_stats(const Tensor& hidden, const Tensor& weight, const OptTens
   const fusedce::MatrixView w = linear_matrix_of(weight, "weight", "(V_local, H)");
   o = with_class_weight(o, class_weight, "class_weight", hidden, "hidden");
   o.return_metrics = return_metrics;
-  const fusedce::LinearOptions lo = linear_only_options(0, chunk_budget_bytes, low_memory, skip_ignored);
+  const fusedce::LinearOptions lo = linear_only_options(shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored);
   Tensor stats = at::empty({hidden.size(0) + 1, fusedce::kShardStatsWidth}, hidden.options().dtype(at::kFloat));
   const size_t bytes = fusedce::linear_cross_entropy_shard_workspace_size(1, ctx.device(), h.rows, h.cols, w.rows,
                                                                           h.dtype, o, lo, {});
@@ -129,6 +139,23 @@ Tensor lce_shard_stats(const Tensor& hidden, const Tensor& weight, const OptTens
   return stats;
 }
 
+// Step 2 of the linear form: ce_shard_merge over the effective (shifted) targets.
+template <class Ctx>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> lce_shard_merge(
+    const Tensor& gathered, const Tensor& target, const OptTensor& class_weight, int64_t vocab_start,
+    int64_t vocab_total, fusedce::Options o, int64_t shift_seq_len, int64_t chunk_budget_bytes, bool low_memory,
+    bool skip_ignored, bool return_metrics) {
+  const fusedce::LinearOptions lo = linear_only_options(shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored);
+  return shard_merge<Ctx>(
+      gathered, target, class_weight, vocab_start, vocab_total, o, return_metrics, "lce_shard_merge",
+      [&lo](const fusedce::Device& device, const fusedce::MatrixView& g, int64_t world, const fusedce::VectorView& t,
+            const fusedce::ShardSpec& shard, const fusedce::Options& options, const fusedce::ForwardOutputs& out,
+            const fusedce::VectorView& row_weight, const fusedce::VectorView& batch) {
+        return fusedce::linear_cross_entropy_shard_merge(device, g, world, t, shard, options, lo, out, row_weight,
+                                                         batch);
+      });
+}
+
 // Step 3 of the linear form: this rank's part of grad_hidden (float32 (N, H): the sum over ranks
 // is the gradient), and its slices of grad_weight (V_local, H) and grad_bias (V_local,) in the
 // weight's dtype, from ce_shard_merge's lse, row_weight and batch and the upstream grad_loss.
@@ -137,7 +164,7 @@ template <class Ctx>
 std::tuple<Tensor, Tensor, Tensor> lce_shard_bwd(
     const Tensor& hidden, const Tensor& weight, const OptTensor& bias, const Tensor& target,
     const OptTensor& class_weight, const Tensor& lse, const Tensor& row_weight, const Tensor& batch,
-    const Tensor& grad_loss, int64_t vocab_start, int64_t vocab_total, fusedce::Options o,
+    const Tensor& grad_loss, int64_t vocab_start, int64_t vocab_total, fusedce::Options o, int64_t shift_seq_len,
     int64_t chunk_budget_bytes, bool low_memory, bool skip_ignored, bool need_grad_hidden, bool need_grad_weight,
     bool need_grad_bias) {
   Ctx ctx(hidden, "hidden");
@@ -151,7 +178,7 @@ std::tuple<Tensor, Tensor, Tensor> lce_shard_bwd(
   check_same_device(row_weight, "row_weight", hidden, "hidden");
   check_same_device(batch, "batch", hidden, "hidden");
   check_same_device(grad_loss, "grad_loss", hidden, "hidden");
-  const fusedce::LinearOptions lo = linear_only_options(0, chunk_budget_bytes, low_memory, skip_ignored);
+  const fusedce::LinearOptions lo = linear_only_options(shift_seq_len, chunk_budget_bytes, low_memory, skip_ignored);
   auto none = [&] { return at::empty({0}, hidden.options()); };
   Tensor grad_hidden = need_grad_hidden ? at::empty(hidden.sizes(), hidden.options().dtype(at::kFloat)) : none();
   Tensor grad_weight = need_grad_weight ? at::empty(weight.sizes(), weight.options()) : none();

@@ -8,11 +8,13 @@
 //      bit-identical on every rank;
 //   3. cross_entropy_shard_backward: each rank's slice of dlogits from the merged lse.
 // The linear form (each rank holds rows [vocab_start, vocab_start + V_local) of the head's
-// weight, hidden is the same on every rank) has its own steps 1 and 3, run by the linear
-// cross-entropy backends, which never store the (N, V_local) logits beyond one chunk; step 2 is
-// the same merge:
+// weight, hidden and target are the same on every rank) has three steps of its own, run by the
+// linear cross-entropy backends, which never store the (N, V_local) logits beyond one chunk.
+// They take the target as the whole-vocabulary linear call does (unshifted, with
+// LinearOptions::shift_seq_len) and every linear option means what it means there:
 //   1. linear_cross_entropy_shard_stats: the statistics of hidden @ weight.T (+ bias), as step 1
 //      gives them for those logits;
+//   2. linear_cross_entropy_shard_merge: step 2 over the effective (shifted) targets;
 //   3. linear_cross_entropy_shard_backward: this rank's part of grad_hidden (float32; the sum
 //      over ranks is the gradient) and its slices of grad_weight and grad_bias.
 #pragma once
@@ -55,19 +57,33 @@ Status cross_entropy_shard_backward(const Device& device, const MatrixView& logi
                                     const VectorView& grad_loss, const MatrixView& dlogits);
 
 /// Linear step 1. hidden (N, H), weight (V_local, H) this rank's rows of the head, bias
-/// (V_local,) or empty, target (N,) the effective global targets (linear.shift_seq_len must be 0:
-/// the merge needs the same targets, so the caller shifts them); options.class_weight the local
-/// slice. linear.chunk_budget_bytes, low_memory and skip_ignored mean what they mean for
-/// linear_cross_entropy_forward on this backend. stats as for cross_entropy_shard_stats.
+/// (V_local,) or empty, target (N,) global indices, unshifted: with linear.shift_seq_len, row i
+/// is scored against target[i + 1] within sequences, as in linear_cross_entropy_forward;
+/// options.class_weight the local slice. linear.chunk_budget_bytes, low_memory and skip_ignored
+/// mean what they mean for linear_cross_entropy_forward on this backend: with skip_ignored the
+/// CUDA backend runs the products over the rows whose (shifted) target is not ignored, reading
+/// their count on the host once, except on a stream capturing a CUDA graph, where every row runs
+/// (the same statistics; nothing waits). Every rank holds the same targets, so every rank keeps
+/// the same rows. stats as for cross_entropy_shard_stats (the rows of ignored targets are
+/// zeros: the merge never reads them).
 Status linear_cross_entropy_shard_stats(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                                         const VectorView& bias, const VectorView& target, const ShardSpec& shard,
                                         const Options& options, const LinearOptions& linear,
                                         const MatrixView& stats, Workspace workspace = {});
 
+/// Linear step 2: cross_entropy_shard_merge for the effective targets of the linear steps, the
+/// target (N,) unshifted and shifted within sequences of linear.shift_seq_len rows (its other
+/// fields are not read). The same bits on every rank.
+Status linear_cross_entropy_shard_merge(const Device& device, const MatrixView& gathered, int64_t world,
+                                        const VectorView& target, const ShardSpec& shard, const Options& options,
+                                        const LinearOptions& linear, const ForwardOutputs& out,
+                                        const VectorView& row_weight, const VectorView& batch);
+
 /// Linear step 3. The gradients of this shard from step 2's lse, row_weight and batch and the
-/// upstream grad_loss ((1,) for sum / mean, (N,) for none). grads.grad_hidden, if asked for, is
-/// float32 (N, H): this rank's part, summed over ranks by the caller; grad_weight (V_local, H)
-/// and grad_bias (V_local,) have hidden's dtype and are this rank's slices.
+/// upstream grad_loss ((1,) for sum / mean, (N,) for none); target and linear as in step 1.
+/// grads.grad_hidden, if asked for, is float32 (N, H): this rank's part, summed over ranks by
+/// the caller (0 at rows of ignored targets); grad_weight (V_local, H) and grad_bias (V_local,)
+/// have hidden's dtype and are this rank's slices.
 Status linear_cross_entropy_shard_backward(const Device& device, const MatrixView& hidden, const MatrixView& weight,
                                            const VectorView& bias, const VectorView& target, const ShardSpec& shard,
                                            const Options& options, const LinearOptions& linear,

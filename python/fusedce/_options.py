@@ -139,12 +139,8 @@ class LinearOptions:
         return known
 
     def op_args(self):
-        """The four op arguments of lce_fwd / lce_fwd_bwd, in schema order."""
+        """The four op arguments of the lce_* ops, in schema order."""
         return (self.shift_seq_len, self.chunk_budget_bytes, self.low_memory, self.skip_ignored)
-
-    def shard_op_args(self):
-        """The three of lce_shard_stats / lce_shard_bwd, which take the target already shifted."""
-        return (self.chunk_budget_bytes, self.low_memory, self.skip_ignored)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,20 +311,19 @@ LINEAR_NAMES = tuple(field.name for field in dataclasses.fields(LinearOptions))
 
 def linear_options_in(at, args):
     """(args before the options, Options, LinearOptions, args after both) of the arguments `args`
-    of an lce op (lce_fwd, lce_fwd_bwd), whose options start at `at`."""
+    of an lce op, whose options start at `at`."""
     before, options, after = options_in(at, args)
     return before, options, LinearOptions(*after[:len(LINEAR_NAMES)]), after[len(LINEAR_NAMES):]
 
 
 def _argument_groups():
     """The runs of schema arguments a fake kernel takes as one object, with the object's maker:
-    the six options (Options), an lce op's four linear options (LinearOptions), a shard op's three
-    (a LinearOptions without a shift), vocab_start and vocab_total (a ShardSpec without its local
-    size), and a log-probability op's options (LogprobOptions). Longer runs first."""
+    the six options (Options), an lce op's four linear options (LinearOptions), vocab_start and
+    vocab_total (a ShardSpec without its local size), and a log-probability op's options
+    (LogprobOptions). Longer runs first."""
     return (
         (OPTION_NAMES, Options),
         (LINEAR_NAMES, LinearOptions),
-        (LINEAR_NAMES[1:], lambda *rest: LinearOptions(0, *rest)),
         (("vocab_start", "vocab_total"), lambda start, total: ShardSpec(start, total, None)),
         (tuple(field.name for field in dataclasses.fields(LogprobOptions)), LogprobOptions),
     )

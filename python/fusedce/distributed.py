@@ -12,9 +12,10 @@ neither front end:
 * ``fusedce.linear_cross_entropy(..., process_group=pg)`` (also
   ``fusedce.vocab_parallel_linear_cross_entropy``): each rank holds ``weight[v0:v1]`` (and
   ``bias[v0:v1]``) of the head; ``hidden`` is the same on every rank. Each rank runs the core's
-  linear cross-entropy over its rows of the head (``lce_shard_stats``, ``lce_shard_bwd``: the
-  logits formed chunk by chunk, never stored whole), with the options of the single-device call
-  and their meaning there (``chunk_budget_bytes``, ``low_memory``, ``skip_ignored``).
+  linear cross-entropy over its rows of the head (``lce_shard_stats``, ``lce_shard_merge``,
+  ``lce_shard_bwd``: the logits formed chunk by chunk, never stored whole), with the options of
+  the single-device call and their meaning there (``shift``, ``chunk_budget_bytes``,
+  ``low_memory``, ``skip_ignored``: the core applies each of them, as on one device).
 
 What crosses ranks
 ------------------
@@ -85,7 +86,6 @@ Targets are global class indices in ``[0, V)`` (or ``ignore_index``) on every ra
 """
 
 
-import dataclasses
 import threading
 
 import torch
@@ -288,11 +288,14 @@ def _decode_layout(gathered, world, n):
              int(r[5]) * b + int(r[6]), int(r[7])) for r in rows]
 
 
-def _merge_shards(stats, target, class_weight, shard, call):
+def _merge_shards(stats, target, class_weight, shard, call, linear=None):
     """Step 2 of the core: the one all-gather of the shard statistics (gather_checked), then
-    the rank-order merge (the same bits on every rank). Returns loss, lse, num_correct,
-    entropy_sum, row_weight, batch."""
+    the rank-order merge (the same bits on every rank), of the linear form when `linear` (its
+    LinearOptions) is given. Returns loss, lse, num_correct, entropy_sum, row_weight, batch."""
     gathered = gather_checked(stats, target, shard, call.parallel, call.where)
+    if linear is not None:
+        return ops.lce_shard_merge(gathered, target, class_weight, *shard.op_args(), *call.options.op_args(),
+                                   *linear.op_args(), call.return_metrics)
     return ops.ce_shard_merge(gathered, target, class_weight, *shard.op_args(), *call.options.op_args(),
                               call.return_metrics)
 
@@ -429,22 +432,23 @@ def cross_entropy_rows(x, target, class_weight, call):
 
 class VocabParallelLinearCrossEntropy(torch.autograd.Function):
     """Forward: the core's linear shard statistics (lce_shard_stats: the logits of this rank's
-    rows of the head formed chunk by chunk and folded at once), one all-gather, merge.
-    Backward: the core's linear shard gradients (lce_shard_bwd: the logits formed again, their
-    gradient from the merged lse, its products into grad_hidden, grad_weight, grad_bias), then
-    one all-reduce (sum) of the float32 grad_hidden.
+    rows of the head formed chunk by chunk and folded at once), one all-gather, merge
+    (lce_shard_merge). Backward: the core's linear shard gradients (lce_shard_bwd: the logits
+    formed again, their gradient from the merged lse, its products into grad_hidden,
+    grad_weight, grad_bias), then one all-reduce (sum) of the float32 grad_hidden.
 
     Arguments: hidden (N, H), weight (V_local, H), bias (V_local,) or None, target (N,) global
-    indices (already shifted), class_weight (V_local,) or None, the call (a Call: options, linear
-    options, VocabParallel), this rank's ShardSpec. Returns loss, lse, num_correct, entropy_sum.
+    indices (unshifted: the core applies the call's shift), class_weight (V_local,) or None, the
+    call (a Call: options, linear options, VocabParallel), this rank's ShardSpec. Returns loss,
+    lse, num_correct, entropy_sum.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, call, shard):
         stats = ops.lce_shard_stats(hidden, weight, bias, target, class_weight, *shard.op_args(),
-                                    *call.options.op_args(), *call.linear.shard_op_args(), call.return_metrics)
+                                    *call.options.op_args(), *call.linear.op_args(), call.return_metrics)
         loss, lse, num_correct, entropy_sum, row_weight, batch = _merge_shards(
-            stats, target, class_weight, shard, call)
+            stats, target, class_weight, shard, call, call.linear)
         ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse, row_weight, batch)
         ctx.call, ctx.shard = call, shard
         ctx.mark_non_differentiable(lse, num_correct, entropy_sum)
@@ -460,7 +464,7 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
             call = ctx.call
             part_h, part_w, part_b = ops.lce_shard_bwd(
                 hidden, weight, bias, target, class_weight, lse, row_weight, batch, _upstream(grad_loss),
-                *ctx.shard.op_args(), *call.options.op_args(), *call.linear.shard_op_args(),
+                *ctx.shard.op_args(), *call.options.op_args(), *call.linear.op_args(),
                 need_h, need_w, need_b)
             if need_h:
                 # The sum over ranks of every rank's part, in float32, rounded once.
@@ -470,57 +474,20 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None  # nothing for target, class_weight, call, shard
 
 
-def _shifted(target, seq_len, ignore_index):
-    """The causal shift within sequences of seq_len entries of the flat target: entry i takes
-    entry i + 1, the last entry of each sequence is ignored (an (N,) op; hidden is untouched)."""
-    if seq_len <= 0 or target.numel() == 0:
-        return target
-    t = target.view(-1, seq_len)
-    return torch.cat([t[:, 1:], torch.full_like(t[:, :1], ignore_index)], dim=1).reshape(-1)
-
-
 def linear_cross_entropy_rows(h, w, bias, target, class_weight, call):
     """The vocabulary-parallel path of fusedce.linear_cross_entropy, after its argument checks:
     h (N, H), w this rank's rows (V_local, H) of the head, bias (V_local,) or None, target (N,)
     unshifted, class_weight (V_local,) float32 or None, `call` a Call with its linear options and
-    VocabParallel. Returns loss, lse, num_correct, entropy_sum over the full vocabulary."""
+    VocabParallel. Returns loss, lse, num_correct, entropy_sum over the full vocabulary. The
+    shift and skip_ignored are the core's, as on one device: every rank holds the same targets,
+    so every rank keeps the same rows and the collectives keep their sizes."""
     shard = shard_of(w.shape[0], call.parallel, h.device, call.where)
     if call.check_targets:
         check_target_values(target, shard.vocab_total, call.options.ignore_index, call.where,
                             shift_seq_len=call.linear.shift_seq_len)
-    t = _shifted(target, call.linear.shift_seq_len, call.options.ignore_index)
-    if call.linear.skip_ignored and not torch.compiler.is_compiling():
-        return _kept_rows_only(h, w, bias, t, class_weight, call, shard)
-    return _linear_shard_rows(h, w, bias, t, class_weight, call, shard)
-
-
-def _linear_shard_rows(h, w, bias, t, class_weight, call, shard):
-    """The steps over the rows of h and their (shifted) targets t."""
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (h, w, bias)):
-        return VocabParallelLinearCrossEntropy.apply(h, w, bias, t, class_weight, call, shard)
-    stats = ops.lce_shard_stats(h, w, bias, t, class_weight, *shard.op_args(), *call.options.op_args(),
-                                *call.linear.shard_op_args(), call.return_metrics)
-    loss, lse, num_correct, entropy_sum, _, _ = _merge_shards(stats, t, class_weight, shard, call)
-    return loss, lse, num_correct, entropy_sum
-
-
-def _kept_rows_only(h, w, bias, t, class_weight, call, shard):
-    """skip_ignored in the vocabulary-parallel form: the steps run over the positions whose
-    (shifted) target is not ignored, gathered here, as the single-device CUDA path gathers them
-    (one device-to-host read of their count). Every rank holds the same targets, so every rank
-    keeps the same rows and the collectives stay the same size. The per-row outputs go back to
-    their positions (0 at ignored rows, as the full call gives); the batch sums and the mean's
-    denominator see only kept rows either way; the gradient of an ignored row of h is 0. Under
-    torch.compile every row runs (the same numbers; a count known only on the device would
-    break the graph)."""
-    keep = (t != call.options.ignore_index).nonzero().squeeze(1)
-    # The rows are gathered here, so the steps run with skip_ignored off (the CUDA shard step
-    # has no compaction of its own).
-    gathered = dataclasses.replace(call, linear=dataclasses.replace(call.linear, skip_ignored=False))
-    loss, lse, num_correct, entropy_sum = _linear_shard_rows(
-        h.index_select(0, keep), w, bias, t.index_select(0, keep), class_weight, gathered, shard)
-    n = t.shape[0]
-    if call.options.reduction == "none":
-        loss = loss.new_zeros(n).index_copy(0, keep, loss)
-    lse = lse.new_zeros(n).index_copy(0, keep, lse)
+        return VocabParallelLinearCrossEntropy.apply(h, w, bias, target, class_weight, call, shard)
+    stats = ops.lce_shard_stats(h, w, bias, target, class_weight, *shard.op_args(), *call.options.op_args(),
+                                *call.linear.op_args(), call.return_metrics)
+    loss, lse, num_correct, entropy_sum, _, _ = _merge_shards(stats, target, class_weight, shard, call, call.linear)
     return loss, lse, num_correct, entropy_sum

@@ -1,13 +1,13 @@
 """Fake (meta) kernels of the vocabulary-parallel ops of torch/registry.h.
 
 The ops (``ce_shard_stats``, ``ce_shard_merge``, ``ce_shard_bwd``, and the linear form's
-``lce_shard_stats`` and ``lce_shard_bwd``) are the steps of fusedce/vocab_parallel.h;
+``lce_shard_stats``, ``lce_shard_merge`` and ``lce_shard_bwd``) are the steps of fusedce/vocab_parallel.h;
 python/fusedce/distributed.py strings them together with the collectives between them. They
 have no autograd formula: the autograd.Functions of distributed.py call ``ce_shard_bwd`` in
 their backward, because a gradient needs the merged statistics of every rank, which no single
 op sees.
 
-Arguments shared by the three: target (N,) of global class indices, class_weight (V_local,) or
+Arguments shared by the steps: target (N,) of global class indices (unshifted in the linear form), class_weight (V_local,) or
 None, vocab_start, vocab_total, then the options (docs/contract.md, "Options") as in ops.py; the
 fake kernels take them as objects (_options.register_fake): a ShardSpec, an Options and, for
 the linear form, a LinearOptions.
@@ -37,6 +37,15 @@ def _ce_shard_stats_fake(logits, target, class_weight, shard, options, return_me
 
 @register_fake("ce_shard_merge")
 def _ce_shard_merge_fake(gathered, target, class_weight, shard, options, return_metrics):
+    return _merged(gathered, target, options, return_metrics)
+
+
+@register_fake("lce_shard_merge")
+def _lce_shard_merge_fake(gathered, target, class_weight, shard, options, linear, return_metrics):
+    return _merged(gathered, target, options, return_metrics)
+
+
+def _merged(gathered, target, options, return_metrics):
     n = target.shape[0]
     torch._check(gathered.dim() == 2 and gathered.shape[1] == STATS_WIDTH,
                  lambda: f"fusedce: gathered must be (world * (N + 1), {STATS_WIDTH})")

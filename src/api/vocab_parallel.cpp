@@ -54,9 +54,12 @@ Status cross_entropy_shard_stats(const Device& device, const MatrixView& logits,
   return dispatch(c);
 }
 
-Status cross_entropy_shard_merge(const Device& device, const MatrixView& gathered, int64_t world,
-                                 const VectorView& target, const ShardSpec& shard, const Options& options,
-                                 const ForwardOutputs& out, const VectorView& row_weight, const VectorView& batch) {
+namespace {
+
+/// Step 2 of either form; shift_seq_len is the linear form's.
+Status merge(const Device& device, const MatrixView& gathered, int64_t world, const VectorView& target,
+             const ShardSpec& shard, const Options& options, int64_t shift_seq_len, const ForwardOutputs& out,
+             const VectorView& row_weight, const VectorView& batch) {
   detail::ShardCall c{};
   c.step = 2;
   c.device = device;
@@ -68,7 +71,23 @@ Status cross_entropy_shard_merge(const Device& device, const MatrixView& gathere
   c.out = out;
   c.row_weight = row_weight;
   c.batch = batch;
+  c.shift_seq_len = shift_seq_len;
   return dispatch(c);
+}
+
+}  // namespace
+
+Status cross_entropy_shard_merge(const Device& device, const MatrixView& gathered, int64_t world,
+                                 const VectorView& target, const ShardSpec& shard, const Options& options,
+                                 const ForwardOutputs& out, const VectorView& row_weight, const VectorView& batch) {
+  return merge(device, gathered, world, target, shard, options, 0, out, row_weight, batch);
+}
+
+Status linear_cross_entropy_shard_merge(const Device& device, const MatrixView& gathered, int64_t world,
+                                        const VectorView& target, const ShardSpec& shard, const Options& options,
+                                        const LinearOptions& linear, const ForwardOutputs& out,
+                                        const VectorView& row_weight, const VectorView& batch) {
+  return merge(device, gathered, world, target, shard, options, linear.shift_seq_len, out, row_weight, batch);
 }
 
 Status cross_entropy_shard_backward(const Device& device, const MatrixView& logits, const VectorView& target,

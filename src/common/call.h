@@ -25,8 +25,10 @@ struct CeCall {
 Status validate_call(const CeCall& call);
 
 /// Reads host-resident targets and reports the first one outside [0, V) that is not
-/// ignore_index, naming its row and value.
-Status check_targets_host(const VectorView& target, int64_t vocab, int64_t ignore_index);
+/// ignore_index, naming its entry and value; with shift_seq_len, the effective targets of the
+/// causal shift (the entries a shift drops are not read).
+Status check_targets_host(const VectorView& target, int64_t vocab, int64_t ignore_index,
+                          int64_t shift_seq_len = 0);
 
 /// validate_call's checks of one matrix / vector / target argument (the message names it).
 Status check_matrix_arg(const char* name, const MatrixView& m);
@@ -82,17 +84,19 @@ struct LinearCall {
 
 Status validate_linear_call(const LinearCall& call);
 
-/// The effective target of row i: with shift_seq_len, the causal shift inside sequences
-/// (docs/contract.md, "Fused linear cross-entropy").
-inline int64_t linear_target(const LinearCall& c, int64_t i) {
-  const VectorView& t = c.target;
-  const int64_t L = c.linear.shift_seq_len;
+/// The effective target of row i of a host-resident target: with shift_seq_len L > 0, the
+/// causal shift inside sequences of L rows (docs/contract.md, "Fused linear cross-entropy").
+inline int64_t shifted_target(const VectorView& t, int64_t L, int64_t ignore_index, int64_t i) {
   if (L > 0) {
-    if (i % L == L - 1) return c.options.ignore_index;
+    if (i % L == L - 1) return ignore_index;
     ++i;
   }
   return t.dtype == DType::kInt32 ? static_cast<const int32_t*>(t.data)[i * t.stride]
                                   : static_cast<const int64_t*>(t.data)[i * t.stride];
+}
+
+inline int64_t linear_target(const LinearCall& c, int64_t i) {
+  return shifted_target(c.target, c.linear.shift_seq_len, c.options.ignore_index, i);
 }
 
 }  // namespace detail
@@ -134,6 +138,7 @@ struct ShardCall {
   VectorView row_weight, batch;  // step 2 outputs, step 3 inputs
   VectorView lse, grad_loss;     // step 3
   MatrixView dlogits;            // step 3
+  int64_t shift_seq_len = 0;     // step 2 of the linear form: the targets' causal shift
 };
 
 Status validate_shard_call(const ShardCall& call);

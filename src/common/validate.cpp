@@ -233,9 +233,6 @@ namespace {
 Status validate_linear_shard(const LinearCall& c) {
   std::ostringstream os;
   const int64_t N = c.hidden.rows, H = c.hidden.cols, V = c.weight.rows;
-  if (c.linear.shift_seq_len != 0) {
-    return invalid("shift_seq_len must be 0 in a vocabulary-parallel step: pass the shifted targets (the merge needs them)");
-  }
   if (c.shard.vocab_total < 1) return invalid("shard.vocab_total must be >= 1");
   if (c.shard.vocab_start < 0 || c.shard.vocab_start + V > c.shard.vocab_total) {
     os << "shard.vocab_start (" << c.shard.vocab_start << ") + the shard's " << V
@@ -324,6 +321,10 @@ Status validate_shard_call(const ShardCall& c) {
   Status s = check_target(c.target, N);
   if (!s.ok()) return s;
   if (c.shard.vocab_total < 1) return invalid("shard.vocab_total must be >= 1");
+  if (c.shift_seq_len < 0 || (c.shift_seq_len > 0 && (c.step != 2 || N % c.shift_seq_len != 0))) {
+    os << "shift_seq_len must be 0 (no shift) or, in the merge, divide the " << N << " rows, got " << c.shift_seq_len;
+    return invalid(os.str());
+  }
   if (c.step == 1 || c.step == 3) {
     s = check_matrix("logits", c.logits);
     if (!s.ok()) return s;
@@ -388,14 +389,12 @@ Status validate_shard_call(const ShardCall& c) {
   return Status::Ok();
 }
 
-Status check_targets_host(const VectorView& target, int64_t vocab, int64_t ignore_index) {
+Status check_targets_host(const VectorView& target, int64_t vocab, int64_t ignore_index, int64_t shift_seq_len) {
   for (int64_t i = 0; i < target.size; ++i) {
-    const int64_t t = target.dtype == DType::kInt32
-                          ? static_cast<const int32_t*>(target.data)[i * target.stride]
-                          : static_cast<const int64_t*>(target.data)[i * target.stride];
+    const int64_t t = shifted_target(target, shift_seq_len, ignore_index, i);
     if (t != ignore_index && (t < 0 || t >= vocab)) {
       std::ostringstream os;
-      os << "target[" << i << "] = " << t << " is out of range [0, " << vocab
+      os << "target[" << (shift_seq_len > 0 ? i + 1 : i) << "] = " << t << " is out of range [0, " << vocab
          << ") and is not ignore_index (" << ignore_index << ")";
       return Status(StatusCode::kTargetOutOfRange, os.str());
     }

@@ -18,10 +18,8 @@ T& at(const VectorView& v, int64_t i) {
   return static_cast<T*>(v.data)[i * v.stride];
 }
 
-int64_t target_of(const VectorView& t, int64_t i) { return load_target(t.data, t.dtype, t.stride, i); }
-
 Status check_global_targets(const detail::ShardCall& c) {
-  return detail::check_targets_host(c.target, c.shard.vocab_total, c.options.ignore_index);
+  return detail::check_targets_host(c.target, c.shard.vocab_total, c.options.ignore_index, c.shift_seq_len);
 }
 
 /// Row-kernel arguments for a shard (steps 1 and 3).
@@ -96,7 +94,7 @@ Status merge(const detail::ShardCall& c) {
   double total = 0.0, den = 0.0, entropy = 0.0;
   int64_t correct = 0;
   for (int64_t i = 0; i < N; ++i) {
-    const int64_t t = target_of(c.target, i);
+    const int64_t t = detail::shifted_target(c.target, c.shift_seq_len, o.ignore_index, i);
     if (t == o.ignore_index) {
       if (o.reduction == Reduction::kNone) at<float>(c.out.loss, i) = 0.0f;
       at<float>(c.out.lse, i) = 0.0f;

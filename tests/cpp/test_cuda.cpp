@@ -737,5 +737,147 @@ TEST(CudaGraph, LinearCapturedReplaysOnNewInputs) {
   for (void* ptr : {d_hid, d_w, d_b, d_t, d_loss, d_lse, d_ent, d_cor, d_gh, d_gw, d_gb}) cudaFree(ptr);
 }
 
+// The linear form's shard steps with the causal shift and skip_ignored on a stream capturing a
+// CUDA graph: nothing may wait for the count of kept rows there, so every row runs through the
+// products; the replayed graph gives what a direct (compacting) call gives, up to the order of
+// float32 sums over rows: the statistics of every kept row, and the gradients.
+TEST(CudaGraph, ShardStepsWithShiftAndSkipCaptureEveryRow) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng = test_rng();
+  const DType d = DType::kFloat32;
+  const int64_t L = 41, N = 3 * L, H = 40, V = 170, V_total = 301;
+  const int64_t W = fusedce::kShardStatsWidth;
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> hid(N * H), w(V * H), b(V);
+  for (auto& x : hid) x = normal(rng);
+  for (auto& x : w) x = 0.3f * normal(rng);
+  for (auto& x : b) x = normal(rng);
+  std::vector<int64_t> tgt(N);
+  for (auto& t : tgt) t = rng() % 4 == 0 ? -100 : static_cast<int64_t>(rng() % V_total);
+  for (int64_t i = 0; i < 17; ++i) tgt[i] = -100;  // a prompt-masked head
+  float *d_hid, *d_w, *d_b, *d_stats, *d_loss, *d_lse, *d_rw, *d_batch, *d_gh, *d_gw, *d_gb, *d_up;
+  int64_t* d_t;
+  const float one = 1.0f;
+  ASSERT_CUDA(cudaMalloc(&d_up, 4));
+  ASSERT_CUDA(cudaMemcpy(d_up, &one, 4, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMalloc(&d_hid, N * H * 4));
+  ASSERT_CUDA(cudaMalloc(&d_w, V * H * 4));
+  ASSERT_CUDA(cudaMalloc(&d_b, V * 4));
+  ASSERT_CUDA(cudaMalloc(&d_t, N * 8));
+  ASSERT_CUDA(cudaMalloc(&d_stats, (N + 1) * W * 4));
+  ASSERT_CUDA(cudaMalloc(&d_loss, 4));
+  ASSERT_CUDA(cudaMalloc(&d_lse, N * 4));
+  ASSERT_CUDA(cudaMalloc(&d_rw, N * 4));
+  ASSERT_CUDA(cudaMalloc(&d_batch, 8));
+  ASSERT_CUDA(cudaMalloc(&d_gh, N * H * 4));
+  ASSERT_CUDA(cudaMalloc(&d_gw, V * H * 4));
+  ASSERT_CUDA(cudaMalloc(&d_gb, V * 4));
+  ASSERT_CUDA(cudaMemcpy(d_hid, hid.data(), N * H * 4, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(d_w, w.data(), V * H * 4, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(d_b, b.data(), V * 4, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(d_t, tgt.data(), N * 8, cudaMemcpyHostToDevice));
+  fusedce::Options o;
+  o.label_smoothing = 0.1f;
+  fusedce::LinearOptions lo;
+  lo.shift_seq_len = L;
+  lo.skip_ignored = true;
+  lo.chunk_budget_bytes = size_t(50) * V * 4;  // several chunks
+  const fusedce::ShardSpec shard{0, V_total};
+  fusedce::LinearGrads g;
+  g.grad_hidden = fusedce::matrix(d_gh, DType::kFloat32, N, H);
+  g.grad_weight = fusedce::matrix(d_gw, d, V, H);
+  g.grad_bias = fusedce::vector(d_gb, d, V);
+  const fusedce::Device probe = fusedce::Device::cuda(0, nullptr);
+  const size_t ws1 = fusedce::linear_cross_entropy_shard_workspace_size(1, probe, N, H, V, d, o, lo, {});
+  const size_t ws3 = fusedce::linear_cross_entropy_shard_workspace_size(3, probe, N, H, V, d, o, lo, g);
+  void *d_ws1, *d_ws3;
+  ASSERT_CUDA(cudaMalloc(&d_ws1, ws1));
+  ASSERT_CUDA(cudaMalloc(&d_ws3, ws3));
+  cudaStream_t stream;
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const fusedce::Device dev = fusedce::Device::cuda(0, stream);
+  const auto T = fusedce::vector(d_t, DType::kInt64, N);
+  auto step1 = [&] {
+    return fusedce::linear_cross_entropy_shard_stats(dev, fusedce::matrix(d_hid, d, N, H), fusedce::matrix(d_w, d, V, H),
+                                                     fusedce::vector(d_b, d, V), T, shard, o, lo,
+                                                     fusedce::matrix(d_stats, DType::kFloat32, N + 1, W),
+                                                     fusedce::Workspace{d_ws1, ws1});
+  };
+  auto step3 = [&] {
+    return fusedce::linear_cross_entropy_shard_backward(
+        dev, fusedce::matrix(d_hid, d, N, H), fusedce::matrix(d_w, d, V, H), fusedce::vector(d_b, d, V), T, shard, o,
+        lo, fusedce::vector(d_lse, DType::kFloat32, N), fusedce::vector(d_rw, DType::kFloat32, N),
+        fusedce::vector(d_batch, DType::kFloat32, 2), fusedce::vector(d_up, DType::kFloat32, 1), g,
+        fusedce::Workspace{d_ws3, ws3});
+  };
+  auto download = [&](const float* ptr, int64_t n) {
+    std::vector<float> v(n);
+    cudaMemcpy(v.data(), ptr, n * 4, cudaMemcpyDeviceToHost);
+    return v;
+  };
+  // Direct calls (compacting), with the merge between them.
+  ASSERT_OK(step1());
+  fusedce::ForwardOutputs out;
+  out.loss = fusedce::vector(d_loss, DType::kFloat32, 1);
+  out.lse = fusedce::vector(d_lse, DType::kFloat32, N);
+  ASSERT_OK(fusedce::linear_cross_entropy_shard_merge(dev, fusedce::matrix(d_stats, DType::kFloat32, N + 1, W), 1, T,
+                                                      shard, o, lo, out, fusedce::vector(d_rw, DType::kFloat32, N),
+                                                      fusedce::vector(d_batch, DType::kFloat32, 2)));
+  ASSERT_OK(step3());
+  ASSERT_CUDA(cudaStreamSynchronize(stream));
+  const std::vector<float> stats = download(d_stats, (N + 1) * W), gh = download(d_gh, N * H),
+                           gw = download(d_gw, V * H), gb = download(d_gb, V);
+  // Captured, then replayed.
+  ASSERT_CUDA(cudaMemset(d_stats, 0xCD, (N + 1) * W * 4));
+  ASSERT_CUDA(cudaMemset(d_gh, 0xCD, N * H * 4));
+  ASSERT_CUDA(cudaMemset(d_gw, 0xCD, V * H * 4));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const fusedce::Status s1 = step1();
+  const fusedce::Status s3 = step3();
+  ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+  ASSERT_OK(s1);
+  ASSERT_OK(s3);
+  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+  ASSERT_CUDA(cudaStreamSynchronize(stream));
+  const std::vector<float> stats_g = download(d_stats, (N + 1) * W), gh_g = download(d_gh, N * H),
+                           gw_g = download(d_gw, V * H), gb_g = download(d_gb, V);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const bool kept = i % L != L - 1 && tgt[i + 1] != -100;
+    if (!kept) continue;  // the direct call leaves zeros there, the captured one every row's statistics
+    for (int64_t k = 0; k < W; ++k) {
+      const float a = stats[i * W + k], c = stats_g[i * W + k];
+      bad += k == 7 ? std::memcmp(&a, &c, 4) != 0 : std::fabs(a - c) > 1e-5f * (std::fabs(c) + 1.0f);
+    }
+  }
+  for (int64_t k = 0; k < W; ++k) bad += std::fabs(stats[N * W + k] - stats_g[N * W + k]) > 1e-5f * (std::fabs(stats[N * W + k]) + 1.0f);
+  EXPECT_EQ(bad, 0) << "statistics of kept rows differ";
+  auto close = [](const std::vector<float>& a, const std::vector<float>& c) {
+    float scale = 1e-6f;
+    for (float x : a) scale = std::max(scale, std::fabs(x));
+    int64_t n = 0;
+    for (size_t k = 0; k < a.size(); ++k) n += !(std::fabs(a[k] - c[k]) <= 1e-5f * scale);
+    return n;
+  };
+  EXPECT_EQ(close(gh, gh_g), 0) << "grad_hidden";
+  EXPECT_EQ(close(gw, gw_g), 0) << "grad_weight";
+  EXPECT_EQ(close(gb, gb_g), 0) << "grad_bias";
+  for (int64_t i = 0; i < N; ++i) {
+    if (i % L == L - 1 || tgt[i + 1] == -100) {
+      for (int64_t h = 0; h < H; ++h) ASSERT_EQ(gh[i * H + h], 0.0f) << "an ignored row's grad_hidden, row " << i;
+    }
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  for (void* ptr : std::initializer_list<void*>{d_hid, d_w, d_b, d_t, d_stats, d_loss, d_lse, d_rw, d_batch, d_gh,
+                                                 d_gw, d_gb, d_up, d_ws1, d_ws3}) {
+    cudaFree(ptr);
+  }
+}
+
 }  // namespace
 }  // namespace fusedce_test

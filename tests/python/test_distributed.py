@@ -485,24 +485,37 @@ def test_group_of_one_linear_skip_ignored(device, reduction, group_of_one):
     assert (grads[0][ignored] == 0).all() and (m["lse"].view(3, 13)[ignored] == 0).all()
 
 
-def test_gathered_rows_run_the_shard_steps_without_skip_ignored(monkeypatch, group_of_one):
-    """The front end gathers the kept rows itself, so the shard steps it calls see
-    skip_ignored off (the CUDA shard step has no compaction and refuses it)."""
+def test_the_core_applies_shift_and_skip_ignored(monkeypatch, group_of_one):
+    """The front end hands every shard step the targets as the user gave them and the call's
+    linear options, shift and skip_ignored included: the core applies both (one implementation
+    for one device and for shards). Planting a copy of the shift or a gathering of the rows in
+    the front end fails this test."""
     from fusedce import distributed as dist_mod
     seen = []
-    original = dist_mod._linear_shard_rows
 
-    def spy(h, w, bias, t, class_weight, call, shard):
-        seen.append((h.shape[0], call.linear.skip_ignored))
-        return original(h, w, bias, t, class_weight, call, shard)
+    class Spy:
+        def __getattr__(self, name):
+            op = getattr(ops, name)
+            if not name.startswith("lce_shard_"):
+                return op
 
-    monkeypatch.setattr(dist_mod, "_linear_shard_rows", spy)
+            def call(*args):
+                seen.append((name, args[0].shape[0], args[3 if name != "lce_shard_merge" else 1].tolist(),
+                             args[-5:-1] if name != "lce_shard_bwd" else args[-7:-3]))
+                return op(*args)
+            return call
+
+    monkeypatch.setattr(dist_mod, "ops", Spy())
     g = torch.Generator().manual_seed(3)
-    h = torch.randn(6, HIDDEN, generator=g)
+    h = torch.randn(6, HIDDEN, generator=g, requires_grad=True)
     t = torch.tensor([1, -100, 2, -100, 3, 4])
-    fusedce.vocab_parallel_linear_cross_entropy(h, torch.randn(11, HIDDEN, generator=g), t,
-                                                process_group=group_of_one, skip_ignored=True)
-    assert seen == [(4, False)]
+    loss = fusedce.vocab_parallel_linear_cross_entropy(h, torch.randn(11, HIDDEN, generator=g), t,
+                                                       process_group=group_of_one, shift=True,
+                                                       skip_ignored=True, chunk_budget_bytes=4096)
+    loss.backward()
+    linear = (6, 4096, False, True)
+    assert seen == [("lce_shard_stats", 6, t.tolist(), linear), ("lce_shard_merge", seen[1][1], t.tolist(), linear),
+                    ("lce_shard_bwd", 6, t.tolist(), linear)]
 
 
 def test_group_of_one_module(group_of_one):
@@ -707,9 +720,12 @@ def test_opcheck(device, weighted, reduction, metrics):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("metrics", [False, True])
-def test_lce_opcheck(device, with_bias, metrics):
-    """The linear form's ops: lce_shard_stats on each of two shards of a head, their merge, then
-    lce_shard_bwd, each through torch.library.opcheck (schema, fake kernel, autograd registration)."""
+# shift_seq_len, chunk_budget_bytes (0: the default), low_memory, skip_ignored
+@pytest.mark.parametrize("linear", [(0, 0, False, False), (13, 0, False, True)], ids=["plain", "shift_skip"])
+def test_lce_opcheck(device, with_bias, metrics, linear):
+    """The linear form's ops: lce_shard_stats on each of two shards of a head, their merge
+    (lce_shard_merge), then lce_shard_bwd, each through torch.library.opcheck (schema, fake
+    kernel, autograd registration)."""
     _needs_vp_kernels(device)
     g = torch.Generator().manual_seed(9)
     n, h, sizes = 13, 16, (40, 27)
@@ -720,7 +736,6 @@ def test_lce_opcheck(device, with_bias, metrics):
     t = torch.randint(0, vocab, (n,), generator=g).to(device)
     t[3] = -100
     opts = (-100, "mean", 0.1, 1.1, 9.0, 1e-3)
-    linear = (0, False, False)  # chunk_budget_bytes (0: the default), low_memory, skip_ignored
     stats, parts = [], []
     for v0, v1 in _split(list(sizes)):
         args = (hidden, weight[v0:v1].contiguous(), bias[v0:v1].contiguous() if with_bias else None, t, None,
@@ -728,7 +743,9 @@ def test_lce_opcheck(device, with_bias, metrics):
         torch.library.opcheck(ops.lce_shard_stats.default, args)
         stats.append(ops.lce_shard_stats(*args))
         parts.append(args)
-    merged = ops.ce_shard_merge(torch.cat(stats), t, None, 0, vocab, *opts, metrics)
+    merge_args = (torch.cat(stats), t, None, 0, vocab, *opts, *linear, metrics)
+    torch.library.opcheck(ops.lce_shard_merge.default, merge_args)
+    merged = ops.lce_shard_merge(*merge_args)
     lse, row_weight, batch = merged[1], merged[4], merged[5]
     grad = torch.tensor(1.5, device=device)
     hid, w, b, *_ = parts[1]

@@ -39,7 +39,7 @@ def test_every_op_with_options_takes_them_in_the_python_order():
     # every op of the cross-entropy families (a renamed argument would drop one from this list)
     assert with_options == sorted([
         "ce_fwd_bwd", "ce_fwd_bwd_", "ce_loss", "ce_shard_bwd", "ce_shard_merge", "ce_shard_stats", "lce_fwd",
-        "lce_fwd_bwd", "lce_shard_bwd", "lce_shard_stats"])
+        "lce_fwd_bwd", "lce_shard_bwd", "lce_shard_merge", "lce_shard_stats"])
 
 
 def test_op_args_follow_the_field_order():
@@ -95,19 +95,13 @@ def _names(op):
 
 
 def test_linear_options_follow_the_lce_schemas():
-    # lce_fwd / lce_fwd_bwd take the four right after the six; the shard ops the last three
-    # (their target comes shifted).
-    for op in ("lce_fwd", "lce_fwd_bwd"):
+    # Every lce op, the shard steps included, takes the four right after the six.
+    for op in ("lce_fwd", "lce_fwd_bwd", "lce_shard_stats", "lce_shard_merge", "lce_shard_bwd"):
         names = _names(op)
         at = options_position(getattr(_library.ops(), op).default._schema) + len(OPTION_NAMES)
         assert tuple(names[at:at + len(LINEAR_NAMES)]) == LINEAR_NAMES, op
-    for op in ("lce_shard_stats", "lce_shard_bwd"):
-        names = _names(op)
-        at = names.index("chunk_budget_bytes")
-        assert tuple(names[at:at + 3]) == LINEAR_NAMES[1:], op
     linear = LinearOptions(4, 1 << 20, True, False)
     assert linear.op_args() == tuple(getattr(linear, n) for n in LINEAR_NAMES)
-    assert linear.shard_op_args() == linear.op_args()[1:]
     args = ("h", "w", None, "t", None, *Options().op_args(), *linear.op_args(), True)
     before, options, back, after = linear_options_in(5, args)
     assert before == args[:5] and options == Options() and back == linear and after == (True,)

@@ -35,6 +35,22 @@ struct LinearPrepareParams {
   float* weight_sum;    // sum of the V class weights (V without weights): label smoothing's W
 };
 
+/// The prepare kernel's parameters for `rows` rows of `target`; the class weights and the
+/// outputs are the caller's to fill in.
+inline LinearPrepareParams prepare_params(const VectorView& target, int64_t rows, int64_t shift, int64_t ignore_index,
+                                          int64_t vocab, bool compact) {
+  LinearPrepareParams q{};
+  q.target = target.data;
+  q.target_stride = target.stride;
+  q.target_i64 = target.dtype == DType::kInt64;
+  q.rows = rows;
+  q.shift = shift;
+  q.ignore_index = ignore_index;
+  q.vocab = vocab;
+  q.compact = compact;
+  return q;
+}
+
 /// Per chunk of positions [p0, p0 + n): the targets and upstream gradients of its rows, and (when
 /// compacting) its hidden rows gathered into a dense block.
 struct LinearGatherParams {
@@ -114,6 +130,36 @@ struct LinearSliceGradParams {
   DType dtype;
 };
 
+/// skip_ignored in the vocabulary-parallel backward (linear_shard_cuda.cpp): per position k of a
+/// chunk of positions [p0, p0 + n), the merged lse, target weight and (reduction none) upstream
+/// gradient of row idx[p0 + k], gathered into dense (n,) vectors.
+struct ShardGatherParams {
+  const int64_t* idx;
+  int64_t p0, n;
+  const float* lse;
+  int64_t lse_stride;
+  float* lse_out;
+  const float* row_weight;
+  int64_t row_weight_stride;
+  float* row_weight_out;
+  const float* grad_loss;  // null: the upstream gradient is one scalar (sum, mean)
+  int64_t grad_stride;
+  float* grad_out;
+};
+
+/// Dense float32 rows (n, width) back to rows idx[p0 + k] of dst (row stride dst_stride),
+/// written, or added to what dst holds. Each row appears once among the positions, so no two
+/// blocks touch one row.
+struct RowScatterParams {
+  const int64_t* idx;
+  int64_t p0, n;
+  const float* src;
+  int64_t width;
+  float* dst;
+  int64_t dst_stride;
+  bool add;
+};
+
 struct ConvertParams {
   const float* src;  // (rows, cols) dense
   void* dst;
@@ -149,6 +195,8 @@ void launch_linear_branch(const LinearBranchParams& p, cudaStream_t stream);
 void launch_linear_prepare(const LinearPrepareParams& p, cudaStream_t stream);
 void launch_linear_gather(const LinearGatherParams& p, cudaStream_t stream);
 void launch_linear_scatter(const LinearScatterParams& p, cudaStream_t stream);
+void launch_shard_gather(const ShardGatherParams& p, cudaStream_t stream);
+void launch_row_scatter(const RowScatterParams& p, cudaStream_t stream);
 void launch_linear_finish(const LinearFinishParams& p, cudaStream_t stream);
 void launch_convert(const ConvertParams& p, cudaStream_t stream);
 void launch_linear_slice_grad(const LinearSliceGradParams& p, cudaStream_t stream);

@@ -355,17 +355,10 @@ class LinearRun {
   }
 
   Status prepare() {
-    LinearPrepareParams q{};
-    q.target = c_.target.data;
-    q.target_stride = c_.target.stride;
-    q.target_i64 = c_.target.dtype == DType::kInt64;
-    q.rows = p_.N;
-    q.shift = c_.linear.shift_seq_len;
-    q.ignore_index = c_.options.ignore_index;
-    q.vocab = p_.V;
+    LinearPrepareParams q =
+        prepare_params(c_.target, p_.N, c_.linear.shift_seq_len, c_.options.ignore_index, p_.V, p_.compact);
     q.class_weight = static_cast<const float*>(c_.options.class_weight.data);
     q.weight_stride = c_.options.class_weight.stride;
-    q.compact = p_.compact;
     q.eff_target = at_as<int64_t>(p_.eff_target);
     q.idx = at_as<int64_t>(p_.idx);
     q.count = &scalars()->count;

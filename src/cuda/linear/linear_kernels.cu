@@ -181,6 +181,23 @@ __global__ void linear_scatter_kernel(const LinearScatterParams p, size_t elem) 
   }
 }
 
+__global__ void shard_gather_kernel(const ShardGatherParams p) {
+  for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < p.n; k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = p.idx[p.p0 + k];
+    p.lse_out[k] = p.lse[row * p.lse_stride];
+    p.row_weight_out[k] = p.row_weight[row * p.row_weight_stride];
+    if (p.grad_loss) p.grad_out[k] = p.grad_loss[row * p.grad_stride];
+  }
+}
+
+/// One block per position.
+__global__ void row_scatter_kernel(const RowScatterParams p) {
+  const int64_t k = blockIdx.x;
+  const float* src = p.src + k * p.width;
+  float* dst = p.dst + p.idx[p.p0 + k] * p.dst_stride;
+  for (int64_t j = threadIdx.x; j < p.width; j += blockDim.x) dst[j] = p.add ? dst[j] + src[j] : src[j];
+}
+
 constexpr int kSliceThreads = 256;
 
 /// A logit plus its bias, rounded to the dtype: the one rounding both low_memory passes apply.
@@ -353,6 +370,14 @@ void launch_linear_branch(const LinearBranchParams& p, cudaStream_t stream) {
 void launch_linear_scatter(const LinearScatterParams& p, cudaStream_t stream) {
   if (p.n <= 0) return;
   linear_scatter_kernel<<<static_cast<unsigned>(p.n), p.gh_in ? 256 : 32, 0, stream>>>(p, elem_bytes(p.dtype));
+}
+
+void launch_shard_gather(const ShardGatherParams& p, cudaStream_t stream) {
+  if (p.n > 0) shard_gather_kernel<<<grid_for(p.n, 256), 256, 0, stream>>>(p);
+}
+
+void launch_row_scatter(const RowScatterParams& p, cudaStream_t stream) {
+  if (p.n > 0) row_scatter_kernel<<<static_cast<unsigned>(p.n), p.width <= 64 ? 32 : 256, 0, stream>>>(p);
 }
 
 void launch_linear_finish(const LinearFinishParams& p, cudaStream_t stream) {

@@ -1,18 +1,26 @@
 // The CUDA backend of the vocabulary-parallel linear steps (vocab_parallel.h): the linear
 // cross-entropy over this rank's rows of the head, never storing more than one chunk of logits.
-//   step 1, per token chunk: logits chunk (rows, V_local) = hidden_chunk . weight^T (+ bias),
-//     cuBLASLt, in the input dtype; the shard statistics kernel folds it into the rows'
+//   step 1, per chunk of positions: logits chunk (rows, V_local) = hidden_chunk . weight^T
+//     (+ bias), cuBLASLt, in the input dtype; the shard statistics kernel folds it into the rows'
 //     statistics (written in place in the (N + 1, 9) output: each chunk's extra row is the next
 //     chunk's first, and the last chunk's is row N, the shard's class-weight sum).
 //   step 3, per vocabulary slice (the whole shard; with low_memory, slices whose float32
-//     grad_weight accumulator stays within kSliceAccBytes) and token chunk: the logits again,
-//     the shard backward kernel turns them into dlogits in place from the merged lse, then
+//     grad_weight accumulator stays within kSliceAccBytes) and chunk of positions: the logits
+//     again, the shard backward kernel turns them into dlogits in place from the merged lse, then
 //     grad_hidden (float32, this rank's part) += dlogits . weight_slice, grad_weight_slice (+)=
 //     dlogits^T . hidden_chunk (float32 accumulation, rounded once), grad_bias likewise.
+// Positions are the rows, unless the call shifts or skips: then the whole-vocabulary path's
+// prepare kernel first writes every row's effective target (the causal shift) and the positions
+// (with skip_ignored, the rows whose effective target is not ignored). skip_ignored reads their
+// count on the host, the one wait of the call, and each chunk gathers its positions' hidden rows
+// and targets into dense blocks: step 1 scatters the chunk's statistics rows back to their rows
+// (the rows of ignored targets stay zeros, which the merge never reads); step 3 gathers the
+// rows' lse, target weight and upstream gradient as well, and adds the chunk's grad_hidden rows
+// into theirs (cleared first: an ignored row's gradient is 0). On a stream that is capturing a
+// CUDA graph nothing may wait, so every row is a position there: the same results, all rows'
+// products. Otherwise no host synchronisation.
 // chunk_budget_bytes bounds the logit buffer (input dtype) as in linear_cuda.cpp, with the same
-// default; low_memory keeps the buffer and the accumulators under 512 MiB. No host
-// synchronisation. skip_ignored needs the count of the kept rows on the host and a compaction
-// of the rows that this path does not have yet: it is refused, not ignored.
+// default; low_memory keeps the buffer and the accumulators under 512 MiB.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -35,14 +43,26 @@ int64_t round_up(int64_t n, int64_t q) { return (n + q - 1) / q * q; }
 constexpr size_t kLowMemoryBudget = size_t(256) << 20;
 constexpr size_t kSliceAccBytes = size_t(128) << 20;
 
+/// What the prepare kernel leaves for the host and the chunks.
+struct PrepareScalars {
+  int64_t count;    // positions
+  int64_t bad_row;  // not read here: the front end checks the targets of a shard
+  float denom;      // not read here: the merge forms the mean's denominator
+};
+
 struct ShardPlan {
   int64_t N, H, V;
   DType dtype;
   int64_t slice;      // vocabulary columns per slice (step 3; V for step 1)
   int64_t ld;         // row stride of a logits chunk: the slice rounded up to 16 bytes
-  int64_t rows;       // token rows per chunk
+  int64_t rows;       // positions per chunk
   bool gw_acc;        // grad_weight through a float32 slice accumulator (16-bit, several chunks)
-  size_t gemm_ws, logits, ones, gw, gb, total;
+  bool prepare;       // shift or skip_ignored: effective targets and positions (prepare kernel)
+  bool gather;        // skip_ignored: room for a chunk's rows gathered into dense blocks
+  size_t gemm_ws, logits, ones, gw, gb;
+  size_t eff, idx, scalars;                     // prepare: (N,) int64 each, PrepareScalars
+  size_t hid, tgt, stats, lse, row_weight, grad, gh;  // gather: one chunk's dense blocks
+  size_t total;
 };
 
 ShardPlan plan_shard(const detail::LinearCall& c) {
@@ -54,6 +74,7 @@ ShardPlan plan_shard(const detail::LinearCall& c) {
   const size_t el = elem_size(p.dtype);
   const int64_t per16 = static_cast<int64_t>(16 / el);
   const bool backward = c.shard_step == 3;
+  const bool want_gh = backward && c.grads.grad_hidden.data != nullptr;
   const bool want_gw = backward && c.grads.grad_weight.data != nullptr;
   const bool want_gb = backward && c.grads.grad_bias.data != nullptr;
   const bool low = c.linear.low_memory;
@@ -79,6 +100,26 @@ ShardPlan plan_shard(const detail::LinearCall& c) {
   p.ones = want_gb ? take(size_t(p.rows) * el) : 0;
   p.gw = p.gw_acc ? take(size_t(p.slice) * size_t(p.H) * 4) : 0;
   p.gb = want_gb ? take(size_t(p.V) * 4) : 0;
+  p.prepare = c.linear.shift_seq_len > 0 || c.linear.skip_ignored;
+  p.gather = c.linear.skip_ignored;
+  if (p.prepare) {
+    p.eff = take(size_t(p.N) * 8);
+    p.idx = take(size_t(p.N) * 8);
+    p.scalars = take(sizeof(PrepareScalars));
+  }
+  if (p.gather) {
+    const size_t rows = size_t(p.rows);
+    p.hid = take(rows * size_t(p.H) * el);
+    p.tgt = take(rows * 8);
+    if (!backward) {
+      p.stats = take((rows + 1) * kShardStatsWidth * 4);
+    } else {
+      p.lse = take(rows * 4);
+      p.row_weight = take(rows * 4);
+      p.grad = c.options.reduction == Reduction::kNone ? take(rows * 4) : 0;
+      p.gh = want_gh ? take(rows * size_t(p.H) * 4) : 0;
+    }
+  }
   p.total = at;
   return p;
 }
@@ -95,16 +136,33 @@ class ShardRun {
       : c_(c), p_(p), ws_(ws), stream_(static_cast<cudaStream_t>(c.device.stream)) {}
 
   Status stats() {
-    const int64_t step = p_.rows;
     float* out = static_cast<float*>(c_.stats.data);
-    for (int64_t r0 = 0; r0 == 0 || r0 < p_.N; r0 += step) {
-      const int64_t nc = std::min(step, p_.N - r0);
-      if (nc > 0) FUSEDCE_TRY(logits(r0, nc, 0, p_.V, true));
-      // Rows [r0, r0 + nc] of the output; row r0 + nc is the next chunk's first (or row N).
-      FUSEDCE_TRY(cross_entropy_shard_stats(c_.device, chunk(nc, p_.V), target_at(r0, nc), c_.shard, c_.options,
-                                            matrix(out + r0 * kShardStatsWidth, DType::kFloat32, nc + 1,
-                                                   kShardStatsWidth)));
-      if (p_.N == 0) break;
+    if (p_.N > 0) FUSEDCE_TRY(prepare());
+    if (compact_) {
+      const cudaError_t e = cudaMemsetAsync(out, 0, size_t(p_.N + 1) * kShardStatsWidth * 4, stream_);
+      if (e != cudaSuccess) return device_error(e, "clearing the statistics of the skipped rows");
+    }
+    float* dense = reinterpret_cast<float*>(ws_ + p_.stats);
+    for (int64_t p0 = 0; p0 == 0 || p0 < positions_; p0 += p_.rows) {
+      const int64_t nc = std::min(p_.rows, positions_ - p0);
+      Chunk ch;
+      FUSEDCE_TRY(chunk_inputs(p0, nc, &ch));
+      if (nc > 0) FUSEDCE_TRY(logits(ch.hidden, nc, 0, p_.V, true));
+      // Rows [p0, p0 + nc] of the output (row p0 + nc is the next chunk's first, or row N); with
+      // compaction, of the dense block, whose rows then go to their rows and whose extra row is
+      // the class-weight sum of row N.
+      float* dst = compact_ ? dense : out + p0 * kShardStatsWidth;
+      FUSEDCE_TRY(cross_entropy_shard_stats(c_.device, chunk(nc, p_.V), ch.target, c_.shard, c_.options,
+                                            matrix(dst, DType::kFloat32, nc + 1, kShardStatsWidth)));
+      if (compact_) {
+        launch_row_scatter(RowScatterParams{idx(), p0, nc, dense, kShardStatsWidth, out, kShardStatsWidth, false},
+                           stream_);
+        FUSEDCE_TRY(last_error("scattering a chunk's statistics"));
+        const cudaError_t e = cudaMemcpyAsync(out + p_.N * kShardStatsWidth, dense + nc * kShardStatsWidth,
+                                              kShardStatsWidth * 4, cudaMemcpyDeviceToDevice, stream_);
+        if (e != cudaSuccess) return device_error(e, "copying the class-weight sum");
+      }
+      if (positions_ == 0) break;
     }
     return Status::Ok();
   }
@@ -117,11 +175,20 @@ class ShardRun {
       FUSEDCE_TRY(last_error("filling the ones vector"));
     }
     if (p_.N == 0) return clear_grads();
+    FUSEDCE_TRY(prepare());
+    if (compact_ && g.grad_hidden.data) {
+      const cudaError_t e = cudaMemset2DAsync(g.grad_hidden.data, size_t(g.grad_hidden.row_stride) * 4, 0,
+                                              size_t(p_.H) * 4, size_t(p_.N), stream_);
+      if (e != cudaSuccess) return device_error(e, "clearing grad_hidden");
+    }
+    if (positions_ == 0) return clear_grads();
     for (int64_t v0 = 0; v0 < p_.V; v0 += p_.slice) {
       const int64_t vs = std::min(p_.slice, p_.V - v0);
-      for (int64_t r0 = 0; r0 < p_.N; r0 += p_.rows) {
-        const int64_t nc = std::min(p_.rows, p_.N - r0);
-        FUSEDCE_TRY(logits(r0, nc, v0, vs, true));
+      for (int64_t p0 = 0; p0 < positions_; p0 += p_.rows) {
+        const int64_t nc = std::min(p_.rows, positions_ - p0);
+        Chunk ch;
+        FUSEDCE_TRY(chunk_inputs(p0, nc, &ch));
+        FUSEDCE_TRY(logits(ch.hidden, nc, v0, vs, true));
         const MatrixView L = chunk(nc, vs);
         ShardSpec sub = c_.shard;
         sub.vocab_start += v0;
@@ -130,35 +197,48 @@ class ShardRun {
           o.class_weight.data = static_cast<float*>(o.class_weight.data) + v0 * o.class_weight.stride;
           o.class_weight.size = vs;
         }
-        const bool per_row = o.reduction == Reduction::kNone;
-        FUSEDCE_TRY(cross_entropy_shard_backward(c_.device, L, target_at(r0, nc), sub, o, slice_of(c_.lse_in, r0, nc),
-                                                 slice_of(c_.row_weight, r0, nc), c_.batch,
-                                                 per_row ? slice_of(c_.grad_loss, r0, nc) : c_.grad_loss, L));
+        RowInputs in;
+        FUSEDCE_TRY(row_inputs(p0, nc, &in));
+        FUSEDCE_TRY(cross_entropy_shard_backward(c_.device, L, ch.target, sub, o, in.lse, in.row_weight, c_.batch,
+                                                 in.grad_loss, L));
         const GemmOperand dl{ws_ + p_.logits, p_.dtype, vs, nc, p_.ld};  // dlogits^T: vs x nc
         const GemmOperand wslice = weight_op(v0, vs);
-        const GemmOperand hid = hidden_op(r0, nc);
         if (g.grad_hidden.data) {
-          // grad_hidden^T (H x nc) (+)= weight_slice (H x vs) . dlogits^T (vs x nc), float32
+          // grad_hidden^T (H x nc) (+)= weight_slice (H x vs) . dlogits^T (vs x nc), float32; with
+          // compaction into the dense block, whose rows are then added to their rows.
           GemmCall h = base();
           h.a = wslice;
           h.b = dl;
-          h.d = static_cast<float*>(g.grad_hidden.data) + r0 * g.grad_hidden.row_stride;
           h.d_dtype = DType::kFloat32;
           h.m = p_.H;
           h.n = nc;
-          h.ld_d = g.grad_hidden.row_stride;
-          h.beta = v0 == 0 ? 0.0f : 1.0f;
+          if (compact_) {
+            h.d = ws_ + p_.gh;
+            h.ld_d = p_.H;
+            h.beta = 0.0f;
+          } else {
+            h.d = static_cast<float*>(g.grad_hidden.data) + p0 * g.grad_hidden.row_stride;
+            h.ld_d = g.grad_hidden.row_stride;
+            h.beta = v0 == 0 ? 0.0f : 1.0f;
+          }
           FUSEDCE_TRY(gemm(h));
+          if (compact_) {
+            launch_row_scatter(RowScatterParams{idx(), p0, nc, reinterpret_cast<const float*>(ws_ + p_.gh), p_.H,
+                                                static_cast<float*>(g.grad_hidden.data), g.grad_hidden.row_stride,
+                                                true},
+                               stream_);
+            FUSEDCE_TRY(last_error("adding a chunk's grad_hidden rows"));
+          }
         }
         if (g.grad_weight.data) {
           // grad_weight_slice^T (H x vs) (+)= hidden (H x nc) . dlogits (nc x vs)
           GemmCall w = base();
-          w.a = hid;
+          w.a = ch.hidden;
           w.b = dl;
           w.transpose_b = true;
           w.m = p_.H;
           w.n = vs;
-          w.beta = r0 == 0 ? 0.0f : 1.0f;
+          w.beta = p0 == 0 ? 0.0f : 1.0f;
           if (p_.gw_acc) {
             w.d = ws_ + p_.gw;
             w.d_dtype = DType::kFloat32;
@@ -180,7 +260,7 @@ class ShardRun {
           b.m = vs;
           b.n = 1;
           b.ld_d = vs;
-          b.beta = r0 == 0 ? 0.0f : 1.0f;
+          b.beta = p0 == 0 ? 0.0f : 1.0f;
           FUSEDCE_TRY(gemm(b));
         }
       }
@@ -202,6 +282,114 @@ class ShardRun {
   }
 
  private:
+  /// A chunk of positions as the products and the shard kernels take it.
+  struct Chunk {
+    GemmOperand hidden;  // H x nc
+    VectorView target;   // (nc,) global targets
+  };
+  /// A chunk's merged row statistics and upstream gradient, as the shard backward takes them.
+  struct RowInputs {
+    VectorView lse, row_weight, grad_loss;
+  };
+
+  int64_t* eff() const { return reinterpret_cast<int64_t*>(ws_ + p_.eff); }
+  int64_t* idx() const { return reinterpret_cast<int64_t*>(ws_ + p_.idx); }
+  PrepareScalars* scalars() const { return reinterpret_cast<PrepareScalars*>(ws_ + p_.scalars); }
+
+  /// The positions: every row, unless the call shifts or skips (see the top of the file). Sets
+  /// positions_ and compact_.
+  Status prepare() {
+    positions_ = p_.N;
+    compact_ = false;
+    if (!p_.prepare) return Status::Ok();
+    bool compact = p_.gather;
+    if (compact) {
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      const cudaError_t e = cudaStreamIsCapturing(stream_, &capture);
+      if (e != cudaSuccess) return device_error(e, "asking whether the stream is capturing a CUDA graph");
+      compact = capture == cudaStreamCaptureStatusNone;
+    }
+    // No class weights: they are a local slice, which the kernel would index by global targets
+    // (the merge weighs the rows).
+    LinearPrepareParams q = prepare_params(c_.target, p_.N, c_.linear.shift_seq_len, c_.options.ignore_index,
+                                           c_.shard.vocab_total, compact);
+    q.eff_target = eff();
+    q.idx = idx();
+    q.count = &scalars()->count;
+    q.denom = &scalars()->denom;
+    q.bad_row = &scalars()->bad_row;
+    q.weight_sum = nullptr;
+    launch_linear_prepare(q, stream_);
+    FUSEDCE_TRY(last_error("the prepare kernel"));
+    if (!compact) return Status::Ok();
+    int64_t count = 0;
+    cudaError_t e = cudaMemcpyAsync(&count, &scalars()->count, sizeof(count), cudaMemcpyDeviceToHost, stream_);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+    if (e != cudaSuccess) return device_error(e, "reading the count of rows to compute");
+    positions_ = count;
+    compact_ = true;
+    return Status::Ok();
+  }
+
+  /// Positions [p0, p0 + nc): their hidden rows and targets, gathered into the dense blocks when
+  /// compacting.
+  Status chunk_inputs(int64_t p0, int64_t nc, Chunk* ch) {
+    if (!compact_) {
+      ch->hidden = hidden_op(p0, nc);
+      ch->target = target_at(p0, nc);
+      return Status::Ok();
+    }
+    LinearGatherParams q{};
+    q.eff_target = eff();
+    q.idx = idx();
+    q.p0 = p0;
+    q.n = nc;
+    q.hidden = c_.hidden.data;
+    q.hidden_stride = c_.hidden.row_stride;
+    q.H = p_.H;
+    q.dtype = p_.dtype;
+    q.target_out = reinterpret_cast<int64_t*>(ws_ + p_.tgt);
+    q.hidden_out = ws_ + p_.hid;
+    q.ignore_index = c_.options.ignore_index;
+    launch_linear_gather(q, stream_);
+    FUSEDCE_TRY(last_error("gathering a chunk's rows"));
+    ch->hidden = GemmOperand{ws_ + p_.hid, p_.dtype, p_.H, nc, p_.H};
+    ch->target = vector(ws_ + p_.tgt, DType::kInt64, nc);
+    return Status::Ok();
+  }
+
+  /// Positions [p0, p0 + nc): their lse, target weight and (reduction none) upstream gradient.
+  Status row_inputs(int64_t p0, int64_t nc, RowInputs* in) {
+    const bool per_row = c_.options.reduction == Reduction::kNone;
+    if (!compact_) {
+      in->lse = slice_of(c_.lse_in, p0, nc);
+      in->row_weight = slice_of(c_.row_weight, p0, nc);
+      in->grad_loss = per_row ? slice_of(c_.grad_loss, p0, nc) : c_.grad_loss;
+      return Status::Ok();
+    }
+    ShardGatherParams q{};
+    q.idx = idx();
+    q.p0 = p0;
+    q.n = nc;
+    q.lse = static_cast<const float*>(c_.lse_in.data);
+    q.lse_stride = c_.lse_in.stride;
+    q.lse_out = reinterpret_cast<float*>(ws_ + p_.lse);
+    q.row_weight = static_cast<const float*>(c_.row_weight.data);
+    q.row_weight_stride = c_.row_weight.stride;
+    q.row_weight_out = reinterpret_cast<float*>(ws_ + p_.row_weight);
+    if (per_row) {
+      q.grad_loss = static_cast<const float*>(c_.grad_loss.data);
+      q.grad_stride = c_.grad_loss.stride;
+      q.grad_out = reinterpret_cast<float*>(ws_ + p_.grad);
+    }
+    launch_shard_gather(q, stream_);
+    FUSEDCE_TRY(last_error("gathering a chunk's row statistics"));
+    in->lse = vector(q.lse_out, DType::kFloat32, nc);
+    in->row_weight = vector(q.row_weight_out, DType::kFloat32, nc);
+    in->grad_loss = per_row ? vector(q.grad_out, DType::kFloat32, nc) : c_.grad_loss;
+    return Status::Ok();
+  }
+
   GemmCall base() const {
     GemmCall g{};
     g.workspace = ws_ + p_.gemm_ws;
@@ -218,7 +406,9 @@ class ShardRun {
     return GemmOperand{h, p_.dtype, p_.H, nc, c_.hidden.row_stride};  // H x nc
   }
   MatrixView chunk(int64_t nc, int64_t vs) const { return matrix(ws_ + p_.logits, p_.dtype, nc, vs, p_.ld); }
+  /// The targets of rows [r0, r0 + nc): the effective ones when the prepare kernel ran.
   VectorView target_at(int64_t r0, int64_t nc) const {
+    if (p_.prepare) return vector(eff() + r0, DType::kInt64, nc);
     VectorView t = c_.target;
     t.data = static_cast<char*>(t.data) + size_t(r0) * t.stride * (t.dtype == DType::kInt64 ? 8 : 4);
     t.size = nc;
@@ -231,12 +421,12 @@ class ShardRun {
     return s;
   }
 
-  /// Logits of rows [r0, r0 + nc) over the local columns [v0, v0 + vs), into the buffer.
-  Status logits(int64_t r0, int64_t nc, int64_t v0, int64_t vs, bool with_bias) {
+  /// Logits of the chunk's nc rows of `hidden` over the local columns [v0, v0 + vs), into the buffer.
+  Status logits(const GemmOperand& hidden, int64_t nc, int64_t v0, int64_t vs, bool with_bias) {
     GemmCall g = base();
     g.a = weight_op(v0, vs);
     g.transpose_a = true;
-    g.b = hidden_op(r0, nc);
+    g.b = hidden;
     g.d = ws_ + p_.logits;
     g.d_dtype = p_.dtype;
     g.m = vs;
@@ -249,7 +439,7 @@ class ShardRun {
     return gemm(g);
   }
 
-  /// No rows: zero gradients.
+  /// No positions: zero gradients (grad_hidden is cleared by the caller where it has rows).
   Status clear_grads() {
     const LinearGrads& g = c_.grads;
     const size_t el = elem_size(p_.dtype);
@@ -273,6 +463,8 @@ class ShardRun {
   const ShardPlan& p_;
   char* ws_;
   cudaStream_t stream_;
+  int64_t positions_ = 0;  // rows that enter the products (prepare)
+  bool compact_ = false;   // positions are the kept rows, gathered per chunk
 };
 
 }  // namespace
@@ -280,10 +472,6 @@ class ShardRun {
 size_t linear_shard_workspace_size(const detail::LinearCall& call) { return plan_shard(call).total; }
 
 Status run_linear_shard(const detail::LinearCall& call) {
-  if (call.linear.skip_ignored) {
-    return Status(StatusCode::kUnsupported,
-                  "skip_ignored: the vocabulary-parallel CUDA path has no row compaction yet (pass skip_ignored=False)");
-  }
   if (call.bias.data != nullptr && call.bias.size > 1 && call.bias.stride != 1) {
     return Status(StatusCode::kInvalidArgument, "bias: the CUDA backend needs stride 1, got " + std::to_string(call.bias.stride));
   }

@@ -159,6 +159,7 @@ struct MergeParams {
   const void* target;
   int64_t target_stride;
   bool target_i64;
+  int64_t shift;  // the linear form's causal shift (rows per sequence), 0 = none
   int64_t ignore_index;
   bool weighted;
   detail::LossConstants c;  // weight_sum filled in on the device
@@ -195,8 +196,11 @@ __global__ void __launch_bounds__(kMergeThreads) shard_merge_kernel(const MergeP
   double total = 0.0, den = 0.0, ent = 0.0;
   long long cor = 0;
   for (int64_t i = tid; i < N; i += kMergeThreads) {
-    const int64_t t = p.target_i64 ? static_cast<const int64_t*>(p.target)[i * p.target_stride]
-                                   : static_cast<int64_t>(static_cast<const int32_t*>(p.target)[i * p.target_stride]);
+    const bool dropped = p.shift > 0 && i % p.shift == p.shift - 1;  // the last row of a sequence
+    const int64_t e = p.shift > 0 && !dropped ? i + 1 : i;               // the target entry it takes
+    const int64_t t = dropped        ? p.ignore_index
+                      : p.target_i64 ? static_cast<const int64_t*>(p.target)[e * p.target_stride]
+                                     : static_cast<int64_t>(static_cast<const int32_t*>(p.target)[e * p.target_stride]);
     if (t == p.ignore_index) {
       if (p.reduction == static_cast<int>(Reduction::kNone)) p.loss[i * p.loss_stride] = 0.0f;
       p.lse[i * p.lse_stride] = 0.0f;
@@ -344,6 +348,7 @@ Status run_shard(const detail::ShardCall& call) {
     m.target = call.target.data;
     m.target_stride = call.target.stride;
     m.target_i64 = call.target.dtype == DType::kInt64;
+    m.shift = call.shift_seq_len;
     m.ignore_index = o.ignore_index;
     m.weighted = !o.class_weight.empty() || o.class_weight.size != 0;
     m.c = detail::make_loss_constants(o, call.shard.vocab_total, 0.0f);
