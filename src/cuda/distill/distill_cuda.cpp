@@ -36,6 +36,7 @@
 #include "cuda/distill/distill_kernels.h"
 #include "cuda/host_util.h"
 #include "cuda/linear/gemm.h"
+#include "cuda/linear/head_ops.h"
 #include "cuda/linear/linear.h"
 
 namespace fusedce {
@@ -62,10 +63,6 @@ constexpr size_t kLeastDistillBudget = size_t(448) << 20;
 size_t default_distill_budget(int64_t V, int64_t H, DType dtype) {
   return std::max(kLeastDistillBudget, size_t(V) * size_t(H) * elem_size(dtype));
 }
-
-/// A view's leading dimension for cuBLASLt: its row stride, or its columns when it has at most
-/// one row (whose row stride may be anything).
-int64_t ld_of(const MatrixView& m) { return m.rows > 1 ? m.row_stride : m.cols; }
 
 /// The call's layout in the workspace and its token chunks; fixed by the arguments alone.
 struct Plan {
@@ -361,13 +358,7 @@ class Run {
     return Status::Ok();
   }
 
-  GemmCall base() const {
-    GemmCall g{};
-    g.workspace = ws_ + p_.gemm_ws;
-    g.stream = stream_;
-    g.device = c_.device.index;
-    return g;
-  }
+  GemmCall base() const { return gemm_on(ws_ + p_.gemm_ws, stream_, c_.device.index); }
 
   DistillTeacherRows teacher_rows() const {
     DistillTeacherRows t{};
@@ -387,19 +378,13 @@ class Run {
     return t;
   }
 
-  /// hidden rows [r0, r0 + nc) of a head as the column-major H x nc operand.
-  static GemmOperand rows_op(const MatrixView& h, int64_t r0, int64_t nc) {
-    const char* base = static_cast<const char*>(h.data) + size_t(r0) * size_t(h.row_stride) * elem_size(h.dtype);
-    return GemmOperand{base, h.dtype, h.cols, nc, ld_of(h)};
-  }
-
   /// One head's logits of rows [r0, r0 + nc) into `out` (ld columns apart), with its bias.
   Status head_logits(const MatrixView& hidden, const MatrixView& weight, const VectorView& bias, int64_t r0,
                      int64_t nc, void* out, int64_t ld) {
     GemmCall g = base();
-    g.a = GemmOperand{weight.data, weight.dtype, weight.cols, weight.rows, ld_of(weight)};
+    g.a = rows_operand(weight, 0, weight.rows);
     g.transpose_a = true;
-    g.b = rows_op(hidden, r0, nc);
+    g.b = rows_operand(hidden, r0, nc);
     g.d = out;
     g.d_dtype = hidden.dtype;
     g.m = p_.V;
@@ -427,7 +412,7 @@ class Run {
     if (g.grad_hidden.data) {
       // grad_hidden^T (H x nc) = weight^T (H x V) . dlogits^T (V x nc), float32
       GemmCall h = base();
-      h.a = GemmOperand{c_.weight.data, p_.dtype, p_.H, p_.V, ld_of(c_.weight)};
+      h.a = rows_operand(c_.weight, 0, p_.V);
       h.b = dl;
       h.d = static_cast<float*>(g.grad_hidden.data) + r0 * g.grad_hidden.row_stride;
       h.d_dtype = DType::kFloat32;
@@ -440,7 +425,7 @@ class Run {
     if (g.grad_weight.data) {
       // grad_weight^T (H x V) (+)= hidden^T (H x nc) . dlogits (nc x V), in the weight's dtype
       GemmCall w = base();
-      w.a = rows_op(c_.hidden, r0, nc);
+      w.a = rows_operand(c_.hidden, r0, nc);
       w.b = dl;
       w.transpose_b = true;
       w.m = p_.H;
@@ -469,22 +454,7 @@ class Run {
   }
 
   /// No rows: zero gradients (grad_hidden has no rows).
-  Status clear_grads() {
-    const LinearGrads& g = c_.grads;
-    const size_t el = elem_size(p_.dtype);
-    cudaError_t e = cudaSuccess;
-    if (g.grad_weight.data) {
-      e = cudaMemset2DAsync(g.grad_weight.data, size_t(ld_of(g.grad_weight)) * el, 0, size_t(p_.H) * el, size_t(p_.V),
-                            stream_);
-    }
-    if (e == cudaSuccess && g.grad_bias.data) {
-      e = cudaMemsetAsync(ws_ + p_.gb, 0, size_t(p_.V) * 4, stream_);
-      if (e == cudaSuccess) {
-        launch_convert(ConvertParams{at<float>(p_.gb), g.grad_bias.data, p_.V, 1, g.grad_bias.stride, p_.dtype}, stream_);
-      }
-    }
-    return e == cudaSuccess ? last_error("clearing the gradients") : device_error(e, "clearing the gradients");
-  }
+  Status clear_grads() { return clear_head_grads(c_.grads, p_.V, p_.H, p_.dtype, at<float>(p_.gb), stream_); }
 
   Status clear(void* data, size_t bytes, const char* what) {
     const cudaError_t e = bytes ? cudaMemsetAsync(data, 0, bytes, stream_) : cudaSuccess;

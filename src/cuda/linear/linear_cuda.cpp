@@ -67,6 +67,7 @@
 #include "common/constants.h"
 #include "cuda/linear/cutlass_products.h"
 #include "cuda/linear/gemm.h"
+#include "cuda/linear/head_ops.h"
 #include "cuda/host_util.h"
 #include "cuda/linear/linear.h"
 #include "cuda/linear/size_ladder.h"
@@ -445,13 +446,7 @@ class LinearRun {
     return p_.dtype == DType::kBFloat16 && direct ? GemmRole::kGradWeight : GemmRole::kAny;
   }
 
-  GemmCall base_gemm() const {
-    GemmCall g{};
-    g.workspace = at(p_.gemm_ws);
-    g.stream = stream_;
-    g.device = c_.device.index;
-    return g;
-  }
+  GemmCall base_gemm() const { return gemm_on(at(p_.gemm_ws), stream_, c_.device.index); }
 
   Status run_chunk(int64_t p0, int64_t nc, int64_t chunk, bool last) {
     const DType d = p_.dtype;

@@ -19,8 +19,9 @@
 #include <string>
 
 #include "common/logprob_call.h"
-#include "cuda/linear/gemm.h"
 #include "cuda/host_util.h"
+#include "cuda/linear/gemm.h"
+#include "cuda/linear/head_ops.h"
 #include "cuda/linear/linear.h"
 #include "cuda/logprobs/logprobs_kernels.h"
 
@@ -237,22 +238,9 @@ class LinearRun {
   }
 
  private:
-  GemmCall base() const {
-    GemmCall g{};
-    g.workspace = ws_ + p_.gemm_ws;
-    g.stream = stream_;
-    g.device = c_.device.index;
-    return g;
-  }
-  /// Weight rows [v0, v0 + vc) as an H x vc operand.
-  GemmOperand weight_op(int64_t v0, int64_t vc) const {
-    const char* w = static_cast<const char*>(c_.weight.data) + size_t(v0) * c_.weight.row_stride * elem_size(p_.dtype);
-    return GemmOperand{w, p_.dtype, p_.H, vc, c_.weight.row_stride};
-  }
-  GemmOperand hidden_op(int64_t r0, int64_t nc) const {
-    const char* h = static_cast<const char*>(c_.hidden.data) + size_t(r0) * c_.hidden.row_stride * elem_size(p_.dtype);
-    return GemmOperand{h, p_.dtype, p_.H, nc, c_.hidden.row_stride};  // H x nc
-  }
+  GemmCall base() const { return gemm_on(ws_ + p_.gemm_ws, stream_, c_.device.index); }
+  GemmOperand weight_op(int64_t v0, int64_t vc) const { return rows_operand(c_.weight, v0, vc); }  // H x vc
+  GemmOperand hidden_op(int64_t r0, int64_t nc) const { return rows_operand(c_.hidden, r0, nc); }  // H x nc
   MatrixView chunk(int64_t nc, int64_t vc) const { return matrix(ws_ + p_.logits, p_.dtype, nc, vc, p_.ld); }
   LpRows rows_at(int64_t r0, int64_t nc) const {
     LpRows r = rows_of(c_);
@@ -288,22 +276,7 @@ class LinearRun {
 
   /// No rows: zero gradients.
   Status clear_grads() {
-    const LinearGrads& g = c_.grads;
-    const size_t el = elem_size(p_.dtype);
-    cudaError_t e = cudaSuccess;
-    if (g.grad_weight.data) {
-      e = cudaMemset2DAsync(g.grad_weight.data, size_t(g.grad_weight.row_stride) * el, 0, size_t(p_.H) * el,
-                            size_t(p_.V), stream_);
-    }
-    if (e == cudaSuccess && g.grad_bias.data) {
-      e = cudaMemsetAsync(ws_ + p_.gb, 0, size_t(p_.V) * 4, stream_);
-      if (e == cudaSuccess) {
-        launch_convert(ConvertParams{reinterpret_cast<const float*>(ws_ + p_.gb), g.grad_bias.data, p_.V, 1,
-                                     g.grad_bias.stride, p_.dtype},
-                       stream_);
-      }
-    }
-    return e == cudaSuccess ? last_error("clearing the gradients") : device_error(e, "clearing the gradients");
+    return clear_head_grads(c_.grads, p_.V, p_.H, p_.dtype, reinterpret_cast<float*>(ws_ + p_.gb), stream_);
   }
 
   const detail::LogprobCall& c_;
