@@ -321,37 +321,56 @@ def test_trl_step_figures_follow_the_csvs(bench_copy):
     readme, docs = (ROOT / "README.md").read_text(), POST_TRAINING.read_text()
     new_readme = make_results.render_blocks(readme, str(bench_copy))
     new_docs = make_results.render_blocks(docs, str(bench_copy))
-    assert "77.77 ms with `fusedce.integrations.trl` against 34.98" in new_readme.replace("\n  ", " ")
+    # TRL's own rows, as the CSVs hold them (the figures beside the edited ones)
+    trl_grpo = float(_trl_row(_rows(bench_copy, "grpo_step_trl.csv"), variant="trl")["median_ms"])
+    trl_sft = float(_trl_row(_rows(bench_copy, "sft_step_trl.csv"), variant="trl")["peak_over_params_gib"])
+    assert f"77.77 ms with `fusedce.integrations.trl` against {trl_grpo:.2f}" in new_readme.replace("\n  ", " ")
     flat_docs, flat_now = new_docs.replace("\n  ", " "), docs.replace("\n  ", " ")
-    assert "77.77 with `fusedce.integrations.trl.apply()` (0.45x)" in flat_docs  # 34.978 / 77.77
+    assert f"77.77 with `fusedce.integrations.trl.apply()` ({trl_grpo / 77.77:.2f}x)" in flat_docs
     assert "fusedce's step takes more memory than TRL's here" in flat_now
-    assert "fusedce's step takes less memory than TRL's here: 0.500 against 1.158" in flat_docs
+    assert f"fusedce's step takes less memory than TRL's here: 0.500 against {trl_sft:.3f}" in flat_docs
+
+
+def _rows(bench_copy, name):
+    return make_results.read_csv(str(bench_copy / "h200" / name), ())
 
 
 def test_the_grpo_head_words_follow_the_csv(bench_copy):
     """fusedce's default at the GRPO step's head made faster than TRL's turns 'slower' into 'faster'."""
+    head = dict(tokens="8192", hidden="896")
+    ours = float(_trl_row(_rows(bench_copy, "logprobs_trl.csv"), impl="fusedce", **head)["median_ms"])
+    trl = float(_trl_row(_rows(bench_copy, "logprobs_trl.csv"), impl="trl", **head)["median_ms"])
     _edit_csv(bench_copy / "h200" / "logprobs_trl.csv",
-              lambda rows: _trl_row(rows, tokens="8192", hidden="896", impl="fusedce").__setitem__("median_ms", "15.0"))
+              lambda rows: _trl_row(rows, impl="fusedce", **head).__setitem__("median_ms", f"{0.85 * trl}"))
     before = make_results.docs_trl_head().replace("\n  ", " ")
     after = make_results.docs_trl_head(str(bench_copy)).replace("\n  ", " ")
-    assert "fusedce's default is 2.6% slower than TRL's (17.64 ms against 17.19)" in before
-    assert "fusedce's default is 12.7% faster than TRL's (15.00 ms against 17.19)" in after  # 15 / 17.19 - 1
+    word = "slower" if ours > trl else "faster"
+    assert f"fusedce's default is {abs(ours / trl - 1) * 100:.1f}% {word} than TRL's ({ours:.2f} ms against {trl:.2f})" in before
+    assert f"fusedce's default is 15.0% faster than TRL's ({0.85 * trl:.2f} ms against {trl:.2f})" in after
 
 
 def test_the_trl_head_is_compared_with_trl_of_the_same_outputs(bench_copy):
     """TRL's ms / ms: the 'all shared outputs' rows against TRL's row with those outputs, the others
     against TRL's (log_probs, entropy) row; TRL's own rows get no ratio."""
+    rows = _rows(bench_copy, "logprobs_trl.csv")
+    head = dict(tokens="8192", hidden="4096")
+    trl, ours = _trl_row(rows, impl="trl", **head), _trl_row(rows, impl="fusedce", **head)
+    trl_all = float(_trl_row(rows, impl="trl all shared outputs", **head)["median_ms"])
+    ours_all = float(_trl_row(rows, impl="fusedce TRL head, all shared outputs", **head)["median_ms"])
+
     def edit(rows):
-        r = _trl_row(rows, tokens="8192", hidden="4096", impl="trl all shared outputs")
+        r = _trl_row(rows, impl="trl all shared outputs", **head)
         r["median_ms"] = str(2 * float(r["median_ms"]))
 
     _edit_csv(bench_copy / "h200" / "logprobs_trl.csv", edit)
     text = make_results.render(str(bench_copy))
     section = text.split("**8192 x 4096 x 151936, bfloat16**")[1].split("**16384")[0]
-    assert "| fusedce | log_probs, entropy |  | 41.69 (41.27-42.08) | 1.39x |" in section
-    assert re.search(r"\| fusedce TRL head, all shared outputs \| [^|]+ \| 32768 \| 58.39 \([0-9.-]+\) \| 2.02x \|",
-                     section)  # 2 x 58.8857 / 58.3905
-    assert re.search(r"\| trl \| log_probs, entropy \| 32768 \| 57.97 \([0-9.-]+\) \|  \|", section)
+    m, t = float(ours["median_ms"]), float(trl["median_ms"])
+    assert f"| fusedce | log_probs, entropy |  | {m:.2f} (" in section
+    assert re.search(rf"\| fusedce \| log_probs, entropy \|  \| {m:.2f} \([0-9.-]+\) \| {t / m:.2f}x \|", section)
+    assert re.search(rf"\| fusedce TRL head, all shared outputs \| [^|]+ \| 32768 \| {ours_all:.2f} \([0-9.-]+\) \| "
+                     rf"{2 * trl_all / ours_all:.2f}x \|", section)
+    assert re.search(rf"\| trl \| log_probs, entropy \| 32768 \| {t:.2f} \([0-9.-]+\) \|  \|", section)
 
 
 def test_a_trl_csv_of_an_unknown_part_is_refused(bench_copy):
