@@ -580,10 +580,11 @@ struct ContractProblem {
         w(DeviceBuffer::from_vector(b, random_values(V * H, 0.3f, rng))),
         t(DeviceBuffer::from_vector(b, random_targets(rng))) {}
 
+  /// Every output's bytes, grad_weight's H columns a row last; `gw_stride`: grad_weight's row stride.
   std::vector<uint8_t> call(int64_t rows, const fusedce::Options& o, const fusedce::LinearOptions& lo,
-                            fusedce::Workspace ws, fusedce::Status* st) {
+                            fusedce::Workspace ws, fusedce::Status* st, int64_t gw_stride = H) {
     DeviceBuffer loss(backend, 4), lse(backend, std::max<int64_t>(rows, 1) * 4), ent(backend, 4),
-        cor(backend, 8), gh(backend, std::max<int64_t>(rows, 1) * H * 2), gw(backend, V * H * 2);
+        cor(backend, 8), gh(backend, std::max<int64_t>(rows, 1) * H * 2), gw(backend, V * gw_stride * 2);
     gw.fill(0xCD);
     fusedce::ForwardOutputs out;
     out.loss = fusedce::vector(loss.data(), DType::kFloat32, 1);
@@ -592,16 +593,20 @@ struct ContractProblem {
     out.num_correct = fusedce::vector(cor.data(), DType::kInt64, 1);
     fusedce::LinearGrads g;
     g.grad_hidden = fusedce::matrix(gh.data(), d, rows, H);
-    g.grad_weight = fusedce::matrix(gw.data(), d, V, H);
+    g.grad_weight = fusedce::matrix(gw.data(), d, V, H, gw_stride);
     *st = fusedce::linear_cross_entropy_forward_backward(backend.device(), fusedce::matrix(hid.data(), d, rows, H),
                                                          fusedce::matrix(w.data(), d, V, H), {},
                                                          fusedce::vector(t.data(), DType::kInt64, rows), o, lo, out,
                                                          {}, g, ws);
     backend.synchronize();
     std::vector<uint8_t> all = loss.to_host();
-    for (const DeviceBuffer* b : {&lse, &ent, &cor, &gh, &gw}) {
+    for (const DeviceBuffer* b : {&lse, &ent, &cor, &gh}) {
       const std::vector<uint8_t> v = b->to_host();
       all.insert(all.end(), v.begin(), v.end());
+    }
+    const std::vector<uint8_t> w_rows = gw.to_host();
+    for (int64_t r = 0; r < V; ++r) {
+      all.insert(all.end(), w_rows.begin() + r * gw_stride * 2, w_rows.begin() + (r * gw_stride + H) * 2);
     }
     return all;
   }
@@ -657,6 +662,45 @@ TEST_P(LinearContract, DeterministicWorkspaceAndEmptyBatch) {
     EXPECT_EQ(bytes, 0u);
   }
   p.expect_empty_batch_results(o, lo);
+}
+
+// Several token chunks of a 16-bit grad_weight: the float32 accumulator sums them, and a logit
+// buffer no larger than grad_weight lives in that output until the accumulator is rounded into
+// it, so the workspace holds the accumulator but no buffer. A grad_weight with padded rows
+// cannot hold the buffer; it gets scratch of its own and the same results.
+TEST_P(LinearContract, LogitBufferLivesInGradWeight) {
+  std::string why;
+  Backend* backend = find_backend(GetParam(), &why);
+  if (backend == nullptr) GTEST_SKIP() << why;
+  using P = ContractProblem;
+  P p(*backend);
+  fusedce::Options o;
+  o.return_metrics = true;
+  fusedce::LinearOptions lo;
+  const size_t buffer = size_t(64) * 3008 * 2;  // 64 rows of V padded to 16 bytes: five chunks
+  lo.chunk_budget_bytes = buffer;
+  ASSERT_LE(buffer, size_t(P::V) * P::H * 2);
+  fusedce::Status st;
+  const std::vector<uint8_t> dense = p.call(P::N, o, lo, {}, &st);
+  ASSERT_TRUE(st.ok()) << st.message();
+  EXPECT_TRUE(dense == p.call(P::N, o, lo, {}, &st, P::H + 8)) << "grad_weight with padded rows";
+  ASSERT_TRUE(st.ok()) << st.message();
+  if (GetParam() == BackendKind::kCuda) {
+    fusedce::LinearGrads want;  // views only describe what is wanted
+    want.grad_hidden = fusedce::matrix(reinterpret_cast<void*>(256), P::d, P::N, P::H);
+    auto size = [&] {
+      return fusedce::linear_cross_entropy_workspace_size(fusedce::Job::kForwardBackward, backend->device(), P::N,
+                                                          P::H, P::V, P::d, o, lo, want);
+    };
+    const size_t without_gw = size();  // the buffer, no accumulator
+    want.grad_weight = fusedce::matrix(reinterpret_cast<void*>(256), P::d, P::V, P::H);
+    const size_t bytes = size();
+    const size_t acc = (size_t(P::V) * P::H * 4 + 255) / 256 * 256;
+    EXPECT_EQ(bytes + buffer, without_gw + acc) << "the accumulator in the workspace, the buffer not";
+    DeviceBuffer ws(*backend, bytes);
+    EXPECT_TRUE(dense == p.call(P::N, o, lo, fusedce::Workspace{ws.data(), bytes}, &st)) << "with a caller's workspace";
+    ASSERT_TRUE(st.ok()) << st.message();
+  }
 }
 
 // low_memory's promise: the whole workspace stays under 512 MiB at language-model shapes (H up

@@ -188,15 +188,21 @@ def test_apply_passes_its_memory_options_to_every_fused_loss(monkeypatch):
         fct.revert()
     assert seen == [options]
     assert_same_training_signal(ours, theirs)
-    fct.apply()
-    try:
-        loss_and_grads(model, data)
-    finally:
-        fct.revert()
-    assert seen[-1] == dict(chunk_budget_bytes=None, low_memory=False, skip_ignored=False)
+    # The default budget is the head weight's bytes; None is linear_cross_entropy's own default,
+    # and so is "head" with low_memory (whose bound a larger buffer would break).
+    head_bytes = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    for options, budget in ((dict(), head_bytes), (dict(chunk_budget_bytes=None), None),
+                            (dict(low_memory=True), None)):
+        fct.apply(**options)
+        try:
+            loss_and_grads(model, data)
+        finally:
+            fct.revert()
+        assert seen[-1] == dict(chunk_budget_bytes=budget, low_memory=options.get("low_memory", False),
+                                skip_ignored=False), options
 
 
-@pytest.mark.parametrize("budget", [0, -1, 1.5, True, 2**63])
+@pytest.mark.parametrize("budget", [0, -1, 1.5, True, 2**63, "weights"])
 def test_apply_refuses_a_bad_chunk_budget(budget):
     with pytest.raises(ValueError, match="fusedce.transformers.apply: chunk_budget_bytes"):
         fct.apply(chunk_budget_bytes=budget)

@@ -33,7 +33,7 @@ def _swap(old, new):
                 setattr(module, "ForCausalLMLoss", new)
 
 
-def apply(fused_linear=True, metrics=False, *, chunk_budget_bytes=None, low_memory=False, skip_ignored=False):
+def apply(fused_linear=True, metrics=False, *, chunk_budget_bytes="head", low_memory=False, skip_ignored=False):
     """Route every causal-LM training loss of transformers through fusedce (idempotent; calling
     it again with other arguments switches). With ``fused_linear`` the loss of a call with
     labels and gradients comes from fused linear cross-entropy and the logits are never made
@@ -46,12 +46,26 @@ def apply(fused_linear=True, metrics=False, *, chunk_budget_bytes=None, low_memo
     (fusedce.linear_cross_entropy's options of the same names: the scratch memory of its logit
     chunks, the bound of 512 MiB of extra memory at the cost of recomputation, and the products
     over the positions whose label is not ignored only); they change memory and time, not the
-    loss beyond float rounding."""
+    loss beyond float rounding.
+
+    ``chunk_budget_bytes="head"`` (the default) bounds each call's logit chunk by the bytes of
+    the head's weight (as the loss computes it). A training step's loss runs where the
+    activations peak, and with a 16-bit head such a chunk lives in the weight's gradient until
+    that gradient is formed: the loss's extra memory is then a float32 copy of the head (the
+    gradient's accumulator) and small per-token vectors, less than TRL's chunked loss takes, for
+    more token chunks than the fastest plan. ``None`` takes linear_cross_entropy's own default
+    (the fastest plan within its bound, up to one more head-sized buffer), an int that many
+    bytes; with ``low_memory`` "head" means None (its own bound)."""
     from transformers import PreTrainedModel
     from transformers.loss import loss_utils
 
     # checked here, so that a bad value fails at apply() rather than inside a training step
-    LinearOptions.checked("fusedce.transformers.apply", torch.empty(0), chunk_budget_bytes=chunk_budget_bytes)
+    if isinstance(chunk_budget_bytes, str):
+        if chunk_budget_bytes != "head":
+            raise ValueError(f'fusedce.transformers.apply: chunk_budget_bytes must be "head", None or a number of '
+                             f"bytes, got {chunk_budget_bytes!r}")
+    else:
+        LinearOptions.checked("fusedce.transformers.apply", torch.empty(0), chunk_budget_bytes=chunk_budget_bytes)
     if _settings.original is None:
         _settings.original = loss_utils.ForCausalLMLoss
         _swap(_settings.original, causal_lm_loss)
@@ -82,7 +96,7 @@ def revert():
     _leave_own_cross_entropy(PreTrainedModel)
     _settings.fused_linear = False
     _settings.metrics = False
-    _settings.chunk_budget_bytes = None
+    _settings.chunk_budget_bytes = "head"
     _settings.low_memory = False
     _settings.skip_ignored = False
     _swap(causal_lm_loss, _settings.original)

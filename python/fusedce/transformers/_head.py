@@ -53,6 +53,19 @@ def _head_target(labels, shift_labels, hidden):
     return labels.to(hidden.device), True
 
 
+def _chunk_budget(weight):
+    """The fused loss's chunk_budget_bytes under apply()'s setting: "head" is the bytes of the
+    weight as the loss computes it (a tensor-parallel head's local shard), or the loss's own
+    default with low_memory, whose bound a larger buffer would break."""
+    budget = _settings.chunk_budget_bytes
+    if budget != "head":
+        return budget
+    if _settings.low_memory:
+        return None
+    local = weight.to_local() if dtensor.is_dtensor(weight) else weight
+    return local.numel() * local.element_size()
+
+
 def _head_loss(head, hidden, target, shift, ignore_index, num_items, logit_scale, softcap):
     """(loss, metrics) of lm_head's call: fused linear cross-entropy of `hidden` and the head's
     weight and bias in the dtype nn.Linear would compute in, normalised by `num_items`
@@ -67,7 +80,7 @@ def _head_loss(head, hidden, target, shift, ignore_index, num_items, logit_scale
     loss = linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index,
                                 reduction="mean" if num_items is None else "sum",
                                 logit_scale=logit_scale, softcap=softcap, shift=shift,
-                                return_metrics=_settings.metrics, chunk_budget_bytes=_settings.chunk_budget_bytes,
+                                return_metrics=_settings.metrics, chunk_budget_bytes=_chunk_budget(weight),
                                 low_memory=_settings.low_memory, skip_ignored=_settings.skip_ignored)
     metrics = None
     if _settings.metrics:

@@ -6,6 +6,6 @@ original = None  # transformers' ForCausalLMLoss while applied
 fused_linear = False  # apply(fused_linear=...)
 metrics = False  # apply(metrics=...)
 # apply()'s options of the fused linear loss, handed to every linear_cross_entropy call it makes
-chunk_budget_bytes = None
+chunk_budget_bytes = "head"  # "head": the head weight's bytes (_head._chunk_budget)
 low_memory = False
 skip_ignored = False

@@ -136,6 +136,7 @@ struct LinearPlan {
   bool grad, grad_hidden, grad_weight, grad_bias, compact, metrics;
   bool low_memory;       // grad_weight by the vocabulary-sliced second pass
   bool gw_via_acc;       // 16-bit grad_weight summed over chunks in a float32 accumulator
+  bool logits_in_gw;     // the logit buffer borrows the 16-bit grad_weight output (see plan_linear)
   bool pad_weight;       // grad_hidden from a copy of the weight padded to ld_logits rows
   size_t buffer_bytes;   // the logit buffer
   size_t slice_acc_bytes;
@@ -236,6 +237,11 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   }
   // 16-bit grad_weight over several chunks sums them in a float32 accumulator.
   p.gw_via_acc = acc16 && p.max_chunks > 1;
+  // Then the grad_weight output holds nothing until the accumulator is rounded into it after
+  // the last chunk, so a logit buffer no larger than it lives there: the call's extra memory is
+  // the accumulator alone. (The last chunk's product then cannot round straight into
+  // grad_weight: it reads its dlogits from there.)
+  p.logits_in_gw = p.gw_via_acc && p.buffer_bytes <= size_t(V) * size_t(H) * el;
   // grad_hidden sums over the vocabulary, which is contiguous in the logits: a V that is not a
   // whole number of 16-byte segments slows cuBLASLt several-fold, and splitting the sum would
   // round a 16-bit grad_hidden twice. So the sum runs over ld_logits columns instead, against a
@@ -264,7 +270,7 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
     const SlicePlan worst = plan_slices(p, N);
     p.slice_acc_bytes = worst.acc ? std::min(p.slice_acc_bytes, size_t(round_up(V, per16)) * H * 4) : 0;
   }
-  p.logits = take(p.buffer_bytes);
+  p.logits = p.logits_in_gw ? 0 : take(p.buffer_bytes);
   p.ce_ws_bytes = cross_entropy_workspace_size(p.grad ? Job::kForwardBackward : Job::kForward, device, C, V,
                                                p.ce_options);
   p.ce_ws = take(p.ce_ws_bytes);
@@ -299,10 +305,12 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
 /// The run of one call over a workspace that fits its plan.
 class LinearRun {
  public:
-  LinearRun(const detail::LinearCall& call, const LinearPlan& plan, char* ws)
+  /// `logits`: the logit buffer (in `ws` or, with plan.logits_in_gw, elsewhere: run_linear).
+  LinearRun(const detail::LinearCall& call, const LinearPlan& plan, char* ws, char* logits)
       : c_(call),
         p_(plan),
         ws_(ws),
+        logits_(logits),
         stream_(static_cast<cudaStream_t>(call.device.stream)),
         dev_(call.device),
         cutlass_(plan.dtype == DType::kBFloat16 && cutlass_products_available(call.device.index)) {}
@@ -411,13 +419,13 @@ class LinearRun {
   /// runs, accumulator + product rounded once straight into the 16-bit grad_weight (finish then
   /// has no rounding pass to run); else `into_acc` (cuBLASLt) as every other chunk.
   Status last_weight_product(const GemmCall& into_acc, const void* hidden, int64_t ld_hidden, int64_t rows) {
-    if (cutlass_) {
+    if (cutlass_ && !p_.logits_in_gw) {
       const MatrixView& gw = c_.grads.grad_weight;
       RoundedWeightProduct q{};
       q.rows = rows;
       q.V = p_.V;
       q.H = p_.H;
-      q.dlogits = at(p_.logits);
+      q.dlogits = logits_;
       q.ld_dlogits = p_.ld_logits;
       q.hidden = hidden;
       q.ld_hidden = ld_hidden;
@@ -477,7 +485,7 @@ class LinearRun {
     const int64_t ldh = p_.compact ? p_.H : c_.hidden.row_stride;
     const GemmOperand hidden_op{hc, d, p_.H, nc, ldh};                           // H x nc
     const GemmOperand weight_op{c_.weight.data, d, p_.H, p_.V, c_.weight.row_stride};  // H x V
-    void* logits = at(p_.logits);
+    void* logits = logits_;
     const GemmOperand dlogits_op{logits, d, p_.V, nc, p_.ld_logits};             // V x nc
 
     // 1. logits^T (V x nc) = weight (H x V)^T . hidden_c (H x nc) (+ bias)
@@ -605,7 +613,7 @@ class LinearRun {
     const size_t el = elem_size(d);
     const SlicePlan sp = plan_slices(p_, positions);
     const MatrixView& gw = c_.grads.grad_weight;
-    char* buffer = static_cast<char*>(at(p_.logits));
+    char* buffer = static_cast<char*>(logits_);
     void* hidden_buf = buffer;               // gathered hidden rows (skip_ignored)
     void* logits = buffer + sp.hidden;       // (rows, ld) logits, then dlogits, of a slice
     const bool one_chunk = sp.rows >= positions;
@@ -944,6 +952,7 @@ class LinearRun {
   const detail::LinearCall& c_;
   const LinearPlan& p_;
   char* ws_;
+  char* const logits_;        // the logit buffer
   cudaStream_t stream_;       // where work is enqueued: the caller's, or a conditional body's
   Device dev_;                // the caller's device with stream_ (the cross-entropy calls')
   cudaStream_t body_stream_ = nullptr;
@@ -968,6 +977,23 @@ size_t linear_workspace_size(Job job, const Device& device, int64_t rows, int64_
       .total;
 }
 
+namespace {
+
+/// Runs the plan on workspace `ws`. A plan whose logit buffer borrows grad_weight needs the
+/// output dense (rows of H) and aligned as a workspace region; the size query cannot see the
+/// output, so another layout gets the buffer as stream-ordered scratch of its own.
+Status run_on(const detail::LinearCall& call, const LinearPlan& plan, char* ws) {
+  if (!plan.logits_in_gw) return LinearRun(call, plan, ws, ws + plan.logits).run();
+  const MatrixView& gw = call.grads.grad_weight;
+  if (gw.row_stride == plan.H && reinterpret_cast<uintptr_t>(gw.data) % kWorkspaceAlign == 0) {
+    return LinearRun(call, plan, ws, static_cast<char*>(gw.data)).run();
+  }
+  return with_workspace(plan.buffer_bytes, static_cast<cudaStream_t>(call.device.stream),
+                        [&](char* buffer) { return LinearRun(call, plan, ws, buffer).run(); });
+}
+
+}  // namespace
+
 Status run_linear(const detail::LinearCall& call) {
   if (call.weight.rows >= (int64_t(1) << 31) - 64) {
     return Status(StatusCode::kInvalidArgument, "weight: the CUDA backend takes V < 2^31 - 64 rows");
@@ -983,7 +1009,7 @@ Status run_linear(const detail::LinearCall& call) {
   char* ws = static_cast<char*>(call.workspace.data);
   if (ws == nullptr) {
     // No workspace given: stream-ordered scratch for the call (no host sync, graph-capturable).
-    return with_workspace(plan.total, stream, [&](char* scratch) { return LinearRun(call, plan, scratch).run(); });
+    return with_workspace(plan.total, stream, [&](char* scratch) { return run_on(call, plan, scratch); });
   }
   if (call.workspace.bytes < plan.total) {
     std::ostringstream os;
@@ -991,7 +1017,7 @@ Status run_linear(const detail::LinearCall& call) {
        << " (ask linear_cross_entropy_workspace_size)";
     return Status(StatusCode::kWorkspaceTooSmall, os.str());
   }
-  return LinearRun(call, plan, ws).run();
+  return run_on(call, plan, ws);
 }
 
 }  // namespace cuda
