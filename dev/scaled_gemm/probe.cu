@@ -16,7 +16,8 @@
 // power of two, so E * F is exact in bf16 and the two differ by float32 summation order only),
 // and 16 sampled outputs against float64 dot products.
 //
-// Compiles here (no GPU); not yet run on a device.
+// Ran once on an H200 (docs/performance.md, "The scaled grad_hidden on CUTLASS's mixed-input main
+// loop"): exact, 1.66-2.04x cuBLASLt.
 // Build (the include dir is the one CMake unpacks from the pinned CUTLASS wheel,
 // e.g. build-sm90/_deps/cutlass-4.2.0.0/cutlass_library/source/include):
 //   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG -I<cutlass include dir> \

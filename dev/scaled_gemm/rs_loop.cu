@@ -1,0 +1,697 @@
+// Experiment: grad_hidden = diag(r) (E * F) W with the scale riding our own register-sourced
+// WGMMA main loop, so the prescale pass (and its bf16 buffer) disappears. E (rows x V, bf16,
+// vocabulary-contiguous, values in [0, 1]) is what the logits product's scaled-exp epilogue
+// stores; F holds one power of two per (row, 192-wide vocabulary tile), F[m + M * (k / 192)]
+// (docs/architecture.md, "The third linear design"). probe.cu measured CUTLASS's stock
+// mixed-input collective 1.66-2.04x slower than cuBLASLt on the prescaled operand, while CUTLASS's
+// plain smem-sourced (SS) cooperative 128 x 256 kernel ran at 1.06-1.10x; this kernel aims at the
+// plain SS speed. D (M x N, float32, row-major) = (E * F) W; r is applied elsewhere.
+//
+// The kernel (ours: our own __global__ and main loop, CuTe building blocks only):
+// - Persistent, warp-specialized, sm_90a: grid = min(#SMs, #tiles), 384 threads, CTA tile
+//   128 x 256 x 64. Warpgroup 0 is the producer (setmaxnreg 40): one thread issues the TMA loads
+//   of the E tile (128 x 64, K-major, 128B swizzle) and the W tile (64 x 256, MN-major, 128B
+//   swizzle) into a ring of 4 stages (4 x 48 KB = 192 KB). Warpgroups 1 and 2 consume
+//   (setmaxnreg 232). Tiles are walked m-fastest (t -> m = t % (M/128), n = t / (M/128)), so the
+//   CTAs in flight share W's column slabs.
+// - Schedule: cooperative. Both consumer warpgroups work on the same 128 x 256 tile, 64 rows each
+//   (a 64 x 256 float32 accumulator = 128 registers a thread), and share every smem stage. A
+//   ping-pong warpgroup owning a whole 128 x 256 tile would need 256 accumulator registers; one
+//   owning a 64 x 256 tile would need a B stage of its own, halving the smem reuse of W per FLOP.
+//   Ping-pong's gain, hiding the epilogue, is worth nothing here: with K = 128256 a tile's main
+//   loop runs ~2000 k-blocks and its epilogue is one 64 KB store per warpgroup.
+// - Per k-block (64 of K) a consumer thread ldmatrix-es its A fragment (64 rows x 64 k of its
+//   warpgroup: 16 x 32-bit registers) from the swizzled stage into registers (SM75_U32x4_LDSM_N,
+//   laid out by make_tiled_copy_A over the tiled MMA and written through retile_D of the MMA's
+//   fragment, so each register lands where the wgmma expects it; check_layouts re-checks that on
+//   the host before any launch), multiplies it by the row's scale with packed mul.rn.bf16x2
+//   (every register holds two k of one row; a k-block lies inside one 192-group, so one scale
+//   per row per k-block; the host checks which of the thread's two rows each register holds),
+//   then issues 4 wgmma m64n256k16 with A from registers and B from smem descriptors as one
+//   commit group.
+// - Two A register buffers: the ldmatrix + scale of k-block i + 1 runs while the wgmma group of
+//   k-block i is in flight. Invariant: at most one group is pending when a buffer is written;
+//   warpgroup_wait<1> right after committing group i retires group i - 1, which is the last
+//   reader of the buffer about to be refilled and of stage i - 1's W tile, so that is where stage
+//   i - 1 is released (every consumer thread arrives on its empty barrier: count 256). The E tile
+//   is read by ldmatrix synchronously, before then. Stage and phase come from one k-block counter
+//   that runs on across tiles, identical in producer and consumers (stage = c % 4, full-barrier
+//   parity = (c / 4) & 1, the producer waits on the empty barrier with the opposite parity).
+// - Scales: read from global memory (__ldg, F is a few MB and L2-resident) into registers one
+//   192-group ahead, so the L2 latency hides behind three k-blocks of wgmma. Staging through smem
+//   would need another producer copy and barrier to save a 2-byte load per row every 3 k-blocks.
+// - E * F is exact in bf16: F is a power of two and, with E >= 2^-12 and F >= 2^-39 here, the
+//   product stays normal; mul.rn.bf16x2 then equals bf16(float(E) * float(F)), the prescaled
+//   operand the references get. (A product below 2^-126 would be subnormal; not exercised.)
+// - Epilogue: wgmma wait 0, release the last stage, float2 stores of the accumulator straight
+//   to global memory (no smem). The producer already streams the next tile's stages meanwhile.
+// - Variants: <kScale = false> compiles the scale out (E W: what the RS loop alone costs); a
+//   runtime flag (scale_on = 0) forces every scale to 1, the negative control of the check.
+// The host refuses (before any launch, so the kernel never waits on a load that was not
+// issued) M % 128, N % 256, K % 192 and misaligned pointers.
+//
+// Checked first: the scaled product against cuBLASLt's on the prescaled E * F (max |diff| /
+// max |ref|; only float32 summation order differs), 16 sampled outputs against float64 dot
+// products, the control (scale forced to 1: must be far off), and the no-scale variant against
+// cuBLASLt on E. Timed: interleaved rounds (5 x 10 reps, medians of medians, CUDA events, 2
+// warm-ups) of cuBLASLt on E * F, CUTLASS's plain SS cooperative 128 x 256 kernel on E * F (the
+// same-tile reference, from probe.cu), ours, and ours without the scale.
+//
+// Ran once on an H200 (docs/performance.md, "The scaled grad_hidden on a main loop of our own"):
+// exact, 1.04-1.12x cuBLASLt on the prescaled operand.
+// Build (the include dir is the one CMake unpacks from the pinned CUTLASS wheel,
+// e.g. build-sm90/_deps/cutlass-4.2.0.0/cutlass_library/source/include; add -Xptxas -v for the
+// register and spill counts; no -lcuda: CUTLASS reaches cuTensorMapEncodeTiled through
+// cudaGetDriverEntryPoint):
+//   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG -I<cutlass include dir> \
+//     dev/scaled_gemm/rs_loop.cu -o build-probe/rs_loop -lcublasLt
+// Run (GPU): build-probe/rs_loop; a table row a shape.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+
+using namespace cute;
+using bf16 = cutlass::bfloat16_t;
+using RM = cutlass::layout::RowMajor;
+namespace cg = cutlass::gemm;
+
+#define CK(x)                                                 \
+  do {                                                        \
+    cudaError_t e_ = (x);                                     \
+    if (e_ != cudaSuccess) {                                  \
+      printf("%s: %s\n", #x, cudaGetErrorString(e_));         \
+      exit(1);                                                \
+    }                                                         \
+  } while (0)
+
+constexpr int kGroup = 192;  // the logits product's vocabulary tile
+
+// ------------------------------------------------------------------------------------------------
+// rs_loop: the kernel
+// ------------------------------------------------------------------------------------------------
+namespace rs {
+
+constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
+constexpr int kKPerGroup = kGroup / kBK;  // k-blocks a scale group spans
+static_assert(kGroup % kBK == 0, "a k-block must lie inside one scale group");
+constexpr int kThreads = 384;           // producer warpgroup + 2 consumer warpgroups
+constexpr int kConsumerThreads = 256;
+
+using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{},
+                                           make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
+// MN-major atoms are 64 (N) x 8 (K): fill K first, so a stage is 4 TMA boxes of 64 N x 64 K
+using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<bf16>{},
+                                           make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{}), Step<_2, _1, _3>{}));
+using MmaAtom = SM90_64x256x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::MN>;
+static_assert(is_same_v<MmaAtom, decltype(GMMA::rs_op_selector<bf16, bf16, float, Shape<_128, _256, _64>,
+                                                                GMMA::Major::K, GMMA::Major::MN>())>);
+// 2 warpgroups along M: each owns 64 rows of the 128 x 256 tile
+using TiledMma = decltype(make_tiled_mma(MmaAtom{}, Layout<Shape<_2, _1, _1>>{}));
+using S2RCopyAtomA = Copy_Atom<SM75_U32x4_LDSM_N, bf16>;
+
+constexpr int kBytesA = cosize_v<SmemLayoutA> * 2, kBytesB = cosize_v<SmemLayoutB> * 2;
+constexpr uint32_t kTxBytes = (kBM * kBK + kBN * kBK) * 2;  // one stage's TMA bytes
+static_assert(kBytesA == kStages * kBM * kBK * 2 && kBytesB == kStages * kBN * kBK * 2);
+constexpr int kSmemBytes = kBytesA + kBytesB + 1024;  // + room to align the base to 1024 B
+
+inline auto make_tma_a(const bf16* e, int M, int K) {
+  auto g = make_tensor(make_gmem_ptr(e), make_layout(make_shape(M, K), make_stride(int64_t(K), Int<1>{})));
+  return make_tma_copy(SM90_TMA_LOAD{}, g, SmemLayoutA{}(_, _, Int<0>{}));
+}
+inline auto make_tma_b(const bf16* w, int N, int K) {
+  auto g = make_tensor(make_gmem_ptr(w), make_layout(make_shape(N, K), make_stride(Int<1>{}, int64_t(N))));
+  return make_tma_copy(SM90_TMA_LOAD{}, g, SmemLayoutB{}(_, _, Int<0>{}));
+}
+using TmaA = decltype(make_tma_a(nullptr, 0, 0));
+using TmaB = decltype(make_tma_b(nullptr, 0, 0));
+
+struct Params {
+  TmaA tma_a;
+  TmaB tma_b;
+  const uint16_t* f;  // F's bf16 bits, F[m + M * g]
+  float* d;
+  int M, N, K;
+  int scale_on;  // 0: every scale is 1 (the negative control)
+};
+
+/// Both bf16 halves of a 32-bit register times the same power of two (both halves of `s`).
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t s) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(s));
+  return d;
+}
+
+/// One 8-byte store of two adjacent floats (a plain float2 store came out as two 4-byte ones).
+__device__ __forceinline__ void st_f32x2(float* ptr, float a, float b) {
+  asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(ptr), "f"(a), "f"(b));
+}
+
+/// The scale of row `row` in group `g` in both halves of a register.
+__device__ __forceinline__ uint32_t load_scale(const Params& p, int row, int g) {
+  if (!p.scale_on) return 0x3f803f80u;  // 1.0, 1.0
+  const uint32_t u = __ldg(p.f + row + size_t(p.M) * g);
+  return u | (u << 16);
+}
+
+template <bool kScale>
+__global__ void __launch_bounds__(kThreads, 1) rs_loop_kernel(const __grid_constant__ Params p) {
+  using Full = cutlass::arch::ClusterTransactionBarrier;
+  using Empty = cutlass::arch::ClusterBarrier;
+  __shared__ uint64_t full_bar[kStages], empty_bar[kStages];
+  extern __shared__ char smem_raw[];
+  char* smem = smem_raw + ((1024 - (cast_smem_ptr_to_uint(smem_raw) & 1023)) & 1023);  // 128B swizzle: 1 KB aligned
+  bf16* smem_a = reinterpret_cast<bf16*>(smem);
+  bf16* smem_b = reinterpret_cast<bf16*>(smem + kBytesA);
+
+  const int m_tiles = p.M / kBM, n_tiles = p.N / kBN, k_blocks = p.K / kBK, groups = p.K / kGroup;
+  const int tiles = m_tiles * n_tiles;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      Full::init(&full_bar[s], 1);                    // the producer's arrive_and_expect_tx
+      Empty::init(&empty_bar[s], kConsumerThreads);  // every consumer thread, after its wgmma wait
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();  // the last CTA-wide sync: producer warps may leave early below
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    // ---------------------------------------------------------------- producer
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0) {
+      prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
+      prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
+      Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.M, p.K));  // (M, K) coordinates
+      Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.N, p.K));  // (N, K)
+      Tensor sA = make_tensor(make_smem_ptr(smem_a), SmemLayoutA{});  // (BM, BK, stage)
+      Tensor sB = make_tensor(make_smem_ptr(smem_b), SmemLayoutB{});  // (BN, BK, stage)
+      auto cta_a = p.tma_a.get_slice(0);
+      auto cta_b = p.tma_b.get_slice(0);
+      Tensor tAsA = cta_a.partition_D(sA);  // (TMA, TMA_M, TMA_K, stage)
+      Tensor tBsB = cta_b.partition_D(sB);
+      uint32_t c = 0;  // k-blocks issued by this CTA, across tiles
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const int mt = t % m_tiles, nt = t / m_tiles;
+        Tensor tAgA = cta_a.partition_S(local_tile(mA, Shape<Int<kBM>, Int<kBK>>{}, make_coord(mt, _)));  // (TMA,TMA_M,TMA_K,k)
+        Tensor tBgB = cta_b.partition_S(local_tile(mB, Shape<Int<kBN>, Int<kBK>>{}, make_coord(nt, _)));
+#pragma unroll 1
+        for (int kb = 0; kb < k_blocks; ++kb, ++c) {
+          const int s = c % kStages;
+          Empty::wait(&empty_bar[s], ((c / kStages) & 1) ^ 1);  // a fresh barrier passes parity 1
+          Full::arrive_and_expect_tx(&full_bar[s], kTxBytes);
+          copy(p.tma_a.with(full_bar[s]), tAgA(_, _, _, kb), tAsA(_, _, _, s));
+          copy(p.tma_b.with(full_bar[s]), tBgB(_, _, _, kb), tBsB(_, _, _, s));
+        }
+      }
+    }
+    return;  // every load issued is consumed: the consumers keep the CTA (and its smem) alive
+  }
+
+  // ------------------------------------------------------------------ consumers
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int ct = threadIdx.x - 128;  // 0..255: thread in the tiled MMA (warpgroup ct / 128 -> rows 64 (ct / 128) + ...)
+
+  TiledMma mma;
+  auto thr_mma = mma.get_slice(ct);
+  Tensor sA = as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(smem_a), SmemLayoutA{}));
+  Tensor sB = make_tensor(make_smem_ptr(smem_b), SmemLayoutB{});  // position-dependent: the descriptors
+  Tensor tCsB = thr_mma.partition_B(sB);                          // (MMA, MMA_N = 1, MMA_K = 4, stage)
+  Tensor tCrB = thr_mma.make_fragment_B(tCsB);                    // smem descriptors
+  Tensor tCrA0 = thr_mma.partition_fragment_A(sA(_, _, 0));      // (MMA = 8, MMA_M = 1, MMA_K = 4) bf16
+  Tensor tCrA1 = thr_mma.partition_fragment_A(sA(_, _, 0));
+  Tensor accum = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});  // (MMA = 128, 1, 1) float
+  static_assert(size(decltype(tCrA0){}) == 32 && size(decltype(accum){}) == 128);
+
+  auto s2r = make_tiled_copy_A(S2RCopyAtomA{}, mma);
+  auto thr_s2r = s2r.get_thread_slice(ct);
+  Tensor tXsA = thr_s2r.partition_S(sA);  // (CPY, CPY_M, CPY_K, stage)
+  Tensor tXrA0 = thr_s2r.retile_D(tCrA0);  // the same registers as tCrA0, in the copy's shape
+  Tensor tXrA1 = thr_s2r.retile_D(tCrA1);
+  CUTE_STATIC_ASSERT_V(size<1>(tXsA) == size<1>(tXrA0));
+  CUTE_STATIC_ASSERT_V(size<2>(tXsA) == size<2>(tXrA0));
+  CUTE_STATIC_ASSERT_V(size<2>(tCrA0) == size<2>(tCsB));
+
+  // The thread's two rows (in the tile): fragment registers 0, 2, 4, ... hold row r0, 1, 3, 5,
+  // ... row r1 (host-checked: check_layouts).
+  Tensor tCcA = thr_mma.partition_A(make_identity_tensor(Shape<Int<kBM>, Int<kBK>>{}));
+  const int r0 = get<0>(tCcA(0)), r1 = get<0>(tCcA(2));
+  Tensor tCcC = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
+
+  // scale the freshly loaded fragment: 16 registers of two bf16 each
+  auto apply_scale = [&](auto& frag, uint32_t s0, uint32_t s1) {
+    Tensor u = recast<uint32_t>(frag);
+    CUTE_UNROLL
+    for (int i = 0; i < size(u); ++i) u(i) = mul_bf16x2(u(i), (i & 1) ? s1 : s0);
+  };
+
+  uint32_t c = 0;  // k-blocks consumed by this CTA, across tiles (the producer's count)
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int mt = t % m_tiles, nt = t / m_tiles;
+    const int row0 = mt * kBM + r0, row1 = mt * kBM + r1;  // rows of E, F, D
+
+    // scales of the group of the next fragment to prepare (s0, s1) and of the group after (n0, n1)
+    uint32_t s0 = 0, s1 = 0, n0 = 0, n1 = 0;
+    int g_ahead = 1, left = kKPerGroup;  // group of (n0, n1); k-blocks left in the current group
+    if constexpr (kScale) {
+      s0 = load_scale(p, row0, 0);
+      s1 = load_scale(p, row1, 0);
+      if (groups > 1) {
+        n0 = load_scale(p, row0, 1);
+        n1 = load_scale(p, row1, 1);
+      }
+    }
+    // the fragment of the next k-block: ldmatrix, then scale (the group bookkeeping first)
+    auto prepare = [&](uint32_t cc, auto& frag, auto& frag_view) {
+      const int s = cc % kStages;
+      Full::wait(&full_bar[s], (cc / kStages) & 1);
+      copy(s2r, tXsA(_, _, _, s), frag_view);
+      if constexpr (kScale) {
+        if (left == 0) {  // entering the next group
+          s0 = n0;
+          s1 = n1;
+          left = kKPerGroup;
+          if (++g_ahead < groups) {
+            n0 = load_scale(p, row0, g_ahead);
+            n1 = load_scale(p, row1, g_ahead);
+          }
+        }
+        --left;
+        apply_scale(frag, s0, s1);
+      }
+      warpgroup_fence_operand(frag);
+    };
+    // one k-block: issue its wgmma group, retire the previous one, prepare the next fragment
+    auto step = [&](int kb, auto& cur, auto& nxt, auto& nxt_view) {
+      const int s = (c + kb) % kStages;
+      warpgroup_fence_operand(accum);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(cur); ++k) {
+        cute::gemm(mma, cur(_, _, k), tCrB(_, _, k, s), accum);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // group kb - 1 done: it read `nxt` and stage (c + kb - 1)'s W tile
+      warpgroup_fence_operand(accum);
+      if (kb > 0) Empty::arrive(&empty_bar[(c + kb - 1) % kStages]);
+      if (kb + 1 < k_blocks) prepare(c + kb + 1, nxt, nxt_view);
+    };
+
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    prepare(c, tCrA0, tXrA0);
+#pragma unroll 1
+    for (int kb = 0; kb < k_blocks; kb += 2) {
+      step(kb, tCrA0, tCrA1, tXrA1);
+      if (kb + 1 < k_blocks) step(kb + 1, tCrA1, tCrA0, tXrA0);
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accum);
+    Empty::arrive(&empty_bar[(c + k_blocks - 1) % kStages]);
+    c += k_blocks;
+
+    // epilogue: registers -> D, float2 a pair of adjacent columns (host-checked)
+    float* dt = p.d + size_t(mt) * kBM * p.N + size_t(nt) * kBN;
+    CUTE_UNROLL
+    for (int i = 0; i < size(accum); i += 2) {
+      const auto rc = tCcC(i);
+      st_f32x2(dt + size_t(get<0>(rc)) * p.N + get<1>(rc), accum(i), accum(i + 1));
+    }
+  }
+}
+
+/// Host check of the layout facts the kernel relies on beyond CuTe's own construction: the
+/// fragment storage is compact, 32-bit fragment register i (two adjacent k) holds row r0 (i
+/// even) or r1 (i odd), ldmatrix delivers every register where the MMA expects it and reads
+/// each tile element once, and accumulator pairs are adjacent columns of one row.
+bool check_layouts() {
+  TiledMma mma;
+  auto cA = make_identity_tensor(Shape<Int<kBM>, Int<kBK>>{});
+  auto cC = make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{});
+  auto s2r = make_tiled_copy_A(S2RCopyAtomA{}, mma);
+  std::vector<int> src_hits(kBM * kBK, 0);
+  for (int t = 0; t < kConsumerThreads; ++t) {
+    auto thr = mma.get_slice(t);
+    auto frag = thr.partition_fragment_A(make_tensor(make_smem_ptr((bf16*)nullptr), SmemLayoutA{})(_, _, 0));
+    auto acc = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
+    for (int i = 0; i < size(frag); ++i)
+      if (frag.layout()(i) != i) return false;
+    for (int i = 0; i < size(acc); ++i)
+      if (acc.layout()(i) != i) return false;
+    auto tCcA = thr.partition_A(cA);
+    if (size(tCcA) != size(frag)) return false;
+    const int r0 = get<0>(tCcA(0)), r1 = get<0>(tCcA(2));
+    if (r0 / 64 != t / 128 || r1 / 64 != t / 128 || r0 == r1) return false;
+    for (int i = 0; i < size(tCcA); ++i) {
+      if (get<0>(tCcA(i)) != (((i / 2) & 1) ? r1 : r0)) return false;
+      if (i % 2 == 1 && get<1>(tCcA(i)) != get<1>(tCcA(i - 1)) + 1) return false;
+    }
+    // ldmatrix moves data between threads; what must agree is where the copy delivers each
+    // destination register (its partition_D) and where the MMA expects it (retile_D of the
+    // MMA's partition), and the sources must cover the tile once.
+    auto thr_s2r = s2r.get_thread_slice(t);
+    auto dst_copy = thr_s2r.partition_D(cA);
+    auto dst_mma = thr_s2r.retile_D(tCcA);
+    auto src = thr_s2r.partition_S(cA);
+    if (size(dst_copy) != size(dst_mma) || size(src) != size(dst_mma)) return false;
+    for (int i = 0; i < size(dst_mma); ++i) {
+      if (get<0>(dst_copy(i)) != get<0>(dst_mma(i)) || get<1>(dst_copy(i)) != get<1>(dst_mma(i))) return false;
+      ++src_hits[get<0>(src(i)) * kBK + get<1>(src(i))];
+    }
+    auto tCcC = thr.partition_C(cC);
+    for (int i = 0; i < size(tCcC); i += 2)
+      if (get<0>(tCcC(i + 1)) != get<0>(tCcC(i)) || get<1>(tCcC(i + 1)) != get<1>(tCcC(i)) + 1 ||
+          get<1>(tCcC(i)) % 2 != 0 || get<0>(tCcC(i)) / 64 != t / 128)
+        return false;
+  }
+  return std::all_of(src_hits.begin(), src_hits.end(), [](int h) { return h == 1; });
+}
+
+/// The launcher: refuses (returns false, nothing launched) what the kernel does not handle.
+template <bool kScale>
+struct RsLoop {
+  Params p{};
+  int grid = 0;
+  bool init(int M, int N, int K, const bf16* e, const bf16* f, const bf16* w, float* d, bool scale_on) {
+    if (M <= 0 || N <= 0 || K <= 0 || M % kBM || N % kBN || K % kGroup) return false;
+    if ((reinterpret_cast<uintptr_t>(e) | reinterpret_cast<uintptr_t>(w)) % 128 ||
+        reinterpret_cast<uintptr_t>(d) % 8 || reinterpret_cast<uintptr_t>(f) % 2)
+      return false;
+    if (size_t(M / kBM) * (N / kBN) > size_t(1) << 30) return false;
+    p.tma_a = make_tma_a(e, M, K);
+    p.tma_b = make_tma_b(w, N, K);
+    p.f = reinterpret_cast<const uint16_t*>(f);
+    p.d = d;
+    p.M = M;
+    p.N = N;
+    p.K = K;
+    p.scale_on = scale_on;
+    int sms = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess || sms <= 0) return false;
+    grid = std::min(sms, (M / kBM) * (N / kBN));
+    return cudaFuncSetAttribute(rs_loop_kernel<kScale>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) ==
+           cudaSuccess;
+  }
+  bool run(cudaStream_t s) {
+    rs_loop_kernel<kScale><<<grid, kThreads, kSmemBytes, s>>>(p);
+    return cudaGetLastError() == cudaSuccess;
+  }
+};
+
+}  // namespace rs
+
+// ------------------------------------------------------------------------------------------------
+// References (from probe.cu): CUTLASS's plain SS cooperative kernel and cuBLASLt
+// ------------------------------------------------------------------------------------------------
+
+/// A row- or column-major (rows, cols, batch) stride whose dynamic leading mode is ld (the
+/// batch mode's: batch).
+template <class Stride>
+Stride with_ld(int64_t ld, int64_t batch) {
+  Stride s{};
+  if constexpr (!is_static<remove_cvref_t<decltype(get<0>(s))>>::value) get<0>(s) = ld;
+  if constexpr (!is_static<remove_cvref_t<decltype(get<1>(s))>>::value) get<1>(s) = ld;
+  get<2>(s) = batch;
+  return s;
+}
+
+using TileMNK = Shape<_128, _256, _64>;
+using ClusterMNK = Shape<_1, _1, _1>;
+using KSched = cg::KernelTmaWarpSpecializedCooperative;
+using Epi = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileMNK, ClusterMNK,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RM, 4, float, RM, 4,
+    cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+
+cutlass::KernelHardwareInfo hw_info() {
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = 0;
+  hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
+  return hw;
+}
+
+/// The float32 row-major D (M x N) of the kernel's epilogue, no C.
+template <class GK>
+typename GK::EpilogueArguments epilogue_args(int M, int N, float* d) {
+  return {{1.0f, 0.0f}, nullptr, with_ld<typename GK::StrideC>(N, int64_t(M) * N), d,
+          with_ld<typename GK::StrideD>(N, int64_t(M) * N)};
+}
+
+/// Checks the arguments and the workspace and initializes `gemm` for them.
+template <class Gemm>
+bool prepare(Gemm& gemm, const typename Gemm::Arguments& args, void* ws, size_t wsb, cudaStream_t s) {
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
+  if (Gemm::get_workspace_size(args) > wsb) return false;
+  return gemm.initialize(args, ws, s) == cutlass::Status::kSuccess;
+}
+
+// CUTLASS's plain product of the same tile and schedule (A K-major, B MN-major, both in shared
+// memory), on the prescaled operand.
+struct Plain {
+  using Main = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, RM, 8, bf16, RM, 8, float, TileMNK, ClusterMNK,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
+      KSched>::CollectiveOp;
+  using GK = cg::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GK>;
+  Gemm gemm;
+  bool init(int M, int N, int K, const bf16* a, const bf16* w, float* d, void* ws, size_t wsb, cudaStream_t s) {
+    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                  {M, N, K, 1},
+                                  {a, with_ld<typename GK::StrideA>(K, int64_t(M) * K), w,
+                                   with_ld<typename GK::StrideB>(N, int64_t(K) * N)},
+                                  epilogue_args<GK>(M, N, d),
+                                  hw_info()};
+    return prepare(gemm, args, ws, wsb, s);
+  }
+  bool run(cudaStream_t s) { return gemm.run(s) == cutlass::Status::kSuccess; }
+};
+
+/// cuBLASLt's first heuristic candidate for D (M x N, float32, row-major) = A (M x K, row-major)
+/// . B (K x N, row-major), bf16 in, float32 compute: the library's grad_hidden product.
+struct Lt {
+  cublasLtHandle_t h;
+  cublasLtMatmulDesc_t op;
+  cublasLtMatrixLayout_t la, lb, ld;
+  cublasLtMatmulHeuristicResult_t algo{};
+  bool ok = false;
+  Lt(cublasLtHandle_t handle, int M, int N, int K, size_t wsb) : h(handle) {
+    cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    // column-major view: D^T (N x M) = B^T (N x K) . A^T (K x M), both op N
+    cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, N, K, N);
+    cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, K, M, K);
+    cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, N, M, N);
+    cublasLtMatmulPreference_t pref;
+    cublasLtMatmulPreferenceCreate(&pref);
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof(wsb));
+    int found = 0;
+    cublasLtMatmulAlgoGetHeuristic(h, op, lb, la, ld, ld, pref, 1, &algo, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    ok = found > 0;
+  }
+  bool run(const bf16* a, const bf16* b, float* d, void* ws, size_t wsb, cudaStream_t s) {
+    const float alpha = 1, beta = 0;
+    return cublasLtMatmul(h, op, &alpha, b, lb, a, la, &beta, d, ld, d, ld, &algo.algo, ws, wsb, s) ==
+           CUBLAS_STATUS_SUCCESS;
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// Data, checks, timing (as in probe.cu)
+// ------------------------------------------------------------------------------------------------
+
+__device__ uint32_t mix(size_t i, uint32_t seed) {
+  uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+  x ^= x >> 13;
+  x *= 0x5bd1e995u;
+  x ^= x >> 15;
+  return x;
+}
+
+// E: what the epilogue stores, 2^(z log2 e - k) in (2^-12, 1]; F: 2^-j, j in [0, 40); W: small
+// random. E * F >= 2^-51 stays a normal bf16.
+__global__ void fill(bf16* e, bf16* f, bf16* w, int M, int K, int N, int groups) {
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  const size_t t = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+  for (size_t i = t; i < size_t(M) * groups; i += stride) f[i] = bf16(exp2f(-float(mix(i, 7u) % 40u)));
+  for (size_t i = t; i < size_t(K) * N; i += stride) w[i] = bf16(((mix(i, 3u) & 0xffff) / 32768.0f - 1.0f) * 0.02f);
+  for (size_t i = t; i < size_t(M) * K; i += stride) e[i] = bf16(exp2f(-12.0f * (mix(i, 5u) & 0xffff) / 65536.0f));
+}
+
+/// The prescaled operand E * F (exact in bf16: F is a power of two).
+__global__ void prescale(const bf16* e, const bf16* f, bf16* pre, int M, int K) {
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < size_t(M) * K; i += stride) {
+    const size_t m = i / K, g = (i % K) / kGroup;
+    pre[i] = bf16(float(e[i]) * float(f[m + size_t(M) * g]));
+  }
+}
+
+__global__ void max_abs_diff(const float* a, const float* b, size_t n, float* out) {
+  float w = 0, m = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    w = fmaxf(w, fabsf(a[i] - b[i]));
+    m = fmaxf(m, fabsf(b[i]));
+  }
+  atomicMax(reinterpret_cast<int*>(out), __float_as_int(w));
+  atomicMax(reinterpret_cast<int*>(out) + 1, __float_as_int(m));
+}
+
+float rel_diff(const float* d, const float* ref, size_t n, float* scratch) {
+  CK(cudaMemset(scratch, 0, 8));
+  max_abs_diff<<<1024, 256>>>(d, ref, n, scratch);
+  float dm[2];
+  CK(cudaMemcpy(dm, scratch, 8, cudaMemcpyDeviceToHost));
+  return dm[0] / std::max(dm[1], 1e-30f);
+}
+
+template <class F>
+float time_it(F f, cudaStream_t s, int reps = 10) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int i = 0; i < 2; ++i) f();
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(a, s);
+    f();
+    cudaEventRecord(b, s);
+    cudaEventSynchronize(b);
+    float ms;
+    cudaEventElapsedTime(&ms, a, b);
+    t.push_back(ms);
+  }
+  std::sort(t.begin(), t.end());
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return t[t.size() / 2];
+}
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int main() {
+  if (!rs::check_layouts()) {
+    printf("rs_loop: a fragment layout is not what the kernel assumes; nothing launched\n");
+    return 1;
+  }
+  cudaFuncAttributes fa;
+  CK(cudaFuncGetAttributes(&fa, rs::rs_loop_kernel<true>));
+  printf("rs_loop kernel: %d registers at launch (consumers raise theirs to 232), %zu B local memory\n\n",
+         fa.numRegs, fa.localSizeBytes);
+
+  struct Shape3 {
+    int M, N, K;  // rows (tokens), hidden, vocabulary
+  };
+  const std::vector<Shape3> shapes = {{4096, 4096, 128256}, {8192, 4096, 128256}, {2048, 4096, 128256}};
+  size_t e_el = 0, w_el = 0, d_el = 0, f_el = 0;
+  for (auto c : shapes) {
+    e_el = std::max(e_el, size_t(c.M) * c.K);
+    w_el = std::max(w_el, size_t(c.K) * c.N);
+    d_el = std::max(d_el, size_t(c.M) * c.N);
+    f_el = std::max(f_el, size_t(c.M) * ((c.K + kGroup - 1) / kGroup));
+  }
+  bf16 *e, *f, *w, *pre;
+  float *d0, *d1, *d2, *d3, *scratch;
+  CK(cudaMalloc(&e, e_el * 2));
+  CK(cudaMalloc(&pre, e_el * 2));
+  CK(cudaMalloc(&w, w_el * 2));
+  CK(cudaMalloc(&f, f_el * 2));
+  CK(cudaMalloc(&d0, d_el * 4));
+  CK(cudaMalloc(&d1, d_el * 4));
+  CK(cudaMalloc(&d2, d_el * 4));
+  CK(cudaMalloc(&d3, d_el * 4));
+  CK(cudaMalloc(&scratch, 8));
+  const size_t wsb = size_t(64) << 20;
+  void *ws, *ws_plain;
+  CK(cudaMalloc(&ws, wsb));
+  CK(cudaMalloc(&ws_plain, wsb));
+  cudaStream_t s;
+  CK(cudaStreamCreate(&s));
+  cublasLtHandle_t h;
+  cublasLtCreate(&h);
+  printf("| rows x H x V | cuBLASLt on E*F (ms) | CUTLASS plain on E*F (ms, x cuBLASLt) | rs_loop (ms, x cuBLASLt) "
+         "| rs_loop, scale compiled out, on E (ms, x cuBLASLt) | rs_loop vs cuBLASLt max rel diff "
+         "| vs float64 (16 outputs) | control: scales forced to 1, vs cuBLASLt | scale-free variant vs cuBLASLt on E |\n"
+         "|---|---|---|---|---|---|---|---|---|\n");
+  for (auto c : shapes) {
+    const int groups = c.K / kGroup;
+    fill<<<2048, 256>>>(e, f, w, c.M, c.K, c.N, groups);
+    prescale<<<2048, 256>>>(e, f, pre, c.M, c.K);
+    CK(cudaDeviceSynchronize());
+    Lt lt(h, c.M, c.N, c.K, wsb);
+    rs::RsLoop<true> scaled, control;
+    rs::RsLoop<false> noscale;
+    Plain plain;
+    const bool lt_ok = lt.ok && lt.run(pre, w, d0, ws, wsb, s);
+    const bool sc_ok = scaled.init(c.M, c.N, c.K, e, f, w, d1, true) && scaled.run(s);
+    CK(cudaStreamSynchronize(s));
+    CK(cudaGetLastError());
+    if (!lt_ok || !sc_ok) {
+      printf("| %dx%dx%d | %s | | %s | | | | | |\n", c.M, c.N, c.K, lt_ok ? "ok" : "cuBLASLt failed",
+             sc_ok ? "ok" : "rs_loop refused the arguments");
+      continue;
+    }
+    const float diff = rel_diff(d1, d0, size_t(c.M) * c.N, scratch);
+    // float64 dot products at 16 sampled outputs, relative to the largest |reference| among them
+    std::vector<bf16> hrow(c.K), hcol(c.K);
+    float got = 0;
+    double worst = 0, big = 0;
+    for (int q = 0; q < 16; ++q) {
+      const int m = (q * 2654435761u) % c.M, n = (q * 40503u + 11) % c.N;
+      CK(cudaMemcpy(hrow.data(), pre + size_t(m) * c.K, size_t(c.K) * 2, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy2D(hcol.data(), 2, w + n, size_t(c.N) * 2, 2, c.K, cudaMemcpyDeviceToHost));
+      double ref = 0;
+      for (int k = 0; k < c.K; ++k) ref += double(float(hrow[k])) * double(float(hcol[k]));
+      CK(cudaMemcpy(&got, d1 + size_t(m) * c.N + n, 4, cudaMemcpyDeviceToHost));
+      worst = std::max(worst, std::abs(double(got) - ref));
+      big = std::max(big, std::abs(ref));
+    }
+    // the negative control (scales forced to 1) and the scale-free variant against cuBLASLt on E
+    float ctl_diff = -1, ns_diff = -1;
+    if (control.init(c.M, c.N, c.K, e, f, w, d2, false) && control.run(s)) {
+      CK(cudaStreamSynchronize(s));
+      ctl_diff = rel_diff(d2, d0, size_t(c.M) * c.N, scratch);
+    }
+    const bool ns_ok = noscale.init(c.M, c.N, c.K, e, f, w, d2, true);
+    if (ns_ok && noscale.run(s) && lt.run(e, w, d3, ws, wsb, s)) {
+      CK(cudaStreamSynchronize(s));
+      ns_diff = rel_diff(d2, d3, size_t(c.M) * c.N, scratch);
+    }
+    CK(cudaGetLastError());
+
+    std::vector<float> r0, r1, r2, r3;
+    const bool plain_ok = plain.init(c.M, c.N, c.K, pre, w, d2, ws_plain, wsb, s);
+    for (int round = 0; round < 5; ++round) {
+      r0.push_back(time_it([&] { lt.run(pre, w, d2, ws, wsb, s); }, s));
+      if (plain_ok) r1.push_back(time_it([&] { plain.run(s); }, s));
+      r2.push_back(time_it([&] { scaled.run(s); }, s));
+      if (ns_ok) r3.push_back(time_it([&] { noscale.run(s); }, s));
+    }
+    CK(cudaGetLastError());
+    const float m0 = median(r0), m2 = median(r2);
+    char plain_s[64] = "refused", ns_s[64] = "refused";
+    if (plain_ok) snprintf(plain_s, sizeof plain_s, "%.3f, %.3f", median(r1), median(r1) / m0);
+    if (ns_ok) snprintf(ns_s, sizeof ns_s, "%.3f, %.3f", median(r3), median(r3) / m0);
+    printf("| %dx%dx%d | %.3f | %s | %.3f, %.3f | %s | %.1e | %.1e | %.1e | %.1e |\n", c.M, c.N, c.K, m0, plain_s,
+           m2, m2 / m0, ns_s, diff, worst / std::max(big, 1e-300), ctl_diff, ns_diff);
+    fflush(stdout);
+  }
+  return 0;
+}
