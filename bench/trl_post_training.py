@@ -8,9 +8,9 @@ per-token log-probabilities. Three parts, each its own CSV:
           (log_probs, entropy) and with every output fusedce can also give (log_sum_sq_probs and
           mean_logits too), beside fusedce.integrations.trl's head with those four; Liger-Kernel's
           SM90 fused scaled cross-entropy where it imports on an SM90 GPU (else a row saying why).
-          Median of CUDA-event timings after warm-up, peak memory over the inputs, and the largest
-          difference of the log-probabilities, entropy and gradients from TRL's (log_probs,
-          entropy) row of the same shape.
+          Peak memory over the inputs, the largest difference of the log-probabilities, entropy
+          and gradients from TRL's (log_probs, entropy) row of the same shape, and the median
+          time (below).
   grpo    (grpo_step_trl.csv) one GRPO policy step as trl.GRPOTrainer computes it: a Qwen2-shaped
           model built from a config (random weights), fixed random prompts and completions and
           advantages (no generation), GRPOTrainer.compute_loss (the trainer's own loss, through
@@ -29,6 +29,12 @@ Run on a GPU from the repository root (the carried wheels installed to /tmp/site
 
     PYTHONPATH=$(python3 tests/python/build_tree.py <build>):/tmp/site \\
         python3 bench/trl_post_training.py --out bench/h200
+
+Timing: the variants of one comparison (a shape's implementations, a part's steps) are checked
+first, then timed in interleaved rounds (fusedce.bench.measure.time_rounds: every variant once a
+round, the order rotated each round, each call alone on an idle GPU between CUDA events), so
+the chip's clock and temperature drift reach every variant alike; median of --repeat rounds
+after --warmup.
 
 --smoke runs every part at tiny shapes (the CPU's default), for the test that keeps this script
 working (tests/python/test_trl_bench.py). Only the modules a part needs are imported: the kernel
@@ -53,7 +59,7 @@ import traceback
 import torch
 
 import fusedce
-from fusedce.bench.measure import device_name, spread, sync, time_runs
+from fusedce.bench.measure import device_name, spread, sync, time_rounds
 from fusedce.bench.rows import common_columns, gib, max_abs, max_rel, peak_memory, print_rows, write_csv
 
 # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1.16: the vocabulary chunk its trainers pass.
@@ -74,9 +80,19 @@ class Skip(Exception):
 # ---- measurement ---------------------------------------------------------------------------------
 
 
-def timed(run, repeat, warmup, device):
-    times = time_runs(run, repeat, warmup, device)
-    return spread(times)
+def time_ready(ready, rows, a, device, activate=None):
+    """Times the checked runs of one comparison (name -> run) in interleaved rounds
+    (measure.time_rounds) and puts each one's median, p10 and p90 in its row (rows: name -> row).
+    A run that fails while timed fails every row of the comparison: their rounds are shared."""
+    try:
+        times = time_rounds(ready, a.repeat, a.warmup, device, activate)
+    except Exception as e:
+        for name in ready:
+            rows[name].update(status="failed", note=f"timing: {type(e).__name__}: {e}".splitlines()[0])
+        return
+    for name, t in times.items():
+        median, p10, p90 = spread(t)
+        rows[name].update(median_ms=median, p10_ms=p10, p90_ms=p90, runs=a.repeat)
 
 
 # ---- kernel: the head alone ----------------------------------------------------------------------
@@ -164,18 +180,19 @@ def kernel_part(a):
     for n, hid, vocab in shapes:
         h, w, t, ca, cc = head_problem(n, hid, vocab, dtype, device)
         leaves = [h.detach().requires_grad_(True), w.detach().requires_grad_(True)]
-        ref = None
+        ref, ready, shape_rows = None, {}, []
         for impl, outputs, load in kernel_impls(device):
             row = {"part": "kernel", "tokens": n, "hidden": hid, "vocab": vocab, "dtype": str(dtype).split(".")[-1],
                    "impl": impl, "outputs": "+".join(outputs), "chunk": TRL_CHUNK if "trl" in impl.lower() else None}
+            shape_rows.append(row)
             try:
                 fn = load()
             except Skip as e:
-                rows.append({**row, "status": "skipped", "note": str(e), **common_columns(device)})
+                row.update(status="skipped", note=str(e), **common_columns(device))
                 continue
             except Exception as e:
-                rows.append({**row, "status": "unavailable", "note": f"{type(e).__name__}: {e}".splitlines()[0],
-                             **common_columns(device)})
+                row.update(status="unavailable", note=f"{type(e).__name__}: {e}".splitlines()[0],
+                           **common_columns(device))
                 continue
 
             def run(_i, fn=fn):
@@ -188,24 +205,27 @@ def kernel_part(a):
             try:
                 lp, ent, gh, gw = (x.detach() for x in run(0))  # the checked call (and the compile)
                 sync(device)
-                median, p10, p90 = timed(run, a.repeat, a.warmup, device)
-                for x in leaves:  # the last run's gradients are not the next run's inputs
+                for x in leaves:  # the checked call's gradients are not the next call's inputs
                     x.grad = None
                 over, beyond = peak_memory(run, device)
             except Exception as e:
-                rows.append({**row, "status": "failed", "note": f"{type(e).__name__}: {e}".splitlines()[0],
-                             **common_columns(device)})
+                row.update(status="failed", note=f"{type(e).__name__}: {e}".splitlines()[0], **common_columns(device))
                 continue
             if ref is None:
                 ref = (lp.clone(), ent.clone(), gh.clone(), gw.clone())
-            rows.append({**row, "status": "ok", "median_ms": median, "p10_ms": p10, "p90_ms": p90, "runs": a.repeat,
-                         "peak_over_inputs_gib": gib(over), "peak_beyond_outputs_gib": gib(beyond),
-                         "logprob_maxabs_vs_trl": max_abs(lp, ref[0]), "entropy_maxabs_vs_trl": max_abs(ent, ref[1]),
-                         "grad_hidden_maxrel_vs_trl": max_rel(gh, ref[2]),
-                         "grad_weight_maxrel_vs_trl": max_rel(gw, ref[3]), **common_columns(device)})
+            row.update(status="ok", median_ms=None, p10_ms=None, p90_ms=None, runs=None,  # time_ready's
+                       peak_over_inputs_gib=gib(over), peak_beyond_outputs_gib=gib(beyond),
+                       logprob_maxabs_vs_trl=max_abs(lp, ref[0]), entropy_maxabs_vs_trl=max_abs(ent, ref[1]),
+                       grad_hidden_maxrel_vs_trl=max_rel(gh, ref[2]), grad_weight_maxrel_vs_trl=max_rel(gw, ref[3]),
+                       **common_columns(device))
+            ready[impl] = run
             del lp, ent, gh, gw
             for x in leaves:
                 x.grad = None
+        time_ready(ready, {r["impl"]: r for r in shape_rows}, a, device)
+        for x in leaves:
+            x.grad = None
+        rows.extend(shape_rows)
         del h, w, t, leaves, ref
         gc.collect()
         if device == "cuda":
@@ -267,35 +287,41 @@ def trainer_args(a, device, tmp, **extra):
                 logging_steps=1, max_steps=1, seed=0, **extra)
 
 
-def step_rows(part, variants, prepare, model, a, device):
-    """Times each variant's step (prepare(variant) -> (run(i) returning the loss and the
-    gradients, a note)), compares each variant's loss and gradients with the first's. The peak
-    is over the model's parameters and the inputs (no gradients held before the step)."""
-    rows, ref = [], None
+def step_rows(part, variants, prepare, activate, model, a, device):
+    """Checks and times each variant's step: activate(variant) puts the variant's global setting
+    in place (TRL's head or fusedce's, a patched model), prepare(variant) -> (run(i) returning the
+    loss and the gradients, a note). Each variant's loss and gradients are compared with the
+    first's, its peak measured over the model's parameters and the inputs (no gradients held
+    before the step), then the variants are timed in interleaved rounds (time_ready)."""
+    rows, ready, ref = {}, {}, None
     for variant in variants:
-        row = {"part": part, "variant": variant, **step_shape(a)}
+        row = rows[variant] = {"part": part, "variant": variant, **step_shape(a)}
         try:
+            activate(variant)
             run, note = prepare(variant)
             row["note"] = note
             loss, grads = run(0)
             loss = loss.item()
             grads = {k: g.detach().clone() for k, g in grads.items()}
-            median, p10, p90 = timed(run, a.repeat, a.warmup, device)
             model.zero_grad(set_to_none=True)
             over, _ = peak_memory(lambda i: (run(i)[0],), device)
+            model.zero_grad(set_to_none=True)
         except Exception as e:
-            rows.append({**row, "status": "failed", "note": f"{type(e).__name__}: {e}".splitlines()[0],
-                         **common_columns(device)})
+            row.update(status="failed", note=f"{type(e).__name__}: {e}".splitlines()[0], **common_columns(device))
             continue
         if ref is None:
             ref = (loss, grads)
         worst = max((max_rel(grads[k], ref[1][k]) for k in ref[1] if k in grads), default=None)
-        rows.append({**row, "status": "ok", "median_ms": median, "p10_ms": p10, "p90_ms": p90, "runs": a.repeat,
-                     "peak_over_params_gib": gib(over),
-                     "peak_allocated_gib": gib(torch.cuda.max_memory_allocated()) if device == "cuda" else None,
-                     "loss": loss, "loss_absdiff_vs_first": abs(loss - ref[0]),
-                     "grad_maxrel_vs_first": worst, **common_columns(device)})
-    return rows
+        row.update(status="ok", median_ms=None, p10_ms=None, p90_ms=None, runs=None,  # time_ready's
+                   peak_over_params_gib=gib(over),
+                   peak_allocated_gib=gib(torch.cuda.max_memory_allocated()) if device == "cuda" else None,
+                   loss=loss, loss_absdiff_vs_first=abs(loss - ref[0]), grad_maxrel_vs_first=worst,
+                   **common_columns(device))
+        ready[variant] = run
+        del grads
+    time_ready(ready, rows, a, device, activate)
+    model.zero_grad(set_to_none=True)
+    return list(rows.values())
 
 
 def step_shape(a):
@@ -363,12 +389,13 @@ def grpo_part(a):
     policy.train()
     inputs = grpo_inputs(a, device)
 
-    def prepare(variant):
+    def activate(variant):
         if variant == "trl":
             fused_trl.revert()
         else:
             fused_trl.apply()
 
+    def prepare(_variant):
         def run(_i):
             # Trainer.training_step without _prepare_inputs (generation): the loss under the
             # trainer's autocast, then its backward
@@ -380,7 +407,7 @@ def grpo_part(a):
         return run, None
 
     try:
-        rows = step_rows("grpo", ["trl", "trl + fusedce.integrations.trl"], prepare, policy, a, device)
+        rows = step_rows("grpo", ["trl", "trl + fusedce.integrations.trl"], prepare, activate, policy, a, device)
     finally:
         fused_trl.revert()
     for row in rows:
@@ -429,11 +456,12 @@ def sft_part(a):
                "fusedce.transformers.apply(low_memory=True)": {"low_memory": True},
                "fusedce.transformers.apply(skip_ignored=True)": {"skip_ignored": True}}
 
-    def prepare(variant):
+    def activate(variant):
         fused_tf.revert()
         if variant.startswith("fusedce.transformers"):
             fused_tf.apply(**applied[variant])
 
+    def prepare(variant):
         note = None
         if variant.startswith("fusedce.transformers"):
             # served fused: the output's logits are fusedce's empty marker (with gradients on)
@@ -454,7 +482,7 @@ def sft_part(a):
 
     variants = ["trl", *applied, "transformers (logits)"]
     try:
-        rows = step_rows("sft", variants, prepare, policy, a, device)
+        rows = step_rows("sft", variants, prepare, activate, policy, a, device)
     finally:
         fused_tf.revert()
     for row in rows:

@@ -2,7 +2,8 @@
 step (34.5 against 32.0 ms on an H200) when the LM head alone (fusedce.linear_logprobs against
 trl.kernels.ChunkedLogProbFunction, the same shape) differs by 0.2 ms? The step of
 bench/trl_post_training.py's grpo part (its model, inputs, trainer config and `run` body), for
-TRL and then fusedce: the step timed (CUDA events, median of --repeat after --warmup), then one
+TRL and fusedce: the steps timed in interleaved rounds (CUDA events around each step, synchronised
+before and after; median of --repeat after --warmup rounds), then one
 step under torch.profiler: its span, the kernels' sum and the GPU's idle time inside it with the
 longest gaps (the kernels either side, the CPU ops at the gap's start), the CUDA runtime calls
 (synchronisations, copies, allocations, launches), kernel time under the head's CPU ops against
@@ -24,6 +25,7 @@ from collections import defaultdict
 import torch
 
 import fusedce
+from fusedce.bench.measure import spread, time_rounds, time_runs
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import trl_post_training as bench  # noqa: E402  (the grpo part's model, inputs, config and timing)
@@ -257,14 +259,17 @@ def analyse(events):
     return out
 
 
-def profile_variant(name, run, a):
-    """Times and profiles one variant's step; returns its summary numbers."""
-    median, p10, p90 = bench.timed(run, a.repeat, a.warmup, a.device)
-    print(f"\n== {name}: step {median:.3f} ms median of {a.repeat} (p10 {p10:.3f}, p90 {p90:.3f}) "
-          f"after {a.warmup} warm-up steps")
+def profile_variant(name, run, a, times):
+    """Profiles one variant's step (its setting in place), beside its step times; returns its
+    summary numbers."""
+    median, p10, p90 = spread(times)
+    # the bench's former timing: steps queued back to back, the host running ahead across them
+    queued = spread(time_runs(run, a.repeat, a.warmup, a.device))[0]
+    print(f"\n== {name}: step {median:.3f} ms median of {a.repeat} interleaved (p10 {p10:.3f}, p90 {p90:.3f}) "
+          f"after {a.warmup} warm-up rounds; queued back to back {queued:.3f} ms")
     trace = os.path.join(a.trace, f"{name}.json") if a.trace else None
     events, memory = profiled_step(run, a.device, trace)
-    out = {"step median ms": median, **analyse(events)}
+    out = {"step median ms": median, "queued step ms": queued, **analyse(events)}
     if memory:
         print("\n  allocator during the profiled step: " + ", ".join(f"{k} {v:+d}" for k, v in memory.items())
               + " (a device allocation inside a step synchronises)")
@@ -284,11 +289,19 @@ def main(argv=None):
           f"{'smoke model' if a.smoke else f'{a.layers} layers'}, {str(a.model_dtype).split('.')[-1]}")
     run = grpo_step(a)
     results = {}
+
+    def activate(name):
+        if name == "trl":
+            fused_trl.revert()
+        else:
+            fused_trl.apply()
+
     try:
-        fused_trl.revert()
-        results["trl"] = profile_variant("trl", run, a)
-        fused_trl.apply()
-        results["fusedce"] = profile_variant("fusedce", run, a)
+        # both variants' steps in interleaved rounds (the chip's drift reaches both alike)
+        times = time_rounds({"trl": run, "fusedce": run}, a.repeat, a.warmup, a.device, activate)
+        for name in ("trl", "fusedce"):
+            activate(name)
+            results[name] = profile_variant(name, run, a, times[name])
     finally:
         fused_trl.revert()
 

@@ -11,7 +11,7 @@ import torch
 
 from fusedce.bench import __main__ as bench_main
 from fusedce.bench import cases, peers, report
-from fusedce.bench.measure import spread
+from fusedce.bench.measure import spread, time_rounds
 from fusedce.bench.problems import CrossEntropyReference, LinearReference, make_linear, make_logits
 from fusedce.bench.runner import Progress, run_benchmark
 
@@ -154,6 +154,20 @@ def test_spread_is_median_and_percentiles():
     assert spread([5.0]) == (5.0, 5.0, 5.0)
     median, p10, p90 = spread([float(i) for i in range(11)])
     assert (median, p10, p90) == (5.0, 1.0, 9.0)
+
+
+def test_time_rounds_interleaves_rotated_rounds_and_activates_each_call():
+    calls = []
+    runs = {name: (lambda i, name=name: calls.append((name, i))) for name in "abc"}
+    activated = []
+    times = time_rounds(runs, repeat=3, warmup=1, device="cpu", activate=activated.append)
+    # round r calls every run once with i = r, its order rotated by r
+    assert calls == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1), ("c", 2), ("a", 2), ("b", 2),
+                     ("a", 3), ("b", 3), ("c", 3)]
+    assert activated == [name for name, _ in calls]  # before every call, warm-up rounds too
+    assert {name: len(t) for name, t in times.items()} == {"a": 3, "b": 3, "c": 3}  # warm-up not timed
+    assert all(ms >= 0.0 for t in times.values() for ms in t)
+    assert time_rounds({}, repeat=2, warmup=1, device="cpu") == {}
 
 
 @pytest.mark.parametrize("shapes, message", [

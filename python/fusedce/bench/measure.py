@@ -49,6 +49,39 @@ def time_runs(run, repeat, warmup, device):
     return times
 
 
+def time_rounds(runs, repeat, warmup, device, activate=None):
+    """Milliseconds of `repeat` calls of each run in `runs` (a dict name -> run(i)), interleaved
+    in rounds so that the chip's clock and temperature drift reach every run alike: a round calls
+    every run once, in an order rotated by one from the last round's (no run always follows the
+    same one), after `warmup` rounds that are not timed. activate(name), when given, is called
+    before each call and outside its timing: a run whose setting is global (a patched trainer)
+    gets it back. Each call starts on an idle device and is timed alone (CUDA events around it,
+    synchronised before and after; on the CPU perf_counter), so a step that synchronises inside
+    itself is timed the same way whatever ran before it. Returns name -> list of times."""
+    names = list(runs)
+    times = {name: [] for name in names}
+    for r in range(warmup + repeat):
+        shift = r % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            if activate is not None:
+                activate(name)
+            sync(device)
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                runs[name](r)
+                end.record()
+                torch.cuda.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                runs[name](r)
+                ms = (time.perf_counter() - t0) * 1e3
+            if r >= warmup:
+                times[name].append(ms)
+    return times
+
+
 def spread(times):
     """(median, 10th percentile, 90th percentile) of a list of times, interpolated between the
     nearest runs (with few runs p10 and p90 are the fastest and the slowest)."""
