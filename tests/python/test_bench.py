@@ -207,7 +207,7 @@ def test_bad_arguments_exit_naming_the_flag(argv, flag, capsys):
 def test_unknown_peer_is_refused_and_gpu_only_peers_are_explained_on_the_cpu():
     with pytest.raises(ValueError, match="--peers"):
         peers.load(["nosuch"], "cpu")
-    loaded = {p.id: p for p in peers.load(["liger", "unsloth", "flash-attn"], "cpu")}
+    loaded = {p.id: p for p in peers.load(["liger", "liger-sm90", "unsloth", "flash-attn"], "cpu")}
     for p in loaded.values():
         assert not p.fns and all(reason for reason in p.reasons.values())
 

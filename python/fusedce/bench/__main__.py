@@ -12,7 +12,9 @@ forward+backward; per-token log-probabilities of hidden @ weight.T (fusedce.line
 against the materialised path: F.linear, log_softmax, gather, entropy), forward, forward+backward
 and forward+backward with the entropy. Implementations: fusedce; PyTorch eager (F.cross_entropy on float32 logits, as
 transformers calls it) and torch.compile of it; PyTorch's F.linear_cross_entropy (chunked) where
-torch has it; liger-kernel, cut-cross-entropy, quack, unsloth and flash-attn's Triton kernel
+torch has it; liger-kernel (its Triton kernels, and its SM90 CuTe DSL path where that imports on
+an SM90 GPU), cut-cross-entropy, quack (its scaled-exp SM90 pipeline where eligible), unsloth and
+flash-attn's Triton kernel
 (file named by $FUSEDCE_PEER_FLASH_ATTN_CE) when importable. A missing or failing one is
 reported with the reason.
 

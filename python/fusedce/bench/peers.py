@@ -212,6 +212,36 @@ def _liger(device):
             "linear": lambda h, w, t: _loss_of(lin(w, h, t))}, {}
 
 
+def _liger_sm90(device):
+    """Liger-Kernel's SM90 path (CuTe DSL kernels: the products with the loss inside them),
+    through its public entry LigerFusedLinearScaledCrossEntropyFunction, which returns per-token
+    negative log-likelihoods and entropies and takes that path only on compute capability 9.0
+    with the CuTe DSL installed (elsewhere it falls back to a PyTorch loop: no row then). The
+    linear kind is the mean over the kept tokens; the log-probabilities are minus the NLL. Its
+    default target check (one host wait a call) stays on: what its users get."""
+    capability = torch.cuda.get_device_capability()
+    if capability != (9, 0):
+        raise Unavailable(f"its SM90 path needs compute capability 9.0, this GPU has {capability}")
+    # the SM90 module itself: its import fails without the CuTe DSL, where the entry would fall back
+    from liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90 import (  # noqa: F401
+        LigerFusedScaledCrossEntropySM90Function)
+    from liger_kernel.ops.fused_linear_scaled_cross_entropy import LigerFusedLinearScaledCrossEntropyFunction
+
+    def nll(h, w, t, entropy):
+        return LigerFusedLinearScaledCrossEntropyFunction.apply(h, w, t, 1.0, -100, 1, entropy)
+
+    def linear(h, w, t):
+        return nll(h, w, t, False).sum() / (t != -100).sum()
+
+    def logprobs(h, w, t, entropy):
+        if entropy:
+            out, ent = nll(h, w, t, True)
+            return -out, ent
+        return -nll(h, w, t, False), None
+
+    return {"linear": linear, "logprobs": logprobs}, {}
+
+
 def _cce(device):
     from cut_cross_entropy import linear_cross_entropy
 
@@ -280,6 +310,7 @@ REGISTRY = [
     ("torch-compile", "torch.compile", _torch_compile, ("ce", "linear", "logprobs"), False),
     ("torch-lce", "torch F.linear_cross_entropy", _torch_lce, ("linear",), False),
     ("liger", "liger-kernel", _liger, ("ce", "linear"), True),
+    ("liger-sm90", "liger-kernel SM90", _liger_sm90, ("linear", "logprobs"), True),
     ("cce", "cut-cross-entropy", _cce, ("linear",), False),
     ("quack", "quack", _quack, ("ce", "linear"), True),
     ("floor", "floor (3 bare products)", _floor, ("linear",), False),
