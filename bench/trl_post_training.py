@@ -5,9 +5,10 @@ per-token log-probabilities. Three parts, each its own CSV:
   kernel  (logprobs_trl.csv) the head alone, fwd + bwd with the entropy, one row per shape x
           implementation: fusedce.linear_logprobs by default (keep_logits=None), with
           keep_logits=True and False; trl.kernels.ChunkedLogProbFunction with GRPO's outputs
-          (log_probs, entropy) and with every output fusedce can also give (log_sum_sq_probs and
-          mean_logits too), beside fusedce.integrations.trl's head with those four; Liger-Kernel's
-          SM90 fused scaled cross-entropy where it imports on an SM90 GPU (else a row saying why).
+          (log_probs, entropy) and with all five of its outputs (log_sum_sq_probs, mean_logits
+          and is_top1 too, each of which fusedce also gives), beside fusedce.integrations.trl's
+          head with those five; Liger-Kernel's SM90 fused scaled cross-entropy where it imports
+          on an SM90 GPU (else a row saying why).
           Peak memory over the inputs, the largest difference of the log-probabilities, entropy
           and gradients from TRL's (log_probs, entropy) row of the same shape, and the median
           time (below).
@@ -65,8 +66,8 @@ from fusedce.bench.rows import common_columns, gib, max_abs, max_rel, peak_memor
 # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1.16: the vocabulary chunk its trainers pass.
 TRL_CHUNK = 32768
 GRPO_OUTPUTS = ("log_probs", "entropy")
-# Every optional output of TRL's head that fusedce also computes (is_top1 goes back to TRL's own).
-SHARED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits")
+# Every optional output of TRL's head that fusedce also computes: all of them.
+SHARED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 # Qwen2.5-7B's and Gemma-shaped heads, and the grpo part's own (Qwen2.5-0.5B's width, 8 x 1024 tokens).
 KERNEL_SHAPES = [(8192, 4096, 151936), (16384, 4096, 151936), (8192, 2048, 262144), (8192, 896, 151936)]
