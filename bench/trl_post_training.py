@@ -363,24 +363,20 @@ def grpo_inputs(a, device):
     return {k: v.to(device) for k, v in inputs.items()}
 
 
-def grpo_part(a):
-    device = a.device
-    import fusedce.integrations.trl as fused_trl
+def grpo_step(a):
+    """One GRPO policy step as trl.GRPOTrainer computes it, built once: (run(i) -> (loss,
+    gradients), the policy, the config). The trainer and the fixed inputs are those of
+    grpo_inputs; run is Trainer.training_step without _prepare_inputs (generation): the loss under
+    the trainer's autocast through whichever fused head TRL's module holds, then its backward."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
-    import trl.trainer.utils as trl_utils
 
-    if getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", TRL_CHUNK) != TRL_CHUNK:
-        print(f"note: TRL's trainers pass a vocabulary chunk of {trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE}, "
-              f"the kernel part {TRL_CHUNK}")
-    seqs, prompt, completion = step_sizes(a)
-    tmp = scratch_dir("fusedce_grpo_")
-    args = GRPOConfig(**trainer_args(a, device, tmp), per_device_train_batch_size=seqs, num_generations=seqs,
-                      max_completion_length=completion)
+    seqs, _, completion = step_sizes(a)
+    args = GRPOConfig(**trainer_args(a, a.device, scratch_dir("fusedce_grpo_")), per_device_train_batch_size=seqs,
+                      num_generations=seqs, max_completion_length=completion)
     prompts = Dataset.from_dict({"prompt": [" ".join(f"w{(7 * i + k) % 200}" for k in range(5)) for i in range(seqs)]})
-    model = qwen2_model(a, device)
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=prompts, processing_class=tiny_tokenizer())
+    trainer = GRPOTrainer(model=qwen2_model(a, a.device), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=args, train_dataset=prompts, processing_class=tiny_tokenizer())
     policy = trainer.model
     if args.gradient_checkpointing and not getattr(policy, "is_gradient_checkpointing", False):
         # Trainer turns it on when train() starts; the step below skips train()
@@ -388,7 +384,25 @@ def grpo_part(a):
     if not hasattr(trainer, "current_gradient_accumulation_steps"):
         trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by train()
     policy.train()
-    inputs = grpo_inputs(a, device)
+    inputs = grpo_inputs(a, a.device)
+
+    def run(_i=0):
+        policy.zero_grad(set_to_none=True)
+        with trainer.compute_loss_context_manager():
+            loss = trainer.compute_loss(policy, dict(inputs))
+        trainer.accelerator.backward(loss)
+        return loss.detach(), _grads_of(policy)
+    return run, policy, args
+
+
+def grpo_part(a):
+    import fusedce.integrations.trl as fused_trl
+    import trl.trainer.utils as trl_utils
+
+    if getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", TRL_CHUNK) != TRL_CHUNK:
+        print(f"note: TRL's trainers pass a vocabulary chunk of {trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE}, "
+              f"the kernel part {TRL_CHUNK}")
+    run, policy, args = grpo_step(a)
 
     def activate(variant):
         if variant == "trl":
@@ -396,19 +410,9 @@ def grpo_part(a):
         else:
             fused_trl.apply()
 
-    def prepare(_variant):
-        def run(_i):
-            # Trainer.training_step without _prepare_inputs (generation): the loss under the
-            # trainer's autocast, then its backward
-            policy.zero_grad(set_to_none=True)
-            with trainer.compute_loss_context_manager():
-                loss = trainer.compute_loss(policy, dict(inputs))
-            trainer.accelerator.backward(loss)
-            return loss.detach(), _grads_of(policy)
-        return run, None
-
     try:
-        rows = step_rows("grpo", ["trl", "trl + fusedce.integrations.trl"], prepare, activate, policy, a, device)
+        rows = step_rows("grpo", ["trl", "trl + fusedce.integrations.trl"], lambda _variant: (run, None), activate,
+                         policy, a, a.device)
     finally:
         fused_trl.revert()
     for row in rows:

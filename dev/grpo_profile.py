@@ -65,36 +65,6 @@ def parse_args(argv):
     return a
 
 
-def grpo_step(a):
-    """The trainer and the `run` of the bench's grpo_part (which builds and times them in one
-    call, so the construction is repeated here with the same config, reward, data and tokenizer)."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    seqs, _, completion = bench.step_sizes(a)
-    args = GRPOConfig(**bench.trainer_args(a, a.device, bench.scratch_dir("fusedce_grpo_profile_")),
-                      per_device_train_batch_size=seqs, num_generations=seqs, max_completion_length=completion)
-    prompts = Dataset.from_dict({"prompt": [" ".join(f"w{(7 * i + k) % 200}" for k in range(5)) for i in range(seqs)]})
-    trainer = GRPOTrainer(model=bench.qwen2_model(a, a.device),
-                          reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=prompts, processing_class=bench.tiny_tokenizer())
-    policy = trainer.model
-    if args.gradient_checkpointing and not getattr(policy, "is_gradient_checkpointing", False):
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
-    if not hasattr(trainer, "current_gradient_accumulation_steps"):
-        trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by train()
-    policy.train()
-    inputs = bench.grpo_inputs(a, a.device)
-
-    def run(_i=0):
-        policy.zero_grad(set_to_none=True)
-        with trainer.compute_loss_context_manager():
-            loss = trainer.compute_loss(policy, dict(inputs))
-        trainer.accelerator.backward(loss)
-        return loss
-    return run
-
-
 class _MarkedHead:
     """Whichever head trl.trainer.utils calls, inside one record_function: fusedce's stand-in is
     no autograd.Function, so without it its forward (the casts, the router) has no span of its own."""
@@ -287,7 +257,7 @@ def main(argv=None):
     print(f"fusedce {fusedce.__version__} (CUDA kernels: {fusedce.with_cuda}), torch {torch.__version__}, "
           f"{bench.device_name(a.device)}; {seqs} x ({prompt} + {completion}) tokens, vocabulary {a.vocab}, "
           f"{'smoke model' if a.smoke else f'{a.layers} layers'}, {str(a.model_dtype).split('.')[-1]}")
-    run = grpo_step(a)
+    run = bench.grpo_step(a)[0]
     results = {}
 
     def activate(name):
