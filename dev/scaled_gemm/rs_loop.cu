@@ -60,7 +60,20 @@
 //   operand the references get. (A product below 2^-126 would be subnormal; not exercised.)
 // - Epilogue: wgmma wait 0, release the last stage(s), float2 stores of the accumulator straight
 //   to global memory (no smem). The producer already streams the next tile's stages meanwhile.
-// - Variants: rs_loop_kernel<kScale, kABufs, kGrouped>; <true, 2, false> is the base kernel.
+// - Cluster (kCluster = 2): thread-block clusters of two CTAs along M (the published Hopper
+//   recipes' cluster 2 x 1). A cluster walks cluster tiles (two adjacent M tiles of one N tile;
+//   CTA rank r takes the r-th), so both CTAs need the same W tile every k-block: each loads half
+//   of it (CuTe cuts each 64-wide N box along K) with SM90_TMA_LOAD_MULTICAST into both CTAs'
+//   stage, halving W's L2-to-SM traffic (a stage per CTA: 16 KB of E + 16 KB of W from L2 instead
+//   of 16 + 32). Each CTA's full barrier still expects the whole stage (its E and both W halves
+//   complete on it). A producer writes into both CTAs, so it may refill a stage only when both
+//   CTAs' consumers released it: each consumer warp, after its wgmma wait, arrives (one lane) on
+//   the empty barrier of every CTA of the cluster (count 2 x 8 warps). The CTAs sync as a cluster
+//   after the barriers' init (no multicast or remote arrive before the peer's barriers exist)
+//   and before exit (a peer's last remote arrives land in this CTA's shared memory), so the
+//   producer warpgroup stays to the end instead of leaving early. Grid: 2 x the clusters
+//   cudaOccupancyMaxActiveClusters allows, launched with cudaLaunchKernelEx. M % 256.
+// - Variants: rs_loop_kernel<kScale, kABufs, kGrouped, kCluster>; <true, 2, false, 1> is the base kernel.
 //   <kScale = false> compiles the scale out (E W: what the RS loop alone costs); kABufs = 3
 //   keeps two wgmma groups in flight while the third buffer is loaded and scaled; kGrouped walks
 //   the grouped raster with Params::group_m (timed at G = 8 and 16). A runtime flag (scale_on =
@@ -87,17 +100,22 @@
 // cudaGetDriverEntryPoint):
 //   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG -I<cutlass include dir> \
 //     dev/scaled_gemm/rs_loop.cu -o build-probe/rs_loop -lcublasLt
-// Run (GPU): build-probe/rs_loop; a table row a shape, then a check row a shape and variant.
+// Run (GPU): build-probe/rs_loop [all|plain|cluster]; a table row a shape, then a check row a shape
+// and variant. "plain" leaves out the cluster variants and "cluster" keeps only them (each beside
+// the base kernel), so a first run of the cluster kernels cannot cost the other results: a
+// checked run that does not finish within 20 s is named and ends the process.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cute/tensor.hpp"
@@ -161,12 +179,21 @@ inline auto make_tma_b(const bf16* w, int N, int K) {
   auto g = make_tensor(make_gmem_ptr(w), make_layout(make_shape(N, K), make_stride(Int<1>{}, int64_t(N))));
   return make_tma_copy(SM90_TMA_LOAD{}, g, SmemLayoutB{}(_, _, Int<0>{}));
 }
+// The cluster variants' W: each of the kClusterM CTAs of a cluster (same N tile, adjacent M tiles)
+// loads 1 / kClusterM of the stage's W tile and multicasts it to all of them.
+constexpr int kClusterM = 2;
+inline auto make_tma_b_mc(const bf16* w, int N, int K) {
+  auto g = make_tensor(make_gmem_ptr(w), make_layout(make_shape(N, K), make_stride(Int<1>{}, int64_t(N))));
+  return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, g, SmemLayoutB{}(_, _, Int<0>{}), Int<kClusterM>{});
+}
 using TmaA = decltype(make_tma_a(nullptr, 0, 0));
 using TmaB = decltype(make_tma_b(nullptr, 0, 0));
+using TmaBMc = decltype(make_tma_b_mc(nullptr, 0, 0));
 
 struct Params {
   TmaA tma_a;
   TmaB tma_b;
+  TmaBMc tma_b_mc;    // read only by the cluster kernels
   const uint16_t* f;  // F's bf16 bits, F[m + M * g]
   float* d;
   int M, N, K;
@@ -215,9 +242,10 @@ __device__ __forceinline__ uint32_t load_scale(const Params& p, int row, int g) 
   return u | (u << 16);
 }
 
-template <bool kScale, int kABufs = 2, bool kGrouped = false>
+template <bool kScale, int kABufs = 2, bool kGrouped = false, int kCluster = 1>
 __global__ void __launch_bounds__(kThreads, 1) rs_loop_kernel(const __grid_constant__ Params p) {
   static_assert(kABufs == 2 || kABufs == 3, "two or three A register buffers");
+  static_assert(kCluster == 1 || kCluster == kClusterM, "no cluster, or kClusterM CTAs along M");
   using Full = cutlass::arch::ClusterTransactionBarrier;
   using Empty = cutlass::arch::ClusterBarrier;
   __shared__ uint64_t full_bar[kStages], empty_bar[kStages];
@@ -227,16 +255,27 @@ __global__ void __launch_bounds__(kThreads, 1) rs_loop_kernel(const __grid_const
   bf16* smem_b = reinterpret_cast<bf16*>(smem + kBytesA);
 
   const int m_tiles = p.M / kBM, n_tiles = p.N / kBN, k_blocks = p.K / kBK, groups = p.K / kGroup;
-  const int tiles = m_tiles * n_tiles;
+  // A cluster walks cluster tiles: kCluster adjacent M tiles (CTA rank r takes the r-th) of one N
+  // tile, so the cluster's CTAs share every W stage. Without a cluster a cluster tile is a tile.
+  const int rank = kCluster == 1 ? 0 : int(cute::block_rank_in_cluster());
+  const int first_tile = blockIdx.x / kCluster, tile_step = gridDim.x / kCluster;
+  const int c_tiles = (m_tiles / kCluster) * n_tiles;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      Full::init(&full_bar[s], 1);                    // the producer's arrive_and_expect_tx
-      Empty::init(&empty_bar[s], kConsumerThreads);  // every consumer thread, after its wgmma wait
+      Full::init(&full_bar[s], 1);  // the producer's arrive_and_expect_tx
+      // Empty: without a cluster every consumer thread arrives after its wgmma wait; with one, a
+      // lane of every consumer warp of every CTA of the cluster (each producer writes its W slice
+      // into all of them, so it waits until all of them released the stage)
+      Empty::init(&empty_bar[s], kCluster == 1 ? kConsumerThreads : kCluster * kConsumerThreads / 32);
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();  // the last CTA-wide sync: producer warps may leave early below
+  if constexpr (kCluster == 1) {
+    __syncthreads();  // the last CTA-wide sync: producer warps may leave early below
+  } else {
+    cute::cluster_sync();  // every CTA's barriers are initialized before any multicast or remote arrive
+  }
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
@@ -250,26 +289,44 @@ __global__ void __launch_bounds__(kThreads, 1) rs_loop_kernel(const __grid_const
       Tensor sA = make_tensor(make_smem_ptr(smem_a), SmemLayoutA{});  // (BM, BK, stage)
       Tensor sB = make_tensor(make_smem_ptr(smem_b), SmemLayoutB{});  // (BN, BK, stage)
       auto cta_a = p.tma_a.get_slice(0);
-      auto cta_b = p.tma_b.get_slice(0);
+      // with a cluster: this CTA's slice of W, multicast to every CTA of the cluster
+      auto cta_b = [&] {
+        if constexpr (kCluster == 1) return p.tma_b.get_slice(0);
+        else return p.tma_b_mc.get_slice(rank);
+      }();
       Tensor tAsA = cta_a.partition_D(sA);  // (TMA, TMA_M, TMA_K, stage)
       Tensor tBsB = cta_b.partition_D(sB);
       uint32_t c = 0;  // k-blocks issued by this CTA, across tiles
-      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-        int mt, nt;
-        tile_coord<kGrouped>(t, m_tiles, n_tiles, p.group_m, mt, nt);
+      for (int t = first_tile; t < c_tiles; t += tile_step) {
+        int mc, nt;
+        tile_coord<kGrouped>(t, m_tiles / kCluster, n_tiles, p.group_m, mc, nt);
+        const int mt = mc * kCluster + rank;
         Tensor tAgA = cta_a.partition_S(local_tile(mA, Shape<Int<kBM>, Int<kBK>>{}, make_coord(mt, _)));  // (TMA,TMA_M,TMA_K,k)
         Tensor tBgB = cta_b.partition_S(local_tile(mB, Shape<Int<kBN>, Int<kBK>>{}, make_coord(nt, _)));
 #pragma unroll 1
         for (int kb = 0; kb < k_blocks; ++kb, ++c) {
           const int s = c % kStages;
           Empty::wait(&empty_bar[s], ((c / kStages) & 1) ^ 1);  // a fresh barrier passes parity 1
+          // the whole stage lands here: this CTA's A and every CTA's W slice
           Full::arrive_and_expect_tx(&full_bar[s], kTxBytes);
           copy(p.tma_a.with(full_bar[s]), tAgA(_, _, _, kb), tAsA(_, _, _, s));
-          copy(p.tma_b.with(full_bar[s]), tBgB(_, _, _, kb), tBsB(_, _, _, s));
+          if constexpr (kCluster == 1) {
+            copy(p.tma_b.with(full_bar[s]), tBgB(_, _, _, kb), tBsB(_, _, _, s));
+          } else {
+            constexpr uint16_t kAllCtas = (1u << kCluster) - 1;
+            copy(p.tma_b_mc.with(full_bar[s], kAllCtas), tBgB(_, _, _, kb), tBsB(_, _, _, s));
+          }
         }
       }
     }
-    return;  // every load issued is consumed: the consumers keep the CTA (and its smem) alive
+    if constexpr (kCluster == 1) {
+      return;  // every load issued is consumed: the consumers keep the CTA (and its smem) alive
+    } else {
+      // the CTA stays until the cluster's last remote arrive on its barriers
+      __syncwarp();
+      cute::cluster_sync();
+      return;
+    }
   }
 
   // ------------------------------------------------------------------ consumers
@@ -309,10 +366,26 @@ __global__ void __launch_bounds__(kThreads, 1) rs_loop_kernel(const __grid_const
     for (int i = 0; i < size(u); ++i) u(i) = mul_bf16x2(u(i), (i & 1) ? s1 : s0);
   };
 
+  // Releases stage s to the producers that write it: this CTA's, and with a cluster every CTA's
+  // (one arrive a warp on each CTA's barrier, after every lane of the warp passed its wgmma wait).
+  const int lane = threadIdx.x % 32;
+  auto release = [&](int s) {
+    if constexpr (kCluster == 1) {
+      Empty::arrive(&empty_bar[s]);
+    } else {
+      __syncwarp();
+      if (lane == 0) {
+        CUTE_UNROLL
+        for (int r = 0; r < kCluster; ++r) Empty::arrive(&empty_bar[s], r, 1);
+      }
+    }
+  };
+
   uint32_t c = 0;  // k-blocks consumed by this CTA, across tiles (the producer's count)
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    int mt, nt;
-    tile_coord<kGrouped>(t, m_tiles, n_tiles, p.group_m, mt, nt);
+  for (int t = first_tile; t < c_tiles; t += tile_step) {
+    int mc, nt;
+    tile_coord<kGrouped>(t, m_tiles / kCluster, n_tiles, p.group_m, mc, nt);
+    const int mt = mc * kCluster + rank;
     const int row0 = mt * kBM + r0, row1 = mt * kBM + r1;  // rows of E, F, D
 
     // scales of the group of the next fragment to prepare (s0, s1) and of the group after (n0, n1)
@@ -361,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, 1) rs_loop_kernel(const __grid_const
       // group kb - (kABufs - 1) done: it read `nxt` and stage (c + kb - (kABufs - 1))'s W tile
       warpgroup_wait<kABufs - 1>();
       warpgroup_fence_operand(accum);
-      if (kb >= kABufs - 1) Empty::arrive(&empty_bar[(c + kb - (kABufs - 1)) % kStages]);
+      if (kb >= kABufs - 1) release((c + kb - (kABufs - 1)) % kStages);
       if (kb + 1 < k_blocks) prepare(c + kb + 1, nxt, nxt_view);
     };
 
@@ -375,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1) rs_loop_kernel(const __grid_const
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(accum);
-      Empty::arrive(&empty_bar[(c + k_blocks - 1) % kStages]);
+      release((c + k_blocks - 1) % kStages);
     } else {
       // k_blocks is a multiple of kKPerGroup = 3 (the host refuses K % 192): no remainder
       static_assert(kKPerGroup % 3 == 0);
@@ -389,8 +462,8 @@ __global__ void __launch_bounds__(kThreads, 1) rs_loop_kernel(const __grid_const
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(accum);
-      Empty::arrive(&empty_bar[(c + k_blocks - 2) % kStages]);  // the last two k-blocks' stages
-      Empty::arrive(&empty_bar[(c + k_blocks - 1) % kStages]);
+      release((c + k_blocks - 2) % kStages);  // the last two k-blocks' stages
+      release((c + k_blocks - 1) % kStages);
     }
     c += k_blocks;
 
@@ -402,6 +475,8 @@ __global__ void __launch_bounds__(kThreads, 1) rs_loop_kernel(const __grid_const
       st_f32x2(dt + size_t(get<0>(rc)) * p.N + get<1>(rc), accum(i), accum(i + 1));
     }
   }
+  // the peers' consumers may still arrive on this CTA's empty barriers: stay until all are done
+  if constexpr (kCluster > 1) cute::cluster_sync();
 }
 
 /// Host check of the layout facts the kernel relies on beyond CuTe's own construction: the
@@ -468,21 +543,23 @@ bool check_raster(int m_tiles, int n_tiles, int group_m) {
 
 /// The launcher: refuses (returns false, nothing launched) what the kernel does not handle,
 /// including a raster that is not a bijection for this shape.
-template <bool kScale, int kABufs = 2, bool kGrouped = false>
+template <bool kScale, int kABufs = 2, bool kGrouped = false, int kCluster = 1>
 struct RsLoop {
   Params p{};
   int grid = 0;
+  static constexpr auto kernel = rs_loop_kernel<kScale, kABufs, kGrouped, kCluster>;
   bool init(int M, int N, int K, const bf16* e, const bf16* f, const bf16* w, float* d, bool scale_on,
             int group_m = 0) {
-    if (M <= 0 || N <= 0 || K <= 0 || M % kBM || N % kBN || K % kGroup) return false;
+    if (M <= 0 || N <= 0 || K <= 0 || M % (kBM * kCluster) || N % kBN || K % kGroup) return false;
     if ((reinterpret_cast<uintptr_t>(e) | reinterpret_cast<uintptr_t>(w)) % 128 ||
         reinterpret_cast<uintptr_t>(d) % 8 || reinterpret_cast<uintptr_t>(f) % 2)
       return false;
     if (size_t(M / kBM) * (N / kBN) > size_t(1) << 30) return false;
     if (kGrouped && (group_m <= 0 || size_t(group_m) * (N / kBN) > size_t(1) << 30)) return false;
-    if (!check_raster<kGrouped>(M / kBM, N / kBN, group_m)) return false;
+    if (!check_raster<kGrouped>(M / kBM / kCluster, N / kBN, group_m)) return false;
     p.tma_a = make_tma_a(e, M, K);
     p.tma_b = make_tma_b(w, N, K);
+    p.tma_b_mc = make_tma_b_mc(w, N, K);
     p.f = reinterpret_cast<const uint16_t*>(f);
     p.d = d;
     p.M = M;
@@ -492,15 +569,79 @@ struct RsLoop {
     p.group_m = group_m;
     int sms = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess || sms <= 0) return false;
-    grid = std::min(sms, (M / kBM) * (N / kBN));
-    return cudaFuncSetAttribute(rs_loop_kernel<kScale, kABufs, kGrouped>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                kSmemBytes) == cudaSuccess;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
+      return false;
+    const int c_tiles = (M / kBM / kCluster) * (N / kBN);
+    if constexpr (kCluster == 1) {
+      grid = std::min(sms, c_tiles);
+    } else {
+      // as many clusters as can be resident at once (a cluster's CTAs share a GPC), one per
+      // cluster tile at most
+      cudaLaunchConfig_t cfg = config(nullptr);
+      cudaLaunchAttribute attr = cluster_attr();
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      cfg.gridDim = dim3(kCluster * c_tiles);
+      int clusters = 0;
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess || clusters <= 0) return false;
+      grid = kCluster * std::min(clusters, c_tiles);
+    }
+    return true;
   }
   bool run(cudaStream_t s) {
-    rs_loop_kernel<kScale, kABufs, kGrouped><<<grid, kThreads, kSmemBytes, s>>>(p);
+    if constexpr (kCluster == 1) {
+      kernel<<<grid, kThreads, kSmemBytes, s>>>(p);
+    } else {
+      cudaLaunchConfig_t cfg = config(s);
+      cudaLaunchAttribute attr = cluster_attr();
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      if (cudaLaunchKernelEx(&cfg, kernel, p) != cudaSuccess) return false;
+    }
     return cudaGetLastError() == cudaSuccess;
   }
+
+ private:
+  cudaLaunchConfig_t config(cudaStream_t s) const {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.stream = s;
+    return cfg;
+  }
+  static cudaLaunchAttribute cluster_attr() {
+    cudaLaunchAttribute a{};
+    a.id = cudaLaunchAttributeClusterDimension;
+    a.val.clusterDim.x = kCluster;
+    a.val.clusterDim.y = 1;
+    a.val.clusterDim.z = 1;
+    return a;
+  }
 };
+
+/// Host check of the W multicast's split, in the terms CuTe builds it: a stage's W tile is
+/// kBN / 64 TMA boxes (one a 64-wide N slab) and with kClusterM CTAs each box is cut along K, so
+/// CTA r's copies start at (64 j, r kBK / kClusterM) for every slab j. Each CTA then writes
+/// 1 / kClusterM of the stage into every CTA of the cluster, and every CTA's full barrier expects
+/// the whole stage (kTxBytes). Catches a slice taken for the wrong rank or a split along N.
+bool check_multicast() {
+  const TmaBMc tma{};  // the split is in the type; no descriptor (no driver) needed
+  constexpr int kBoxElems = 64 * kBK;
+  static_assert(decltype(tma)::AtomNumVal::value == kBoxElems, "one TMA copy a 64-wide N slab");
+  auto coords = make_identity_tensor(Shape<Int<kBN>, Int<kBK>>{});
+  for (int r = 0; r < kClusterM; ++r) {
+    auto src = tma.get_slice(r).partition_S(coords);
+    auto dst = tma.get_slice(r).partition_D(coords);
+    if (size(src) != kBN * kBK || size(dst) != size(src)) return false;
+    for (int j = 0; j < kBN / 64; ++j) {
+      const auto a = src(j * kBoxElems), b = dst(j * kBoxElems);
+      if (get<0>(a) != 64 * j || get<1>(a) != r * kBK / kClusterM) return false;
+      if (get<0>(b) != get<0>(a) || get<1>(b) != get<1>(a)) return false;
+    }
+  }
+  return true;
+}
 
 }  // namespace rs
 
@@ -671,6 +812,29 @@ float time_it(F f, cudaStream_t s, int reps = 10) {
   return t[t.size() / 2];
 }
 
+/// A checked run waited for with a deadline: a kernel that never finishes (an mbarrier or
+/// transaction-count mistake in a variant that has not run before) is named, and the process ends
+/// without waiting for the device (which would hang too).
+void sync_or_die(cudaStream_t s, const char* what, double seconds = 20.0) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(s);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) {
+      printf("%s: %s\n", what, cudaGetErrorString(e));
+      fflush(stdout);
+      std::_Exit(3);
+    }
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > seconds) {
+      printf("%s: not finished after %.0f s (a hang?); giving up\n", what, seconds);
+      fflush(stdout);
+      std::_Exit(3);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  CK(cudaGetLastError());
+}
+
 float median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -686,9 +850,9 @@ struct AnyRs {
   virtual bool run(cudaStream_t s) = 0;
 };
 
-template <bool kScale, int kABufs, bool kGrouped>
+template <bool kScale, int kABufs, bool kGrouped, int kCluster>
 struct RsVariant : AnyRs {
-  rs::RsLoop<kScale, kABufs, kGrouped> k;
+  rs::RsLoop<kScale, kABufs, kGrouped, kCluster> k;
   int group_m;
   explicit RsVariant(int g) : group_m(g) {}
   bool init(int M, int N, int K, const bf16* e, const bf16* f, const bf16* w, float* d, bool scale_on) override {
@@ -701,29 +865,41 @@ struct Variant {
   const char* name;  // its column
   bool scaled;       // (E * F) W; false: E W (scale compiled out), checked against cuBLASLt on E
   bool grouped;
-  int group_m;         // the grouped raster's group height (M tiles); 0: plain m-fastest
+  int group_m;         // the grouped raster's group height (cluster tiles); 0: plain m-fastest
+  int cluster;         // CTAs a cluster along M (1: no cluster); the raster walks cluster tiles
   const void* kernel;  // for cudaFuncGetAttributes
   std::function<std::unique_ptr<AnyRs>()> make;
 };
 
-template <bool kScale, int kABufs, bool kGrouped>
+template <bool kScale, int kABufs, bool kGrouped, int kCluster = 1>
 Variant variant(const char* name, int group_m = 0) {
   return {name,
           kScale,
           kGrouped,
           kGrouped ? group_m : 0,
-          reinterpret_cast<const void*>(rs::rs_loop_kernel<kScale, kABufs, kGrouped>),
-          [group_m] { return std::unique_ptr<AnyRs>(new RsVariant<kScale, kABufs, kGrouped>(group_m)); }};
+          kCluster,
+          reinterpret_cast<const void*>(rs::rs_loop_kernel<kScale, kABufs, kGrouped, kCluster>),
+          [group_m] { return std::unique_ptr<AnyRs>(new RsVariant<kScale, kABufs, kGrouped, kCluster>(group_m)); }};
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const std::string which = argc > 1 ? argv[1] : "all";
+  if (which != "all" && which != "plain" && which != "cluster") {
+    printf("usage: rs_loop [all|plain|cluster]: every variant, those without a cluster, or the cluster ones "
+           "(each with the base kernel's two columns)\n");
+    return 2;
+  }
   if (!rs::check_layouts()) {
     printf("rs_loop: a fragment layout is not what the kernel assumes; nothing launched\n");
     return 1;
   }
+  if (!rs::check_multicast()) {
+    printf("rs_loop: the W multicast's slices do not cover a stage once; nothing launched\n");
+    return 1;
+  }
   // [0] and [1] are the original kernel and its scale-free build (the first columns); the rest are
   // the variants: 3 A register buffers, the grouped raster (G = 8 and 16 M tiles), both
-  const std::vector<Variant> vars = {
+  std::vector<Variant> vars = {
       variant<true, 2, false>("rs_loop"),
       variant<false, 2, false>("rs_loop, scale compiled out, on E"),
       variant<true, 3, false>("3 A buffers"),
@@ -734,7 +910,15 @@ int main() {
       variant<false, 3, false>("3 A buffers, scale compiled out"),
       variant<false, 2, true>("grouped G=8, scale compiled out", 8),
       variant<false, 3, true>("3 A buffers + grouped G=8, scale compiled out", 8),
+      variant<true, 2, false, rs::kClusterM>("cluster 2x1, W multicast"),
+      variant<true, 3, false, rs::kClusterM>("cluster 2x1 + 3 A buffers"),
+      variant<true, 2, true, rs::kClusterM>("cluster 2x1 + grouped G=4 (8 M tiles)", 4),
+      variant<false, 2, false, rs::kClusterM>("cluster 2x1, scale compiled out"),
   };
+  // the base kernel's two columns stay in every selection
+  vars.erase(std::remove_if(vars.begin() + 2, vars.end(),
+                            [&](const Variant& v) { return which == (v.cluster > 1 ? "plain" : "cluster"); }),
+             vars.end());
   for (const auto& v : vars) {
     cudaFuncAttributes fa;
     CK(cudaFuncGetAttributes(&fa, v.kernel));
@@ -749,19 +933,23 @@ int main() {
   // every raster of every shape must be a bijection before anything is launched (init re-checks)
   bool raster_ok = true;
   for (auto c : shapes) {
-    const int mt = c.M / rs::kBM, nt = c.N / rs::kBN;
-    printf("tile raster %dx%dx%d (%d x %d tiles):", c.M, c.N, c.K, mt, nt);
+    printf("tile raster %dx%dx%d (%d x %d tiles):", c.M, c.N, c.K, c.M / rs::kBM, c.N / rs::kBN);
     for (size_t i = 0; i < vars.size(); ++i) {
       bool seen = false;  // each distinct raster once
-      for (size_t j = 0; j < i; ++j) seen |= vars[j].grouped == vars[i].grouped && vars[j].group_m == vars[i].group_m;
+      for (size_t j = 0; j < i; ++j)
+        seen |= vars[j].grouped == vars[i].grouped && vars[j].group_m == vars[i].group_m &&
+                vars[j].cluster == vars[i].cluster;
       if (seen) continue;
-      const bool ok = vars[i].grouped ? rs::check_raster<true>(mt, nt, vars[i].group_m)
-                                      : rs::check_raster<false>(mt, nt, 0);
+      const int mt = c.M / rs::kBM / vars[i].cluster, nt = c.N / rs::kBN;  // cluster tiles
+      const bool ok = (c.M / rs::kBM) % vars[i].cluster == 0 &&
+                      (vars[i].grouped ? rs::check_raster<true>(mt, nt, vars[i].group_m)
+                                       : rs::check_raster<false>(mt, nt, 0));
       raster_ok &= ok;
+      const char* in = vars[i].cluster > 1 ? " over cluster tiles" : "";
       if (vars[i].grouped)
-        printf(" grouped G=%d %s;", vars[i].group_m, ok ? "bijective" : "NOT BIJECTIVE");
+        printf(" grouped G=%d%s %s;", vars[i].group_m, in, ok ? "bijective" : "NOT BIJECTIVE");
       else
-        printf(" m-fastest %s;", ok ? "bijective" : "NOT BIJECTIVE");
+        printf(" m-fastest%s %s;", in, ok ? "bijective" : "NOT BIJECTIVE");
     }
     printf("\n");
   }
@@ -823,8 +1011,7 @@ int main() {
     const size_t n_out = size_t(c.M) * c.N;
     CK(cudaMemsetAsync(d1, 0x7f, n_out * 4, s));
     const bool sc_ok = k[0]->init(c.M, c.N, c.K, e, f, w, d1, true) && k[0]->run(s);
-    CK(cudaStreamSynchronize(s));
-    CK(cudaGetLastError());
+    sync_or_die(s, vars[0].name);
     if (!lt_ok || !sc_ok) {
       printf("| %dx%dx%d | %s | | %s |", c.M, c.N, c.K, lt_ok ? "ok" : "cuBLASLt failed",
              sc_ok ? "ok" : "rs_loop refused the arguments");
@@ -878,15 +1065,14 @@ int main() {
         check_rows.push_back(row);
         continue;
       }
-      CK(cudaStreamSynchronize(s));
-      CK(cudaGetLastError());
+      sync_or_die(s, vars[i].name);
       diff[i] = rel_diff(d1, vars[i].scaled ? d0 : d3, n_out, scratch);
       f64[i] = f64_err(d1, vars[i].scaled);
       if (vars[i].scaled) {
         auto control = vars[i].make();
         CK(cudaMemsetAsync(d2, 0x7f, n_out * 4, s));
         if (control->init(c.M, c.N, c.K, e, f, w, d2, false) && control->run(s)) {
-          CK(cudaStreamSynchronize(s));
+          sync_or_die(s, vars[i].name);
           ctl[i] = rel_diff(d2, d0, n_out, scratch);
         }
       }
