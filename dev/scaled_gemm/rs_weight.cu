@@ -71,6 +71,16 @@
 //   are fire-and-forget and should drain under the next tile's main loop, whose stages the
 //   producer streams meanwhile (the risk to watch at 2048 tokens).
 // - A runtime flag (scale_on = 0) forces every scale to 1, the negative control of the check.
+// - Cluster variant (rs_weight_kernel<2>, run with the argument `cluster`): thread-block clusters
+//   of two CTAs along M (V), as dev/scaled_gemm/rs_loop.cu's: a cluster walks cluster tiles (two
+//   adjacent vocabulary tiles of one H tile, n-fastest; CTA rank r takes the r-th), so both CTAs
+//   need the same hidden tile every k-block and each loads half of it (CuTe cuts each 64-wide H
+//   box along the tokens) with SM90_TMA_LOAD_MULTICAST into both CTAs' stage; E and the scales
+//   stay per CTA. Each CTA's full barrier still expects the whole stage. A producer may refill a
+//   stage only when both CTAs' consumers released it: each consumer warp, after its wgmma wait,
+//   arrives (one lane) on the empty barrier of every CTA of the cluster (count 2 x 8 warps). The
+//   CTAs sync as a cluster after the barriers' init and before exit (a peer's last remote
+//   arrives land in this CTA's shared memory). V % 256.
 // The host refuses (before any launch, so the kernel never waits on a load that was not issued)
 // V % 128, H % 256, T % 64 and misaligned pointers.
 //
@@ -88,16 +98,20 @@
 // cudaGetDriverEntryPoint):
 //   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG -I<cutlass include dir> \
 //     dev/scaled_gemm/rs_weight.cu -o build-probe/rs_weight -lcublasLt
-// Run: build-probe/rs_weight; the layout check first (without a GPU it stops there), then a
-// table row a shape.
+// Run: build-probe/rs_weight [cluster]; the layout and multicast checks first (without a GPU it
+// stops there), then a table row a shape (with `cluster`, the cluster variant's columns too). A
+// checked run that does not finish within 20 s is named and ends the process.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "cute/tensor.hpp"
@@ -169,12 +183,21 @@ inline auto make_tma_b(const bf16* h, int N, int K) {
   auto g = make_tensor(make_gmem_ptr(h), make_layout(make_shape(N, K), make_stride(Int<1>{}, int64_t(N))));
   return make_tma_copy(SM90_TMA_LOAD{}, g, SmemLayoutB{}(_, _, Int<0>{}));
 }
+/// The cluster variant's hidden: each of the kClusterM CTAs of a cluster (same H tile, adjacent
+/// vocabulary tiles) loads 1 / kClusterM of the stage's hidden tile and multicasts it to all.
+constexpr int kClusterM = 2;
+inline auto make_tma_b_mc(const bf16* h, int N, int K) {
+  auto g = make_tensor(make_gmem_ptr(h), make_layout(make_shape(N, K), make_stride(Int<1>{}, int64_t(N))));
+  return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, g, SmemLayoutB{}(_, _, Int<0>{}), Int<kClusterM>{});
+}
 using TmaA = decltype(make_tma_a(nullptr, 0, 0));
 using TmaB = decltype(make_tma_b(nullptr, 0, 0));
+using TmaBMc = decltype(make_tma_b_mc(nullptr, 0, 0));
 
 struct Params {
   TmaA tma_a;
   TmaB tma_b;
+  TmaBMc tma_b_mc;  // read only by the cluster kernel
   const float* s;  // S[b * K + t] = F[t, b] r[t]
   float* d;
   int M, N, K;   // V, H, T
@@ -202,7 +225,9 @@ CUTE_HOST_DEVICE auto make_frag_a(ThrMma const& thr_mma, SA const& sA) {
   return thr_mma.partition_fragment_A(sA(_, _, 0));
 }
 
+template <int kCluster = 1>
 __global__ void __launch_bounds__(kThreads, 1) rs_weight_kernel(const __grid_constant__ Params p) {
+  static_assert(kCluster == 1 || kCluster == kClusterM, "no cluster, or kClusterM CTAs along M");
   using Full = cutlass::arch::ClusterTransactionBarrier;
   using Empty = cutlass::arch::ClusterBarrier;
   __shared__ uint64_t full_bar[kStages], empty_bar[kStages];
@@ -213,16 +238,28 @@ __global__ void __launch_bounds__(kThreads, 1) rs_weight_kernel(const __grid_con
   float* smem_s = reinterpret_cast<float*>(smem + kBytesA + kBytesB);  // [stage][warpgroup][64 tokens]
 
   const int m_tiles = p.M / kBM, n_tiles = p.N / kBN, k_blocks = p.K / kBK;
-  const int tiles = m_tiles * n_tiles;
+  // A cluster walks cluster tiles: kCluster adjacent vocabulary tiles (CTA rank r takes the r-th)
+  // of one H tile, so the cluster's CTAs share every hidden stage. Without a cluster a cluster
+  // tile is a tile.
+  const int rank = kCluster == 1 ? 0 : int(cute::block_rank_in_cluster());
+  const int first_tile = blockIdx.x / kCluster, tile_step = gridDim.x / kCluster;
+  const int c_tiles = (m_tiles / kCluster) * n_tiles;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      Full::init(&full_bar[s], 1);                    // the producer's arrive_and_expect_tx
-      Empty::init(&empty_bar[s], kConsumerThreads);  // every consumer thread, after its wgmma wait
+      Full::init(&full_bar[s], 1);  // the producer's arrive_and_expect_tx
+      // Empty: without a cluster every consumer thread arrives after its wgmma wait; with one, a
+      // lane of every consumer warp of every CTA of the cluster (each producer writes its hidden
+      // slice into all of them, so it waits until all of them released the stage)
+      Empty::init(&empty_bar[s], kCluster == 1 ? kConsumerThreads : kCluster * kConsumerThreads / 32);
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();  // the last CTA-wide sync: producer warps may leave early below
+  if constexpr (kCluster == 1) {
+    __syncthreads();  // the last CTA-wide sync: producer warps may leave early below
+  } else {
+    cute::cluster_sync();  // every CTA's barriers are initialized before any multicast or remote arrive
+  }
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
@@ -236,12 +273,16 @@ __global__ void __launch_bounds__(kThreads, 1) rs_weight_kernel(const __grid_con
       Tensor sA = make_tensor(make_smem_ptr(smem_a), SmemLayoutA{});  // (BM, BK, stage)
       Tensor sB = make_tensor(make_smem_ptr(smem_b), SmemLayoutB{});  // (BN, BK, stage)
       auto cta_a = p.tma_a.get_slice(0);
-      auto cta_b = p.tma_b.get_slice(0);
+      // with a cluster: this CTA's slice of hidden, multicast to every CTA of the cluster
+      auto cta_b = [&] {
+        if constexpr (kCluster == 1) return p.tma_b.get_slice(0);
+        else return p.tma_b_mc.get_slice(rank);
+      }();
       Tensor tAsA = cta_a.partition_D(sA);  // (TMA, TMA_M, TMA_K, stage)
       Tensor tBsB = cta_b.partition_D(sB);
       uint32_t c = 0;  // k-blocks issued by this CTA, across tiles
-      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const int nt = t % n_tiles, mt = t / n_tiles;
+      for (int t = first_tile; t < c_tiles; t += tile_step) {
+        const int nt = t % n_tiles, mt = (t / n_tiles) * kCluster + rank;
         Tensor tAgA = cta_a.partition_S(local_tile(mA, Shape<Int<kBM>, Int<kBK>>{}, make_coord(mt, _)));  // (TMA,TMA_M,TMA_K,k)
         Tensor tBgB = cta_b.partition_S(local_tile(mB, Shape<Int<kBN>, Int<kBK>>{}, make_coord(nt, _)));
         // the scale rows of the two warpgroups' 192-blocks
@@ -251,16 +292,29 @@ __global__ void __launch_bounds__(kThreads, 1) rs_weight_kernel(const __grid_con
         for (int kb = 0; kb < k_blocks; ++kb, ++c) {
           const int s = c % kStages;
           Empty::wait(&empty_bar[s], ((c / kStages) & 1) ^ 1);  // a fresh barrier passes parity 1
+          // the whole stage lands here: this CTA's E tile and scales, every CTA's hidden slice
           Full::arrive_and_expect_tx(&full_bar[s], kTxBytes);
           copy(p.tma_a.with(full_bar[s]), tAgA(_, _, _, kb), tAsA(_, _, _, s));
-          copy(p.tma_b.with(full_bar[s]), tBgB(_, _, _, kb), tBsB(_, _, _, s));
+          if constexpr (kCluster == 1) {
+            copy(p.tma_b.with(full_bar[s]), tBgB(_, _, _, kb), tBsB(_, _, _, s));
+          } else {
+            constexpr uint16_t kAllCtas = (1u << kCluster) - 1;
+            copy(p.tma_b_mc.with(full_bar[s], kAllCtas), tBgB(_, _, _, kb), tBsB(_, _, _, s));
+          }
           float* ds = smem_s + s * 2 * kBK;
           SM90_BULK_COPY_G2S::copy(s0 + kb * kBK, &full_bar[s], ds, kBK * 4);
           SM90_BULK_COPY_G2S::copy(s1 + kb * kBK, &full_bar[s], ds + kBK, kBK * 4);
         }
       }
     }
-    return;  // every load issued is consumed: the consumers keep the CTA (and its smem) alive
+    if constexpr (kCluster == 1) {
+      return;  // every load issued is consumed: the consumers keep the CTA (and its smem) alive
+    } else {
+      // the CTA stays until the cluster's last remote arrive on its barriers
+      __syncwarp();
+      cute::cluster_sync();
+      return;
+    }
   }
 
   // ------------------------------------------------------------------ consumers
@@ -313,9 +367,24 @@ __global__ void __launch_bounds__(kThreads, 1) rs_weight_kernel(const __grid_con
     }
   };
 
+  // Releases stage s to the producers that write it: this CTA's, and with a cluster every CTA's
+  // (one arrive a warp on each CTA's barrier, after every lane of the warp passed its wgmma wait).
+  const int lane = threadIdx.x % 32;
+  auto release = [&](int s) {
+    if constexpr (kCluster == 1) {
+      Empty::arrive(&empty_bar[s]);
+    } else {
+      __syncwarp();
+      if (lane == 0) {
+        CUTE_UNROLL
+        for (int r = 0; r < kCluster; ++r) Empty::arrive(&empty_bar[s], r, 1);
+      }
+    }
+  };
+
   uint32_t c = 0;  // k-blocks consumed by this CTA, across tiles (the producer's count)
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int nt = t % n_tiles, mt = t / n_tiles;
+  for (int t = first_tile; t < c_tiles; t += tile_step) {
+    const int nt = t % n_tiles, mt = (t / n_tiles) * kCluster + rank;
 
     // the fragment of the next k-block: ldmatrix.trans, then scale
     auto prepare = [&](uint32_t cc, auto& frag, auto& frag_view) {
@@ -338,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, 1) rs_weight_kernel(const __grid_con
       warpgroup_commit_batch();
       warpgroup_wait<1>();  // group kb - 1 done: it read `nxt` and stage (c + kb - 1)'s hidden tile
       warpgroup_fence_operand(accum);
-      if (kb > 0) Empty::arrive(&empty_bar[(c + kb - 1) % kStages]);
+      if (kb > 0) release((c + kb - 1) % kStages);
       if (kb + 1 < k_blocks) prepare(c + kb + 1, nxt, nxt_view);
     };
 
@@ -351,7 +420,7 @@ __global__ void __launch_bounds__(kThreads, 1) rs_weight_kernel(const __grid_con
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(accum);
-    Empty::arrive(&empty_bar[(c + k_blocks - 1) % kStages]);
+    release((c + k_blocks - 1) % kStages);
     c += k_blocks;
 
     // epilogue: registers -> D, float2 a pair of adjacent columns (host-checked)
@@ -362,6 +431,8 @@ __global__ void __launch_bounds__(kThreads, 1) rs_weight_kernel(const __grid_con
       st_f32x2(dt + size_t(get<0>(rc)) * p.N + get<1>(rc), accum(i), accum(i + 1));
     }
   }
+  // the peers' consumers may still arrive on this CTA's empty barriers: stay until all are done
+  if constexpr (kCluster > 1) cute::cluster_sync();
 }
 
 /// Host check of the layout facts the kernel relies on beyond CuTe's own construction, for every
@@ -466,19 +537,46 @@ bool check_layouts() {
   return std::all_of(src_hits.begin(), src_hits.end(), [](int h) { return h == 1; });
 }
 
+/// Host check of the hidden multicast's split, in the terms CuTe builds it: a stage's hidden tile
+/// is kBN / 64 TMA boxes (one a 64-wide H slab) and with kClusterM CTAs each box is cut along K
+/// (tokens), so CTA r's copies start at (64 j, r kBK / kClusterM) for every slab j. Each CTA then
+/// writes 1 / kClusterM of the stage into every CTA of the cluster, and every CTA's full barrier
+/// expects the whole stage (kTxBytes). Catches a slice taken for the wrong rank or a split along H.
+bool check_multicast() {
+  const TmaBMc tma{};  // the split is in the type; no descriptor (no driver) needed
+  constexpr int kBoxElems = 64 * kBK;
+  static_assert(decltype(tma)::AtomNumVal::value == kBoxElems, "one TMA copy a 64-wide H slab");
+  auto coords = make_identity_tensor(Shape<Int<kBN>, Int<kBK>>{});
+  for (int r = 0; r < kClusterM; ++r) {
+    auto src = tma.get_slice(r).partition_S(coords);
+    auto dst = tma.get_slice(r).partition_D(coords);
+    if (size(src) != kBN * kBK || size(dst) != size(src)) return false;
+    for (int j = 0; j < kBN / 64; ++j) {
+      const auto a = src(j * kBoxElems), b = dst(j * kBoxElems);
+      if (get<0>(a) != 64 * j || get<1>(a) != r * kBK / kClusterM) return false;
+      if (get<0>(b) != get<0>(a) || get<1>(b) != get<1>(a)) return false;
+    }
+  }
+  return true;
+}
+
 /// The launcher: refuses (returns false, nothing launched) what the kernel does not handle.
+/// kCluster = kClusterM: clusters of two CTAs along V sharing each hidden stage (V % 256).
+template <int kCluster = 1>
 struct RsWeight {
   Params p{};
   int grid = 0;
+  static constexpr auto kernel = rs_weight_kernel<kCluster>;
   // D (V x H) = (E * F * r)^T hidden; e: T x V, s: ceil(V / 192) x T, hidden: T x H
   bool init(int V, int H, int T, const bf16* e, const float* s, const bf16* hidden, float* d, bool scale_on) {
-    if (V <= 0 || H <= 0 || T <= 0 || V % kBM || H % kBN || T % kBK) return false;
+    if (V <= 0 || H <= 0 || T <= 0 || V % (kBM * kCluster) || H % kBN || T % kBK) return false;
     if ((reinterpret_cast<uintptr_t>(e) | reinterpret_cast<uintptr_t>(hidden)) % 128 ||
         reinterpret_cast<uintptr_t>(d) % 8 || reinterpret_cast<uintptr_t>(s) % 16)
       return false;
     if (size_t(V / kBM) * (H / kBN) > size_t(1) << 30) return false;
     p.tma_a = make_tma_a(e, V, T);
     p.tma_b = make_tma_b(hidden, H, T);
+    p.tma_b_mc = make_tma_b_mc(hidden, H, T);
     p.s = s;
     p.d = d;
     p.M = V;
@@ -487,13 +585,54 @@ struct RsWeight {
     p.scale_on = scale_on;
     int sms = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess || sms <= 0) return false;
-    grid = std::min(sms, (V / kBM) * (H / kBN));
-    return cudaFuncSetAttribute(rs_weight_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) ==
-           cudaSuccess;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
+      return false;
+    const int c_tiles = (V / kBM / kCluster) * (H / kBN);
+    if constexpr (kCluster == 1) {
+      grid = std::min(sms, c_tiles);
+    } else {
+      // as many clusters as can be resident at once (a cluster's CTAs share a GPC), one per
+      // cluster tile at most
+      cudaLaunchConfig_t cfg = config(nullptr);
+      cudaLaunchAttribute attr = cluster_attr();
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      cfg.gridDim = dim3(kCluster * c_tiles);
+      int clusters = 0;
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess || clusters <= 0) return false;
+      grid = kCluster * std::min(clusters, c_tiles);
+    }
+    return true;
   }
   bool run(cudaStream_t s) {
-    rs_weight_kernel<<<grid, kThreads, kSmemBytes, s>>>(p);
+    if constexpr (kCluster == 1) {
+      kernel<<<grid, kThreads, kSmemBytes, s>>>(p);
+    } else {
+      cudaLaunchConfig_t cfg = config(s);
+      cudaLaunchAttribute attr = cluster_attr();
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      if (cudaLaunchKernelEx(&cfg, kernel, p) != cudaSuccess) return false;
+    }
     return cudaGetLastError() == cudaSuccess;
+  }
+
+ private:
+  cudaLaunchConfig_t config(cudaStream_t s) const {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.stream = s;
+    return cfg;
+  }
+  static cudaLaunchAttribute cluster_attr() {
+    cudaLaunchAttribute a{};
+    a.id = cudaLaunchAttributeClusterDimension;
+    a.val.clusterDim.x = kCluster;
+    a.val.clusterDim.y = 1;
+    a.val.clusterDim.z = 1;
+    return a;
   }
 };
 
@@ -681,14 +820,46 @@ float time_it(F f, cudaStream_t s, int reps = 10) {
   return t[t.size() / 2];
 }
 
+/// A checked run waited for with a deadline: a kernel that never finishes (an mbarrier or
+/// transaction-count mistake: neither kernel has run before) is named, and the process ends
+/// without waiting for the device (which would hang too).
+void sync_or_die(cudaStream_t s, const char* what, double seconds = 20.0) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(s);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) {
+      printf("%s: %s\n", what, cudaGetErrorString(e));
+      fflush(stdout);
+      std::_Exit(3);
+    }
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > seconds) {
+      printf("%s: not finished after %.0f s (a hang?); giving up\n", what, seconds);
+      fflush(stdout);
+      std::_Exit(3);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  CK(cudaGetLastError());
+}
+
 float median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const bool with_cluster = argc > 1 && std::string(argv[1]) == "cluster";
+  if (argc > 1 && !with_cluster) {
+    printf("usage: rs_weight [cluster]: the kernel, or the kernel and its cluster variant\n");
+    return 2;
+  }
   if (!rw::check_layouts()) {
     printf("rs_weight: a fragment layout is not what the kernel assumes; nothing launched\n");
+    return 1;
+  }
+  if (!rw::check_multicast()) {
+    printf("rs_weight: the hidden multicast's slices do not start where the kernel assumes; nothing launched\n");
     return 1;
   }
   printf("rs_weight: layout check passed (all %d consumer threads: ldmatrix.trans -> wgmma fragment, "
@@ -700,9 +871,11 @@ int main() {
     return 0;
   }
   cudaFuncAttributes fa;
-  CK(cudaFuncGetAttributes(&fa, rw::rs_weight_kernel));
-  printf("rs_weight kernel: %d registers at launch (consumers raise theirs to 232), %zu B local memory\n\n",
+  CK(cudaFuncGetAttributes(&fa, rw::rs_weight_kernel<1>));
+  printf("rs_weight kernel: %d registers at launch (consumers raise theirs to 232), %zu B local memory\n",
          fa.numRegs, fa.localSizeBytes);
+  CK(cudaFuncGetAttributes(&fa, rw::rs_weight_kernel<rw::kClusterM>));
+  printf("its cluster variant: %d registers at launch, %zu B local memory\n\n", fa.numRegs, fa.localSizeBytes);
 
   constexpr int V = 128256, H = 4096;
   const std::vector<int> token_counts = {4096, 8192, 2048};
@@ -730,8 +903,12 @@ int main() {
   cublasLtCreate(&h);
   printf("| tokens x V x H | prescale pass E,F,r -> A' (ms) | cuBLASLt on A' (ms) | CUTLASS plain on A' (ms, x cuBLASLt) "
          "| rs_weight (ms, x cuBLASLt, x (prescale + cuBLASLt)) | rs_weight vs cuBLASLt max rel diff "
-         "| vs float64 (16 outputs) | control: scales forced to 1, vs cuBLASLt |\n"
-         "|---|---|---|---|---|---|---|---|\n");
+         "| vs float64 (16 outputs) | control: scales forced to 1, vs cuBLASLt |%s\n"
+         "|---|---|---|---|---|---|---|---|%s\n",
+         with_cluster ? " cluster 2x1, hidden multicast (ms, x cuBLASLt, x rs_weight) | its max rel diff vs cuBLASLt "
+                        "| vs float64 | its control |"
+                      : "",
+         with_cluster ? "---|---|---|---|" : "");
   for (const int T : token_counts) {
     fill<<<2048, 256>>>(e, f, r, hid, T, V, H, blocks);
     make_scales<<<1024, 256>>>(f, r, sc, T, blocks);
@@ -741,12 +918,13 @@ int main() {
     CK(cudaDeviceSynchronize());
     CK(cudaGetLastError());
     Lt lt(h, V, H, T, wsb);
-    rw::RsWeight scaled, control;
+    rw::RsWeight<1> scaled, control;
+    rw::RsWeight<rw::kClusterM> clustered, control_c;
     Plain plain;
     const bool lt_ok = lt.ok && lt.run(pre, hid, d0, ws, wsb, s);
+    CK(cudaMemsetAsync(d1, 0x7f, size_t(V) * H * 4, s));  // poisoned: an unwritten D cannot pass
     const bool sc_ok = scaled.init(V, H, T, e, sc, hid, d1, true) && scaled.run(s);
-    CK(cudaStreamSynchronize(s));
-    CK(cudaGetLastError());
+    sync_or_die(s, "rs_weight");
     if (!lt_ok || !sc_ok) {
       printf("| %dx%dx%d | | %s | | %s | | | |\n", T, V, H, lt_ok ? "ok" : "cuBLASLt failed",
              sc_ok ? "ok" : "rs_weight refused the arguments");
@@ -754,41 +932,70 @@ int main() {
     }
     const float diff = rel_diff(d1, d0, size_t(V) * H, scratch);
     // float64 dot products at 16 sampled outputs, relative to the largest |reference| among them
-    std::vector<bf16> hcol_a(T), hcol_b(T);
-    float got = 0;
-    double worst = 0, big = 0;
-    for (int q = 0; q < 16; ++q) {
-      const int v = (q * 2654435761u) % V, n = (q * 40503u + 11) % H;
-      CK(cudaMemcpy2D(hcol_a.data(), 2, pre + v, size_t(V) * 2, 2, T, cudaMemcpyDeviceToHost));
-      CK(cudaMemcpy2D(hcol_b.data(), 2, hid + n, size_t(H) * 2, 2, T, cudaMemcpyDeviceToHost));
-      double ref = 0;
-      for (int k = 0; k < T; ++k) ref += double(float(hcol_a[k])) * double(float(hcol_b[k]));
-      CK(cudaMemcpy(&got, d1 + size_t(v) * H + n, 4, cudaMemcpyDeviceToHost));
-      worst = std::max(worst, std::abs(double(got) - ref));
-      big = std::max(big, std::abs(ref));
-    }
+    auto f64_err = [&](const float* d) {
+      std::vector<bf16> hcol_a(T), hcol_b(T);
+      float got = 0;
+      double worst = 0, big = 0;
+      for (int q = 0; q < 16; ++q) {
+        const int v = (q * 2654435761u) % V, n = (q * 40503u + 11) % H;
+        CK(cudaMemcpy2D(hcol_a.data(), 2, pre + v, size_t(V) * 2, 2, T, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy2D(hcol_b.data(), 2, hid + n, size_t(H) * 2, 2, T, cudaMemcpyDeviceToHost));
+        double ref = 0;
+        for (int k = 0; k < T; ++k) ref += double(float(hcol_a[k])) * double(float(hcol_b[k]));
+        CK(cudaMemcpy(&got, d + size_t(v) * H + n, 4, cudaMemcpyDeviceToHost));
+        worst = std::max(worst, std::abs(double(got) - ref));
+        big = std::max(big, std::abs(ref));
+      }
+      return worst / std::max(big, 1e-300);
+    };
+    const double f64 = f64_err(d1);
     // the negative control (scales forced to 1)
     float ctl_diff = -1;
     if (control.init(V, H, T, e, sc, hid, d2, false) && control.run(s)) {
-      CK(cudaStreamSynchronize(s));
+      sync_or_die(s, "rs_weight, scales forced to 1");
       ctl_diff = rel_diff(d2, d0, size_t(V) * H, scratch);
     }
     CK(cudaGetLastError());
+    // the cluster variant, checked alike (its output poisoned first: 0x7f7f7f7f = 3.4e38)
+    bool cl_ok = false;
+    float cl_diff = -1, cl_ctl = -1;
+    double cl_f64 = -1;
+    if (with_cluster) {
+      CK(cudaMemsetAsync(d1, 0x7f, size_t(V) * H * 4, s));
+      cl_ok = clustered.init(V, H, T, e, sc, hid, d1, true) && clustered.run(s);
+      if (cl_ok) {
+        sync_or_die(s, "rs_weight cluster 2x1");
+        cl_diff = rel_diff(d1, d0, size_t(V) * H, scratch);
+        cl_f64 = f64_err(d1);
+        CK(cudaMemsetAsync(d2, 0x7f, size_t(V) * H * 4, s));
+        if (control_c.init(V, H, T, e, sc, hid, d2, false) && control_c.run(s)) {
+          sync_or_die(s, "rs_weight cluster 2x1, scales forced to 1");
+          cl_ctl = rel_diff(d2, d0, size_t(V) * H, scratch);
+        }
+      }
+    }
 
-    std::vector<float> r0, r1, r2, r3;
+    std::vector<float> r0, r1, r2, r3, r4;
     const bool plain_ok = plain.init(V, H, T, pre, hid, d2, ws_plain, wsb, s);
     for (int round = 0; round < 5; ++round) {
       r3.push_back(time_it(run_prescale, s));
       r0.push_back(time_it([&] { lt.run(pre, hid, d2, ws, wsb, s); }, s));
       if (plain_ok) r1.push_back(time_it([&] { plain.run(s); }, s));
       r2.push_back(time_it([&] { scaled.run(s); }, s));
+      if (cl_ok) r4.push_back(time_it([&] { clustered.run(s); }, s));
     }
     CK(cudaGetLastError());
     const float m0 = median(r0), m2 = median(r2), m3 = median(r3);
     char plain_s[64] = "refused";
     if (plain_ok) snprintf(plain_s, sizeof plain_s, "%.3f, %.3f", median(r1), median(r1) / m0);
-    printf("| %dx%dx%d | %.3f | %.3f | %s | %.3f, %.3f, %.3f | %.1e | %.1e | %.1e |\n", T, V, H, m3, m0, plain_s, m2,
-           m2 / m0, m2 / (m0 + m3), diff, worst / std::max(big, 1e-300), ctl_diff);
+    printf("| %dx%dx%d | %.3f | %.3f | %s | %.3f, %.3f, %.3f | %.1e | %.1e | %.1e |", T, V, H, m3, m0, plain_s, m2,
+           m2 / m0, m2 / (m0 + m3), diff, f64, ctl_diff);
+    if (cl_ok)
+      printf(" %.3f, %.3f, %.3f | %.1e | %.1e | %.1e |", median(r4), median(r4) / m0, median(r4) / m2, cl_diff, cl_f64,
+             cl_ctl);
+    else if (with_cluster)
+      printf(" refused | | | |");
+    printf("\n");
     fflush(stdout);
   }
   return 0;
