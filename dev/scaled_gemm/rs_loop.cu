@@ -100,10 +100,12 @@
 // cudaGetDriverEntryPoint):
 //   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG -I<cutlass include dir> \
 //     dev/scaled_gemm/rs_loop.cu -o build-probe/rs_loop -lcublasLt
-// Run (GPU): build-probe/rs_loop [all|plain|cluster]; a table row a shape, then a check row a shape
-// and variant. "plain" leaves out the cluster variants and "cluster" keeps only them (each beside
-// the base kernel), so a first run of the cluster kernels cannot cost the other results: a
-// checked run that does not finish within 20 s is named and ends the process.
+// Run (GPU): build-probe/rs_loop [all|plain|cluster|profile]; a table row a shape, then a check row
+// a shape and variant. "plain" leaves out the cluster variants and "cluster" keeps only them (each
+// beside the base kernel), so a first run of the cluster kernels cannot cost the other results: a
+// checked run that does not finish within 20 s is named and ends the process. "profile" runs
+// every kernel's checked runs at the first shape and times nothing: the run to put under ncu
+// (dev/scaled_gemm/ncu_summary.py).
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -884,11 +886,13 @@ Variant variant(const char* name, int group_m = 0) {
 
 int main(int argc, char** argv) {
   const std::string which = argc > 1 ? argv[1] : "all";
-  if (which != "all" && which != "plain" && which != "cluster") {
-    printf("usage: rs_loop [all|plain|cluster]: every variant, those without a cluster, or the cluster ones "
-           "(each with the base kernel's two columns)\n");
+  if (which != "all" && which != "plain" && which != "cluster" && which != "profile") {
+    printf("usage: rs_loop [all|plain|cluster|profile]: every variant, those without a cluster, or the cluster "
+           "ones (each with the base kernel's two columns); profile: every variant's checked runs at the first "
+           "shape and no timing (for ncu: each kernel launched a few times, not hundreds)\n");
     return 2;
   }
+  const bool profile = which == "profile";
   if (!rs::check_layouts()) {
     printf("rs_loop: a fragment layout is not what the kernel assumes; nothing launched\n");
     return 1;
@@ -929,7 +933,8 @@ int main(int argc, char** argv) {
   struct Shape3 {
     int M, N, K;  // rows (tokens), hidden, vocabulary
   };
-  const std::vector<Shape3> shapes = {{4096, 4096, 128256}, {8192, 4096, 128256}, {2048, 4096, 128256}};
+  std::vector<Shape3> shapes = {{4096, 4096, 128256}, {8192, 4096, 128256}, {2048, 4096, 128256}};
+  if (profile) shapes.resize(1);
   // every raster of every shape must be a bijection before anything is launched (init re-checks)
   bool raster_ok = true;
   for (auto c : shapes) {
@@ -1084,6 +1089,11 @@ int main(int argc, char** argv) {
       check_rows.push_back(row);
     }
 
+    if (profile) {  // the references' and the variants' checked runs are what ncu profiles
+      Plain plain_once;
+      if (plain_once.init(c.M, c.N, c.K, pre, w, d2, ws_plain, wsb, s) && plain_once.run(s)) sync_or_die(s, "CUTLASS plain");
+      continue;
+    }
     // timing: interleaved rounds over cuBLASLt, CUTLASS's plain kernel and every variant
     std::vector<float> r0, r1;
     std::vector<std::vector<float>> rv(vars.size());

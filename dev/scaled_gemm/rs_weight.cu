@@ -98,9 +98,11 @@
 // cudaGetDriverEntryPoint):
 //   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG -I<cutlass include dir> \
 //     dev/scaled_gemm/rs_weight.cu -o build-probe/rs_weight -lcublasLt
-// Run: build-probe/rs_weight [cluster]; the layout and multicast checks first (without a GPU it
-// stops there), then a table row a shape (with `cluster`, the cluster variant's columns too). A
-// checked run that does not finish within 20 s is named and ends the process.
+// Run: build-probe/rs_weight [cluster|profile]; the layout and multicast checks first (without a
+// GPU it stops there), then a table row a shape (with `cluster`, the cluster variant's columns
+// too). A checked run that does not finish within 20 s is named and ends the process. `profile`
+// runs both kernels' checked runs at 4096 tokens and times nothing: the run to put under ncu
+// (dev/scaled_gemm/ncu_summary.py).
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -849,9 +851,11 @@ float median(std::vector<float> v) {
 }
 
 int main(int argc, char** argv) {
-  const bool with_cluster = argc > 1 && std::string(argv[1]) == "cluster";
-  if (argc > 1 && !with_cluster) {
-    printf("usage: rs_weight [cluster]: the kernel, or the kernel and its cluster variant\n");
+  const std::string which = argc > 1 ? argv[1] : "";
+  const bool profile = which == "profile", with_cluster = which == "cluster" || profile;
+  if (!which.empty() && !with_cluster) {
+    printf("usage: rs_weight [cluster|profile]: the kernel, or the kernel and its cluster variant; profile: both "
+           "kernels' checked runs at 4096 tokens and no timing (for ncu)\n");
     return 2;
   }
   if (!rw::check_layouts()) {
@@ -878,7 +882,8 @@ int main(int argc, char** argv) {
   printf("its cluster variant: %d registers at launch, %zu B local memory\n\n", fa.numRegs, fa.localSizeBytes);
 
   constexpr int V = 128256, H = 4096;
-  const std::vector<int> token_counts = {4096, 8192, 2048};
+  std::vector<int> token_counts = {4096, 8192, 2048};
+  if (profile) token_counts.resize(1);
   const int blocks = (V + kGroup - 1) / kGroup;
   const int t_max = *std::max_element(token_counts.begin(), token_counts.end());
   bf16 *e, *f, *hid, *pre;
@@ -975,6 +980,11 @@ int main(int argc, char** argv) {
       }
     }
 
+    if (profile) {  // the checked runs are what ncu profiles; CUTLASS's plain kernel once beside them
+      Plain plain_once;
+      if (plain_once.init(V, H, T, pre, hid, d2, ws_plain, wsb, s) && plain_once.run(s)) sync_or_die(s, "CUTLASS plain");
+      continue;
+    }
     std::vector<float> r0, r1, r2, r3, r4;
     const bool plain_ok = plain.init(V, H, T, pre, hid, d2, ws_plain, wsb, s);
     for (int round = 0; round < 5; ++round) {
