@@ -2179,9 +2179,9 @@ int main(int argc, char** argv) {
     // sampled vocabulary rows: 8 of the sampled rows' targets, 8 spread over V
     for (int q = 0; q < kSample; ++q)
       hv.push_back(q < 8 ? int(htq[q]) : int((int64_t(q - 8) * (V - 1)) / 7));
-    CK(cudaMemcpy(qrows, hq.data(), kSample * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(qv, hv.data(), kSample * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(tq, htq.data(), kSample * 8, cudaMemcpyHostToDevice));
+    CK(cudaMemcpyAsync(qrows, hq.data(), kSample * 4, cudaMemcpyHostToDevice, st));
+    CK(cudaMemcpyAsync(qv, hv.data(), kSample * 4, cudaMemcpyHostToDevice, st));
+    CK(cudaMemcpyAsync(tq, htq.data(), kSample * 8, cudaMemcpyHostToDevice, st));
     lse_f64<float><<<N, 256, 0, st>>>(Z, V, lse64);
     target_f64<<<(N + 7) / 8, 256, 0, st>>>(hid, W, tgt, N, H, zt64);
     z_f64<<<dim3((V + 255) / 256, kSample), 256, 0, st>>>(hid, W, qrows, H, V, z64);
