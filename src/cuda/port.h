@@ -150,6 +150,10 @@ __device__ __forceinline__ float ex2(float x) {
 #endif
 }
 
+/// 2^x with subnormal results kept (below 2^-126: the log-probabilities' sums of the entries
+/// but the max, which carry a collapsed row's log-probability).
+__device__ __forceinline__ float ex2_subnormal(float x) { return exp2f(x); }
+
 /// 1/x in one hardware instruction (v_rcp_f32).
 __device__ __forceinline__ float rcp(float x) { return __builtin_amdgcn_rcpf(x); }
 
@@ -219,6 +223,15 @@ __device__ __forceinline__ void store_streaming(U32x4* ptr, U32x4 v) { __stcs(pt
 __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/// 2^x on the SFU with subnormal results kept (below 2^-126 the input is halved and the result
+/// squared: two predicated multiplies): the log-probabilities' sums of the entries but the max,
+/// which carry a collapsed row's log-probability.
+__device__ __forceinline__ float ex2_subnormal(float x) {
+  float y;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
