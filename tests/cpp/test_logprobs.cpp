@@ -643,6 +643,213 @@ TEST(LinearLogprobsCudaPlans, GradientsMatchFloat64) {
   }
 }
 
+/// The CUDA linear form's fused products on Hopper (lp_fused_products.h: bf16, no bias, H and
+/// row strides multiples of 8): the statistics in the logits product's epilogue, folded over
+/// 192-wide tiles, and dlogits formed in the recomputed product's epilogue. Inputs whose logits
+/// are exact in float32 (hidden in {-1, 0, 1}, weight in eighths), so the bf16 logits the
+/// kernels round are the reference's own and every error left is the kernels' arithmetic: one
+/// row, partial CTA tiles in rows (past a cluster's 256) and in columns (V = 1, 193, 2001, not a
+/// multiple of 192), one whole tile, temperatures, with and without the entropy's gradient,
+/// ignored rows, collapsed rows (the target's logit 60-200 nats above the rest: the log-
+/// probability a float32 subnormal or 0), chunk budgets that split the forward into token
+/// chunks and the backward into vocabulary chunks, and the distribution statistics (their
+/// second plane of partials; at V = 8 it does not fit the logits buffer and the row kernel
+/// takes them). On other GPUs the same calls take cuBLASLt and the row kernels, against the same
+/// references.
+TEST(LinearLogprobsCudaFused, MatchesFloat64OnExactLogits) {
+  std::string why;
+  Backend* backend = find_backend(BackendKind::kCuda, &why);
+  if (backend == nullptr) GTEST_SKIP() << why;
+  struct Case {
+    const char* name;
+    int64_t n, h, v;
+    float temperature;
+    bool entropy;
+    size_t budget;
+    bool dist;  // the distribution statistics too
+  };
+  const Case cases[] = {
+      {"3 row tiles, 11 column tiles", 300, 64, 2001, 1.0f, true, 0, false},
+      {"a 1-column last tile, temperature 0.7", 37, 32, 193, 0.7f, true, 0, false},
+      {"V = 1", 5, 8, 1, 1.0f, true, 0, false},
+      {"one row, one whole tile, no entropy gradient", 1, 16, 192, 1.3f, false, 0, false},
+      {"collapsed rows, token and vocabulary chunks", 260, 128, 5000, 1.0f, true, 400000, false},
+      {"distribution statistics", 300, 64, 2001, 0.7f, true, 0, true},
+      {"distribution statistics, collapsed rows, chunks", 260, 128, 5000, 1.0f, true, 400000, true},
+      {"distribution statistics, V = 8", 37, 16, 8, 1.0f, true, 0, true},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int64_t n = c.n, h = c.h, v = c.v;
+    std::mt19937 rng(static_cast<uint32_t>(n * 17 + v * 3 + h));
+    std::vector<float> w(v * h), hid(n * h);
+    for (float& x : w) x = static_cast<float>(static_cast<int>(rng() % 33) - 16) / 8.0f;
+    std::vector<int64_t> target(n);
+    for (int64_t i = 0; i < n; ++i) {
+      target[i] = i % 4 == 3 ? kIgnore : static_cast<int64_t>(rng() % v);
+      const bool peaked = i % 3 == 0 && target[i] != kIgnore;
+      for (int64_t k = 0; k < h; ++k) {
+        // a peaked row follows its target's weight row: that logit is sum_k |w|, far above the rest
+        const float wt = w[target[i] == kIgnore ? 0 : target[i] * h + k];
+        hid[i * h + k] = peaked ? (wt > 0 ? 1.0f : wt < 0 ? -1.0f : 0.0f) : static_cast<float>(static_cast<int>(rng() % 3) - 1);
+      }
+    }
+    std::vector<uint16_t> w16 = round_to(w, DType::kBFloat16), hid16 = round_to(hid, DType::kBFloat16);
+    std::vector<float> g_lp(n), g_h(n);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      g_lp[i] = nd(rng);
+      g_h[i] = nd(rng);
+    }
+
+    // float64: z = bf16(the exact dot) / T, then the contract's formulas
+    std::vector<double> z(n * v), lp(n, 0.0), ent(n, 0.0), dz(n * v, 0.0), lse(n, 0.0), lss(n, 0.0), mean(n, 0.0);
+    std::vector<bool> top1(n, false);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < v; ++j) {
+        double dot = 0.0;
+        for (int64_t k = 0; k < h; ++k) dot += double(hid[i * h + k]) * double(w[j * h + k]);
+        z[i * v + j] = double(fusedce::detail::bf16_to_float(fusedce::detail::float_to_bf16(float(dot)))) / c.temperature;
+      }
+      if (target[i] == kIgnore) continue;
+      // log-probabilities relative to the max, its first instance left out of the sum, so that a
+      // collapsed row's (1e-15 and below) keep their digits: l_j = (z_j - m) - log1p(rest)
+      int64_t a = 0;
+      for (int64_t j = 1; j < v; ++j) a = z[i * v + j] > z[i * v + a] ? j : a;
+      const double m = z[i * v + a];
+      double rest = 0.0;
+      for (int64_t j = 0; j < v; ++j)
+        if (j != a) rest += std::exp(z[i * v + j] - m);
+      const double l1 = std::log1p(rest);
+      lse[i] = m + l1;
+      auto logp = [&](int64_t j) { return j == a ? -l1 : (z[i * v + j] - m) - l1; };
+      lp[i] = logp(target[i]);
+      for (int64_t j = 0; j < v; ++j) ent[i] -= std::exp(logp(j)) * logp(j);
+      double sq = 0.0;
+      for (int64_t j = 0; j < v; ++j) {
+        sq += std::exp(2.0 * logp(j));
+        mean[i] += z[i * v + j] / double(v);
+      }
+      lss[i] = std::log(sq);
+      top1[i] = a == target[i];
+      const double gh = c.entropy ? g_h[i] : 0.0;
+      for (int64_t j = 0; j < v; ++j) {
+        // the target's 1 - p_t as -expm1 (a collapsed row's is below double's resolution of 1)
+        const bool at_t = j == target[i];
+        const double l = logp(j), p = std::exp(l);
+        dz[i * v + j] = (g_lp[i] * (at_t ? -std::expm1(l) : -p) - gh * p * (l + ent[i])) / c.temperature;
+      }
+    }
+
+    DeviceBuffer dh = DeviceBuffer::from_host(*backend, hid16.data(), hid16.size() * 2);
+    DeviceBuffer dw = DeviceBuffer::from_host(*backend, w16.data(), w16.size() * 2);
+    DeviceBuffer dt = DeviceBuffer::from_vector(*backend, target), dglp = DeviceBuffer::from_vector(*backend, g_lp),
+                 dgh = DeviceBuffer::from_vector(*backend, g_h);
+    const fusedce::Device dev = backend->device();
+    const auto hv = fusedce::matrix(dh.data(), DType::kBFloat16, n, h);
+    const auto wv = fusedce::matrix(dw.data(), DType::kBFloat16, v, h);
+    const auto tv = fusedce::vector(dt.data(), DType::kInt64, n);
+    fusedce::LogprobOptions o;
+    o.temperature = c.temperature;
+    o.distribution_stats = c.dist;
+    DeviceBuffer stats(*backend, (n + 1) * kW * 4), fwd(*backend, 3 * n * 4);
+    const auto sv = fusedce::matrix(stats.data(), DType::kFloat32, n + 1, kW);
+    fusedce::Status st = fusedce::linear_logprobs_stats(dev, hv, wv, {}, tv, {0, v}, o, c.budget, sv);
+    ASSERT_TRUE(st.ok()) << st.message();
+    fusedce::LogprobOutputs lo;
+    lo.logprob = fusedce::vector(fwd.at(0), DType::kFloat32, n);
+    lo.entropy = fusedce::vector(fwd.at(n * 4), DType::kFloat32, n);
+    lo.lse = fusedce::vector(fwd.at(2 * n * 4), DType::kFloat32, n);
+    st = fusedce::logprobs_merge(dev, sv, 1, tv, {0, v}, o, lo);
+    ASSERT_TRUE(st.ok()) << st.message();
+    std::vector<float> out(3 * n);
+    backend->copy_to_host(out.data(), fwd.data(), out.size() * 4);
+    int bad = 0;
+    for (int64_t i = 0; i < n && bad < 5; ++i) {
+      // float32 arithmetic on logits up to ~250 / T: lse and z_t each carry a few ulps, which
+      // a log-probability z_t - lse keeps unless the target is the row's max: then it is
+      // -log1p of the other terms' sum, relative to itself (a collapsed row's: subnormal or 0).
+      // The entropy is formed relative to the max (no cancellation against lse).
+      double zmax = -INFINITY;
+      for (int64_t j = 0; j < v; ++j) zmax = std::max(zmax, z[i * v + j]);
+      const double zt = target[i] == kIgnore ? 0.0 : z[i * v + target[i]];
+      const double scale = 1.0 + std::abs(lse[i]) + std::abs(zt);
+      const double tol_lp = (zt == zmax ? 0.0 : 1e-6 * scale) + 2e-5 * std::abs(lp[i]) + 1e-40;
+      const double tol_h = 2e-5 * std::abs(ent[i]) + 1e-7;
+      const bool ok = std::abs(out[i] - lp[i]) <= tol_lp && std::abs(out[n + i] - ent[i]) <= tol_h &&
+                      std::abs(out[2 * n + i] - lse[i]) <= 1e-6 * scale;
+      EXPECT_TRUE(ok) << "row " << i << ": logprob " << out[i] << " (want " << lp[i] << "), entropy " << out[n + i]
+                      << " (want " << ent[i] << "), lse " << out[2 * n + i] << " (want " << lse[i] << ")";
+      bad += !ok;
+    }
+    if (c.dist) {
+      // log sum p^2 from float32 sums relative to the max; the mean within float32 roundoff of
+      // the largest |z|; is_top1 exactly (the logits are exact, ties included)
+      DeviceBuffer dist(*backend, 3 * n * 4);
+      fusedce::DistributionStats ds;
+      ds.log_sum_sq_probs = fusedce::vector(dist.at(0), DType::kFloat32, n);
+      ds.mean_logit = fusedce::vector(dist.at(n * 4), DType::kFloat32, n);
+      ds.is_top1 = fusedce::vector(dist.at(2 * n * 4), DType::kFloat32, n);
+      st = fusedce::logprobs_distribution_stats(dev, sv, 1, tv, {0, v}, o, ds);
+      ASSERT_TRUE(st.ok()) << st.message();
+      std::vector<float> d(3 * n);
+      backend->copy_to_host(d.data(), dist.data(), d.size() * 4);
+      double zabs = 0.0;
+      for (double x : z) zabs = std::max(zabs, std::abs(x));
+      for (int64_t i = 0; i < n && bad < 5; ++i) {
+        const bool ignored = target[i] == kIgnore;
+        const bool ok = ignored ? d[i] == 0.0f && d[n + i] == 0.0f && d[2 * n + i] == 0.0f
+                                : std::abs(d[i] - lss[i]) <= 2e-6 + 1e-6 * std::abs(lss[i]) &&
+                                      std::abs(d[n + i] - mean[i]) <= 4e-7 * zabs + 1e-30 &&
+                                      d[2 * n + i] == (top1[i] ? 1.0f : 0.0f);
+        EXPECT_TRUE(ok) << "row " << i << ": log_sum_sq_probs " << d[i] << " (want " << lss[i] << "), mean_logit "
+                        << d[n + i] << " (want " << mean[i] << "), is_top1 " << d[2 * n + i] << " (want " << top1[i]
+                        << ")";
+        bad += !ok;
+      }
+    }
+
+    DeviceBuffer gh(*backend, n * h * 4), gw(*backend, v * h * 2);
+    fusedce::LinearGrads g;
+    g.grad_hidden = fusedce::matrix(gh.data(), DType::kFloat32, n, h);
+    g.grad_weight = fusedce::matrix(gw.data(), DType::kBFloat16, v, h);
+    const fusedce::VectorView ge = c.entropy ? fusedce::vector(dgh.data(), DType::kFloat32, n) : fusedce::VectorView{};
+    st = fusedce::linear_logprobs_backward(dev, hv, wv, {}, tv, {0, v}, o, c.budget, lo,
+                                           fusedce::vector(dglp.data(), DType::kFloat32, n), ge, g);
+    ASSERT_TRUE(st.ok()) << st.message();
+    std::vector<float> ghost(n * h);
+    std::vector<uint16_t> gwost(v * h);
+    backend->copy_to_host(ghost.data(), gh.data(), ghost.size() * 4);
+    backend->copy_to_host(gwost.data(), gw.data(), gwost.size() * 2);
+    // dlogits are rounded to bf16 once (2^-9 of each term) and summed in float32; grad_weight is
+    // rounded to bf16 once more
+    const double r16 = std::ldexp(1.0, -8);
+    for (int64_t i = 0; i < n && bad < 5; ++i)
+      for (int64_t k = 0; k < h && bad < 5; ++k) {
+        double want = 0.0, mag = 0.0;
+        for (int64_t j = 0; j < v; ++j) {
+          want += dz[i * v + j] * w[j * h + k];
+          mag += std::abs(dz[i * v + j] * w[j * h + k]);
+        }
+        const bool ok = std::abs(ghost[i * h + k] - want) <= r16 * mag + 1e-30;
+        EXPECT_TRUE(ok) << "grad_hidden[" << i << ", " << k << "] = " << ghost[i * h + k] << ", want " << want;
+        bad += !ok;
+      }
+    for (int64_t j = 0; j < v && bad < 5; ++j)
+      for (int64_t k = 0; k < h && bad < 5; ++k) {
+        double want = 0.0, mag = 0.0;
+        for (int64_t i = 0; i < n; ++i) {
+          want += dz[i * v + j] * hid[i * h + k];
+          mag += std::abs(dz[i * v + j] * hid[i * h + k]);
+        }
+        const double got = fusedce::detail::bf16_to_float(gwost[j * h + k]);
+        const bool ok = std::abs(got - want) <= r16 * (mag + std::abs(want)) + 1e-30;
+        EXPECT_TRUE(ok) << "grad_weight[" << j << ", " << k << "] = " << got << ", want " << want;
+        bad += !ok;
+      }
+  }
+}
+
 /// A shard that holds none of the vocabulary's columns (weight of 0 rows): grad_hidden is zero on
 /// every row, and nothing else is written.
 TEST(LinearLogprobsCpuBlocks, ShardWithoutColumns) {

@@ -6,9 +6,7 @@
 
 #include <cuda_runtime.h>
 
-#include <sstream>
-#include <type_traits>
-
+#include "cuda/linear/cutlass_run.h"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -24,22 +22,6 @@ using namespace cute;
 using bf16 = cutlass::bfloat16_t;
 using RowMajor = cutlass::layout::RowMajor;
 using ColumnMajor = cutlass::layout::ColumnMajor;
-
-/// A CuTe stride with leading dimension `ld`: the one dynamic mode among the first two (the
-/// other is the static unit stride); the batch mode is unused.
-template <class Stride>
-Stride stride_with_ld(int64_t ld) {
-  Stride s{};
-  if constexpr (!is_static<remove_cvref_t<decltype(get<0>(s))>>::value) get<0>(s) = ld;
-  if constexpr (!is_static<remove_cvref_t<decltype(get<1>(s))>>::value) get<1>(s) = ld;
-  return s;
-}
-
-int sm_count_of(int device) {
-  int n = 0;
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
-  return n;
-}
 
 /// One kernel: D (M x N, row-major) = A (M x K) . B (K x N) (+ C), bf16 operands, float32
 /// accumulation. LayoutA / LayoutB in CUTLASS's tags (RowMajor A: K contiguous; RowMajor B: N
@@ -63,9 +45,7 @@ struct Kernel {
   static Status run(int M, int N, int K, const void* a, int64_t lda, const void* b, int64_t ldb, const void* c,
                     int64_t ldc, float beta, void* d, int64_t ldd, int device, cudaStream_t stream) {
     using GK = GemmKernel;
-    cutlass::KernelHardwareInfo hw;
-    hw.device_id = device;
-    hw.sm_count = sm_count_of(device);
+    using cutlass_run::stride_with_ld;
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {M, N, K, 1},
@@ -73,23 +53,8 @@ struct Kernel {
          stride_with_ld<typename GK::StrideB>(ldb)},
         {{1.0f, beta}, static_cast<const ElementC*>(c), stride_with_ld<typename GK::StrideC>(ldc), static_cast<ElementD*>(d),
          stride_with_ld<typename GK::StrideD>(ldd)},
-        hw};
-    Gemm gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
-      return Status(StatusCode::kUnsupported, "CUTLASS cannot run this product");
-    }
-    if (Gemm::get_workspace_size(args) != 0) {
-      return Status(StatusCode::kUnsupported, "CUTLASS product needs a workspace");
-    }
-    cutlass::Status s = gemm.initialize(args, nullptr, stream);
-    if (s == cutlass::Status::kSuccess) s = gemm.run(stream);
-    if (s != cutlass::Status::kSuccess) {
-      const cudaError_t e = cudaGetLastError();
-      std::ostringstream os;
-      os << "CUTLASS product failed: " << cutlassGetStatusString(s) << " (" << cudaGetErrorString(e) << ")";
-      return Status(StatusCode::kDeviceError, os.str());
-    }
-    return Status::Ok();
+        cutlass_run::hardware_of(device)};
+    return cutlass_run::run<Gemm>(args, stream, "CUTLASS product");
   }
 };
 

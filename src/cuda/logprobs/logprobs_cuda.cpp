@@ -21,9 +21,11 @@
 #include "common/logprob_call.h"
 #include "cuda/host_util.h"
 #include "cuda/linear/gemm.h"
+#include "cuda/linear/cutlass_products.h"
 #include "cuda/linear/head_ops.h"
 #include "cuda/linear/linear.h"
 #include "cuda/logprobs/logprobs_kernels.h"
+#include "cuda/logprobs/lp_fused_products.h"
 
 namespace fusedce {
 namespace cuda {
@@ -132,15 +134,23 @@ Plan plan_of(const detail::LogprobCall& c) {
 class LinearRun {
  public:
   LinearRun(const detail::LogprobCall& c, const Plan& p, char* ws)
-      : c_(c), p_(p), ws_(ws), stream_(static_cast<cudaStream_t>(c.device.stream)) {}
+      : c_(c),
+        p_(p),
+        ws_(ws),
+        stream_(static_cast<cudaStream_t>(c.device.stream)),
+        fused_(p.dtype == DType::kBFloat16 && c.bias.data == nullptr && cutlass_products_available(c.device.index)) {}
 
   Status stats() {
     float* out = static_cast<float*>(c_.stats.data);
     for (int64_t r0 = 0; r0 == 0 || r0 < p_.N; r0 += p_.rows) {
       const int64_t nc = std::min(p_.rows, p_.N - r0);
-      if (nc > 0) FUSEDCE_TRY(logits(r0, nc, 0, p_.V));
-      launch_lp_stats(rows_at(r0, nc), chunk(nc, p_.V), out + r0 * kLogprobStatsWidth, stream_);
-      FUSEDCE_TRY(last_error("the log-probability statistics kernel"));
+      bool done = false;
+      if (nc > 0) FUSEDCE_TRY(fused_stats(r0, nc, out + r0 * kLogprobStatsWidth, done));
+      if (!done) {
+        if (nc > 0) FUSEDCE_TRY(logits(r0, nc, 0, p_.V));
+        launch_lp_stats(rows_at(r0, nc), chunk(nc, p_.V), out + r0 * kLogprobStatsWidth, stream_);
+        FUSEDCE_TRY(last_error("the log-probability statistics kernel"));
+      }
       if (p_.N == 0) break;
     }
     return Status::Ok();
@@ -179,14 +189,18 @@ class LinearRun {
   /// chunk's part, summed over the chunks that share its elements (beta 1 after the first).
   Status backward_chunk(int64_t r0, int64_t nc, int64_t v0, int64_t vc) {
     const LinearGrads& g = c_.grads;
-    FUSEDCE_TRY(logits(r0, nc, v0, vc));
-    const MatrixView L = chunk(nc, vc);
-    LpRows rows = rows_at(r0, nc);
-    rows.vocab_start += v0;
-    launch_lp_backward(rows, L, L, slice_of(c_.out.lse, r0, nc), slice_of(c_.out.logprob, r0, nc),
-                       slice_of(c_.out.entropy, r0, nc), slice_of(c_.grad_logprob, r0, nc),
-                       slice_of(c_.grad_entropy, r0, nc), stream_);
-    FUSEDCE_TRY(last_error("the log-probability backward kernel"));
+    bool done = false;
+    FUSEDCE_TRY(fused_dlogits(r0, nc, v0, vc, done));
+    if (!done) {
+      FUSEDCE_TRY(logits(r0, nc, v0, vc));
+      const MatrixView L = chunk(nc, vc);
+      LpRows rows = rows_at(r0, nc);
+      rows.vocab_start += v0;
+      launch_lp_backward(rows, L, L, slice_of(c_.out.lse, r0, nc), slice_of(c_.out.logprob, r0, nc),
+                         slice_of(c_.out.entropy, r0, nc), slice_of(c_.grad_logprob, r0, nc),
+                         slice_of(c_.grad_entropy, r0, nc), stream_);
+      FUSEDCE_TRY(last_error("the log-probability backward kernel"));
+    }
     const GemmOperand dl{ws_ + p_.logits, p_.dtype, vc, nc, p_.ld};  // dlogits^T: vc x nc
     if (g.grad_hidden.data) {
       // grad_hidden^T (H x nc) (+)= weight columns (H x vc) . dlogits^T (vc x nc), float32
@@ -274,6 +288,81 @@ class LinearRun {
     return gemm(g);
   }
 
+  /// The product of rows [r0, r0 + nc) and vocabulary columns [v0, v0 + vc) for the fused
+  /// kernels (lp_fused_products.h).
+  LpFusedProduct fused_product(int64_t r0, int64_t nc, int64_t v0, int64_t vc) const {
+    const size_t el = elem_size(p_.dtype);
+    LpFusedProduct f{};
+    f.rows = nc;
+    f.cols = vc;
+    f.H = p_.H;
+    f.hidden = static_cast<const char*>(c_.hidden.data) + size_t(r0) * size_t(c_.hidden.row_stride) * el;
+    f.ld_hidden = ld_of(c_.hidden);
+    f.weight = static_cast<const char*>(c_.weight.data) + size_t(v0) * size_t(c_.weight.row_stride) * el;
+    f.ld_weight = ld_of(c_.weight);
+    f.r = rows_at(r0, nc);
+    f.r.vocab_start += v0;
+    f.stream = stream_;
+    f.device = c_.device.index;
+    return f;
+  }
+
+  /// Step 1 of a token chunk by the fused product and the tile fold, where it runs: `done`.
+  /// kUnsupported (an operand TMA cannot address) turns the fused products off for the call.
+  Status fused_stats(int64_t r0, int64_t nc, float* out, bool& done) {
+    done = false;
+    // the partials live in the chunk's logits buffer: fewer bytes but at the smallest V with
+    // the distribution columns
+    const size_t room = size_t(nc) * size_t(p_.ld) * elem_size(p_.dtype);
+    if (!fused_ || lp_fused_partial_bytes(nc, p_.V, c_.options.distribution_stats) > room) return Status::Ok();
+    float4* partials = reinterpret_cast<float4*>(ws_ + p_.logits);
+    const Status s = run_lp_stats_product(fused_product(r0, nc, 0, p_.V), partials);
+    if (s.code() == StatusCode::kUnsupported) {
+      fused_ = false;
+      return Status::Ok();
+    }
+    FUSEDCE_TRY(s);
+    launch_lp_fold_tiles(rows_at(r0, nc), partials, lp_fused_tiles(p_.V), kLpFusedTile, p_.V, out, stream_);
+    FUSEDCE_TRY(last_error("the log-probability tile fold"));
+    done = true;
+    return Status::Ok();
+  }
+
+  /// Step 3's dlogits of a chunk by the fused product, into the logits buffer, where it runs:
+  /// `done` (as fused_stats).
+  Status fused_dlogits(int64_t r0, int64_t nc, int64_t v0, int64_t vc, bool& done) {
+    done = false;
+    if (!fused_ || nc == 0 || vc == 0) return Status::Ok();
+    const VectorView lse = slice_of(c_.out.lse, r0, nc), lp = slice_of(c_.out.logprob, r0, nc);
+    const VectorView ent = slice_of(c_.out.entropy, r0, nc), g_lp = slice_of(c_.grad_logprob, r0, nc);
+    const VectorView g_h = slice_of(c_.grad_entropy, r0, nc);
+    LpFusedGrad g{};
+    g.lse = static_cast<const float*>(lse.data);
+    g.logprob = static_cast<const float*>(lp.data);
+    g.g_lp = static_cast<const float*>(g_lp.data);
+    g.lse_stride = lse.stride;
+    g.logprob_stride = lp.stride;
+    g.g_lp_stride = g_lp.stride;
+    if (g_h.data != nullptr) {
+      g.entropy = static_cast<const float*>(ent.data);
+      g.entropy_stride = ent.stride;
+      g.g_h = static_cast<const float*>(g_h.data);
+      g.g_h_stride = g_h.stride;
+    }
+    g.dlogits = ws_ + p_.logits;
+    g.ld_dlogits = p_.ld;
+    LpFusedProduct f = fused_product(r0, nc, v0, vc);
+    f.r.dist = false;  // the gradient needs no distribution statistics
+    const Status s = run_lp_dlogits_product(f, g);
+    if (s.code() == StatusCode::kUnsupported) {
+      fused_ = false;
+      return Status::Ok();
+    }
+    FUSEDCE_TRY(s);
+    done = true;
+    return Status::Ok();
+  }
+
   /// No rows: zero gradients.
   Status clear_grads() {
     return clear_head_grads(c_.grads, p_.V, p_.H, p_.dtype, reinterpret_cast<float*>(ws_ + p_.gb), stream_);
@@ -283,6 +372,9 @@ class LinearRun {
   const Plan& p_;
   char* ws_;
   cudaStream_t stream_;
+  // The fused products (lp_fused_products.h) where they run: Hopper, bf16, no bias; the first
+  // kUnsupported turns them off for the rest of the call.
+  bool fused_;
 };
 
 Status run_linear(const detail::LogprobCall& call) {

@@ -323,6 +323,61 @@ __global__ void __launch_bounds__(kMergeThreads)
   if (top1) top1[i * top1_stride] = d.is_top1;
 }
 
+/// Step 1 from the fused statistics product's (tile, row) partials (lp_fused_products.h): a warp
+/// a row; lane l folds tiles l, l + 32, ... in order (each a state relative to its own max,
+/// exactly as shards merge), then the lanes merge down the warp in a fixed order: the same bits
+/// every run. Writes the statistics row launch_lp_stats writes; with r.dist the distribution
+/// columns from the second plane of partials (else 0).
+__global__ void __launch_bounds__(kMergeThreads)
+    lp_fold_tiles_kernel(const LpRows r, const float4* partials, int64_t tiles, int64_t tile_cols, int64_t cols,
+                         float* stats) {
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) * kMergeThreads + threadIdx.x) / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  if (i > r.rows) return;  // whole warps: a row's lanes leave together
+  float* o = stats + i * kLogprobStatsWidth;
+  const int64_t t = i < r.rows ? lp_target(r, i) : r.ignore_index;
+  if (t == r.ignore_index) {  // ignored rows and row `rows`: zeros (no partial was written)
+    if (lane < kLogprobStatsWidth) o[lane] = 0.0f;
+    return;
+  }
+  const float4* dist = partials + tiles * r.rows;  // read only with r.dist
+  detail::LpState<double> st = detail::lp_empty<double>();
+  double x_sum = 0.0;
+  float max_before = -INFINITY;
+  for (int64_t k = lane; k < tiles; k += kWarpSize) {
+    const float4 p = partials[k * r.rows + i];
+    const float4 d = r.dist ? dist[k * r.rows + i] : make_float4(0.0f, 0.0f, -INFINITY, 0.0f);
+    st = detail::lp_merge(st, detail::LpState<float>{p.x, p.y, p.z, d.x});
+    x_sum += d.y;
+    max_before = fmaxf(max_before, d.z);
+  }
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off >>= 1) {
+    detail::LpState<double> other;
+    other.m = shfl_down(st.m, off);
+    other.r = shfl_down(st.r, off);
+    other.u = shfl_down(st.u, off);
+    other.q = shfl_down(st.q, off);
+    st = detail::lp_merge(st, other);
+    x_sum += shfl_down(x_sum, off);
+    max_before = fmaxf(max_before, shfl_down(max_before, off));
+  }
+  if (lane == 0) {
+    const int64_t tl = t - r.vocab_start;
+    const bool holds = tl >= 0 && tl < cols;
+    o[0] = st.m;
+    o[1] = static_cast<float>(st.r);
+    o[2] = static_cast<float>(st.u);
+    o[3] = holds ? partials[(tl / tile_cols) * r.rows + i].w : 0.0f;
+    o[4] = holds ? 1.0f : 0.0f;
+    o[5] = r.dist ? static_cast<float>(st.q) : 0.0f;
+    o[6] = r.dist ? static_cast<float>(x_sum) : 0.0f;
+    o[7] = r.dist ? max_before : 0.0f;
+  } else if (lane >= 8 && lane < kLogprobStatsWidth) {
+    o[lane] = 0.0f;
+  }
+}
+
 struct LpBackwardParams {
   LpRows r;
   const void* logits;
@@ -437,6 +492,13 @@ void launch_lp_stats(const LpRows& r, const MatrixView& logits, float* stats, cu
       lp_stats_kernel<T, false><<<blocks, kThreads, 0, stream>>>(r, x, logits.row_stride, logits.cols, stats);
     }
   });
+}
+
+void launch_lp_fold_tiles(const LpRows& r, const float4* partials, int64_t tiles, int64_t tile_cols, int64_t cols,
+                          float* stats, cudaStream_t stream) {
+  constexpr int64_t kRowsPerBlock = kMergeThreads / kWarpSize;
+  const unsigned blocks = static_cast<unsigned>((r.rows + 1 + kRowsPerBlock - 1) / kRowsPerBlock);
+  lp_fold_tiles_kernel<<<blocks, kMergeThreads, 0, stream>>>(r, partials, tiles, tile_cols, cols, stats);
 }
 
 void launch_lp_distribution_stats(const LpRows& r, const float* gathered, int64_t world,

@@ -28,6 +28,13 @@ struct LpRows {
 /// next chunk's first row, or the spare row N).
 void launch_lp_stats(const LpRows& r, const MatrixView& logits, float* stats, cudaStream_t stream);
 
+/// Step 1 from the fused statistics product's partials (lp_fused_products.h) of a chunk of `cols`
+/// columns: float4 (tile, row) partials, `tiles` of `tile_cols` columns each, tile-major (with
+/// r.dist a second such plane after the first); stats rows [0, rows] as launch_lp_stats writes
+/// them.
+void launch_lp_fold_tiles(const LpRows& r, const float4* partials, int64_t tiles, int64_t tile_cols, int64_t cols,
+                          float* stats, cudaStream_t stream);
+
 /// Step 2: `world` blocks of (rows + 1) statistics rows, merged in rank order into logprob,
 /// entropy (may be null) and lse.
 void launch_lp_merge(const LpRows& r, const float* gathered, int64_t world, const VectorView& logprob,

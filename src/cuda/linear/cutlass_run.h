@@ -1,0 +1,69 @@
+// What every CUTLASS GemmUniversal of the library shares (cutlass_products.cu,
+// logprobs/lp_fused_products.cu; both compiled for sm_90a alone): the hardware description, the
+// leading-dimension strides, and one checked launch without a workspace. Include only from those
+// CUTLASS translation units.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <sstream>
+#include <type_traits>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/kernel_hardware_info.h"
+#include "fusedce/types.h"
+
+namespace fusedce {
+namespace cuda {
+namespace cutlass_run {
+
+/// The device's multiprocessor count for CUTLASS's persistent scheduler.
+inline cutlass::KernelHardwareInfo hardware_of(int device) {
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = device;
+  int n = 0;
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+  hw.sm_count = n;
+  return hw;
+}
+
+/// A CuTe stride with leading dimension `ld`: the one dynamic mode among the first two (the other
+/// is the static unit stride); the batch mode is unused.
+template <class Stride>
+Stride stride_with_ld(int64_t ld) {
+  Stride s{};
+  if constexpr (!cute::is_static<std::remove_cv_t<std::remove_reference_t<decltype(cute::get<0>(s))>>>::value) {
+    cute::get<0>(s) = ld;
+  }
+  if constexpr (!cute::is_static<std::remove_cv_t<std::remove_reference_t<decltype(cute::get<1>(s))>>>::value) {
+    cute::get<1>(s) = ld;
+  }
+  return s;
+}
+
+/// One product: kUnsupported (nothing launched) where CUTLASS cannot run it or it would need a
+/// workspace; a launch failure is a device error naming `what`.
+template <class Gemm>
+Status run(const typename Gemm::Arguments& args, cudaStream_t stream, const char* what) {
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+    return Status(StatusCode::kUnsupported, "CUTLASS cannot run this product");
+  }
+  if (Gemm::get_workspace_size(args) != 0) {
+    return Status(StatusCode::kUnsupported, "CUTLASS product needs a workspace");
+  }
+  cutlass::Status s = gemm.initialize(args, nullptr, stream);
+  if (s == cutlass::Status::kSuccess) s = gemm.run(stream);
+  if (s != cutlass::Status::kSuccess) {
+    const cudaError_t e = cudaGetLastError();
+    std::ostringstream os;
+    os << what << " failed: " << cutlassGetStatusString(s) << " (" << cudaGetErrorString(e) << ")";
+    return Status(StatusCode::kDeviceError, os.str());
+  }
+  return Status::Ok();
+}
+
+}  // namespace cutlass_run
+}  // namespace cuda
+}  // namespace fusedce

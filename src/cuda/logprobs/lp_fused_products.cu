@@ -1,0 +1,404 @@
+// The kernels of lp_fused_products.h, sm_90a: CUTLASS's persistent ping-pong GEMM (TMA loads
+// into a shared-memory ring, WGMMA with float32 accumulation, two consumer warp groups that take
+// turns, so one's epilogue runs while the other's main loop does) with an epilogue of our own
+// on the accumulators in registers, through CUTLASS's adapter for register epilogues.
+//
+// The epilogue first rounds each accumulator to bf16, the value the product would have stored:
+// everything after is the row kernels' arithmetic (logprobs_kernels.cu) on the same logits.
+// Accumulator layout (sm90, one 64 x N WGMMA a row block): value mode (2, 2, N / 8) = (column
+// pair, row half, column group), then MMA_M blocks; a row of the tile lies in one quad of lanes,
+// each lane holding columns 8 g + 2 (lane % 4) + {0, 1} of it, and a lane holds 2 MMA_M rows.
+#include "cuda/logprobs/lp_fused_products.h"
+
+#include <cuda_runtime.h>
+
+#include "common/logprob_math.h"
+#include "cuda/linear/cutlass_run.h"
+#include "cuda/port.h"
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/detail.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+
+namespace fusedce {
+namespace cuda {
+// The epilogue's device helpers have external linkage (lp_fused): the host pass, which never
+// calls them, would warn about unreferenced internal ones.
+namespace lp_fused {
+
+using namespace cute;
+using bf16 = cutlass::bfloat16_t;
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+/// What the epilogue reads and writes besides the accumulators.
+struct LpEpiParams {
+  LpRows r;            // the rows' targets; r.vocab_start: global index of the product's column 0
+  float4* partials;    // statistics: (tile, row) partials, tile-major
+  float4* dist;        // with r.dist: the distribution columns' partials, the same layout
+  int64_t tiles;       // statistics: lp_fused_tiles(N); a padded tile index beyond writes nothing
+  LpFusedGrad g;       // gradient: the rows' inputs and the dlogits output
+};
+
+/// Both floats rounded to bf16 (round to nearest even, as the product's bf16 output), in place.
+__device__ __forceinline__ void round_bf16_pair(float& a, float& b) {
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(b), "f"(a));  // the first source: the high half
+  a = __uint_as_float(d << 16);
+  b = __uint_as_float(d & 0xffff0000u);
+}
+
+__device__ __forceinline__ int64_t target_of(const LpRows& r, int64_t i) {
+  return r.target_i64 ? static_cast<const int64_t*>(r.target)[i * r.target_stride]
+                      : static_cast<int64_t>(static_cast<const int32_t*>(r.target)[i * r.target_stride]);
+}
+
+/// A lane's part of a row's tile state in base 2: M the raw max, r, u (and the squares' q)
+/// relative to M c exactly (logprobs_kernels.cu's LaneState after state()).
+struct TileState {
+  float M, r, u, q;
+};
+
+/// Two lanes' states of one row merged (logprobs_kernels.cu's merge2, in float: a tile's part).
+__device__ __forceinline__ TileState merge_lanes(const TileState& a, const TileState& b, float c) {
+  if (b.M == -INFINITY) return TileState{a.M, a.r + b.r, a.u + b.u, a.q + b.q};
+  if (a.M == -INFINITY) return TileState{b.M, b.r + a.r, b.u + a.u, b.q + a.q};
+  const bool a_top = a.M >= b.M;
+  const TileState hi = a_top ? a : b, lo = a_top ? b : a;
+  const float d = (lo.M - hi.M) * c;
+  const float f = ex2_subnormal(d);
+  return TileState{hi.M, hi.r + (1.0f + lo.r) * f, hi.u + (lo.u + (1.0f + lo.r) * d) * f,
+                   hi.q + (1.0f + lo.q) * f * f};
+}
+
+}  // namespace lp_fused
+
+namespace {
+
+using namespace cute;
+using namespace lp_fused;
+
+/// kGrad: dlogits; else the statistics, with kDist also the distribution columns (the squares'
+/// sum, the sum of z, the max of z before the target's column).
+template <bool kGrad, bool kDist = false>
+class LpEpilogue {
+ public:
+  struct ThreadEpilogueOp {
+    using ElementOutput = bf16;
+    using ElementAccumulator = float;
+    using ElementCompute = float;
+    using ElementD = bf16;
+    static constexpr int kCount = 2;
+    struct Params {};
+  };
+  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementC = bf16;
+  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
+  using ElementD = bf16;
+  using StrideD = StrideC;
+  using ElementOutput = bf16;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementScalar = float;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  struct SharedStorage {
+    char unused[16];
+  };
+  using TensorStorage = SharedStorage;
+  using Arguments = LpEpiParams;
+  using Params = LpEpiParams;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) {
+    return a;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) {
+    return true;
+  }
+
+  CUTLASS_HOST_DEVICE LpEpilogue(Params const& p, SharedStorage const& = SharedStorage()) : params(p) {}
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem, BlockShapeMNK, BlockCoordMNKL blk_coord,
+                                 cute::Tensor<FrgEngine, FrgLayout> const& acc_in, TiledMma tiled_mma, ResidueMNK,
+                                 int thread_idx, char*) {
+    const int M = get<0>(problem), N = get<1>(problem);
+    constexpr int BM = size<0>(BlockShapeMNK{}), BN = size<1>(BlockShapeMNK{});
+    static_assert(BN == kLpFusedTile, "a vocabulary tile is one CTA tile's columns");
+    const int m_tile = get<0>(blk_coord), n_tile = get<1>(blk_coord);
+    // The accumulators are this warp group's alone once its main loop is done: rounded in place.
+    auto& acc = const_cast<cute::Tensor<FrgEngine, FrgLayout>&>(acc_in);
+    static_assert(rank(FrgLayout{}) == 3 && rank<0>(FrgLayout{}) == 3, "sm90 accumulator layout expected");
+    constexpr int V0 = size<0, 0>(FrgLayout{}), V1 = size<0, 1>(FrgLayout{}), V2 = size<0, 2>(FrgLayout{});
+    constexpr int MM = size<1>(FrgLayout{}), MN = size<2>(FrgLayout{});
+    static_assert(V0 == 2 && V1 == 2, "sm90 accumulator value mode (2, 2, N/8) expected");
+
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    Tensor tCcD = thr_mma.partition_C(make_identity_tensor(make_shape(Int<BM>{}, Int<BN>{})));
+    const int row0 = m_tile * BM, col0 = n_tile * BN;
+    const float inv_t = params.r.inv_t;
+    const float c = inv_t * kLog2e;
+
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < MM; ++m) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int v1 = 0; v1 < V1; ++v1) {
+        const int row = row0 + get<0>(tCcD(make_coord(make_coord(0, v1, 0), m, 0)));
+        const bool row_in = row < M;
+        const int64_t t = row_in ? target_of(params.r, row) : params.r.ignore_index;
+        const bool live = t != params.r.ignore_index;
+        // the target's column in this tile (any int: compared, never used as an index), and the
+        // columns before it (all of the tile's past its end, none before its start)
+        const int64_t tl64 = t - params.r.vocab_start - col0;
+        const int tl = (tl64 >= 0 && tl64 < BN) ? static_cast<int>(tl64) : -1;
+        const int before = tl64 < 0 ? 0 : tl64 > BN ? BN : static_cast<int>(tl64);
+
+        // the row's columns of this lane, rounded to bf16; for the statistics, columns past N
+        // are -inf, and the lane's max, NaN flag and the target's z (if it holds that column)
+        float top = -INFINITY, zt = 0.0f;
+        bool nan = false;
+        CUTLASS_PRAGMA_UNROLL
+        for (int n = 0; n < MN; ++n) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int v2 = 0; v2 < V2; ++v2) {
+            auto c0 = make_coord(make_coord(0, v1, v2), m, n);
+            auto c1 = make_coord(make_coord(1, v1, v2), m, n);
+            const int lc = get<1>(tCcD(c0));  // even; lc + 1 is the pair's other column
+            float x0 = acc(c0), x1 = acc(c1);
+            round_bf16_pair(x0, x1);
+            if constexpr (!kGrad) {
+              x0 = col0 + lc < N ? x0 : -INFINITY;
+              x1 = col0 + lc + 1 < N ? x1 : -INFINITY;
+              top = fmaxf(top, fmaxf(x0, x1));
+              nan |= (x0 != x0) | (x1 != x1);
+              zt = lc == tl ? x0 : zt;
+              zt = lc + 1 == tl ? x1 : zt;
+            }
+            acc(c0) = x0;
+            acc(c1) = x1;
+          }
+        }
+        if constexpr (kGrad) {
+          store_dlogits<V2, MN>(acc, tCcD, m, v1, row, row_in, live, tl, c, inv_t, col0, N);
+        } else {
+          stats_row<V2, MN>(acc, tCcD, m, v1, row, row_in, live, tl, before, top, zt, nan, c, inv_t, col0, N, n_tile);
+        }
+      }
+    }
+  }
+
+ private:
+  /// Statistics: the lane's state of the row (top: its max), merged over the quad, written by
+  /// the quad's first lane with the target's z where this tile holds it.
+  template <int V2, int MN, class Acc, class Coords>
+  CUTLASS_DEVICE void stats_row(Acc& acc, Coords const& tCcD, int m, int v1, int row, bool row_in, bool live, int tl,
+                                int before, float top, float zt, bool nan, float c, float inv_t, int col0, int N,
+                                int n_tile) {
+    TileState s{top, 0.0f, 0.0f, 0.0f};
+    float xs = 0.0f, mb = -INFINITY;  // kDist: the sum of the lane's columns, their max before the target's
+    if constexpr (kDist) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < MN; ++n)
+        CUTLASS_PRAGMA_UNROLL
+        for (int v2 = 0; v2 < V2; ++v2)
+          CUTLASS_PRAGMA_UNROLL
+          for (int v0 = 0; v0 < 2; ++v0) {
+            auto cc = make_coord(make_coord(v0, v1, v2), m, n);
+            const int lc = get<1>(tCcD(cc));
+            const float x = acc(cc);
+            xs += col0 + lc < N ? x : 0.0f;
+            mb = lc < before ? fmaxf(mb, x) : mb;
+          }
+    }
+    if (top == INFINITY) {
+      s.r = s.u = s.q = NAN;  // inf - inf, as torch's log_softmax gives
+    } else if (top != -INFINITY) {
+      // Positions d = fl(x c - fl(top c)) (one FFMA), 2^d on the SFU; every instance of top
+      // is left out of r (ties) and put back exactly after the fold; a NaN entry's term is NaN.
+      const float ym = top * c;
+      const float delta = fmaf(top, c, -ym);
+      float rs = 0.0f, us = 0.0f, qs = 0.0f, ties = 0.0f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < MN; ++n) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int v2 = 0; v2 < V2; ++v2) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int v0 = 0; v0 < 2; ++v0) {
+            auto cc = make_coord(make_coord(v0, v1, v2), m, n);
+            const float x = acc(cc);
+            const float d = fmaf(x, c, -ym);
+            const bool is_top = x == top;
+            const float e = is_top ? 0.0f : ex2_subnormal(d);
+            ties += is_top ? 1.0f : 0.0f;
+            rs += e;
+            us = fmaf(e, fmaxf(d, -256.0f), us);  // 0 * clamp, not 0 * -inf
+            if constexpr (kDist) qs = fmaf(e, e, qs);
+          }
+        }
+      }
+      // relative to top c exactly (fmaf's residual delta folded out); the ties but one join at 1
+      const float g = ex2_subnormal(-delta);
+      s.r = rs * g + (ties - 1.0f);
+      s.u = (us - delta * rs) * g;
+      if constexpr (kDist) s.q = qs * g * g + (ties - 1.0f);
+    }
+    if (nan) s.r = s.u = s.q = NAN;
+    // the quad's lanes in a fixed order: (0 with 1, 2 with 3), then the pairs
+    CUTLASS_PRAGMA_UNROLL
+    for (int off = 1; off <= 2; off <<= 1) {
+      const TileState o{__shfl_xor_sync(0xffffffffu, s.M, off), __shfl_xor_sync(0xffffffffu, s.r, off),
+                        __shfl_xor_sync(0xffffffffu, s.u, off),
+                        kDist ? __shfl_xor_sync(0xffffffffu, s.q, off) : 0.0f};
+      s = (threadIdx.x & off) ? merge_lanes(o, s, c) : merge_lanes(s, o, c);
+      if constexpr (kDist) {
+        const float oxs = __shfl_xor_sync(0xffffffffu, xs, off), omb = __shfl_xor_sync(0xffffffffu, mb, off);
+        xs = (threadIdx.x & off) ? oxs + xs : xs + oxs;
+        mb = fmaxf(mb, omb);
+      }
+    }
+    // the target's z from the lane that holds its column (every lane takes part in the shuffle)
+    const int owner = tl >= 0 ? (tl % 8) / 2 : 0;
+    zt = __shfl_sync(0xffffffffu, zt, (threadIdx.x & ~3) | owner);
+    if ((threadIdx.x & 3) == 0 && row_in && live && n_tile < params.tiles) {
+      const int64_t at = int64_t(n_tile) * params.r.rows + row;
+      params.partials[at] = make_float4(s.M * inv_t, s.r, s.u * kLn2, tl >= 0 ? zt * inv_t : 0.0f);
+      if constexpr (kDist) params.dist[at] = make_float4(s.q, xs * inv_t, mb * inv_t, 0.0f);
+    }
+  }
+
+  /// Gradient: logprobs_kernels.cu's lp_backward_kernel element for element: with d2 = x c -
+  /// lse log2(e), dx = 2^d2 (A + B max(d2, -256)), the target's entry lp_grad's own; ignored
+  /// rows 0. Stored as bf16 pairs (a pair's second column may lie past N: then alone).
+  template <int V2, int MN, class Acc, class Coords>
+  CUTLASS_DEVICE void store_dlogits(Acc& acc, Coords const& tCcD, int m, int v1, int row, bool row_in, bool live,
+                                    int tl, float c, float inv_t, int col0, int N) {
+    if (!row_in) return;
+    const LpFusedGrad& g = params.g;
+    float A = 0.0f, B = 0.0f, nl2 = 0.0f, at_target = 0.0f;
+    if (live) {
+      const bool with_h = g.g_h != nullptr;
+      const detail::LpRowGrad rg{g.lse[row * g.lse_stride], g.logprob[row * g.logprob_stride],
+                                 with_h ? g.entropy[row * g.entropy_stride] : 0.0f, g.g_lp[row * g.g_lp_stride],
+                                 with_h ? g.g_h[row * g.g_h_stride] : 0.0f};
+      nl2 = -(rg.lse * kLog2e);
+      A = -(rg.g_lp + rg.g_h * rg.entropy) * inv_t;
+      B = -rg.g_h * inv_t * kLn2;
+      at_target = detail::lp_grad(rg, 0.0f, true) * inv_t;
+    }
+    bf16* out = static_cast<bf16*>(g.dlogits) + int64_t(row) * g.ld_dlogits;
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < MN; ++n) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int v2 = 0; v2 < V2; ++v2) {
+        auto c0 = make_coord(make_coord(0, v1, v2), m, n);
+        auto c1 = make_coord(make_coord(1, v1, v2), m, n);
+        const int lc = get<1>(tCcD(c0));
+        const int col = col0 + lc;
+        if (col >= N) continue;
+        float dz0 = 0.0f, dz1 = 0.0f;
+        if (live) {
+          const float d0 = fmaf(acc(c0), c, nl2), d1 = fmaf(acc(c1), c, nl2);
+          dz0 = ex2_subnormal(d0) * fmaf(B, fmaxf(d0, -256.0f), A);
+          dz1 = ex2_subnormal(d1) * fmaf(B, fmaxf(d1, -256.0f), A);
+          dz0 = lc == tl ? at_target : dz0;
+          dz1 = lc + 1 == tl ? at_target : dz1;
+        }
+        round_bf16_pair(dz0, dz1);
+        if (col + 1 < N) {
+          const uint32_t bits = (__float_as_uint(dz0) >> 16) | (__float_as_uint(dz1) & 0xffff0000u);
+          *reinterpret_cast<uint32_t*>(out + col) = bits;
+        } else {
+          *reinterpret_cast<uint16_t*>(out + col) = static_cast<uint16_t>(__float_as_uint(dz0) >> 16);
+        }
+      }
+    }
+  }
+
+  Params params;
+};
+
+// 128 x 192 ping-pong tiles (a warp group's 128 x 192 float32 accumulators: 192 registers a
+// thread, which the ping-pong kernel's register split allows), a cluster of two CTAs along M
+// sharing the weight's tiles by multicast: the configuration that tied cuBLASLt's logits
+// product at the linear path's shapes (docs/performance.md, "The scaled-exp epilogue").
+using Tile = Shape<_128, _192, _64>;
+using Cluster = Shape<_2, _1, _1>;
+
+template <bool kGrad, bool kDist = false>
+struct FusedKernel {
+  using Epi = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<LpEpilogue<kGrad, kDist>>;
+  using Main = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, cutlass::layout::RowMajor, 8, bf16,
+      cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+  using GK = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GK>;
+
+  static Status run(const LpFusedProduct& p, const LpEpiParams& epi) {
+    using cutlass_run::stride_with_ld;
+    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                  {static_cast<int>(p.rows), static_cast<int>(p.cols), static_cast<int>(p.H), 1},
+                                  {static_cast<const bf16*>(p.hidden), stride_with_ld<typename GK::StrideA>(p.ld_hidden),
+                                   static_cast<const bf16*>(p.weight), stride_with_ld<typename GK::StrideB>(p.ld_weight)},
+                                  epi,
+                                  cutlass_run::hardware_of(p.device)};
+    return cutlass_run::run<Gemm>(args, p.stream, "the CUTLASS log-probability product");
+  }
+};
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+/// TMA needs 16-byte aligned bases and row strides that are multiples of 16 bytes (H % 8 for
+/// the contiguous extent); int sizes.
+bool addressable(const LpFusedProduct& p) {
+  const int64_t big = (int64_t(1) << 31) - 1;
+  if (p.rows <= 0 || p.cols <= 0 || p.H <= 0 || p.rows > big || p.cols > big || p.H > big) return false;
+  if (p.H % 8 || p.ld_hidden % 8 || p.ld_weight % 8) return false;
+  if (!aligned16(p.hidden) || !aligned16(p.weight)) return false;
+  return p.r.rows == p.rows;
+}
+
+}  // namespace
+
+Status run_lp_stats_product(const LpFusedProduct& p, float4* partials) {
+  if (!addressable(p) || !aligned16(partials)) return Status(StatusCode::kUnsupported, "operands TMA cannot address");
+  LpEpiParams epi{};
+  epi.r = p.r;
+  epi.partials = partials;
+  epi.tiles = lp_fused_tiles(p.cols);
+  if (!p.r.dist) return FusedKernel<false>::run(p, epi);
+  epi.dist = partials + epi.tiles * p.rows;
+  return FusedKernel<false, true>::run(p, epi);
+}
+
+Status run_lp_dlogits_product(const LpFusedProduct& p, const LpFusedGrad& g) {
+  if (!addressable(p) || reinterpret_cast<uintptr_t>(g.dlogits) % 4 || g.ld_dlogits % 2) {
+    return Status(StatusCode::kUnsupported, "operands TMA cannot address");
+  }
+  LpEpiParams epi{};
+  epi.r = p.r;
+  epi.g = g;
+  return FusedKernel<true>::run(p, epi);
+}
+
+}  // namespace cuda
+}  // namespace fusedce
