@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -15,7 +16,10 @@
 #include <vector>
 
 #include "common/call.h"
+#include "common/numeric.h"
 #include "cuda/ce/plan.h"
+#include "cuda/linear/cutlass_products.h"
+#include "cuda/logprobs/lp_fused_products.h"
 #include "fusedce/fusedce.h"
 #include "harness.h"
 #include "problem.h"
@@ -877,6 +881,143 @@ TEST(CudaGraph, ShardStepsWithShiftAndSkipCaptureEveryRow) {
                                                  d_gw, d_gb, d_up, d_ws1, d_ws3}) {
     cudaFree(ptr);
   }
+}
+
+// The linear log-probabilities' fused products (cuda/logprobs/lp_fused_products.h) against the
+// row kernels they stand in for, over the same bf16 logits. On Hopper a bf16 call without a bias
+// takes them, and a kUnsupported there would quietly hand the work to cuBLASLt and the row
+// kernels, so this asks them directly: they must run, step 1's partials folded per row must merge
+// into the row kernel's log-probability, entropy, lse (float32 roundoff of another summation
+// order) and distribution statistics, and step 3's dlogits must be the row kernel's (the same
+// formula on the same logits: at most one bf16 unit apart where the compilers contract
+// differently). Inputs exact in bf16 (hidden in {-1, 0, 1}, weight in eighths of [-1, 1], H = 64:
+// every logit a multiple of 1/8 of standard deviation about 4, exact in bf16 below 32, which is
+// asserted), so the host's logits are the product's own rounding, ties at the max included.
+TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  int dev = 0;
+  ASSERT_CUDA(cudaGetDevice(&dev));
+  if (!fusedce::cuda::cutlass_products_available(dev)) GTEST_SKIP() << "the fused products run on sm_90 builds with CUTLASS";
+  namespace fc = fusedce::cuda;
+  using fusedce::detail::bf16_to_float;
+  using fusedce::detail::float_to_bf16;
+  const int64_t N = 300, H = 64, V = 2001, kW = fusedce::kLogprobStatsWidth;
+  const float temperature = 0.7f;
+  std::mt19937_64 rng = test_rng();
+  std::vector<uint16_t> hid(N * H), w(V * H), logits(N * V);
+  for (auto& x : hid) x = float_to_bf16(static_cast<float>(static_cast<int>(rng() % 3) - 1));
+  for (auto& x : w) x = float_to_bf16(static_cast<float>(static_cast<int>(rng() % 17) - 8) / 8.0f);
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < V; ++j) {
+      float dot = 0.0f;  // exact in float32: multiples of 1/8 of at most 64
+      for (int64_t k = 0; k < H; ++k) dot += bf16_to_float(hid[i * H + k]) * bf16_to_float(w[j * H + k]);
+      logits[i * V + j] = float_to_bf16(dot);
+      ASSERT_EQ(bf16_to_float(logits[i * V + j]), dot);
+    }
+  std::vector<int64_t> tgt(N);
+  for (auto& t : tgt) t = rng() % 5 == 0 ? -100 : static_cast<int64_t>(rng() % V);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> g_lp(N), g_h(N);
+  for (int64_t i = 0; i < N; ++i) {
+    g_lp[i] = normal(rng);
+    g_h[i] = normal(rng);
+  }
+  std::vector<void*> owned;
+  auto upload = [&](const void* host, size_t bytes) {
+    void* d = nullptr;
+    EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(bytes, 1)), cudaSuccess);
+    if (host != nullptr) {
+      EXPECT_EQ(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+    owned.push_back(d);
+    return d;
+  };
+  void* d_hid = upload(hid.data(), hid.size() * 2);
+  void* d_w = upload(w.data(), w.size() * 2);
+  void* d_logits = upload(logits.data(), logits.size() * 2);
+  void* d_t = upload(tgt.data(), N * 8);
+  void* d_glp = upload(g_lp.data(), N * 4);
+  void* d_gh = upload(g_h.data(), N * 4);
+  for (const bool dist : {false, true}) {
+    SCOPED_TRACE(dist ? "with the distribution statistics" : "without the distribution statistics");
+    fc::LpRows r{d_t, 1, true, -100, N, 0, V, 1.0f / temperature, dist};
+    const auto logits_view = fusedce::matrix(d_logits, DType::kBFloat16, N, V);
+    // step 1 both ways, then step 2 (and 4) on each
+    float* stats_row = static_cast<float*>(upload(nullptr, (N + 1) * kW * 4));
+    float* stats_fused = static_cast<float*>(upload(nullptr, (N + 1) * kW * 4));
+    auto* partials = static_cast<float4*>(upload(nullptr, fc::lp_fused_partial_bytes(N, V, dist)));
+    fc::launch_lp_stats(r, logits_view, stats_row, nullptr);
+    fc::LpFusedProduct p{N, V, H, d_hid, H, d_w, H, r, nullptr, dev};
+    ASSERT_OK(fc::run_lp_stats_product(p, partials));
+    fc::launch_lp_fold_tiles(r, partials, fc::lp_fused_tiles(V), fc::kLpFusedTile, V, stats_fused, nullptr);
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    auto merged = [&](const float* stats) {
+      float* out = static_cast<float*>(upload(nullptr, 6 * N * 4));
+      fc::launch_lp_merge(r, stats, 1, fusedce::vector(out, DType::kFloat32, N),
+                          fusedce::vector(out + N, DType::kFloat32, N), fusedce::vector(out + 2 * N, DType::kFloat32, N),
+                          nullptr);
+      if (dist)
+        fc::launch_lp_distribution_stats(r, stats, 1, fusedce::vector(out + 3 * N, DType::kFloat32, N),
+                                         fusedce::vector(out + 4 * N, DType::kFloat32, N),
+                                         fusedce::vector(out + 5 * N, DType::kFloat32, N), nullptr);
+      std::vector<float> h(6 * N, 0.0f);
+      EXPECT_EQ(cudaMemcpy(h.data(), out, (dist ? 6 : 3) * N * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      return std::make_pair(out, h);
+    };
+    const auto [out_row, want] = merged(stats_row);
+    const auto [out_fused, got] = merged(stats_fused);
+    (void)out_fused;
+    int bad = 0;
+    for (int64_t i = 0; i < N && bad < 5; ++i) {
+      // a few float32 ulps of lse's size; the mean logit's sums of 2001 terms of at most 64 / T
+      const double scale = 2e-6 * (1.0 + std::abs(want[2 * N + i]));
+      const bool ok = std::abs(got[i] - want[i]) <= scale && std::abs(got[N + i] - want[N + i]) <= 1e-5 * want[N + i] + 1e-7 &&
+                      std::abs(got[2 * N + i] - want[2 * N + i]) <= scale &&
+                      (!dist || (std::abs(got[3 * N + i] - want[3 * N + i]) <= 2e-6 * (1.0 + std::abs(want[3 * N + i])) &&
+                                 std::abs(got[4 * N + i] - want[4 * N + i]) <= 1e-6 * 64 / temperature &&
+                                 got[5 * N + i] == want[5 * N + i]));
+      EXPECT_TRUE(ok) << "row " << i << ": logprob " << got[i] << " / " << want[i] << ", entropy " << got[N + i] << " / "
+                      << want[N + i] << ", lse " << got[2 * N + i] << " / " << want[2 * N + i] << ", log_sum_sq "
+                      << got[3 * N + i] << " / " << want[3 * N + i] << ", mean " << got[4 * N + i] << " / "
+                      << want[4 * N + i] << ", is_top1 " << got[5 * N + i] << " / " << want[5 * N + i];
+      bad += !ok;
+    }
+    // step 3 both ways from the row kernels' step 2, into rows of a stride the fused product
+    // can write (even, as the logits buffer's always is)
+    const int64_t ld = (V + 7) / 8 * 8;
+    float* o = out_row;
+    fc::LpRows rg = r;  // the gradient gathers no distribution statistics
+    rg.dist = false;
+    fc::LpFusedProduct pg = p;
+    pg.r = rg;
+    const auto vec = [&](float* x) { return fusedce::vector(x, DType::kFloat32, N); };
+    void* dl_row = upload(nullptr, N * ld * 2);
+    void* dl_fused = upload(nullptr, N * ld * 2);
+    fc::launch_lp_backward(rg, logits_view, fusedce::matrix(dl_row, DType::kBFloat16, N, V, ld), vec(o + 2 * N), vec(o),
+                           vec(o + N), vec(static_cast<float*>(d_glp)), vec(static_cast<float*>(d_gh)), nullptr);
+    fc::LpFusedGrad g{o + 2 * N, o, o + N, static_cast<float*>(d_glp), static_cast<float*>(d_gh), 1, 1, 1, 1, 1,
+                      dl_fused, ld};
+    ASSERT_OK(fc::run_lp_dlogits_product(pg, g));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    std::vector<uint16_t> a(N * ld), b(N * ld);
+    ASSERT_CUDA(cudaMemcpy(a.data(), dl_row, a.size() * 2, cudaMemcpyDeviceToHost));
+    ASSERT_CUDA(cudaMemcpy(b.data(), dl_fused, b.size() * 2, cudaMemcpyDeviceToHost));
+    int64_t same = 0, far = 0;
+    for (int64_t e = 0; e < N * V; ++e) {
+      const int64_t k = e / V * ld + e % V;
+      same += a[k] == b[k];
+      // one unit of bf16 in the last place (same sign: adjacent bit patterns)
+      const bool near = bf16_to_float(a[k]) == bf16_to_float(b[k]) ||
+                        ((a[k] >> 15) == (b[k] >> 15) && std::abs(int(a[k]) - int(b[k])) <= 1);
+      if (!near && far++ < 5)
+        ADD_FAILURE() << "dlogits[" << e / V << ", " << e % V << "]: fused " << bf16_to_float(b[k]) << ", row kernel "
+                      << bf16_to_float(a[k]);
+    }
+    EXPECT_EQ(far, 0);
+    std::printf("[ fused dlogits ] %lld of %lld bits identical to the row kernel's\n", static_cast<long long>(same),
+                static_cast<long long>(N * V));
+  }
+  for (void* d : owned) cudaFree(d);
 }
 
 }  // namespace

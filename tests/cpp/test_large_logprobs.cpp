@@ -9,16 +9,28 @@
 // of squared probabilities, mean logit, whether the target is the argmax; two checked rows'
 // targets are their argmax).
 //
+// In float32 and in bfloat16. The bfloat16 inputs are exact in bf16 and so are their logits
+// (hidden in {-1, 0, 1}, weight in eighths of [-2, 2]: every logit a multiple of 1/8 of at most
+// 32), so the float64 reference needs no model of the product's rounding; on Hopper this form
+// takes the fused products (statistics in the logits product's epilogue, dlogits in the
+// recomputed one's). On a GPU the bf16 call's chunk budget holds every logit at once (4.3 GB), so
+// the dlogits product writes one chunk of N * V elements, past element 2^31, rather than the
+// default budget's chunks of a few hundred million. Its gradients carry bf16 dlogits (2^-9 of
+// each term) and a bf16 grad_weight.
+//
 // Memory: weight and grad_weight 16 MiB each, hidden and grad_hidden 0.5 MiB each; the backend's
-// logit chunks (128 MiB on the CPU). Time on two CPU cores: about 15-20 s.
+// logit chunks (128 MiB on the CPU; the GPU's bf16 call 4.3 GB). Time on two CPU cores, both
+// dtypes: about 12 s.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "common/numeric.h"
 #include "fusedce/fusedce.h"
 #include "backend.h"
 
@@ -83,20 +95,28 @@ void expect_close(double got, double want, double tol, const std::string& what) 
   EXPECT_LE(std::abs(got - want), tol) << what << ": got " << got << ", want " << want << " (allowed " << tol << ")";
 }
 
-class LargeLinearLogprobs : public ::testing::TestWithParam<BackendKind> {};
+class LargeLinearLogprobs : public ::testing::TestWithParam<std::tuple<BackendKind, DType>> {};
 
 TEST_P(LargeLinearLogprobs, MoreThan2To31Logits) {
   std::string why;
-  Backend* backend = find_backend(GetParam(), &why);
+  Backend* backend = find_backend(std::get<0>(GetParam()), &why);
   if (backend == nullptr) GTEST_SKIP() << why;
+  const DType dtype = std::get<1>(GetParam());
+  const bool bf16 = dtype == DType::kBFloat16;
   ASSERT_GT(kRows * kVocab, int64_t(1) << 31);
   ASSERT_EQ((kRows - 1) * kVocab, int64_t(1) << 31) << "the last row starts at element 2^31";
 
   std::mt19937_64 rng(20240531);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<float> hidden(kRows * kHidden), weight(kVocab * kHidden);
-  for (float& x : hidden) x = nd(rng);
-  for (float& x : weight) x = 0.5f * nd(rng);  // logits of standard deviation about 2 / T
+  if (bf16) {
+    // logits of standard deviation about 4 / T, exact in bf16
+    for (float& x : hidden) x = static_cast<float>(static_cast<int>(rng() % 3) - 1);
+    for (float& x : weight) x = static_cast<float>(static_cast<int>(rng() % 33) - 16) / 8.0f;
+  } else {
+    for (float& x : hidden) x = nd(rng);
+    for (float& x : weight) x = 0.5f * nd(rng);  // logits of standard deviation about 2 / T
+  }
 
   const std::vector<int64_t> checked{0, 1, 4095, 8191, 8192, 1234, 5678, 7777};
   const std::vector<int64_t> weighted{0, 5678, 8191, 8192};  // rows with a non-zero objective
@@ -118,15 +138,22 @@ TEST_P(LargeLinearLogprobs, MoreThan2To31Logits) {
   o.temperature = static_cast<float>(kTemperature);
   o.distribution_stats = true;
   const fusedce::ShardSpec whole{0, kVocab};
-  DeviceBuffer hid = DeviceBuffer::from_vector(*backend, hidden), w = DeviceBuffer::from_vector(*backend, weight);
+  const size_t budget = bf16 && std::get<0>(GetParam()) == BackendKind::kCuda ? size_t(5) << 30 : 0;
+  auto upload = [&](const std::vector<float>& x) {
+    if (!bf16) return DeviceBuffer::from_vector(*backend, x);
+    std::vector<uint16_t> b(x.size());
+    for (size_t k = 0; k < x.size(); ++k) b[k] = fusedce::detail::float_to_bf16(x[k]);
+    return DeviceBuffer::from_vector(*backend, b);
+  };
+  DeviceBuffer hid = upload(hidden), w = upload(weight);
   DeviceBuffer tgt = DeviceBuffer::from_vector(*backend, target);
-  const auto hv = fusedce::matrix(hid.data(), DType::kFloat32, kRows, kHidden);
-  const auto wv = fusedce::matrix(w.data(), DType::kFloat32, kVocab, kHidden);
+  const auto hv = fusedce::matrix(hid.data(), dtype, kRows, kHidden);
+  const auto wv = fusedce::matrix(w.data(), dtype, kVocab, kHidden);
   const auto tv = fusedce::vector(tgt.data(), DType::kInt64, kRows);
 
   DeviceBuffer stats(*backend, (kRows + 1) * fusedce::kLogprobStatsWidth * 4);
   const auto sv = fusedce::matrix(stats.data(), DType::kFloat32, kRows + 1, fusedce::kLogprobStatsWidth);
-  fusedce::Status s = fusedce::linear_logprobs_stats(dev, hv, wv, {}, tv, whole, o, 0, sv);
+  fusedce::Status s = fusedce::linear_logprobs_stats(dev, hv, wv, {}, tv, whole, o, budget, sv);
   ASSERT_TRUE(s.ok()) << s.message();
   DeviceBuffer out(*backend, 3 * kRows * 4);
   fusedce::LogprobOutputs lo;
@@ -144,11 +171,11 @@ TEST_P(LargeLinearLogprobs, MoreThan2To31Logits) {
   ASSERT_TRUE(s.ok()) << s.message();
 
   DeviceBuffer glb = DeviceBuffer::from_vector(*backend, g_lp), ghb = DeviceBuffer::from_vector(*backend, g_h);
-  DeviceBuffer gw(*backend, kVocab * kHidden * 4), gh(*backend, kRows * kHidden * 4);
+  DeviceBuffer gw(*backend, kVocab * kHidden * (bf16 ? 2 : 4)), gh(*backend, kRows * kHidden * 4);
   fusedce::LinearGrads grads;
-  grads.grad_weight = fusedce::matrix(gw.data(), DType::kFloat32, kVocab, kHidden);
+  grads.grad_weight = fusedce::matrix(gw.data(), dtype, kVocab, kHidden);
   grads.grad_hidden = fusedce::matrix(gh.data(), DType::kFloat32, kRows, kHidden);
-  s = fusedce::linear_logprobs_backward(dev, hv, wv, {}, tv, whole, o, 0, lo,
+  s = fusedce::linear_logprobs_backward(dev, hv, wv, {}, tv, whole, o, budget, lo,
                                         fusedce::vector(glb.data(), DType::kFloat32, kRows),
                                         fusedce::vector(ghb.data(), DType::kFloat32, kRows), grads);
   ASSERT_TRUE(s.ok()) << s.message();
@@ -188,8 +215,15 @@ TEST_P(LargeLinearLogprobs, MoreThan2To31Logits) {
   };
 
   // grad_weight[j, k] = sum over the weighted rows of dz[i, j] hidden[i, k] / T; bound: a relative
-  // 1e-5 of the sum of the terms' magnitudes (RowRef::mag).
-  const std::vector<float> gwh = gw.to_host_as<float>();
+  // 1e-5 of the sum of the terms' magnitudes (RowRef::mag); in bf16 2^-8 of it and of the result
+  // (dlogits and the output rounded to bf16 once each).
+  std::vector<float> gwh;
+  if (bf16) {
+    for (uint16_t b : gw.to_host_as<uint16_t>()) gwh.push_back(fusedce::detail::bf16_to_float(b));
+  } else {
+    gwh = gw.to_host_as<float>();
+  }
+  const double rel = bf16 ? std::ldexp(1.0, -8) : 1e-5;
   int64_t bad_gw = 0;
   for (int64_t j = 0; j < kVocab; ++j) {
     for (int64_t k = 0; k < kHidden; ++k) {
@@ -199,7 +233,8 @@ TEST_P(LargeLinearLogprobs, MoreThan2To31Logits) {
         want += ref_of(i).dz[j] * h;
         scale += ref_of(i).mag[j] * std::abs(h);
       }
-      const double err = std::abs(gwh[j * kHidden + k] - want), tol = 1e-5 * scale + 1e-30;
+      const double err = std::abs(gwh[j * kHidden + k] - want);
+      const double tol = rel * (scale + (bf16 ? std::abs(want) : 0.0)) + 1e-30;
       if (!(err <= tol) && bad_gw++ < 5) {
         ADD_FAILURE() << "grad_weight[" << j << ", " << k << "]: got " << gwh[j * kHidden + k] << ", want " << want;
       }
@@ -228,15 +263,18 @@ TEST_P(LargeLinearLogprobs, MoreThan2To31Logits) {
         want += r.dz[j] * wk;
         scale += r.mag[j] * std::abs(wk);
       }
-      expect_close(ghh[i * kHidden + k], want, 1e-5 * scale + 1e-30,
+      expect_close(ghh[i * kHidden + k], want, rel * scale + 1e-30,
                    "grad_hidden[" + std::to_string(i) + ", " + std::to_string(k) + "]");
     }
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Long, LargeLinearLogprobs, ::testing::ValuesIn(all_backends()),
-                         [](const ::testing::TestParamInfo<BackendKind>& info) {
-                           return std::string(backend_name(info.param));
+INSTANTIATE_TEST_SUITE_P(Long, LargeLinearLogprobs,
+                         ::testing::Combine(::testing::ValuesIn(all_backends()),
+                                            ::testing::Values(DType::kFloat32, DType::kBFloat16)),
+                         [](const ::testing::TestParamInfo<std::tuple<BackendKind, DType>>& info) {
+                           return std::string(backend_name(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) == DType::kBFloat16 ? "_bf16" : "_float32");
                          });
 
 }  // namespace

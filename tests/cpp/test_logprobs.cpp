@@ -677,6 +677,7 @@ TEST(LinearLogprobsCudaFused, MatchesFloat64OnExactLogits) {
       {"distribution statistics", 300, 64, 2001, 0.7f, true, 0, true},
       {"distribution statistics, collapsed rows, chunks", 260, 128, 5000, 1.0f, true, 400000, true},
       {"distribution statistics, V = 8", 37, 16, 8, 1.0f, true, 0, true},
+      {"no rows: zero gradients", 0, 16, 300, 1.0f, true, 0, false},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -752,7 +753,7 @@ TEST(LinearLogprobsCudaFused, MatchesFloat64OnExactLogits) {
     fusedce::LogprobOptions o;
     o.temperature = c.temperature;
     o.distribution_stats = c.dist;
-    DeviceBuffer stats(*backend, (n + 1) * kW * 4), fwd(*backend, 3 * n * 4);
+    DeviceBuffer stats(*backend, (n + 1) * kW * 4), fwd(*backend, 3 * std::max<int64_t>(n, 1) * 4);
     const auto sv = fusedce::matrix(stats.data(), DType::kFloat32, n + 1, kW);
     fusedce::Status st = fusedce::linear_logprobs_stats(dev, hv, wv, {}, tv, {0, v}, o, c.budget, sv);
     ASSERT_TRUE(st.ok()) << st.message();
@@ -785,7 +786,7 @@ TEST(LinearLogprobsCudaFused, MatchesFloat64OnExactLogits) {
     if (c.dist) {
       // log sum p^2 from float32 sums relative to the max; the mean within float32 roundoff of
       // the largest |z|; is_top1 exactly (the logits are exact, ties included)
-      DeviceBuffer dist(*backend, 3 * n * 4);
+      DeviceBuffer dist(*backend, 3 * std::max<int64_t>(n, 1) * 4);
       fusedce::DistributionStats ds;
       ds.log_sum_sq_probs = fusedce::vector(dist.at(0), DType::kFloat32, n);
       ds.mean_logit = fusedce::vector(dist.at(n * 4), DType::kFloat32, n);
@@ -809,7 +810,11 @@ TEST(LinearLogprobsCudaFused, MatchesFloat64OnExactLogits) {
       }
     }
 
-    DeviceBuffer gh(*backend, n * h * 4), gw(*backend, v * h * 2);
+    // poisoned with NaN: every entry must be written (all zeros without rows)
+    std::vector<float> gh_nan(std::max<int64_t>(n * h, 1), NAN);
+    std::vector<uint16_t> gw_nan(v * h, 0x7fc0);
+    DeviceBuffer gh = DeviceBuffer::from_host(*backend, gh_nan.data(), gh_nan.size() * 4);
+    DeviceBuffer gw = DeviceBuffer::from_host(*backend, gw_nan.data(), gw_nan.size() * 2);
     fusedce::LinearGrads g;
     g.grad_hidden = fusedce::matrix(gh.data(), DType::kFloat32, n, h);
     g.grad_weight = fusedce::matrix(gw.data(), DType::kBFloat16, v, h);
