@@ -632,6 +632,84 @@ def readme_cpu(bench_dir=BENCH):
             f"  {span('logprobs', 'fwd+bwd+entropy', 'torch eager')}.")
 
 
+LP_DEFAULT, LP_KEEP, LP_RECOMPUTE = "fusedce", "fusedce keep_logits", "fusedce keep_logits=False"
+LP_EAGER, LP_COMPILE = "torch eager", "torch.compile"
+LP_NAMES = {LP_KEEP: "`keep_logits=True`", LP_RECOMPUTE: "`keep_logits=False`"}
+
+
+def _span(xs, fmt="{:.2f}"):
+    """'a-b' of the values' range, or 'a' where both ends print alike."""
+    lo, hi = fmt.format(min(xs)), fmt.format(max(xs))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def readme_logprobs(bench_dir=BENCH):
+    """README's bullet of the log-probabilities run (h200/logprobs.csv): the default against
+    fusedce's other configurations and torch at every shape, forward + backward with the entropy
+    (what GRPO's policy step computes), and the forward alone."""
+    name = "h200/logprobs.csv"
+    entry = _manifest_entry(bench_dir, "h200", "logprobs.csv")
+    rows = [r for r in read_csv(os.path.join(bench_dir, "h200", "logprobs.csv"), PEERS_COLUMNS)
+            if r["kind"] == "logprobs" and r["dtype"] == "bfloat16"]
+    cell = {(r["case"], r["job"], r["peer"]): r for r in rows if ok(r)}
+    cases = ordered(r["case"] for r in rows)
+    peers = ordered(r["peer"] for r in rows if ok(r))
+    for need in (LP_DEFAULT, LP_EAGER):
+        if need not in peers:
+            raise SourceError(f"{name}: no {need} rows (README quotes them)")
+
+    def each(job, peer):
+        """(case, default row, peer row) for every case where both ran."""
+        out = [(c, cell.get((c, job, LP_DEFAULT)), cell.get((c, job, peer))) for c in cases]
+        out = [x for x in out if x[1] is not None and x[2] is not None]
+        if not out:
+            raise SourceError(f"{name}: no {job} rows of {LP_DEFAULT} and {peer} (README quotes them)")
+        return out
+
+    def speed(job, peer):
+        return _span([_t(p) / _t(d) for _, d, p in each(job, peer)]) + "x"
+
+    job = "fwd+bwd+entropy"
+    ours = [p for p in (LP_KEEP, LP_RECOMPUTE) if p in peers]
+    parts = [f"Log-probabilities (`linear_logprobs`, bf16, {len(cases)} shapes with V = "
+             f"{'/'.join(ordered(c.split(' x ')[2].split()[0] for c in cases))}; forward + backward with the entropy, "
+             f"what a GRPO policy step computes): by default {speed(job, LP_EAGER)} eager's speed"]
+    if LP_COMPILE in peers:
+        parts[0] += f" and {speed(job, LP_COMPILE)} torch.compile's"
+    eager_mem = [float(p["peak_extra_mb"]) / float(d["peak_extra_mb"]) for _, d, p in each(job, LP_EAGER)
+                 if d["peak_extra_mb"] not in ("", "0") and p["peak_extra_mb"] != ""]
+    if eager_mem:
+        parts[0] += f", in {_span(eager_mem, '{:.1f}')}x less peak extra memory than eager"
+    if ours:
+        # the default over the fastest of fusedce's configurations at each shape
+        worst = []
+        for c in cases:
+            times = [_t(cell[(c, job, p)]) for p in [LP_DEFAULT] + ours if (c, job, p) in cell]
+            if (c, job, LP_DEFAULT) in cell and len(times) > 1:
+                worst.append(_t(cell[(c, job, LP_DEFAULT)]) / min(times))
+        named = " and ".join(LP_NAMES[p] for p in ours)
+        parts.append(f"the default's time over the fastest of it and {named} at each shape: {_span(worst, '{:.3f}')}")
+        if LP_COMPILE in peers:
+            against = []
+            for p in ours:
+                xs = [_t(cell[(c, job, LP_COMPILE)]) / _t(cell[(c, job, p)]) for c in cases
+                      if (c, job, p) in cell and (c, job, LP_COMPILE) in cell]
+                if xs:
+                    against.append(f"{LP_NAMES[p]} "
+                                   f"{_span(xs)}x")
+            if against:
+                parts.append("against torch.compile " + ", ".join(against))
+    fwd = "forward"
+    parts.append(f"the forward alone {speed(fwd, LP_EAGER)} eager's speed"
+                 + (f" and {speed(fwd, LP_COMPILE)} torch.compile's" if LP_COMPILE in peers else ""))
+    commit = entry.get("commit") or one_value(rows, "fusedce_commit", name)
+    # the manifest's readme_note: what the data cannot say (e.g. a default changed since the run)
+    note = f"; {entry['readme_note']}" if entry.get("readme_note") else ""
+    return _bullets(["; ".join(parts) + f" (bench/RESULTS.md, commit {commit}{note}). The default keeps the logits "
+                     f"wherever they fit the recomputing form's memory bound (`fusedce.logit_room`) and forms them "
+                     f"again past it."])
+
+
 class TrlRun:
     """The rows of bench/trl_post_training.py's three CSVs in bench_dir/h200 that the README and
     docs/post_training.md quote, each looked up by what identifies it; a missing or failed row is
@@ -851,7 +929,7 @@ def _gib(row):
     return f"{float(row['peak_over_inputs_gib']):.2f}"
 
 
-BLOCKS = {"ce_kernels": readme_ce_kernels, "cpu": readme_cpu, "trl": readme_trl, "trl_head": docs_trl_head,
+BLOCKS = {"ce_kernels": readme_ce_kernels, "cpu": readme_cpu, "logprobs": readme_logprobs, "trl": readme_trl, "trl_head": docs_trl_head,
           "trl_steps": docs_trl_steps, "distill": readme_distill}
 
 

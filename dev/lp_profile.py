@@ -45,7 +45,8 @@ def _runs(x, w, t, g1, g2, budgets):
             torch.autograd.backward((lp, ent), (g1, g2))
         return run
 
-    runs = {"fusedce default": fused(None), "fusedce keep_logits=False": fused(False)}
+    runs = {"fusedce default": fused(None), "fusedce keep_logits=True": fused(True),
+            "fusedce keep_logits=False": fused(False)}
     for b in budgets:
         runs[f"fusedce keep_logits=False, budget {b / 2 ** 20:g} MiB"] = fused(False, b)
     try:

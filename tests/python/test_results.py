@@ -91,7 +91,7 @@ def test_check_flags_a_stale_file(tmp_path):
 
 def test_readme_figures_are_what_the_csvs_give():
     readme = (ROOT / "README.md").read_text()
-    for block in ("ce_kernels", "cpu", "trl", "distill"):
+    for block in ("ce_kernels", "cpu", "logprobs", "trl", "distill"):
         assert f"<!-- make_results: {block} -->" in readme
     assert make_results.render_blocks(readme) == readme, (
         "README.md's generated figures differ from the CSVs: run python3 bench/make_results.py")
@@ -112,6 +112,30 @@ def test_a_changed_csv_value_changes_the_readme(bench_copy, tmp_path):
     copy = tmp_path / "README.md"
     copy.write_text(readme.replace("128256 bf16 in 0.", "128256 bf16 in 9.", 1))
     assert make_results.main(["--check", "--readme", str(copy)]) == 1
+
+
+def test_the_logprobs_bullet_follows_the_csv(bench_copy):
+    """The default 10x slower at one shape's fwd+bwd+entropy shows in the README bullet's ratio
+    to the fastest configuration and to eager; without the default's rows the bullet is refused
+    naming the file."""
+    def slower(rows):
+        for r in rows:
+            if r["job"] == "fwd+bwd+entropy" and r["peer"] == "fusedce" and r["case"].startswith("8192 x 4096"):
+                r["median_ms"] = str(10 * float(r["median_ms"]))
+
+    before = make_results.readme_logprobs(str(bench_copy))
+    _edit_csv(bench_copy / "h200" / "logprobs.csv", slower)
+    after = make_results.readme_logprobs(str(bench_copy))
+    assert after != before
+    ratio = re.search(r"at each shape: [0-9.]+-([0-9.]+)", after.replace("\n  ", " "))
+    assert ratio and float(ratio.group(1)) > 10
+
+    def drop_default(rows):
+        rows[:] = [r for r in rows if r["peer"] != "fusedce"]
+
+    _edit_csv(bench_copy / "h200" / "logprobs.csv", drop_default)
+    with pytest.raises(make_results.SourceError, match="logprobs.csv"):
+        make_results.readme_logprobs(str(bench_copy))
 
 
 def test_the_cpu_ranges_follow_the_csv(bench_copy):
