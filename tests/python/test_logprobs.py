@@ -315,6 +315,37 @@ def test_linear_chunked_and_leading_dims(device):
         torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_targets_past_a_vocabulary_chunk_inside_its_last_tile(device):
+    """The recomputing backward's vocabulary chunks need not end on a tile of the fused product
+    (192 columns on Hopper): at 256 x 64 x 1000 a 32 KiB budget over the float32 grad_weight
+    accumulator (256 KB) gives chunks of 512 and 488 columns (the plan's arithmetic:
+    logprobs_cuda.cpp, plan_of), and the first ends inside the tile [384, 576). Every counted
+    target lies in [512, 576): past the first chunk, inside that tile, so each row's tile holds
+    its target's column without the chunk holding it. A chunk's dlogits must not take that
+    target (stored past the chunk's end it lands in the next row's first columns). bf16 (the
+    fused products' dtype) against float64, with test_linear_values_and_gradients' tolerances."""
+    n, hid, vocab, dtype = 256, 64, 1000, torch.bfloat16
+    h, w, _, t = _linear_problem(n, hid, vocab, dtype, device, seed=11)
+    g = torch.Generator().manual_seed(12)
+    t = torch.where(t.cpu() == IGNORE, IGNORE, 512 + torch.randint(0, 64, (n,), generator=g)).to(device)
+    leaves = [x.detach().clone().requires_grad_(True) for x in (h, w)]
+    lp, ent = fusedce.linear_logprobs(*leaves, t, return_entropy=True, chunk_budget_bytes=32 << 10,
+                                      keep_logits=False)
+    ref64 = [x.detach().double().cpu().requires_grad_(True) for x in (h, w)]
+    own = [x.detach().clone().cpu().requires_grad_(True) for x in (h, w)]
+    lp_ref, ent_ref = reference(ref64[0] @ ref64[1].T, t.cpu())
+    lp_own, ent_own = reference(torch.nn.functional.linear(*own).float(), t.cpu())
+    old, adv = _weights(n, 3)
+    _objective(lp, ent, old.float().to(device), adv.float().to(device)).backward()
+    _objective(lp_ref, ent_ref, old, adv).backward()
+    _objective(lp_own, ent_own, old.float(), adv.float()).backward()
+    for leaf, ref, mine, name in zip(leaves, ref64, own, ("hidden", "weight")):
+        atol, rtol = _grad_tol(dtype, ref.grad, n + hid + vocab)
+        atol = max(atol, 3 * (mine.grad.double() - ref.grad).abs().max().item())
+        _close(leaf.grad, ref.grad, atol, rtol, f"grad_{name}")
+
+
 # ---- keep_logits=True: the logits formed once and kept -----------------------------------------
 
 
