@@ -323,8 +323,10 @@ def test_linear_targets_past_a_vocabulary_chunk_inside_its_last_tile(device):
     logprobs_cuda.cpp, plan_of), and the first ends inside the tile [384, 576). Every counted
     target lies in [512, 576): past the first chunk, inside that tile, so each row's tile holds
     its target's column without the chunk holding it. A chunk's dlogits must not take that
-    target (stored past the chunk's end it lands in the next row's first columns). bf16 (the
-    fused products' dtype) against float64, with test_linear_values_and_gradients' tolerances."""
+    target (stored past the chunk's end it lands in the next row's first columns, unless that
+    row's own tile stores later: the race makes this end-to-end check likely, not certain, to see
+    it; CudaFusedLogprobs checks the stores deterministically). bf16 (the fused products' dtype)
+    against float64, values and gradients, with test_linear_values_and_gradients' tolerances."""
     n, hid, vocab, dtype = 256, 64, 1000, torch.bfloat16
     h, w, _, t = _linear_problem(n, hid, vocab, dtype, device, seed=11)
     g = torch.Generator().manual_seed(12)
@@ -336,10 +338,14 @@ def test_linear_targets_past_a_vocabulary_chunk_inside_its_last_tile(device):
     own = [x.detach().clone().cpu().requires_grad_(True) for x in (h, w)]
     lp_ref, ent_ref = reference(ref64[0] @ ref64[1].T, t.cpu())
     lp_own, ent_own = reference(torch.nn.functional.linear(*own).float(), t.cpu())
-    old, adv = _weights(n, 3)
-    _objective(lp, ent, old.float().to(device), adv.float().to(device)).backward()
-    _objective(lp_ref, ent_ref, old, adv).backward()
-    _objective(lp_own, ent_own, old.float(), adv.float()).backward()
+    budget = max((lp_own.double() - lp_ref).abs().max().item(), (ent_own.double() - ent_ref).abs().max().item())
+    _close(lp, lp_ref.detach(), max(2e-5, 3 * budget), 2e-6, "logprob")
+    _close(ent, ent_ref.detach(), max(2e-5, 3 * budget), 2e-6, "entropy")
+    # A policy-gradient objective whose targets carry their full weight (dlogit ~ adv (1 - p_t),
+    # about 1: a stray one in another row moves a gradient entry by about 1, far past the bound)
+    _, adv = _weights(n, 3)
+    for x, e, a in ((lp, ent, adv.float().to(device)), (lp_ref, ent_ref, adv), (lp_own, ent_own, adv.float())):
+        ((x * a).sum() + 0.01 * e.sum()).backward()
     for leaf, ref, mine, name in zip(leaves, ref64, own, ("hidden", "weight")):
         atol, rtol = _grad_tol(dtype, ref.grad, n + hid + vocab)
         atol = max(atol, 3 * (mine.grad.double() - ref.grad).abs().max().item())
