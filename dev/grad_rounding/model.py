@@ -12,7 +12,8 @@ PyTorch's 2.036e-3 in bf16; grad_weight's share +5.5e-5 against +2.4e-5 in fp16)
 Prints, per dtype and gradient, over SEEDS seeds: the alpha form's relative error over PyTorch's
 (the folded form's, which equals PyTorch's), both forms' signed shares (mean and spread over
 seeds), and how many seeds the judge fails; then the same with a planted 0.5% bf16 shrink of
-alpha (0.1%, two units, in fp16), which every gradient must fail, or the model says nothing.
+alpha (0.1%, two units, in fp16), which every gradient must fail, or the model says nothing. Where
+the test module has judge_over_seeds, also that judge over each group of len(SEEDS) seeds.
 
 Run from the repository root (a CMake build tree of the torch extension made importable, as for
 the tests, since the test module imports fusedce):
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "python"))
+import test_gradient_accuracy as tga  # noqa: E402
 from test_gradient_accuracy import SHAPE, error_stats, judge, trained_looking  # noqa: E402
 
 
@@ -58,10 +60,15 @@ def main(seeds):
                 theirs = torch.tensor([r[i][1]["proj"] for r in runs], dtype=torch.float64)
                 ratio = torch.tensor([r[i][0]["rel"] / r[i][1]["rel"] for r in runs])
                 fails = sum(bool(judge(r[i][0], r[i][1], dtype, r[i][2])) for r in runs)
+                if hasattr(tga, "judge_over_seeds"):  # the judge on the mean of each group of its seeds
+                    k = len(tga.SEEDS)
+                    groups = [runs[j:j + k] for j in range(0, seeds - k + 1, k)]
+                    grouped = sum(bool(tga.judge_over_seeds([r[i] for r in g], dtype)) for g in groups)
+                    fails = f"{fails} of {seeds} seeds, over-seeds judge {grouped} of {len(groups)} groups of {k}"
                 print(f"{str(dtype)[6:]:8} shrink {shrink:<8} {name:11}  error / PyTorch's: mean {ratio.mean():.3f} "
                       f"(min {ratio.min():.3f}, max {ratio.max():.3f});  share: alpha {ours.mean():+.2e} "
                       f"(sd {ours.std():.1e}), folded = PyTorch's {theirs.mean():+.2e} (sd {theirs.std():.1e});  "
-                      f"judge fails {fails} of {seeds}", flush=True)
+                      f"judge fails {fails}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1016,6 +1016,54 @@ TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
     EXPECT_EQ(far, 0);
     std::printf("[ fused dlogits ] %lld of %lld bits identical to the row kernel's\n", static_cast<long long>(same),
                 static_cast<long long>(N * V));
+    // Two vocabulary chunks, [0, 1000) and [1000, V), as the recomputing backward walks them: the
+    // first ends inside the tile [960, 1152), which holds the targets of the rows whose target
+    // lies in [1000, 1152) (about 18 of them) without the chunk holding them. Each chunk by both
+    // into a buffer whose rows run a tile past the chunk's columns, one row more: the same
+    // dlogits, and the padding columns and the spare row untouched (a store past the chunk's end
+    // lands there, whatever order the tiles' stores come in).
+    if (!dist) {
+      for (const int64_t v0 : {int64_t(0), int64_t(1000)}) {
+        SCOPED_TRACE(v0 == 0 ? "vocabulary chunk [0, 1000)" : "vocabulary chunk [1000, V)");
+        const int64_t vc = v0 == 0 ? 1000 : V - 1000, ldc = (vc + 7) / 8 * 8 + fc::kLpFusedTile;
+        fc::LpRows rc = rg;
+        rc.vocab_start = v0;
+        fc::LpFusedProduct pc = pg;
+        pc.r = rc;
+        pc.cols = vc;
+        pc.weight = static_cast<const uint16_t*>(d_w) + v0 * H;
+        void* c_row = upload(nullptr, (N + 1) * ldc * 2);
+        void* c_fused = upload(nullptr, (N + 1) * ldc * 2);
+        ASSERT_CUDA(cudaMemset(c_row, 0xCD, (N + 1) * ldc * 2));
+        ASSERT_CUDA(cudaMemset(c_fused, 0xCD, (N + 1) * ldc * 2));
+        const auto chunk_logits = fusedce::matrix(static_cast<uint16_t*>(d_logits) + v0, DType::kBFloat16, N, vc, V);
+        fc::launch_lp_backward(rc, chunk_logits, fusedce::matrix(c_row, DType::kBFloat16, N, vc, ldc), vec(o + 2 * N),
+                               vec(o), vec(o + N), vec(static_cast<float*>(d_glp)), vec(static_cast<float*>(d_gh)),
+                               nullptr);
+        fc::LpFusedGrad gc = g;
+        gc.dlogits = c_fused;
+        gc.ld_dlogits = ldc;
+        ASSERT_OK(fc::run_lp_dlogits_product(pc, gc));
+        ASSERT_CUDA(cudaDeviceSynchronize());
+        std::vector<uint16_t> ca((N + 1) * ldc), cb((N + 1) * ldc);
+        ASSERT_CUDA(cudaMemcpy(ca.data(), c_row, ca.size() * 2, cudaMemcpyDeviceToHost));
+        ASSERT_CUDA(cudaMemcpy(cb.data(), c_fused, cb.size() * 2, cudaMemcpyDeviceToHost));
+        int64_t off = 0, touched = 0;
+        for (int64_t k = 0; k < (N + 1) * ldc; ++k) {
+          if (k / ldc < N && k % ldc < vc) {
+            const bool near = bf16_to_float(ca[k]) == bf16_to_float(cb[k]) ||
+                              ((ca[k] >> 15) == (cb[k] >> 15) && std::abs(int(ca[k]) - int(cb[k])) <= 1);
+            if (!near && off++ < 5)
+              ADD_FAILURE() << "dlogits[" << k / ldc << ", " << v0 + k % ldc << "]: fused " << bf16_to_float(cb[k])
+                            << ", row kernel " << bf16_to_float(ca[k]);
+          } else if (cb[k] != 0xCDCD && touched++ < 5) {
+            ADD_FAILURE() << "the fused product stored past the chunk: row " << k / ldc << ", column " << k % ldc;
+          }
+        }
+        EXPECT_EQ(off, 0);
+        EXPECT_EQ(touched, 0);
+      }
+    }
   }
   for (void* d : owned) cudaFree(d);
 }

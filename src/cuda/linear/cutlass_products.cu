@@ -41,9 +41,11 @@ struct Kernel {
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
-  /// beta multiplies C (0: C is not read, though it must be a valid address of C's shape).
+  /// alpha (*alpha on the device, 1 where null) multiplies the product, beta C (0: C is not read,
+  /// though it must be a valid address of C's shape).
   static Status run(int M, int N, int K, const void* a, int64_t lda, const void* b, int64_t ldb, const void* c,
-                    int64_t ldc, float beta, void* d, int64_t ldd, int device, cudaStream_t stream) {
+                    int64_t ldc, const float* alpha, float beta, void* d, int64_t ldd, int device,
+                    cudaStream_t stream) {
     using GK = GemmKernel;
     using cutlass_run::stride_with_ld;
     typename Gemm::Arguments args{
@@ -51,7 +53,7 @@ struct Kernel {
         {M, N, K, 1},
         {static_cast<const bf16*>(a), stride_with_ld<typename GK::StrideA>(lda), static_cast<const bf16*>(b),
          stride_with_ld<typename GK::StrideB>(ldb)},
-        {{1.0f, beta}, static_cast<const ElementC*>(c), stride_with_ld<typename GK::StrideC>(ldc), static_cast<ElementD*>(d),
+        {{1.0f, beta, alpha}, static_cast<const ElementC*>(c), stride_with_ld<typename GK::StrideC>(ldc), static_cast<ElementD*>(d),
          stride_with_ld<typename GK::StrideD>(ldd)},
         cutlass_run::hardware_of(device)};
     return cutlass_run::run<Gemm>(args, stream, "CUTLASS product");
@@ -100,7 +102,7 @@ bool cutlass_products_available(int device) {
 Status run_rounded_weight_product(const RoundedWeightProduct& p) {
   if (!addressable(p)) return Status(StatusCode::kUnsupported, "operands TMA cannot address");
   return RoundedWeightKernel::run(static_cast<int>(p.V), static_cast<int>(p.H), static_cast<int>(p.rows), p.dlogits,
-                                  p.ld_dlogits, p.hidden, p.ld_hidden, p.acc, p.ld_acc, 1.0f, p.grad_weight,
+                                  p.ld_dlogits, p.hidden, p.ld_hidden, p.acc, p.ld_acc, p.alpha, 1.0f, p.grad_weight,
                                   p.ld_grad_weight, p.device, p.stream);
 }
 

@@ -17,9 +17,10 @@
 namespace fusedce {
 namespace cuda {
 
-/// grad_weight (V x H, bf16) = round(acc (V x H, float32) + dlogits^T . hidden), where dlogits is
+/// grad_weight (V x H, bf16) = round(acc (V x H, float32) + alpha dlogits^T . hidden), where dlogits is
 /// (rows x V) and hidden (rows x H), both bf16; every matrix row-major with the given row stride
-/// in elements. Accumulation in float32, one rounding.
+/// in elements; alpha read on the device from *alpha (1 where null). Accumulation in float32,
+/// one rounding.
 struct RoundedWeightProduct {
   int64_t rows, V, H;
   const void* dlogits;
@@ -30,6 +31,7 @@ struct RoundedWeightProduct {
   int64_t ld_acc;
   void* grad_weight;
   int64_t ld_grad_weight;
+  const float* alpha;
   cudaStream_t stream;
   int device;
 };

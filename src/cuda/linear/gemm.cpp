@@ -128,6 +128,11 @@ Status gemm_whole(const GemmCall& c) {
   const cublasOperation_t opb = c.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   FUSEDCE_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)), "TRANSA");
   FUSEDCE_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)), "TRANSB");
+  if (c.scale) {
+    const int32_t mode = CUBLASLT_POINTER_MODE_DEVICE;
+    FUSEDCE_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &mode, sizeof(mode)),
+               "POINTER_MODE");
+  }
   if (c.bias) {
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
     const cudaDataType_t bt = cuda_type(c.bias_dtype);
@@ -175,8 +180,10 @@ Status gemm_whole(const GemmCall& c) {
     FUSEDCE_TRY_STATUS(compute_capability(c.device, &major, &minor));
     pick = choose_algorithm(c.role, major, minor, traits, found);
   }
-  const float alpha = 1.0f;
-  FUSEDCE_LT(cublasLtMatmul(lt, ds.op, &alpha, c.a.data, ds.a, c.b.data, ds.b, &c.beta, c.d, ds.d, c.d, ds.d,
+  const float one = 1.0f;
+  const float* alpha = c.scale ? c.scale : &one;
+  const float* beta = c.scale ? c.scale + (c.beta == 0.0f ? 1 : 2) : &c.beta;
+  FUSEDCE_LT(cublasLtMatmul(lt, ds.op, alpha, c.a.data, ds.a, c.b.data, ds.b, beta, c.d, ds.d, c.d, ds.d,
                             &heur[pick].algo, c.workspace, kGemmWorkspaceBytes, c.stream),
              "the product");
   return Status::Ok();
@@ -208,6 +215,9 @@ void* advance(void* p, int64_t elems, DType d) { return static_cast<char*>(p) + 
 //   k (contiguous in A transposed and in B untransposed): the tail adds into D; only a float32 D
 //   is split, where the sum stays in float32 (a 16-bit D would be rounded twice).
 Status gemm(const GemmCall& c) {
+  if (c.scale && c.beta != 0.0f && c.beta != 1.0f) {
+    return Status(StatusCode::kInvalidArgument, "internal: a product scaled on the device takes beta 0 or 1");
+  }
   const int64_t k = c.transpose_a ? c.a.rows : c.a.cols;
   int64_t qm = per16(c.d_dtype);
   if (!c.transpose_a) qm = std::max(qm, per16(c.a.dtype));

@@ -26,16 +26,18 @@ struct GemmOperand {
   int64_t rows, cols, ld;
 };
 
-/// D (m x n) = op(A) op(B) [+ bias over the m rows] + beta D, float32 accumulation (float32
-/// inputs stay float32: no TF32). `transpose_a` / `_b`: op is the transpose. D's dtype may be
-/// float32 while A and B are 16-bit (an accumulator).
+/// D (m x n) = alpha op(A) op(B) [+ bias over the m rows] + beta D, float32 accumulation
+/// (float32 inputs stay float32: no TF32). `transpose_a` / `_b`: op is the transpose. D's dtype
+/// may be float32 while A and B are 16-bit (an accumulator). alpha is 1, or read on the device
+/// from `scale` (a device float[3] {alpha, 0, 1}, whence beta, 0 or 1, is read too).
 struct GemmCall {
   GemmOperand a, b;
   bool transpose_a, transpose_b;
   void* d;
   DType d_dtype;
   int64_t m, n, ld_d;
-  float beta;
+  float beta;          // 0 or 1 when scale is set
+  const float* scale;  // device {alpha, 0, 1}, or null: alpha 1
   const void* bias;  // (m,) in d_dtype's 16-bit partner or float32: the inputs' dtype; or null
   DType bias_dtype;
   void* workspace;  // kGemmWorkspaceBytes

@@ -51,18 +51,35 @@ inline LinearPrepareParams prepare_params(const VectorView& target, int64_t rows
   return q;
 }
 
+/// The upstream gradient of a sum or mean, split between the rows' dlogits and the gradient
+/// products: out = {alpha, 0, 1, row}. The dlogits of every row carry `row` and the products
+/// multiply by `alpha` in float32 (their alpha and beta read from out, so nothing waits for the
+/// host). The factor g (grad_loss[0], 1 if absent; over *denom for a mean) is the same for every
+/// row, and folded into 16-bit dlogits it would round the same way in each: entries near -g (the
+/// target of an unlikely row) would all carry bf16's error of g, up to 0.39%, and so would the
+/// gradients. So alpha = g and row = 1, except where g is not finite (a mean over no counted
+/// weight): there alpha = 1 and row = g, as if folded, so that the rows' dlogits (zeros where
+/// ignored) are not multiplied by an infinite alpha. Reduction none: alpha = row = 1 (each row's
+/// own upstream gradient stays in its dlogits). One thread.
+struct ProductScaleParams {
+  const float* grad_loss;  // (1,) or null
+  int reduction;           // Reduction as int
+  const float* denom;      // the mean's denominator
+  float* out;              // (4,)
+};
+
 /// Per chunk of positions [p0, p0 + n): the targets and upstream gradients of its rows, and (when
 /// compacting) its hidden rows gathered into a dense block.
 struct LinearGatherParams {
   const int64_t* eff_target;
   const int64_t* idx;
   int64_t p0, n;
-  // upstream gradient of each row: reduction none: grad_loss[row] (1 if absent); sum: grad_loss[0]
-  // (1 if absent); mean: that over *denom.
+  // upstream gradient of each row's dlogits: reduction none: grad_loss[row] (1 if absent); sum and
+  // mean: *row_grad (ProductScaleParams' `row`, the same for every row).
   const float* grad_loss;
   int64_t grad_stride;
   int reduction;  // Reduction as int
-  const float* denom;
+  const float* row_grad;
   const void* hidden;  // gathered only when hidden_out is not null
   int64_t hidden_stride, H;
   DType dtype;
@@ -193,6 +210,7 @@ void launch_linear_branch(const LinearBranchParams& p, cudaStream_t stream);
 #endif
 
 void launch_linear_prepare(const LinearPrepareParams& p, cudaStream_t stream);
+void launch_product_scale(const ProductScaleParams& p, cudaStream_t stream);
 void launch_linear_gather(const LinearGatherParams& p, cudaStream_t stream);
 void launch_linear_scatter(const LinearScatterParams& p, cudaStream_t stream);
 void launch_shard_gather(const ShardGatherParams& p, cudaStream_t stream);

@@ -2,7 +2,9 @@
 // chunks, each
 //   1. logits chunk (rows, V) = hidden_chunk . weight^T (+ bias), cuBLASLt, in the input dtype;
 //   2. the cross-entropy kernel of the logits (reduction none, every option) turns it into the
-//      rows' loss, lse, metrics and, in place, dlogits scaled by each row's upstream gradient;
+//      rows' loss, lse, metrics and, in place, dlogits scaled by each row's upstream gradient
+//      (a sum's or mean's upstream gradient g is applied by the products instead, their float32
+//      alpha, read on the device: linear.h's ProductScaleParams says why);
 //   3. grad_hidden_chunk = dlogits . weight; grad_weight += dlogits^T . hidden_chunk into a
 //      float32 accumulator (the output itself for float32; the last chunk's product writes the
 //      16-bit grad_weight straight from the accumulator where the CUTLASS kernel runs); grad_bias
@@ -149,11 +151,12 @@ struct LinearPlan {
       loss_c, lse_p, row_loss, chunk_entropy, chunk_correct, hidden_c, gh_c, slice_acc, weight_pad, total;
 };
 
-struct Scalars {  // device-side batch scalars written by the prepare kernel
+struct Scalars {  // device-side batch scalars written by the prepare and product-scale kernels
   int64_t count;
   int64_t bad_row;
   float denom;
   float weight_sum;
+  float scale[4];  // ProductScaleParams' out: {alpha, 0, 1, the rows' factor}
 };
 
 /// The second pass's shape for `positions` rows entering the products. Depends on the plan and
@@ -376,6 +379,13 @@ class LinearRun {
     q.weight_sum = &scalars()->weight_sum;
     launch_linear_prepare(q, stream_);
     FUSEDCE_TRY(last_error("the prepare kernel"));
+    if (p_.grad) {
+      launch_product_scale(ProductScaleParams{static_cast<const float*>(c_.grad_loss.data),
+                                              static_cast<int>(c_.options.reduction), &scalars()->denom,
+                                              scalars()->scale},
+                           stream_);
+      FUSEDCE_TRY(last_error("the product-scale kernel"));
+    }
     if (p_.compact) {
       // Rows the products skip keep zeros: their loss, lse and grad_hidden.
       cudaError_t e = cudaMemsetAsync(at(p_.row_loss), 0, size_t(p_.N) * 4, stream_);
@@ -433,6 +443,7 @@ class LinearRun {
       q.ld_acc = p_.H;
       q.grad_weight = gw.data;
       q.ld_grad_weight = gw.row_stride;
+      q.alpha = scalars()->scale;
       q.stream = stream_;
       q.device = c_.device.index;
       Status s = run_rounded_weight_product(q);
@@ -455,6 +466,12 @@ class LinearRun {
   }
 
   GemmCall base_gemm() const { return gemm_on(at(p_.gemm_ws), stream_, c_.device.index); }
+  /// A gradient product: base_gemm scaled by the upstream gradient the dlogits do not carry.
+  GemmCall grad_gemm() const {
+    GemmCall g = base_gemm();
+    g.scale = scalars()->scale;
+    return g;
+  }
 
   Status run_chunk(int64_t p0, int64_t nc, int64_t chunk, bool last) {
     const DType d = p_.dtype;
@@ -468,7 +485,7 @@ class LinearRun {
     gq.grad_loss = static_cast<const float*>(c_.grad_loss.data);
     gq.grad_stride = c_.grad_loss.stride;
     gq.reduction = static_cast<int>(c_.options.reduction);
-    gq.denom = &scalars()->denom;
+    gq.row_grad = &scalars()->scale[3];
     gq.hidden = c_.hidden.data;
     gq.hidden_stride = c_.hidden.row_stride;
     gq.H = p_.H;
@@ -533,7 +550,7 @@ class LinearRun {
     if (p_.grad_hidden) {
       // grad_hidden_c^T (H x nc) = weight (H x V) . dlogits^T (V x nc)
       const MatrixView& gh = c_.grads.grad_hidden;
-      GemmCall h = base_gemm();
+      GemmCall h = grad_gemm();
       h.a = weight_op;
       h.b = dlogits_op;
       if (p_.pad_weight) {  // over ld_logits columns: the padding's logits zeroed, its weight rows 0
@@ -556,7 +573,7 @@ class LinearRun {
       // grad_weight^T (H x V) (+)= hidden_c (H x nc) . dlogits (nc x V)
       const MatrixView& gw = c_.grads.grad_weight;
       const bool direct = !p_.gw_via_acc;  // float32, or one chunk: straight into grad_weight
-      GemmCall w = base_gemm();
+      GemmCall w = grad_gemm();
       w.a = hidden_op;
       w.b = dlogits_op;
       w.transpose_b = true;
@@ -575,7 +592,7 @@ class LinearRun {
     }
     if (p_.grad_bias) {
       // grad_bias (V x 1) (+)= dlogits^T (V x nc) . ones (nc x 1)
-      GemmCall b = base_gemm();
+      GemmCall b = grad_gemm();
       b.a = dlogits_op;
       b.b = GemmOperand{at(p_.ones), d, nc, 1, nc};
       b.d = at(p_.gb_acc);
@@ -665,7 +682,7 @@ class LinearRun {
         FUSEDCE_TRY(last_error("the slice gradient kernel"));
 
         // grad_weight_slice^T (H x vs) (+)= hidden (H x nr) . dlogits (nr x vs)
-        GemmCall w = base_gemm();
+        GemmCall w = grad_gemm();
         w.a = hidden_op;
         w.b = GemmOperand{logits, d, vs, nr, sp.ld};
         w.transpose_b = true;

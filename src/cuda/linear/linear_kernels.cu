@@ -131,6 +131,23 @@ __device__ void copy_row_any(const void* src, void* dst, int64_t H, DType d) {
 
 size_t elem_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
+__global__ void product_scale_kernel(const ProductScaleParams p) {
+  float alpha = 1.0f, row = 1.0f;
+  if (p.reduction != static_cast<int>(Reduction::kNone)) {
+    float g = p.grad_loss ? p.grad_loss[0] : 1.0f;
+    if (p.reduction == static_cast<int>(Reduction::kMean)) g /= *p.denom;
+    if (isfinite(g)) {
+      alpha = g;
+    } else {
+      row = g;
+    }
+  }
+  p.out[0] = alpha;
+  p.out[1] = 0.0f;
+  p.out[2] = 1.0f;
+  p.out[3] = row;
+}
+
 /// One block per position: the row's target, upstream gradient and (compacting) hidden row.
 __global__ void linear_gather_kernel(const LinearGatherParams p, size_t elem) {
   const int64_t k = blockIdx.x;
@@ -153,8 +170,7 @@ __global__ void linear_gather_kernel(const LinearGatherParams p, size_t elem) {
       if (p.reduction == static_cast<int>(Reduction::kNone)) {
         g = p.grad_loss ? p.grad_loss[row * p.grad_stride] : 1.0f;
       } else {
-        g = p.grad_loss ? p.grad_loss[0] : 1.0f;
-        if (p.reduction == static_cast<int>(Reduction::kMean)) g /= *p.denom;
+        g = *p.row_grad;
       }
       p.grad_out[k] = g;
     }
@@ -401,6 +417,10 @@ void launch_linear_slice_grad(const LinearSliceGradParams& p, cudaStream_t strea
     case DType::kBFloat16: linear_slice_grad_kernel<BFloat16><<<grid, kSliceThreads, 0, stream>>>(p); break;
     default: linear_slice_grad_kernel<Half><<<grid, kSliceThreads, 0, stream>>>(p); break;
   }
+}
+
+void launch_product_scale(const ProductScaleParams& p, cudaStream_t stream) {
+  product_scale_kernel<<<1, 1, 0, stream>>>(p);
 }
 
 void launch_add_bias(void* x, int64_t ld, int64_t rows, int64_t cols, const void* bias, DType dtype,

@@ -6,7 +6,9 @@
 //     chunk's first, and the last chunk's is row N, the shard's class-weight sum).
 //   step 3, per vocabulary slice (the whole shard; with low_memory, slices whose float32
 //     grad_weight accumulator stays within kSliceAccBytes) and chunk of positions: the logits
-//     again, the shard backward kernel turns them into dlogits in place from the merged lse, then
+//     again, the shard backward kernel turns them into dlogits in place from the merged lse (a
+//     sum's or mean's upstream gradient left to the products' float32 alpha, as in
+//     linear_cuda.cpp: linear.h's ProductScaleParams), then
 //     grad_hidden (float32, this rank's part) += dlogits . weight_slice, grad_weight_slice (+)=
 //     dlogits^T . hidden_chunk (float32 accumulation, rounded once), grad_bias likewise.
 // Positions are the rows, unless the call shifts or skips: then the whole-vocabulary path's
@@ -61,6 +63,7 @@ struct ShardPlan {
   bool prepare;       // shift or skip_ignored: effective targets and positions (prepare kernel)
   bool gather;        // skip_ignored: room for a chunk's rows gathered into dense blocks
   size_t gemm_ws, logits, ones, gw, gb;
+  size_t scale;  // step 3: ProductScaleParams' out (4 floats)
   size_t eff, idx, scalars;                     // prepare: (N,) int64 each, PrepareScalars
   size_t hid, tgt, stats, lse, row_weight, grad, gh;  // gather: one chunk's dense blocks
   size_t total;
@@ -101,6 +104,7 @@ ShardPlan plan_shard(const detail::LinearCall& c) {
   p.ones = want_gb ? take(size_t(p.rows) * el) : 0;
   p.gw = p.gw_acc ? take(size_t(p.slice) * size_t(p.H) * 4) : 0;
   p.gb = want_gb ? take(size_t(p.V) * 4) : 0;
+  p.scale = backward ? take(4 * sizeof(float)) : 0;
   p.prepare = c.linear.shift_seq_len > 0 || c.linear.skip_ignored;
   p.gather = c.linear.skip_ignored;
   if (p.prepare) {
@@ -177,6 +181,11 @@ class ShardRun {
     }
     if (p_.N == 0) return clear_grads();
     FUSEDCE_TRY(prepare());
+    launch_product_scale(ProductScaleParams{static_cast<const float*>(c_.grad_loss.data),
+                                            static_cast<int>(c_.options.reduction),
+                                            static_cast<const float*>(c_.batch.data), scale()},
+                         stream_);
+    FUSEDCE_TRY(last_error("the product-scale kernel"));
     if (compact_ && g.grad_hidden.data) {
       const cudaError_t e = cudaMemset2DAsync(g.grad_hidden.data, size_t(g.grad_hidden.row_stride) * 4, 0,
                                               size_t(p_.H) * 4, size_t(p_.N), stream_);
@@ -194,6 +203,9 @@ class ShardRun {
         ShardSpec sub = c_.shard;
         sub.vocab_start += v0;
         Options o = c_.options;
+        // A sum's or mean's dlogits carry the product-scale kernel's row factor alone: a sum over
+        // one upstream gradient, that factor (row_inputs).
+        if (o.reduction != Reduction::kNone) o.reduction = Reduction::kSum;
         if (!o.class_weight.empty()) {
           o.class_weight.data = static_cast<float*>(o.class_weight.data) + v0 * o.class_weight.stride;
           o.class_weight.size = vs;
@@ -207,7 +219,7 @@ class ShardRun {
         if (g.grad_hidden.data) {
           // grad_hidden^T (H x nc) (+)= weight_slice (H x vs) . dlogits^T (vs x nc), float32; with
           // compaction into the dense block, whose rows are then added to their rows.
-          GemmCall h = base();
+          GemmCall h = grad_base();
           h.a = wslice;
           h.b = dl;
           h.d_dtype = DType::kFloat32;
@@ -233,7 +245,7 @@ class ShardRun {
         }
         if (g.grad_weight.data) {
           // grad_weight_slice^T (H x vs) (+)= hidden (H x nc) . dlogits (nc x vs)
-          GemmCall w = base();
+          GemmCall w = grad_base();
           w.a = ch.hidden;
           w.b = dl;
           w.transpose_b = true;
@@ -253,7 +265,7 @@ class ShardRun {
         }
         if (g.grad_bias.data) {
           // grad_bias_slice (vs x 1) (+)= dlogits^T (vs x nc) . ones (nc x 1), float32
-          GemmCall b = base();
+          GemmCall b = grad_base();
           b.a = dl;
           b.b = GemmOperand{ws_ + p_.ones, p_.dtype, nc, 1, nc};
           b.d = reinterpret_cast<float*>(ws_ + p_.gb) + v0;
@@ -294,6 +306,7 @@ class ShardRun {
   };
 
   int64_t* eff() const { return reinterpret_cast<int64_t*>(ws_ + p_.eff); }
+  float* scale() const { return reinterpret_cast<float*>(ws_ + p_.scale); }
   int64_t* idx() const { return reinterpret_cast<int64_t*>(ws_ + p_.idx); }
   PrepareScalars* scalars() const { return reinterpret_cast<PrepareScalars*>(ws_ + p_.scalars); }
 
@@ -359,13 +372,15 @@ class ShardRun {
     return Status::Ok();
   }
 
-  /// Positions [p0, p0 + nc): their lse, target weight and (reduction none) upstream gradient.
+  /// Positions [p0, p0 + nc): their lse, target weight and upstream gradient (reduction none:
+  /// the rows'; else the product-scale kernel's row factor, as a sum's (1,) gradient).
   Status row_inputs(int64_t p0, int64_t nc, RowInputs* in) {
     const bool per_row = c_.options.reduction == Reduction::kNone;
+    const VectorView row_factor = vector(scale() + 3, DType::kFloat32, 1);
     if (!compact_) {
       in->lse = slice_of(c_.lse_in, p0, nc);
       in->row_weight = slice_of(c_.row_weight, p0, nc);
-      in->grad_loss = per_row ? slice_of(c_.grad_loss, p0, nc) : c_.grad_loss;
+      in->grad_loss = per_row ? slice_of(c_.grad_loss, p0, nc) : row_factor;
       return Status::Ok();
     }
     ShardGatherParams q{};
@@ -387,11 +402,17 @@ class ShardRun {
     FUSEDCE_TRY(last_error("gathering a chunk's row statistics"));
     in->lse = vector(q.lse_out, DType::kFloat32, nc);
     in->row_weight = vector(q.row_weight_out, DType::kFloat32, nc);
-    in->grad_loss = per_row ? vector(q.grad_out, DType::kFloat32, nc) : c_.grad_loss;
+    in->grad_loss = per_row ? vector(q.grad_out, DType::kFloat32, nc) : row_factor;
     return Status::Ok();
   }
 
   GemmCall base() const { return gemm_on(ws_ + p_.gemm_ws, stream_, c_.device.index); }
+  /// A gradient product: scaled by the upstream gradient the dlogits do not carry.
+  GemmCall grad_base() const {
+    GemmCall g = base();
+    g.scale = scale();
+    return g;
+  }
   GemmOperand weight_op(int64_t v0, int64_t vs) const { return rows_operand(c_.weight, v0, vs); }  // H x vs
   GemmOperand hidden_op(int64_t r0, int64_t nc) const { return rows_operand(c_.hidden, r0, nc); }  // H x nc
   MatrixView chunk(int64_t nc, int64_t vs) const { return matrix(ws_ + p_.logits, p_.dtype, nc, vs, p_.ld); }

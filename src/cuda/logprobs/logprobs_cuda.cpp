@@ -141,12 +141,36 @@ class LinearRun {
         fused_(p.dtype == DType::kBFloat16 && c.bias.data == nullptr && cutlass_products_available(c.device.index)) {}
 
   Status stats() {
+    // The fused product keeps no logits, only its (tile, row) partials in the logits buffer:
+    // its token chunks are as many rows as their partials fit there (every row, at the shapes
+    // that matter), so its products run at full size. If it cannot run (kUnsupported at the
+    // first chunk, nothing launched) the walk starts again in the plan's chunks.
+    if (fused_ && p_.N > 0) {
+      const size_t per_row = lp_fused_partial_bytes(1, p_.V, c_.options.distribution_stats);
+      const int64_t fit = static_cast<int64_t>(size_t(p_.rows) * size_t(p_.ld) * elem_size(p_.dtype) / per_row);
+      const int64_t step = std::max(p_.rows, balanced_chunk(p_.N, fit));
+      bool unsupported = false;
+      FUSEDCE_TRY(stats_by(step, &unsupported));
+      if (!unsupported) return Status::Ok();
+    }
+    bool unused = false;
+    return stats_by(p_.rows, &unused);
+  }
+
+  /// Step 1 in token chunks of `step` rows: the fused product where it runs, else the logits
+  /// (step <= the plan's rows then) and the row kernel. `unsupported`: the first chunk found the
+  /// fused product unable to run with step > the plan's rows, and nothing was launched.
+  Status stats_by(int64_t step, bool* unsupported) {
     float* out = static_cast<float*>(c_.stats.data);
-    for (int64_t r0 = 0; r0 == 0 || r0 < p_.N; r0 += p_.rows) {
-      const int64_t nc = std::min(p_.rows, p_.N - r0);
+    for (int64_t r0 = 0; r0 == 0 || r0 < p_.N; r0 += step) {
+      const int64_t nc = std::min(step, p_.N - r0);
       bool done = false;
       if (nc > 0) FUSEDCE_TRY(fused_stats(r0, nc, out + r0 * kLogprobStatsWidth, done));
       if (!done) {
+        if (nc > p_.rows) {  // only the fused product takes chunks past the buffer's rows
+          *unsupported = true;
+          return Status::Ok();
+        }
         if (nc > 0) FUSEDCE_TRY(logits(r0, nc, 0, p_.V));
         launch_lp_stats(rows_at(r0, nc), chunk(nc, p_.V), out + r0 * kLogprobStatsWidth, stream_);
         FUSEDCE_TRY(last_error("the log-probability statistics kernel"));
@@ -311,9 +335,9 @@ class LinearRun {
   /// kUnsupported (an operand TMA cannot address) turns the fused products off for the call.
   Status fused_stats(int64_t r0, int64_t nc, float* out, bool& done) {
     done = false;
-    // the partials live in the chunk's logits buffer: fewer bytes but at the smallest V with
-    // the distribution columns
-    const size_t room = size_t(nc) * size_t(p_.ld) * elem_size(p_.dtype);
+    // the partials live in the logits buffer: fewer bytes but at the smallest V with the
+    // distribution columns
+    const size_t room = size_t(p_.rows) * size_t(p_.ld) * elem_size(p_.dtype);
     if (!fused_ || lp_fused_partial_bytes(nc, p_.V, c_.options.distribution_stats) > room) return Status::Ok();
     float4* partials = reinterpret_cast<float4*>(ws_ + p_.logits);
     const Status s = run_lp_stats_product(fused_product(r0, nc, 0, p_.V), partials);

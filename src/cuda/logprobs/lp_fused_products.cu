@@ -52,6 +52,13 @@ __device__ __forceinline__ void round_bf16_pair(float& a, float& b) {
   b = __uint_as_float(d & 0xffff0000u);
 }
 
+/// max(a, b), NaN where either is NaN (fmaxf would drop it).
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
 __device__ __forceinline__ int64_t target_of(const LpRows& r, int64_t i) {
   return r.target_i64 ? static_cast<const int64_t*>(r.target)[i * r.target_stride]
                       : static_cast<int64_t>(static_cast<const int32_t*>(r.target)[i * r.target_stride]);
@@ -157,6 +164,12 @@ class LpEpilogue {
     const float inv_t = params.r.inv_t;
     const float c = inv_t * kLog2e;
 
+    // The statistics of a partial last tile: its columns past N are -inf, once, here, so that
+    // the loops below need no bounds (the gradient's stores keep theirs).
+    if (!kGrad && col0 + BN > N) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(acc); ++i) acc(i) = col0 + get<1>(tCcD(i)) < N ? acc(i) : -INFINITY;
+    }
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < MM; ++m) {
       CUTLASS_PRAGMA_UNROLL
@@ -171,35 +184,43 @@ class LpEpilogue {
         const int tl = (tl64 >= 0 && tl64 < BN) ? static_cast<int>(tl64) : -1;
         const int before = tl64 < 0 ? 0 : tl64 > BN ? BN : static_cast<int>(tl64);
 
-        // the row's columns of this lane, rounded to bf16; for the statistics, columns past N
-        // are -inf, and the lane's max, NaN flag and the target's z (if it holds that column)
-        float top = -INFINITY, zt = 0.0f;
-        bool nan = false;
+        // the row's columns of this lane, rounded to bf16, their least, and for the statistics
+        // the lane's max (NaN where an entry is NaN)
+        float top = -INFINITY, least = INFINITY;
         CUTLASS_PRAGMA_UNROLL
         for (int n = 0; n < MN; ++n) {
           CUTLASS_PRAGMA_UNROLL
           for (int v2 = 0; v2 < V2; ++v2) {
             auto c0 = make_coord(make_coord(0, v1, v2), m, n);
             auto c1 = make_coord(make_coord(1, v1, v2), m, n);
-            const int lc = get<1>(tCcD(c0));  // even; lc + 1 is the pair's other column
             float x0 = acc(c0), x1 = acc(c1);
             round_bf16_pair(x0, x1);
-            if constexpr (!kGrad) {
-              x0 = col0 + lc < N ? x0 : -INFINITY;
-              x1 = col0 + lc + 1 < N ? x1 : -INFINITY;
-              top = fmaxf(top, fmaxf(x0, x1));
-              nan |= (x0 != x0) | (x1 != x1);
-              zt = lc == tl ? x0 : zt;
-              zt = lc + 1 == tl ? x1 : zt;
-            }
+            if constexpr (!kGrad) top = fmax_nan(top, fmax_nan(x0, x1));
+            least = fminf(least, fminf(x0, x1));
             acc(c0) = x0;
             acc(c1) = x1;
           }
         }
         if constexpr (kGrad) {
-          store_dlogits<V2, MN>(acc, tCcD, m, v1, row, row_in, live, tl, c, inv_t, col0, N);
+          store_dlogits<V2, MN>(acc, tCcD, m, v1, row, row_in, live, tl, least, c, inv_t, col0, N);
         } else {
-          stats_row<V2, MN>(acc, tCcD, m, v1, row, row_in, live, tl, before, top, zt, nan, c, inv_t, col0, N, n_tile);
+          // the target's z where this lane holds its column: a branch the row takes in one tile
+          float zt = 0.0f;
+          if (tl >= 0) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int n = 0; n < MN; ++n) {
+              CUTLASS_PRAGMA_UNROLL
+              for (int v2 = 0; v2 < V2; ++v2) {
+                auto c0 = make_coord(make_coord(0, v1, v2), m, n);
+                auto c1 = make_coord(make_coord(1, v1, v2), m, n);
+                const int lc = get<1>(tCcD(c0));  // even; lc + 1 is the pair's other column
+                zt = lc == tl ? acc(c0) : zt;
+                zt = lc + 1 == tl ? acc(c1) : zt;
+              }
+            }
+          }
+          stats_row<V2, MN>(acc, tCcD, m, v1, row, row_in, live, tl, before, top, least, zt, c, inv_t, col0, N,
+                            n_tile);
         }
       }
     }
@@ -210,7 +231,7 @@ class LpEpilogue {
   /// the quad's first lane with the target's z where this tile holds it.
   template <int V2, int MN, class Acc, class Coords>
   CUTLASS_DEVICE void stats_row(Acc& acc, Coords const& tCcD, int m, int v1, int row, bool row_in, bool live, int tl,
-                                int before, float top, float zt, bool nan, float c, float inv_t, int col0, int N,
+                                int before, float top, float least, float zt, float c, float inv_t, int col0, int N,
                                 int n_tile) {
     TileState s{top, 0.0f, 0.0f, 0.0f};
     float xs = 0.0f, mb = -INFINITY;  // kDist: the sum of the lane's columns, their max before the target's
@@ -224,35 +245,25 @@ class LpEpilogue {
             auto cc = make_coord(make_coord(v0, v1, v2), m, n);
             const int lc = get<1>(tCcD(cc));
             const float x = acc(cc);
-            xs += col0 + lc < N ? x : 0.0f;
+            xs += col0 + lc < N ? x : 0.0f;  // not the -inf of a column past N
             mb = lc < before ? fmaxf(mb, x) : mb;
           }
     }
-    if (top == INFINITY) {
-      s.r = s.u = s.q = NAN;  // inf - inf, as torch's log_softmax gives
+    if (top != top || top == INFINITY) {
+      s.r = s.u = s.q = NAN;  // a NaN entry; or inf - inf, as torch's log_softmax gives
     } else if (top != -INFINITY) {
       // Positions d = fl(x c - fl(top c)) (one FFMA), 2^d on the SFU; every instance of top
-      // is left out of r (ties) and put back exactly after the fold; a NaN entry's term is NaN.
+      // is left out of r (ties) and put back exactly after the fold.
       const float ym = top * c;
       const float delta = fmaf(top, c, -ym);
       float rs = 0.0f, us = 0.0f, qs = 0.0f, ties = 0.0f;
-      CUTLASS_PRAGMA_UNROLL
-      for (int n = 0; n < MN; ++n) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int v2 = 0; v2 < V2; ++v2) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int v0 = 0; v0 < 2; ++v0) {
-            auto cc = make_coord(make_coord(v0, v1, v2), m, n);
-            const float x = acc(cc);
-            const float d = fmaf(x, c, -ym);
-            const bool is_top = x == top;
-            const float e = is_top ? 0.0f : ex2_subnormal(d);
-            ties += is_top ? 1.0f : 0.0f;
-            rs += e;
-            us = fmaf(e, fmaxf(d, -256.0f), us);  // 0 * clamp, not 0 * -inf
-            if constexpr (kDist) qs = fmaf(e, e, qs);
-          }
-        }
+      // 2^d is a normal float wherever d >= -126, and there the flushing instruction gives the
+      // bits of the one that keeps subnormal results: so the lane takes it (one MUFU) unless its
+      // least entry lies lower (a collapsed row's log-probability lives in those terms)
+      if (fmaf(least, c, -ym) >= -126.0f) {
+        lane_sums<true, V2, MN>(acc, m, v1, top, c, ym, rs, us, qs, ties);
+      } else {
+        lane_sums<false, V2, MN>(acc, m, v1, top, c, ym, rs, us, qs, ties);
       }
       // relative to top c exactly (fmaf's residual delta folded out); the ties but one join at 1
       const float g = ex2_subnormal(-delta);
@@ -260,7 +271,6 @@ class LpEpilogue {
       s.u = (us - delta * rs) * g;
       if constexpr (kDist) s.q = qs * g * g + (ties - 1.0f);
     }
-    if (nan) s.r = s.u = s.q = NAN;
     // the quad's lanes in a fixed order: (0 with 1, 2 with 3), then the pairs
     CUTLASS_PRAGMA_UNROLL
     for (int off = 1; off <= 2; off <<= 1) {
@@ -284,12 +294,37 @@ class LpEpilogue {
     }
   }
 
+  /// A lane's sums over its columns of the row (stats_row); kFlush: 2^d by the flushing
+  /// instruction, else by the one that keeps subnormal results.
+  template <bool kFlush, int V2, int MN, class Acc>
+  CUTLASS_DEVICE static void lane_sums(Acc& acc, int m, int v1, float top, float c, float ym, float& rs, float& us,
+                                       float& qs, float& ties) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < MN; ++n) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int v2 = 0; v2 < V2; ++v2) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int v0 = 0; v0 < 2; ++v0) {
+          auto cc = make_coord(make_coord(v0, v1, v2), m, n);
+          const float x = acc(cc);
+          const float d = fmaf(x, c, -ym);
+          const bool is_top = x == top;
+          const float e = is_top ? 0.0f : (kFlush ? ex2(d) : ex2_subnormal(d));
+          ties += is_top ? 1.0f : 0.0f;
+          rs += e;
+          us = fmaf(e, fmaxf(d, -256.0f), us);  // 0 * clamp, not 0 * -inf
+          if constexpr (kDist) qs = fmaf(e, e, qs);
+        }
+      }
+    }
+  }
+
   /// Gradient: logprobs_kernels.cu's lp_backward_kernel element for element: with d2 = x c -
   /// lse log2(e), dx = 2^d2 (A + B max(d2, -256)), the target's entry lp_grad's own; ignored
   /// rows 0. Stored as bf16 pairs (a pair's second column may lie past N: then alone).
   template <int V2, int MN, class Acc, class Coords>
   CUTLASS_DEVICE void store_dlogits(Acc& acc, Coords const& tCcD, int m, int v1, int row, bool row_in, bool live,
-                                    int tl, float c, float inv_t, int col0, int N) {
+                                    int tl, float least, float c, float inv_t, int col0, int N) {
     if (!row_in) return;
     const LpFusedGrad& g = params.g;
     float A = 0.0f, B = 0.0f, nl2 = 0.0f, at_target = 0.0f;
@@ -304,25 +339,68 @@ class LpEpilogue {
       at_target = detail::lp_grad(rg, 0.0f, true) * inv_t;
     }
     bf16* out = static_cast<bf16*>(g.dlogits) + int64_t(row) * g.ld_dlogits;
+    if (!live) {  // an ignored row's dlogits are zeros, whatever its logits
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < MN; ++n) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int v2 = 0; v2 < V2; ++v2) {
+          const int col = col0 + get<1>(tCcD(make_coord(make_coord(0, v1, v2), m, n)));
+          if (col + 1 < N) {
+            *reinterpret_cast<uint32_t*>(out + col) = 0u;
+          } else if (col < N) {
+            *reinterpret_cast<uint16_t*>(out + col) = 0;
+          }
+        }
+      }
+      return;
+    }
+    // as in stats_row: the flushing 2^d where no d2 of the lane's lies under -126; a tile of
+    // whole pairs below N (all but a partial last one) without per-pair bounds
+    const bool flush = fmaf(least, c, nl2) >= -126.0f;
+    if (col0 + kLpFusedTile > N) {
+      dlogits_pairs<false, false, V2, MN>(acc, tCcD, m, v1, out, c, nl2, A, B, col0, N);
+    } else if (flush) {
+      dlogits_pairs<true, true, V2, MN>(acc, tCcD, m, v1, out, c, nl2, A, B, col0, N);
+    } else {
+      dlogits_pairs<true, false, V2, MN>(acc, tCcD, m, v1, out, c, nl2, A, B, col0, N);
+    }
+    // The target's entry, lp_grad's own, over the one the loop stored (the same thread's later
+    // store): a branch a row takes in one tile, where this lane holds the column. Only below N:
+    // a vocabulary chunk may end inside a tile, and a target past its end belongs to the next
+    // chunk (stored here it would land in the next row's first columns).
+    if (live && tl >= 0 && col0 + tl < N) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < MN; ++n) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int v2 = 0; v2 < V2; ++v2) {
+          if (get<1>(tCcD(make_coord(make_coord(0, v1, v2), m, n))) == (tl & ~1)) {
+            float t0 = at_target, t1 = 0.0f;
+            round_bf16_pair(t0, t1);
+            *reinterpret_cast<uint16_t*>(out + col0 + tl) = static_cast<uint16_t>(__float_as_uint(t0) >> 16);
+          }
+        }
+      }
+    }
+  }
+
+  /// store_dlogits' stores of the lane's columns of a counted row, but the target's; kFull:
+  /// every pair lies below N; kFlush as in lane_sums.
+  template <bool kFull, bool kFlush, int V2, int MN, class Acc, class Coords>
+  CUTLASS_DEVICE static void dlogits_pairs(Acc& acc, Coords const& tCcD, int m, int v1, bf16* out, float c, float nl2,
+                                           float A, float B, int col0, int N) {
     CUTLASS_PRAGMA_UNROLL
     for (int n = 0; n < MN; ++n) {
       CUTLASS_PRAGMA_UNROLL
       for (int v2 = 0; v2 < V2; ++v2) {
         auto c0 = make_coord(make_coord(0, v1, v2), m, n);
         auto c1 = make_coord(make_coord(1, v1, v2), m, n);
-        const int lc = get<1>(tCcD(c0));
-        const int col = col0 + lc;
-        if (col >= N) continue;
-        float dz0 = 0.0f, dz1 = 0.0f;
-        if (live) {
-          const float d0 = fmaf(acc(c0), c, nl2), d1 = fmaf(acc(c1), c, nl2);
-          dz0 = ex2_subnormal(d0) * fmaf(B, fmaxf(d0, -256.0f), A);
-          dz1 = ex2_subnormal(d1) * fmaf(B, fmaxf(d1, -256.0f), A);
-          dz0 = lc == tl ? at_target : dz0;
-          dz1 = lc + 1 == tl ? at_target : dz1;
-        }
+        const int col = col0 + get<1>(tCcD(c0));
+        if (!kFull && col >= N) continue;
+        const float d0 = fmaf(acc(c0), c, nl2), d1 = fmaf(acc(c1), c, nl2);
+        float dz0 = (kFlush ? ex2(d0) : ex2_subnormal(d0)) * fmaf(B, fmaxf(d0, -256.0f), A);
+        float dz1 = (kFlush ? ex2(d1) : ex2_subnormal(d1)) * fmaf(B, fmaxf(d1, -256.0f), A);
         round_bf16_pair(dz0, dz1);
-        if (col + 1 < N) {
+        if (kFull || col + 1 < N) {
           const uint32_t bits = (__float_as_uint(dz0) >> 16) | (__float_as_uint(dz1) & 0xffff0000u);
           *reinterpret_cast<uint32_t*>(out + col) = bits;
         } else {
@@ -342,6 +420,15 @@ class LpEpilogue {
 using Tile = Shape<_128, _192, _64>;
 using Cluster = Shape<_2, _1, _1>;
 
+using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
+/// The persistent scheduler's tile order: CUTLASS's raster order and swizzle size.
+struct LpTileOrder {
+  RasterOrder raster;
+  int swizzle;
+};
+/// The order the products run in.
+inline constexpr LpTileOrder kLpTileOrder{RasterOrder::Heuristic, 1};
+
 template <bool kGrad, bool kDist = false>
 struct FusedKernel {
   using Epi = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<LpEpilogue<kGrad, kDist>>;
@@ -353,7 +440,7 @@ struct FusedKernel {
   using GK = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GK>;
 
-  static Status run(const LpFusedProduct& p, const LpEpiParams& epi) {
+  static Status run(const LpFusedProduct& p, const LpEpiParams& epi, LpTileOrder order = kLpTileOrder) {
     using cutlass_run::stride_with_ld;
     typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
                                   {static_cast<int>(p.rows), static_cast<int>(p.cols), static_cast<int>(p.H), 1},
@@ -361,6 +448,8 @@ struct FusedKernel {
                                    static_cast<const bf16*>(p.weight), stride_with_ld<typename GK::StrideB>(p.ld_weight)},
                                   epi,
                                   cutlass_run::hardware_of(p.device)};
+    args.scheduler.raster_order = order.raster;
+    args.scheduler.max_swizzle_size = order.swizzle;
     return cutlass_run::run<Gemm>(args, p.stream, "the CUTLASS log-probability product");
   }
 };
