@@ -556,6 +556,8 @@ def main(argv=None):
             traceback.print_exc()
             failed = True
             continue
+        for r in rows:  # the note column is part of the format, also where no row has one
+            r.setdefault("note", "")
         write_csv(os.path.join(a.out, file), rows)
         print_rows(f"{name} ({time.time() - started:.0f} s) -> {os.path.join(a.out, file)}", rows, columns)
         failed |= any(r.get("status") == "failed" for r in rows)

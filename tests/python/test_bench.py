@@ -232,3 +232,18 @@ def test_floor_and_all_options_are_timed_not_checked(tmp_path, capsys):
     assert "| fusedce x floor | fusedce all options x floor |" in text
     assert "vs floor" not in text and "vs fusedce all options" not in text
     assert "fusedce vs torch eager" in text and "fusedce vs floor" not in text
+
+
+def test_the_compile_peer_compiles_every_shape_of_a_run():
+    """One compiled function serves every case and job of a run: past dynamo's recompile limit
+    (8 by default) torch.compile runs the function eagerly, and the torch.compile column would
+    time eager. The peer raises the limit; here, twelve shapes of one function each get a graph."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    peers._torch_compile("cpu")
+    f = torch.compile(lambda x: (x * 2).sum(-1), backend="eager", dynamic=False)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for n in range(1, 13):
+        f(torch.ones(n, 3))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 12
