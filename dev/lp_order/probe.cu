@@ -204,7 +204,7 @@ int main() {
       for (int sw : {1, 2, 4, 8}) {
         const LpTileOrder order{r, sw};
         auto launch = [&] {
-          const fusedce::Status st = c.grad ? fusedce::cuda::FusedKernel<true>::run(p, epi, order)
+          const fusedce::Status st = c.grad ? fusedce::cuda::run_dlogits(p, epi.g, &order)
                                             : fusedce::cuda::FusedKernel<false>::run(p, epi, order);
           if (!st.ok()) {
             std::fprintf(stderr, "%s: %s\n", c.what, st.message().c_str());

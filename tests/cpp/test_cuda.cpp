@@ -983,39 +983,45 @@ TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
       bad += !ok;
     }
     // step 3 both ways from the row kernels' step 2, into rows of a stride the fused product
-    // can write (even, as the logits buffer's always is)
-    const int64_t ld = (V + 7) / 8 * 8;
+    // can write: a multiple of 8 (the logits buffer's: whole tiles staged through shared memory,
+    // 16-byte stores) and one of 2 but not 8 (pair stores from registers only)
     float* o = out_row;
     fc::LpRows rg = r;  // the gradient gathers no distribution statistics
     rg.dist = false;
     fc::LpFusedProduct pg = p;
     pg.r = rg;
     const auto vec = [&](float* x) { return fusedce::vector(x, DType::kFloat32, N); };
-    void* dl_row = upload(nullptr, N * ld * 2);
-    void* dl_fused = upload(nullptr, N * ld * 2);
-    fc::launch_lp_backward(rg, logits_view, fusedce::matrix(dl_row, DType::kBFloat16, N, V, ld), vec(o + 2 * N), vec(o),
-                           vec(o + N), vec(static_cast<float*>(d_glp)), vec(static_cast<float*>(d_gh)), nullptr);
     fc::LpFusedGrad g{o + 2 * N, o, o + N, static_cast<float*>(d_glp), static_cast<float*>(d_gh), 1, 1, 1, 1, 1,
-                      dl_fused, ld};
-    ASSERT_OK(fc::run_lp_dlogits_product(pg, g));
-    ASSERT_CUDA(cudaDeviceSynchronize());
-    std::vector<uint16_t> a(N * ld), b(N * ld);
-    ASSERT_CUDA(cudaMemcpy(a.data(), dl_row, a.size() * 2, cudaMemcpyDeviceToHost));
-    ASSERT_CUDA(cudaMemcpy(b.data(), dl_fused, b.size() * 2, cudaMemcpyDeviceToHost));
-    int64_t same = 0, far = 0;
-    for (int64_t e = 0; e < N * V; ++e) {
-      const int64_t k = e / V * ld + e % V;
-      same += a[k] == b[k];
-      // one unit of bf16 in the last place (same sign: adjacent bit patterns)
-      const bool near = bf16_to_float(a[k]) == bf16_to_float(b[k]) ||
-                        ((a[k] >> 15) == (b[k] >> 15) && std::abs(int(a[k]) - int(b[k])) <= 1);
-      if (!near && far++ < 5)
-        ADD_FAILURE() << "dlogits[" << e / V << ", " << e % V << "]: fused " << bf16_to_float(b[k]) << ", row kernel "
-                      << bf16_to_float(a[k]);
+                      nullptr, 0};
+    for (const int64_t ld : {(V + 7) / 8 * 8, (V + 7) / 8 * 8 + 2}) {
+      SCOPED_TRACE(ld % 8 == 0 ? "dlogits rows of a stride of 8" : "dlogits rows of a stride of 2 mod 8");
+      void* dl_row = upload(nullptr, N * ld * 2);
+      void* dl_fused = upload(nullptr, N * ld * 2);
+      fc::launch_lp_backward(rg, logits_view, fusedce::matrix(dl_row, DType::kBFloat16, N, V, ld), vec(o + 2 * N),
+                             vec(o), vec(o + N), vec(static_cast<float*>(d_glp)), vec(static_cast<float*>(d_gh)),
+                             nullptr);
+      g.dlogits = dl_fused;
+      g.ld_dlogits = ld;
+      ASSERT_OK(fc::run_lp_dlogits_product(pg, g));
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      std::vector<uint16_t> a(N * ld), b(N * ld);
+      ASSERT_CUDA(cudaMemcpy(a.data(), dl_row, a.size() * 2, cudaMemcpyDeviceToHost));
+      ASSERT_CUDA(cudaMemcpy(b.data(), dl_fused, b.size() * 2, cudaMemcpyDeviceToHost));
+      int64_t same = 0, far = 0;
+      for (int64_t e = 0; e < N * V; ++e) {
+        const int64_t k = e / V * ld + e % V;
+        same += a[k] == b[k];
+        // one unit of bf16 in the last place (same sign: adjacent bit patterns)
+        const bool near = bf16_to_float(a[k]) == bf16_to_float(b[k]) ||
+                          ((a[k] >> 15) == (b[k] >> 15) && std::abs(int(a[k]) - int(b[k])) <= 1);
+        if (!near && far++ < 5)
+          ADD_FAILURE() << "dlogits[" << e / V << ", " << e % V << "]: fused " << bf16_to_float(b[k]) << ", row kernel "
+                        << bf16_to_float(a[k]);
+      }
+      EXPECT_EQ(far, 0);
+      std::printf("[ fused dlogits ] row stride %lld: %lld of %lld bits identical to the row kernel's\n",
+                  static_cast<long long>(ld), static_cast<long long>(same), static_cast<long long>(N * V));
     }
-    EXPECT_EQ(far, 0);
-    std::printf("[ fused dlogits ] %lld of %lld bits identical to the row kernel's\n", static_cast<long long>(same),
-                static_cast<long long>(N * V));
     // Two vocabulary chunks, [0, 1000) and [1000, V), as the recomputing backward walks them: the
     // first ends inside the tile [960, 1152), which holds the targets of the rows whose target
     // lies in [1000, 1152) (about 18 of them) without the chunk holding them. Each chunk by both
@@ -1023,9 +1029,11 @@ TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
     // dlogits, and the padding columns and the spare row untouched (a store past the chunk's end
     // lands there, whatever order the tiles' stores come in).
     if (!dist) {
-      for (const int64_t v0 : {int64_t(0), int64_t(1000)}) {
+      for (const int64_t v0 : {int64_t(0), int64_t(1000)})
+      for (const int64_t pad : {int64_t(0), int64_t(2)}) {
         SCOPED_TRACE(v0 == 0 ? "vocabulary chunk [0, 1000)" : "vocabulary chunk [1000, V)");
-        const int64_t vc = v0 == 0 ? 1000 : V - 1000, ldc = (vc + 7) / 8 * 8 + fc::kLpFusedTile;
+        SCOPED_TRACE(pad == 0 ? "dlogits rows of a stride of 8" : "dlogits rows of a stride of 2 mod 8");
+        const int64_t vc = v0 == 0 ? 1000 : V - 1000, ldc = (vc + 7) / 8 * 8 + fc::kLpFusedTile + pad;
         fc::LpRows rc = rg;
         rc.vocab_start = v0;
         fc::LpFusedProduct pc = pg;

@@ -1,7 +1,10 @@
 // The kernels of lp_fused_products.h, sm_90a: CUTLASS's persistent ping-pong GEMM (TMA loads
 // into a shared-memory ring, WGMMA with float32 accumulation, two consumer warp groups that take
 // turns, so one's epilogue runs while the other's main loop does) with an epilogue of our own
-// on the accumulators in registers, through CUTLASS's adapter for register epilogues.
+// on the accumulators in registers, through CUTLASS's adapter for register epilogues. The
+// gradient's tiles leave through a shared-memory stage by TMA stores where the TMA can address
+// dlogits, so that the L2 takes whole lines, not the half sectors of pair stores from the
+// accumulator layout.
 //
 // The epilogue first rounds each accumulator to bf16, the value the product would have stored:
 // everything after is the row kernels' arithmetic (logprobs_kernels.cu) on the same logits.
@@ -16,6 +19,8 @@
 #include "cuda/linear/cutlass_run.h"
 #include "cuda/port.h"
 #include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/cuda_host_adapter.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/epilogue/collective/detail.hpp"
@@ -35,8 +40,17 @@ using bf16 = cutlass::bfloat16_t;
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 
+/// The gradient's staging buffer: a warp group's 128 x 192 tile as three boxes of 128 rows x 64
+/// columns, the TMA store's unit, each row's 16-byte pieces swizzled (piece k of row r at k ^ (r %
+/// 8), the TMA's 128-byte swizzle) so that a warp's pair stores (8 rows x 4 adjacent words) fall
+/// in 32 different banks.
+inline constexpr int kBoxCols = 64;
+inline constexpr int kBoxRows = 128;
+inline constexpr int kBoxBytes = kBoxCols * kBoxRows * 2;
+
 /// What the epilogue reads and writes besides the accumulators.
 struct LpEpiParams {
+  cute::TmaDescriptor dl_map;  // gradient, staged: dlogits (cols x rows) in kBoxCols x kBoxRows boxes
   LpRows r;            // the rows' targets; r.vocab_start: global index of the product's column 0
   float4* partials;    // statistics: (tile, row) partials, tile-major
   float4* dist;        // with r.dist: the distribution columns' partials, the same layout
@@ -90,9 +104,12 @@ using namespace cute;
 using namespace lp_fused;
 
 /// kGrad: dlogits; else the statistics, with kDist also the distribution columns (the squares'
-/// sum, the sum of z, the max of z before the target's column).
-template <bool kGrad, bool kDist = false>
+/// sum, the sum of z, the max of z before the target's column). kStaged (with kGrad): a tile's
+/// dlogits go out through shared memory by TMA stores of whole boxes, else by pair stores from
+/// registers (a half of each 32-byte sector a warp's store touches).
+template <bool kGrad, bool kDist = false, bool kStaged = false>
 class LpEpilogue {
+  static_assert(kGrad || !kStaged, "only the gradient is staged");
  public:
   struct ThreadEpilogueOp {
     using ElementOutput = bf16;
@@ -114,8 +131,10 @@ class LpEpilogue {
   using ElementScalar = float;
   using GmemTiledCopyC = void;
   using GmemTiledCopyD = void;
+  // The ping-pong kernel runs its two warp groups' epilogues one after the other (its order
+  // barrier), so one buffer serves both.
   struct SharedStorage {
-    char unused[16];
+    alignas(1024) uint8_t stage[kStaged ? kLpFusedTile / kBoxCols * kBoxBytes : 16];
   };
   using TensorStorage = SharedStorage;
   using Arguments = LpEpiParams;
@@ -139,14 +158,15 @@ class LpEpilogue {
     return true;
   }
 
-  CUTLASS_HOST_DEVICE LpEpilogue(Params const& p, SharedStorage const& = SharedStorage()) : params(p) {}
+  // p is the kernel's parameter (grid constant), where the TMA store's descriptor must stay.
+  CUTLASS_HOST_DEVICE explicit LpEpilogue(Params const& p) : params(p), dl_map(&p.dl_map) {}
   CUTLASS_DEVICE bool is_source_needed() { return false; }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
             class TiledMma, class ResidueMNK>
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem, BlockShapeMNK, BlockCoordMNKL blk_coord,
                                  cute::Tensor<FrgEngine, FrgLayout> const& acc_in, TiledMma tiled_mma, ResidueMNK,
-                                 int thread_idx, char*) {
+                                 int thread_idx, char* smem) {
     const int M = get<0>(problem), N = get<1>(problem);
     constexpr int BM = size<0>(BlockShapeMNK{}), BN = size<1>(BlockShapeMNK{});
     static_assert(BN == kLpFusedTile, "a vocabulary tile is one CTA tile's columns");
@@ -201,7 +221,9 @@ class LpEpilogue {
             acc(c1) = x1;
           }
         }
-        if constexpr (kGrad) {
+        if constexpr (kStaged) {
+          stage_dlogits<V2, MN>(acc, tCcD, m, v1, row, row_in, live, tl, least, c, inv_t, smem, N - col0);
+        } else if constexpr (kGrad) {
           store_dlogits<V2, MN>(acc, tCcD, m, v1, row, row_in, live, tl, least, c, inv_t, col0, N);
         } else {
           // the target's z where this lane holds its column: a branch the row takes in one tile
@@ -224,6 +246,7 @@ class LpEpilogue {
         }
       }
     }
+    if constexpr (kStaged) store_stage(smem, row0, col0, M, N, thread_idx);
   }
 
  private:
@@ -319,6 +342,117 @@ class LpEpilogue {
     }
   }
 
+  /// A counted row's factors of its dlogits (store_dlogits): nl2 = -lse log2(e), A, B and the
+  /// target's entry.
+  struct RowGrad {
+    float nl2, A, B, at_target;
+  };
+  CUTLASS_DEVICE RowGrad row_grad(int row, float inv_t) const {
+    const LpFusedGrad& g = params.g;
+    const bool with_h = g.g_h != nullptr;
+    const detail::LpRowGrad rg{g.lse[row * g.lse_stride], g.logprob[row * g.logprob_stride],
+                               with_h ? g.entropy[row * g.entropy_stride] : 0.0f, g.g_lp[row * g.g_lp_stride],
+                               with_h ? g.g_h[row * g.g_h_stride] : 0.0f};
+    return RowGrad{-(rg.lse * kLog2e), -(rg.g_lp + rg.g_h * rg.entropy) * inv_t, -rg.g_h * inv_t * kLn2,
+                   detail::lp_grad(rg, 0.0f, true) * inv_t};
+  }
+
+  /// The stage's byte for tile row rl, tile column lc (kBoxCols columns a box, 128-byte rows,
+  /// their 16-byte pieces swizzled).
+  CUTLASS_DEVICE static int stage_at(int rl, int lc) {
+    const int box = lc / kBoxCols, byte = (lc % kBoxCols) * 2;
+    return box * kBoxBytes + rl * (kBoxCols * 2) + ((((byte >> 4) ^ (rl & 7)) << 4) | (byte & 15));
+  }
+
+  /// store_dlogits into the stage, the whole tile's columns (those past N too: the TMA store
+  /// leaves them out, as it does rows past M, which are not written).
+  template <int V2, int MN, class Acc, class Coords>
+  CUTLASS_DEVICE void stage_dlogits(Acc& acc, Coords const& tCcD, int m, int v1, int row, bool row_in, bool live,
+                                    int tl, float least, float c, float inv_t, char* smem, int n_left) {
+    if (!row_in) return;
+    const int rl = get<0>(tCcD(make_coord(make_coord(0, v1, 0), m, 0)));
+    if (!live) {  // an ignored row's dlogits are zeros, whatever its logits
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < MN; ++n) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int v2 = 0; v2 < V2; ++v2) {
+          const int lc = get<1>(tCcD(make_coord(make_coord(0, v1, v2), m, n)));
+          *reinterpret_cast<uint32_t*>(smem + stage_at(rl, lc)) = 0u;
+        }
+      }
+      return;
+    }
+    const RowGrad rg = row_grad(row, inv_t);
+    if (fmaf(least, c, rg.nl2) >= -126.0f) {
+      stage_pairs<true, V2, MN>(acc, tCcD, m, v1, smem, rl, c, rg);
+    } else {
+      stage_pairs<false, V2, MN>(acc, tCcD, m, v1, smem, rl, c, rg);
+    }
+    // the target's entry over the pair stored by the same lane (store_dlogits)
+    if (tl >= 0 && tl < n_left) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < MN; ++n) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int v2 = 0; v2 < V2; ++v2) {
+          if (get<1>(tCcD(make_coord(make_coord(0, v1, v2), m, n))) == (tl & ~1)) {
+            float t0 = rg.at_target, t1 = 0.0f;
+            round_bf16_pair(t0, t1);
+            const uint16_t bits = static_cast<uint16_t>(__float_as_uint(t0) >> 16);
+            *reinterpret_cast<uint16_t*>(smem + stage_at(rl, tl)) = bits;
+          }
+        }
+      }
+    }
+  }
+
+  template <bool kFlush, int V2, int MN, class Acc, class Coords>
+  CUTLASS_DEVICE static void stage_pairs(Acc& acc, Coords const& tCcD, int m, int v1, char* smem, int rl,
+                                         float c, const RowGrad& rg) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < MN; ++n) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int v2 = 0; v2 < V2; ++v2) {
+        auto c0 = make_coord(make_coord(0, v1, v2), m, n);
+        auto c1 = make_coord(make_coord(1, v1, v2), m, n);
+        const float d0 = fmaf(acc(c0), c, rg.nl2), d1 = fmaf(acc(c1), c, rg.nl2);
+        float dz0 = (kFlush ? ex2(d0) : ex2_subnormal(d0)) * fmaf(rg.B, fmaxf(d0, -256.0f), rg.A);
+        float dz1 = (kFlush ? ex2(d1) : ex2_subnormal(d1)) * fmaf(rg.B, fmaxf(d1, -256.0f), rg.A);
+        round_bf16_pair(dz0, dz1);
+        const uint32_t bits = (__float_as_uint(dz0) >> 16) | (__float_as_uint(dz1) & 0xffff0000u);
+        *reinterpret_cast<uint32_t*>(smem + stage_at(rl, get<1>(tCcD(c0)))) = bits;
+      }
+    }
+  }
+
+  /// The staged tile out: after every thread's stores into the stage (made visible to the TMA
+  /// unit by each thread's proxy fence, then a barrier of the warp group), one thread stores the
+  /// boxes that hold columns below N8 = N rounded down to 8 (the map's width: a TMA store over a
+  /// row's end by less than 16 bytes writes the whole 16-byte piece, past the row's end) and
+  /// waits until the TMA has read them, before the warp group leaves its epilogue: the other
+  /// warp group's epilogue, the stage's next user, starts only when every thread of this one has
+  /// left it (the kernel's order barrier). The columns [N8, N), where this tile holds them, go
+  /// out from the stage by one thread a row.
+  CUTLASS_DEVICE void store_stage(char* smem, int row0, int col0, int M, int N, int thread_idx) const {
+    const int n8 = N & ~7;
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup,
+                                      cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
+    if (thread_idx == 0) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int b = 0; b < kLpFusedTile / kBoxCols; ++b) {
+        if (col0 + b * kBoxCols < n8) SM90_TMA_STORE_2D::copy(dl_map, smem + b * kBoxBytes, col0 + b * kBoxCols, row0);
+      }
+      tma_store_arrive();
+    }
+    if (n8 < N && col0 + kLpFusedTile > n8 && thread_idx < kBoxRows && row0 + thread_idx < M) {
+      bf16* out = static_cast<bf16*>(params.g.dlogits) + int64_t(row0 + thread_idx) * params.g.ld_dlogits;
+      for (int col = n8 > col0 ? n8 : col0; col < N; ++col) {
+        out[col] = *reinterpret_cast<const bf16*>(smem + stage_at(thread_idx, col - col0));
+      }
+    }
+    if (thread_idx == 0) tma_store_wait<0>();
+  }
+
   /// Gradient: logprobs_kernels.cu's lp_backward_kernel element for element: with d2 = x c -
   /// lse log2(e), dx = 2^d2 (A + B max(d2, -256)), the target's entry lp_grad's own; ignored
   /// rows 0. Stored as bf16 pairs (a pair's second column may lie past N: then alone).
@@ -327,17 +461,8 @@ class LpEpilogue {
                                     int tl, float least, float c, float inv_t, int col0, int N) {
     if (!row_in) return;
     const LpFusedGrad& g = params.g;
-    float A = 0.0f, B = 0.0f, nl2 = 0.0f, at_target = 0.0f;
-    if (live) {
-      const bool with_h = g.g_h != nullptr;
-      const detail::LpRowGrad rg{g.lse[row * g.lse_stride], g.logprob[row * g.logprob_stride],
-                                 with_h ? g.entropy[row * g.entropy_stride] : 0.0f, g.g_lp[row * g.g_lp_stride],
-                                 with_h ? g.g_h[row * g.g_h_stride] : 0.0f};
-      nl2 = -(rg.lse * kLog2e);
-      A = -(rg.g_lp + rg.g_h * rg.entropy) * inv_t;
-      B = -rg.g_h * inv_t * kLn2;
-      at_target = detail::lp_grad(rg, 0.0f, true) * inv_t;
-    }
+    const RowGrad rg = live ? row_grad(row, inv_t) : RowGrad{0.0f, 0.0f, 0.0f, 0.0f};
+    const float nl2 = rg.nl2, A = rg.A, B = rg.B, at_target = rg.at_target;
     bf16* out = static_cast<bf16*>(g.dlogits) + int64_t(row) * g.ld_dlogits;
     if (!live) {  // an ignored row's dlogits are zeros, whatever its logits
       CUTLASS_PRAGMA_UNROLL
@@ -411,6 +536,7 @@ class LpEpilogue {
   }
 
   Params params;
+  const cute::TmaDescriptor* dl_map;
 };
 
 // 128 x 192 ping-pong tiles (a warp group's 128 x 192 float32 accumulators: 192 registers a
@@ -426,12 +552,16 @@ struct LpTileOrder {
   RasterOrder raster;
   int swizzle;
 };
-/// The order the products run in.
+/// The order the statistics product and the dlogits product's pair stores run in.
 inline constexpr LpTileOrder kLpTileOrder{RasterOrder::Heuristic, 1};
+/// The order the staged dlogits product runs in: swizzled columns first, the best of
+/// dev/lp_order's twelve on the backward's vocabulary chunks.
+inline constexpr LpTileOrder kLpGradOrder{RasterOrder::AlongN, 8};
 
-template <bool kGrad, bool kDist = false>
+template <bool kGrad, bool kDist = false, bool kStaged = false>
 struct FusedKernel {
-  using Epi = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<LpEpilogue<kGrad, kDist>>;
+  using Epi =
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<LpEpilogue<kGrad, kDist, kStaged>>;
   using Main = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, cutlass::layout::RowMajor, 8, bf16,
       cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
@@ -479,15 +609,45 @@ Status run_lp_stats_product(const LpFusedProduct& p, float4* partials) {
   return FusedKernel<false, true>::run(p, epi);
 }
 
-Status run_lp_dlogits_product(const LpFusedProduct& p, const LpFusedGrad& g) {
+namespace {
+
+/// The TMA store's map of dlogits, rows x cols of row stride ld_dlogits, in the stage's boxes;
+/// false where the TMA cannot address it (a base not 16-byte aligned, a row stride not a multiple
+/// of 16 bytes).
+bool dlogits_map(const LpFusedProduct& p, const LpFusedGrad& g, cute::TmaDescriptor* map) {
+  if (reinterpret_cast<uintptr_t>(g.dlogits) % 16 || g.ld_dlogits % 8 || g.ld_dlogits >= (int64_t(1) << 36) ||
+      p.cols < 8) {
+    return false;
+  }
+  // the width whole 16-byte pieces fill (store_stage writes the rest)
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.cols & ~int64_t(7)), static_cast<cuuint64_t>(p.rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(g.ld_dlogits) * 2};
+  const cuuint32_t box[2] = {kBoxCols, kBoxRows};
+  const cuuint32_t step[2] = {1, 1};
+  return CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+             map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, g.dlogits, dims, strides, box, step,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/// run_lp_dlogits_product: whole tiles through the stage where the TMA can address dlogits, else
+/// pair stores; each at its own order unless one is given (dev/lp_order's probe).
+Status run_dlogits(const LpFusedProduct& p, const LpFusedGrad& g, const LpTileOrder* order = nullptr) {
   if (!addressable(p) || reinterpret_cast<uintptr_t>(g.dlogits) % 4 || g.ld_dlogits % 2) {
     return Status(StatusCode::kUnsupported, "operands TMA cannot address");
   }
   LpEpiParams epi{};
   epi.r = p.r;
   epi.g = g;
-  return FusedKernel<true>::run(p, epi);
+  if (dlogits_map(p, g, &epi.dl_map)) {
+    return FusedKernel<true, false, true>::run(p, epi, order ? *order : kLpGradOrder);
+  }
+  return FusedKernel<true>::run(p, epi, order ? *order : kLpTileOrder);
 }
+
+}  // namespace
+
+Status run_lp_dlogits_product(const LpFusedProduct& p, const LpFusedGrad& g) { return run_dlogits(p, g); }
 
 }  // namespace cuda
 }  // namespace fusedce
