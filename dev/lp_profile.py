@@ -9,6 +9,7 @@ probe, not a benchmark (bench/trl_post_training.py times the defaults).
 
     PYTHONPATH=$(python3 tests/python/build_tree.py <build>):/tmp/site python3 dev/lp_profile.py 8192 896 151936
     ... python3 dev/lp_profile.py 8192 896 151936 --budgets 256M,512M,1G,2G --repeat 20
+    ... python3 dev/lp_profile.py 8192 896 151936 --gaps     (host time and the GPU's idle gaps)
     python3 dev/lp_profile.py 64 32 1000 --budgets 64K,1M --device cpu --repeat 2   (smoke run)
 """
 import argparse
@@ -118,6 +119,47 @@ def profiled(runs, leaves):
             print(f"  {e.device_time_total / 5 / 1e3:8.3f} ms  x{e.count // 5:<4d} {e.key[:110]}")
 
 
+def gaps(runs, leaves, repeat):
+    """Where a call's wall time is not kernel time: per run, the host's time to issue one call
+    (perf_counter from an idle device to the return of the backward, no synchronisation inside),
+    the GPU's span of one call timed alone (CUDA events, synchronised before), and under
+    torch.profiler the kernels' busy time in that span and the largest idle gaps between
+    consecutive kernels, with the kernels either side."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, run in runs.items():
+        for _ in range(3):
+            run()
+            _clear(*leaves)
+        host, span = [], []
+        for _ in range(repeat):
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            a.record()
+            run()
+            b.record()
+            host.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
+            span.append(a.elapsed_time(b))
+            _clear(*leaves)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            run()
+            torch.cuda.synchronize()
+        _clear(*leaves)
+        kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                         if e.device_type == torch.autograd.DeviceType.CUDA)
+        busy = sum(e - s for s, e, _ in kernels) / 1e3
+        first, last = kernels[0][0], max(e for _, e, _ in kernels)
+        holes = sorted(((kernels[i + 1][0] - kernels[i][1], kernels[i][2], kernels[i + 1][2])
+                        for i in range(len(kernels) - 1)), reverse=True)
+        print(f"\n== {name}: host {statistics.median(host):.3f} ms to issue, span {statistics.median(span):.3f} ms "
+              f"(events), profiled: {len(kernels)} kernels, busy {busy:.3f} ms of {(last - first) / 1e3:.3f}")
+        for gap, before, after in holes[:8]:
+            print(f"  gap {gap / 1e3:7.3f} ms after {before[:70]} before {after[:70]}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("n", type=int)
@@ -126,11 +168,14 @@ def main(argv=None):
     p.add_argument("--budgets", default="", help="chunk_budget_bytes values to time, e.g. 256M,1G")
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--gaps", action="store_true", help="host time and the GPU's idle gaps of each run")
     a = p.parse_args(argv)
     x, w, t, g1, g2 = _problem(a.n, a.h, a.v, a.device)
     budgets = [_bytes(b) for b in a.budgets.split(",") if b.strip()]
     runs = _runs(x, w, t, g1, g2, budgets)
-    if budgets:
+    if a.gaps:
+        gaps(runs, (x, w), a.repeat)
+    elif budgets:
         timed(runs, (x, w), a.repeat, a.device)
     elif a.device == "cuda":
         profiled(runs, (x, w))

@@ -18,13 +18,16 @@
 //   I=build-sm90/_deps/cutlass-4.2.0.0/cutlass_library/source/include
 //   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG -Iinclude -Isrc -I$I \
 //        dev/lp_order/probe.cu -o build-probe/lp_order -lcublasLt
-// Run: build-probe/lp_order
+// Run: build-probe/lp_order            every order of every case
+//      build-probe/lp_order --library  each case at the library's own order only, with the
+//                                      distribution statistics (TRL's all-outputs head) as well
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "../../src/cuda/logprobs/lp_fused_products.cu"
@@ -134,11 +137,12 @@ const char* raster_name(RasterOrder r) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  const bool library = argc > 1 && std::string(argv[1]) == "--library";
   struct Case {
     const char* what;
     int64_t rows, H, cols;
-    bool grad;
+    bool grad, dist = false;
   };
   const Case cases[] = {
       {"statistics, all rows (GRPO head)", 8192, 896, 151936, false},
@@ -146,6 +150,7 @@ int main() {
       {"gradient, a 50688-column chunk (the backward's plan)", 8192, 896, 50688, true},
       {"gradient, all columns", 8192, 896, 151936, true},
       {"statistics, H = 4096", 8192, 4096, 151936, false},
+      {"distribution statistics, all rows", 8192, 896, 151936, false, true},
   };
   cudaStream_t s;
   CK(cudaStreamCreate(&s));
@@ -161,7 +166,7 @@ int main() {
   CK(cudaMalloc(&out, size_t(maxN) * maxV * 2));
   CK(cudaMalloc(&target, size_t(maxN) * 8));
   CK(cudaMalloc(&rowf, size_t(maxN) * 4));
-  CK(cudaMalloc(&partials, size_t(maxN) * fusedce::cuda::lp_fused_tiles(maxV) * sizeof(float4)));
+  CK(cudaMalloc(&partials, 2 * size_t(maxN) * fusedce::cuda::lp_fused_tiles(maxV) * sizeof(float4)));
   fill_bf16<<<1024, 256, 0, s>>>(hidden, size_t(maxN) * maxH, 2.0f, 1u);
   fill_bf16<<<1024, 256, 0, s>>>(weight, size_t(maxV) * maxH, 0.2f, 2u);
   fill_targets<<<64, 256, 0, s>>>(target, maxN, maxV);
@@ -174,6 +179,7 @@ int main() {
   std::printf("%s\n\n| case | rows x H x cols | cuBLASLt ms | tile order | fused ms | / cuBLASLt |\n"
               "|---|---|---|---|---|---|\n", prop.name);
   for (const Case& c : cases) {
+    if (c.dist && !library) continue;
     LtProduct ref(lt, c.rows, c.cols, c.H);
     const float lt_ms = median_ms([&] { ref.run(lt, weight, hidden, out, s); }, s);
     LpFusedProduct p{};
@@ -184,7 +190,7 @@ int main() {
     p.ld_hidden = c.H;
     p.weight = weight;
     p.ld_weight = c.H;
-    p.r = LpRows{target, 1, true, -100, c.rows, 0, maxV, 1.0f, false};
+    p.r = LpRows{target, 1, true, -100, c.rows, 0, maxV, 1.0f, c.dist};
     p.stream = s;
     p.device = dev;
     LpEpiParams epi{};
@@ -203,9 +209,12 @@ int main() {
     for (RasterOrder r : {RasterOrder::Heuristic, RasterOrder::AlongM, RasterOrder::AlongN}) {
       for (int sw : {1, 2, 4, 8}) {
         const LpTileOrder order{r, sw};
+        const LpTileOrder own = c.grad ? fusedce::cuda::kLpGradOrder : fusedce::cuda::kLpTileOrder;
+        if (library && (order.raster != own.raster || order.swizzle != own.swizzle)) continue;
         auto launch = [&] {
           const fusedce::Status st = c.grad ? fusedce::cuda::run_dlogits(p, epi.g, &order)
-                                            : fusedce::cuda::FusedKernel<false>::run(p, epi, order);
+                                     : c.dist ? fusedce::cuda::run_lp_stats_product(p, partials)
+                                              : fusedce::cuda::FusedKernel<false>::run(p, epi, order);
           if (!st.ok()) {
             std::fprintf(stderr, "%s: %s\n", c.what, st.message().c_str());
             std::exit(4);

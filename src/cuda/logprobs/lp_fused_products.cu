@@ -181,6 +181,10 @@ class LpEpilogue {
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor tCcD = thr_mma.partition_C(make_identity_tensor(make_shape(Int<BM>{}, Int<BN>{})));
     const int row0 = m_tile * BM, col0 = n_tile * BN;
+    // This lane's first column in the tile: every other one lies a constant past it, so the
+    // loops below compare constants with per-row values (columns formed per entry are the same
+    // for every row, and ptxas would keep them all live across the rows, spilling).
+    const int lane_col = get<1>(tCcD(0));
     const float inv_t = params.r.inv_t;
     const float c = inv_t * kLog2e;
 
@@ -222,27 +226,28 @@ class LpEpilogue {
           }
         }
         if constexpr (kStaged) {
-          stage_dlogits<V2, MN>(acc, tCcD, m, v1, row, row_in, live, tl, least, c, inv_t, smem, N - col0);
+          stage_dlogits<V2, MN>(acc, tCcD, m, v1, row, row_in, live, tl, least, c, inv_t, smem, N - col0, lane_col);
         } else if constexpr (kGrad) {
           store_dlogits<V2, MN>(acc, tCcD, m, v1, row, row_in, live, tl, least, c, inv_t, col0, N);
         } else {
           // the target's z where this lane holds its column: a branch the row takes in one tile
           float zt = 0.0f;
           if (tl >= 0) {
+            const int tl_off = tl - lane_col;
             CUTLASS_PRAGMA_UNROLL
             for (int n = 0; n < MN; ++n) {
               CUTLASS_PRAGMA_UNROLL
               for (int v2 = 0; v2 < V2; ++v2) {
                 auto c0 = make_coord(make_coord(0, v1, v2), m, n);
                 auto c1 = make_coord(make_coord(1, v1, v2), m, n);
-                const int lc = get<1>(tCcD(c0));  // even; lc + 1 is the pair's other column
-                zt = lc == tl ? acc(c0) : zt;
-                zt = lc + 1 == tl ? acc(c1) : zt;
+                const int off = get<1>(tCcD(c0)) - lane_col;  // even; off + 1 is the pair's other column
+                zt = off == tl_off ? acc(c0) : zt;
+                zt = off + 1 == tl_off ? acc(c1) : zt;
               }
             }
           }
           stats_row<V2, MN>(acc, tCcD, m, v1, row, row_in, live, tl, before, top, least, zt, c, inv_t, col0, N,
-                            n_tile);
+                            n_tile, lane_col);
         }
       }
     }
@@ -255,10 +260,11 @@ class LpEpilogue {
   template <int V2, int MN, class Acc, class Coords>
   CUTLASS_DEVICE void stats_row(Acc& acc, Coords const& tCcD, int m, int v1, int row, bool row_in, bool live, int tl,
                                 int before, float top, float least, float zt, float c, float inv_t, int col0, int N,
-                                int n_tile) {
+                                int n_tile, int lane_col) {
     TileState s{top, 0.0f, 0.0f, 0.0f};
     float xs = 0.0f, mb = -INFINITY;  // kDist: the sum of the lane's columns, their max before the target's
     if constexpr (kDist) {
+      const int n_left = N - col0 - lane_col, b_left = before - lane_col;  // as offsets from lane_col
       CUTLASS_PRAGMA_UNROLL
       for (int n = 0; n < MN; ++n)
         CUTLASS_PRAGMA_UNROLL
@@ -266,10 +272,10 @@ class LpEpilogue {
           CUTLASS_PRAGMA_UNROLL
           for (int v0 = 0; v0 < 2; ++v0) {
             auto cc = make_coord(make_coord(v0, v1, v2), m, n);
-            const int lc = get<1>(tCcD(cc));
+            const int off = get<1>(tCcD(cc)) - lane_col;
             const float x = acc(cc);
-            xs += col0 + lc < N ? x : 0.0f;  // not the -inf of a column past N
-            mb = lc < before ? fmaxf(mb, x) : mb;
+            xs += off < n_left ? x : 0.0f;  // not the -inf of a column past N
+            mb = off < b_left ? fmaxf(mb, x) : mb;
           }
     }
     if (top != top || top == INFINITY) {
@@ -364,37 +370,48 @@ class LpEpilogue {
     return box * kBoxBytes + rl * (kBoxCols * 2) + ((((byte >> 4) ^ (rl & 7)) << 4) | (byte & 15));
   }
 
+  /// A lane's pair of a row in the stage (stage_at's byte, from per-row and constant parts): row
+  /// points at the row's bytes plus the lane's 2 lane_col, sw = (rl % 8) 16, and off (a multiple
+  /// of 8) the pair's column past lane_col (lane_col < 8: the pair stays in off's piece).
+  CUTLASS_DEVICE static uint32_t* stage_pair(char* row, int sw, int off) {
+    return reinterpret_cast<uint32_t*>(row + (off / kBoxCols) * kBoxBytes + ((((off % kBoxCols) / 8) << 4) ^ sw));
+  }
+
   /// store_dlogits into the stage, the whole tile's columns (those past N too: the TMA store
   /// leaves them out, as it does rows past M, which are not written).
   template <int V2, int MN, class Acc, class Coords>
   CUTLASS_DEVICE void stage_dlogits(Acc& acc, Coords const& tCcD, int m, int v1, int row, bool row_in, bool live,
-                                    int tl, float least, float c, float inv_t, char* smem, int n_left) {
+                                    int tl, float least, float c, float inv_t, char* smem, int n_left,
+                                    int lane_col) {
     if (!row_in) return;
     const int rl = get<0>(tCcD(make_coord(make_coord(0, v1, 0), m, 0)));
+    char* const srow = smem + rl * (kBoxCols * 2) + 2 * lane_col;
+    const int sw = (rl & 7) << 4;
     if (!live) {  // an ignored row's dlogits are zeros, whatever its logits
       CUTLASS_PRAGMA_UNROLL
       for (int n = 0; n < MN; ++n) {
         CUTLASS_PRAGMA_UNROLL
         for (int v2 = 0; v2 < V2; ++v2) {
-          const int lc = get<1>(tCcD(make_coord(make_coord(0, v1, v2), m, n)));
-          *reinterpret_cast<uint32_t*>(smem + stage_at(rl, lc)) = 0u;
+          const int off = get<1>(tCcD(make_coord(make_coord(0, v1, v2), m, n))) - lane_col;
+          *stage_pair(srow, sw, off) = 0u;
         }
       }
       return;
     }
     const RowGrad rg = row_grad(row, inv_t);
     if (fmaf(least, c, rg.nl2) >= -126.0f) {
-      stage_pairs<true, V2, MN>(acc, tCcD, m, v1, smem, rl, c, rg);
+      stage_pairs<true, V2, MN>(acc, tCcD, m, v1, srow, sw, lane_col, c, rg);
     } else {
-      stage_pairs<false, V2, MN>(acc, tCcD, m, v1, smem, rl, c, rg);
+      stage_pairs<false, V2, MN>(acc, tCcD, m, v1, srow, sw, lane_col, c, rg);
     }
     // the target's entry over the pair stored by the same lane (store_dlogits)
     if (tl >= 0 && tl < n_left) {
+      const int tl_off = (tl & ~1) - lane_col;
       CUTLASS_PRAGMA_UNROLL
       for (int n = 0; n < MN; ++n) {
         CUTLASS_PRAGMA_UNROLL
         for (int v2 = 0; v2 < V2; ++v2) {
-          if (get<1>(tCcD(make_coord(make_coord(0, v1, v2), m, n))) == (tl & ~1)) {
+          if (get<1>(tCcD(make_coord(make_coord(0, v1, v2), m, n))) - lane_col == tl_off) {
             float t0 = rg.at_target, t1 = 0.0f;
             round_bf16_pair(t0, t1);
             const uint16_t bits = static_cast<uint16_t>(__float_as_uint(t0) >> 16);
@@ -405,21 +422,29 @@ class LpEpilogue {
     }
   }
 
+  /// The bf16 bits of a pair of dlogits, the first in the low half: dx = 2^d2 (A + B max(d2,
+  /// -256)) with d2 = x c + nl2 (store_dlogits); kFlush as in lane_sums.
+  template <bool kFlush>
+  CUTLASS_DEVICE static uint32_t dlogit_pair(float x0, float x1, float c, float nl2, float A, float B) {
+    const float d0 = fmaf(x0, c, nl2), d1 = fmaf(x1, c, nl2);
+    float dz0 = (kFlush ? ex2(d0) : ex2_subnormal(d0)) * fmaf(B, fmaxf(d0, -256.0f), A);
+    float dz1 = (kFlush ? ex2(d1) : ex2_subnormal(d1)) * fmaf(B, fmaxf(d1, -256.0f), A);
+    round_bf16_pair(dz0, dz1);
+    return (__float_as_uint(dz0) >> 16) | (__float_as_uint(dz1) & 0xffff0000u);
+  }
+
+  /// stage_dlogits' stores of the lane's columns of a counted row, but the target's.
   template <bool kFlush, int V2, int MN, class Acc, class Coords>
-  CUTLASS_DEVICE static void stage_pairs(Acc& acc, Coords const& tCcD, int m, int v1, char* smem, int rl,
-                                         float c, const RowGrad& rg) {
+  CUTLASS_DEVICE static void stage_pairs(Acc& acc, Coords const& tCcD, int m, int v1, char* srow, int sw,
+                                         int lane_col, float c, const RowGrad& rg) {
     CUTLASS_PRAGMA_UNROLL
     for (int n = 0; n < MN; ++n) {
       CUTLASS_PRAGMA_UNROLL
       for (int v2 = 0; v2 < V2; ++v2) {
         auto c0 = make_coord(make_coord(0, v1, v2), m, n);
         auto c1 = make_coord(make_coord(1, v1, v2), m, n);
-        const float d0 = fmaf(acc(c0), c, rg.nl2), d1 = fmaf(acc(c1), c, rg.nl2);
-        float dz0 = (kFlush ? ex2(d0) : ex2_subnormal(d0)) * fmaf(rg.B, fmaxf(d0, -256.0f), rg.A);
-        float dz1 = (kFlush ? ex2(d1) : ex2_subnormal(d1)) * fmaf(rg.B, fmaxf(d1, -256.0f), rg.A);
-        round_bf16_pair(dz0, dz1);
-        const uint32_t bits = (__float_as_uint(dz0) >> 16) | (__float_as_uint(dz1) & 0xffff0000u);
-        *reinterpret_cast<uint32_t*>(smem + stage_at(rl, get<1>(tCcD(c0)))) = bits;
+        const uint32_t bits = dlogit_pair<kFlush>(acc(c0), acc(c1), c, rg.nl2, rg.A, rg.B);
+        *stage_pair(srow, sw, get<1>(tCcD(c0)) - lane_col) = bits;
       }
     }
   }
@@ -521,15 +546,11 @@ class LpEpilogue {
         auto c1 = make_coord(make_coord(1, v1, v2), m, n);
         const int col = col0 + get<1>(tCcD(c0));
         if (!kFull && col >= N) continue;
-        const float d0 = fmaf(acc(c0), c, nl2), d1 = fmaf(acc(c1), c, nl2);
-        float dz0 = (kFlush ? ex2(d0) : ex2_subnormal(d0)) * fmaf(B, fmaxf(d0, -256.0f), A);
-        float dz1 = (kFlush ? ex2(d1) : ex2_subnormal(d1)) * fmaf(B, fmaxf(d1, -256.0f), A);
-        round_bf16_pair(dz0, dz1);
+        const uint32_t bits = dlogit_pair<kFlush>(acc(c0), acc(c1), c, nl2, A, B);
         if (kFull || col + 1 < N) {
-          const uint32_t bits = (__float_as_uint(dz0) >> 16) | (__float_as_uint(dz1) & 0xffff0000u);
           *reinterpret_cast<uint32_t*>(out + col) = bits;
         } else {
-          *reinterpret_cast<uint16_t*>(out + col) = static_cast<uint16_t>(__float_as_uint(dz0) >> 16);
+          *reinterpret_cast<uint16_t*>(out + col) = static_cast<uint16_t>(bits);
         }
       }
     }
