@@ -264,19 +264,22 @@ class LpEpilogue {
     TileState s{top, 0.0f, 0.0f, 0.0f};
     float xs = 0.0f, mb = -INFINITY;  // kDist: the sum of the lane's columns, their max before the target's
     if constexpr (kDist) {
-      const int n_left = N - col0 - lane_col, b_left = before - lane_col;  // as offsets from lane_col
-      CUTLASS_PRAGMA_UNROLL
-      for (int n = 0; n < MN; ++n)
-        CUTLASS_PRAGMA_UNROLL
-        for (int v2 = 0; v2 < V2; ++v2)
-          CUTLASS_PRAGMA_UNROLL
-          for (int v0 = 0; v0 < 2; ++v0) {
-            auto cc = make_coord(make_coord(v0, v1, v2), m, n);
-            const int off = get<1>(tCcD(cc)) - lane_col;
-            const float x = acc(cc);
-            xs += off < n_left ? x : 0.0f;  // not the -inf of a column past N
-            mb = off < b_left ? fmaxf(mb, x) : mb;
-          }
+      // The sum over the tile's columns below N: a plain sum where the tile is whole (adding the
+      // masked zeros would give the same bits). The max before the target's column: the lane's
+      // max where the whole tile precedes it (no NaN: fmaxf would skip one), none where none
+      // does; a loop only in the tile that holds the target.
+      if (col0 + kLpFusedTile <= N) {
+        xs = masked_columns<V2, MN>(acc, tCcD, m, v1, lane_col, kLpFusedTile, 0.0f, [](float a, float x) { return a + x; });
+      } else {
+        xs = masked_columns<V2, MN>(acc, tCcD, m, v1, lane_col, N - col0 - lane_col, 0.0f,
+                                    [](float a, float x) { return a + x; });
+      }
+      if (before >= kLpFusedTile && top == top) {
+        mb = top;
+      } else if (before > 0) {
+        mb = masked_columns<V2, MN>(acc, tCcD, m, v1, lane_col, before - lane_col, -INFINITY,
+                                    [](float a, float x) { return fmaxf(a, x); });
+      }
     }
     if (top != top || top == INFINITY) {
       s.r = s.u = s.q = NAN;  // a NaN entry; or inf - inf, as torch's log_softmax gives
@@ -321,6 +324,24 @@ class LpEpilogue {
       params.partials[at] = make_float4(s.M * inv_t, s.r, s.u * kLn2, tl >= 0 ? zt * inv_t : 0.0f);
       if constexpr (kDist) params.dist[at] = make_float4(s.q, xs * inv_t, mb * inv_t, 0.0f);
     }
+  }
+
+  /// f folded over the lane's columns of the row that lie less than `left` past lane_col, in
+  /// column order from `init` (the stats' distribution columns).
+  template <int V2, int MN, class Acc, class Coords, class F>
+  CUTLASS_DEVICE static float masked_columns(Acc& acc, Coords const& tCcD, int m, int v1, int lane_col, int left,
+                                             float init, F f) {
+    float a = init;
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < MN; ++n)
+      CUTLASS_PRAGMA_UNROLL
+      for (int v2 = 0; v2 < V2; ++v2)
+        CUTLASS_PRAGMA_UNROLL
+        for (int v0 = 0; v0 < 2; ++v0) {
+          auto cc = make_coord(make_coord(v0, v1, v2), m, n);
+          a = get<1>(tCcD(cc)) - lane_col < left ? f(a, acc(cc)) : a;
+        }
+    return a;
   }
 
   /// A lane's sums over its columns of the row (stats_row); kFlush: 2^d by the flushing
