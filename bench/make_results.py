@@ -732,17 +732,18 @@ class TrlRun:
 
     FILES = {"kernel": "logprobs_trl.csv", "grpo": "grpo_step_trl.csv", "sft": "sft_step_trl.csv"}
 
-    def __init__(self, bench_dir, folder="h200", parts=("kernel", "grpo", "sft")):
+    def __init__(self, bench_dir, folder="h200", parts=("kernel", "grpo", "sft"), files=None):
         self.folder = folder
+        self.files = dict(self.FILES, **(files or {}))  # a part's file other than its usual one
         self.rows = {}
         for part in parts:
-            file = self.FILES[part]
+            file = self.files[part]
             _manifest_entry(bench_dir, folder, file)
             columns = TRL_KERNEL_COLUMNS if part == "kernel" else TRL_STEP_COLUMNS
             self.rows[part] = read_csv(os.path.join(bench_dir, folder, file), columns)
 
     def _one(self, part, what, match):
-        name = f"{self.folder}/{self.FILES[part]}"
+        name = f"{self.folder}/{self.files[part]}"
         for r in self.rows[part]:
             if match(r):
                 if r["status"] != "ok":
@@ -853,7 +854,20 @@ def _readme_note(bench_dir, file):
             out += (f"; on an H100 (bench/RESULTS.md), the code of commit {commit}: the GRPO step "
                     f"{ms_fine(_t(g_ours))} ms against TRL's {ms_fine(_t(g_trl))}, its head {ms_fine(_t(t_ours))} "
                     f"against {ms_fine(_t(t_trl))}")
+        if "logprobs_trl_spill.csv" in files:
+            out += _later_trl_head(bench_dir, "logprobs_trl_spill.csv")
     return out
+
+
+def _later_trl_head(bench_dir, file):
+    """'; of commit C: ...' from a later H100 run of the head alone at the GRPO step's shape
+    (h100/file, the kernel part's format): the default and all of TRL's shared outputs."""
+    entry = _manifest_entry(bench_dir, "h100", file)
+    run = TrlRun(bench_dir, "h100", ("kernel",), files={"kernel": file})
+    ours, trl = run.head(TRL_GRPO_HEAD, TRL_DEFAULT), run.head(TRL_GRPO_HEAD, TRL_GRPO)
+    ours_all, trl_all = run.head(TRL_GRPO_HEAD, FUSEDCE_TRL_ALL), run.head(TRL_GRPO_HEAD, TRL_ALL)
+    return (f"; of commit {entry.get('commit', '?')}: the head {ms_fine(_t(ours))} against {ms_fine(_t(trl))}, "
+            f"with all of TRL's shared outputs {ms_fine(_t(ours_all))} against {ms_fine(_t(trl_all))}")
 
 
 def docs_trl_head(bench_dir=BENCH):

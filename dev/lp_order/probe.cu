@@ -21,6 +21,7 @@
 // Run: build-probe/lp_order            every order of every case
 //      build-probe/lp_order --library  each case at the library's own order only, with the
 //                                      distribution statistics (TRL's all-outputs head) as well
+//      build-probe/lp_order --library <text>  only the cases whose name holds <text> (for ncu)
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -139,6 +140,7 @@ const char* raster_name(RasterOrder r) {
 
 int main(int argc, char** argv) {
   const bool library = argc > 1 && std::string(argv[1]) == "--library";
+  const std::string only = library && argc > 2 ? argv[2] : "";
   struct Case {
     const char* what;
     int64_t rows, H, cols;
@@ -179,7 +181,7 @@ int main(int argc, char** argv) {
   std::printf("%s\n\n| case | rows x H x cols | cuBLASLt ms | tile order | fused ms | / cuBLASLt |\n"
               "|---|---|---|---|---|---|\n", prop.name);
   for (const Case& c : cases) {
-    if (c.dist && !library) continue;
+    if ((c.dist && !library) || std::string(c.what).find(only) == std::string::npos) continue;
     LtProduct ref(lt, c.rows, c.cols, c.H);
     const float lt_ms = median_ms([&] { ref.run(lt, weight, hidden, out, s); }, s);
     LpFusedProduct p{};

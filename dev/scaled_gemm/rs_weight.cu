@@ -81,6 +81,11 @@
 //   arrives (one lane) on the empty barrier of every CTA of the cluster (count 2 x 8 warps). The
 //   CTAs sync as a cluster after the barriers' init and before exit (a peer's last remote
 //   arrives land in this CTA's shared memory). V % 256.
+// - pow2 variant (rs_weight_kernel<1, true>, run with the argument `pow2`): the factor r moves to
+//   the hidden rows (B = bf16(r hidden), a pass over T x H), so the kernel's scale is F alone, a
+//   power of two: each A register is multiplied by its bf16x2 pair (F of token k, of token k + 1)
+//   with one mul.rn.bf16x2, exact, where the float form unpacks, multiplies twice and rounds.
+//   Checked against cuBLASLt on (E F, r hidden), the same way; its columns follow the table's.
 // The host refuses (before any launch, so the kernel never waits on a load that was not issued)
 // V % 128, H % 256, T % 64 and misaligned pointers.
 //
@@ -98,7 +103,7 @@
 // cudaGetDriverEntryPoint):
 //   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG -I<cutlass include dir> \
 //     dev/scaled_gemm/rs_weight.cu -o build-probe/rs_weight -lcublasLt
-// Run: build-probe/rs_weight [cluster|profile]; the layout and multicast checks first (without a
+// Run: build-probe/rs_weight [cluster|profile|pow2]; the layout and multicast checks first (without a
 // GPU it stops there), then a table row a shape (with `cluster`, the cluster variant's columns
 // too). A checked run that does not finish within 20 s is named and ends the process. `profile`
 // runs both kernels' checked runs at 4096 tokens and times nothing: the run to put under ncu
@@ -216,6 +221,13 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t u, float s_lo, float s_h
   return d;
 }
 
+/// Two bf16 times two powers of two (a bf16x2 pair): exact while the products stay normal.
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t s) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(s));
+  return d;
+}
+
 /// One 8-byte store of two adjacent floats (a plain float2 store came out as two 4-byte ones).
 __device__ __forceinline__ void st_f32x2(float* ptr, float a, float b) {
   asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(ptr), "f"(a), "f"(b));
@@ -227,7 +239,7 @@ CUTE_HOST_DEVICE auto make_frag_a(ThrMma const& thr_mma, SA const& sA) {
   return thr_mma.partition_fragment_A(sA(_, _, 0));
 }
 
-template <int kCluster = 1>
+template <int kCluster = 1, bool kPow2 = false>
 __global__ void __launch_bounds__(kThreads, 1) rs_weight_kernel(const __grid_constant__ Params p) {
   static_assert(kCluster == 1 || kCluster == kClusterM, "no cluster, or kClusterM CTAs along M");
   using Full = cutlass::arch::ClusterTransactionBarrier;
@@ -367,8 +379,15 @@ __global__ void __launch_bounds__(kThreads, 1) rs_weight_kernel(const __grid_con
         float2 sc = *reinterpret_cast<const float2*>(ss + 16 * j + 8 * h);
         if (!p.scale_on) sc = make_float2(1.0f, 1.0f);
         const int i = 4 * j + 2 * h;
-        u(i) = scale_pair(u(i), sc.x, sc.y);
-        u(i + 1) = scale_pair(u(i + 1), sc.x, sc.y);
+        if constexpr (kPow2) {  // the scales are powers of two: exact in bf16, one multiply a register
+          uint32_t s2;
+          asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(s2) : "f"(sc.y), "f"(sc.x));
+          u(i) = mul_bf16x2(u(i), s2);
+          u(i + 1) = mul_bf16x2(u(i + 1), s2);
+        } else {
+          u(i) = scale_pair(u(i), sc.x, sc.y);
+          u(i + 1) = scale_pair(u(i + 1), sc.x, sc.y);
+        }
       }
     }
   };
@@ -568,11 +587,11 @@ bool check_multicast() {
 
 /// The launcher: refuses (returns false, nothing launched) what the kernel does not handle.
 /// kCluster = kClusterM: clusters of two CTAs along V sharing each hidden stage (V % 256).
-template <int kCluster = 1>
+template <int kCluster = 1, bool kPow2 = false>
 struct RsWeight {
   Params p{};
   int grid = 0;
-  static constexpr auto kernel = rs_weight_kernel<kCluster>;
+  static constexpr auto kernel = rs_weight_kernel<kCluster, kPow2>;
   // D (V x H) = (E * F * r)^T hidden; e: T x V, s: ceil(V / 192) x T, hidden: T x H
   bool init(int V, int H, int T, const bf16* e, const float* s, const bf16* hidden, float* d, bool scale_on) {
     if (V <= 0 || H <= 0 || T <= 0 || V % (kBM * kCluster) || H % kBN || T % kBK) return false;
@@ -771,6 +790,13 @@ __global__ void make_scales(const bf16* f, const float* r, float* s, int T, int 
     s[i] = float(f[i]) * r[i % T];
 }
 
+/// The pow2 variant's pass over the hidden states: hidden'[t, :] = bf16(r[t] float(hidden[t, :])).
+__global__ void scale_rows(const bf16* hid, const float* r, bf16* out, int T, int H) {
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < size_t(T) * H; i += stride)
+    out[i] = bf16(float(hid[i]) * r[i / H]);
+}
+
 /// The prescale pass: A'[t, v] = bf16(float(E[t, v]) * (float(F[t, v / 192]) * r[t])), 8 elements
 /// (one 192-block: 8 divides 192) a thread. Grid (ceil(V / 8 / 256), T).
 __global__ void prescale(const bf16* e, const bf16* f, const float* r, bf16* pre, int T, int V) {
@@ -784,6 +810,10 @@ __global__ void prescale(const bf16* e, const bf16* f, const float* r, bf16* pre
   CUTE_UNROLL
   for (int j = 0; j < 8; ++j) x[j] = bf16(float(x[j]) * s);
   *reinterpret_cast<uint4*>(pre + i) = *reinterpret_cast<const uint4*>(x);
+}
+
+__global__ void fill_const(float* x, int n, float v) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] = v;
 }
 
 __global__ void max_abs_diff(const float* a, const float* b, size_t n, float* out) {
@@ -857,10 +887,10 @@ float median(std::vector<float> v) {
 
 int main(int argc, char** argv) {
   const std::string which = argc > 1 ? argv[1] : "";
-  const bool profile = which == "profile", with_cluster = which == "cluster" || profile;
-  if (!which.empty() && !with_cluster) {
-    printf("usage: rs_weight [cluster|profile]: the kernel, or the kernel and its cluster variant; profile: both "
-           "kernels' checked runs at 4096 tokens and no timing (for ncu)\n");
+  const bool profile = which == "profile", with_cluster = which == "cluster" || profile, pow2 = which == "pow2";
+  if (!which.empty() && !with_cluster && !pow2) {
+    printf("usage: rs_weight [cluster|profile|pow2]: the kernel, or the kernel and its cluster variant; profile: both "
+           "kernels' checked runs at 4096 tokens and no timing (for ncu); pow2: the kernel and its pow2 variant\n");
     return 2;
   }
   if (!rw::check_layouts()) {
@@ -891,8 +921,8 @@ int main(int argc, char** argv) {
   if (profile) token_counts.resize(1);
   const int blocks = (V + kGroup - 1) / kGroup;
   const int t_max = *std::max_element(token_counts.begin(), token_counts.end());
-  bf16 *e, *f, *hid, *pre;
-  float *r, *sc, *d0, *d1, *d2, *scratch;
+  bf16 *e, *f, *hid, *pre, *pre2 = nullptr, *hid2 = nullptr;
+  float *r, *sc, *d0, *d1, *d2, *scratch, *ones = nullptr, *sc2 = nullptr, *d3 = nullptr;
   CK(cudaMalloc(&e, size_t(t_max) * V * 2));
   CK(cudaMalloc(&pre, size_t(t_max) * V * 2));
   CK(cudaMalloc(&hid, size_t(t_max) * H * 2));
@@ -903,6 +933,13 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&d1, size_t(V) * H * 4));
   CK(cudaMalloc(&d2, size_t(V) * H * 4));
   CK(cudaMalloc(&scratch, 8));
+  if (pow2) {  // the pow2 variant's operands: E F (exact), r hidden, its scales F, its output
+    CK(cudaMalloc(&pre2, size_t(t_max) * V * 2));
+    CK(cudaMalloc(&hid2, size_t(t_max) * H * 2));
+    CK(cudaMalloc(&ones, size_t(t_max) * 4));
+    CK(cudaMalloc(&sc2, size_t(t_max) * blocks * 4));
+    CK(cudaMalloc(&d3, size_t(V) * H * 4));
+  }
   const size_t wsb = size_t(64) << 20;
   void *ws, *ws_plain;
   CK(cudaMalloc(&ws, wsb));
@@ -919,6 +956,9 @@ int main(int argc, char** argv) {
                         "| vs float64 | its control |"
                       : "",
          with_cluster ? "---|---|---|---|" : "");
+  if (pow2)
+    printf("pow2 columns (after the table's): the pass r hidden (ms) | cuBLASLt on E F, r hidden (ms) | rs_weight pow2 "
+           "(ms, x that cuBLASLt, x rs_weight) | its max rel diff vs that cuBLASLt | vs float64 | its control\n\n");
   for (const int T : token_counts) {
     fill<<<2048, 256>>>(e, f, r, hid, T, V, H, blocks);
     make_scales<<<1024, 256>>>(f, r, sc, T, blocks);
@@ -942,14 +982,14 @@ int main(int argc, char** argv) {
     }
     const float diff = rel_diff(d1, d0, size_t(V) * H, scratch);
     // float64 dot products at 16 sampled outputs, relative to the largest |reference| among them
-    auto f64_err = [&](const float* d) {
+    auto f64_err = [&](const float* d, const bf16* a_op, const bf16* b_op) {
       std::vector<bf16> hcol_a(T), hcol_b(T);
       float got = 0;
       double worst = 0, big = 0;
       for (int q = 0; q < 16; ++q) {
         const int v = (q * 2654435761u) % V, n = (q * 40503u + 11) % H;
-        CK(cudaMemcpy2D(hcol_a.data(), 2, pre + v, size_t(V) * 2, 2, T, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy2D(hcol_b.data(), 2, hid + n, size_t(H) * 2, 2, T, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy2D(hcol_a.data(), 2, a_op + v, size_t(V) * 2, 2, T, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy2D(hcol_b.data(), 2, b_op + n, size_t(H) * 2, 2, T, cudaMemcpyDeviceToHost));
         double ref = 0;
         for (int k = 0; k < T; ++k) ref += double(float(hcol_a[k])) * double(float(hcol_b[k]));
         CK(cudaMemcpy(&got, d + size_t(v) * H + n, 4, cudaMemcpyDeviceToHost));
@@ -959,7 +999,7 @@ int main(int argc, char** argv) {
       }
       return worst / std::max(big, 1e-300);
     };
-    const double f64 = f64_err(d1);
+    const double f64 = f64_err(d1, pre, hid);
     // the negative control (scales forced to 1)
     float ctl_diff = -1;
     CK(cudaMemsetAsync(d2, 0x7f, size_t(V) * H * 4, s));
@@ -978,11 +1018,38 @@ int main(int argc, char** argv) {
       if (cl_ok) {
         sync_or_die(s, "rs_weight cluster 2x1");
         cl_diff = rel_diff(d1, d0, size_t(V) * H, scratch);
-        cl_f64 = f64_err(d1);
+        cl_f64 = f64_err(d1, pre, hid);
         CK(cudaMemsetAsync(d2, 0x7f, size_t(V) * H * 4, s));
         if (control_c.init(V, H, T, e, sc, hid, d2, false) && control_c.run(s)) {
           sync_or_die(s, "rs_weight cluster 2x1, scales forced to 1");
           cl_ctl = rel_diff(d2, d0, size_t(V) * H, scratch);
+        }
+      }
+    }
+
+    // the pow2 variant: r on the hidden rows (one rounding there), F on E in the loop (exact)
+    rw::RsWeight<1, true> p2k, p2ctl;
+    bool p2_ok = false;
+    float p2_diff = -1, p2_ctl = -1;
+    double p2_f64 = -1;
+    const int rgrid = 1024;
+    auto run_rows = [&] { scale_rows<<<rgrid, 256, 0, s>>>(hid, r, hid2, T, H); };
+    if (pow2) {
+      fill_const<<<64, 256, 0, s>>>(ones, T, 1.0f);
+      make_scales<<<1024, 256, 0, s>>>(f, ones, sc2, T, blocks);
+      prescale<<<pgrid, 256, 0, s>>>(e, f, ones, pre2, T, V);
+      run_rows();
+      CK(cudaMemsetAsync(d3, 0x7f, size_t(V) * H * 4, s));
+      const bool ref_ok = lt.run(pre2, hid2, d0, ws, wsb, s);  // d0 is the pow2 reference from here on
+      p2_ok = ref_ok && p2k.init(V, H, T, e, sc2, hid2, d3, true) && p2k.run(s);
+      if (p2_ok) {
+        sync_or_die(s, "rs_weight pow2");
+        p2_diff = rel_diff(d3, d0, size_t(V) * H, scratch);
+        p2_f64 = f64_err(d3, pre2, hid2);
+        CK(cudaMemsetAsync(d2, 0x7f, size_t(V) * H * 4, s));
+        if (p2ctl.init(V, H, T, e, sc2, hid2, d2, false) && p2ctl.run(s)) {
+          sync_or_die(s, "rs_weight pow2, scales forced to 1");
+          p2_ctl = rel_diff(d2, d0, size_t(V) * H, scratch);
         }
       }
     }
@@ -992,7 +1059,7 @@ int main(int argc, char** argv) {
       if (plain_once.init(V, H, T, pre, hid, d2, ws_plain, wsb, s) && plain_once.run(s)) sync_or_die(s, "CUTLASS plain");
       continue;
     }
-    std::vector<float> r0, r1, r2, r3, r4;
+    std::vector<float> r0, r1, r2, r3, r4, r5, r6, r7;
     const bool plain_ok = plain.init(V, H, T, pre, hid, d2, ws_plain, wsb, s);
     for (int round = 0; round < 5; ++round) {
       r3.push_back(time_it(run_prescale, s));
@@ -1000,6 +1067,11 @@ int main(int argc, char** argv) {
       if (plain_ok) r1.push_back(time_it([&] { plain.run(s); }, s));
       r2.push_back(time_it([&] { scaled.run(s); }, s));
       if (cl_ok) r4.push_back(time_it([&] { clustered.run(s); }, s));
+      if (p2_ok) {
+        r5.push_back(time_it([&] { p2k.run(s); }, s));
+        r6.push_back(time_it(run_rows, s));
+        r7.push_back(time_it([&] { lt.run(pre2, hid2, d2, ws, wsb, s); }, s));
+      }
     }
     CK(cudaGetLastError());
     const float m0 = median(r0), m2 = median(r2), m3 = median(r3);
@@ -1012,6 +1084,11 @@ int main(int argc, char** argv) {
              cl_ctl);
     else if (with_cluster)
       printf(" refused | | | |");
+    if (p2_ok)
+      printf(" pow2: %.3f | %.3f | %.3f, %.3f, %.3f | %.1e | %.1e | %.1e |", median(r6), median(r7), median(r5),
+             median(r5) / median(r7), median(r5) / m2, p2_diff, p2_f64, p2_ctl);
+    else if (pow2)
+      printf(" pow2 refused |");
     printf("\n");
     fflush(stdout);
   }
