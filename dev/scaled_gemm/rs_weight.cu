@@ -1008,23 +1008,29 @@ int main(int argc, char** argv) {
       ctl_diff = rel_diff(d2, d0, size_t(V) * H, scratch);
     }
     CK(cudaGetLastError());
-    // the cluster variant, checked alike (its output poisoned first: 0x7f7f7f7f = 3.4e38)
+    // A variant checked alike: its output poisoned first (0x7f7f7f7f = 3.4e38), run, compared with
+    // the reference in d0 and with float64 on its operands (a_op, b_op), then its control (scales
+    // forced to 1) into d2. False where it refused the arguments.
+    auto check_variant = [&](auto& kernel, auto& control_k, const float* scales, const bf16* b, float* out,
+                             const bf16* a_op, const char* what, float& vdiff, double& vf64, float& vctl) {
+      CK(cudaMemsetAsync(out, 0x7f, size_t(V) * H * 4, s));
+      if (!(kernel.init(V, H, T, e, scales, b, out, true) && kernel.run(s))) return false;
+      sync_or_die(s, what);
+      vdiff = rel_diff(out, d0, size_t(V) * H, scratch);
+      vf64 = f64_err(out, a_op, b);
+      CK(cudaMemsetAsync(d2, 0x7f, size_t(V) * H * 4, s));
+      if (control_k.init(V, H, T, e, scales, b, d2, false) && control_k.run(s)) {
+        sync_or_die(s, what);
+        vctl = rel_diff(d2, d0, size_t(V) * H, scratch);
+      }
+      return true;
+    };
+    // the cluster variant
     bool cl_ok = false;
     float cl_diff = -1, cl_ctl = -1;
     double cl_f64 = -1;
     if (with_cluster) {
-      CK(cudaMemsetAsync(d1, 0x7f, size_t(V) * H * 4, s));
-      cl_ok = clustered.init(V, H, T, e, sc, hid, d1, true) && clustered.run(s);
-      if (cl_ok) {
-        sync_or_die(s, "rs_weight cluster 2x1");
-        cl_diff = rel_diff(d1, d0, size_t(V) * H, scratch);
-        cl_f64 = f64_err(d1, pre, hid);
-        CK(cudaMemsetAsync(d2, 0x7f, size_t(V) * H * 4, s));
-        if (control_c.init(V, H, T, e, sc, hid, d2, false) && control_c.run(s)) {
-          sync_or_die(s, "rs_weight cluster 2x1, scales forced to 1");
-          cl_ctl = rel_diff(d2, d0, size_t(V) * H, scratch);
-        }
-      }
+      cl_ok = check_variant(clustered, control_c, sc, hid, d1, pre, "rs_weight cluster 2x1", cl_diff, cl_f64, cl_ctl);
     }
 
     // the pow2 variant: r on the hidden rows (one rounding there), F on E in the loop (exact)
@@ -1039,19 +1045,8 @@ int main(int argc, char** argv) {
       make_scales<<<1024, 256, 0, s>>>(f, ones, sc2, T, blocks);
       prescale<<<pgrid, 256, 0, s>>>(e, f, ones, pre2, T, V);
       run_rows();
-      CK(cudaMemsetAsync(d3, 0x7f, size_t(V) * H * 4, s));
       const bool ref_ok = lt.run(pre2, hid2, d0, ws, wsb, s);  // d0 is the pow2 reference from here on
-      p2_ok = ref_ok && p2k.init(V, H, T, e, sc2, hid2, d3, true) && p2k.run(s);
-      if (p2_ok) {
-        sync_or_die(s, "rs_weight pow2");
-        p2_diff = rel_diff(d3, d0, size_t(V) * H, scratch);
-        p2_f64 = f64_err(d3, pre2, hid2);
-        CK(cudaMemsetAsync(d2, 0x7f, size_t(V) * H * 4, s));
-        if (p2ctl.init(V, H, T, e, sc2, hid2, d2, false) && p2ctl.run(s)) {
-          sync_or_die(s, "rs_weight pow2, scales forced to 1");
-          p2_ctl = rel_diff(d2, d0, size_t(V) * H, scratch);
-        }
-      }
+      p2_ok = ref_ok && check_variant(p2k, p2ctl, sc2, hid2, d3, pre2, "rs_weight pow2", p2_diff, p2_f64, p2_ctl);
     }
 
     if (profile) {  // the checked runs are what ncu profiles; CUTLASS's plain kernel once beside them
