@@ -263,14 +263,15 @@ class LpEpilogue {
                                 int n_tile, int lane_col) {
     TileState s{top, 0.0f, 0.0f, 0.0f};
     float xs = 0.0f, mb = -INFINITY;  // kDist: the sum of the lane's columns, their max before the target's
+    const bool whole = col0 + kLpFusedTile <= N;  // no column of the tile past N
     if constexpr (kDist) {
-      // The sum over the tile's columns below N: a plain sum where the tile is whole (adding the
-      // masked zeros would give the same bits). The max before the target's column: the lane's
-      // max where the whole tile precedes it (no NaN: fmaxf would skip one), none where none
-      // does; a loop only in the tile that holds the target.
-      if (col0 + kLpFusedTile <= N) {
-        xs = masked_columns<V2, MN>(acc, tCcD, m, v1, lane_col, kLpFusedTile, 0.0f, [](float a, float x) { return a + x; });
-      } else {
+      // The sum over the tile's columns below N: taken in the statistics' loop (lane_sums) where
+      // that runs over a whole tile (the same entries in the same order: the same bits; as a loop
+      // of its own it cost more than the variant's other additions together), else by a masked
+      // loop here. The max before the target's column: the lane's max where the whole tile
+      // precedes it (no NaN: fmaxf would skip one), none where none does; a loop only in the
+      // tile that holds the target.
+      if (!(whole && top == top && top != INFINITY && top != -INFINITY)) {
         xs = masked_columns<V2, MN>(acc, tCcD, m, v1, lane_col, N - col0 - lane_col, 0.0f,
                                     [](float a, float x) { return a + x; });
       }
@@ -293,9 +294,9 @@ class LpEpilogue {
       // bits of the one that keeps subnormal results: so the lane takes it (one MUFU) unless its
       // least entry lies lower (a collapsed row's log-probability lives in those terms)
       if (fmaf(least, c, -ym) >= -126.0f) {
-        lane_sums<true, V2, MN>(acc, m, v1, top, c, ym, rs, us, qs, ties);
+        lane_sums<true, V2, MN>(acc, m, v1, top, c, ym, rs, us, qs, ties, xs, whole);
       } else {
-        lane_sums<false, V2, MN>(acc, m, v1, top, c, ym, rs, us, qs, ties);
+        lane_sums<false, V2, MN>(acc, m, v1, top, c, ym, rs, us, qs, ties, xs, whole);
       }
       // relative to top c exactly (fmaf's residual delta folded out); the ties but one join at 1
       const float g = ex2_subnormal(-delta);
@@ -348,7 +349,7 @@ class LpEpilogue {
   /// instruction, else by the one that keeps subnormal results.
   template <bool kFlush, int V2, int MN, class Acc>
   CUTLASS_DEVICE static void lane_sums(Acc& acc, int m, int v1, float top, float c, float ym, float& rs, float& us,
-                                       float& qs, float& ties) {
+                                       float& qs, float& ties, float& xs, bool whole) {
     CUTLASS_PRAGMA_UNROLL
     for (int n = 0; n < MN; ++n) {
       CUTLASS_PRAGMA_UNROLL
@@ -363,7 +364,10 @@ class LpEpilogue {
           ties += is_top ? 1.0f : 0.0f;
           rs += e;
           us = fmaf(e, fmaxf(d, -256.0f), us);  // 0 * clamp, not 0 * -inf
-          if constexpr (kDist) qs = fmaf(e, e, qs);
+          if constexpr (kDist) {
+            qs = fmaf(e, e, qs);
+            xs = whole ? xs + x : xs;
+          }
         }
       }
     }
