@@ -840,12 +840,13 @@ def readme_trl(bench_dir=BENCH):
 def _readme_note(bench_dir, file):
     """'; ' and the manifest's readme_note of h200/file (what the data cannot say, e.g. that the
     code changed since the run), then the same step and head on an H100 where bench_dir/h100
-    holds a run of them; or nothing."""
+    holds a run of them, and the head alone from the manifest's last later run of it; or nothing."""
     note = _manifest_entry(bench_dir, "h200", file).get("readme_note")
     out = f"; {note}" if note else ""
     if os.path.isfile(os.path.join(bench_dir, "h100", "runs.json")):
         with open(os.path.join(bench_dir, "h100", "runs.json")) as f:
-            files = {e.get("file") for e in json.load(f)["sources"]}
+            ordered = [e.get("file") for e in json.load(f)["sources"]]
+        files = set(ordered)
         if {"grpo_step_trl.csv", "logprobs_trl.csv"} <= files:
             h100 = TrlRun(bench_dir, "h100", ("kernel", "grpo"))
             g_trl, g_ours = h100.step("grpo", TRL_GRPO), h100.step("grpo", FUSEDCE_GRPO)
@@ -854,8 +855,9 @@ def _readme_note(bench_dir, file):
             out += (f"; on an H100 (bench/RESULTS.md), the code of commit {commit}: the GRPO step "
                     f"{ms_fine(_t(g_ours))} ms against TRL's {ms_fine(_t(g_trl))}, its head {ms_fine(_t(t_ours))} "
                     f"against {ms_fine(_t(t_trl))}")
-        if "logprobs_trl_spill.csv" in files:
-            out += _later_trl_head(bench_dir, "logprobs_trl_spill.csv")
+        later = [f for f in ordered if f.startswith("logprobs_trl_") and f.endswith(".csv")]
+        if later:
+            out += _later_trl_head(bench_dir, later[-1])
     return out
 
 
