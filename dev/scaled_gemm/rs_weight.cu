@@ -86,6 +86,7 @@
 //   power of two: each A register is multiplied by its bf16x2 pair (F of token k, of token k + 1)
 //   with one mul.rn.bf16x2, exact, where the float form unpacks, multiplies twice and rounds.
 //   Checked against cuBLASLt on (E F, r hidden), the same way; its columns follow the table's.
+//   With `pow2` the cluster form of it (rs_weight_kernel<2, true>) is checked and timed too.
 // The host refuses (before any launch, so the kernel never waits on a load that was not issued)
 // V % 128, H % 256, T % 64 and misaligned pointers.
 //
@@ -958,7 +959,8 @@ int main(int argc, char** argv) {
          with_cluster ? "---|---|---|---|" : "");
   if (pow2)
     printf("pow2 columns (after the table's): the pass r hidden (ms) | cuBLASLt on E F, r hidden (ms) | rs_weight pow2 "
-           "(ms, x that cuBLASLt, x rs_weight) | its max rel diff vs that cuBLASLt | vs float64 | its control\n\n");
+           "(ms, x that cuBLASLt, x rs_weight) | its max rel diff vs that cuBLASLt | vs float64 | its control | the same "
+           "with the cluster 2x1 (ms, x that cuBLASLt) | diff | float64 | control\n\n");
   for (const int T : token_counts) {
     fill<<<2048, 256>>>(e, f, r, hid, T, V, H, blocks);
     make_scales<<<1024, 256>>>(f, r, sc, T, blocks);
@@ -1048,13 +1050,21 @@ int main(int argc, char** argv) {
       const bool ref_ok = lt.run(pre2, hid2, d0, ws, wsb, s);  // d0 is the pow2 reference from here on
       p2_ok = ref_ok && check_variant(p2k, p2ctl, sc2, hid2, d3, pre2, "rs_weight pow2", p2_diff, p2_f64, p2_ctl);
     }
+    // ... and with the cluster (two CTAs along V sharing each r-hidden stage by multicast)
+    rw::RsWeight<rw::kClusterM, true> p2c, p2cctl;
+    bool p2c_ok = false;
+    float p2c_diff = -1, p2c_ctl = -1;
+    double p2c_f64 = -1;
+    if (p2_ok) {
+      p2c_ok = check_variant(p2c, p2cctl, sc2, hid2, d3, pre2, "rs_weight pow2 cluster 2x1", p2c_diff, p2c_f64, p2c_ctl);
+    }
 
     if (profile) {  // the checked runs are what ncu profiles; CUTLASS's plain kernel once beside them
       Plain plain_once;
       if (plain_once.init(V, H, T, pre, hid, d2, ws_plain, wsb, s) && plain_once.run(s)) sync_or_die(s, "CUTLASS plain");
       continue;
     }
-    std::vector<float> r0, r1, r2, r3, r4, r5, r6, r7;
+    std::vector<float> r0, r1, r2, r3, r4, r5, r6, r7, r8;
     const bool plain_ok = plain.init(V, H, T, pre, hid, d2, ws_plain, wsb, s);
     for (int round = 0; round < 5; ++round) {
       r3.push_back(time_it(run_prescale, s));
@@ -1067,6 +1077,7 @@ int main(int argc, char** argv) {
         r6.push_back(time_it(run_rows, s));
         r7.push_back(time_it([&] { lt.run(pre2, hid2, d2, ws, wsb, s); }, s));
       }
+      if (p2c_ok) r8.push_back(time_it([&] { p2c.run(s); }, s));
     }
     CK(cudaGetLastError());
     const float m0 = median(r0), m2 = median(r2), m3 = median(r3);
@@ -1082,6 +1093,9 @@ int main(int argc, char** argv) {
     if (p2_ok)
       printf(" pow2: %.3f | %.3f | %.3f, %.3f, %.3f | %.1e | %.1e | %.1e |", median(r6), median(r7), median(r5),
              median(r5) / median(r7), median(r5) / m2, p2_diff, p2_f64, p2_ctl);
+    if (p2c_ok)
+      printf(" pow2 cluster 2x1: %.3f, %.3f | %.1e | %.1e | %.1e |", median(r8), median(r8) / median(r7), p2c_diff,
+             p2c_f64, p2c_ctl);
     else if (pow2)
       printf(" pow2 refused |");
     printf("\n");
