@@ -46,6 +46,10 @@ COLUMNS = [
 STALL = re.compile(r"^smsp__average_warps_issue_stalled_(\w+)_per_issue_active$")
 SCALE = {"ms": 1e-6, "SM GHz": 1e-9, "L2 GB": 1e-9, "DRAM GB read": 1e-9, "DRAM GB written": 1e-9,
          "smem wavefronts (M)": 1e-6, "smem bank conflicts (M)": 1e-6}  # from ns, Hz, bytes, counts
+# ncu's CSV prints each value in a unit of its own choosing (its second line: "ms", "Ghz", "Mbyte");
+# each is brought back to the base unit (ns, Hz, bytes, counts) that SCALE starts from
+UNIT_PREFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+UNIT_BASE = {"second": 1e9, "s": 1e9, "hz": 1.0, "Hz": 1.0, "byte": 1.0, "B": 1.0}  # time to ns
 KERNELS = r"rs_loop|rs_weight|nvjet|gemm|xmma|device_kernel"
 
 
@@ -87,14 +91,28 @@ def number(text):
         return None
 
 
-def table(rows, cols, stalls):
-    """Markdown: a row a launch, in launch order."""
+def to_base(value, unit):
+    """value in `unit` (ncu's units row: "ms", "nsecond", "Ghz", "Mbyte", "" for a count) in the base
+    unit; an unknown unit stops the program rather than print a wrong figure."""
+    if not unit:
+        return value
+    for base, factor in UNIT_BASE.items():
+        if unit.endswith(base) and unit[: -len(base)] in UNIT_PREFIX:
+            return value * UNIT_PREFIX[unit[: -len(base)]] * factor
+    if unit in ("%", "inst", "cycle", "warp", "sector", "request"):
+        return value
+    sys.exit(f"ncu_summary: unknown unit {unit!r}")
+
+
+def table(rows, cols, stalls, units):
+    """Markdown: a row a launch, in launch order (units: metric -> its unit in the CSV)."""
     head = ["#", "kernel", "grid", *[c for c, _ in COLUMNS], "top stalls (cycles per issued instruction)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(rows):
         cells = [str(i), short_name(r.get("Kernel Name", "?")), r.get("Grid Size", "")]
         for name, _ in COLUMNS:
             v = number(r.get(cols[name] or "", ""))
+            v = None if v is None else to_base(v, units.get(cols[name], ""))
             cells.append("" if v is None else f"{v * SCALE.get(name, 1):.4g}")
         ranked = sorted(((number(r.get(s, "")) or 0.0, STALL.match(s.split(".")[0]).group(1)) for s in stalls),
                         reverse=True)[:3]
@@ -107,12 +125,19 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="directory for the report, the raw CSV and summary.md")
     ap.add_argument("--kernels", default=KERNELS, help=f"regex of the kernels to profile (default {KERNELS!r})")
+    ap.add_argument("--from-csv", metavar="RAW", help="summarise a raw.csv this script wrote before (no GPU, no ncu)")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- the probe and its arguments")
     a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    if a.from_csv:
+        with open(a.from_csv) as f:
+            raw = f.read()
+        header = next(csv.reader(io.StringIO(raw)))
+        summarise(raw, *chosen_metrics({h.split(".")[0] for h in header}), a.out)
+        return
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not cmd:
         ap.error("give the probe to run after --")
-    os.makedirs(a.out, exist_ok=True)
     ncu = find_ncu()
     cols, stalls = chosen_metrics(available_bases(ncu))
     missing = [name for name, m in cols.items() if m is None]
@@ -133,10 +158,17 @@ def main():
                          text=True, check=True).stdout
     with open(os.path.join(a.out, "raw.csv"), "w") as f:
         f.write(raw)
+    summarise(raw, cols, stalls, a.out)
+
+
+def summarise(raw, cols, stalls, out):
+    """summary.md (and stdout) from ncu's raw CSV: its first line the metric names, its second their
+    units, then a line a launch."""
     records = list(csv.DictReader(io.StringIO(raw)))
-    rows = [r for r in records if number(r.get("ID", "")) is not None]  # the second line holds the units
-    md = table(rows, cols, stalls)
-    with open(os.path.join(a.out, "summary.md"), "w") as f:
+    units = records[0] if records and number(records[0].get("ID", "")) is None else {}
+    rows = [r for r in records if number(r.get("ID", "")) is not None]
+    md = table(rows, cols, stalls, units)
+    with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(md + "\n")
     print(md)
 

@@ -107,8 +107,8 @@
 // Run: build-probe/rs_weight [cluster|profile|pow2]; the layout and multicast checks first (without a
 // GPU it stops there), then a table row a shape (with `cluster`, the cluster variant's columns
 // too). A checked run that does not finish within 20 s is named and ends the process. `profile`
-// runs both kernels' checked runs at 4096 tokens and times nothing: the run to put under ncu
-// (dev/scaled_gemm/ncu_summary.py).
+// runs every variant's checked runs (base, cluster, pow2, pow2 cluster) at 4096 tokens and times
+// nothing: the run to put under ncu (dev/scaled_gemm/ncu_summary.py).
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -888,10 +888,11 @@ float median(std::vector<float> v) {
 
 int main(int argc, char** argv) {
   const std::string which = argc > 1 ? argv[1] : "";
-  const bool profile = which == "profile", with_cluster = which == "cluster" || profile, pow2 = which == "pow2";
+  const bool profile = which == "profile", with_cluster = which == "cluster" || profile, pow2 = which == "pow2" || profile;
   if (!which.empty() && !with_cluster && !pow2) {
     printf("usage: rs_weight [cluster|profile|pow2]: the kernel, or the kernel and its cluster variant; profile: both "
-           "kernels' checked runs at 4096 tokens and no timing (for ncu); pow2: the kernel and its pow2 variant\n");
+           "kernels' checked runs, the pow2 variants' too, at 4096 tokens and no timing (for ncu); pow2: the kernel and its "
+           "pow2 variants\n");
     return 2;
   }
   if (!rw::check_layouts()) {
