@@ -69,7 +69,9 @@ How things are timed:
   logit scale 0.9, soft-cap 30, metrics), skip_ignored (on the batch with half the targets ignored).
 - `python -m fusedce.bench` (python/fusedce/bench/), every implementation through its public
   Python API in one process: CUDA events, median of the runs shown after warm-up, inputs smaller
-  than 3x the L2 rotated among copies; each answer first checked against float64 (WRONG past its
+  than 3x the L2 rotated among copies (one implementation after the other, unless a run's notes
+  say its implementations of one job were timed together in five interleaved blocks of
+  back-to-back calls, as the benchmark does now); each answer first checked against float64 (WRONG past its
   dtype's tolerance, never in a speed-up). Peak extra MB: device memory beyond the inputs and the
   gradients returned. Speed-up: the other implementation's time over fusedce's. Masked cases
   ignore half the targets (the first half of every 2048-token sequence). Its `--only shard`

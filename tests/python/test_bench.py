@@ -11,7 +11,7 @@ import torch
 
 from fusedce.bench import __main__ as bench_main
 from fusedce.bench import cases, peers, report
-from fusedce.bench.measure import spread, time_rounds
+from fusedce.bench.measure import spread, time_blocks, time_rounds
 from fusedce.bench.problems import CrossEntropyReference, LinearReference, make_linear, make_logits
 from fusedce.bench.runner import Progress, run_benchmark
 
@@ -168,6 +168,48 @@ def test_time_rounds_interleaves_rotated_rounds_and_activates_each_call():
     assert {name: len(t) for name, t in times.items()} == {"a": 3, "b": 3, "c": 3}  # warm-up not timed
     assert all(ms >= 0.0 for t in times.values() for ms in t)
     assert time_rounds({}, repeat=2, warmup=1, device="cpu") == {}
+
+
+def test_time_blocks_interleaves_rotated_blocks_of_back_to_back_calls():
+    calls, restored = [], []
+    runs = {name: (lambda i, name=name: calls.append((name, i))) for name in "ab"}
+    times = time_blocks(runs, repeat=5, warmup=2, device="cpu", blocks=2, before=lambda: restored.append(len(calls)))
+    # blocks of 3 and 2 timed calls; a run's first block has its 2 warm-ups, a later block 1;
+    # round b starts with run b mod 2; each run's call index counts on across its blocks
+    assert calls == [("a", i) for i in range(5)] + [("b", i) for i in range(5)] \
+        + [("b", i) for i in range(5, 8)] + [("a", i) for i in range(5, 8)]
+    assert restored == [0, 5, 10, 13]  # before every block, outside it
+    assert {name: len(t) for name, t in times.items()} == {"a": 5, "b": 5}
+    assert all(ms >= 0.0 for t in times.values() for ms in t)
+    # more blocks than timed calls: one block a call
+    calls.clear()
+    assert len(time_blocks({"a": runs["a"]}, repeat=2, warmup=0, device="cpu", blocks=5)["a"]) == 2
+    assert calls == [("a", 0), ("a", 1), ("a", 2)]
+    assert time_blocks({}, repeat=2, warmup=1, device="cpu") == {}
+
+
+def test_a_peer_failing_mid_timing_leaves_the_others_their_rows():
+    """A peer that passes its check but raises while the job's implementations are timed
+    together gets a 'failed' row; the others are timed again alone and keep theirs."""
+    import fusedce
+
+    calls = {"n": 0}
+
+    def flaky(x, t):
+        calls["n"] += 1
+        if calls["n"] > 2:  # its checked call (and one more) pass, the timing's do not
+            raise RuntimeError("out of memory, say")
+        return torch.nn.functional.cross_entropy(x, t)
+
+    lineup = [_peer("fusedce", ce=lambda x, t: fusedce.cross_entropy(x, t)), _peer("flaky", ce=flaky)]
+    rows = run_benchmark([cases.Case("ce", 37, 1001)], [torch.float32], lineup, "cpu",
+                         repeat=3, warmup=1, ceilings={"copy": 10.0}, l2=0,
+                         progress=Progress(4, enabled=False))
+    by = {(r.peer, r.job): r for r in rows}
+    assert by[("flaky", "forward")].status == "failed" and "out of memory" in by[("flaky", "forward")].note
+    for job in ("forward", "fwd+bwd"):
+        assert by[("fusedce", job)].status == "ok" and by[("fusedce", job)].runs == 3
+        assert by[("fusedce", job)].correct
 
 
 @pytest.mark.parametrize("shapes, message", [

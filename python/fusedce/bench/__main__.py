@@ -21,7 +21,8 @@ reported with the reason.
 Rates: cross-entropy GB/s by forward N*V*elem and forward+backward 2*N*V*elem bytes, against the
 device-to-device copy bandwidth (read + write); linear cross-entropy TFLOP/s by 6*N*H*V against a
 large torch.matmul in the same dtype; log-probabilities TFLOP/s by 2*N*H*V (forward) and 6*N*H*V. On a GPU: CUDA events after warm-up, inputs smaller than 3x
-the L2 rotated among copies. Without a GPU the CPU path runs against PyTorch's CPU path, at
+the L2 rotated among copies; the implementations of one job are checked first, then timed
+together in interleaved blocks (measure.time_blocks), so that the chip's drift reaches them alike. Without a GPU the CPU path runs against PyTorch's CPU path, at
 smaller sizes. --out DIR writes results.csv, results.md and PNG plots (matplotlib) there.
 
 --only shard is a group of its own (fusedce only, its own CSV columns, no plots): one rank of the

@@ -49,6 +49,34 @@ def time_runs(run, repeat, warmup, device):
     return times
 
 
+def time_blocks(runs, repeat, warmup, device, blocks=5, before=None):
+    """Milliseconds of `repeat` calls of each run in `runs` (a dict name -> run(i)), timed as
+    time_runs times one run (back to back, the host running ahead) but in `blocks` blocks per run,
+    interleaved: a round times one block of every run, in an order rotated by one from the last
+    round's, so that the chip's clock and temperature drift over the rounds reach every run alike
+    (run one after the other, identical code measured 1-3% apart on an H100). Before its first
+    block a run has its `warmup` calls; every later block starts with one untimed call, so no run
+    is timed straight after another run's memory traffic. before(), when given, is called ahead of
+    each block, untimed (inputs that a run overwrites in place are restored there). Returns
+    name -> list of times."""
+    names = list(runs)
+    blocks = max(1, min(blocks, repeat))
+    sizes = [repeat // blocks + (1 if b < repeat % blocks else 0) for b in range(blocks)]
+    times = {name: [] for name in names}
+    done = {name: 0 for name in names}
+    for b, size in enumerate(sizes):
+        shift = b % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            start = done[name]
+            run = runs[name]
+            if before is not None:
+                before()
+            times[name] += time_runs(lambda i, run=run, start=start: run(start + i), size,
+                                     warmup if b == 0 else 1, device)
+            done[name] += size + (warmup if b == 0 else 1)
+    return times
+
+
 def time_rounds(runs, repeat, warmup, device, activate=None):
     """Milliseconds of `repeat` calls of each run in `runs` (a dict name -> run(i)), interleaved
     in rounds so that the chip's clock and temperature drift reach every run alike: a round calls

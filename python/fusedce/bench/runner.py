@@ -1,5 +1,6 @@
-"""The benchmark loop: for each case and dtype, each implementation and job, a check against
-float64, the timed runs and the peak of extra memory, gathered into rows."""
+"""The benchmark loop: for each case, dtype and job, each implementation checked against float64,
+then all of them timed together (interleaved blocks), then each one's peak of extra memory,
+gathered into rows."""
 
 import dataclasses
 import gc
@@ -7,7 +8,7 @@ import sys
 
 import torch
 
-from .measure import peak_extra_bytes, spread, time_runs
+from .measure import peak_extra_bytes, spread, time_blocks, time_runs
 from .problems import tolerance
 from .workloads import JOBS, make_workload
 
@@ -97,18 +98,57 @@ def _release(device):
         torch.cuda.empty_cache()
 
 
-def measure_one(work, fn, job, dtype, device, repeat, warmup, ceiling, checked=True):
-    """The numbers of one implementation on one job of a workload, as Row fields. An unchecked
-    one (a different computation on purpose: the floor, every option on) is timed only."""
+@dataclasses.dataclass
+class Prepared:
+    """One implementation ready to be timed on one job: its call, the call's inputs, and the
+    errors of its checked call (None for an unchecked one)."""
+
+    run: object
+    inputs: list
+    loss_err: float = None
+    grad_err: float = None
+
+
+def prepare_one(work, fn, job, checked=True):
+    """Checks one implementation on one job of a workload and builds its timed call. An unchecked
+    one (a different computation on purpose: the floor, every option on) is only built."""
     work.restore()
     loss_err, grad_err = work.check(fn, job) if checked else (None, None)
     run, inputs = work.make_run(fn, job)
-    median, p10, p90 = spread(time_runs(run, repeat, warmup, device))
-    peak = peak_extra_bytes(run, inputs, device)
+    return Prepared(run, inputs, loss_err, grad_err)
+
+
+def time_together(work, ready, device, repeat, warmup):
+    """name -> times (or the exception that stopped it) of every prepared implementation of one
+    job, interleaved in blocks (measure.time_blocks) so that they share the chip's drift; if one
+    fails there, each is timed again alone, so that the others still get their rows."""
+    runs = {name: prep.run for name, prep in ready.items()}
+    try:
+        return time_blocks(runs, repeat, warmup, device, before=work.restore)
+    except Exception:  # one implementation failed mid-run (out of memory, say): time each alone
+        _release(device)
+    times = {}
+    for name, run in runs.items():
+        try:
+            work.restore()
+            times[name] = time_runs(run, repeat, warmup, device)
+        except Exception as e:
+            times[name] = e
+        _release(device)
+    return times
+
+
+def finish_one(work, prep, times, job, dtype, device, ceiling):
+    """One implementation's Row fields from its times; its peak memory taken now, in a call of
+    its own."""
+    median, p10, p90 = spread(times)
+    work.restore()
+    peak = peak_extra_bytes(prep.run, prep.inputs, device)
     rate = work.rate(job, median)
     loss_tol, grad_tol = tolerance(dtype)
+    loss_err, grad_err = prep.loss_err, prep.grad_err
     correct = None if loss_err is None else loss_err <= loss_tol and (grad_err is None or grad_err <= grad_tol)
-    return dict(median_ms=median, p10_ms=p10, p90_ms=p90, runs=repeat, rate=rate,
+    return dict(median_ms=median, p10_ms=p10, p90_ms=p90, runs=len(times), rate=rate,
                 of_ceiling=rate / ceiling if ceiling else None,
                 peak_extra_mb=None if peak is None else peak / 2**20,
                 loss_err=loss_err, grad_err=grad_err, correct=correct)
@@ -142,22 +182,36 @@ def run_benchmark(cases, dtypes, peers, device, repeat, warmup, ceilings, l2, pr
                 continue
             ceiling = ceilings["copy"] if case.kind == "ce" else ceilings.get(dtype)
             for job in work.jobs:
+                # every implementation checked first, then all of them timed together
+                job_rows, ready = [], {}
                 for peer in offering:
-                    progress.show(f"{case.label} {dtype_name(dtype)} {job} {peer.name}")
+                    progress.show(f"{case.label} {dtype_name(dtype)} {job} {peer.name}: checking")
                     row = Row(job=job, peer=peer.name, status="ok", unit=work.unit, **base)
                     if case.kind in peer.reasons:
                         row.status, row.note = "unavailable", peer.reasons[case.kind]
                     else:
                         try:
-                            fields = measure_one(work, peer.fns[case.kind], job, dtype, device,
-                                                 repeat, warmup, ceiling, peer.checked)
-                            for key, value in fields.items():
-                                setattr(row, key, value)
+                            ready[peer.name] = prepare_one(work, peer.fns[case.kind], job, peer.checked)
                         except Exception as e:  # a failing peer gets a row saying how
                             row.status, row.note = "failed", _failure(e)
-                        _release(device)
+                            _release(device)
+                    job_rows.append(row)
+                progress.show(f"{case.label} {dtype_name(dtype)} {job}: timing {len(ready)} together")
+                times = time_together(work, ready, device, repeat, warmup) if ready else {}
+                for row in job_rows:
+                    if row.peer in ready:
+                        try:
+                            if isinstance(times[row.peer], Exception):
+                                raise times[row.peer]
+                            fields = finish_one(work, ready[row.peer], times[row.peer], job, dtype, device, ceiling)
+                            for key, value in fields.items():
+                                setattr(row, key, value)
+                        except Exception as e:
+                            row.status, row.note = "failed", _failure(e)
                     rows.append(row)
                     progress.advance()
+                del ready
+                _release(device)
             del work
             _release(device)
     return rows
