@@ -3,10 +3,13 @@
 The linear form has two ways to its gradients (token_logprobs.py): recompute the logits chunk by
 chunk in the backward (four matrix products, extra memory bounded by a budget), or keep all
 ``(N, V_local)`` logits from forward to backward (three products, ``N * V_local`` elements of the
-input dtype). Keeping is the faster of the two wherever it may run; the default keeps whenever
-the kept logits take no more than the memory the recomputing form is allowed, and recomputes
-only past that. So the default is never slower than the recomputing form without needing more
-memory than its bound, and never takes more than that bound.
+input dtype). Where a backward follows, keeping is the faster of the two wherever it may run; the
+default keeps whenever the kept logits take no more than the memory the recomputing form is
+allowed, and recomputes only past that. So the default is never slower than the recomputing form
+without needing more memory than its bound, and never takes more than that bound. A call that
+forms no gradient never keeps by default (token_logprobs.py does not ask this rule): nothing
+would reuse the logits, and the recomputing form's forward folds them into per-row statistics
+without writing them or reading them back (on a GPU inside the matrix product).
 
 The room is the recomputing form's own bound, the linear cross-entropy's rule for its chunks
 (include/fusedce/linear_cross_entropy.h, ``LinearOptions::chunk_budget_bytes``):

@@ -12,10 +12,10 @@ fusedce/logprobs.h): statistics of this rank's columns, a merge of every rank's 
 is a world of 1, with no collective), and the gradients from the merged values. With
 ``keep_logits=False`` the linear form never stores the (N, V) logits: the forward folds them chunk
 by chunk, the backward forms each chunk again (four matrix products for forward and backward).
-The default (``keep_logits=None``) keeps them where they fit the memory bound of that form
-(logit_room.py) and recomputes past it. With ``keep_logits=True`` it forms
-the logits once in hidden's dtype, runs the logits form's steps over them and keeps them for the
-backward, which writes dlogits over them and takes the two gradient products from there (three
+The default (``keep_logits=None``) keeps them, for a call that forms a gradient, where they fit the
+memory bound of that form (logit_room.py) and recomputes past it; a call that forms none never
+keeps them. With ``keep_logits=True`` it forms the logits once in hidden's dtype, runs the logits
+form's steps over them and keeps them for the backward, which writes dlogits over them and takes the two gradient products from there (three
 products, for (N, V_local) logits held between forward and backward).
 """
 
@@ -303,10 +303,12 @@ def linear_logprobs(hidden, weight, tokens, bias=None, *, temperature=1.0, retur
             the (N, H) float32 grad_hidden in the backward. A DTensor weight (Shard(0), as
             ColwiseParallel shards an lm_head, or replicated) gives the group and the layout
             itself (fusedce.dtensor).
-        keep_logits: trade memory for one matrix product. None (the default): True where the
-            kept logits fit the recomputing form's memory bound, else False
-            (fusedce.logit_room: the linear cross-entropy's rule for its chunks, or
-            ``chunk_budget_bytes``), so the default is the faster form within that bound.
+        keep_logits: trade memory for one matrix product. None (the default): for a call that
+            forms a gradient, True where the kept logits fit the recomputing form's memory
+            bound, else False (fusedce.logit_room: the linear cross-entropy's rule for its
+            chunks, or ``chunk_budget_bytes``), so the default is the faster form within that
+            bound; for a call that forms none (``torch.no_grad()``, or no input requiring a
+            gradient) False, whose forward writes no logits.
             False: the logits are formed chunk by chunk in the forward and again in the
             backward, four products in all. True: they are formed once, ``F.linear`` in
             hidden's dtype (this rank's columns for a vocabulary-parallel head), kept from
@@ -380,7 +382,9 @@ def _linear_logprobs(call_of, hidden, weight, tokens, bias, parallel):
     grad_on = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
     keep = call.keep_logits
     if keep is None:
-        keep = logit_room.keeps_logits(h.shape[0], hidden_size, w.shape[0], h.dtype,
+        # Without a gradient nothing reuses kept logits, and the statistics form, which writes
+        # none, is the faster forward: the default keeps only for a backward.
+        keep = grad_on and logit_room.keeps_logits(h.shape[0], hidden_size, w.shape[0], h.dtype,
                                        torch.is_grad_enabled() and weight.requires_grad, h.device.type,
                                        call.linear.chunk_budget_bytes or None)
     if keep and grad_on:

@@ -218,19 +218,27 @@ def test_a_budget_given_with_the_default_picks_by_it(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_default_without_a_gradient_decides_without_the_accumulator(device, monkeypatch):
-    """No gradient (a reference model's log-probabilities): the rule is asked without a weight
-    gradient, and the values are the forced path's."""
+def test_default_without_a_gradient_never_keeps(device, monkeypatch):
+    """No gradient to form (a reference model's log-probabilities under no_grad, or inputs that
+    need none): nothing would reuse kept logits, so the default takes the statistics form without
+    asking the rule, even a rule that says keep; its values are keep_logits=False's bit for bit.
+    With a gradient the same rule is asked and taken."""
     h, w, b, t = _linear_problem(11, 8, 97, F32, device, seed=3, bias=True)
-    asked = []
-    rule = logit_room.keeps_logits
+    asked, kept = [], []
 
-    def spy(*args):
+    def keep_always(*args):
         asked.append(args)
-        return rule(*args)
+        return True
 
-    monkeypatch.setattr(logit_room, "keeps_logits", spy)
+    monkeypatch.setattr(logit_room, "keeps_logits", keep_always)
+    kept_forward = token_logprobs._kept_forward
+    monkeypatch.setattr(token_logprobs, "_kept_forward", lambda *a: kept.append(a) or kept_forward(*a))
     with torch.no_grad():
-        lp = fusedce.linear_logprobs(h, w.requires_grad_(True), t, b)
-    assert len(asked) == 1 and asked[0][4] is False
-    assert torch.equal(lp, fusedce.linear_logprobs(h, w, t, b, keep_logits=rule(*asked[0])).detach())
+        under_no_grad = fusedce.linear_logprobs(h, w.detach().requires_grad_(True), t, b)
+    needing_none = fusedce.linear_logprobs(h.detach(), w.detach(), t, b)
+    assert not asked and not kept
+    forced = fusedce.linear_logprobs(h.detach(), w.detach(), t, b, keep_logits=False)
+    assert torch.equal(under_no_grad, forced) and torch.equal(needing_none, forced)
+    spy = PathSpy(monkeypatch)
+    fusedce.linear_logprobs(h.detach(), w.detach().requires_grad_(True), t, b)
+    assert len(asked) == 1 and asked[0][4] is True and spy.took()
