@@ -86,7 +86,15 @@
 //   power of two: each A register is multiplied by its bf16x2 pair (F of token k, of token k + 1)
 //   with one mul.rn.bf16x2, exact, where the float form unpacks, multiplies twice and rounds.
 //   Checked against cuBLASLt on (E F, r hidden), the same way; its columns follow the table's.
-//   With `pow2` the cluster form of it (rs_weight_kernel<2, true>) is checked and timed too.
+//   With `pow2` the cluster form of it (rs_weight_kernel<2, true>) is checked and timed too, and
+//   its sliced form (rs_weight_kernel<1, true, true>): per k16 slice j of a k-block, the slice's
+//   wgmma is issued as its own commit group and then slice j of the next k-block is loaded
+//   (ldmatrix.trans) and scaled into the other buffer, so that no wgmma waits on a whole
+//   k-block's 16 registers (ncu had the pow2 loop stalled on its loads' short scoreboard, the
+//   tensor pipe a fifth idle). Invariant: after committing slice j of k-block kb, waiting until
+//   at most 4 groups are pending retires slice j of k-block kb - 1, the last reader of the
+//   buffer slice about to be refilled; at j = 3 all of kb - 1, so its stage is released there.
+//   check_layouts also checks that copy slice j fills exactly the registers MMA slice j reads.
 // The host refuses (before any launch, so the kernel never waits on a load that was not issued)
 // V % 128, H % 256, T % 64 and misaligned pointers.
 //
@@ -240,7 +248,7 @@ CUTE_HOST_DEVICE auto make_frag_a(ThrMma const& thr_mma, SA const& sA) {
   return thr_mma.partition_fragment_A(sA(_, _, 0));
 }
 
-template <int kCluster = 1, bool kPow2 = false>
+template <int kCluster = 1, bool kPow2 = false, bool kSliced = false>
 __global__ void __launch_bounds__(kThreads, 1) rs_weight_kernel(const __grid_constant__ Params p) {
   static_assert(kCluster == 1 || kCluster == kClusterM, "no cluster, or kClusterM CTAs along M");
   using Full = cutlass::arch::ClusterTransactionBarrier;
@@ -370,11 +378,10 @@ __global__ void __launch_bounds__(kThreads, 1) rs_weight_kernel(const __grid_con
 
   // scale the freshly loaded fragment of stage s: 16 registers, 2 tokens each; registers 4 j +
   // 2 h + {0, 1} (rows r0, r1) hold tokens c0 + 16 j + 8 h and + 1
-  auto apply_scale = [&](auto& frag, int s) {
+  auto apply_scale_slice = [&](auto& frag, int s, int j) {
     Tensor u = recast<uint32_t>(frag);
     const float* ss = smem_s + (s * 2 + cw) * kBK + c0;
-    CUTE_UNROLL
-    for (int j = 0; j < kBK / 16; ++j) {
+    {
       CUTE_UNROLL
       for (int h = 0; h < 2; ++h) {
         float2 sc = *reinterpret_cast<const float2*>(ss + 16 * j + 8 * h);
@@ -391,6 +398,10 @@ __global__ void __launch_bounds__(kThreads, 1) rs_weight_kernel(const __grid_con
         }
       }
     }
+  };
+  auto apply_scale = [&](auto& frag, int s) {
+    CUTE_UNROLL
+    for (int j = 0; j < kBK / 16; ++j) apply_scale_slice(frag, s, j);
   };
 
   // Releases stage s to the producers that write it: this CTA's, and with a cluster every CTA's
@@ -437,12 +448,50 @@ __global__ void __launch_bounds__(kThreads, 1) rs_weight_kernel(const __grid_con
       if (kb + 1 < k_blocks) prepare(c + kb + 1, nxt, nxt_view);
     };
 
+    // kSliced: one k16 slice of the next k-block loaded and scaled after each slice's wgmma is
+    // issued, so the wgmma of a slice waits only on its own four registers, not the k-block's 16
+    auto prepare_slice = [&](uint32_t cc, int j, auto& frag, auto& frag_view) {
+      const int s = cc % kStages;
+      if (j == 0) Full::wait(&full_bar[s], (cc / kStages) & 1);
+      copy(s2r, tXsA(_, _, j, s), frag_view(_, _, j));
+      apply_scale_slice(frag, s, j);
+      warpgroup_fence_operand(frag);
+    };
+    // one k-block as four commit groups, one a slice. Invariant: after committing slice j of
+    // k-block kb at most 4 groups stay pending, which retires slice j of k-block kb - 1, the last
+    // reader of `nxt`'s slice j (refilled right after) and, at j = 3, of stage kb - 1's hidden tile
+    auto step_sliced = [&](int kb, auto& cur, auto& nxt, auto& nxt_view) {
+      const int s = (c + kb) % kStages;
+      CUTE_UNROLL
+      for (int j = 0; j < size<2>(cur); ++j) {
+        warpgroup_fence_operand(accum);
+        warpgroup_arrive();
+        cute::gemm(mma, cur(_, _, j), tCrB(_, _, j, s), accum);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+        warpgroup_commit_batch();
+        warpgroup_wait<size<2>(decltype(tCrA0){})>();
+        warpgroup_fence_operand(accum);
+        if (j == size<2>(cur) - 1 && kb > 0) release((c + kb - 1) % kStages);
+        if (kb + 1 < k_blocks) prepare_slice(c + kb + 1, j, nxt, nxt_view);
+      }
+    };
+
     mma.accumulate_ = GMMA::ScaleOut::Zero;
-    prepare(c, tCrA0, tXrA0);
+    if constexpr (kSliced) {
+      CUTE_UNROLL
+      for (int j = 0; j < size<2>(tCrA0); ++j) prepare_slice(c, j, tCrA0, tXrA0);
 #pragma unroll 1
-    for (int kb = 0; kb < k_blocks; kb += 2) {
-      step(kb, tCrA0, tCrA1, tXrA1);
-      if (kb + 1 < k_blocks) step(kb + 1, tCrA1, tCrA0, tXrA0);
+      for (int kb = 0; kb < k_blocks; kb += 2) {
+        step_sliced(kb, tCrA0, tCrA1, tXrA1);
+        if (kb + 1 < k_blocks) step_sliced(kb + 1, tCrA1, tCrA0, tXrA0);
+      }
+    } else {
+      prepare(c, tCrA0, tXrA0);
+#pragma unroll 1
+      for (int kb = 0; kb < k_blocks; kb += 2) {
+        step(kb, tCrA0, tCrA1, tXrA1);
+        if (kb + 1 < k_blocks) step(kb + 1, tCrA1, tCrA0, tXrA0);
+      }
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(accum);
@@ -546,6 +595,11 @@ bool check_layouts() {
             const auto want = dst_mma(2 * q + h, a, b);
             if (mk.first != get<0>(want) || mk.second != get<1>(want)) return false;
           }
+    // the sliced loop copies k16 slice b alone into the registers the MMA's slice b reads
+    for (int a = 0; a < size<1>(src); ++a)
+      for (int b = 0; b < size<2>(src); ++b)
+        for (int v = 0; v < size<0>(src); ++v)
+          if (get<1>(dst_mma(v, a, b)) / 16 != b) return false;
     // each ldmatrix source: 8 consecutive elements of the swizzled stage, 16-byte aligned
     for (int a = 0; a < size<1>(src); ++a)
       for (int b = 0; b < size<2>(src); ++b) {
@@ -588,11 +642,11 @@ bool check_multicast() {
 
 /// The launcher: refuses (returns false, nothing launched) what the kernel does not handle.
 /// kCluster = kClusterM: clusters of two CTAs along V sharing each hidden stage (V % 256).
-template <int kCluster = 1, bool kPow2 = false>
+template <int kCluster = 1, bool kPow2 = false, bool kSliced = false>
 struct RsWeight {
   Params p{};
   int grid = 0;
-  static constexpr auto kernel = rs_weight_kernel<kCluster, kPow2>;
+  static constexpr auto kernel = rs_weight_kernel<kCluster, kPow2, kSliced>;
   // D (V x H) = (E * F * r)^T hidden; e: T x V, s: ceil(V / 192) x T, hidden: T x H
   bool init(int V, int H, int T, const bf16* e, const float* s, const bf16* hidden, float* d, bool scale_on) {
     if (V <= 0 || H <= 0 || T <= 0 || V % (kBM * kCluster) || H % kBN || T % kBK) return false;
@@ -961,7 +1015,8 @@ int main(int argc, char** argv) {
   if (pow2)
     printf("pow2 columns (after the table's): the pass r hidden (ms) | cuBLASLt on E F, r hidden (ms) | rs_weight pow2 "
            "(ms, x that cuBLASLt, x rs_weight) | its max rel diff vs that cuBLASLt | vs float64 | its control | the same "
-           "with the cluster 2x1 (ms, x that cuBLASLt) | diff | float64 | control\n\n");
+           "with the cluster 2x1 (ms, x that cuBLASLt) | diff | float64 | control | the same sliced (ms, x that "
+           "cuBLASLt) | diff | float64 | control\n\n");
   for (const int T : token_counts) {
     fill<<<2048, 256>>>(e, f, r, hid, T, V, H, blocks);
     make_scales<<<1024, 256>>>(f, r, sc, T, blocks);
@@ -1059,13 +1114,21 @@ int main(int argc, char** argv) {
     if (p2_ok) {
       p2c_ok = check_variant(p2c, p2cctl, sc2, hid2, d3, pre2, "rs_weight pow2 cluster 2x1", p2c_diff, p2c_f64, p2c_ctl);
     }
+    // ... and sliced (each k16 slice of the next k-block loaded and scaled after one wgmma)
+    rw::RsWeight<1, true, true> p2s, p2sctl;
+    bool p2s_ok = false;
+    float p2s_diff = -1, p2s_ctl = -1;
+    double p2s_f64 = -1;
+    if (p2_ok) {
+      p2s_ok = check_variant(p2s, p2sctl, sc2, hid2, d3, pre2, "rs_weight pow2 sliced", p2s_diff, p2s_f64, p2s_ctl);
+    }
 
     if (profile) {  // the checked runs are what ncu profiles; CUTLASS's plain kernel once beside them
       Plain plain_once;
       if (plain_once.init(V, H, T, pre, hid, d2, ws_plain, wsb, s) && plain_once.run(s)) sync_or_die(s, "CUTLASS plain");
       continue;
     }
-    std::vector<float> r0, r1, r2, r3, r4, r5, r6, r7, r8;
+    std::vector<float> r0, r1, r2, r3, r4, r5, r6, r7, r8, r9;
     const bool plain_ok = plain.init(V, H, T, pre, hid, d2, ws_plain, wsb, s);
     for (int round = 0; round < 5; ++round) {
       r3.push_back(time_it(run_prescale, s));
@@ -1079,6 +1142,7 @@ int main(int argc, char** argv) {
         r7.push_back(time_it([&] { lt.run(pre2, hid2, d2, ws, wsb, s); }, s));
       }
       if (p2c_ok) r8.push_back(time_it([&] { p2c.run(s); }, s));
+      if (p2s_ok) r9.push_back(time_it([&] { p2s.run(s); }, s));
     }
     CK(cudaGetLastError());
     const float m0 = median(r0), m2 = median(r2), m3 = median(r3);
@@ -1099,6 +1163,9 @@ int main(int argc, char** argv) {
              p2c_f64, p2c_ctl);
     else if (pow2)
       printf(" pow2 refused |");
+    if (p2s_ok)
+      printf(" pow2 sliced: %.3f, %.3f | %.1e | %.1e | %.1e |", median(r9), median(r9) / median(r7), p2s_diff, p2s_f64,
+             p2s_ctl);
     printf("\n");
     fflush(stdout);
   }
