@@ -17,7 +17,8 @@ FLOOR = "floor (3 bare products)"
 def _ms(row):
     if row.status != "ok":
         return f"{row.status}: {row.note}"
-    return f"{row.median_ms:.3f} ({row.p10_ms:.3f}-{row.p90_ms:.3f})"
+    text = f"{row.median_ms:.3f} ({row.p10_ms:.3f}-{row.p90_ms:.3f})"
+    return f"{text}; {row.note}" if row.note else text
 
 
 def _num(value, fmt):

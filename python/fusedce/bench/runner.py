@@ -16,7 +16,8 @@ from .workloads import JOBS, make_workload
 @dataclasses.dataclass
 class Row:
     """One implementation on one case, dtype and job. status: 'ok', 'failed' or 'unavailable'
-    (note says why). rate is GB/s for cross-entropy, TFLOP/s for linear cross-entropy;
+    (note says why; an 'ok' row's note says when it was timed alone, not with the job's other
+    implementations). rate is GB/s for cross-entropy, TFLOP/s for linear cross-entropy;
     of_ceiling is rate over the copy bandwidth or the GEMM rate measured in the same run."""
 
     kind: str
@@ -119,13 +120,16 @@ def prepare_one(work, fn, job, checked=True):
 
 
 def time_together(work, ready, device, repeat, warmup):
-    """name -> times (or the exception that stopped it) of every prepared implementation of one
-    job, interleaved in blocks (measure.time_blocks) so that they share the chip's drift; if one
-    fails there, each is timed again alone, so that the others still get their rows."""
+    """(name -> times or the exception that stopped it, note) for every prepared implementation
+    of one job, interleaved in blocks (measure.time_blocks) so that they share the chip's drift.
+    If one fails there, each is timed again alone, so that the others still get their rows, and
+    the note ('timed alone: <why>') tells their rows that their times did not share the drift;
+    otherwise the note is empty."""
     runs = {name: prep.run for name, prep in ready.items()}
     try:
-        return time_blocks(runs, repeat, warmup, device, before=work.restore)
-    except Exception:  # one implementation failed mid-run (out of memory, say): time each alone
+        return time_blocks(runs, repeat, warmup, device, before=work.restore), ""
+    except Exception as e:  # one implementation failed mid-run (out of memory, say): time each alone
+        note = f"timed alone: {_failure(e)}"
         _release(device)
     times = {}
     for name, run in runs.items():
@@ -135,7 +139,7 @@ def time_together(work, ready, device, repeat, warmup):
         except Exception as e:
             times[name] = e
         _release(device)
-    return times
+    return times, note
 
 
 def finish_one(work, prep, times, job, dtype, device, ceiling):
@@ -197,7 +201,7 @@ def run_benchmark(cases, dtypes, peers, device, repeat, warmup, ceilings, l2, pr
                             _release(device)
                     job_rows.append(row)
                 progress.show(f"{case.label} {dtype_name(dtype)} {job}: timing {len(ready)} together")
-                times = time_together(work, ready, device, repeat, warmup) if ready else {}
+                times, alone = time_together(work, ready, device, repeat, warmup) if ready else ({}, "")
                 for row in job_rows:
                     if row.peer in ready:
                         try:
@@ -206,6 +210,7 @@ def run_benchmark(cases, dtypes, peers, device, repeat, warmup, ceilings, l2, pr
                             fields = finish_one(work, ready[row.peer], times[row.peer], job, dtype, device, ceiling)
                             for key, value in fields.items():
                                 setattr(row, key, value)
+                            row.note = alone
                         except Exception as e:
                             row.status, row.note = "failed", _failure(e)
                     rows.append(row)
