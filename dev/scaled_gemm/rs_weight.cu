@@ -95,6 +95,16 @@
 //   at most 4 groups are pending retires slice j of k-block kb - 1, the last reader of the
 //   buffer slice about to be refilled; at j = 3 all of kb - 1, so its stage is released there.
 //   check_layouts also checks that copy slice j fills exactly the registers MMA slice j reads.
+// - Staged form (ss_weight_kernel, run with the argument `staged`; float and pow2 scales): the
+//   product is shared-memory sourced on both sides (SS wgmma, as CUTLASS's plain kernel), and
+//   warps 1-3 of the producer warpgroup rewrite each landed E stage in place, A' = bf16(float(E)
+//   S) (float: the prescale pass's own rounding, so it matches cuBLASLt on A' up to summation
+//   order) or E F (pow2, exact), then fence the generic-proxy writes for the async proxy and
+//   arrive on the stage's `scaled` barrier, which the consumers wait on instead of the full one.
+//   No wgmma waits on a register operand; the cost is a 16 KB read and write of shared memory a
+//   k-block by 96 threads, off the consumers' issue path. check_stage_rows re-derives on the host
+//   that each 128-byte row of a stage is one token of one 64-row half (the swizzle permutes the
+//   16-byte chunks within a row), so a chunk's scale follows from its offset.
 // The host refuses (before any launch, so the kernel never waits on a load that was not issued)
 // V % 128, H % 256, T % 64 and misaligned pointers.
 //
@@ -510,6 +520,210 @@ __global__ void __launch_bounds__(kThreads, 1) rs_weight_kernel(const __grid_con
   if constexpr (kCluster > 1) cute::cluster_sync();
 }
 
+// ------------------------------------------------------------------------------------------------
+// The staged form: the scale applied to the E stage in shared memory, the product shared-memory
+// sourced (SS wgmma, as CUTLASS's plain kernel), so no wgmma waits on a register operand
+// ------------------------------------------------------------------------------------------------
+
+// Warps 1-3 of the producer warpgroup (warp 0 issues the loads) rewrite each landed E stage in
+// place: A'(m, k) = bf16(float(E) * S) (float form) or E * F (pow2 form, one mul.rn.bf16x2 a
+// register, exact). In the MN-major 128B-swizzled stage every 128-byte row is one token k of one
+// 64-row half of the tile (row R = k + 64 (m / 64)); the swizzle permutes the 16-byte chunks of
+// a row among themselves, so a chunk's token and half follow from its offset alone
+// (check_stage_rows re-derives this from the layout on the host) and all 8 of its elements take
+// one scale.
+constexpr int kTransformThreads = 96;
+constexpr int kChunks = kBM * kBK * 2 / 16;  // 16-byte chunks of a stage's E tile
+static_assert(kBK == 64 && kBM == 2 * 64, "a 128-byte row is one token of one 64-row half");
+using MmaAtomSS = SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>;
+using TiledMmaSS = decltype(make_tiled_mma(MmaAtomSS{}, Layout<Shape<_2, _1, _1>>{}));
+
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
+template <bool kPow2>
+__device__ __forceinline__ uint4 scale_chunk(uint4 v, float sc) {
+  if constexpr (kPow2) {
+    uint32_t s2;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(s2) : "f"(sc), "f"(sc));
+    return make_uint4(mul_bf16x2(v.x, s2), mul_bf16x2(v.y, s2), mul_bf16x2(v.z, s2), mul_bf16x2(v.w, s2));
+  } else {
+    return make_uint4(scale_pair(v.x, sc, sc), scale_pair(v.y, sc, sc), scale_pair(v.z, sc, sc),
+                      scale_pair(v.w, sc, sc));
+  }
+}
+
+template <bool kPow2>
+__global__ void __launch_bounds__(kThreads, 1) ss_weight_kernel(const __grid_constant__ Params p) {
+  using Full = cutlass::arch::ClusterTransactionBarrier;
+  using Bar = cutlass::arch::ClusterBarrier;
+  __shared__ uint64_t full_bar[kStages], scaled_bar[kStages], empty_bar[kStages];
+  extern __shared__ char smem_raw[];
+  char* smem = smem_raw + ((1024 - (cast_smem_ptr_to_uint(smem_raw) & 1023)) & 1023);
+  bf16* smem_a = reinterpret_cast<bf16*>(smem);
+  bf16* smem_b = reinterpret_cast<bf16*>(smem + kBytesA);
+  float* smem_s = reinterpret_cast<float*>(smem + kBytesA + kBytesB);  // [stage][half][64 tokens]
+
+  const int m_tiles = p.M / kBM, n_tiles = p.N / kBN, k_blocks = p.K / kBK;
+  const int tiles = m_tiles * n_tiles;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      Full::init(&full_bar[s], 1);
+      Bar::init(&scaled_bar[s], kTransformThreads);  // every transform thread, after its fence
+      Bar::init(&empty_bar[s], kConsumerThreads);    // every consumer thread, after its wgmma wait
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<56>();
+    if (threadIdx.x == 0) {
+      // ------------------------------------------------------------ loads (as rs_weight_kernel)
+      prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
+      prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
+      Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.M, p.K));
+      Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.N, p.K));
+      Tensor sA = make_tensor(make_smem_ptr(smem_a), SmemLayoutA{});
+      Tensor sB = make_tensor(make_smem_ptr(smem_b), SmemLayoutB{});
+      auto cta_a = p.tma_a.get_slice(0);
+      auto cta_b = p.tma_b.get_slice(0);
+      Tensor tAsA = cta_a.partition_D(sA);
+      Tensor tBsB = cta_b.partition_D(sB);
+      uint32_t c = 0;
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const int nt = t % n_tiles, mt = t / n_tiles;
+        Tensor tAgA = cta_a.partition_S(local_tile(mA, Shape<Int<kBM>, Int<kBK>>{}, make_coord(mt, _)));
+        Tensor tBgB = cta_b.partition_S(local_tile(mB, Shape<Int<kBN>, Int<kBK>>{}, make_coord(nt, _)));
+        const float* s0 = p.s + size_t((mt * kBM) / kGroup) * p.K;
+        const float* s1 = p.s + size_t((mt * kBM + kSlice) / kGroup) * p.K;
+#pragma unroll 1
+        for (int kb = 0; kb < k_blocks; ++kb, ++c) {
+          const int s = c % kStages;
+          Bar::wait(&empty_bar[s], ((c / kStages) & 1) ^ 1);
+          Full::arrive_and_expect_tx(&full_bar[s], kTxBytes);
+          copy(p.tma_a.with(full_bar[s]), tAgA(_, _, _, kb), tAsA(_, _, _, s));
+          copy(p.tma_b.with(full_bar[s]), tBgB(_, _, _, kb), tBsB(_, _, _, s));
+          float* ds = smem_s + s * 2 * kBK;
+          SM90_BULK_COPY_G2S::copy(s0 + kb * kBK, &full_bar[s], ds, kBK * 4);
+          SM90_BULK_COPY_G2S::copy(s1 + kb * kBK, &full_bar[s], ds + kBK, kBK * 4);
+        }
+      }
+    } else if (threadIdx.x >= 32) {
+      // ------------------------------------------------------------ transform: scale in place
+      const int tt = threadIdx.x - 32;
+      const uint32_t a_base = cast_smem_ptr_to_uint(smem_a);
+      const int stages_total = ((tiles - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x)) * k_blocks;
+#pragma unroll 1
+      for (int c = 0; c < stages_total; ++c) {
+        const int s = c % kStages;
+        Full::wait(&full_bar[s], (c / kStages) & 1);
+        const uint32_t stage = a_base + s * (kBM * kBK * 2);
+        const float* ss = smem_s + s * 2 * kBK;  // [half][token]: row R's scale is ss[R]
+        constexpr int kIters = (kChunks + kTransformThreads - 1) / kTransformThreads;
+        CUTE_UNROLL
+        for (int i0 = 0; i0 < kIters; i0 += 4) {
+          uint4 v[4];
+          float sc[4];
+          CUTE_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const int i = tt + kTransformThreads * (i0 + u);
+            if (i0 + u < kIters && i < kChunks) {
+              v[u] = ld_shared_v4(stage + 16 * i);
+              sc[u] = p.scale_on ? ss[i / 8] : 1.0f;
+            }
+          }
+          CUTE_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const int i = tt + kTransformThreads * (i0 + u);
+            if (i0 + u < kIters && i < kChunks) st_shared_v4(stage + 16 * i, scale_chunk<kPow2>(v[u], sc[u]));
+          }
+        }
+        cutlass::arch::fence_view_async_shared();  // the generic-proxy writes, before wgmma reads them
+        Bar::arrive(&scaled_bar[s]);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers: SS wgmma
+  cutlass::arch::warpgroup_reg_alloc<224>();
+  const int ct = threadIdx.x - 128;
+  TiledMmaSS mma;
+  auto thr_mma = mma.get_slice(ct);
+  Tensor sA = make_tensor(make_smem_ptr(smem_a), SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(smem_b), SmemLayoutB{});
+  Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));  // descriptors (MMA, 1, 4, stage)
+  Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));
+  Tensor accum = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
+  static_assert(size(decltype(accum){}) == 128);
+  Tensor tCcC = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
+
+  uint32_t c = 0;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int nt = t % n_tiles, mt = t / n_tiles;
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll 1
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      const uint32_t cc = c + kb;
+      const int s = cc % kStages;
+      Bar::wait(&scaled_bar[s], (cc / kStages) & 1);
+      warpgroup_fence_operand(accum);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tCrA); ++k) {
+        cute::gemm(mma, tCrA(_, _, k, s), tCrB(_, _, k, s), accum);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // k-block kb - 1's group done: its stage may be refilled
+      warpgroup_fence_operand(accum);
+      if (kb > 0) Bar::arrive(&empty_bar[(cc - 1) % kStages]);
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accum);
+    Bar::arrive(&empty_bar[(c + k_blocks - 1) % kStages]);
+    c += k_blocks;
+
+    float* dt = p.d + size_t(mt) * kBM * p.N + size_t(nt) * kBN;
+    CUTE_UNROLL
+    for (int i = 0; i < size(accum); i += 2) {
+      const auto rc = tCcC(i);
+      st_f32x2(dt + size_t(get<0>(rc)) * p.N + get<1>(rc), accum(i), accum(i + 1));
+    }
+  }
+}
+
+/// Host check of the staged form's premise: in the TMA's view of a stage (the 128B swizzle on
+/// byte offsets) element (m, k) lies in 128-byte row k + 64 (m / 64), and the SS consumers'
+/// accumulator pairs are adjacent columns of one row (the epilogue's 8-byte stores).
+bool check_stage_rows() {
+  const SmemLayoutA tma_layout{};
+  for (int m = 0; m < kBM; ++m)
+    for (int k = 0; k < kBK; ++k) {
+      const int byte = int(tma_layout.layout_a()(2 * int(tma_layout.layout_b()(m, k, 0))));
+      if (byte / 128 != k + 64 * (m / 64) || byte < 0 || byte >= kBM * kBK * 2) return false;
+    }
+  TiledMmaSS mma;
+  auto cC = make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{});
+  for (int t = 0; t < kConsumerThreads; ++t) {
+    auto tCcC = mma.get_slice(t).partition_C(cC);
+    if (size(tCcC) != 128) return false;
+    for (int i = 0; i < size(tCcC); i += 2)
+      if (get<0>(tCcC(i + 1)) != get<0>(tCcC(i)) || get<1>(tCcC(i + 1)) != get<1>(tCcC(i)) + 1 ||
+          get<1>(tCcC(i)) % 2 != 0)
+        return false;
+  }
+  return true;
+}
+
 /// Host check of the layout facts the kernel relies on beyond CuTe's own construction, for every
 /// consumer thread: the fragment storage is compact; 32-bit fragment register j holds row r0 (j
 /// even) or r1 (j odd), both in the thread's warpgroup's 64-row slice, and the tokens k(j) =
@@ -642,11 +856,15 @@ bool check_multicast() {
 
 /// The launcher: refuses (returns false, nothing launched) what the kernel does not handle.
 /// kCluster = kClusterM: clusters of two CTAs along V sharing each hidden stage (V % 256).
-template <int kCluster = 1, bool kPow2 = false, bool kSliced = false>
+template <int kCluster = 1, bool kPow2 = false, bool kSliced = false, bool kStaged = false>
 struct RsWeight {
+  static_assert(!kStaged || (kCluster == 1 && !kSliced), "the staged form has no cluster or sliced variant");
   Params p{};
   int grid = 0;
-  static constexpr auto kernel = rs_weight_kernel<kCluster, kPow2, kSliced>;
+  static constexpr auto kernel = [] {
+    if constexpr (kStaged) return ss_weight_kernel<kPow2>;
+    else return rs_weight_kernel<kCluster, kPow2, kSliced>;
+  }();
   // D (V x H) = (E * F * r)^T hidden; e: T x V, s: ceil(V / 192) x T, hidden: T x H
   bool init(int V, int H, int T, const bf16* e, const float* s, const bf16* hidden, float* d, bool scale_on) {
     if (V <= 0 || H <= 0 || T <= 0 || V % (kBM * kCluster) || H % kBN || T % kBK) return false;
@@ -942,15 +1160,20 @@ float median(std::vector<float> v) {
 
 int main(int argc, char** argv) {
   const std::string which = argc > 1 ? argv[1] : "";
-  const bool profile = which == "profile", with_cluster = which == "cluster" || profile, pow2 = which == "pow2" || profile;
+  const bool profile = which == "profile", staged = which == "staged" || profile;
+  const bool with_cluster = which == "cluster" || profile, pow2 = which == "pow2" || staged;
   if (!which.empty() && !with_cluster && !pow2) {
-    printf("usage: rs_weight [cluster|profile|pow2]: the kernel, or the kernel and its cluster variant; profile: both "
-           "kernels' checked runs, the pow2 variants' too, at 4096 tokens and no timing (for ncu); pow2: the kernel and its "
-           "pow2 variants\n");
+    printf("usage: rs_weight [cluster|profile|pow2|staged]: the kernel, or the kernel and its cluster variant; profile: "
+           "every variant's checked runs at 4096 tokens and no timing (for ncu); pow2: the kernel and its pow2 variants; "
+           "staged: those and the staged forms (float and pow2)\n");
     return 2;
   }
   if (!rw::check_layouts()) {
     printf("rs_weight: a fragment layout is not what the kernel assumes; nothing launched\n");
+    return 1;
+  }
+  if (!rw::check_stage_rows()) {
+    printf("rs_weight: a stage's 128-byte rows are not one token of one 64-row half; nothing launched\n");
     return 1;
   }
   if (!rw::check_multicast()) {
@@ -1016,7 +1239,12 @@ int main(int argc, char** argv) {
     printf("pow2 columns (after the table's): the pass r hidden (ms) | cuBLASLt on E F, r hidden (ms) | rs_weight pow2 "
            "(ms, x that cuBLASLt, x rs_weight) | its max rel diff vs that cuBLASLt | vs float64 | its control | the same "
            "with the cluster 2x1 (ms, x that cuBLASLt) | diff | float64 | control | the same sliced (ms, x that "
-           "cuBLASLt) | diff | float64 | control\n\n");
+           "cuBLASLt) | diff | float64 | control\n");
+  if (staged)
+    printf("staged columns (last): the staged form, float scales (ms, x cuBLASLt on A', x (prescale + cuBLASLt)) | its "
+           "diff vs cuBLASLt on A' | float64 | control | the staged pow2 form (ms, x cuBLASLt on E F, r hidden) | diff | "
+           "float64 | control\n");
+  printf("\n");
   for (const int T : token_counts) {
     fill<<<2048, 256>>>(e, f, r, hid, T, V, H, blocks);
     make_scales<<<1024, 256>>>(f, r, sc, T, blocks);
@@ -1091,6 +1319,13 @@ int main(int argc, char** argv) {
       cl_ok = check_variant(clustered, control_c, sc, hid, d1, pre, "rs_weight cluster 2x1", cl_diff, cl_f64, cl_ctl);
     }
 
+    // the staged form, float scales: the same A' as the prescale pass, in shared memory
+    rw::RsWeight<1, false, false, true> stf, stfctl;
+    bool stf_ok = false;
+    float stf_diff = -1, stf_ctl = -1;
+    double stf_f64 = -1;
+    if (staged) stf_ok = check_variant(stf, stfctl, sc, hid, d1, pre, "staged", stf_diff, stf_f64, stf_ctl);
+
     // the pow2 variant: r on the hidden rows (one rounding there), F on E in the loop (exact)
     rw::RsWeight<1, true> p2k, p2ctl;
     bool p2_ok = false;
@@ -1123,12 +1358,20 @@ int main(int argc, char** argv) {
       p2s_ok = check_variant(p2s, p2sctl, sc2, hid2, d3, pre2, "rs_weight pow2 sliced", p2s_diff, p2s_f64, p2s_ctl);
     }
 
+    rw::RsWeight<1, true, false, true> stp, stpctl;
+    bool stp_ok = false;
+    float stp_diff = -1, stp_ctl = -1;
+    double stp_f64 = -1;
+    if (p2_ok && staged) {
+      stp_ok = check_variant(stp, stpctl, sc2, hid2, d3, pre2, "staged pow2", stp_diff, stp_f64, stp_ctl);
+    }
+
     if (profile) {  // the checked runs are what ncu profiles; CUTLASS's plain kernel once beside them
       Plain plain_once;
       if (plain_once.init(V, H, T, pre, hid, d2, ws_plain, wsb, s) && plain_once.run(s)) sync_or_die(s, "CUTLASS plain");
       continue;
     }
-    std::vector<float> r0, r1, r2, r3, r4, r5, r6, r7, r8, r9;
+    std::vector<float> r0, r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11;
     const bool plain_ok = plain.init(V, H, T, pre, hid, d2, ws_plain, wsb, s);
     for (int round = 0; round < 5; ++round) {
       r3.push_back(time_it(run_prescale, s));
@@ -1143,6 +1386,8 @@ int main(int argc, char** argv) {
       }
       if (p2c_ok) r8.push_back(time_it([&] { p2c.run(s); }, s));
       if (p2s_ok) r9.push_back(time_it([&] { p2s.run(s); }, s));
+      if (stf_ok) r10.push_back(time_it([&] { stf.run(s); }, s));
+      if (stp_ok) r11.push_back(time_it([&] { stp.run(s); }, s));
     }
     CK(cudaGetLastError());
     const float m0 = median(r0), m2 = median(r2), m3 = median(r3);
@@ -1166,6 +1411,14 @@ int main(int argc, char** argv) {
     if (p2s_ok)
       printf(" pow2 sliced: %.3f, %.3f | %.1e | %.1e | %.1e |", median(r9), median(r9) / median(r7), p2s_diff, p2s_f64,
              p2s_ctl);
+    if (stf_ok)
+      printf(" staged: %.3f, %.3f, %.3f | %.1e | %.1e | %.1e |", median(r10), median(r10) / m0, median(r10) / (m0 + m3),
+             stf_diff, stf_f64, stf_ctl);
+    else if (staged)
+      printf(" staged refused |");
+    if (stp_ok)
+      printf(" staged pow2: %.3f, %.3f | %.1e | %.1e | %.1e |", median(r11), median(r11) / median(r7), stp_diff, stp_f64,
+             stp_ctl);
     printf("\n");
     fflush(stdout);
   }
