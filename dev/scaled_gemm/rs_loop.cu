@@ -78,6 +78,11 @@
 //   keeps two wgmma groups in flight while the third buffer is loaded and scaled; kGrouped walks
 //   the grouped raster with Params::group_m (timed at G = 8 and 16). A runtime flag (scale_on =
 //   0) forces every scale to 1, the negative control of the check.
+// - Staged (ss_loop_kernel<kGrouped>, the "staged" variants): E * F formed in shared memory by
+//   the producer warpgroup's three idle warps, the product SS, so the consumers issue only the
+//   wgmma and barrier instructions cuBLAS's loop does (the register-sourced loop draws a lower
+//   clock from its twice as many issued instructions). F's 128 scales of a k-block ride the
+//   stage (a 256-byte bulk copy; M % 8 keeps it 16-byte aligned).
 // The host refuses (before any launch, so the kernel never waits on a load that was not
 // issued) M % 128, N % 256, K % 192, misaligned pointers and a grouped raster without a
 // positive group height.
@@ -485,6 +490,199 @@ __global__ void __launch_bounds__(kThreads, 1) rs_loop_kernel(const __grid_const
   if constexpr (kCluster > 1) cute::cluster_sync();
 }
 
+// ------------------------------------------------------------------------------------------------
+// The staged form: E * F formed in shared memory, the product SS (as CUTLASS's plain kernel)
+// ------------------------------------------------------------------------------------------------
+
+// Warps 1-3 of the producer warpgroup (warp 0 issues the loads) rewrite each landed E stage in
+// place with one mul.rn.bf16x2 a register (exact: F is a power of two), fence the generic-proxy
+// writes for the async proxy and arrive on the stage's `scaled` barrier, which the consumers
+// wait on; the consumers' loop is then a plain SS loop (no ldmatrix, no multiply, no register
+// operand). In the K-major 128B-swizzled stage each 128-byte row is the 64 k of one row m (the
+// swizzle permutes the 16-byte chunks within a row; check_stage_rows re-derives it), and a
+// k-block lies inside one 192-group, so a 16-byte chunk's 8 elements share the scale of row
+// i / 8. The producer stages the tile's 128 scales of the k-block's group (256 bytes, F is
+// m-contiguous within a group) with the stage.
+constexpr int kTransformThreads = 96;
+constexpr int kChunks = kBM * kBK * 2 / 16;
+static_assert(kBK == 64, "a 128-byte row is one row's k-block");
+using MmaAtomSS = SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>;
+using TiledMmaSS = decltype(make_tiled_mma(MmaAtomSS{}, Layout<Shape<_2, _1, _1>>{}));
+constexpr int kBytesF = kStages * kBM * 2;
+constexpr int kSmemBytesSS = kBytesA + kBytesB + kBytesF + 1024;
+static_assert(kSmemBytesSS <= 227 * 1024);
+constexpr uint32_t kTxBytesSS = kTxBytes + kBM * 2;
+
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
+template <bool kGrouped>
+__global__ void __launch_bounds__(kThreads, 1) ss_loop_kernel(const __grid_constant__ Params p) {
+  using Full = cutlass::arch::ClusterTransactionBarrier;
+  using Bar = cutlass::arch::ClusterBarrier;
+  __shared__ uint64_t full_bar[kStages], scaled_bar[kStages], empty_bar[kStages];
+  extern __shared__ char smem_raw[];
+  char* smem = smem_raw + ((1024 - (cast_smem_ptr_to_uint(smem_raw) & 1023)) & 1023);
+  bf16* smem_a = reinterpret_cast<bf16*>(smem);
+  bf16* smem_b = reinterpret_cast<bf16*>(smem + kBytesA);
+  uint16_t* smem_f = reinterpret_cast<uint16_t*>(smem + kBytesA + kBytesB);  // [stage][128 rows]
+
+  const int m_tiles = p.M / kBM, n_tiles = p.N / kBN, k_blocks = p.K / kBK;
+  const int tiles = m_tiles * n_tiles;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      Full::init(&full_bar[s], 1);
+      Bar::init(&scaled_bar[s], kTransformThreads);
+      Bar::init(&empty_bar[s], kConsumerThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<56>();
+    if (threadIdx.x == 0) {
+      prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
+      prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
+      Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.M, p.K));
+      Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.N, p.K));
+      Tensor sA = make_tensor(make_smem_ptr(smem_a), SmemLayoutA{});
+      Tensor sB = make_tensor(make_smem_ptr(smem_b), SmemLayoutB{});
+      auto cta_a = p.tma_a.get_slice(0);
+      auto cta_b = p.tma_b.get_slice(0);
+      Tensor tAsA = cta_a.partition_D(sA);
+      Tensor tBsB = cta_b.partition_D(sB);
+      uint32_t c = 0;
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        int mt, nt;
+        tile_coord<kGrouped>(t, m_tiles, n_tiles, p.group_m, mt, nt);
+        Tensor tAgA = cta_a.partition_S(local_tile(mA, Shape<Int<kBM>, Int<kBK>>{}, make_coord(mt, _)));
+        Tensor tBgB = cta_b.partition_S(local_tile(mB, Shape<Int<kBN>, Int<kBK>>{}, make_coord(nt, _)));
+#pragma unroll 1
+        for (int kb = 0; kb < k_blocks; ++kb, ++c) {
+          const int s = c % kStages;
+          Bar::wait(&empty_bar[s], ((c / kStages) & 1) ^ 1);
+          Full::arrive_and_expect_tx(&full_bar[s], kTxBytesSS);
+          copy(p.tma_a.with(full_bar[s]), tAgA(_, _, _, kb), tAsA(_, _, _, s));
+          copy(p.tma_b.with(full_bar[s]), tBgB(_, _, _, kb), tBsB(_, _, _, s));
+          const uint16_t* fg = p.f + size_t(p.M) * ((kb * kBK) / kGroup) + size_t(mt) * kBM;
+          SM90_BULK_COPY_G2S::copy(fg, &full_bar[s], smem_f + s * kBM, kBM * 2);
+        }
+      }
+    } else if (threadIdx.x >= 32) {
+      const int tt = threadIdx.x - 32;
+      const uint32_t a_base = cast_smem_ptr_to_uint(smem_a);
+      const int stages_total = ((tiles - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x)) * k_blocks;
+      constexpr int kIters = (kChunks + kTransformThreads - 1) / kTransformThreads;
+#pragma unroll 1
+      for (int c = 0; c < stages_total; ++c) {
+        const int s = c % kStages;
+        Full::wait(&full_bar[s], (c / kStages) & 1);
+        const uint32_t stage = a_base + s * (kBM * kBK * 2);
+        const uint16_t* fs = smem_f + s * kBM;
+        CUTE_UNROLL
+        for (int i0 = 0; i0 < kIters; i0 += 4) {
+          uint4 v[4];
+          uint32_t sc[4];
+          CUTE_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const int i = tt + kTransformThreads * (i0 + u);
+            if (i0 + u < kIters && i < kChunks) {
+              v[u] = ld_shared_v4(stage + 16 * i);
+              const uint32_t f = p.scale_on ? fs[i / 8] : 0x3f80u;
+              sc[u] = f | (f << 16);
+            }
+          }
+          CUTE_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const int i = tt + kTransformThreads * (i0 + u);
+            if (i0 + u < kIters && i < kChunks)
+              st_shared_v4(stage + 16 * i, make_uint4(mul_bf16x2(v[u].x, sc[u]), mul_bf16x2(v[u].y, sc[u]),
+                                                      mul_bf16x2(v[u].z, sc[u]), mul_bf16x2(v[u].w, sc[u])));
+          }
+        }
+        cutlass::arch::fence_view_async_shared();
+        Bar::arrive(&scaled_bar[s]);
+      }
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<224>();
+  const int ct = threadIdx.x - 128;
+  TiledMmaSS mma;
+  auto thr_mma = mma.get_slice(ct);
+  Tensor sA = make_tensor(make_smem_ptr(smem_a), SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(smem_b), SmemLayoutB{});
+  Tensor tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA));
+  Tensor tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB));
+  Tensor accum = partition_fragment_C(mma, Shape<Int<kBM>, Int<kBN>>{});
+  Tensor tCcC = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
+  uint32_t c = 0;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    int mt, nt;
+    tile_coord<kGrouped>(t, m_tiles, n_tiles, p.group_m, mt, nt);
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll 1
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      const uint32_t cc = c + kb;
+      const int s = cc % kStages;
+      Bar::wait(&scaled_bar[s], (cc / kStages) & 1);
+      warpgroup_fence_operand(accum);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tCrA); ++k) {
+        cute::gemm(mma, tCrA(_, _, k, s), tCrB(_, _, k, s), accum);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(accum);
+      if (kb > 0) Bar::arrive(&empty_bar[(cc - 1) % kStages]);
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accum);
+    Bar::arrive(&empty_bar[(c + k_blocks - 1) % kStages]);
+    c += k_blocks;
+    float* dt = p.d + size_t(mt) * kBM * p.N + size_t(nt) * kBN;
+    CUTE_UNROLL
+    for (int i = 0; i < size(accum); i += 2) {
+      const auto rc = tCcC(i);
+      st_f32x2(dt + size_t(get<0>(rc)) * p.N + get<1>(rc), accum(i), accum(i + 1));
+    }
+  }
+}
+
+/// Host check of the staged form's premise: in the TMA's view of a stage (the 128B swizzle on
+/// byte offsets) element (m, k) lies in 128-byte row m; the SS consumers' accumulator pairs are
+/// adjacent columns of one row.
+bool check_stage_rows() {
+  const SmemLayoutA tma_layout{};
+  for (int m = 0; m < kBM; ++m)
+    for (int k = 0; k < kBK; ++k) {
+      const int byte = int(tma_layout.layout_a()(2 * int(tma_layout.layout_b()(m, k, 0))));
+      if (byte / 128 != m || byte < 0 || byte >= kBM * kBK * 2) return false;
+    }
+  TiledMmaSS mma;
+  auto cC = make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{});
+  for (int t = 0; t < kConsumerThreads; ++t) {
+    auto tCcC = mma.get_slice(t).partition_C(cC);
+    if (size(tCcC) != 128) return false;
+    for (int i = 0; i < size(tCcC); i += 2)
+      if (get<0>(tCcC(i + 1)) != get<0>(tCcC(i)) || get<1>(tCcC(i + 1)) != get<1>(tCcC(i)) + 1 ||
+          get<1>(tCcC(i)) % 2 != 0)
+        return false;
+  }
+  return true;
+}
+
 /// Host check of the layout facts the kernel relies on beyond CuTe's own construction: the
 /// fragment storage is compact, 32-bit fragment register i (two adjacent k) holds row r0 (i
 /// even) or r1 (i odd), ldmatrix delivers every register where the MMA expects it and reads
@@ -549,16 +747,22 @@ bool check_raster(int m_tiles, int n_tiles, int group_m) {
 
 /// The launcher: refuses (returns false, nothing launched) what the kernel does not handle,
 /// including a raster that is not a bijection for this shape.
-template <bool kScale, int kABufs = 2, bool kGrouped = false, int kCluster = 1>
+template <bool kScale, int kABufs = 2, bool kGrouped = false, int kCluster = 1, bool kStaged = false>
 struct RsLoop {
+  static_assert(!kStaged || (kScale && kCluster == 1), "the staged form is scaled and has no cluster variant");
   Params p{};
   int grid = 0;
-  static constexpr auto kernel = rs_loop_kernel<kScale, kABufs, kGrouped, kCluster>;
+  static constexpr auto kernel = [] {
+    if constexpr (kStaged) return ss_loop_kernel<kGrouped>;
+    else return rs_loop_kernel<kScale, kABufs, kGrouped, kCluster>;
+  }();
+  static constexpr int kSmem = kStaged ? kSmemBytesSS : kSmemBytes;
   bool init(int M, int N, int K, const bf16* e, const bf16* f, const bf16* w, float* d, bool scale_on,
             int group_m = 0) {
     if (M <= 0 || N <= 0 || K <= 0 || M % (kBM * kCluster) || N % kBN || K % kGroup) return false;
     if ((reinterpret_cast<uintptr_t>(e) | reinterpret_cast<uintptr_t>(w)) % 128 ||
-        reinterpret_cast<uintptr_t>(d) % 8 || reinterpret_cast<uintptr_t>(f) % 2)
+        reinterpret_cast<uintptr_t>(d) % 8 || reinterpret_cast<uintptr_t>(f) % (kStaged ? 16 : 2) ||
+        (kStaged && M % 8))
       return false;
     if (size_t(M / kBM) * (N / kBN) > size_t(1) << 30) return false;
     if (kGrouped && (group_m <= 0 || size_t(group_m) * (N / kBN) > size_t(1) << 30)) return false;
@@ -575,7 +779,7 @@ struct RsLoop {
     p.group_m = group_m;
     int sms = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess || sms <= 0) return false;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess)
       return false;
     const int c_tiles = (M / kBM / kCluster) * (N / kBN);
     if constexpr (kCluster == 1) {
@@ -596,7 +800,7 @@ struct RsLoop {
   }
   bool run(cudaStream_t s) {
     if constexpr (kCluster == 1) {
-      kernel<<<grid, kThreads, kSmemBytes, s>>>(p);
+      kernel<<<grid, kThreads, kSmem, s>>>(p);
     } else {
       cudaLaunchConfig_t cfg = config(s);
       cudaLaunchAttribute attr = cluster_attr();
@@ -612,7 +816,7 @@ struct RsLoop {
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(grid);
     cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.dynamicSmemBytes = kSmem;
     cfg.stream = s;
     return cfg;
   }
@@ -857,9 +1061,9 @@ struct AnyRs {
   virtual bool run(cudaStream_t s) = 0;
 };
 
-template <bool kScale, int kABufs, bool kGrouped, int kCluster>
+template <bool kScale, int kABufs, bool kGrouped, int kCluster, bool kStaged = false>
 struct RsVariant : AnyRs {
-  rs::RsLoop<kScale, kABufs, kGrouped, kCluster> k;
+  rs::RsLoop<kScale, kABufs, kGrouped, kCluster, kStaged> k;
   int group_m;
   explicit RsVariant(int g) : group_m(g) {}
   bool init(int M, int N, int K, const bf16* e, const bf16* f, const bf16* w, float* d, bool scale_on) override {
@@ -889,17 +1093,32 @@ Variant variant(const char* name, int group_m = 0) {
           [group_m] { return std::unique_ptr<AnyRs>(new RsVariant<kScale, kABufs, kGrouped, kCluster>(group_m)); }};
 }
 
+template <bool kGrouped>
+Variant staged_variant(const char* name, int group_m = 0) {
+  return {name,
+          true,
+          kGrouped,
+          kGrouped ? group_m : 0,
+          1,
+          reinterpret_cast<const void*>(rs::ss_loop_kernel<kGrouped>),
+          [group_m] { return std::unique_ptr<AnyRs>(new RsVariant<true, 2, kGrouped, 1, true>(group_m)); }};
+}
+
 int main(int argc, char** argv) {
   const std::string which = argc > 1 ? argv[1] : "all";
-  if (which != "all" && which != "plain" && which != "cluster" && which != "profile") {
-    printf("usage: rs_loop [all|plain|cluster|profile]: every variant, those without a cluster, or the cluster "
-           "ones (each with the base kernel's two columns); profile: every variant's checked runs at the first "
-           "shape and no timing (for ncu: each kernel launched a few times, not hundreds)\n");
+  if (which != "all" && which != "plain" && which != "cluster" && which != "profile" && which != "staged") {
+    printf("usage: rs_loop [all|plain|cluster|profile|staged]: every variant, those without a cluster, the cluster "
+           "ones, or the grouped and staged ones (each with the base kernel's two columns); profile: every variant's "
+           "checked runs at the first shape and no timing (for ncu: each kernel launched a few times, not hundreds)\n");
     return 2;
   }
   const bool profile = which == "profile";
   if (!rs::check_layouts()) {
     printf("rs_loop: a fragment layout is not what the kernel assumes; nothing launched\n");
+    return 1;
+  }
+  if (!rs::check_stage_rows()) {
+    printf("rs_loop: a stage's 128-byte rows are not one row's k-block; nothing launched\n");
     return 1;
   }
   if (!rs::check_multicast()) {
@@ -923,10 +1142,16 @@ int main(int argc, char** argv) {
       variant<true, 3, false, rs::kClusterM>("cluster 2x1 + 3 A buffers"),
       variant<true, 2, true, rs::kClusterM>("cluster 2x1 + grouped G=4 (8 M tiles)", 4),
       variant<false, 2, false, rs::kClusterM>("cluster 2x1, scale compiled out"),
+      staged_variant<false>("staged (E F in smem, SS)"),
+      staged_variant<true>("staged + grouped G=8", 8),
   };
   // the base kernel's two columns stay in every selection
+  auto is_staged = [](const Variant& v) { return std::string(v.name).rfind("staged", 0) == 0; };
   vars.erase(std::remove_if(vars.begin() + 2, vars.end(),
-                            [&](const Variant& v) { return which == (v.cluster > 1 ? "plain" : "cluster"); }),
+                            [&](const Variant& v) {
+                              if (which == "staged") return !is_staged(v) && v.name != std::string("grouped G=8");
+                              return which == (v.cluster > 1 ? "plain" : "cluster");
+                            }),
              vars.end());
   for (const auto& v : vars) {
     cudaFuncAttributes fa;
