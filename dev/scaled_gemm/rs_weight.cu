@@ -104,7 +104,9 @@
 //   No wgmma waits on a register operand; the cost is a 16 KB read and write of shared memory a
 //   k-block by 96 threads, off the consumers' issue path. check_stage_rows re-derives on the host
 //   that each 128-byte row of a stage is one token of one 64-row half (the swizzle permutes the
-//   16-byte chunks within a row), so a chunk's scale follows from its offset.
+//   16-byte chunks within a row), so a chunk's scale follows from its offset. Exact, and slower
+//   than the register-sourced loop at every shape (docs/performance.md: the in-place rewrite adds
+//   a third to the shared-memory traffic a k-block already needs).
 // The host refuses (before any launch, so the kernel never waits on a load that was not issued)
 // V % 128, H % 256, T % 64 and misaligned pointers.
 //
