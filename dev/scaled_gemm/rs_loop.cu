@@ -108,9 +108,9 @@
 // cudaGetDriverEntryPoint):
 //   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG -I<cutlass include dir> \
 //     dev/scaled_gemm/rs_loop.cu -o build-probe/rs_loop -lcublasLt
-// Run (GPU): build-probe/rs_loop [all|plain|cluster|profile]; a table row a shape, then a check row
-// a shape and variant. "plain" leaves out the cluster variants and "cluster" keeps only them (each
-// beside the base kernel), so a first run of the cluster kernels cannot cost the other results: a
+// Run (GPU): build-probe/rs_loop [all|plain|cluster|profile|staged]; a table row a shape, then a
+// check row a shape and variant. "plain" leaves out the cluster variants and "cluster" keeps only
+// them, "staged" keeps the staged ones and grouped G=8 (each beside the base kernel), so a first run of the cluster kernels cannot cost the other results: a
 // checked run that does not finish within 20 s is named and ends the process. "profile" runs
 // every kernel's checked runs at the first shape and times nothing: the run to put under ncu
 // (dev/scaled_gemm/ncu_summary.py).

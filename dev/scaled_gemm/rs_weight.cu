@@ -124,10 +124,10 @@
 // cudaGetDriverEntryPoint):
 //   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG -I<cutlass include dir> \
 //     dev/scaled_gemm/rs_weight.cu -o build-probe/rs_weight -lcublasLt
-// Run: build-probe/rs_weight [cluster|profile|pow2]; the layout and multicast checks first (without a
+// Run: build-probe/rs_weight [cluster|profile|pow2|staged]; the layout and multicast checks first (without a
 // GPU it stops there), then a table row a shape (with `cluster`, the cluster variant's columns
 // too). A checked run that does not finish within 20 s is named and ends the process. `profile`
-// runs every variant's checked runs (base, cluster, pow2, pow2 cluster) at 4096 tokens and times
+// runs every variant's checked runs (base, cluster, pow2 and its cluster and sliced forms, both staged forms) at 4096 tokens and times
 // nothing: the run to put under ncu (dev/scaled_gemm/ncu_summary.py).
 #include <cublasLt.h>
 #include <cuda_runtime.h>
