@@ -245,6 +245,17 @@ __device__ __forceinline__ void st_f32x2(float* ptr, float a, float b) {
   asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(ptr), "f"(a), "f"(b));
 }
 
+/// Registers -> D (row-major, leading dimension ld): an 8-byte store a pair of adjacent columns
+/// of one row (host-checked for every consumer thread).
+template <class Acc, class Coords>
+__device__ __forceinline__ void store_tile(const Acc& accum, const Coords& tCcC, float* dt, int ld) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(accum); i += 2) {
+    const auto rc = tCcC(i);
+    st_f32x2(dt + size_t(get<0>(rc)) * ld + get<1>(rc), accum(i), accum(i + 1));
+  }
+}
+
 /// The scale of row `row` in group `g` in both halves of a register.
 __device__ __forceinline__ uint32_t load_scale(const Params& p, int row, int g) {
   if (!p.scale_on) return 0x3f803f80u;  // 1.0, 1.0
@@ -483,11 +494,7 @@ __global__ void __launch_bounds__(kThreads, 1) rs_loop_kernel(const __grid_const
 
     // epilogue: registers -> D, float2 a pair of adjacent columns (host-checked)
     float* dt = p.d + size_t(mt) * kBM * p.N + size_t(nt) * kBN;
-    CUTE_UNROLL
-    for (int i = 0; i < size(accum); i += 2) {
-      const auto rc = tCcC(i);
-      st_f32x2(dt + size_t(get<0>(rc)) * p.N + get<1>(rc), accum(i), accum(i + 1));
-    }
+    store_tile(accum, tCcC, dt, p.N);
   }
   // the peers' consumers may still arrive on this CTA's empty barriers: stay until all are done
   if constexpr (kCluster > 1) cute::cluster_sync();
@@ -657,11 +664,7 @@ __global__ void __launch_bounds__(kThreads, 1) ss_loop_kernel(const __grid_const
     Bar::arrive(&empty_bar[(c + k_blocks - 1) % kStages]);
     c += k_blocks;
     float* dt = p.d + size_t(mt) * kBM * p.N + size_t(nt) * kBN;
-    CUTE_UNROLL
-    for (int i = 0; i < size(accum); i += 2) {
-      const auto rc = tCcC(i);
-      st_f32x2(dt + size_t(get<0>(rc)) * p.N + get<1>(rc), accum(i), accum(i + 1));
-    }
+    store_tile(accum, tCcC, dt, p.N);
   }
 }
 
