@@ -6,9 +6,10 @@
 # (scripts/tag_wheel.py: version 0.1.0+torch<major.minor><cuXYZ|cpu>, Requires-Dist
 # torch==<major.minor>.*).
 #   scripts/build_wheel.sh [OUT]     (OUT: dist/; prints the wheel's path last)
-# The build tree is the one `pip install .` uses (build-py/<wheel tag>), so after the test
-# command this compiles nothing. FUSEDCE_CMAKE_DEFINES (e.g. "-DFUSEDCE_CUDA=OFF") passes
-# CMake definitions.
+# The build tree is FUSEDCE_PY_BUILD_DIR where set (scripts/test.sh sets it to the tree its
+# `pip install .` used, so under the test command this compiles nothing), else pyproject.toml's
+# build-py/<wheel tag>. FUSEDCE_CMAKE_DEFINES (e.g. "-DFUSEDCE_CUDA=OFF") passes CMake
+# definitions.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-dist}")
@@ -19,7 +20,9 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 defines=()
 [ -n "${FUSEDCE_CMAKE_DEFINES:-}" ] && defines=(--config-settings=cmake.args="$FUSEDCE_CMAKE_DEFINES")
-"$python" -m pip wheel -q --no-build-isolation --no-deps "${defines[@]}" -w "$tmp" .
+build_dir=()
+[ -n "${FUSEDCE_PY_BUILD_DIR:-}" ] && build_dir=(--config-settings=build-dir="$FUSEDCE_PY_BUILD_DIR")
+"$python" -m pip wheel -q --no-build-isolation --no-deps "${defines[@]}" "${build_dir[@]}" -w "$tmp" .
 wheel=$(ls "$tmp"/fusedce-*.whl)
 tagged=$("$python" scripts/tag_wheel.py "$wheel")
 mv "$tagged" "$out/"

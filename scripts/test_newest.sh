@@ -8,8 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv-newest
-.venv-newest/bin/pip install -q --upgrade torch transformers accelerate pytest scikit-build-core ninja matplotlib tqdm kernels trl
+.venv-newest/bin/pip install -q --upgrade torch transformers accelerate pytest pytest-xdist scikit-build-core ninja matplotlib tqdm kernels trl
 mkdir -p build-newest
 .venv-newest/bin/pip freeze > build-newest/freeze.txt
 .venv-newest/bin/python -c "import torch, transformers; print('newest: torch', torch.__version__, '| transformers', transformers.__version__)"
-FUSEDCE_PYTHON=.venv-newest/bin/python FUSEDCE_PY_BUILD_DIR=build-newest/py bash scripts/test.sh build-newest/cpp
+FUSEDCE_PYTHON=.venv-newest/bin/python bash scripts/test.sh build-newest/cpp
