@@ -26,7 +26,11 @@ absolute error); ignored rows contribute exact zeros. Must be flagged: r x 1.005
 rewrite, smoothing without its rank-1 terms, grad_weight's target entry rounded twice (bf16(E') F r).
 KNOWN_LIMITS: reported, not counted. Exit status 1 on any failure. All -inf rows are out of scope.
 
-Run (CPU only, float64, about 15 s on 2 cores): .venv/bin/python dev/scaled_options.py
+Both forms of E run, the tile form's per-(row, tile) offsets and the window form's offset 0 within
++-64 powers of two (FORM); the entropy metric has a third partial, centred on each tile's own
+offset, that cancels in neither form.
+
+Run (CPU only, float64, about 30 s on 2 cores): .venv/bin/python dev/scaled_options.py
 """
 
 import math
@@ -96,8 +100,11 @@ CASES = [  # name, fits the form?, extra terms, settings
     Case("metrics: lse", "yes", "lse = ln2 (K + log2 sum S_t F_t)", kind="metrics", metric="lse"),
     Case("metrics: entropy, U_t = sum E z", "yes", "H = lse - sum U_t F_t / S", kind="metrics", metric="entropy"),
     Case("metrics: entropy, U_t = sum E (z - k_t ln2)", "yes",
-         "H = ln S - sum F_t (U_t + (k_t-K) ln2 S_t) / S (no lse - U/S cancellation)",
+         "H = ln S - sum F_t (U_t + (k_t-K) ln2 S_t) / S (no lse - U/S cancellation at the tile form's offsets)",
          kind="metrics", metric="entropy_offset"),
+    Case("metrics: entropy, Uc_t = sum E (z - m_t ln2)", "yes",
+         "centred on the tile's own offset m_t whatever E's: H = sum w_t (ln(S 2^(K-M)) + ln2 (M - m_t)) - "
+         "sum F_t Uc_t / S, terms >= -ln 2", kind="metrics", metric="entropy_centred"),
 ]
 
 
@@ -200,27 +207,48 @@ def chain(z, cap):
     return 1 - (z / cap) ** 2
 
 
+# The form of E: "tile", every (row, tile) at its own offset k_t = ceil(max z log2 e) (E <= 1);
+# "window", the offset 0 wherever that own offset lies within +-WINDOW_BITS (E = e^z <= 2^64) and
+# its own elsewhere (docs/architecture.md, "The window form": the rows with another offset are
+# rebased to one, E F, which is the same exact power-of-two multiply the tile form's operand does,
+# so the emulated products are the same expressions). main() runs every check in both forms.
+FORM = {"window": False}
+WINDOW_BITS = 64
+
+
 def epilogue(z):
-    """The forward GEMM's epilogue from float32 logits z (N, V): per (row, tile) k, E (float32,
-    unrounded, 0 in the padding), S_t, U_t = sum E z, Uo_t = sum E (z - k_t ln2) = ln2 sum E y."""
+    """The forward GEMM's epilogue from float32 logits z (N, V): per (row, tile) the offset k
+    (FORM), E (float32, unrounded, 0 in the padding; ex2.approx.ftz flushes below 2^-126), S_t,
+    U_t = sum E z, Uo_t = sum E (z - k_t ln2) = ln2 sum E y; and m_t, the tile's own offset, with
+    Uc_t = ln2 sum E (z log2 e - m_t) <= 0, the entropy partial centred on it (merge's H_c)."""
     zt = tiles(z, -math.inf)
     pad = torch.isinf(zt)
-    k = torch.ceil(zt.amax(-1) * LOG2E)  # E <= 1: nothing overflows, no shift guessed beforehand
+    m = torch.ceil(zt.amax(-1) * LOG2E)  # E <= 1 at this offset: nothing overflows
+    k = torch.where(m.abs() <= WINDOW_BITS, 0.0, m) if FORM["window"] else m
     y = zt * LOG2E - k[..., None]  # the exp2 argument, already in registers
     e = torch.exp2(y)
-    return {"k": k, "e": e, "S": e.sum(-1), "U": (e * zt.masked_fill(pad, 0)).sum(-1),
-            "Uo": LN2 * (e * y.masked_fill(pad, 0)).sum(-1), "z": zt}
+    e = torch.where(e < 2.0**-126, 0.0, e)
+    yc = (zt * LOG2E - m[..., None]).masked_fill(pad, 0)
+    return {"k": k, "m": m, "e": e, "S": e.sum(-1), "U": (e * zt.masked_fill(pad, 0)).sum(-1),
+            "Uo": LN2 * (e * y.masked_fill(pad, 0)).sum(-1), "Uc": LN2 * (e * yc).sum(-1), "z": zt}
 
 
 def merge(ep):
-    """Over the (N, T) partials only, in float32: K, f = 2^(k_t - K), S, lse, two entropies."""
+    """Over the (N, T) partials only, in float32: K, f = 2^(k_t - K), S, lse, three entropies.
+    H_c sums terms that are all >= about -ln 2 (no cancellation whatever the offsets): with M the
+    row's largest own offset, lse - z = ln(S 2^(K - M)) + ln2 (M - m_t) - ln2 (z log2 e - m_t), so
+    H = sum_t w_t (ln(S 2^(K - M)) + ln2 (M - m_t)) - sum_t f_t Uc_t / S, w_t = f_t S_t / S."""
     K = ep["k"].amax(1)
     f = torch.exp2(ep["k"] - K[:, None])  # exact: integer powers of two
     S = (ep["S"] * f).sum(1)
     lse = LN2 * (K + torch.log2(S))
     ent = lse - (ep["U"] * f).sum(1) / S
     ent_off = torch.log(S) - ((ep["Uo"] + (ep["k"] - K[:, None]) * LN2 * ep["S"]) * f).sum(1) / S
-    return {"K": K, "f": f, "S": S, "lse": lse, "H": ent, "H_off": ent_off}
+    M = ep["m"].amax(1)
+    w = ep["S"] * f / S[:, None]
+    a = torch.log(torch.ldexp(S, (K - M).to(torch.int32)))  # S 2^(K - M) within [2^-1, V]: exact scaling
+    ent_c = (w * (a[:, None] + LN2 * (M[:, None] - ep["m"]))).sum(1) - (ep["Uc"] * f).sum(1) / S
+    return {"K": K, "f": f, "S": S, "lse": lse, "H": ent, "H_off": ent_off, "H_c": ent_c}
 
 
 def row_factors(inp, c, mg, valid, w_t):
@@ -326,7 +354,7 @@ def metrics(inp, c):
         lse = torch.logsumexp(z, 1)
         out.append(lse if c.metric == "lse" else lse - (torch.softmax(z, 1) * z).sum(1))
     mg = merge(epilogue(x64.float()))
-    ours = {"lse": mg["lse"], "entropy": mg["H"], "entropy_offset": mg["H_off"]}[c.metric]
+    ours = {"lse": mg["lse"], "entropy": mg["H"], "entropy_offset": mg["H_off"], "entropy_centred": mg["H_c"]}[c.metric]
     return [ours.double()[valid]], [out[1].double()[valid]], [out[0][valid]]
 
 
@@ -398,7 +426,8 @@ def entropy_worst_rows(inp):
     mg, ref = merge(epilogue(x.float())), ent(x)
     worst = lambda e: f"{((e.double() - ref).abs() / ref.abs()).max().item():.1e}"  # noqa: E731
     print(f"entropy, worst row's relative error (trained inputs): U_t = sum E z {worst(mg['H'][valid])}, "
-          f"U_t = sum E (z - k_t ln2) {worst(mg['H_off'][valid])}, today {worst(ent(bf16(x.float())))}")
+          f"U_t = sum E (z - k_t ln2) {worst(mg['H_off'][valid])}, Uc_t centred {worst(mg['H_c'][valid])}, "
+          f"today {worst(ent(bf16(x.float())))}")
 
 
 KNOWN_LIMITS = {  # (V, option): why the design may exceed today's error there (reported, not counted)
@@ -457,12 +486,18 @@ SHAPE = (1024, 64, 5003)  # N x H x V: V = 26 tiles of 192 and one of 11 columns
 def main():
     start = time.time()
     sets = {k: make_inputs(k, *SHAPE) for k in ("trained", "randn")}
-    print(f"N x H x V = {SHAPE}; design / today against float64; trained-looking ; randn inputs\n")
-    failures = table(sets)
-    print()
-    entropy_worst_rows(sets["trained"])
-    failures += edge_shapes()
-    failures += must_flag(sets)
+    failures = []
+    for window in (False, True):
+        FORM["window"] = window
+        form = f"window form (offset 0 within +-{WINDOW_BITS} powers of two)" if window else "tile form"
+        print(f"{'' if not window else chr(10)}== {form}: N x H x V = {SHAPE}; design / today against float64; "
+              f"trained-looking ; randn inputs\n")
+        found = table(sets)
+        print()
+        entropy_worst_rows(sets["trained"])
+        found += edge_shapes()
+        found += must_flag(sets)
+        failures += [f"{form}: {f}" for f in found]
     print(f"\nbounds: design rel <= max(2 x today, {REL_FLOOR:.1e}), |proj| <= max(2 x today, {PROJ_FLOOR:.1e}); "
           f"ignored rows exact zeros. {time.time() - start:.1f} s")
     if failures:
