@@ -44,6 +44,10 @@
 // rebase a byte read. The target entry's rewrite is the same (in the tile's offset, before the
 // rebase). The inputs' hot rows (below) take the rebase; the host emulation also has a cold row
 // (every logit ~60 nats under zero), and without the rebase both of its window gradients fail.
+// At offset 0 the entropy partial sum E z would make the merge's lse - U / S cancel, so the window
+// epilogue also stores each tile's own offset m_t and the partial centred on it, Uc_t = ln2 sum E
+// (z log2 e - m_t), which the merge sums without cancellation (printed against float64 under the
+// table; the host emulation holds it to kTolEntropy).
 //
 // The per-row factor r. The design writes r = g 2^K e^(-lse); with lse = ln 2 (K + log2 S) that is
 // exactly g / S, which is what merge_rows stores (no 2^K is formed, so nothing can overflow for a
@@ -207,6 +211,10 @@ struct ScaledExpOut {
   const int* target = nullptr;  // per row; -1: none
   float* target_logit = nullptr;
   const float* shift = nullptr;  // Mode::StagedShift: per row, the integer offset
+  // Mode::StagedWindow: per (row, tile) the tile's own offset m_t = ceil(max z log2 e), and u
+  // then holds the entropy partial centred on it, Uc_t = ln2 sum E (z log2 e - m_t) <= 0 (at
+  // offset 0, sum E z would make the merge's lse - U / S cancel)
+  float* m = nullptr;
 };
 
 /// The epilogue: operator-style (CUTLASS's sm90 kernels call it through
@@ -325,12 +333,13 @@ class ScaledExpEpilogue {
               const bool in = col0 + get<1>(tCcD(c)) < N;
               rmax[m * V1 + v1] = fmaxf(rmax[m * V1 + v1], in ? acc(c) : -INFINITY);
             }
-    float koff[kRows], ssum[kRows], usum[kRows];
+    float koff[kRows], ssum[kRows], usum[kRows], mown[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
       rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 1));
       rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 2));
       koff[r] = ceilf(rmax[r] * kLog2e);
+      mown[r] = koff[r];
       if constexpr (kMode == Mode::StagedWindow) koff[r] = fabsf(koff[r]) <= kWindowBits ? 0.0f : koff[r];
       if constexpr (kMode == Mode::StagedShift) {
         const int row = row0 + get<0>(tCcD(make_coord(make_coord(0, r % V1, 0), r / V1, 0)));
@@ -364,7 +373,10 @@ class ScaledExpEpilogue {
               const float e0 = in ? ex2(fmaf(z0, kLog2e, -koff[r])) : 0.0f;
               const float e1 = in ? ex2(fmaf(z1, kLog2e, -koff[r])) : 0.0f;
               ssum[r] += e0 + e1;
-              usum[r] = fmaf(e0, z0, fmaf(e1, z1, usum[r]));
+              if constexpr (kMode == Mode::StagedWindow)
+                usum[r] = fmaf(e0, fmaf(z0, kLog2e, -mown[r]), fmaf(e1, fmaf(z1, kLog2e, -mown[r]), usum[r]));
+              else
+                usum[r] = fmaf(e0, z0, fmaf(e1, z1, usum[r]));
               *reinterpret_cast<__nv_bfloat162*>(stage + lrow * kStageLd + col - pass * kPassCols) =
                   __floats2bfloat162_rn(e0, e1);
             }
@@ -442,7 +454,12 @@ class ScaledExpEpilogue {
             const int64_t at = int64_t(row) * params.tiles + n_tile;
             params.k[at] = koff[r];
             params.s[at] = ssum[r];
-            params.u[at] = usum[r];
+            if constexpr (kMode == Mode::StagedWindow) {
+              params.u[at] = usum[r] * 0.69314718055994531f;
+              params.m[at] = mown[r];
+            } else {
+              params.u[at] = usum[r];
+            }
           }
         }
     }
@@ -1325,6 +1342,9 @@ struct MergeArgs {
   // count of such rows.
   uint8_t* rebase = nullptr;
   int* rebased = nullptr;
+  // The window configuration's own offsets m_t (the forward's ScaledExpOut::m; null otherwise):
+  // u then holds the centred partials Uc_t and the entropy is merged without cancellation
+  const float* m = nullptr;
 };
 
 /// The merge, one warp a row: K, S = sum_t S_t 2^(k_t - K), U likewise, lse = ln 2 (K + log2 S),
@@ -1339,20 +1359,29 @@ __global__ void __launch_bounds__(256) merge_rows(const MergeArgs a) {
   const float* kr = a.k + int64_t(row) * a.tiles;
   const float* sr = a.s + int64_t(row) * a.tiles;
   const float* ur = a.u + int64_t(row) * a.tiles;
-  float K = -INFINITY;
+  const float* mr = a.m ? a.m + int64_t(row) * a.tiles : nullptr;
+  float K = -INFINITY, Mx = -INFINITY;  // Mx: the largest own offset (window configuration)
   bool off = false;  // some tile's offset is not 0
-  for (int t = lane; t < a.tiles; t += 32) K = fmaxf(K, kr[t]), off = off || kr[t] != 0.0f;
-  for (int o = 16; o > 0; o /= 2) K = fmaxf(K, __shfl_xor_sync(0xffffffffu, K, o));
+  for (int t = lane; t < a.tiles; t += 32) {
+    K = fmaxf(K, kr[t]), off = off || kr[t] != 0.0f;
+    if (mr) Mx = fmaxf(Mx, mr[t]);
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    K = fmaxf(K, __shfl_xor_sync(0xffffffffu, K, o));
+    Mx = fmaxf(Mx, __shfl_xor_sync(0xffffffffu, Mx, o));
+  }
   off = __any_sync(0xffffffffu, off);
-  float S = 0.0f, U = 0.0f;
+  float S = 0.0f, U = 0.0f, C = 0.0f;  // C: sum_t f_t S_t (Mx - m_t), the centred entropy's
   for (int t = lane; t < a.tiles; t += 32) {
     const float f = exp2f(kr[t] - K);  // exact: an integer power of two
     S = fmaf(sr[t], f, S);
     U = fmaf(ur[t], f, U);
+    if (mr) C = fmaf(sr[t] * f, Mx - mr[t], C);
   }
   for (int o = 16; o > 0; o /= 2) {
     S += __shfl_xor_sync(0xffffffffu, S, o);
     U += __shfl_xor_sync(0xffffffffu, U, o);
+    C += __shfl_xor_sync(0xffffffffu, C, o);
   }
   const int64_t tgt = a.target[row];
   const bool ignored = tgt == kIgnoreIndex;
@@ -1369,7 +1398,9 @@ __global__ void __launch_bounds__(256) merge_rows(const MergeArgs a) {
   if (lane != 0) return;
   const float l = kLn2F * (K + log2f(S));
   a.lse[row] = l;
-  a.ent[row] = l - U / S;
+  // centred (window): lse - z = ln(S 2^(K - Mx)) + ln2 (Mx - m_t) - ln2 (z log2 e - m_t), every
+  // term >= about -ln 2, so H = ln(S 2^(K - Mx)) + (ln2 C - U) / S sums without cancellation
+  a.ent[row] = mr ? logf(ldexpf(S, int(K - Mx))) + (kLn2F * C - U) / S : l - U / S;
   a.kmax[row] = K;
   a.ztgt[row] = zt;
   if (a.rebase) a.rebase[row] = !ignored && off;
@@ -1694,6 +1725,25 @@ __global__ void lse_f64(const T* z, int N, double* lse) {
   if (threadIdx.x == 0) lse[blockIdx.x] = m + log(red[0]);
 }
 
+/// float64 entropy lse - sum p z of each row of z (float32 reference logits), given its lse.
+__global__ void ent_f64(const float* z, int N, const double* lse, double* ent) {
+  const float* zr = z + int64_t(blockIdx.x) * N;
+  const double l = lse[blockIdx.x];
+  __shared__ double red[256];
+  double s = 0;
+  for (int j = threadIdx.x; j < N; j += blockDim.x) {
+    const double x = double(zr[j]);
+    s += exp(x - l) * (l - x);
+  }
+  red[threadIdx.x] = s;
+  __syncthreads();
+  for (int o = 128; o > 0; o /= 2) {
+    if (threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) ent[blockIdx.x] = red[0];
+}
+
 /// float64 target logits h_i . w_{t_i} (0 for an ignored row), one warp a row.
 __global__ void target_f64(const __nv_bfloat16* hid, const __nv_bfloat16* W, const int64_t* t, int M, int H,
                            double* out) {
@@ -1825,6 +1875,7 @@ struct EmuResult {
   double peak_p = 0;  // p_t of the peaked row
   bool pow2_inexact = false;  // some normal E F not exact in bf16 (the pow2 form's premise broken)
   int rebased = 0;            // the window configuration's rebased rows (the hot and the cold one)
+  double ent = 0, ent_w = 0;  // worst |entropy - float64| over rows: lse - U / S; window's centred merge
 };
 struct EmuBugs {
   bool plant = false;    // r * 1.005
@@ -1875,36 +1926,46 @@ EmuResult emulate_chunk(EmuBugs bugs) {
   // forward and merge, as the kernels do them: window = false the per-tile offsets (Mode::Staged),
   // true the offset 0 inside the window (Mode::StagedWindow)
   struct Fm {
-    std::vector<float> E, kp, K, r, F, Sw;
+    std::vector<float> E, kp, K, r, F, Sw, ent;  // ent: the merge's entropy (window: centred)
     float loss = 0;
   };
   auto forward_merge = [&](bool window) {
     Fm o;
     o.E.resize(size_t(R) * V), o.kp.resize(R * T), o.K.resize(R), o.r.resize(R), o.F.resize(size_t(T) * R),
-        o.Sw.resize(size_t(T) * R);
-    std::vector<float> sp(R * T);
+        o.Sw.resize(size_t(T) * R), o.ent.resize(R);
+    std::vector<float> sp(R * T), up(R * T), mp(R * T);
     for (int i = 0; i < R; ++i)
       for (int t = 0; t < T; ++t) {
         float m = -INFINITY;
         for (int v = t * kGroup; v < std::min(V, (t + 1) * kGroup); ++v) m = std::max(m, z[size_t(i) * V + v]);
-        float k = std::ceil(m * kLog2eF);
-        if (window && std::fabs(k) <= fwd::kWindowBits) k = 0.0f;
-        float s = 0;
+        const float mown = std::ceil(m * kLog2eF);
+        const float k = window && std::fabs(mown) <= fwd::kWindowBits ? 0.0f : mown;
+        float s = 0, u = 0;
         for (int v = t * kGroup; v < std::min(V, (t + 1) * kGroup); ++v) {
-          float e = std::exp2(std::fma(z[size_t(i) * V + v], kLog2eF, -k));
+          const float zv = z[size_t(i) * V + v];
+          float e = std::exp2(std::fma(zv, kLog2eF, -k));
           if (e < std::ldexp(1.0f, -126)) e = 0.0f;  // ex2.approx.ftz
           s += e;
+          u = window ? std::fma(e, std::fma(zv, kLog2eF, -mown), u) : std::fma(e, zv, u);
           o.E[size_t(i) * V + v] = bf16_round(e);
         }
         o.kp[i * T + t] = k;
         sp[i * T + t] = s;
+        up[i * T + t] = window ? u * kLn2F : u;
+        mp[i * T + t] = mown;
       }
     for (int i = 0; i < R; ++i) {
-      float K = -INFINITY, S = 0;
-      for (int t = 0; t < T; ++t) K = std::max(K, o.kp[i * T + t]);
-      for (int t = 0; t < T; ++t) S = std::fma(sp[i * T + t], std::exp2(o.kp[i * T + t] - K), S);
+      float K = -INFINITY, Mx = -INFINITY, S = 0, U = 0, C = 0;
+      for (int t = 0; t < T; ++t) K = std::max(K, o.kp[i * T + t]), Mx = std::max(Mx, mp[i * T + t]);
+      for (int t = 0; t < T; ++t) {
+        const float f = std::exp2(o.kp[i * T + t] - K);
+        S = std::fma(sp[i * T + t], f, S);
+        U = std::fma(up[i * T + t], f, U);
+        C = std::fma(sp[i * T + t] * f, Mx - mp[i * T + t], C);
+      }
       o.K[i] = K;
       const float lse = kLn2F * (K + std::log2(S));
+      o.ent[i] = window ? std::log(std::ldexp(S, int(K - Mx))) + (kLn2F * C - U) / S : lse - U / S;
       for (int t = 0; t < T; ++t) o.F[size_t(t) * R + i] = bf16_round(std::exp2(o.kp[i * T + t] - K));
       if (tgt[i] == kIgnoreIndex) {
         o.r[i] = 0;
@@ -1951,6 +2012,10 @@ EmuResult emulate_chunk(EmuBugs bugs) {
     const double l = m + std::log(s);
     loss64 += l - dot64(i, tgt[i]);
     if (i == 0) res.peak_p = std::exp(dot64(i, tgt[i]) - l);
+    double h64 = 0;
+    for (int v = 0; v < V; ++v) h64 += std::exp(dot64(i, v) - l) * (l - dot64(i, v));
+    res.ent = std::max(res.ent, std::fabs(b.ent[i] - h64));
+    res.ent_w = std::max(res.ent_w, std::fabs(w.ent[i] - h64));
     for (int v = 0; v < V; ++v) d64[size_t(i) * V + v] = g * (std::exp(dot64(i, v) - l) - (v == tgt[i] ? 1.0 : 0.0));
     // the target entry as both gradient kernels see it: E' F_t r (the hot row's 1 - p_t ~ 1e-15
     // is below float32's resolution of p_t: its entry is judged by the gradients alone)
@@ -2021,6 +2086,11 @@ EmuResult emulate_chunk(EmuBugs bugs) {
 // its loss and dlogits) are rounded to bf16 first (src/cuda/linear/linear_cuda.cpp, step 1): up to
 // ~0.03 nats a logit at |z| ~ 16, random, which averages over the rows.
 constexpr double kTolF64 = 1e-2, kTolLib = 2e-2, kTolRatio = 1e-3, kTolLoss = 1e-4, kTolLossLib = 1e-3;
+// The window form's entropy on the host (float32 partials and merge against float64 from the exact
+// logits): float32 rounding of the logits and of the centred sums, 7e-7 here; 5e-6 absolute
+// allows for the float32 logits themselves (|z| up to ~60, 6e-8 relative) and fails a merge that
+// drops a tile's centring (off by ln2 (Mx - m_t) weighted) or cancels as lse - U / S does here.
+constexpr double kTolEntropy = 5e-6;
 
 // The best loops' configuration (dev/scaled_gemm's measurements): grad_hidden on rs_loop's grouped
 // raster with groups of 8 M tiles (consecutive CTAs share W's k-blocks in L2), grad_weight on
@@ -2080,6 +2150,7 @@ bool host_checks(const std::vector<ShapeArg>& shapes) {
   const bool eok = e.gh.ok(kTolF64, kTolRatio) && e.gw.ok(kTolF64, kTolRatio) && e.gw2.ok(kTolF64, kTolRatio) &&
                    !e.pow2_inexact && e.loss_rel <= kTolLoss && e.target_entry <= 1.6e-2;
   const bool wok = e.gh_w.ok(kTolF64, kTolRatio) && e.gw_w.ok(kTolF64, kTolRatio) && e.loss_rel_w <= kTolLoss &&
+                   e.ent_w <= kTolEntropy &&
                    e.rebased == 2;
   auto all_fail = [](const EmuResult& x) {
     return !x.gh.ok(kTolF64, kTolRatio) && !x.gw.ok(kTolF64, kTolRatio) && !x.gw2.ok(kTolF64, kTolRatio) &&
@@ -2094,8 +2165,10 @@ bool host_checks(const std::vector<ShapeArg>& shapes) {
               e.loss_rel, e.target_entry, e.peak_p, e.gh.maxrel, e.gh.ratio, e.gw.maxrel, e.gw.ratio, e.gw2.maxrel,
               e.gw2.ratio, e.pow2_inexact ? "NO" : "yes", eok ? "pass" : "FAIL");
   std::printf("host: the window configuration (offset 0 within 2^+-%.0f, %d rows rebased: the hot and the cold one), "
-              "against float64: loss rel %.2e, grad_hidden max rel %.2e ratio %.6f, grad_weight max rel %.2e ratio %.6f: %s\n",
+              "against float64: loss rel %.2e, grad_hidden max rel %.2e ratio %.6f, grad_weight max rel %.2e ratio %.6f, "
+              "entropy (centred merge) max abs %.2e (the tile form's lse - U / S: %.2e): %s\n",
               fwd::kWindowBits, e.rebased, e.loss_rel_w, e.gh_w.maxrel, e.gh_w.ratio, e.gw_w.maxrel, e.gw_w.ratio,
+              e.ent_w, e.ent,
               wok ? "pass" : "FAIL");
   std::printf("host: the same with the planted bug (r * 1.005): grad_hidden ratio %.6f, grad_weight ratio %.6f, pow2 "
               "grad_weight ratio %.6f, window grad_hidden ratio %.6f, window grad_weight ratio %.6f: %s\n",
@@ -2236,7 +2309,7 @@ int main(int argc, char** argv) {
     const size_t NV = size_t(N) * V, VH = size_t(V) * H, NH = size_t(N) * H, NT = size_t(N) * tiles;
     // ---- buffers
     __nv_bfloat16 *hid, *hid_r, *W, *E, *gh, *gw, *gh_l, *gw_l;
-    float *Z, *kp, *sp, *up, *lse, *ent, *loss_row, *rfac, *kmax, *ztgt, *loss, *Sw, *Fw, *gw32, *gh32, *loss_l, *lse_l;
+    float *Z, *kp, *sp, *up, *mp, *lse, *ent, *loss_row, *rfac, *kmax, *ztgt, *loss, *Sw, *Fw, *gw32, *gh32, *loss_l, *lse_l;
     uint16_t* F;
     int64_t* tgt;
     int *range_bad, *rebased;
@@ -2250,7 +2323,7 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&gh_l, NH * 2));
     CK(cudaMalloc(&gw_l, VH * 2));
     CK(cudaMalloc(&Z, NV * 4));
-    for (float** p : {&kp, &sp, &up}) CK(cudaMalloc(p, NT * 4));
+    for (float** p : {&kp, &sp, &up, &mp}) CK(cudaMalloc(p, NT * 4));
     for (float** p : {&lse, &ent, &loss_row, &rfac, &kmax, &ztgt, &lse_l}) CK(cudaMalloc(p, size_t(N) * 4));
     CK(cudaMalloc(&loss, 4));
     CK(cudaMalloc(&loss_l, 4));
@@ -2314,7 +2387,9 @@ int main(int argc, char** argv) {
     // (flags and counts the rows to rebase), both gradients as cuBLASLt products of E
     using FwdW = fwd::ExpKernel<fwd::Mode::StagedWindow>;
     fwd::Runner<FwdW> fww;
-    if (!fww.init(fwd::exp_args<FwdW>(N, V, H, reinterpret_cast<const bf16*>(hid), reinterpret_cast<const bf16*>(W), out),
+    fwd::ScaledExpOut out_w = out;
+    out_w.m = mp;
+    if (!fww.init(fwd::exp_args<FwdW>(N, V, H, reinterpret_cast<const bf16*>(hid), reinterpret_cast<const bf16*>(W), out_w),
                   best_r, best_sw, fwd_ws_w, fwd_wsb, st)) {
       std::printf("| %d x %d x %d | the window forward kernel cannot run this shape |\n", N, H, V);
       continue;
@@ -2322,6 +2397,7 @@ int main(int argc, char** argv) {
     MergeArgs maw = ma;
     maw.rebase = rebase;
     maw.rebased = rebased;
+    maw.m = mp;
     LtGemm gh_lt, gw_lt;  // grad_hidden's E W (float32, N x H) and grad_weight's E^T (r h) (float32, V x H)
     if (!gh_lt.init(lt, CUBLAS_OP_N, CUBLAS_OP_N, H, N, V, W, H, E, V, gh32, H, CUDA_R_32F, lt_wsb) ||
         !gw_lt.init(lt, CUBLAS_OP_N, CUBLAS_OP_T, H, V, N, hid_r, H, E, V, gw32, H, CUDA_R_32F, lt_wsb)) {
@@ -2435,10 +2511,11 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(&h_loss_l, loss_l, 4, cudaMemcpyDeviceToHost));
     // float64: every row's lse from the float32 reference logits, the target logits exactly; the
     // loss; 16 rows of grad_hidden (exact float64 logits of those rows) and 16 rows of grad_weight
-    double *lse64, *zt64, *z64, *lse64q, *d64, *gh64, *dc64, *gw64;
+    double *lse64, *ent64, *zt64, *z64, *lse64q, *d64, *gh64, *dc64, *gw64;
     int *qrows, *qv;
     int64_t* tq;
     CK(cudaMalloc(&lse64, size_t(N) * 8));
+    CK(cudaMalloc(&ent64, size_t(N) * 8));
     CK(cudaMalloc(&zt64, size_t(N) * 8));
     CK(cudaMalloc(&z64, size_t(kSample) * V * 8));
     CK(cudaMalloc(&lse64q, kSample * 8));
@@ -2467,6 +2544,7 @@ int main(int argc, char** argv) {
     CK(cudaMemcpyAsync(qv, hv.data(), kSample * 4, cudaMemcpyHostToDevice, st));
     CK(cudaMemcpyAsync(tq, htq.data(), kSample * 8, cudaMemcpyHostToDevice, st));
     lse_f64<float><<<N, 256, 0, st>>>(Z, V, lse64);
+    ent_f64<<<N, 256, 0, st>>>(Z, V, lse64, ent64);
     target_f64<<<(N + 7) / 8, 256, 0, st>>>(hid, W, tgt, N, H, zt64);
     z_f64<<<dim3((V + 255) / 256, kSample), 256, 0, st>>>(hid, W, qrows, H, V, z64);
     lse_f64<double><<<kSample, 256, 0, st>>>(z64, V, lse64q);
@@ -2479,12 +2557,13 @@ int main(int argc, char** argv) {
     rows_times_matrix_f64<<<dim3((H + 127) / 128, (N + nchunk - 1) / nchunk), 128, 0, st>>>(dc64, hid, N, H, nchunk, gw64);
     CK(cudaStreamSynchronize(st));
     CK(cudaGetLastError());
-    std::vector<double> h_lse64(N), h_zt64(N), h_gh64(size_t(kSample) * H), h_gw64(size_t(kSample) * H);
+    std::vector<double> h_lse64(N), h_ent64(N), h_zt64(N), h_gh64(size_t(kSample) * H), h_gw64(size_t(kSample) * H);
     CK(cudaMemcpy(h_lse64.data(), lse64, size_t(N) * 8, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(h_ent64.data(), ent64, size_t(N) * 8, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(h_zt64.data(), zt64, size_t(N) * 8, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(h_gh64.data(), gh64, h_gh64.size() * 8, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(h_gw64.data(), gw64, h_gw64.size() * 8, cudaMemcpyDeviceToHost));
-    for (void* p : {(void*)lse64, (void*)zt64, (void*)z64, (void*)lse64q, (void*)d64, (void*)gh64, (void*)dc64,
+    for (void* p : {(void*)lse64, (void*)ent64, (void*)zt64, (void*)z64, (void*)lse64q, (void*)d64, (void*)gh64, (void*)dc64,
                     (void*)gw64, (void*)qrows, (void*)qv, (void*)tq})
       CK(cudaFree(p));
     double loss64 = 0;
@@ -2512,7 +2591,7 @@ int main(int argc, char** argv) {
       bool ok = false;
       int range = 0;
       float loss = 0;
-      double lse_err = 0;
+      double lse_err = 0, ent_err = 0, ent_rel = 0;  // entropy: max abs, and max relative where H > 1e-2
       std::string cells;  // the table's check cells
     };
     auto judge = [&](const char* name, const std::function<void()>& s1, const std::function<void()>& s2,
@@ -2535,12 +2614,13 @@ int main(int argc, char** argv) {
       const Cmp gh_lib = compare_dev(gh, gh_l, NH, part, st);
       const Cmp gw_lib = compare_dev(gw, gw_l, VH, part, st);
       std::vector<__nv_bfloat16> s_gh(size_t(kSample) * H);
-      std::vector<float> s_gw(size_t(kSample) * H), h_lse(N);
+      std::vector<float> s_gw(size_t(kSample) * H), h_lse(N), h_ent(N);
       for (int q = 0; q < kSample; ++q) {
         CK(cudaMemcpy(&s_gh[size_t(q) * H], gh + size_t(hq[q]) * H, size_t(H) * 2, cudaMemcpyDeviceToHost));
         CK(cudaMemcpy(&s_gw[size_t(q) * H], gw32 + size_t(hv[q]) * H, size_t(H) * 4, cudaMemcpyDeviceToHost));
       }
       CK(cudaMemcpy(h_lse.data(), lse, size_t(N) * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(h_ent.data(), ent, size_t(N) * 4, cudaMemcpyDeviceToHost));
       const Cmp gh64c = compare_host([&](size_t i) { return bf(s_gh[i]); }, h_gh64);
       const Cmp gw64c = compare_host([&](size_t i) { return double(s_gw[i]); }, h_gw64);
       // the ratio of grad_weight's spread rows alone (q >= 8: sums over every token, where a 0.5%
@@ -2551,7 +2631,12 @@ int main(int argc, char** argv) {
       const std::vector<double> h_gw64_spread(h_gw64.begin() + size_t(8) * H, h_gw64.end());
       const Cmp gw64s = compare_host([&](size_t i) { return double(s_gw[size_t(8) * H + i]); }, h_gw64_spread);
       for (int i = 0; i < N; ++i)
-        if (ht[i] != kIgnoreIndex) v.lse_err = std::max(v.lse_err, std::fabs(h_lse[i] - h_lse64[i]));
+        if (ht[i] != kIgnoreIndex) {
+          v.lse_err = std::max(v.lse_err, std::fabs(h_lse[i] - h_lse64[i]));
+          const double de = std::fabs(h_ent[i] - h_ent64[i]);
+          v.ent_err = std::max(v.ent_err, de);
+          if (h_ent64[i] > 1e-2) v.ent_rel = std::max(v.ent_rel, de / h_ent64[i]);
+        }
       const double loss_rel_lib = std::fabs(double(v.loss) - h_loss_l) / std::fabs(double(h_loss_l));
       const double loss_rel_64 = std::fabs(double(v.loss) - loss64) / std::fabs(loss64);
       v.ok = v.range == 0 && loss_rel_lib <= kTolLossLib && loss_rel_64 <= kTolLoss && gh_lib.ok(kTolLib, kTolRatio) &&
@@ -2573,17 +2658,19 @@ int main(int argc, char** argv) {
     const int hot = (N + 231) / 256;
     const bool checks = vb.ok && vx.ok && vw.ok && h_rebased == hot;
     all_ok = all_ok && checks;
-    char line[1536];
+    char line[2048];
     std::snprintf(line, sizeof line,
                   "- %d x %d x %d: %d rows of %d not ignored; forward raster %s, swizzle %d; rows past the target "
                   "entry's range: base %d, best %d, window %d; window rows rebased %d (the hot rows: %d); loss base "
                   "%.7f, best %.7f, window %.7f, library %.7f, float64 %.7f; lse max abs vs float64 (from the float32 "
-                  "reference logits): base %.2e, best %.2e, window %.2e, library %.2e; the library "
+                  "reference logits): base %.2e, best %.2e, window %.2e, library %.2e; entropy max abs (max rel where "
+                  "H > 1e-2) vs float64 from the same logits: base and best (sum E z at the tile offsets) %.2e "
+                  "(%.2e), window (centred on each tile's own offset) %.2e (%.2e); the library "
                   "against the same float64 rows: grad_hidden max rel %.2e ratio %.6f, grad_weight max rel %.2e "
                   "ratio %.6f; library workspace %.0f MiB\n",
                   N, H, V, valid, N, best_r == Raster::AlongM ? "along M" : "along N", best_sw, vb.range, vx.range,
                   vw.range, h_rebased, hot, vb.loss, vx.loss, vw.loss, h_loss_l, loss64, vb.lse_err, vx.lse_err,
-                  vw.lse_err, lse_lib, gh64l.maxrel, gh64l.ratio,
+                  vw.lse_err, lse_lib, vb.ent_err, vb.ent_rel, vw.ent_err, vw.ent_rel, gh64l.maxrel, gh64l.ratio,
                   gw64l.maxrel, gw64l.ratio, lib_wsb / 1048576.0);
     notes += line;
 
@@ -2641,7 +2728,7 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
     CK(cudaFree(lib_ws));
-    for (void* p : {(void*)hid, (void*)W, (void*)E, (void*)gh, (void*)gw, (void*)gh_l, (void*)gw_l, (void*)Z, (void*)kp,
+    for (void* p : {(void*)hid, (void*)W, (void*)E, (void*)gh, (void*)gw, (void*)gh_l, (void*)gw_l, (void*)Z, (void*)kp, (void*)mp,
                     (void*)sp, (void*)up, (void*)lse, (void*)ent, (void*)loss_row, (void*)rfac, (void*)kmax,
                     (void*)ztgt, (void*)lse_l, (void*)loss, (void*)loss_l, (void*)Sw, (void*)Fw, (void*)F, (void*)gw32, (void*)hid_r,
                     (void*)tgt, (void*)range_bad, (void*)gh32, (void*)rebased, (void*)rebase})
