@@ -95,7 +95,8 @@
 //
 // Inputs: hidden a sum of two uniforms (std ~0.69), W scaled so that the logits' std is ~2.5; rows
 // i % 6 == 0 peaked (h_i += alpha w_t, alpha |w_t|^2 = 22: 1 - p_t ~ 1e-3; hot, alpha |w_t|^2 = 60,
-// where i % 256 == 24: the window configuration must rebase exactly those), rows i % 6 == 3 take
+// where also i % 256 == 24, i.e. i % 768 == 24: the window configuration must rebase exactly
+// those), rows i % 6 == 3 take
 // their argmax as target, rows i % 16 == 5 are ignored (-100), the rest random targets.
 //
 // Checks, before any timing (the program refuses to time a shape that fails; exit status 1):
@@ -1545,10 +1546,10 @@ __global__ void hash_targets(int64_t* t, int M, int V, uint32_t seed) {
 
 /// Peaked rows (i % 6 == 0): h_i += alpha w_{t_i} with alpha |w_t|^2 = 22, so the target's logit
 /// stands ~22 nats above its row's typical logit, ~7 above the log-sum-exp of the others (ln(V
-/// e^(2.5^2 / 2)) ~ 15 nats at V = 128256): 1 - p_t ~ 1e-3. Rows i % 256 == 24 (hot) take alpha
-/// |w_t|^2 = 60: the target's logit ~60 nats (87 powers of two) lies outside the window
-/// configuration's window, so its tile takes its own offset and the row is rebased (the path
-/// that configuration would otherwise never run here). One block a row.
+/// e^(2.5^2 / 2)) ~ 15 nats at V = 128256): 1 - p_t ~ 1e-3. Those of them with i % 256 == 24
+/// (hot: i % 768 == 24) take alpha |w_t|^2 = 60: the target's logit ~60 nats (87 powers of two)
+/// lies outside the window configuration's window, so its tile takes its own offset and the row
+/// is rebased (the path that configuration would otherwise never run here). One block a row.
 __global__ void peak_rows(__nv_bfloat16* hid, const __nv_bfloat16* W, const int64_t* t, int M, int H) {
   const int row = blockIdx.x * 6;
   if (row >= M) return;
@@ -2654,8 +2655,9 @@ int main(int argc, char** argv) {
     const Verdict vw = judge("first run of the window configuration", stage1w, stage2w, stage3w, stage4w);
     int h_rebased = 0;
     CK(cudaMemcpy(&h_rebased, rebased, 4, cudaMemcpyDeviceToHost));
-    // the hot rows (i % 256 == 24) are the rows whose logits leave the window here
-    const int hot = (N + 231) / 256;
+    // the hot rows (peaked rows, i % 6 == 0, with i % 256 == 24: i % 768 == 24) are the rows
+    // whose logits leave the window here
+    const int hot = (N + 743) / 768;
     const bool checks = vb.ok && vx.ok && vw.ok && h_rebased == hot;
     all_ok = all_ok && checks;
     char line[2048];
