@@ -109,9 +109,10 @@
 // - float64 at sampled entries: 16 rows of grad_hidden (exact float64 logits of those rows over
 //   the whole vocabulary) and 16 rows of grad_weight (8 of them targets of sampled rows, 8 spread
 //   over V; every token's float64 logit against them, lse from the float32 reference logits):
-//   max rel 1e-2, ratio within 1e-3 (grad_weight from the float32 output before the rounding; its
-//   ratio over the 8 spread rows only: a target's row sums the few tokens with that target, whose
-//   roundings move a 16-row ratio by 1-2e-3).
+//   max rel 1e-2, ratio within 2.5e-3 (kTolRatioSampled: a few rows average few roundings;
+//   grad_weight from the float32 output before the rounding; its ratio over the 8 spread rows
+//   only: a target's row sums the few tokens with that target, whose roundings move a 16-row
+//   ratio by 1-2e-3).
 //   These references run on the GPU in float64 (a host float64 pass over N x V x H would take
 //   minutes); the library's own errors against them are printed under the table.
 // - --plant multiplies r by 1.005: the ratio checks must fail (the host emulation checks that
@@ -2087,6 +2088,12 @@ EmuResult emulate_chunk(EmuBugs bugs) {
 // its loss and dlogits) are rounded to bf16 first (src/cuda/linear/linear_cuda.cpp, step 1): up to
 // ~0.03 nats a logit at |z| ~ 16, random, which averages over the rows.
 constexpr double kTolF64 = 1e-2, kTolLib = 2e-2, kTolRatio = 1e-3, kTolLoss = 1e-4, kTolLossLib = 1e-3;
+// The GPU's float64 checks sample 16 rows (grad_hidden) and 8 spread rows (grad_weight): their
+// ratio averages the roundings of those rows only, which moved it by up to 1.1e-3 for the
+// library and ours alike (an H100, 2026-12-07: the library 0.99894 at 4096 x 2304 x 256000, ours
+// 0.99889 at 8192 x 4096 x 151936, where the whole matrices agree with the library's to 2e-5), so
+// those ratios are held to 2.5e-3; the planted 0.5% still fails them and the whole-matrix ratio.
+constexpr double kTolRatioSampled = 2.5e-3;
 // The window form's entropy on the host (float32 partials and merge against float64 from the exact
 // logits): float32 rounding of the logits and of the centred sums, 7e-7 here; 5e-6 absolute
 // allows for the float32 logits themselves (|z| up to ~60, 6e-8 relative) and fails a merge that
@@ -2641,8 +2648,8 @@ int main(int argc, char** argv) {
       const double loss_rel_lib = std::fabs(double(v.loss) - h_loss_l) / std::fabs(double(h_loss_l));
       const double loss_rel_64 = std::fabs(double(v.loss) - loss64) / std::fabs(loss64);
       v.ok = v.range == 0 && loss_rel_lib <= kTolLossLib && loss_rel_64 <= kTolLoss && gh_lib.ok(kTolLib, kTolRatio) &&
-             gw_lib.ok(kTolLib, kTolRatio) && gh64c.ok(kTolF64, kTolRatio) && gw64c.maxrel <= kTolF64 &&
-             gw64s.ok(kTolF64, kTolRatio);
+             gw_lib.ok(kTolLib, kTolRatio) && gh64c.ok(kTolF64, kTolRatioSampled) && gw64c.maxrel <= kTolF64 &&
+             gw64s.ok(kTolF64, kTolRatioSampled);
       char chk[512];
       std::snprintf(chk, sizeof chk, "%.1e, %.1e | %.1e, %.5f | %.1e, %.5f | %.1e, %.5f | %.1e, %.5f (spread rows %.5f)",
                     loss_rel_lib, loss_rel_64, gh_lib.maxrel, gh_lib.ratio, gw_lib.maxrel, gw_lib.ratio, gh64c.maxrel,
