@@ -6,7 +6,8 @@
 // FLOPs counted: 6 N H V (the floor's three products). Extra memory: the workspace the call asks
 // for (linear_cross_entropy_workspace_size), given to it explicitly, so nothing else is taken.
 // Timing: CUDA events, after warm-up, median of `iters` runs.
-// Usage: fusedce_linear_bench [--quick] [--csv FILE] [--profile N H V] [--graph [N H V]]
+// Usage: fusedce_linear_bench [--quick] [--csv FILE] [--shape N H V]... [--profile N H V] [--graph [N H V]]
+//   --shape N H V (repeatable): these shapes instead of the default list, every target valid.
 //   --graph: skip_ignored with and without CUDA graph capture at one shape (default
 //   8192 x 4096 x 128256), every target valid and half of them ignored, on a stream of its own:
 //   eager (the synced path), captured once and replayed, and the cost of a graph of one's own
@@ -382,6 +383,7 @@ int main(int argc, char** argv) {
   Shape one{0, 0, 0, false};
   const char* csv_path = nullptr;
   Shape graph{0, 0, 0, true};
+  std::vector<Shape> given;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
@@ -394,11 +396,18 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--profile") == 0 && i + 3 < argc) {
       one = Shape{std::atoll(argv[i + 1]), std::atoll(argv[i + 2]), std::atoll(argv[i + 3]), false};
       i += 3;
+    } else if (std::strcmp(argv[i], "--shape") == 0 && i + 3 < argc) {
+      given.push_back(Shape{std::atoll(argv[i + 1]), std::atoll(argv[i + 2]), std::atoll(argv[i + 3]), false});
+      i += 3;
+      if (given.back().N <= 0 || given.back().H <= 0 || given.back().V <= 0) {
+        std::fprintf(stderr, "fusedce_linear_bench: --shape: N, H and V must be positive\n");
+        return 2;
+      }
     } else if (std::strcmp(argv[i], "--csv") == 0 && i + 1 < argc) {
       csv_path = argv[++i];
     } else {
       std::fprintf(stderr, "fusedce_linear_bench: unknown or incomplete argument \"%s\"\n"
-                           "usage: fusedce_linear_bench [--quick] [--csv FILE] [--profile N H V] [--graph [N H V]]\n",
+                           "usage: fusedce_linear_bench [--quick] [--csv FILE] [--shape N H V]... [--profile N H V] [--graph [N H V]]\n",
                    argv[i]);
       return 2;
     }
@@ -431,6 +440,7 @@ int main(int argc, char** argv) {
   std::vector<Shape> shapes = {{4096, 4096, 128256, false}, {8192, 4096, 128256, false}, {16384, 2304, 256000, false},
                                {8192, 4096, 151936, false}, {8192, 4096, 128256, true}};
   if (!quick) shapes.push_back({32768, 4096, 128256, false});
+  if (!given.empty()) shapes = given;
   for (const Shape& s : shapes) bench(s, bare, iters, true, prop.name, csv);
   if (csv) std::fclose(csv);
   return 0;
