@@ -1076,5 +1076,231 @@ TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
   for (void* d : owned) cudaFree(d);
 }
 
+// The linear cross-entropy's window form (cuda/linear/window_forward.h): on Hopper a bf16 call
+// without a bias, label smoothing, soft-cap or z-loss takes it, so these calls run it. Against
+// float64 (logits from the bf16 inputs, exact), on rows the window form treats three ways:
+// ordinary rows (every tile at offset 0), hot rows (the target's logit about 59 nats: its tile
+// takes its own offset and the row is rebased) and cold rows (every logit about -60 nats: every
+// tile its own offset), with ignored rows between them; three option sets (mean with metrics;
+// none with per-row upstream gradients, class weights, a negative logit scale, skip_ignored, V not
+// a multiple of 8 and several token chunks; sum with a causal shift, metrics and V = 2).
+// Tolerances: the loss and lse come from float32 logits (the product's accumulators and a float32
+// dot product for the target), so a row's error is a few float32 roundoffs of its logits' size:
+// 2e-5 (1 + |lse| + |z_t|); bf16 logits would miss a 59-nat target logit by up to 0.125, which
+// this fails. Gradients: dlogits r E carry E's bf16 rounding (2^-9) and grad_weight's operand
+// bf16(r h) one more, the output one more: elementwise 2^-8 |ref| + 1e-2 max |ref| (the bf16
+// rule of test_linear.cpp), and the projection sum got ref / sum ref ref within 2e-3 of 1, which
+// averages the roundings out so that a 0.5% scale error fails. Metrics on and off: the same bits.
+TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  int dev = 0;
+  ASSERT_CUDA(cudaGetDevice(&dev));
+  if (!fusedce::cuda::cutlass_products_available(dev)) GTEST_SKIP() << "the window form runs on sm_90 builds with CUTLASS";
+  using fusedce::detail::bf16_to_float;
+  using fusedce::detail::float_to_bf16;
+  struct Case {
+    const char* name;
+    int64_t N, H, V;
+    fusedce::Reduction reduction;
+    float scale;
+    bool class_weight, skip, metrics;
+    int64_t shift;
+    size_t budget;
+  };
+  const Case cases[] = {
+      {"mean, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f, false, false, true, 0, 0},
+      {"none, class weights, scale -0.8, skip_ignored, V 386, chunks", 200, 64, 386, fusedce::Reduction::kNone, -0.8f,
+       true, true, false, 0, size_t(64) << 10},
+      {"sum, shift, metrics, V 2", 120, 32, 2, fusedce::Reduction::kSum, 1.0f, false, false, true, 10, 0},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int64_t N = c.N, H = c.H, V = c.V;
+    std::mt19937_64 rng = test_rng();
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<uint16_t> hid(N * H), w(V * H);
+    // every weight row has 1 in column 0: a cold row's hidden state -60 there shifts all its logits
+    for (int64_t j = 0; j < V; ++j)
+      for (int64_t k = 0; k < H; ++k) w[j * H + k] = float_to_bf16(k == 0 ? 1.0f : normal(rng) * 2.0f / std::sqrt(float(H)));
+    std::vector<int64_t> tgt(N);
+    for (auto& t : tgt) t = static_cast<int64_t>(rng() % V);
+    for (int64_t i = 0; i < N; ++i) {
+      const bool hot = i % 7 == 3, cold = i % 11 == 5;
+      const int64_t t = tgt[c.shift > 0 ? std::min(i + 1, N - 1) : i];
+      for (int64_t k = 0; k < H; ++k) {
+        float x = normal(rng);
+        if (hot) x = 12.0f * bf16_to_float(w[t * H + k]);  // z_t = 12 |w_t|^2, about 59
+        if (cold && k == 0) x = -60.0f;
+        hid[i * H + k] = float_to_bf16(x);
+      }
+      if (i % 5 == 0) tgt[i] = -100;
+    }
+    if (c.shift > 0) tgt[1] = 0;  // at least one counted row
+    std::vector<float> cw(c.class_weight ? V : 0), up(c.reduction == fusedce::Reduction::kNone ? N : 1, 1.75f);
+    for (auto& x : cw) x = 0.25f + static_cast<float>(rng() % 100) / 50.0f;
+    if (c.reduction == fusedce::Reduction::kNone)
+      for (auto& x : up) x = 0.5f + static_cast<float>(rng() % 100) / 100.0f;
+
+    // float64 reference
+    std::vector<double> loss_row(N, 0.0), lse_ref(N, 0.0), gh_ref(N * H, 0.0), gw_ref(V * H, 0.0), z(V);
+    double denom = 0.0, loss_sum = 0.0, ent_ref = 0.0;
+    int64_t correct_ref = 0;
+    auto target_of = [&](int64_t i) -> int64_t {
+      if (c.shift > 0) return i % c.shift == c.shift - 1 ? -100 : tgt[i + 1];
+      return tgt[i];
+    };
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t t = target_of(i);
+      if (t != -100) denom += c.class_weight ? cw[t] : 1.0;
+    }
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t t = target_of(i);
+      if (t == -100) continue;
+      double mx = -INFINITY;
+      int64_t am = 0;
+      for (int64_t j = 0; j < V; ++j) {
+        double x = 0.0;
+        for (int64_t k = 0; k < H; ++k) x += double(bf16_to_float(hid[i * H + k])) * bf16_to_float(w[j * H + k]);
+        z[j] = c.scale * x;
+        if (z[j] > mx) mx = z[j], am = j;
+      }
+      double s = 0.0, sz = 0.0;
+      for (int64_t j = 0; j < V; ++j) s += std::exp(z[j] - mx);
+      const double lse = mx + std::log(s);
+      for (int64_t j = 0; j < V; ++j) sz += std::exp(z[j] - lse) * z[j];
+      const double wt = c.class_weight ? cw[t] : 1.0;
+      lse_ref[i] = lse;
+      loss_row[i] = wt * (lse - z[t]);
+      loss_sum += loss_row[i];
+      ent_ref += lse - sz;
+      correct_ref += am == t;
+      const double g = c.reduction == fusedce::Reduction::kNone ? up[i]
+                       : c.reduction == fusedce::Reduction::kSum ? up[0]
+                                                                 : up[0] / denom;
+      for (int64_t j = 0; j < V; ++j) {
+        const double d = g * wt * (std::exp(z[j] - lse) - (j == t ? 1.0 : 0.0)) * c.scale;
+        if (d == 0.0) continue;
+        for (int64_t k = 0; k < H; ++k) {
+          gh_ref[i * H + k] += d * bf16_to_float(w[j * H + k]);
+          gw_ref[j * H + k] += d * bf16_to_float(hid[i * H + k]);
+        }
+      }
+    }
+
+    std::vector<void*> owned;
+    auto upload = [&](const void* host, size_t bytes) {
+      void* d = nullptr;
+      EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(bytes, 1)), cudaSuccess);
+      if (host != nullptr) {
+        EXPECT_EQ(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      }
+      owned.push_back(d);
+      return d;
+    };
+    void* d_hid = upload(hid.data(), hid.size() * 2);
+    void* d_w = upload(w.data(), w.size() * 2);
+    void* d_t = upload(tgt.data(), N * 8);
+    void* d_cw = upload(cw.data(), cw.size() * 4);
+    void* d_up = upload(up.data(), up.size() * 4);
+    const int64_t loss_n = c.reduction == fusedce::Reduction::kNone ? N : 1;
+    struct Out {
+      std::vector<float> loss, lse;
+      float entropy = 0.0f;
+      int64_t correct = 0;
+      std::vector<uint16_t> gh, gw;
+    };
+    auto call = [&](bool metrics) {
+      Out o;
+      void* d_loss = upload(nullptr, loss_n * 4);
+      void* d_lse = upload(nullptr, N * 4);
+      void* d_ent = upload(nullptr, 4);
+      void* d_cor = upload(nullptr, 8);
+      void* d_gh = upload(nullptr, N * H * 2);
+      void* d_gw = upload(nullptr, V * H * 2);
+      fusedce::Options opt;
+      opt.reduction = c.reduction;
+      opt.logit_scale = c.scale;
+      opt.return_metrics = metrics;
+      if (c.class_weight) opt.class_weight = fusedce::vector(d_cw, DType::kFloat32, V);
+      fusedce::LinearOptions lo;
+      lo.shift_seq_len = c.shift;
+      lo.skip_ignored = c.skip;
+      lo.chunk_budget_bytes = c.budget;
+      fusedce::ForwardOutputs out;
+      out.loss = fusedce::vector(d_loss, DType::kFloat32, loss_n);
+      out.lse = fusedce::vector(d_lse, DType::kFloat32, N);
+      if (metrics) {
+        out.entropy_sum = fusedce::vector(d_ent, DType::kFloat32, 1);
+        out.num_correct = fusedce::vector(d_cor, DType::kInt64, 1);
+      }
+      fusedce::LinearGrads g;
+      g.grad_hidden = fusedce::matrix(d_gh, DType::kBFloat16, N, H);
+      g.grad_weight = fusedce::matrix(d_gw, DType::kBFloat16, V, H);
+      const fusedce::Status st = fusedce::linear_cross_entropy_forward_backward(
+          fusedce::Device::cuda(dev), fusedce::matrix(d_hid, DType::kBFloat16, N, H),
+          fusedce::matrix(d_w, DType::kBFloat16, V, H), fusedce::VectorView{}, fusedce::vector(d_t, DType::kInt64, N),
+          opt, lo, out, fusedce::vector(d_up, DType::kFloat32, up.size()), g);
+      EXPECT_TRUE(st.ok()) << st.message();
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      o.loss.resize(loss_n);
+      o.lse.resize(N);
+      o.gh.resize(N * H);
+      o.gw.resize(V * H);
+      EXPECT_EQ(cudaMemcpy(o.loss.data(), d_loss, loss_n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(o.lse.data(), d_lse, N * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(o.gh.data(), d_gh, N * H * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(o.gw.data(), d_gw, V * H * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      if (metrics) {
+        EXPECT_EQ(cudaMemcpy(&o.entropy, d_ent, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+        EXPECT_EQ(cudaMemcpy(&o.correct, d_cor, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+      }
+      return o;
+    };
+    const Out got = call(c.metrics);
+
+    int bad = 0;
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t t = target_of(i);
+      const double zt = t == -100 ? 0.0 : lse_ref[i] - loss_row[i] / (c.class_weight ? cw[t] : 1.0);
+      const double tol = 2e-5 * (1.0 + std::abs(lse_ref[i]) + std::abs(zt));
+      const bool ok = std::abs(got.lse[i] - lse_ref[i]) <= tol &&
+                      (loss_n == 1 || std::abs(got.loss[i] - loss_row[i]) <= tol * (c.class_weight ? cw[std::max<int64_t>(t, 0)] : 1.0));
+      if (!ok && ++bad <= 5) ADD_FAILURE() << "row " << i << ": lse " << got.lse[i] << " / " << lse_ref[i] << ", loss " << (loss_n == 1 ? 0.0f : got.loss[i]) << " / " << loss_row[i];
+    }
+    EXPECT_EQ(bad, 0);
+    if (loss_n == 1) {
+      const double want = c.reduction == fusedce::Reduction::kMean ? loss_sum / denom : loss_sum;
+      EXPECT_NEAR(got.loss[0], want, 2e-5 * (std::abs(want) + 1.0));
+    }
+    auto check_grad = [&](const char* what, const std::vector<uint16_t>& g, const std::vector<double>& ref) {
+      double mx = 0.0, dot = 0.0, rr = 0.0;
+      for (double v : ref) mx = std::max(mx, std::abs(v));
+      int wrong = 0;
+      for (size_t k = 0; k < ref.size(); ++k) {
+        const double x = bf16_to_float(g[k]);
+        dot += x * ref[k];
+        rr += ref[k] * ref[k];
+        if (!(std::abs(x - ref[k]) <= std::ldexp(1.0, -8) * std::abs(ref[k]) + 1e-2 * mx) && ++wrong <= 3) {
+          ADD_FAILURE() << what << "[" << k << "]: " << x << " / " << ref[k] << " (largest " << mx << ")";
+        }
+      }
+      EXPECT_EQ(wrong, 0) << what;
+      EXPECT_NEAR(dot / rr, 1.0, 2e-3) << what << ": the projection on the reference";
+    };
+    check_grad("grad_hidden", got.gh, gh_ref);
+    check_grad("grad_weight", got.gw, gw_ref);
+    if (c.metrics) {
+      EXPECT_NEAR(got.entropy, ent_ref, 2e-4 * std::abs(ent_ref) + 1e-3);
+      EXPECT_NEAR(static_cast<double>(got.correct), static_cast<double>(correct_ref), 1.0);
+      const Out plain = call(false);
+      EXPECT_EQ(plain.loss, got.loss);
+      EXPECT_EQ(plain.lse, got.lse);
+      EXPECT_EQ(plain.gh, got.gh);
+      EXPECT_EQ(plain.gw, got.gw);
+    }
+    for (void* d : owned) cudaFree(d);
+  }
+}
+
 }  // namespace
 }  // namespace fusedce_test

@@ -12,6 +12,14 @@
 // The products run through cuBLASLt (gemm.h); on Hopper the last chunk's bfloat16 grad_weight
 // product is a CUTLASS kernel (cutlass_products.h) that also rounds, else cuBLASLt and a rounding
 // pass.
+// The window form (Hopper, bf16, the options whose gradient is a per-row factor times softmax:
+// window_eligible) replaces steps 1 and 2: the logits product's epilogue stores E = exp(z - k)
+// in the logit buffer (k = 0 for every 192-wide tile whose largest logit lies within about 44
+// nats of 0) with per-(row, tile) sums and offsets; a merge forms each row's loss, lse and factor
+// r (dlogits = r E, the target's entry of E rewritten), a rebase brings the few rows whose tiles
+// took different offsets to one; then grad_weight (+)= E^T bf16(r h) and grad_hidden = bf16(r (E W))
+// (cuBLASLt's float32 product, scaled and rounded once). No pass reads or writes the logits
+// beyond the products (window_forward.h, window_kernels.h).
 // low_memory (with grad_weight): the float32 (V, H) accumulator would break the 512 MiB bound, so
 // step 3 leaves grad_weight out and a second pass forms it slice by slice of the vocabulary: for
 // each slice, the logits of every position over the slice's columns are recomputed (a product),
@@ -60,6 +68,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <map>
 #include <cstdint>
 #include <sstream>
@@ -73,6 +82,8 @@
 #include "cuda/host_util.h"
 #include "cuda/linear/linear.h"
 #include "cuda/linear/size_ladder.h"
+#include "cuda/linear/window_forward.h"
+#include "cuda/linear/window_kernels.h"
 
 namespace fusedce {
 namespace cuda {
@@ -140,6 +151,7 @@ struct LinearPlan {
   bool gw_via_acc;       // 16-bit grad_weight summed over chunks in a float32 accumulator
   bool logits_in_gw;     // the logit buffer borrows the 16-bit grad_weight output (see plan_linear)
   bool pad_weight;       // grad_hidden from a copy of the weight padded to ld_logits rows
+  bool window;           // the window form where the call allows it (window_eligible; bias: at run)
   size_t buffer_bytes;   // the logit buffer
   size_t slice_acc_bytes;
   int64_t chunk_rows;  // rows the logit buffer holds: the most a chunk has
@@ -148,7 +160,9 @@ struct LinearPlan {
   Options ce_options;  // the per-chunk cross-entropy call's options
   // workspace byte offsets
   size_t gemm_ws, logits, ce_ws, ce_ws_bytes, ones, gw_acc, gb_acc, eff_target, idx, scalars, target_c, grad_p,
-      loss_c, lse_p, row_loss, chunk_entropy, chunk_correct, hidden_c, gh_c, slice_acc, weight_pad, total;
+      loss_c, lse_p, row_loss, chunk_entropy, chunk_correct, hidden_c, gh_c, slice_acc, weight_pad, win_sum,
+      win_offset, win_r, win_kmax, win_entry, win_flag, win_scratch, win_centred, win_top, win_top_col, win_entropy,
+      win_correct, total;
 };
 
 struct Scalars {  // device-side batch scalars written by the prepare and product-scale kernels
@@ -191,6 +205,20 @@ SlicePlan plan_slices(const LinearPlan& p, int64_t positions) {
   return s;
 }
 
+/// Whether a call may take the window form (window_forward.h): bf16 on a GPU that runs the CUTLASS
+/// kernels, with the options whose gradient is a per-row factor times softmax (logit scale, class
+/// weights, ignore_index, the shift, every reduction, skip_ignored, the metrics). Label
+/// smoothing's uniform term, the soft-cap's and z-loss's per-entry factors, grad_bias and
+/// low_memory's vocabulary slices keep the logits path; so does a bias (seen at run time: the
+/// size query has no bias to look at).
+bool window_eligible(const Device& device, int64_t H, int64_t V, DType dtype, const Options& o,
+                     const LinearOptions& lo, bool grad_bias) {
+  if (dtype != DType::kBFloat16 || lo.low_memory || grad_bias) return false;
+  if (o.label_smoothing != 0.0f || o.softcap != 0.0f || o.z_loss != 0.0f || !std::isfinite(o.logit_scale)) return false;
+  if (H % 8 != 0 || V % 2 != 0) return false;  // the TMA's 16-byte rows; the epilogue's bf16 pairs
+  return cutlass_products_available(device.index);
+}
+
 LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int64_t V, DType dtype, const Options& o,
                        const LinearOptions& lo, bool want_gh, bool want_gw, bool want_gb) {
   LinearPlan p{};
@@ -208,8 +236,15 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   const size_t el = elem_size(dtype);
   const int64_t per16 = static_cast<int64_t>(16 / el);
   p.ld_logits = (V + per16 - 1) / per16 * per16;
-  // Per row of a chunk: its logits, and (compacting) its gathered hidden row and grad_hidden row.
-  const size_t row_bytes = size_t(p.ld_logits) * el + (p.compact ? size_t(H) * el * (p.grad_hidden ? 2 : 1) : 0);
+  p.window = window_eligible(device, H, V, dtype, o, lo, p.grad_bias);
+  // Per row of a chunk: its logits, and (compacting) its gathered hidden row and grad_hidden row;
+  // in the window form its partials and factors, and the row of the scratch that holds
+  // grad_weight's scaled hidden operand, then grad_hidden's float32 product.
+  const size_t scratch_row = p.grad_hidden ? size_t(H) * 4 : p.grad_weight ? size_t(H) * 2 : 0;
+  const size_t window_row =
+      p.window ? size_t(window_tiles(V)) * (p.metrics ? 20 : 8) + 13 + (p.metrics ? 5 : 0) + scratch_row : 0;
+  const size_t row_bytes =
+      size_t(p.ld_logits) * el + (p.compact ? size_t(H) * el * (p.grad_hidden ? 2 : 1) : 0) + window_row;
   auto set_chunks = [&](size_t budget) {
     int64_t rows = static_cast<int64_t>(budget / row_bytes);
     // Whole tiles of 128 rows for the products when the rows need several chunks anyway; a
@@ -295,6 +330,22 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   p.gh_c = p.compact && p.grad_hidden ? take(size_t(C) * H * el) : 0;
   p.slice_acc = p.slice_acc_bytes ? take(p.slice_acc_bytes) : 0;
   p.weight_pad = p.pad_weight ? take(size_t(p.ld_logits) * H * el) : 0;
+  if (p.window) {
+    p.win_sum = take(size_t(C) * window_tiles(V) * 4);
+    p.win_offset = take(size_t(C) * window_tiles(V) * 4);
+    p.win_r = take(size_t(C) * 4);
+    p.win_kmax = take(size_t(C) * 4);
+    p.win_entry = take(size_t(C) * 4);
+    p.win_flag = take(size_t(C));
+    p.win_scratch = scratch_row ? take(size_t(C) * scratch_row) : 0;
+    if (p.metrics) {
+      p.win_centred = take(size_t(C) * window_tiles(V) * 4);
+      p.win_top = take(size_t(C) * window_tiles(V) * 4);
+      p.win_top_col = take(size_t(C) * window_tiles(V) * 4);
+      p.win_entropy = take(size_t(C) * 4);
+      p.win_correct = take(size_t(C));
+    }
+  }
   p.total = at;
   return p;
 }
@@ -316,7 +367,8 @@ class LinearRun {
         logits_(logits),
         stream_(static_cast<cudaStream_t>(call.device.stream)),
         dev_(call.device),
-        cutlass_(plan.dtype == DType::kBFloat16 && cutlass_products_available(call.device.index)) {}
+        cutlass_(plan.dtype == DType::kBFloat16 && cutlass_products_available(call.device.index)),
+        window_(plan.window && call.bias.data == nullptr) {}
 
   Status run() {
     if (p_.compact) {
@@ -427,8 +479,10 @@ class LinearRun {
 
   /// The last chunk's grad_weight product with a float32 accumulator: where the CUTLASS kernel
   /// runs, accumulator + product rounded once straight into the 16-bit grad_weight (finish then
-  /// has no rounding pass to run); else `into_acc` (cuBLASLt) as every other chunk.
-  Status last_weight_product(const GemmCall& into_acc, const void* hidden, int64_t ld_hidden, int64_t rows) {
+  /// has no rounding pass to run); else `into_acc` (cuBLASLt) as every other chunk. `alpha`: the
+  /// product's factor on the device, as into_acc's scale (null: 1).
+  Status last_weight_product(const GemmCall& into_acc, const void* hidden, int64_t ld_hidden, int64_t rows,
+                             const float* alpha) {
     if (cutlass_ && !p_.logits_in_gw) {
       const MatrixView& gw = c_.grads.grad_weight;
       RoundedWeightProduct q{};
@@ -443,7 +497,7 @@ class LinearRun {
       q.ld_acc = p_.H;
       q.grad_weight = gw.data;
       q.ld_grad_weight = gw.row_stride;
-      q.alpha = scalars()->scale;
+      q.alpha = alpha;
       q.stream = stream_;
       q.device = c_.device.index;
       Status s = run_rounded_weight_product(q);
@@ -473,6 +527,156 @@ class LinearRun {
     return g;
   }
 
+  /// A chunk in the window form (window_forward.h, window_kernels.h), its rows gathered: the
+  /// logits product with E and the partials in its epilogue; the merge (loss, lse, each row's
+  /// factor r, the target entries); the rebase of rows whose tiles took different offsets; then
+  /// grad_weight (+)= E^T bf16(r h) and grad_hidden = bf16(r (E W)), the rows' factor riding the
+  /// hidden operand and the float32 product respectively, so that no pass forms dlogits.
+  /// `done` false (nothing launched): the product cannot run here, and the call keeps the logits
+  /// path from this chunk on.
+  Status window_chunk(int64_t p0, int64_t nc, int64_t chunk, bool last, const void* hc, int64_t ldh, bool* done) {
+    const DType d = p_.dtype;
+    const size_t el = elem_size(d);
+    WindowForward f{};
+    f.rows = nc;
+    f.V = p_.V;
+    f.H = p_.H;
+    f.hidden = hc;
+    f.ld_hidden = ldh;
+    f.weight = c_.weight.data;
+    f.ld_weight = c_.weight.row_stride;
+    f.scale = c_.options.logit_scale;
+    f.store_e = p_.grad;
+    f.e = logits_;
+    f.ld_e = p_.ld_logits;
+    f.sum = at_as<float>(p_.win_sum);
+    f.offset = at_as<float>(p_.win_offset);
+    f.metrics = p_.metrics;
+    f.centred = p_.metrics ? at_as<float>(p_.win_centred) : nullptr;
+    f.top = p_.metrics ? at_as<float>(p_.win_top) : nullptr;
+    f.top_col = p_.metrics ? at_as<int>(p_.win_top_col) : nullptr;
+    f.stream = stream_;
+    f.device = c_.device.index;
+    const Status s = run_window_forward(f);
+    if (s.code() == StatusCode::kUnsupported) {
+      window_ = false;
+      return Status::Ok();
+    }
+    FUSEDCE_TRY(s);
+    *done = true;
+
+    WindowMergeParams m{};
+    m.sum = f.sum;
+    m.offset = f.offset;
+    m.n = nc;
+    m.tiles = window_tiles(p_.V);
+    m.V = p_.V;
+    m.H = p_.H;
+    m.hidden = hc;
+    m.ld_hidden = ldh;
+    m.weight = c_.weight.data;
+    m.ld_weight = c_.weight.row_stride;
+    m.target = at_as<int64_t>(p_.target_c);
+    m.ignore_index = c_.options.ignore_index;
+    m.class_weight = static_cast<const float*>(c_.options.class_weight.data);
+    m.weight_stride = c_.options.class_weight.stride;
+    m.scale = c_.options.logit_scale;
+    m.centred = f.centred;
+    m.top = f.top;
+    m.top_col = f.top_col;
+    m.entropy = p_.metrics ? at_as<float>(p_.win_entropy) : nullptr;
+    m.correct = p_.metrics ? at_as<uint8_t>(p_.win_correct) : nullptr;
+    m.grad = p_.grad ? at_as<float>(p_.grad_p) + p0 : nullptr;
+    m.alpha = p_.grad ? &scalars()->scale[0] : nullptr;
+    m.e = logits_;
+    m.ld_e = p_.ld_logits;
+    m.loss = at_as<float>(p_.loss_c);
+    m.lse = at_as<float>(p_.lse_p) + p0;
+    m.r = at_as<float>(p_.win_r);
+    m.kmax = at_as<float>(p_.win_kmax);
+    m.target_entry = at_as<float>(p_.win_entry);
+    m.rebase = at_as<uint8_t>(p_.win_flag);
+    launch_window_merge(m, stream_);
+    FUSEDCE_TRY(last_error("the window merge kernel"));
+    if (p_.metrics) {
+      launch_window_metrics(WindowMetricsParams{m.entropy, m.correct, nc, at_as<float>(p_.chunk_entropy) + chunk,
+                                                at_as<int64_t>(p_.chunk_correct) + chunk},
+                            stream_);
+      FUSEDCE_TRY(last_error("the window metrics kernel"));
+    }
+    if (!p_.grad) return Status::Ok();
+
+    WindowRebaseParams rb{};
+    rb.e = logits_;
+    rb.ld_e = p_.ld_logits;
+    rb.n = nc;
+    rb.V = p_.V;
+    rb.tiles = m.tiles;
+    rb.offset = m.offset;
+    rb.kmax = m.kmax;
+    rb.rebase = m.rebase;
+    rb.target = m.target;
+    rb.target_entry = m.target_entry;
+    launch_window_rebase(rb, stream_);
+    FUSEDCE_TRY(last_error("the window rebase kernel"));
+
+    void* scratch = at(p_.win_scratch);
+    const GemmOperand weight_op{c_.weight.data, d, p_.H, p_.V, c_.weight.row_stride};  // H x V
+    const GemmOperand e_op{logits_, d, p_.V, nc, p_.ld_logits};                       // V x nc
+    if (p_.grad_weight) {
+      // hidden' (nc x H, dense) = bf16(r h): the rows' factor on the other operand
+      RowScaleParams hs{hc, false, ldh, m.r, scratch, p_.H, nc, p_.H};
+      launch_row_scale(hs, stream_);
+      FUSEDCE_TRY(last_error("scaling the hidden rows"));
+      // grad_weight^T (H x V) (+)= hidden' (H x nc) . E (nc x V)
+      const MatrixView& gw = c_.grads.grad_weight;
+      const bool direct = !p_.gw_via_acc;
+      GemmCall w = base_gemm();
+      w.a = GemmOperand{scratch, d, p_.H, nc, p_.H};
+      w.b = e_op;
+      w.transpose_b = true;
+      w.d = direct ? gw.data : at(p_.gw_acc);
+      w.d_dtype = direct ? d : DType::kFloat32;
+      w.m = p_.H;
+      w.n = p_.V;
+      w.ld_d = direct ? gw.row_stride : p_.H;
+      w.beta = chunk == 0 ? 0.0f : 1.0f;
+      w.role = grad_weight_role(direct);
+      if (last && chunk > 0 && p_.gw_via_acc) {
+        FUSEDCE_TRY(last_weight_product(w, scratch, p_.H, nc, nullptr));
+      } else {
+        FUSEDCE_TRY(gemm(w));
+      }
+    }
+    if (p_.grad_hidden) {
+      // (E W)^T (H x nc, float32) = weight (H x V) . E^T (V x nc), over ld_logits columns where
+      // the weight is padded (E's padding columns zeroed), then bf16(r .) into grad_hidden
+      GemmCall h = base_gemm();
+      h.a = weight_op;
+      h.b = e_op;
+      if (p_.pad_weight) {
+        if (cudaMemset2DAsync(static_cast<char*>(logits_) + p_.V * el, size_t(p_.ld_logits) * el, 0,
+                              size_t(p_.ld_logits - p_.V) * el, size_t(nc), stream_) != cudaSuccess) {
+          return last_error("zeroing E's padding");
+        }
+        h.a = GemmOperand{at(p_.weight_pad), d, p_.H, p_.ld_logits, p_.H};
+        h.b = GemmOperand{logits_, d, p_.ld_logits, nc, p_.ld_logits};
+      }
+      h.d = scratch;
+      h.d_dtype = DType::kFloat32;
+      h.m = p_.H;
+      h.n = nc;
+      h.ld_d = p_.H;
+      FUSEDCE_TRY(gemm(h));
+      const MatrixView& gh = c_.grads.grad_hidden;
+      void* out = p_.compact ? at(p_.gh_c) : static_cast<char*>(gh.data) + size_t(p0) * gh.row_stride * el;
+      RowScaleParams rs{scratch, true, p_.H, m.r, out, p_.compact ? p_.H : gh.row_stride, nc, p_.H};
+      launch_row_scale(rs, stream_);
+      FUSEDCE_TRY(last_error("scaling grad_hidden's rows"));
+    }
+    return Status::Ok();
+  }
+
   Status run_chunk(int64_t p0, int64_t nc, int64_t chunk, bool last) {
     const DType d = p_.dtype;
     const size_t el = elem_size(d);
@@ -500,6 +704,11 @@ class LinearRun {
 
     const void* hc = p_.compact ? at(p_.hidden_c) : hidden_row(p0);
     const int64_t ldh = p_.compact ? p_.H : c_.hidden.row_stride;
+    if (window_) {
+      bool done = false;
+      FUSEDCE_TRY(window_chunk(p0, nc, chunk, last, hc, ldh, &done));
+      if (done) return scatter(p0, nc);
+    }
     const GemmOperand hidden_op{hc, d, p_.H, nc, ldh};                           // H x nc
     const GemmOperand weight_op{c_.weight.data, d, p_.H, p_.V, c_.weight.row_stride};  // H x V
     void* logits = logits_;
@@ -585,7 +794,7 @@ class LinearRun {
       w.beta = chunk == 0 ? 0.0f : 1.0f;
       w.role = grad_weight_role(direct);
       if (last && chunk > 0 && p_.gw_via_acc) {
-        FUSEDCE_TRY(last_weight_product(w, hc, ldh, nc));
+        FUSEDCE_TRY(last_weight_product(w, hc, ldh, nc, scalars()->scale));
       } else {
         FUSEDCE_TRY(gemm(w));
       }
@@ -604,7 +813,12 @@ class LinearRun {
       FUSEDCE_TRY(gemm(b));
     }
 
-    // Results of the chunk's positions back to their rows.
+    return scatter(p0, nc);
+  }
+
+  /// The results of the chunk of positions [p0, p0 + nc) back to their rows.
+  Status scatter(int64_t p0, int64_t nc) {
+    const DType d = p_.dtype;
     LinearScatterParams sq{};
     sq.idx = at_as<int64_t>(p_.idx);
     sq.p0 = p0;
@@ -975,6 +1189,7 @@ class LinearRun {
   cudaStream_t body_stream_ = nullptr;
   bool padded_ = false;       // chunks at rungs of the size ladder: gather / scatter read the count
   const bool cutlass_;       // bfloat16 on a GPU the CUTLASS product runs on
+  bool window_;              // the window form (off for the rest of the call where it cannot run)
   bool gw_rounded_ = false;  // the last product wrote the 16-bit grad_weight itself
 };
 

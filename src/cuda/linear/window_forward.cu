@@ -1,0 +1,346 @@
+// The kernel of window_forward.h, sm_90a: CUTLASS's persistent ping-pong GEMM (TMA loads into a
+// shared-memory ring, WGMMA with float32 accumulation, two consumer warp groups that take turns,
+// so that one's epilogue runs while the other's main loop does) with an epilogue of our own on
+// the accumulators in registers, through CUTLASS's adapter for register epilogues.
+//
+// Accumulator layout (sm90, one 64 x N WGMMA a row block): value mode (2, 2, N / 8) = (column
+// pair, row half, column group), then MMA_M blocks; a row of the tile lies in one quad of lanes,
+// each lane holding columns 8 g + 2 (lane % 4) + {0, 1} of it, and a lane holds 2 MMA_M rows.
+// E leaves through a shared-memory stage, four passes of 48 columns, each row's 16-byte pieces
+// stored whole: pair stores straight from the accumulator layout write half sectors.
+#include "cuda/linear/window_forward.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+
+#include "cuda/linear/cutlass_run.h"
+#include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/cuda_host_adapter.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/detail.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+
+namespace fusedce {
+namespace cuda {
+// The epilogue's device helpers have external linkage: the host pass, which never calls them,
+// would warn about unreferenced internal ones.
+namespace window_fwd {
+
+using namespace cute;
+using bf16 = cutlass::bfloat16_t;
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.69314718055994531f;
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/// What the epilogue reads and writes (window_forward.h's WindowForward, less the host's part).
+struct EpiParams {
+  __nv_bfloat16* e;
+  int64_t ld_e;
+  float* sum;
+  float* offset;
+  float* centred;
+  float* top;
+  int* top_col;
+  int tiles;
+  float scale;
+};
+
+/// torch.argmax's order: a NaN before any number, then the larger value, then the lower column.
+__device__ __forceinline__ bool ahead(float v, int i, float w, int j) {
+  const bool nv = v != v, nw = w != w;
+  if (nv != nw) return nv;
+  if (!nv && v != w) return v > w;
+  return i < j;
+}
+
+template <class BlockShape, bool kStore, bool kMetrics>
+class WindowEpilogue {
+ public:
+  struct ThreadEpilogueOp {
+    using ElementOutput = bf16;
+    using ElementAccumulator = float;
+    using ElementCompute = float;
+    using ElementD = bf16;
+    static constexpr int kCount = 2;
+    struct Params {};
+  };
+  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementC = bf16;
+  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
+  using ElementD = bf16;
+  using StrideD = StrideC;
+  using ElementOutput = bf16;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementScalar = float;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  // The stage: 128 rows of one 48-column pass, rows padded to 112 bytes so that the 8 rows x 4
+  // lanes of a warp's 4-byte writes fall in 32 distinct banks.
+  static constexpr int kPassCols = 48, kStageLd = kPassCols + 8;
+  struct SharedStorage {
+    alignas(128) __nv_bfloat16 stage[kStore ? size<0>(BlockShape{}) * kStageLd : 1];
+  };
+  using TensorStorage = SharedStorage;
+  using Arguments = EpiParams;
+  using Params = EpiParams;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) {
+    return a;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) {
+    return true;
+  }
+
+  CUTLASS_HOST_DEVICE WindowEpilogue(Params const& p, SharedStorage const& = SharedStorage()) : params(p) {}
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem, BlockShapeMNK, BlockCoordMNKL blk_coord,
+                                 cute::Tensor<FrgEngine, FrgLayout> const& acc_in, TiledMma tiled_mma, ResidueMNK,
+                                 int thread_idx, char* smem) {
+    const int M = get<0>(problem), N = get<1>(problem);
+    constexpr int BM = size<0>(BlockShapeMNK{}), BN = size<1>(BlockShapeMNK{});
+    const int m_tile = get<0>(blk_coord), n_tile = get<1>(blk_coord);
+    auto& acc = const_cast<cute::Tensor<FrgEngine, FrgLayout>&>(acc_in);
+
+    static_assert(rank(FrgLayout{}) == 3 && rank<0>(FrgLayout{}) == 3, "sm90 accumulator layout expected");
+    constexpr int V0 = size<0, 0>(FrgLayout{}), V1 = size<0, 1>(FrgLayout{}), V2 = size<0, 2>(FrgLayout{});
+    constexpr int MM = size<1>(FrgLayout{}), MN = size<2>(FrgLayout{});
+    static_assert(V0 == 2 && V1 == 2, "sm90 accumulator value mode (2, 2, N/8) expected");
+    static_assert(MN == 1 && (V2 * 8) % kPassCols == 0, "one MMA along N, whole passes");
+    constexpr int kRows = V1 * MM;
+
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    Tensor cD = make_identity_tensor(make_shape(Int<BM>{}, Int<BN>{}));
+    Tensor tCcD = thr_mma.partition_C(cD);  // each value's (row, col) in the tile
+    const int row0 = m_tile * BM, col0 = n_tile * BN;
+    // z log2 e = acc * (scale log2 e): one multiply a value, never contracted into what follows,
+    // so that the variants with and without metrics give E, S and m the same bits
+    const float zs = params.scale * kLog2e;
+
+    // The rows' maxima of z log2 e over the tile's columns (a quad holds a row).
+    float rmax[kRows];
+    float top[kMetrics ? kRows : 1];  // metrics: the argmax's value and column
+    int top_col[kMetrics ? kRows : 1];
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) rmax[r] = -INFINITY;
+    if constexpr (kMetrics) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) top[r] = -INFINITY, top_col[r] = INT_MAX;
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < MM; ++m)
+      CUTLASS_PRAGMA_UNROLL
+      for (int v1 = 0; v1 < V1; ++v1)
+        CUTLASS_PRAGMA_UNROLL
+        for (int v2 = 0; v2 < V2; ++v2)
+          CUTLASS_PRAGMA_UNROLL
+          for (int v0 = 0; v0 < V0; ++v0) {
+            auto c = make_coord(make_coord(v0, v1, v2), m, 0);
+            const int col = col0 + get<1>(tCcD(c));
+            const bool in = col < N;
+            const float y = __fmul_rn(acc(c), zs);
+            rmax[m * V1 + v1] = fmaxf(rmax[m * V1 + v1], in ? y : -INFINITY);
+            if constexpr (kMetrics) {
+              if (in && ahead(y, col, top[m * V1 + v1], top_col[m * V1 + v1])) top[m * V1 + v1] = y, top_col[m * V1 + v1] = col;
+            }
+          }
+    float koff[kRows], mown[kRows], ssum[kRows], usum[kMetrics ? kRows : 1];
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 1));
+      rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 2));
+      if constexpr (kMetrics) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int o = 1; o <= 2; o *= 2) {
+          const float v = __shfl_xor_sync(0xffffffffu, top[r], o);
+          const int j = __shfl_xor_sync(0xffffffffu, top_col[r], o);
+          if (ahead(v, j, top[r], top_col[r])) top[r] = v, top_col[r] = j;
+        }
+        usum[r] = 0.0f;
+      }
+      mown[r] = ceilf(rmax[r]);
+      koff[r] = window_offset(mown[r]);
+      ssum[r] = 0.0f;
+    }
+
+    constexpr int kGroups = kPassCols / 8;  // column groups of 8 per pass
+    auto* stage = reinterpret_cast<SharedStorage*>(smem)->stage;
+    // One barrier per consumer warp group (ids after CUTLASS's reserved ones).
+    cutlass::arch::NamedBarrier bar(128, cutlass::canonical_warp_group_idx() & 1);
+    CUTLASS_PRAGMA_UNROLL
+    for (int pass = 0; pass < V2 / kGroups; ++pass) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int m = 0; m < MM; ++m)
+        CUTLASS_PRAGMA_UNROLL
+        for (int v1 = 0; v1 < V1; ++v1) {
+          const int r = m * V1 + v1;
+          const int lrow = get<0>(tCcD(make_coord(make_coord(0, v1, 0), m, 0)));
+          CUTLASS_PRAGMA_UNROLL
+          for (int g = 0; g < kGroups; ++g) {
+            const int v2 = pass * kGroups + g;
+            auto c0 = make_coord(make_coord(0, v1, v2), m, 0);
+            auto c1 = make_coord(make_coord(1, v1, v2), m, 0);
+            const int col = get<1>(tCcD(c0));
+            const bool in = col0 + col < N;  // N even: a pair is in or out together
+            const float y0 = __fmul_rn(acc(c0), zs), y1 = __fmul_rn(acc(c1), zs);
+            const float e0 = in ? ex2(y0 - koff[r]) : 0.0f;
+            const float e1 = in ? ex2(y1 - koff[r]) : 0.0f;
+            ssum[r] += e0 + e1;
+            // the entropy partial, centred on the tile's own offset (no cancellation at offset 0)
+            if constexpr (kMetrics) usum[r] = fmaf(e0, y0 - mown[r], fmaf(e1, y1 - mown[r], usum[r]));
+            if constexpr (kStore) {
+              *reinterpret_cast<__nv_bfloat162*>(stage + lrow * kStageLd + col - pass * kPassCols) =
+                  __floats2bfloat162_rn(e0, e1);
+            }
+          }
+        }
+      if constexpr (kStore) {
+        bar.arrive_and_wait();
+        // 16-byte pieces along rows: 6 a row, 768 a pass, 6 a thread.
+        constexpr int kPieces = kPassCols / 8;
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < BM * kPieces / 128; ++i) {
+          const int piece = thread_idx + 128 * i;
+          const int lrow = piece / kPieces, seg = piece % kPieces;
+          const int row = row0 + lrow, col = col0 + pass * kPassCols + seg * 8;
+          const uint4 v = *reinterpret_cast<const uint4*>(stage + lrow * kStageLd + seg * 8);
+          if (row < M && col < N) {
+            __nv_bfloat16* dst = params.e + int64_t(row) * params.ld_e + col;
+            if (col + 8 <= N && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+              *reinterpret_cast<uint4*>(dst) = v;
+            } else {
+              const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+              for (int j = 0; j < 8 && col + j < N; ++j) dst[j] = h[j];
+            }
+          }
+        }
+        bar.arrive_and_wait();
+      }
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      ssum[r] += __shfl_xor_sync(0xffffffffu, ssum[r], 1);
+      ssum[r] += __shfl_xor_sync(0xffffffffu, ssum[r], 2);
+      if constexpr (kMetrics) {
+        usum[r] += __shfl_xor_sync(0xffffffffu, usum[r], 1);
+        usum[r] += __shfl_xor_sync(0xffffffffu, usum[r], 2);
+      }
+    }
+    if ((thread_idx & 3) == 0) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int m = 0; m < MM; ++m)
+        CUTLASS_PRAGMA_UNROLL
+        for (int v1 = 0; v1 < V1; ++v1) {
+          const int r = m * V1 + v1;
+          const int row = row0 + get<0>(tCcD(make_coord(make_coord(0, v1, 0), m, 0)));
+          // The scheduler's swizzle pads the tile grid to whole swizzle groups: a padded tile
+          // (n_tile >= tiles) holds no column, and its slot would be the next row's first tile.
+          if (row < M && n_tile < params.tiles) {
+            const int64_t at = int64_t(row) * params.tiles + n_tile;
+            params.sum[at] = ssum[r];
+            params.offset[at] = mown[r];
+            if constexpr (kMetrics) {
+              params.centred[at] = usum[r] * kLn2;
+              params.top[at] = top[r];
+              params.top_col[at] = top_col[r];
+            }
+          }
+        }
+    }
+  }
+
+ private:
+  Params params;
+};
+
+// 128 x 192 ping-pong tiles (a warp group's 128 x 192 float32 accumulators: 192 registers a
+// thread, which the ping-pong kernel's register split allows), a cluster of two CTAs along M
+// sharing the weight's tiles by multicast: the configuration that tied cuBLASLt's logits
+// product at the linear path's shapes (docs/performance.md, "The scaled-exp epilogue").
+using Tile = Shape<_128, Int<int(kWindowTile)>, _64>;
+using Cluster = Shape<_2, _1, _1>;
+using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
+
+template <bool kStore, bool kMetrics>
+struct WindowKernel {
+  using Epi =
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<WindowEpilogue<Tile, kStore, kMetrics>>;
+  using Main = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, cutlass::layout::RowMajor, 8, bf16,
+      cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+  using GK = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GK>;
+
+  static Status run(const WindowForward& p) {
+    using cutlass_run::stride_with_ld;
+    EpiParams epi{static_cast<__nv_bfloat16*>(p.e), p.ld_e,     p.sum,      p.offset, p.centred,
+                  p.top,                                   p.top_col, static_cast<int>(window_tiles(p.V)), p.scale};
+    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                  {static_cast<int>(p.rows), static_cast<int>(p.V), static_cast<int>(p.H), 1},
+                                  {static_cast<const bf16*>(p.hidden), stride_with_ld<typename GK::StrideA>(p.ld_hidden),
+                                   static_cast<const bf16*>(p.weight), stride_with_ld<typename GK::StrideB>(p.ld_weight)},
+                                  epi,
+                                  cutlass_run::hardware_of(p.device)};
+    // Long products run best with the vocabulary tiles swizzled in groups of 8 (the weight's
+    // tiles shared in L2 by the CTAs that run together); short ones at the heuristic's order,
+    // where the wider groups leave SMs idle at the end (docs/performance.md, dev/lp_order).
+    const bool long_k = p.H >= 2048;
+    args.scheduler.raster_order = long_k ? RasterOrder::AlongN : RasterOrder::Heuristic;
+    args.scheduler.max_swizzle_size = long_k ? 8 : 1;
+    return cutlass_run::run<Gemm>(args, p.stream, "the CUTLASS window logits product");
+  }
+};
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+/// TMA needs 16-byte aligned bases and row strides that are multiples of 16 bytes (H % 8 for the
+/// contiguous extent); the epilogue's pair stores need an even V and row stride; int sizes.
+bool addressable(const WindowForward& p) {
+  const int64_t big = (int64_t(1) << 31) - 1;
+  if (p.rows <= 0 || p.V <= 0 || p.H <= 0 || p.rows > big || p.V > big || p.H > big) return false;
+  if (p.H % 8 || p.ld_hidden % 8 || p.ld_weight % 8 || p.V % 2) return false;
+  if (!aligned16(p.hidden) || !aligned16(p.weight)) return false;
+  if (p.store_e && (reinterpret_cast<uintptr_t>(p.e) % 4 || p.ld_e % 2)) return false;
+  return p.sum && p.offset && (!p.metrics || (p.centred && p.top && p.top_col));
+}
+
+}  // namespace window_fwd
+
+Status run_window_forward(const WindowForward& p) {
+  if (!window_fwd::addressable(p)) return Status(StatusCode::kUnsupported, "operands TMA cannot address");
+  using window_fwd::WindowKernel;
+  if (p.metrics) return p.store_e ? WindowKernel<true, true>::run(p) : WindowKernel<false, true>::run(p);
+  return p.store_e ? WindowKernel<true, false>::run(p) : WindowKernel<false, false>::run(p);
+}
+
+}  // namespace cuda
+}  // namespace fusedce

@@ -1,0 +1,69 @@
+// The linear cross-entropy's logits product with the loss in its epilogue (Hopper, bf16): the
+// window form of docs/architecture.md. For each (row, 192-wide vocabulary tile) the epilogue
+// takes the tile's own offset m = ceil(max z log2 e) and stores, in place of the logits,
+//   E = bf16(2^(z log2 e - k)),  k = 0 where |m| <= kWindowBits, else k = m,
+// so that a row whose tiles all took 0 (every row whose logits stay within about +-44 nats) has
+// one offset for its whole row: its dlogits are r E with one float32 factor r per row, and both
+// gradient products are plain products of E (linear.h: the merge, the rebase of the other rows,
+// the row scales). Beside E it writes per (row, tile) the sum of E (float32, from the unrounded
+// values) and the tile's own offset m; with metrics also the entropy partial centred on m,
+// ln 2 sum E (z log2 e - m) (at offset 0, sum E z would make the merge's lse - U / S cancel), and
+// the tile's argmax (value z log2 e and column, torch.argmax's order).
+// Host interface only: the kernel lives in window_forward.cu, compiled for sm_90a alone with the
+// other CUTLASS kernels (cutlass_products_available says whether they run); a build without it,
+// another GPU, or operands TMA cannot address answer kUnsupported, nothing launched.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/numeric.h"
+#include "fusedce/types.h"
+
+namespace fusedce {
+namespace cuda {
+
+/// The vocabulary tile of the window product: one (row, tile) partial per 192 columns.
+constexpr int64_t kWindowTile = 192;
+/// The window in powers of two. Above: E <= 2^64 keeps every sum of the gradient products finite
+/// (V 2^64 |W| < 2^100 in float32). Below: a tile that took offset 0 with its maximum at 2^-64
+/// or above loses only terms 2^-62 under that maximum (ex2's flush to zero at 2^-126), far below
+/// the gradient's bf16 rounding.
+constexpr float kWindowBits = 64.0f;
+
+inline int64_t window_tiles(int64_t V) { return (V + kWindowTile - 1) / kWindowTile; }
+
+/// The offset a (row, tile) took, from its own offset m (what the epilogue stores).
+FUSEDCE_HD float window_offset(float m) { return m <= kWindowBits && m >= -kWindowBits ? 0.0f : m; }
+
+/// logits (rows x V) = scale * hidden (rows x H) . weight (V x H)^T, both bf16 row-major with the
+/// given row strides (elements), never stored: E (rows x V, bf16, row stride ld_e) where
+/// store_e, and the partials, each (rows x tiles) row-major: sum[i tiles + t] and offset[i tiles
+/// + t] (the tile's own m); with metrics centred, top and top_col.
+struct WindowForward {
+  int64_t rows, V, H;
+  const void* hidden;
+  int64_t ld_hidden;
+  const void* weight;
+  int64_t ld_weight;
+  float scale;
+  bool store_e;  // false: the partials only (a forward without gradients)
+  void* e;
+  int64_t ld_e;
+  float* sum;
+  float* offset;
+  bool metrics;
+  float* centred;
+  float* top;
+  int* top_col;
+  cudaStream_t stream;
+  int device;
+};
+
+/// Runs the product, or answers kUnsupported (nothing launched) when it cannot; other errors
+/// are device errors.
+Status run_window_forward(const WindowForward& p);
+
+}  // namespace cuda
+}  // namespace fusedce

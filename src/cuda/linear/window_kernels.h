@@ -1,0 +1,99 @@
+// The passes around the window form's products (window_forward.h; docs/architecture.md, "The
+// window form"), bf16: the merge of a chunk's (row, tile) partials into each row's loss, lse and
+// gradient factor; the rebase of the rows whose tiles took different offsets; and the row scales
+// that stand in for a dlogits pass. Device code sees only these plain structs.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace fusedce {
+namespace cuda {
+
+/// One warp a position of the chunk: K = max_t k_t (k_t = window_offset(m_t)), S = sum_t S_t
+/// 2^(k_t - K), lse = ln 2 (K + log2 S); the target's logit z_t = scale (h . w_t), a float32 dot
+/// product of the bf16 operands (the loss's and the rewrite's, so that neither depends on the
+/// product's rounding); loss = w_t (lse - z_t); with gradients r = g alpha w_t scale / S, the row's
+/// dlogits being r E with E's target entry rewritten to 2^(z_t log2 e - K) - S (the offset-K frame:
+/// |value| <= S <= V, always a finite bf16). A row whose tiles all took offset 0 (K = 0 and no
+/// tile apart) has its entry written here; the others are flagged for the rebase, which writes it
+/// after bringing the row to K. An ignored row: loss 0, lse 0, r 0; a target outside [0, V)
+/// (unchecked): NaN loss and r, as the logits path gives. With metrics: the row's entropy
+/// ln(S 2^(K - Mx)) + (ln 2 sum_t f_t S_t (Mx - m_t) - sum_t f_t Uc_t) / S (Mx = max_t m_t, f_t =
+/// 2^(k_t - K), Uc_t the centred partials: every term of the sum >= 0, no cancellation) and
+/// whether the argmax over the tiles' argmaxes is the target; 0 for an ignored row.
+struct WindowMergeParams {
+  const float* sum;     // (n x tiles) row-major
+  const float* offset;  // (n x tiles): each tile's own offset m_t
+  int64_t n, tiles, V, H;
+  const void* hidden;  // (n x H) bf16, row stride ld_hidden: the chunk's rows
+  int64_t ld_hidden;
+  const void* weight;  // (V x H) bf16
+  int64_t ld_weight;
+  const int64_t* target;  // (n,) the chunk's targets
+  int64_t ignore_index;
+  const float* class_weight;  // (V,) strided, or null
+  int64_t weight_stride;
+  float scale;         // the logit scale
+  const float* centred;  // metrics: (n x tiles) partials; null without metrics
+  const float* top;
+  const int* top_col;
+  const float* grad;   // (n,) each position's upstream gradient; null: a forward without gradients
+  const float* alpha;  // the factor the products would apply (linear.h's ProductScaleParams), or null
+  void* e;             // (n x V) bf16 E, row stride ld_e (with gradients)
+  int64_t ld_e;
+  // outputs, (n,) each
+  float* loss;
+  float* lse;
+  float* r;             // with gradients
+  float* kmax;          // with gradients: K
+  float* target_entry;  // with gradients: the rewritten entry in the frame of K (NaN: none)
+  uint8_t* rebase;      // with gradients: 1 where a row's tiles took offsets other than K
+  float* entropy;       // metrics
+  uint8_t* correct;     // metrics
+};
+
+/// The chunk's metrics: *entropy_sum = sum of the rows' entropies (in double, in row order),
+/// *num_correct = count of the rows' correct flags. One block.
+struct WindowMetricsParams {
+  const float* entropy;
+  const uint8_t* correct;
+  int64_t n;
+  float* entropy_sum;
+  int64_t* num_correct;
+};
+
+/// Each flagged row's E brought to the row's one offset K: E 2^(k_t - K) per 192-wide tile (a
+/// power of two: exact in bf16 but for terms 2^-62 and more under the row's largest, which a
+/// tile that took offset 0 flushes at 2^-126), then its target entry written. One block a row;
+/// an unflagged row reads its flag and leaves.
+struct WindowRebaseParams {
+  void* e;
+  int64_t ld_e, n, V, tiles;
+  const float* offset;
+  const float* kmax;
+  const uint8_t* rebase;
+  const int64_t* target;
+  const float* target_entry;
+};
+
+/// out[i][j] = bf16(r[i] src[i][j]) over (n, H): src float32 dense (grad_hidden's float32
+/// product E W: one rounding, as the logits path's grad_hidden), or src bf16 with row stride
+/// ld_src (grad_weight's other operand, hidden' = bf16(r h)).
+struct RowScaleParams {
+  const void* src;
+  bool src_f32;
+  int64_t ld_src;
+  const float* r;
+  void* out;  // bf16
+  int64_t ld_out, n, H;
+};
+
+void launch_window_merge(const WindowMergeParams& p, cudaStream_t stream);
+void launch_window_rebase(const WindowRebaseParams& p, cudaStream_t stream);
+void launch_row_scale(const RowScaleParams& p, cudaStream_t stream);
+void launch_window_metrics(const WindowMetricsParams& p, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace fusedce
