@@ -1090,7 +1090,8 @@ TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
 // this fails. Gradients: dlogits r E carry E's bf16 rounding (2^-9) and grad_weight's operand
 // bf16(r h) one more, the output one more: elementwise 2^-8 |ref| + 1e-2 max |ref| (the bf16
 // rule of test_linear.cpp), and the projection sum got ref / sum ref ref within 2e-3 of 1, which
-// averages the roundings out so that a 0.5% scale error fails. Metrics on and off: the same bits.
+// averages the roundings out so that a 0.5% scale error fails (where at least 100 elements carry
+// the norm). Metrics on and off: the same bits.
 TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   int dev = 0;
@@ -1273,19 +1274,25 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
       EXPECT_NEAR(got.loss[0], want, 2e-5 * (std::abs(want) + 1.0));
     }
     auto check_grad = [&](const char* what, const std::vector<uint16_t>& g, const std::vector<double>& ref) {
-      double mx = 0.0, dot = 0.0, rr = 0.0;
+      double mx = 0.0, dot = 0.0, rr = 0.0, r4 = 0.0;
       for (double v : ref) mx = std::max(mx, std::abs(v));
       int wrong = 0;
       for (size_t k = 0; k < ref.size(); ++k) {
         const double x = bf16_to_float(g[k]);
         dot += x * ref[k];
         rr += ref[k] * ref[k];
+        r4 += ref[k] * ref[k] * ref[k] * ref[k];
         if (!(std::abs(x - ref[k]) <= std::ldexp(1.0, -8) * std::abs(ref[k]) + 1e-2 * mx) && ++wrong <= 3) {
           ADD_FAILURE() << what << "[" << k << "]: " << x << " / " << ref[k] << " (largest " << mx << ")";
         }
       }
       EXPECT_EQ(wrong, 0) << what;
-      EXPECT_NEAR(dot / rr, 1.0, 2e-3) << what << ": the projection on the reference";
+      // The projection averages the roundings over the elements that carry the norm, (sum ref^2)^2
+      // / sum ref^4 of them: a few (V = 2: grad_weight's 64 elements, two of them dominant)
+      // leave it one output rounding (2^-9) from 1, and only the elementwise check applies.
+      if (rr * rr >= 100.0 * r4) {
+        EXPECT_NEAR(dot / rr, 1.0, 2e-3) << what << ": the projection on the reference";
+      }
     };
     check_grad("grad_hidden", got.gh, gh_ref);
     check_grad("grad_weight", got.gw, gw_ref);
