@@ -4,12 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "cuda/ce/plan.h"
 #include "cuda/linear/algo_choice.h"
+#include "cuda/linear/window_plan.h"
 #include "cuda/sizes.h"
 
 namespace fusedce_test {
@@ -516,6 +518,53 @@ TEST(AlgoChoice, NeverASplitKOrReducingCandidate) {
   // The second preference, after the first's only entry is a split-K one.
   list.push_back({24, 7, 1, 0});
   EXPECT_EQ(choose_algorithm(GemmRole::kLogits, 9, 0, list.data(), 4), 3);
+}
+
+// The linear form's window plan (cuda/linear/window_plan.h): bf16 on Hopper with the options
+// whose gradient is a per-row factor, never elsewhere; each option that needs a per-entry or
+// rank-1 term, low_memory, grad_bias, an H the TMA cannot address or an odd V keeps the logits
+// path. And the window itself: offset 0 inside +-64 powers of two, the tile's own outside.
+TEST(WindowPlan, TakesTheCallsWhoseGradientIsARowFactor) {
+  using fusedce::cuda::window_eligible;
+  using fusedce::cuda::window_offset;
+  using fusedce::cuda::window_tiles;
+  Options plain;
+  EXPECT_TRUE(window_eligible(4096, 128256, DType::kBFloat16, plain, false, false, true));
+  Options rows = plain;  // every per-row-factor option at once
+  rows.logit_scale = -0.8f;
+  rows.reduction = Reduction::kNone;
+  rows.return_metrics = true;
+  rows.ignore_index = 7;
+  EXPECT_TRUE(window_eligible(64, 2, DType::kBFloat16, rows, false, false, true));
+  EXPECT_FALSE(window_eligible(4096, 128256, DType::kBFloat16, plain, false, false, false)) << "no Hopper kernels";
+  EXPECT_FALSE(window_eligible(4096, 128256, DType::kFloat16, plain, false, false, true));
+  EXPECT_FALSE(window_eligible(4096, 128256, DType::kFloat32, plain, false, false, true));
+  EXPECT_FALSE(window_eligible(4096, 128256, DType::kBFloat16, plain, true, false, true)) << "low_memory";
+  EXPECT_FALSE(window_eligible(4096, 128256, DType::kBFloat16, plain, false, true, true)) << "grad_bias";
+  EXPECT_FALSE(window_eligible(4100, 128256, DType::kBFloat16, plain, false, false, true)) << "H % 8";
+  EXPECT_FALSE(window_eligible(4096, 128257, DType::kBFloat16, plain, false, false, true)) << "odd V";
+  Options o = plain;
+  o.label_smoothing = 0.1f;
+  EXPECT_FALSE(window_eligible(4096, 128256, DType::kBFloat16, o, false, false, true)) << "label smoothing";
+  o = plain;
+  o.softcap = 30.0f;
+  EXPECT_FALSE(window_eligible(4096, 128256, DType::kBFloat16, o, false, false, true)) << "soft-cap";
+  o = plain;
+  o.z_loss = 1e-4f;
+  EXPECT_FALSE(window_eligible(4096, 128256, DType::kBFloat16, o, false, false, true)) << "z-loss";
+  o = plain;
+  o.logit_scale = INFINITY;
+  EXPECT_FALSE(window_eligible(4096, 128256, DType::kBFloat16, o, false, false, true)) << "an infinite logit scale";
+
+  EXPECT_EQ(window_offset(0.0f), 0.0f);
+  EXPECT_EQ(window_offset(64.0f), 0.0f);
+  EXPECT_EQ(window_offset(-64.0f), 0.0f);
+  EXPECT_EQ(window_offset(65.0f), 65.0f);
+  EXPECT_EQ(window_offset(-87.0f), -87.0f);
+  EXPECT_EQ(window_tiles(1), 1);
+  EXPECT_EQ(window_tiles(192), 1);
+  EXPECT_EQ(window_tiles(193), 2);
+  EXPECT_EQ(window_tiles(128256), 668);
 }
 
 }  // namespace

@@ -68,7 +68,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <cmath>
 #include <map>
 #include <cstdint>
 #include <sstream>
@@ -84,6 +83,7 @@
 #include "cuda/linear/size_ladder.h"
 #include "cuda/linear/window_forward.h"
 #include "cuda/linear/window_kernels.h"
+#include "cuda/linear/window_plan.h"
 
 namespace fusedce {
 namespace cuda {
@@ -205,20 +205,6 @@ SlicePlan plan_slices(const LinearPlan& p, int64_t positions) {
   return s;
 }
 
-/// Whether a call may take the window form (window_forward.h): bf16 on a GPU that runs the CUTLASS
-/// kernels, with the options whose gradient is a per-row factor times softmax (logit scale, class
-/// weights, ignore_index, the shift, every reduction, skip_ignored, the metrics). Label
-/// smoothing's uniform term, the soft-cap's and z-loss's per-entry factors, grad_bias and
-/// low_memory's vocabulary slices keep the logits path; so does a bias (seen at run time: the
-/// size query has no bias to look at).
-bool window_eligible(const Device& device, int64_t H, int64_t V, DType dtype, const Options& o,
-                     const LinearOptions& lo, bool grad_bias) {
-  if (dtype != DType::kBFloat16 || lo.low_memory || grad_bias) return false;
-  if (o.label_smoothing != 0.0f || o.softcap != 0.0f || o.z_loss != 0.0f || !std::isfinite(o.logit_scale)) return false;
-  if (H % 8 != 0 || V % 2 != 0) return false;  // the TMA's 16-byte rows; the epilogue's bf16 pairs
-  return cutlass_products_available(device.index);
-}
-
 LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int64_t V, DType dtype, const Options& o,
                        const LinearOptions& lo, bool want_gh, bool want_gw, bool want_gb) {
   LinearPlan p{};
@@ -236,7 +222,8 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   const size_t el = elem_size(dtype);
   const int64_t per16 = static_cast<int64_t>(16 / el);
   p.ld_logits = (V + per16 - 1) / per16 * per16;
-  p.window = window_eligible(device, H, V, dtype, o, lo, p.grad_bias);
+  p.window = window_eligible(H, V, dtype, o, lo.low_memory, p.grad_bias,
+                             dtype == DType::kBFloat16 && cutlass_products_available(device.index));
   // Per row of a chunk: its logits, and (compacting) its gathered hidden row and grad_hidden row;
   // in the window form its partials and factors, and the row of the scratch that holds
   // grad_weight's scaled hidden operand, then grad_hidden's float32 product.

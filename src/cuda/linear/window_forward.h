@@ -18,24 +18,11 @@
 
 #include <cstdint>
 
-#include "common/numeric.h"
+#include "cuda/linear/window_plan.h"
 #include "fusedce/types.h"
 
 namespace fusedce {
 namespace cuda {
-
-/// The vocabulary tile of the window product: one (row, tile) partial per 192 columns.
-constexpr int64_t kWindowTile = 192;
-/// The window in powers of two. Above: E <= 2^64 keeps every sum of the gradient products finite
-/// (V 2^64 |W| < 2^100 in float32). Below: a tile that took offset 0 with its maximum at 2^-64
-/// or above loses only terms 2^-62 under that maximum (ex2's flush to zero at 2^-126), far below
-/// the gradient's bf16 rounding.
-constexpr float kWindowBits = 64.0f;
-
-inline int64_t window_tiles(int64_t V) { return (V + kWindowTile - 1) / kWindowTile; }
-
-/// The offset a (row, tile) took, from its own offset m (what the epilogue stores).
-FUSEDCE_HD float window_offset(float m) { return m <= kWindowBits && m >= -kWindowBits ? 0.0f : m; }
 
 /// logits (rows x V) = scale * hidden (rows x H) . weight (V x H)^T, both bf16 row-major with the
 /// given row strides (elements), never stored: E (rows x V, bf16, row stride ld_e) where

@@ -1,0 +1,41 @@
+// The window form's plan (window_forward.h): which calls take it, and the constants of its tiles
+// and window. Plain C++ (no CUDA headers), so it is tested on every machine.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/numeric.h"
+#include "fusedce/types.h"
+
+namespace fusedce {
+namespace cuda {
+
+/// The vocabulary tile of the window product: one (row, tile) partial per 192 columns.
+constexpr int64_t kWindowTile = 192;
+/// The window in powers of two. Above: E <= 2^64 keeps every sum of the gradient products finite
+/// (V 2^64 |W| < 2^100 in float32). Below: a tile that took offset 0 with its maximum at 2^-64
+/// or above loses only terms 2^-62 under that maximum (ex2's flush to zero at 2^-126), far below
+/// the gradient's bf16 rounding.
+constexpr float kWindowBits = 64.0f;
+
+inline int64_t window_tiles(int64_t V) { return (V + kWindowTile - 1) / kWindowTile; }
+
+/// The offset a (row, tile) took, from its own offset m (what the epilogue stores).
+FUSEDCE_HD float window_offset(float m) { return m <= kWindowBits && m >= -kWindowBits ? 0.0f : m; }
+
+/// Whether a call may take the window form: bf16 where the CUTLASS kernels run (`hopper`), with
+/// the options whose gradient is a per-row factor times softmax (logit scale, class weights,
+/// ignore_index, the shift, every reduction, skip_ignored, the metrics). Label smoothing's uniform
+/// term, the soft-cap's and z-loss's per-entry factors, grad_bias and low_memory's vocabulary
+/// slices keep the logits path; so does a bias (seen at run time: the size query has no bias to
+/// look at). H a multiple of 8 (the TMA's 16-byte rows) and V even (the epilogue's bf16 pairs).
+inline bool window_eligible(int64_t H, int64_t V, DType dtype, const Options& o, bool low_memory, bool grad_bias,
+                            bool hopper) {
+  if (!hopper || dtype != DType::kBFloat16 || low_memory || grad_bias) return false;
+  if (o.label_smoothing != 0.0f || o.softcap != 0.0f || o.z_loss != 0.0f || !std::isfinite(o.logit_scale)) return false;
+  return H % 8 == 0 && V % 2 == 0;
+}
+
+}  // namespace cuda
+}  // namespace fusedce
