@@ -565,6 +565,9 @@ TEST(WindowPlan, TakesTheCallsWhoseGradientIsARowFactor) {
   EXPECT_EQ(window_tiles(192), 1);
   EXPECT_EQ(window_tiles(193), 2);
   EXPECT_EQ(window_tiles(128256), 668);
+  EXPECT_TRUE(fusedce::cuda::window_tile_order(4096).along_m);
+  EXPECT_EQ(fusedce::cuda::window_tile_order(4096).swizzle, 1);
+  EXPECT_EQ(fusedce::cuda::window_tile_order(8192).swizzle, 8);
 }
 
 }  // namespace

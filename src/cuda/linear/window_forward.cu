@@ -310,12 +310,9 @@ struct WindowKernel {
                                    static_cast<const bf16*>(p.weight), stride_with_ld<typename GK::StrideB>(p.ld_weight)},
                                   epi,
                                   cutlass_run::hardware_of(p.device)};
-    // Long products run best with the vocabulary tiles swizzled in groups of 8 (the weight's
-    // tiles shared in L2 by the CTAs that run together); short ones at the heuristic's order,
-    // where the wider groups leave SMs idle at the end (docs/performance.md, dev/lp_order).
-    const bool long_k = p.H >= 2048;
-    args.scheduler.raster_order = long_k ? RasterOrder::AlongN : RasterOrder::Heuristic;
-    args.scheduler.max_swizzle_size = long_k ? 8 : 1;
+    const WindowTileOrder order = window_tile_order(p.rows);
+    args.scheduler.raster_order = order.along_m ? RasterOrder::AlongM : RasterOrder::AlongN;
+    args.scheduler.max_swizzle_size = order.swizzle;
     return cutlass_run::run<Gemm>(args, p.stream, "the CUTLASS window logits product");
   }
 };

@@ -24,6 +24,17 @@ inline int64_t window_tiles(int64_t V) { return (V + kWindowTile - 1) / kWindowT
 /// The offset a (row, tile) took, from its own offset m (what the epilogue stores).
 FUSEDCE_HD float window_offset(float m) { return m <= kWindowBits && m >= -kWindowBits ? 0.0f : m; }
 
+/// The window product's tile order for CUTLASS's persistent scheduler: along M (consecutive CTAs
+/// take consecutive row tiles of one vocabulary tile, so a weight tile is read once from memory
+/// for all rows), with swizzle groups of 8 from 8192 rows on and 1 below: the fastest of six orders
+/// (along M or N, swizzle 1, 2 or 8) at each of dev/scaled_chunk's four shapes on an H100, for the
+/// same main loop and staged epilogue.
+struct WindowTileOrder {
+  bool along_m;
+  int swizzle;
+};
+inline WindowTileOrder window_tile_order(int64_t rows) { return {true, rows >= 8192 ? 8 : 1}; }
+
 /// Whether a call may take the window form: bf16 where the CUTLASS kernels run (`hopper`), with
 /// the options whose gradient is a per-row factor times softmax (logit scale, class weights,
 /// ignore_index, the shift, every reduction, skip_ignored, the metrics). Label smoothing's uniform
