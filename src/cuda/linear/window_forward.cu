@@ -9,6 +9,7 @@
 // E leaves through a shared-memory stage, four passes of 48 columns, each row's 16-byte pieces
 // stored whole: pair stores straight from the accumulator layout write half sectors.
 #include "cuda/linear/window_forward.h"
+#include "cuda/linear/window_math.h"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -35,8 +36,8 @@ namespace window_fwd {
 using namespace cute;
 using bf16 = cutlass::bfloat16_t;
 
-inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr float kLn2 = 0.69314718055994531f;
+using window_math::kLn2;
+using window_math::kLog2e;
 
 __device__ __forceinline__ float ex2(float x) {
   float y;
@@ -57,13 +58,7 @@ struct EpiParams {
   float scale;
 };
 
-/// torch.argmax's order: a NaN before any number, then the larger value, then the lower column.
-__device__ __forceinline__ bool ahead(float v, int i, float w, int j) {
-  const bool nv = v != v, nw = w != w;
-  if (nv != nw) return nv;
-  if (!nv && v != w) return v > w;
-  return i < j;
-}
+using window_math::ahead;  // torch.argmax's order
 
 template <class BlockShape, bool kStore, bool kMetrics>
 class WindowEpilogue {

@@ -10,25 +10,16 @@
 
 #include "cuda/linear/window_forward.h"
 #include "cuda/linear/window_kernels.h"
+#include "cuda/linear/window_math.h"
 #include "cuda/vec.cuh"
 
 namespace fusedce {
 namespace cuda {
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.69314718055994531f;
+using window_math::ahead;
 constexpr int kMergeWarps = 8;
 constexpr int kMetricsThreads = 1024;
-
-/// torch.argmax's order: a NaN before any number, then the larger value, then the lower column
-/// (the epilogue's rule, window_forward.cu).
-__device__ __forceinline__ bool ahead(float v, int i, float w, int j) {
-  const bool nv = v != v, nw = w != w;
-  if (nv != nw) return nv;
-  if (!nv && v != w) return v > w;
-  return i < j;
-}
 
 __global__ void __launch_bounds__(kMergeWarps * 32) window_merge_kernel(const WindowMergeParams p) {
   const int64_t i = int64_t(blockIdx.x) * kMergeWarps + threadIdx.x / 32;
@@ -58,7 +49,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) window_merge_kernel(const Wi
   bool apart = false;  // some tile took an offset other than K
   for (int64_t t = lane; t < p.tiles; t += 32) {
     const float k = window_offset(mr[t]);
-    const float f = exp2f(k - K);  // an integer power of two: exact
+    const float f = window_math::factor(mr[t], K);
     apart = apart || k != K;
     S = fmaf(sr[t], f, S);
     if (metrics) {
@@ -84,14 +75,14 @@ __global__ void __launch_bounds__(kMergeWarps * 32) window_merge_kernel(const Wi
     for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
   }
   if (lane != 0) return;
-  const float lse = kLn2 * (K + log2f(S));
+  const float lse = window_math::lse(K, S);
   const float zt = p.scale * dot;
   // A target outside [0, V) has no logit and no weight: NaN, as the logits path gives it.
   const float wt = ignored ? 0.0f : !valid ? NAN : p.class_weight ? p.class_weight[t * p.weight_stride] : 1.0f;
   p.loss[i] = ignored ? 0.0f : wt * (lse - zt);
   p.lse[i] = ignored ? 0.0f : lse;
   if (metrics) {
-    p.entropy[i] = ignored ? 0.0f : logf(ldexpf(S, static_cast<int>(K - Mx))) + (kLn2 * C - U) / S;
+    p.entropy[i] = ignored ? 0.0f : window_math::entropy(S, K, Mx, C, U);
     p.correct[i] = !ignored && top_col == t;
   }
   if (!p.grad) return;
@@ -99,7 +90,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) window_merge_kernel(const Wi
   const float r = ignored ? 0.0f : p.grad[i] * (p.alpha ? *p.alpha : 1.0f) * wt * p.scale / S;
   p.r[i] = r;
   // The target's entry in the frame of K: 2^(z_t log2 e - K) - S, from the exact logit.
-  const float entry = valid ? exp2f(fmaf(zt, kLog2e, -K)) - S : NAN;
+  const float entry = valid ? window_math::target_entry(zt, K, S) : NAN;
   p.target_entry[i] = entry;
   p.rebase[i] = !ignored && apart;
   if (valid && !apart) {
