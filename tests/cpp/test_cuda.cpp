@@ -47,6 +47,27 @@ bool have_gpu() {
   return true;
 }
 
+/// Device buffers freed when it goes out of scope; upload() copies `bytes` of `host` in (null:
+/// left as allocated).
+struct DeviceAllocs {
+  std::vector<void*> owned;
+  DeviceAllocs() = default;
+  DeviceAllocs(const DeviceAllocs&) = delete;
+  DeviceAllocs& operator=(const DeviceAllocs&) = delete;
+  ~DeviceAllocs() {
+    for (void* d : owned) cudaFree(d);
+  }
+  void* upload(const void* host, size_t bytes) {
+    void* d = nullptr;
+    EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(bytes, 1)), cudaSuccess);
+    if (host != nullptr) {
+      EXPECT_EQ(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+    owned.push_back(d);
+    return d;
+  }
+};
+
 /// A random (N, V) problem on host and device: logits ~ N(0, 2) with outliers, 30% ignored.
 struct DeviceProblem {
   DType dtype;
@@ -922,16 +943,8 @@ TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
     g_lp[i] = normal(rng);
     g_h[i] = normal(rng);
   }
-  std::vector<void*> owned;
-  auto upload = [&](const void* host, size_t bytes) {
-    void* d = nullptr;
-    EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(bytes, 1)), cudaSuccess);
-    if (host != nullptr) {
-      EXPECT_EQ(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    }
-    owned.push_back(d);
-    return d;
-  };
+  DeviceAllocs mem;
+  auto upload = [&](const void* host, size_t bytes) { return mem.upload(host, bytes); };
   void* d_hid = upload(hid.data(), hid.size() * 2);
   void* d_w = upload(w.data(), w.size() * 2);
   void* d_logits = upload(logits.data(), logits.size() * 2);
@@ -1073,7 +1086,6 @@ TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
       }
     }
   }
-  for (void* d : owned) cudaFree(d);
 }
 
 // The linear cross-entropy's window form (cuda/linear/window_forward.h): on Hopper a bf16 call
@@ -1188,16 +1200,8 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
       }
     }
 
-    std::vector<void*> owned;
-    auto upload = [&](const void* host, size_t bytes) {
-      void* d = nullptr;
-      EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(bytes, 1)), cudaSuccess);
-      if (host != nullptr) {
-        EXPECT_EQ(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-      }
-      owned.push_back(d);
-      return d;
-    };
+    DeviceAllocs mem;
+    auto upload = [&](const void* host, size_t bytes) { return mem.upload(host, bytes); };
     void* d_hid = upload(hid.data(), hid.size() * 2);
     void* d_w = upload(w.data(), w.size() * 2);
     void* d_t = upload(tgt.data(), N * 8);
@@ -1305,7 +1309,6 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
       EXPECT_EQ(plain.gh, got.gh);
       EXPECT_EQ(plain.gw, got.gw);
     }
-    for (void* d : owned) cudaFree(d);
   }
 }
 

@@ -1,7 +1,7 @@
-// What every CUTLASS GemmUniversal of the library shares (cutlass_products.cu,
-// logprobs/lp_fused_products.cu; both compiled for sm_90a alone): the hardware description, the
-// leading-dimension strides, and one checked launch without a workspace. Include only from those
-// CUTLASS translation units.
+// What every CUTLASS GemmUniversal of the library shares (cutlass_products.cu, window_forward.cu,
+// logprobs/lp_fused_products.cu; all compiled for sm_90a alone): the hardware description, the
+// leading-dimension strides, one checked launch without a workspace, and the frame of a register
+// epilogue. Include only from those CUTLASS translation units.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,7 +10,9 @@
 #include <type_traits>
 
 #include "cute/tensor.hpp"
+#include "cutlass/cuda_host_adapter.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass/epilogue/dispatch_policy.hpp"
 #include "cutlass/kernel_hardware_info.h"
 #include "fusedce/types.h"
 
@@ -41,6 +43,57 @@ Stride stride_with_ld(int64_t ld) {
   }
   return s;
 }
+
+/// What CUTLASS's adapter for register epilogues (Sm90TmaWarpSpecializedAdapter) asks of an
+/// epilogue that takes the accumulators in registers and writes what it likes: the element and
+/// stride types it names (bf16, no source tensor) and the host hooks of an epilogue without a
+/// workspace, its arguments being its parameters (`P`). An epilogue derives from it and adds its
+/// SharedStorage, TensorStorage, constructor and operator().
+template <class P>
+struct RegisterEpilogueBase {
+  using bf16 = cutlass::bfloat16_t;
+  struct ThreadEpilogueOp {
+    using ElementOutput = bf16;
+    using ElementAccumulator = float;
+    using ElementCompute = float;
+    using ElementD = bf16;
+    static constexpr int kCount = 2;
+    struct Params {};
+  };
+  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementC = bf16;
+  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
+  using ElementD = bf16;
+  using StrideD = StrideC;
+  using ElementOutput = bf16;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementScalar = float;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  using Arguments = P;
+  using Params = P;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) {
+    return a;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) {
+    return true;
+  }
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+};
 
 /// One product: kUnsupported (nothing launched) where CUTLASS cannot run it or it would need a
 /// workspace; a launch failure is a device error naming `what`.

@@ -507,6 +507,29 @@ class LinearRun {
   }
 
   GemmCall base_gemm() const { return gemm_on(at(p_.gemm_ws), stream_, c_.device.index); }
+
+  /// A chunk's grad_weight product: grad_weight^T (H x V) (+)= hidden (H x rows) . dlogits (rows
+  /// x V), times the device scalar alpha (null: 1); straight into grad_weight for float32 or one
+  /// chunk, else into the float32 accumulator (the last chunk's by last_weight_product).
+  Status weight_product(const GemmOperand& hidden, const GemmOperand& dlogits, int64_t chunk, bool last,
+                        const float* alpha) {
+    const MatrixView& gw = c_.grads.grad_weight;
+    const bool direct = !p_.gw_via_acc;
+    GemmCall w = base_gemm();
+    w.scale = alpha;
+    w.a = hidden;
+    w.b = dlogits;
+    w.transpose_b = true;
+    w.d = direct ? gw.data : at(p_.gw_acc);
+    w.d_dtype = direct ? p_.dtype : DType::kFloat32;
+    w.m = p_.H;
+    w.n = p_.V;
+    w.ld_d = direct ? gw.row_stride : p_.H;
+    w.beta = chunk == 0 ? 0.0f : 1.0f;
+    w.role = grad_weight_role(direct);
+    if (last && chunk > 0 && p_.gw_via_acc) return last_weight_product(w, hidden.data, hidden.ld, dlogits.cols, alpha);
+    return gemm(w);
+  }
   /// A gradient product: base_gemm scaled by the upstream gradient the dlogits do not carry.
   GemmCall grad_gemm() const {
     GemmCall g = base_gemm();
@@ -615,25 +638,8 @@ class LinearRun {
       RowScaleParams hs{hc, false, ldh, m.r, scratch, p_.H, nc, p_.H};
       launch_row_scale(hs, stream_);
       FUSEDCE_TRY(last_error("scaling the hidden rows"));
-      // grad_weight^T (H x V) (+)= hidden' (H x nc) . E (nc x V)
-      const MatrixView& gw = c_.grads.grad_weight;
-      const bool direct = !p_.gw_via_acc;
-      GemmCall w = base_gemm();
-      w.a = GemmOperand{scratch, d, p_.H, nc, p_.H};
-      w.b = e_op;
-      w.transpose_b = true;
-      w.d = direct ? gw.data : at(p_.gw_acc);
-      w.d_dtype = direct ? d : DType::kFloat32;
-      w.m = p_.H;
-      w.n = p_.V;
-      w.ld_d = direct ? gw.row_stride : p_.H;
-      w.beta = chunk == 0 ? 0.0f : 1.0f;
-      w.role = grad_weight_role(direct);
-      if (last && chunk > 0 && p_.gw_via_acc) {
-        FUSEDCE_TRY(last_weight_product(w, scratch, p_.H, nc, nullptr));
-      } else {
-        FUSEDCE_TRY(gemm(w));
-      }
+      // grad_weight^T (H x V) (+)= hidden' (H x nc) . E (nc x V), alpha 1 (r rides hidden')
+      FUSEDCE_TRY(weight_product(GemmOperand{scratch, d, p_.H, nc, p_.H}, e_op, chunk, last, nullptr));
     }
     if (p_.grad_hidden) {
       // (E W)^T (H x nc, float32) = weight (H x V) . E^T (V x nc), over ld_logits columns where
@@ -767,24 +773,7 @@ class LinearRun {
     }
     if (p_.grad_weight && !p_.low_memory) {
       // grad_weight^T (H x V) (+)= hidden_c (H x nc) . dlogits (nc x V)
-      const MatrixView& gw = c_.grads.grad_weight;
-      const bool direct = !p_.gw_via_acc;  // float32, or one chunk: straight into grad_weight
-      GemmCall w = grad_gemm();
-      w.a = hidden_op;
-      w.b = dlogits_op;
-      w.transpose_b = true;
-      w.d = direct ? gw.data : at(p_.gw_acc);
-      w.d_dtype = direct ? d : DType::kFloat32;
-      w.m = p_.H;
-      w.n = p_.V;
-      w.ld_d = direct ? gw.row_stride : p_.H;
-      w.beta = chunk == 0 ? 0.0f : 1.0f;
-      w.role = grad_weight_role(direct);
-      if (last && chunk > 0 && p_.gw_via_acc) {
-        FUSEDCE_TRY(last_weight_product(w, hc, ldh, nc, scalars()->scale));
-      } else {
-        FUSEDCE_TRY(gemm(w));
-      }
+      FUSEDCE_TRY(weight_product(hidden_op, dlogits_op, chunk, last, scalars()->scale));
     }
     if (p_.grad_bias) {
       // grad_bias (V x 1) (+)= dlogits^T (V x nc) . ones (nc x 1)

@@ -61,28 +61,8 @@ struct EpiParams {
 using window_math::ahead;  // torch.argmax's order
 
 template <class BlockShape, bool kStore, bool kMetrics>
-class WindowEpilogue {
+class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
  public:
-  struct ThreadEpilogueOp {
-    using ElementOutput = bf16;
-    using ElementAccumulator = float;
-    using ElementCompute = float;
-    using ElementD = bf16;
-    static constexpr int kCount = 2;
-    struct Params {};
-  };
-  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementC = bf16;
-  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
-  using ElementD = bf16;
-  using StrideD = StrideC;
-  using ElementOutput = bf16;
-  using ElementAccumulator = float;
-  using ElementCompute = float;
-  using ElementScalar = float;
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
   // The stage: 128 rows of one 48-column pass, rows padded to 112 bytes so that the 8 rows x 4
   // lanes of a warp's 4-byte writes fall in 32 distinct banks.
   static constexpr int kPassCols = 48, kStageLd = kPassCols + 8;
@@ -90,29 +70,8 @@ class WindowEpilogue {
     alignas(128) __nv_bfloat16 stage[kStore ? size<0>(BlockShape{}) * kStageLd : 1];
   };
   using TensorStorage = SharedStorage;
-  using Arguments = EpiParams;
-  using Params = EpiParams;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) {
-    return a;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const&) {
-    return true;
-  }
 
   CUTLASS_HOST_DEVICE WindowEpilogue(Params const& p, SharedStorage const& = SharedStorage()) : params(p) {}
-  CUTLASS_DEVICE bool is_source_needed() { return false; }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
             class TiledMma, class ResidueMNK>

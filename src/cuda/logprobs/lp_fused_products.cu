@@ -108,59 +108,18 @@ using namespace lp_fused;
 /// dlogits go out through shared memory by TMA stores of whole boxes, else by pair stores from
 /// registers (a half of each 32-byte sector a warp's store touches).
 template <bool kGrad, bool kDist = false, bool kStaged = false>
-class LpEpilogue {
+class LpEpilogue : public cutlass_run::RegisterEpilogueBase<LpEpiParams> {
   static_assert(kGrad || !kStaged, "only the gradient is staged");
  public:
-  struct ThreadEpilogueOp {
-    using ElementOutput = bf16;
-    using ElementAccumulator = float;
-    using ElementCompute = float;
-    using ElementD = bf16;
-    static constexpr int kCount = 2;
-    struct Params {};
-  };
-  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementC = bf16;
-  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
-  using ElementD = bf16;
-  using StrideD = StrideC;
-  using ElementOutput = bf16;
-  using ElementAccumulator = float;
-  using ElementCompute = float;
-  using ElementScalar = float;
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
   // The ping-pong kernel runs its two warp groups' epilogues one after the other (its order
   // barrier), so one buffer serves both.
   struct SharedStorage {
     alignas(1024) uint8_t stage[kStaged ? kLpFusedTile / kBoxCols * kBoxBytes : 16];
   };
   using TensorStorage = SharedStorage;
-  using Arguments = LpEpiParams;
-  using Params = LpEpiParams;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) {
-    return a;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const&) {
-    return true;
-  }
 
   // p is the kernel's parameter (grid constant), where the TMA store's descriptor must stay.
   CUTLASS_HOST_DEVICE explicit LpEpilogue(Params const& p) : params(p), dl_map(&p.dl_map) {}
-  CUTLASS_DEVICE bool is_source_needed() { return false; }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
             class TiledMma, class ResidueMNK>
