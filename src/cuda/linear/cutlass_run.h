@@ -12,7 +12,12 @@
 #include "cute/tensor.hpp"
 #include "cutlass/cuda_host_adapter.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/detail.hpp"
 #include "cutlass/epilogue/dispatch_policy.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
 #include "fusedce/types.h"
 
@@ -116,6 +121,47 @@ Status run(const typename Gemm::Arguments& args, cudaStream_t stream, const char
   }
   return Status::Ok();
 }
+
+/// The products with a register epilogue (the window form's logits, the log-probabilities'):
+/// rows (rows x H) . weight rows (cols x H)^T, both bf16 with H contiguous, float32
+/// accumulation, on 128 x 192 ping-pong tiles (a warp group's 128 x 192 float32 accumulators: 192
+/// registers a thread, which the ping-pong kernel's register split allows; one warp group's
+/// epilogue runs while the other's main loop does) in clusters of two CTAs along M that share the
+/// weight's tiles by multicast: the configuration that tied cuBLASLt's logits product at the
+/// linear path's shapes (docs/performance.md, "The scaled-exp epilogue"). `EpiCore` derives from
+/// RegisterEpilogueBase.
+template <class EpiCore>
+struct RowsProduct {
+  using Tile = cute::Shape<cute::_128, cute::_192, cute::_64>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using Epi = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<EpiCore>;
+  using Main = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::bfloat16_t, cutlass::layout::RowMajor, 8,
+      cutlass::bfloat16_t, cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+  using GK = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Main, Epi>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GK>;
+  using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
+
+  /// One launch at the persistent scheduler's tile order (raster, swizzle); `what` names it in
+  /// an error.
+  static Status run(int64_t rows, int64_t cols, int64_t H, const void* hidden, int64_t ld_hidden, const void* weight,
+                    int64_t ld_weight, const typename EpiCore::Params& epi, RasterOrder raster, int swizzle,
+                    int device, cudaStream_t stream, const char* what) {
+    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                  {static_cast<int>(rows), static_cast<int>(cols), static_cast<int>(H), 1},
+                                  {static_cast<const cutlass::bfloat16_t*>(hidden),
+                                   stride_with_ld<typename GK::StrideA>(ld_hidden),
+                                   static_cast<const cutlass::bfloat16_t*>(weight),
+                                   stride_with_ld<typename GK::StrideB>(ld_weight)},
+                                  epi,
+                                  hardware_of(device)};
+    args.scheduler.raster_order = raster;
+    args.scheduler.max_swizzle_size = swizzle;
+    return cutlass_run::run<Gemm>(args, stream, what);
+  }
+};
 
 }  // namespace cutlass_run
 }  // namespace cuda

@@ -234,42 +234,20 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
   Params params;
 };
 
-// 128 x 192 ping-pong tiles (a warp group's 128 x 192 float32 accumulators: 192 registers a
-// thread, which the ping-pong kernel's register split allows), a cluster of two CTAs along M
-// sharing the weight's tiles by multicast: the configuration that tied cuBLASLt's logits
-// product at the linear path's shapes (docs/performance.md, "The scaled-exp epilogue").
-using Tile = Shape<_128, Int<int(kWindowTile)>, _64>;
-using Cluster = Shape<_2, _1, _1>;
 using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
 
 template <bool kStore, bool kMetrics>
-struct WindowKernel {
-  using Epi =
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<WindowEpilogue<Tile, kStore, kMetrics>>;
-  using Main = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, cutlass::layout::RowMajor, 8, bf16,
-      cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
-  using GK = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GK>;
-
-  static Status run(const WindowForward& p) {
-    using cutlass_run::stride_with_ld;
-    EpiParams epi{static_cast<__nv_bfloat16*>(p.e), p.ld_e,     p.sum,      p.offset, p.centred,
-                  p.top,                                   p.top_col, static_cast<int>(window_tiles(p.V)), p.scale};
-    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
-                                  {static_cast<int>(p.rows), static_cast<int>(p.V), static_cast<int>(p.H), 1},
-                                  {static_cast<const bf16*>(p.hidden), stride_with_ld<typename GK::StrideA>(p.ld_hidden),
-                                   static_cast<const bf16*>(p.weight), stride_with_ld<typename GK::StrideB>(p.ld_weight)},
-                                  epi,
-                                  cutlass_run::hardware_of(p.device)};
-    const WindowTileOrder order = window_tile_order(p.rows);
-    args.scheduler.raster_order = order.along_m ? RasterOrder::AlongM : RasterOrder::AlongN;
-    args.scheduler.max_swizzle_size = order.swizzle;
-    return cutlass_run::run<Gemm>(args, p.stream, "the CUTLASS window logits product");
-  }
-};
+Status run_kernel(const WindowForward& p) {
+  static_assert(kWindowTile == 192, "a vocabulary tile is one CTA tile's columns");
+  using Epi = WindowEpilogue<Shape<_128, _192, _64>, kStore, kMetrics>;
+  const EpiParams epi{static_cast<__nv_bfloat16*>(p.e), p.ld_e,      p.sum,
+                      p.offset,                          p.centred, p.top,
+                      p.top_col,                         static_cast<int>(window_tiles(p.V)), p.scale};
+  const WindowTileOrder order = window_tile_order(p.rows);
+  return cutlass_run::RowsProduct<Epi>::run(p.rows, p.V, p.H, p.hidden, p.ld_hidden, p.weight, p.ld_weight, epi,
+                                            order.along_m ? RasterOrder::AlongM : RasterOrder::AlongN, order.swizzle,
+                                            p.device, p.stream, "the CUTLASS window logits product");
+}
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -288,9 +266,9 @@ bool addressable(const WindowForward& p) {
 
 Status run_window_forward(const WindowForward& p) {
   if (!window_fwd::addressable(p)) return Status(StatusCode::kUnsupported, "operands TMA cannot address");
-  using window_fwd::WindowKernel;
-  if (p.metrics) return p.store_e ? WindowKernel<true, true>::run(p) : WindowKernel<false, true>::run(p);
-  return p.store_e ? WindowKernel<true, false>::run(p) : WindowKernel<false, false>::run(p);
+  using window_fwd::run_kernel;
+  if (p.metrics) return p.store_e ? run_kernel<true, true>(p) : run_kernel<false, true>(p);
+  return p.store_e ? run_kernel<true, false>(p) : run_kernel<false, false>(p);
 }
 
 }  // namespace cuda

@@ -544,13 +544,6 @@ class LpEpilogue : public cutlass_run::RegisterEpilogueBase<LpEpiParams> {
   const cute::TmaDescriptor* dl_map;
 };
 
-// 128 x 192 ping-pong tiles (a warp group's 128 x 192 float32 accumulators: 192 registers a
-// thread, which the ping-pong kernel's register split allows), a cluster of two CTAs along M
-// sharing the weight's tiles by multicast: the configuration that tied cuBLASLt's logits
-// product at the linear path's shapes (docs/performance.md, "The scaled-exp epilogue").
-using Tile = Shape<_128, _192, _64>;
-using Cluster = Shape<_2, _1, _1>;
-
 using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
 /// The persistent scheduler's tile order: CUTLASS's raster order and swizzle size.
 struct LpTileOrder {
@@ -563,29 +556,13 @@ inline constexpr LpTileOrder kLpTileOrder{RasterOrder::Heuristic, 1};
 /// dev/lp_order's twelve on the backward's vocabulary chunks.
 inline constexpr LpTileOrder kLpGradOrder{RasterOrder::AlongN, 8};
 
+/// The fused products on cutlass_run::RowsProduct (128 x 192 ping-pong tiles, clusters of two).
 template <bool kGrad, bool kDist = false, bool kStaged = false>
 struct FusedKernel {
-  using Epi =
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<LpEpilogue<kGrad, kDist, kStaged>>;
-  using Main = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, cutlass::layout::RowMajor, 8, bf16,
-      cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
-  using GK = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GK>;
-
   static Status run(const LpFusedProduct& p, const LpEpiParams& epi, LpTileOrder order = kLpTileOrder) {
-    using cutlass_run::stride_with_ld;
-    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
-                                  {static_cast<int>(p.rows), static_cast<int>(p.cols), static_cast<int>(p.H), 1},
-                                  {static_cast<const bf16*>(p.hidden), stride_with_ld<typename GK::StrideA>(p.ld_hidden),
-                                   static_cast<const bf16*>(p.weight), stride_with_ld<typename GK::StrideB>(p.ld_weight)},
-                                  epi,
-                                  cutlass_run::hardware_of(p.device)};
-    args.scheduler.raster_order = order.raster;
-    args.scheduler.max_swizzle_size = order.swizzle;
-    return cutlass_run::run<Gemm>(args, p.stream, "the CUTLASS log-probability product");
+    return cutlass_run::RowsProduct<LpEpilogue<kGrad, kDist, kStaged>>::run(
+        p.rows, p.cols, p.H, p.hidden, p.ld_hidden, p.weight, p.ld_weight, epi, order.raster, order.swizzle, p.device,
+        p.stream, "the CUTLASS log-probability product");
   }
 };
 
