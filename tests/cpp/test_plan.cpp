@@ -522,27 +522,31 @@ TEST(AlgoChoice, NeverASplitKOrReducingCandidate) {
 
 // The linear form's window plan (cuda/linear/window_plan.h): bf16 on Hopper with the options
 // whose gradient is a per-row factor, never elsewhere; each option that needs a per-entry or
-// rank-1 term, low_memory, grad_bias, an H the TMA cannot address or an odd V keeps the logits
-// path. And the window itself: offset 0 inside +-64 powers of two, the tile's own outside.
+// rank-1 term, low_memory, grad_bias, an H the TMA cannot address or wider than kWindowMaxHidden,
+// or an odd V keeps the logits path. And the window itself: offset 0 inside +-64 powers of two, the tile's own outside.
 TEST(WindowPlan, TakesTheCallsWhoseGradientIsARowFactor) {
   using fusedce::cuda::window_eligible;
   using fusedce::cuda::window_offset;
   using fusedce::cuda::window_tiles;
   Options plain;
-  EXPECT_TRUE(window_eligible(4096, 128256, DType::kBFloat16, plain, false, false, true));
+  EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, plain, false, false, true));
+  EXPECT_TRUE(window_eligible(fusedce::cuda::kWindowMaxHidden, 151936, DType::kBFloat16, plain, false, false, true));
+  EXPECT_FALSE(window_eligible(fusedce::cuda::kWindowMaxHidden + 8, 151936, DType::kBFloat16, plain, false, false, true))
+      << "past the widest hidden size the logits path stays";
+  EXPECT_FALSE(window_eligible(4096, 128256, DType::kBFloat16, plain, false, false, true));
   Options rows = plain;  // every per-row-factor option at once
   rows.logit_scale = -0.8f;
   rows.reduction = Reduction::kNone;
   rows.return_metrics = true;
   rows.ignore_index = 7;
   EXPECT_TRUE(window_eligible(64, 2, DType::kBFloat16, rows, false, false, true));
-  EXPECT_FALSE(window_eligible(4096, 128256, DType::kBFloat16, plain, false, false, false)) << "no Hopper kernels";
-  EXPECT_FALSE(window_eligible(4096, 128256, DType::kFloat16, plain, false, false, true));
-  EXPECT_FALSE(window_eligible(4096, 128256, DType::kFloat32, plain, false, false, true));
-  EXPECT_FALSE(window_eligible(4096, 128256, DType::kBFloat16, plain, true, false, true)) << "low_memory";
-  EXPECT_FALSE(window_eligible(4096, 128256, DType::kBFloat16, plain, false, true, true)) << "grad_bias";
-  EXPECT_FALSE(window_eligible(4100, 128256, DType::kBFloat16, plain, false, false, true)) << "H % 8";
-  EXPECT_FALSE(window_eligible(4096, 128257, DType::kBFloat16, plain, false, false, true)) << "odd V";
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, plain, false, false, false)) << "no Hopper kernels";
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kFloat16, plain, false, false, true));
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kFloat32, plain, false, false, true));
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, plain, true, false, true)) << "low_memory";
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, plain, false, true, true)) << "grad_bias";
+  EXPECT_FALSE(window_eligible(2052, 128256, DType::kBFloat16, plain, false, false, true)) << "H % 8";
+  EXPECT_FALSE(window_eligible(2048, 128257, DType::kBFloat16, plain, false, false, true)) << "odd V";
   Options o = plain;
   o.label_smoothing = 0.1f;
   EXPECT_FALSE(window_eligible(4096, 128256, DType::kBFloat16, o, false, false, true)) << "label smoothing";
@@ -567,7 +571,13 @@ TEST(WindowPlan, TakesTheCallsWhoseGradientIsARowFactor) {
   EXPECT_EQ(window_tiles(128256), 668);
   EXPECT_TRUE(fusedce::cuda::window_tile_order(4096).along_m);
   EXPECT_EQ(fusedce::cuda::window_tile_order(4096).swizzle, 1);
+  EXPECT_EQ(fusedce::cuda::window_tile_order(8191).swizzle, 1);
   EXPECT_EQ(fusedce::cuda::window_tile_order(8192).swizzle, 8);
+  // Groups that divide the row tiles: 68 of them (8704 rows) in 4s, 66 in 2s, 65 ungrouped.
+  EXPECT_EQ(fusedce::cuda::window_tile_order(8704).swizzle, 4);
+  EXPECT_EQ(fusedce::cuda::window_tile_order(8448).swizzle, 2);
+  EXPECT_EQ(fusedce::cuda::window_tile_order(8320).swizzle, 1);
+  EXPECT_EQ(fusedce::cuda::window_tile_order(8193).swizzle, 1) << "65 row tiles, the last one partial";
 }
 
 }  // namespace

@@ -26,26 +26,43 @@ FUSEDCE_HD float window_offset(float m) { return m <= kWindowBits && m >= -kWind
 
 /// The window product's tile order for CUTLASS's persistent scheduler: along M (consecutive CTAs
 /// take consecutive row tiles of one vocabulary tile, so a weight tile is read once from memory
-/// for all rows), with swizzle groups of 8 from 8192 rows on and 1 below: the fastest of six orders
-/// (along M or N, swizzle 1, 2 or 8) at each of dev/scaled_chunk's four shapes on an H100, for the
-/// same main loop and staged epilogue.
+/// for all rows). Under 8192 rows the CTAs in flight walk every row tile of a vocabulary tile and
+/// find the chunk's hidden rows in L2 (swizzle 1); from 8192 rows on, swizzle groups of row tiles
+/// keep a group's rows in L2 while it walks the vocabulary: the largest group of 8, 4 or 2 that
+/// divides the row tiles, because the scheduler pads the row tiles to a whole number of groups and
+/// a padded tile holds an SM for nothing.
 struct WindowTileOrder {
   bool along_m;
   int swizzle;
 };
-inline WindowTileOrder window_tile_order(int64_t rows) { return {true, rows >= 8192 ? 8 : 1}; }
+inline WindowTileOrder window_tile_order(int64_t rows) {
+  if (rows < 8192) return {true, 1};
+  const int64_t row_tiles = (rows + 127) / 128;
+  for (int s = 8; s > 1; s /= 2)
+    if (row_tiles % s == 0) return {true, s};
+  return {true, 1};
+}
+
+/// The widest hidden size that takes the window form. The cross-entropy pass the form removes
+/// costs in proportion to N V, the three products in proportion to N V H, and the epilogue adds a
+/// few percent to the logits product: the trade pays while the pass is a large share of the call,
+/// i.e. for the short-K heads (small models, GRPO policies); past this width the logits path
+/// stays (docs/performance.md, "The window form in the library").
+constexpr int64_t kWindowMaxHidden = 3072;
+
 
 /// Whether a call may take the window form: bf16 where the CUTLASS kernels run (`hopper`), with
 /// the options whose gradient is a per-row factor times softmax (logit scale, class weights,
 /// ignore_index, the shift, every reduction, skip_ignored, the metrics). Label smoothing's uniform
 /// term, the soft-cap's and z-loss's per-entry factors, grad_bias and low_memory's vocabulary
 /// slices keep the logits path; so does a bias (seen at run time: the size query has no bias to
-/// look at). H a multiple of 8 (the TMA's 16-byte rows) and V even (the epilogue's bf16 pairs).
+/// look at). H a multiple of 8 (the TMA's 16-byte rows) and at most kWindowMaxHidden, V even (the
+/// epilogue's bf16 pairs).
 inline bool window_eligible(int64_t H, int64_t V, DType dtype, const Options& o, bool low_memory, bool grad_bias,
                             bool hopper) {
   if (!hopper || dtype != DType::kBFloat16 || low_memory || grad_bias) return false;
   if (o.label_smoothing != 0.0f || o.softcap != 0.0f || o.z_loss != 0.0f || !std::isfinite(o.logit_scale)) return false;
-  return H % 8 == 0 && V % 2 == 0;
+  return H % 8 == 0 && H <= kWindowMaxHidden && V % 2 == 0;
 }
 
 }  // namespace cuda
