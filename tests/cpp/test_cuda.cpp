@@ -1093,13 +1093,15 @@ TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
 // float64 (logits from the bf16 inputs, exact), on rows the window form treats three ways:
 // ordinary rows (every tile at offset 0), hot rows (the target's logit about 59 nats: its tile
 // takes its own offset and the row is rebased) and cold rows (every logit about -60 nats: every
-// tile its own offset), with ignored rows between them; three option sets (mean with metrics;
+// tile its own offset), with ignored rows between them; four option sets (mean with metrics;
 // none with per-row upstream gradients, class weights, a negative logit scale, skip_ignored, V not
-// a multiple of 8 and several token chunks; sum with a causal shift, metrics and V = 2).
+// a multiple of 8 and several token chunks; sum with a causal shift, metrics and V = 2; mean with
+// z-loss 0.01, class weights and metrics, one cold row's class weighted -2 z_loss lse so that its
+// softmax factor a = w_t + 2 z_loss lse cancels to rounding: that row is rescaled by a / w_t).
 // Tolerances: the loss and lse come from float32 logits (the product's accumulators and a float32
 // dot product for the target), so a row's error is a few float32 roundoffs of its logits' size:
-// 2e-5 (1 + |lse| + |z_t|); bf16 logits would miss a 59-nat target logit by up to 0.125, which
-// this fails. Gradients: dlogits r E carry E's bf16 rounding (2^-9) and grad_weight's operand
+// 2e-5 (1 + |lse| + |z_t|), the loss that times w_t + 2 z_loss |lse|; bf16 logits would miss a
+// 59-nat target logit by up to 0.125, which this fails. Gradients: dlogits r E carry E's bf16 rounding (2^-9) and grad_weight's operand
 // bf16(r h) one more, the output one more: elementwise 2^-8 |ref| + 1e-2 max |ref| (the bf16
 // rule of test_linear.cpp), and the projection sum got ref / sum ref ref within 2e-3 of 1, which
 // averages the roundings out so that a 0.5% scale error fails (where at least 100 elements carry
@@ -1119,12 +1121,16 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
     bool class_weight, skip, metrics;
     int64_t shift;
     size_t budget;
+    float z_loss;
+    bool cancel;  // one cold row's target weighted -2 z_loss lse: its a = w_t + 2 z_loss lse cancels
   };
   const Case cases[] = {
-      {"mean, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f, false, false, true, 0, 0},
+      {"mean, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f, false, false, true, 0, 0, 0.0f, false},
       {"none, class weights, scale -0.8, skip_ignored, V 386, chunks", 200, 64, 386, fusedce::Reduction::kNone, -0.8f,
-       true, true, false, 0, size_t(64) << 10},
-      {"sum, shift, metrics, V 2", 120, 32, 2, fusedce::Reduction::kSum, 1.0f, false, false, true, 10, 0},
+       true, true, false, 0, size_t(64) << 10, 0.0f, false},
+      {"sum, shift, metrics, V 2", 120, 32, 2, fusedce::Reduction::kSum, 1.0f, false, false, true, 10, 0, 0.0f, false},
+      {"mean, z-loss, class weights, a row whose a cancels, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f,
+       true, false, true, 0, 0, 0.01f, true},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -1154,8 +1160,39 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
     if (c.reduction == fusedce::Reduction::kNone)
       for (auto& x : up) x = 0.5f + static_cast<float>(rng() % 100) / 100.0f;
 
-    // float64 reference
-    std::vector<double> loss_row(N, 0.0), lse_ref(N, 0.0), gh_ref(N * H, 0.0), gw_ref(V * H, 0.0), z(V);
+    // float64 reference: each row's logits (they do not depend on the targets), then the targets'
+    // weights, then the loss and the gradients
+    auto logits_of = [&](int64_t i, std::vector<double>& z) {
+      for (int64_t j = 0; j < V; ++j) {
+        double x = 0.0;
+        for (int64_t k = 0; k < H; ++k) x += double(bf16_to_float(hid[i * H + k])) * bf16_to_float(w[j * H + k]);
+        z[j] = c.scale * x;
+      }
+    };
+    std::vector<double> loss_row(N, 0.0), lse_ref(N, 0.0), zt_ref(N, 0.0), gh_ref(N * H, 0.0), gw_ref(V * H, 0.0),
+        z(V);
+    auto lse_of = [&](const std::vector<double>& zz) {
+      double mx = -INFINITY, s = 0.0;
+      for (double x : zz) mx = std::max(mx, x);
+      for (double x : zz) s += std::exp(x - mx);
+      return mx + std::log(s);
+    };
+    if (c.cancel) {
+      // the first counted cold row gets a class no other row targets, weighted so that its a cancels
+      int64_t i0 = 5;
+      while (i0 < N && (i0 % 11 != 5 || tgt[i0] == -100)) ++i0;
+      ASSERT_LT(i0, N);
+      std::vector<bool> used(V, false);
+      for (int64_t i = 0; i < N; ++i)
+        if (i != i0 && tgt[i] >= 0) used[tgt[i]] = true;
+      int64_t u = 0;
+      while (u < V && used[u]) ++u;
+      ASSERT_LT(u, V);
+      tgt[i0] = u;
+      logits_of(i0, z);
+      cw[u] = static_cast<float>(-2.0 * c.z_loss * lse_of(z));
+      ASSERT_GT(cw[u], 0.0f) << "a cold row's lse is negative";
+    }
     double denom = 0.0, loss_sum = 0.0, ent_ref = 0.0;
     int64_t correct_ref = 0;
     auto target_of = [&](int64_t i) -> int64_t {
@@ -1169,21 +1206,18 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
     for (int64_t i = 0; i < N; ++i) {
       const int64_t t = target_of(i);
       if (t == -100) continue;
-      double mx = -INFINITY;
+      logits_of(i, z);
       int64_t am = 0;
-      for (int64_t j = 0; j < V; ++j) {
-        double x = 0.0;
-        for (int64_t k = 0; k < H; ++k) x += double(bf16_to_float(hid[i * H + k])) * bf16_to_float(w[j * H + k]);
-        z[j] = c.scale * x;
-        if (z[j] > mx) mx = z[j], am = j;
-      }
-      double s = 0.0, sz = 0.0;
-      for (int64_t j = 0; j < V; ++j) s += std::exp(z[j] - mx);
-      const double lse = mx + std::log(s);
+      for (int64_t j = 1; j < V; ++j)
+        if (z[j] > z[am]) am = j;
+      const double lse = lse_of(z);
+      double sz = 0.0;
       for (int64_t j = 0; j < V; ++j) sz += std::exp(z[j] - lse) * z[j];
       const double wt = c.class_weight ? cw[t] : 1.0;
+      const double a = wt + 2.0 * c.z_loss * lse;
       lse_ref[i] = lse;
-      loss_row[i] = wt * (lse - z[t]);
+      zt_ref[i] = z[t];
+      loss_row[i] = wt * (lse - z[t]) + c.z_loss * lse * lse;
       loss_sum += loss_row[i];
       ent_ref += lse - sz;
       correct_ref += am == t;
@@ -1191,7 +1225,7 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
                        : c.reduction == fusedce::Reduction::kSum ? up[0]
                                                                  : up[0] / denom;
       for (int64_t j = 0; j < V; ++j) {
-        const double d = g * wt * (std::exp(z[j] - lse) - (j == t ? 1.0 : 0.0)) * c.scale;
+        const double d = g * (a * std::exp(z[j] - lse) - (j == t ? wt : 0.0)) * c.scale;
         if (d == 0.0) continue;
         for (int64_t k = 0; k < H; ++k) {
           gh_ref[i * H + k] += d * bf16_to_float(w[j * H + k]);
@@ -1225,6 +1259,7 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
       fusedce::Options opt;
       opt.reduction = c.reduction;
       opt.logit_scale = c.scale;
+      opt.z_loss = c.z_loss;
       opt.return_metrics = metrics;
       if (c.class_weight) opt.class_weight = fusedce::vector(d_cw, DType::kFloat32, V);
       fusedce::LinearOptions lo;
@@ -1266,10 +1301,11 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
     int bad = 0;
     for (int64_t i = 0; i < N; ++i) {
       const int64_t t = target_of(i);
-      const double zt = t == -100 ? 0.0 : lse_ref[i] - loss_row[i] / (c.class_weight ? cw[t] : 1.0);
-      const double tol = 2e-5 * (1.0 + std::abs(lse_ref[i]) + std::abs(zt));
+      const double tol = 2e-5 * (1.0 + std::abs(lse_ref[i]) + std::abs(zt_ref[i]));
+      // the loss's error: w_t times the lse's and z_t's, plus the z-loss's 2 z_loss |lse| times the lse's
+      const double wt = t == -100 || !c.class_weight ? 1.0 : cw[t];
       const bool ok = std::abs(got.lse[i] - lse_ref[i]) <= tol &&
-                      (loss_n == 1 || std::abs(got.loss[i] - loss_row[i]) <= tol * (c.class_weight ? cw[std::max<int64_t>(t, 0)] : 1.0));
+                      (loss_n == 1 || std::abs(got.loss[i] - loss_row[i]) <= tol * (wt + 2.0 * c.z_loss * std::abs(lse_ref[i])));
       if (!ok && ++bad <= 5) ADD_FAILURE() << "row " << i << ": lse " << got.lse[i] << " / " << lse_ref[i] << ", loss " << (loss_n == 1 ? 0.0f : got.loss[i]) << " / " << loss_row[i];
     }
     EXPECT_EQ(bad, 0);

@@ -2,15 +2,20 @@
 // one row's logits split into 192-wide tiles as the window product's epilogue sees them (each
 // tile's own offset m, the offset it takes, its sum of E and its centred entropy partial, in
 // float32 as the epilogue forms them), merged by the functions the merge kernel calls, then the
-// row's dlogits r E after the rebase. Rows: ordinary (logits N(0, 2.5^2)), peaked, hot (the
-// target 60 nats up: its tile takes its own offset), cold (every logit 60 nats down), and V = 2.
+// row's dlogits r (c E - d onehot) after the rebase. Rows: ordinary (logits N(0, 2.5^2)), peaked,
+// hot (the target 60 nats up: its tile takes its own offset), cold (every logit 60 nats down),
+// and V = 2; with z-loss (a = w_t + 2 z_loss lse) also a negative a and an a that cancels to
+// rounding (the row rescaled by c), and a class weight of 0.
 // Tolerances: lse and entropy from float32 sums of V terms: 2e-6 (1 + |lse|) and 5e-6 absolute;
-// dlogits from bf16 E (round to nearest: at most 2^-8 relative each) against float64 g (p -
-// onehot): 1.01 2^-8 of each entry, and at the target 1e-7 g (1 + |z_t|) more: its entry is the
-// float32 difference 2^(z_t log2 e - K) - S, a few float32 units of S (the epilogue's z log2 e
-// carries |z| float32 units), times r = g / S; that is what a hot row's target carries where its
-// true dlogit, g (p_t - 1), is ~1e-22 g. The mean signed relative error of the other entries
-// within 1e-3 of 0 (rows of 100 entries or more), which a 0.5% error in r fails (checked).
+// dlogits from bf16 E (round to nearest: at most 2^-8 relative each) against float64 g (a p -
+// w_t onehot): 1.01 2^-8 of each entry; at the target 1e-7 g (|w_t| + |a|) (1 + |z_t|) more: its
+// entry is the float32 difference c 2^(z_t log2 e - K) - d, a few float32 units of d (the
+// epilogue's z log2 e carries |z| float32 units), times r, with r d = g w_t; that is what a hot
+// row's target carries where its true dlogit, g (p_t - 1), is ~1e-22 g. And g p_j times a's own
+// float32 error (2 z_loss 2e-6 (1 + |lse|) from the lse, 1e-6 |w_t| from the sum), which is all an
+// a that cancels to rounding holds. The mean signed relative error of the other entries within
+// 1e-3 of 0 (rows of 100 entries or more where a does not cancel), which a 0.5% error in r fails
+// (checked).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -33,13 +38,16 @@ using fusedce::cuda::window_tiles;
 
 struct RowResult {
   double lse, entropy;
-  std::vector<double> dlogits;  // r E after the rebase and the target's rewrite
+  std::vector<double> dlogits;  // r (c E - d onehot) after the rebase and the target's rewrite
   bool apart;
+  float rescale;  // c
 };
 
 /// The window form of one row: epilogue, merge and rebase as the kernels do them, with the host's
-/// exp2f for the device's ex2.approx (both within a few float32 units) and bf16 E.
-RowResult window_row(const std::vector<float>& z, int64_t t, float g, float plant = 1.0f) {
+/// exp2f for the device's ex2.approx (both within a few float32 units) and bf16 E; class weight
+/// wt and z-loss zl.
+RowResult window_row(const std::vector<float>& z, int64_t t, float g, float wt = 1.0f, float zl = 0.0f,
+                     float plant = 1.0f) {
   const int64_t V = static_cast<int64_t>(z.size()), tiles = window_tiles(V);
   std::vector<float> sum(tiles), off(tiles), centred(tiles);
   std::vector<uint16_t> e(V);
@@ -72,13 +80,20 @@ RowResult window_row(const std::vector<float>& z, int64_t t, float g, float plan
   r.lse = wm::lse(K, S);
   r.entropy = wm::entropy(S, K, Mx, C, U);
   r.apart = apart;
-  const float rr = g / S * plant;
+  fusedce::detail::LossConstants lc{};
+  lc.one_minus_eps = 1.0f;
+  lc.z_loss = zl;
+  lc.logit_scale = 1.0f;
+  const fusedce::detail::RowGrad rg = fusedce::detail::row_grad(lc, wm::lse(K, S), wt, g);
+  const wm::RowFactor rf = wm::row_factor(rg.g_a, rg.g_bt, S);
+  r.rescale = rf.rescale;
+  const float rr = rf.r * plant;
   r.dlogits.resize(V);
   for (int64_t j = 0; j < V; ++j) {
-    // the rebase: each tile's E into the frame of K (exact: a power of two)
-    const float f = wm::factor(off[j / kWindowTile], K);
+    // the rebase: each tile's E into the frame of K (a power of two) and the row's factor c
+    const float f = wm::factor(off[j / kWindowTile], K) * rf.rescale;
     float ej = fusedce::detail::bf16_to_float(fusedce::detail::float_to_bf16(fusedce::detail::bf16_to_float(e[j]) * f));
-    if (j == t) ej = fusedce::detail::bf16_to_float(fusedce::detail::float_to_bf16(wm::target_entry(z[t], K, S)));
+    if (j == t) ej = fusedce::detail::bf16_to_float(fusedce::detail::float_to_bf16(wm::target_entry(z[t], K, rf)));
     r.dlogits[j] = double(rr) * ej;
   }
   return r;
@@ -86,7 +101,8 @@ RowResult window_row(const std::vector<float>& z, int64_t t, float g, float plan
 
 /// The checks of one row (header); `plant_must_fail`: the planted 0.5% in r must fail the row's
 /// mean relative error (rows of hundreds of entries).
-void expect_row(const std::string& what, const std::vector<float>& z, int64_t t, bool apart, bool plant_must_fail) {
+void expect_row(const std::string& what, const std::vector<float>& z, int64_t t, bool apart, bool plant_must_fail,
+                float wt = 1.0f, float zl = 0.0f) {
   SCOPED_TRACE(what);
   const int64_t V = static_cast<int64_t>(z.size());
   const float g = 0.37f;
@@ -96,14 +112,19 @@ void expect_row(const std::string& what, const std::vector<float>& z, int64_t t,
   for (float x : z) s += std::exp(double(x) - mx);
   const double lse = mx + std::log(s);
   for (float x : z) sz += std::exp(double(x) - lse) * double(x);
-  const RowResult r = window_row(z, t, g);
+  const RowResult r = window_row(z, t, g, wt, zl);
   EXPECT_EQ(r.apart, apart);
   EXPECT_NEAR(r.lse, lse, 2e-6 * (1.0 + std::abs(lse)));
   EXPECT_NEAR(r.entropy, lse - sz, 5e-6);
+  const double a = wt + 2.0 * zl * lse;
   std::vector<double> want(V);
-  for (int64_t j = 0; j < V; ++j) want[j] = g * (std::exp(double(z[j]) - lse) - (j == t ? 1.0 : 0.0));
-  const double entry_abs = 1e-7 * g * (1.0 + std::abs(z[t]));
-  auto allowed = [&](int64_t j) { return std::ldexp(1.0, -8) * 1.01 * std::abs(want[j]) + (j == t ? entry_abs : 0.0); };
+  for (int64_t j = 0; j < V; ++j) want[j] = g * (a * std::exp(double(z[j]) - lse) - (j == t ? wt : 0.0));
+  const double entry_abs = 1e-7 * g * (std::abs(wt) + std::abs(a)) * (1.0 + std::abs(z[t]));
+  const double a_err = 2.0 * zl * 2e-6 * (1.0 + std::abs(lse)) + 1e-6 * std::abs(wt);
+  auto allowed = [&](int64_t j) {
+    return std::ldexp(1.0, -8) * 1.01 * std::abs(want[j]) + (j == t ? entry_abs : 0.0) +
+           g * a_err * std::exp(double(z[j]) - lse);
+  };
   int bad = 0;
   for (int64_t j = 0; j < V; ++j) {
     if (!(std::abs(r.dlogits[j] - want[j]) <= allowed(j)) && ++bad <= 3) {
@@ -119,11 +140,12 @@ void expect_row(const std::string& what, const std::vector<float>& z, int64_t t,
       if (j != t) m += x.dlogits[j] / want[j] - 1.0;
     return m / double(V - 1);
   };
-  if (V >= 100) {
+  const bool cancels = std::abs(a) < 1e-3 * std::abs(wt);
+  if (V >= 100 && !cancels) {
     EXPECT_NEAR(bias(r), 0.0, 1e-3);
   }
   if (plant_must_fail) {
-    EXPECT_GT(std::abs(bias(window_row(z, t, g, 1.005f))), 2e-3) << "a 0.5% error in r passes";
+    EXPECT_GT(std::abs(bias(window_row(z, t, g, wt, zl, 1.005f))), 2e-3) << "a 0.5% error in r passes";
   }
 }
 
@@ -147,6 +169,43 @@ TEST(WindowMath, RowMergeMatchesFloat64) {
     // every tile its own offset: apart unless every tile's maximum rounds to the same one
     const RowResult c = window_row(cold, t, 1.0f);
     expect_row("cold, V " + std::to_string(V), cold, t, c.apart, wide);
+  }
+}
+
+// z-loss: a = w_t + 2 z_loss lse scales the softmax, w_t the target term. Positive a (ordinary
+// rows), negative a (cold rows, lse about -50, with z_loss 0.03), an a that cancels to rounding
+// (the class weight set to -2 z_loss lse: the row rescaled by c = a / w_t, r = g w_t / S) and a
+// class weight of 0 (no target term); without z-loss the factor is the plain one, d = S exactly.
+TEST(WindowMath, ZLossRowFactorMatchesFloat64) {
+  const wm::RowFactor plain = wm::row_factor(0.37f * 1.3f, 0.37f * 1.3f, 5.5f);
+  EXPECT_EQ(plain.rescale, 1.0f);
+  EXPECT_EQ(plain.shift, 5.5f);
+  EXPECT_EQ(plain.r, 0.37f * 1.3f / 5.5f);
+  const wm::RowFactor none = wm::row_factor(0.0f, 0.0f, 5.5f);
+  EXPECT_EQ(none.r, 0.0f) << "g = 0: no gradient";
+  EXPECT_EQ(none.shift, 0.0f);
+  std::mt19937_64 rng(20261208);
+  std::normal_distribution<float> normal(0.0f, 2.5f);
+  for (const int64_t V : {int64_t(1000), int64_t(385)}) {
+    std::vector<float> z(V);
+    for (auto& x : z) x = normal(rng);
+    const int64_t t = V / 3;
+    const std::string v = ", V " + std::to_string(V);
+    expect_row("z-loss, ordinary" + v, z, t, false, true, 1.3f, 1e-3f);
+    std::vector<float> hot = z;
+    hot[t] = 60.0f;
+    expect_row("z-loss, hot" + v, hot, t, true, false, 0.7f, 1e-3f);
+    std::vector<float> cold = z;
+    for (auto& x : cold) x -= 60.0f;
+    const RowResult c = window_row(cold, t, 1.0f);
+    expect_row("z-loss, cold, negative a" + v, cold, t, c.apart, true, 1.0f, 0.03f);
+    double mx = -INFINITY, s = 0.0;
+    for (float x : cold) mx = std::max(mx, double(x));
+    for (float x : cold) s += std::exp(double(x) - mx);
+    const float wt = static_cast<float>(-2.0 * 0.01 * (mx + std::log(s)));
+    EXPECT_NE(window_row(cold, t, 0.37f, wt, 0.01f).rescale, 1.0f) << "a cancelling a takes the rescale";
+    expect_row("z-loss, cold, a cancels" + v, cold, t, c.apart, false, wt, 0.01f);
+    expect_row("z-loss, class weight 0" + v, z, t, false, true, 0.0f, 1e-3f);
   }
 }
 

@@ -16,8 +16,9 @@
 // window_eligible) replaces steps 1 and 2: the logits product's epilogue stores E = exp(z - k)
 // in the logit buffer (k = 0 for every 192-wide tile whose largest logit lies within about 44
 // nats of 0) with per-(row, tile) sums and offsets; a merge forms each row's loss, lse and factor
-// r (dlogits = r E, the target's entry of E rewritten), a rebase brings the few rows whose tiles
-// took different offsets to one; then grad_weight (+)= E^T bf16(r h) and grad_hidden = bf16(r (E W))
+// r (dlogits = r E, the target's entry of E rewritten; z-loss's per-row softmax factor rides r),
+// a rebase brings the few rows whose tiles took different offsets (or whose z-loss and likelihood
+// factors cancel) to one; then grad_weight (+)= E^T bf16(r h) and grad_hidden = bf16(r (E W))
 // (cuBLASLt's float32 product, scaled and rounded once). No pass reads or writes the logits
 // beyond the products (window_forward.h, window_kernels.h).
 // low_memory (with grad_weight): the float32 (V, H) accumulator would break the 512 MiB bound, so
@@ -161,7 +162,7 @@ struct LinearPlan {
   // workspace byte offsets
   size_t gemm_ws, logits, ce_ws, ce_ws_bytes, ones, gw_acc, gb_acc, eff_target, idx, scalars, target_c, grad_p,
       loss_c, lse_p, row_loss, chunk_entropy, chunk_correct, hidden_c, gh_c, slice_acc, weight_pad, win_sum,
-      win_offset, win_r, win_kmax, win_entry, win_flag, win_scratch, win_centred, win_top, win_top_col, win_entropy,
+      win_offset, win_r, win_rescale, win_kmax, win_entry, win_flag, win_scratch, win_centred, win_top, win_top_col, win_entropy,
       win_correct, total;
 };
 
@@ -229,7 +230,7 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   // grad_weight's scaled hidden operand, then grad_hidden's float32 product.
   const size_t scratch_row = p.grad_hidden ? size_t(H) * 4 : p.grad_weight ? size_t(H) * 2 : 0;
   const size_t window_row =
-      p.window ? size_t(window_tiles(V)) * (p.metrics ? 20 : 8) + 13 + (p.metrics ? 5 : 0) + scratch_row : 0;
+      p.window ? size_t(window_tiles(V)) * (p.metrics ? 20 : 8) + 17 + (p.metrics ? 5 : 0) + scratch_row : 0;
   const size_t row_bytes =
       size_t(p.ld_logits) * el + (p.compact ? size_t(H) * el * (p.grad_hidden ? 2 : 1) : 0) + window_row;
   auto set_chunks = [&](size_t budget) {
@@ -321,6 +322,7 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
     p.win_sum = take(size_t(C) * window_tiles(V) * 4);
     p.win_offset = take(size_t(C) * window_tiles(V) * 4);
     p.win_r = take(size_t(C) * 4);
+    p.win_rescale = take(size_t(C) * 4);
     p.win_kmax = take(size_t(C) * 4);
     p.win_entry = take(size_t(C) * 4);
     p.win_flag = take(size_t(C));
@@ -590,7 +592,7 @@ class LinearRun {
     m.ignore_index = c_.options.ignore_index;
     m.class_weight = static_cast<const float*>(c_.options.class_weight.data);
     m.weight_stride = c_.options.class_weight.stride;
-    m.scale = c_.options.logit_scale;
+    m.lc = detail::make_loss_constants(c_.options, p_.V, 0.0f);
     m.centred = f.centred;
     m.top = f.top;
     m.top_col = f.top_col;
@@ -603,6 +605,7 @@ class LinearRun {
     m.loss = at_as<float>(p_.loss_c);
     m.lse = at_as<float>(p_.lse_p) + p0;
     m.r = at_as<float>(p_.win_r);
+    m.rescale = at_as<float>(p_.win_rescale);
     m.kmax = at_as<float>(p_.win_kmax);
     m.target_entry = at_as<float>(p_.win_entry);
     m.rebase = at_as<uint8_t>(p_.win_flag);
@@ -624,6 +627,7 @@ class LinearRun {
     rb.tiles = m.tiles;
     rb.offset = m.offset;
     rb.kmax = m.kmax;
+    rb.rescale = m.rescale;
     rb.rebase = m.rebase;
     rb.target = m.target;
     rb.target_entry = m.target_entry;

@@ -76,10 +76,11 @@ __global__ void __launch_bounds__(kMergeWarps * 32) window_merge_kernel(const Wi
   }
   if (lane != 0) return;
   const float lse = window_math::lse(K, S);
-  const float zt = p.scale * dot;
+  const float scale = p.lc.logit_scale;
+  const float zt = scale * dot;
   // A target outside [0, V) has no logit and no weight: NaN, as the logits path gives it.
   const float wt = ignored ? 0.0f : !valid ? NAN : p.class_weight ? p.class_weight[t * p.weight_stride] : 1.0f;
-  p.loss[i] = ignored ? 0.0f : wt * (lse - zt);
+  p.loss[i] = ignored ? 0.0f : detail::row_loss(p.lc, lse, zt, wt, 0.0f, false);
   p.lse[i] = ignored ? 0.0f : lse;
   if (metrics) {
     p.entropy[i] = ignored ? 0.0f : window_math::entropy(S, K, Mx, C, U);
@@ -87,13 +88,17 @@ __global__ void __launch_bounds__(kMergeWarps * 32) window_merge_kernel(const Wi
   }
   if (!p.grad) return;
   p.kmax[i] = K;
-  const float r = ignored ? 0.0f : p.grad[i] * (p.alpha ? *p.alpha : 1.0f) * wt * p.scale / S;
-  p.r[i] = r;
-  // The target's entry in the frame of K: 2^(z_t log2 e - K) - S, from the exact logit.
-  const float entry = valid ? window_math::target_entry(zt, K, S) : NAN;
+  const detail::RowGrad rg = detail::row_grad(p.lc, lse, wt, p.grad[i] * (p.alpha ? *p.alpha : 1.0f));
+  const window_math::RowFactor f =
+      ignored ? window_math::RowFactor{0.0f, 1.0f, 0.0f} : window_math::row_factor(rg.g_a * scale, rg.g_bt * scale, S);
+  p.r[i] = f.r;
+  p.rescale[i] = f.rescale;
+  // The target's entry in the frame of K: c 2^(z_t log2 e - K) - d, from the exact logit.
+  const float entry = valid ? window_math::target_entry(zt, K, f) : NAN;
   p.target_entry[i] = entry;
-  p.rebase[i] = !ignored && apart;
-  if (valid && !apart) {
+  const bool flag = !ignored && (apart || f.rescale != 1.0f);
+  p.rebase[i] = flag;
+  if (valid && !flag) {
     static_cast<BFloat16*>(p.e)[i * p.ld_e + t] = Elem<BFloat16>::from_float(entry);
   }
 }
@@ -101,11 +106,11 @@ __global__ void __launch_bounds__(kMergeWarps * 32) window_merge_kernel(const Wi
 __global__ void __launch_bounds__(256) window_rebase_kernel(const WindowRebaseParams p) {
   const int64_t i = blockIdx.x;
   if (!p.rebase[i]) return;
-  const float K = p.kmax[i];
+  const float K = p.kmax[i], c = p.rescale[i];
   const float* mr = p.offset + i * p.tiles;
   BFloat16* e = static_cast<BFloat16*>(p.e) + i * p.ld_e;
   for (int64_t v = threadIdx.x; v < p.V; v += blockDim.x) {
-    const float f = exp2f(window_offset(mr[v / kWindowTile]) - K);
+    const float f = exp2f(window_offset(mr[v / kWindowTile]) - K) * c;
     e[v] = Elem<BFloat16>::from_float(Elem<BFloat16>::to_float(e[v]) * f);
   }
   __syncthreads();  // the entry is written over the scaled one

@@ -8,18 +8,22 @@
 
 #include <cstdint>
 
+#include "common/numeric.h"
+
 namespace fusedce {
 namespace cuda {
 
 /// One warp a position of the chunk: K = max_t k_t (k_t = window_offset(m_t)), S = sum_t S_t
 /// 2^(k_t - K), lse = ln 2 (K + log2 S); the target's logit z_t = scale (h . w_t), a float32 dot
 /// product of the bf16 operands (the loss's and the rewrite's, so that neither depends on the
-/// product's rounding); loss = w_t (lse - z_t); with gradients r = g alpha w_t scale / S, the row's
-/// dlogits being r E with E's target entry rewritten to 2^(z_t log2 e - K) - S (the offset-K frame:
-/// |value| <= S <= V, always a finite bf16). A row whose tiles all took offset 0 (K = 0 and no
-/// tile apart) has its entry written here; the others are flagged for the rebase, which writes it
-/// after bringing the row to K. An ignored row: loss 0, lse 0, r 0; a target outside [0, V)
-/// (unchecked): NaN loss and r, as the logits path gives. With metrics: the row's entropy
+/// product's rounding); loss = w_t (lse - z_t) + z_loss lse^2 (detail::row_loss). With gradients
+/// the row's dlogits are r (c E - d onehot_t) (window_math::row_factor: r = g alpha scale a / S
+/// with a = w_t + 2 z_loss lse, c = 1 and d = S w_t / a but where a nearly cancels), E's target
+/// entry rewritten to c 2^(z_t log2 e - K) - d in the offset-K frame (always a finite bf16). A row
+/// whose tiles all took offset 0 (K = 0 and no tile apart) and c = 1 has its entry written here;
+/// the others are flagged for the rebase, which writes it after bringing the row to K and c. An
+/// ignored row: loss 0, lse 0, r 0; a target outside [0, V) (unchecked): NaN loss and r, as the
+/// logits path gives. With metrics: the row's entropy
 /// ln(S 2^(K - Mx)) + (ln 2 sum_t f_t S_t (Mx - m_t) - sum_t f_t Uc_t) / S (Mx = max_t m_t, f_t =
 /// 2^(k_t - K), Uc_t the centred partials: every term of the sum >= 0, no cancellation) and
 /// whether the argmax over the tiles' argmaxes is the target; 0 for an ignored row.
@@ -35,7 +39,7 @@ struct WindowMergeParams {
   int64_t ignore_index;
   const float* class_weight;  // (V,) strided, or null
   int64_t weight_stride;
-  float scale;         // the logit scale
+  detail::LossConstants lc;  // the loss's constants: logit scale and z_loss (no smoothing, no soft-cap)
   const float* centred;  // metrics: (n x tiles) partials; null without metrics
   const float* top;
   const int* top_col;
@@ -47,6 +51,7 @@ struct WindowMergeParams {
   float* loss;
   float* lse;
   float* r;             // with gradients
+  float* rescale;       // with gradients: c (1 but where a nearly cancels)
   float* kmax;          // with gradients: K
   float* target_entry;  // with gradients: the rewritten entry in the frame of K (NaN: none)
   uint8_t* rebase;      // with gradients: 1 where a row's tiles took offsets other than K
@@ -64,15 +69,16 @@ struct WindowMetricsParams {
   int64_t* num_correct;
 };
 
-/// Each flagged row's E brought to the row's one offset K: E 2^(k_t - K) per 192-wide tile (a
-/// power of two: exact in bf16 but for terms 2^-62 and more under the row's largest, which a
-/// tile that took offset 0 flushes at 2^-126), then its target entry written. One block a row;
+/// Each flagged row's E brought to the row's one offset K and its factor c: E 2^(k_t - K) c per
+/// 192-wide tile (with c = 1 a power of two: exact in bf16 but for terms 2^-62 and more under the
+/// row's largest, which a tile that took offset 0 flushes at 2^-126), then its target entry written. One block a row;
 /// an unflagged row reads its flag and leaves.
 struct WindowRebaseParams {
   void* e;
   int64_t ld_e, n, V, tiles;
   const float* offset;
   const float* kmax;
+  const float* rescale;  // each row's c (window_math::row_factor)
   const uint8_t* rebase;
   const int64_t* target;
   const float* target_entry;

@@ -37,9 +37,30 @@ FUSEDCE_HD float entropy(float S, float K, float Mx, float C, float U) {
   return logf(ldexpf(S, static_cast<int>(K - Mx))) + (kLn2 * C - U) / S;
 }
 
-/// The target's entry of E in the frame of K, so that r times it is g (p_t - 1): 2^(z_t log2 e -
-/// K) - S, from the exact logit z_t (|value| <= S <= V: a finite bf16).
-FUSEDCE_HD float target_entry(float zt, float K, float S) { return exp2f(fmaf(zt, kLog2e, -K)) - S; }
+/// A row's gradient in the window form. The loss's gradient over z is ga p - gb onehot_t (ga = g a,
+/// a = w_t + 2 z_loss lse: the z-loss's share rides the softmax; gb = g w_t; row_grad in
+/// common/numeric.h) and p = E / S in the frame of K, so the row's dlogits are r (c E - d onehot_t)
+/// with the target's entry rewritten to c E_t - d:
+///  - r = ga / S, c = 1, d = S gb / ga while |ga| >= |gb| kLeastShare (|d| <= 2^8 S: a finite
+///    bf16; with no z-loss ga = gb and d = S, the entry E_t - S);
+///  - else (the z-loss's pull cancels the likelihood's: a near 0) r = gb / S and the row scaled by
+///    c = ga / gb (the rebase applies it), d = S: every entry stays finite however small a is;
+///  - gb = 0 (a class weight of 0, or g = 0): r = ga / S, no target term.
+struct RowFactor {
+  float r, rescale, shift;
+};
+constexpr float kLeastShare = 1.0f / 256.0f;
+FUSEDCE_HD RowFactor row_factor(float ga, float gb, float S) {
+  if (gb == 0.0f) return {ga / S, 1.0f, 0.0f};
+  if (fabsf(ga) >= fabsf(gb) * kLeastShare) return {ga / S, 1.0f, S * (gb / ga)};
+  return {gb / S, ga / gb, S};
+}
+
+/// The target's entry of E in the frame of K, c 2^(z_t log2 e - K) - d (row_factor's c and d), from
+/// the exact logit z_t.
+FUSEDCE_HD float target_entry(float zt, float K, const RowFactor& f) {
+  return f.rescale * exp2f(fmaf(zt, kLog2e, -K)) - f.shift;
+}
 
 }  // namespace window_math
 }  // namespace cuda
