@@ -1093,11 +1093,13 @@ TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
 // float64 (logits from the bf16 inputs, exact), on rows the window form treats three ways:
 // ordinary rows (every tile at offset 0), hot rows (the target's logit about 59 nats: its tile
 // takes its own offset and the row is rebased) and cold rows (every logit about -60 nats: every
-// tile its own offset), with ignored rows between them; four option sets (mean with metrics;
+// tile its own offset), with ignored rows between them; five option sets (mean with metrics;
 // none with per-row upstream gradients, class weights, a negative logit scale, skip_ignored, V not
 // a multiple of 8 and several token chunks; sum with a causal shift, metrics and V = 2; mean with
 // z-loss 0.01, class weights and metrics, one cold row's class weighted -2 z_loss lse so that its
-// softmax factor a = w_t + 2 z_loss lse cancels to rounding: that row is rescaled by a / w_t).
+// softmax factor a = w_t + 2 z_loss lse cancels to rounding: that row is rescaled by a / w_t;
+// mean with the soft-cap 20, scale 1.3 and metrics: the hot targets capped, the stored entries
+// carrying 1 - (z / c)^2).
 // Tolerances: the loss and lse come from float32 logits (the product's accumulators and a float32
 // dot product for the target), so a row's error is a few float32 roundoffs of its logits' size:
 // 2e-5 (1 + |lse| + |z_t|), the loss that times w_t + 2 z_loss |lse|; bf16 logits would miss a
@@ -1123,14 +1125,17 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
     size_t budget;
     float z_loss;
     bool cancel;  // one cold row's target weighted -2 z_loss lse: its a = w_t + 2 z_loss lse cancels
+    float softcap;
   };
   const Case cases[] = {
-      {"mean, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f, false, false, true, 0, 0, 0.0f, false},
+      {"mean, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f, false, false, true, 0, 0, 0.0f, false, 0.0f},
       {"none, class weights, scale -0.8, skip_ignored, V 386, chunks", 200, 64, 386, fusedce::Reduction::kNone, -0.8f,
-       true, true, false, 0, size_t(64) << 10, 0.0f, false},
-      {"sum, shift, metrics, V 2", 120, 32, 2, fusedce::Reduction::kSum, 1.0f, false, false, true, 10, 0, 0.0f, false},
+       true, true, false, 0, size_t(64) << 10, 0.0f, false, 0.0f},
+      {"sum, shift, metrics, V 2", 120, 32, 2, fusedce::Reduction::kSum, 1.0f, false, false, true, 10, 0, 0.0f, false, 0.0f},
       {"mean, z-loss, class weights, a row whose a cancels, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f,
-       true, false, true, 0, 0, 0.01f, true},
+       true, false, true, 0, 0, 0.01f, true, 0.0f},
+      {"mean, soft-cap 20, scale 1.3, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.3f, false, false, true, 0, 0,
+       0.0f, false, 20.0f},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -1166,7 +1171,7 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
       for (int64_t j = 0; j < V; ++j) {
         double x = 0.0;
         for (int64_t k = 0; k < H; ++k) x += double(bf16_to_float(hid[i * H + k])) * bf16_to_float(w[j * H + k]);
-        z[j] = c.scale * x;
+        z[j] = c.softcap > 0.0f ? c.softcap * std::tanh(c.scale * x / c.softcap) : c.scale * x;
       }
     };
     std::vector<double> loss_row(N, 0.0), lse_ref(N, 0.0), zt_ref(N, 0.0), gh_ref(N * H, 0.0), gw_ref(V * H, 0.0),
@@ -1225,7 +1230,8 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
                        : c.reduction == fusedce::Reduction::kSum ? up[0]
                                                                  : up[0] / denom;
       for (int64_t j = 0; j < V; ++j) {
-        const double d = g * (a * std::exp(z[j] - lse) - (j == t ? wt : 0.0)) * c.scale;
+        const double dz = c.softcap > 0.0f ? c.scale * (1.0 - (z[j] / c.softcap) * (z[j] / c.softcap)) : c.scale;
+        const double d = g * (a * std::exp(z[j] - lse) - (j == t ? wt : 0.0)) * dz;
         if (d == 0.0) continue;
         for (int64_t k = 0; k < H; ++k) {
           gh_ref[i * H + k] += d * bf16_to_float(w[j * H + k]);
@@ -1260,6 +1266,7 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
       opt.reduction = c.reduction;
       opt.logit_scale = c.scale;
       opt.z_loss = c.z_loss;
+      opt.softcap = c.softcap;
       opt.return_metrics = metrics;
       if (c.class_weight) opt.class_weight = fusedce::vector(d_cw, DType::kFloat32, V);
       fusedce::LinearOptions lo;

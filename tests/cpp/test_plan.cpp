@@ -521,9 +521,10 @@ TEST(AlgoChoice, NeverASplitKOrReducingCandidate) {
 }
 
 // The linear form's window plan (cuda/linear/window_plan.h): bf16 on Hopper with the options
-// whose gradient is a per-row factor (z-loss's included), never elsewhere; each option that needs a per-entry or
-// rank-1 term, low_memory, grad_bias, an H the TMA cannot address or wider than kWindowMaxHidden,
-// or an odd V keeps the logits path. And the window itself: offset 0 inside +-64 powers of two, the tile's own outside.
+// whose gradient is a per-row factor (z-loss's included) or a stored per-entry one (the
+// soft-cap's), never elsewhere; label smoothing (a rank-1 term), low_memory, grad_bias, an H the
+// TMA cannot address or wider than kWindowMaxHidden, or an odd V keeps the logits path. And the
+// window itself: offset 0 inside +-64 powers of two, the tile's own outside.
 TEST(WindowPlan, TakesTheCallsWhoseGradientIsARowFactor) {
   using fusedce::cuda::window_eligible;
   using fusedce::cuda::window_offset;
@@ -552,7 +553,7 @@ TEST(WindowPlan, TakesTheCallsWhoseGradientIsARowFactor) {
   EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, o, false, false, true)) << "label smoothing";
   o = plain;
   o.softcap = 30.0f;
-  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, o, false, false, true)) << "soft-cap";
+  EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, o, false, false, true)) << "soft-cap: stored per entry";
   o = plain;
   o.z_loss = 1e-4f;
   EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, o, false, false, true)) << "z-loss: a per-row factor";

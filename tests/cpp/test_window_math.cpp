@@ -45,23 +45,25 @@ struct RowResult {
 
 /// The window form of one row: epilogue, merge and rebase as the kernels do them, with the host's
 /// exp2f for the device's ex2.approx (both within a few float32 units) and bf16 E; class weight
-/// wt and z-loss zl.
+/// wt, z-loss zl, soft-cap cap (z here the scaled logits before it).
 RowResult window_row(const std::vector<float>& z, int64_t t, float g, float wt = 1.0f, float zl = 0.0f,
-                     float plant = 1.0f) {
+                     float cap = 0.0f, float plant = 1.0f) {
   const int64_t V = static_cast<int64_t>(z.size()), tiles = window_tiles(V);
   std::vector<float> sum(tiles), off(tiles), centred(tiles);
   std::vector<uint16_t> e(V);
   for (int64_t k = 0; k < tiles; ++k) {
     const int64_t c0 = k * kWindowTile, c1 = std::min(V, c0 + kWindowTile);
+    auto y_of = [&](int64_t j) { return cap > 0.0f ? std::tanh(z[j] / cap) * (cap * wm::kLog2e) : z[j] * wm::kLog2e; };
     float mx = -INFINITY;
-    for (int64_t j = c0; j < c1; ++j) mx = std::max(mx, z[j] * wm::kLog2e);
+    for (int64_t j = c0; j < c1; ++j) mx = std::max(mx, y_of(j));
     const float m = std::ceil(mx), kt = window_offset(m);
     float s = 0.0f, u = 0.0f;
     for (int64_t j = c0; j < c1; ++j) {
-      const float y = z[j] * wm::kLog2e, ej = std::exp2(y - kt);
+      const float y = y_of(j), ej = std::exp2(y - kt);
       s += ej;
       u = std::fma(ej, y - m, u);
-      e[j] = fusedce::detail::float_to_bf16(ej);
+      const float tj = y * (1.0f / (cap * wm::kLog2e));
+      e[j] = fusedce::detail::float_to_bf16(cap > 0.0f ? ej * std::fma(-tj, tj, 1.0f) : ej);
     }
     sum[k] = s, off[k] = m, centred[k] = u * wm::kLn2;
   }
@@ -84,6 +86,9 @@ RowResult window_row(const std::vector<float>& z, int64_t t, float g, float wt =
   lc.one_minus_eps = 1.0f;
   lc.z_loss = zl;
   lc.logit_scale = 1.0f;
+  lc.softcap = cap;
+  lc.inv_softcap = cap > 0.0f ? 1.0f / cap : 0.0f;
+  const float zt = fusedce::detail::transform_logit(z[t], lc, cap > 0.0f);
   const fusedce::detail::RowGrad rg = fusedce::detail::row_grad(lc, wm::lse(K, S), wt, g);
   const wm::RowFactor rf = wm::row_factor(rg.g_a, rg.g_bt, S);
   r.rescale = rf.rescale;
@@ -93,7 +98,7 @@ RowResult window_row(const std::vector<float>& z, int64_t t, float g, float wt =
     // the rebase: each tile's E into the frame of K (a power of two) and the row's factor c
     const float f = wm::factor(off[j / kWindowTile], K) * rf.rescale;
     float ej = fusedce::detail::bf16_to_float(fusedce::detail::float_to_bf16(fusedce::detail::bf16_to_float(e[j]) * f));
-    if (j == t) ej = fusedce::detail::bf16_to_float(fusedce::detail::float_to_bf16(wm::target_entry(z[t], K, rf)));
+    if (j == t) ej = fusedce::detail::bf16_to_float(fusedce::detail::float_to_bf16(wm::target_entry(zt, K, rf, cap)));
     r.dlogits[j] = double(rr) * ej;
   }
   return r;
@@ -101,29 +106,36 @@ RowResult window_row(const std::vector<float>& z, int64_t t, float g, float wt =
 
 /// The checks of one row (header); `plant_must_fail`: the planted 0.5% in r must fail the row's
 /// mean relative error (rows of hundreds of entries).
-void expect_row(const std::string& what, const std::vector<float>& z, int64_t t, bool apart, bool plant_must_fail,
-                float wt = 1.0f, float zl = 0.0f) {
+void expect_row(const std::string& what, const std::vector<float>& x, int64_t t, bool apart, bool plant_must_fail,
+                float wt = 1.0f, float zl = 0.0f, float cap = 0.0f) {
   SCOPED_TRACE(what);
-  const int64_t V = static_cast<int64_t>(z.size());
+  const int64_t V = static_cast<int64_t>(x.size());
   const float g = 0.37f;
+  // the logits after the soft-cap, and dz/dx (1 without it)
+  std::vector<double> z(V), dz(V, 1.0);
+  for (int64_t j = 0; j < V; ++j) {
+    const double th = cap > 0.0f ? std::tanh(double(x[j]) / cap) : 0.0;
+    z[j] = cap > 0.0f ? cap * th : double(x[j]);
+    if (cap > 0.0f) dz[j] = 1.0 - th * th;
+  }
   double mx = -INFINITY;
-  for (float x : z) mx = std::max(mx, double(x));
+  for (double v : z) mx = std::max(mx, v);
   double s = 0.0, sz = 0.0;
-  for (float x : z) s += std::exp(double(x) - mx);
+  for (double v : z) s += std::exp(v - mx);
   const double lse = mx + std::log(s);
-  for (float x : z) sz += std::exp(double(x) - lse) * double(x);
-  const RowResult r = window_row(z, t, g, wt, zl);
+  for (double v : z) sz += std::exp(v - lse) * v;
+  const RowResult r = window_row(x, t, g, wt, zl, cap);
   EXPECT_EQ(r.apart, apart);
   EXPECT_NEAR(r.lse, lse, 2e-6 * (1.0 + std::abs(lse)));
   EXPECT_NEAR(r.entropy, lse - sz, 5e-6);
   const double a = wt + 2.0 * zl * lse;
   std::vector<double> want(V);
-  for (int64_t j = 0; j < V; ++j) want[j] = g * (a * std::exp(double(z[j]) - lse) - (j == t ? wt : 0.0));
+  for (int64_t j = 0; j < V; ++j) want[j] = g * (a * std::exp(z[j] - lse) - (j == t ? wt : 0.0)) * dz[j];
   const double entry_abs = 1e-7 * g * (std::abs(wt) + std::abs(a)) * (1.0 + std::abs(z[t]));
   const double a_err = 2.0 * zl * 2e-6 * (1.0 + std::abs(lse)) + 1e-6 * std::abs(wt);
   auto allowed = [&](int64_t j) {
     return std::ldexp(1.0, -8) * 1.01 * std::abs(want[j]) + (j == t ? entry_abs : 0.0) +
-           g * a_err * std::exp(double(z[j]) - lse);
+           g * a_err * std::exp(z[j] - lse);
   };
   int bad = 0;
   for (int64_t j = 0; j < V; ++j) {
@@ -145,7 +157,7 @@ void expect_row(const std::string& what, const std::vector<float>& z, int64_t t,
     EXPECT_NEAR(bias(r), 0.0, 1e-3);
   }
   if (plant_must_fail) {
-    EXPECT_GT(std::abs(bias(window_row(z, t, g, wt, zl, 1.005f))), 2e-3) << "a 0.5% error in r passes";
+    EXPECT_GT(std::abs(bias(window_row(x, t, g, wt, zl, cap, 1.005f))), 2e-3) << "a 0.5% error in r passes";
   }
 }
 
@@ -206,6 +218,30 @@ TEST(WindowMath, ZLossRowFactorMatchesFloat64) {
     EXPECT_NE(window_row(cold, t, 0.37f, wt, 0.01f).rescale, 1.0f) << "a cancelling a takes the rescale";
     expect_row("z-loss, cold, a cancels" + v, cold, t, c.apart, false, wt, 0.01f);
     expect_row("z-loss, class weight 0" + v, z, t, false, true, 0.0f, 1e-3f);
+  }
+}
+
+// The soft-cap: z = c tanh(x / c), the stored entries E (1 - (z / c)^2) and the target's entry
+// times its own factor; the sums, lse and entropy over the capped logits. Ordinary rows with a cap
+// that bends them (c = 5 against logits N(0, 2.5^2)), a hot target (x = 60: capped to c, every
+// tile within the window), with z-loss, and the cap wide open (c = 1e4: the plain row's numbers).
+TEST(WindowMath, SoftcapRowMatchesFloat64) {
+  EXPECT_EQ(wm::cap_factor(3.0f, 0.0f), 1.0f);
+  EXPECT_FLOAT_EQ(wm::cap_factor(2.5f, 5.0f), 0.75f);
+  std::mt19937_64 rng(20261209);
+  std::normal_distribution<float> normal(0.0f, 2.5f);
+  for (const int64_t V : {int64_t(1000), int64_t(385), int64_t(2)}) {
+    std::vector<float> x(V);
+    for (auto& v : x) v = normal(rng);
+    const int64_t t = V / 3;
+    const bool wide = V >= 385;
+    const std::string v = ", V " + std::to_string(V);
+    expect_row("soft-cap 5" + v, x, t, false, wide, 1.0f, 0.0f, 5.0f);
+    std::vector<float> hot = x;
+    hot[t] = 60.0f;
+    expect_row("soft-cap 5, hot" + v, hot, t, false, false, 1.0f, 0.0f, 5.0f);
+    expect_row("soft-cap 5, z-loss, class weight" + v, x, t, false, wide, 1.3f, 1e-3f, 5.0f);
+    expect_row("soft-cap 1e4" + v, x, t, false, wide, 1.0f, 0.0f, 1e4f);
   }
 }
 

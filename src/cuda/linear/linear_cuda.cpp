@@ -558,6 +558,7 @@ class LinearRun {
     f.weight = c_.weight.data;
     f.ld_weight = c_.weight.row_stride;
     f.scale = c_.options.logit_scale;
+    f.softcap = c_.options.softcap;
     f.store_e = p_.grad;
     f.e = logits_;
     f.ld_e = p_.ld_logits;

@@ -56,11 +56,14 @@ struct EpiParams {
   int* top_col;
   int tiles;
   float scale;
+  // soft-cap c > 0 (the kSoftcap variants): z = c tanh(acc cap_in), y = z log2 e = tanh(.) cap_out,
+  // and the stored entry E (1 - t^2) with t = z / c = y cap_t
+  float cap_in, cap_out, cap_t;
 };
 
 using window_math::ahead;  // torch.argmax's order
 
-template <class BlockShape, bool kStore, bool kMetrics>
+template <class BlockShape, bool kStore, bool kMetrics, bool kSoftcap>
 class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
  public:
   // The stage: 128 rows of one 48-column pass, rows padded to 112 bytes so that the 8 rows x 4
@@ -95,7 +98,9 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
     Tensor tCcD = thr_mma.partition_C(cD);  // each value's (row, col) in the tile
     const int row0 = m_tile * BM, col0 = n_tile * BN;
     // z log2 e = acc * (scale log2 e): one multiply a value, never contracted into what follows,
-    // so that the variants with and without metrics give E, S and m the same bits
+    // so that the variants with and without metrics give E, S and m the same bits. With the
+    // soft-cap the first sweep turns each accumulator into its y in place (the accumulators are
+    // this warp group's alone once its main loop is done), so the tanh runs once a value.
     const float zs = params.scale * kLog2e;
 
     // The rows' maxima of z log2 e over the tile's columns (a quad holds a row).
@@ -119,7 +124,13 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
             auto c = make_coord(make_coord(v0, v1, v2), m, 0);
             const int col = col0 + get<1>(tCcD(c));
             const bool in = col < N;
-            const float y = __fmul_rn(acc(c), zs);
+            float y;
+            if constexpr (kSoftcap) {
+              y = __fmul_rn(tanhf(acc(c) * params.cap_in), params.cap_out);
+              acc(c) = y;
+            } else {
+              y = __fmul_rn(acc(c), zs);
+            }
             rmax[m * V1 + v1] = fmaxf(rmax[m * V1 + v1], in ? y : -INFINITY);
             if constexpr (kMetrics) {
               if (in && ahead(y, col, top[m * V1 + v1], top_col[m * V1 + v1])) top[m * V1 + v1] = y, top_col[m * V1 + v1] = col;
@@ -163,15 +174,23 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
             auto c1 = make_coord(make_coord(1, v1, v2), m, 0);
             const int col = get<1>(tCcD(c0));
             const bool in = col0 + col < N;  // N even: a pair is in or out together
-            const float y0 = __fmul_rn(acc(c0), zs), y1 = __fmul_rn(acc(c1), zs);
+            const float y0 = kSoftcap ? acc(c0) : __fmul_rn(acc(c0), zs);
+            const float y1 = kSoftcap ? acc(c1) : __fmul_rn(acc(c1), zs);
             const float e0 = in ? ex2(y0 - koff[r]) : 0.0f;
             const float e1 = in ? ex2(y1 - koff[r]) : 0.0f;
             ssum[r] += e0 + e1;
             // the entropy partial, centred on the tile's own offset (no cancellation at offset 0)
             if constexpr (kMetrics) usum[r] = fmaf(e0, y0 - mown[r], fmaf(e1, y1 - mown[r], usum[r]));
             if constexpr (kStore) {
+              // with the soft-cap the stored entry carries dz/dx's per-entry factor 1 - t^2 (the
+              // scale rides the merge's row factor); the sums above take E itself
+              float s0 = e0, s1 = e1;
+              if constexpr (kSoftcap) {
+                const float t0 = y0 * params.cap_t, t1 = y1 * params.cap_t;
+                s0 = e0 * fmaf(-t0, t0, 1.0f), s1 = e1 * fmaf(-t1, t1, 1.0f);
+              }
               *reinterpret_cast<__nv_bfloat162*>(stage + lrow * kStageLd + col - pass * kPassCols) =
-                  __floats2bfloat162_rn(e0, e1);
+                  __floats2bfloat162_rn(s0, s1);
             }
           }
         }
@@ -236,13 +255,23 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
 
 using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
 
-template <bool kStore, bool kMetrics>
+template <bool kStore, bool kMetrics, bool kSoftcap>
 Status run_kernel(const WindowForward& p) {
   static_assert(kWindowTile == 192, "a vocabulary tile is one CTA tile's columns");
-  using Epi = WindowEpilogue<Shape<_128, _192, _64>, kStore, kMetrics>;
-  const EpiParams epi{static_cast<__nv_bfloat16*>(p.e), p.ld_e,      p.sum,
-                      p.offset,                          p.centred, p.top,
-                      p.top_col,                         static_cast<int>(window_tiles(p.V)), p.scale};
+  using Epi = WindowEpilogue<Shape<_128, _192, _64>, kStore, kMetrics, kSoftcap>;
+  const float cap_out = kSoftcap ? p.softcap * kLog2e : 0.0f;
+  const EpiParams epi{static_cast<__nv_bfloat16*>(p.e),
+                      p.ld_e,
+                      p.sum,
+                      p.offset,
+                      p.centred,
+                      p.top,
+                      p.top_col,
+                      static_cast<int>(window_tiles(p.V)),
+                      p.scale,
+                      kSoftcap ? p.scale / p.softcap : 0.0f,
+                      cap_out,
+                      kSoftcap ? 1.0f / cap_out : 0.0f};
   const WindowTileOrder order = window_tile_order(p.rows);
   return cutlass_run::RowsProduct<Epi>::run(p.rows, p.V, p.H, p.hidden, p.ld_hidden, p.weight, p.ld_weight, epi,
                                             order.along_m ? RasterOrder::AlongM : RasterOrder::AlongN, order.swizzle,
@@ -267,8 +296,12 @@ bool addressable(const WindowForward& p) {
 Status run_window_forward(const WindowForward& p) {
   if (!window_fwd::addressable(p)) return Status(StatusCode::kUnsupported, "operands TMA cannot address");
   using window_fwd::run_kernel;
-  if (p.metrics) return p.store_e ? run_kernel<true, true>(p) : run_kernel<false, true>(p);
-  return p.store_e ? run_kernel<true, false>(p) : run_kernel<false, false>(p);
+  if (p.softcap > 0.0f) {
+    if (p.metrics) return p.store_e ? run_kernel<true, true, true>(p) : run_kernel<false, true, true>(p);
+    return p.store_e ? run_kernel<true, false, true>(p) : run_kernel<false, false, true>(p);
+  }
+  if (p.metrics) return p.store_e ? run_kernel<true, true, false>(p) : run_kernel<false, true, false>(p);
+  return p.store_e ? run_kernel<true, false, false>(p) : run_kernel<false, false, false>(p);
 }
 
 }  // namespace cuda

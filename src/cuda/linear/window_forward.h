@@ -8,7 +8,9 @@
 // the row scales). Beside E it writes per (row, tile) the sum of E (float32, from the unrounded
 // values) and the tile's own offset m; with metrics also the entropy partial centred on m,
 // ln 2 sum E (z log2 e - m) (at offset 0, sum E z would make the merge's lse - U / S cancel), and
-// the tile's argmax (value z log2 e and column, torch.argmax's order).
+// the tile's argmax (value z log2 e and column, torch.argmax's order). With the soft-cap z is the
+// capped logit and the stored entry carries dz/dx's per-entry factor 1 - (z / c)^2, so that the
+// dlogits stay r times the stored matrix (the sums take E itself).
 // Host interface only: the kernel lives in window_forward.cu, compiled for sm_90a alone with the
 // other CUTLASS kernels (cutlass_products_available says whether they run); a build without it,
 // another GPU, or operands TMA cannot address answer kUnsupported, nothing launched.
@@ -35,6 +37,7 @@ struct WindowForward {
   const void* weight;
   int64_t ld_weight;
   float scale;
+  float softcap;  // c > 0: z = c tanh(scale acc / c), and E stored as bf16(2^(z log2 e - k) (1 - (z / c)^2)); 0: off
   bool store_e;  // false: the partials only (a forward without gradients)
   void* e;
   int64_t ld_e;

@@ -14,12 +14,13 @@ namespace fusedce {
 namespace cuda {
 
 /// One warp a position of the chunk: K = max_t k_t (k_t = window_offset(m_t)), S = sum_t S_t
-/// 2^(k_t - K), lse = ln 2 (K + log2 S); the target's logit z_t = scale (h . w_t), a float32 dot
-/// product of the bf16 operands (the loss's and the rewrite's, so that neither depends on the
+/// 2^(k_t - K), lse = ln 2 (K + log2 S); the target's logit z_t = scale (h . w_t) (soft-capped
+/// where the call caps: detail::transform_logit), from a float32 dot product of the bf16 operands (the loss's and the rewrite's, so that neither depends on the
 /// product's rounding); loss = w_t (lse - z_t) + z_loss lse^2 (detail::row_loss). With gradients
 /// the row's dlogits are r (c E - d onehot_t) (window_math::row_factor: r = g alpha scale a / S
 /// with a = w_t + 2 z_loss lse, c = 1 and d = S w_t / a but where a nearly cancels), E's target
-/// entry rewritten to c 2^(z_t log2 e - K) - d in the offset-K frame (always a finite bf16). A row
+/// entry rewritten to c 2^(z_t log2 e - K) - d in the offset-K frame (always a finite bf16; with the
+/// soft-cap times 1 - (z_t / cap)^2, as the epilogue stores every entry). A row
 /// whose tiles all took offset 0 (K = 0 and no tile apart) and c = 1 has its entry written here;
 /// the others are flagged for the rebase, which writes it after bringing the row to K and c. An
 /// ignored row: loss 0, lse 0, r 0; a target outside [0, V) (unchecked): NaN loss and r, as the
@@ -39,7 +40,7 @@ struct WindowMergeParams {
   int64_t ignore_index;
   const float* class_weight;  // (V,) strided, or null
   int64_t weight_stride;
-  detail::LossConstants lc;  // the loss's constants: logit scale and z_loss (no smoothing, no soft-cap)
+  detail::LossConstants lc;  // the loss's constants: logit scale, soft-cap, z_loss (no smoothing)
   const float* centred;  // metrics: (n x tiles) partials; null without metrics
   const float* top;
   const int* top_col;

@@ -56,10 +56,18 @@ FUSEDCE_HD RowFactor row_factor(float ga, float gb, float S) {
   return {gb / S, ga / gb, S};
 }
 
-/// The target's entry of E in the frame of K, c 2^(z_t log2 e - K) - d (row_factor's c and d), from
-/// the exact logit z_t.
-FUSEDCE_HD float target_entry(float zt, float K, const RowFactor& f) {
-  return f.rescale * exp2f(fmaf(zt, kLog2e, -K)) - f.shift;
+/// The soft-cap's per-entry factor of dz/dx (the scale rides r): 1 - (z / c)^2 for the capped
+/// logit z, 1 without the cap (c = 0). The stored entries carry it; so does the target's.
+FUSEDCE_HD float cap_factor(float z, float c) {
+  if (c == 0.0f) return 1.0f;
+  const float u = z / c;
+  return fmaf(-u, u, 1.0f);
+}
+
+/// The target's entry of the stored matrix in the frame of K, (c 2^(z_t log2 e - K) - d) times the
+/// soft-cap's factor (row_factor's c and d; cap: the soft-cap, 0 off), from the exact logit z_t.
+FUSEDCE_HD float target_entry(float zt, float K, const RowFactor& f, float cap) {
+  return (f.rescale * exp2f(fmaf(zt, kLog2e, -K)) - f.shift) * cap_factor(zt, cap);
 }
 
 }  // namespace window_math
