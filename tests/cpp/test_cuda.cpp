@@ -1093,13 +1093,14 @@ TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
 // float64 (logits from the bf16 inputs, exact), on rows the window form treats three ways:
 // ordinary rows (every tile at offset 0), hot rows (the target's logit about 59 nats: its tile
 // takes its own offset and the row is rebased) and cold rows (every logit about -60 nats: every
-// tile its own offset), with ignored rows between them; five option sets (mean with metrics;
+// tile its own offset), with ignored rows between them; six option sets (mean with metrics;
 // none with per-row upstream gradients, class weights, a negative logit scale, skip_ignored, V not
 // a multiple of 8 and several token chunks; sum with a causal shift, metrics and V = 2; mean with
 // z-loss 0.01, class weights and metrics, one cold row's class weighted -2 z_loss lse so that its
 // softmax factor a = w_t + 2 z_loss lse cancels to rounding: that row is rescaled by a / w_t;
 // mean with the soft-cap 20, scale 1.3 and metrics: the hot targets capped, the stored entries
-// carrying 1 - (z / c)^2).
+// carrying 1 - (z / c)^2; none with a bias and grad_bias (E^T bf16(r): r's rounding besides E's),
+// the soft-cap 30, z-loss and several chunks).
 // Tolerances: the loss and lse come from float32 logits (the product's accumulators and a float32
 // dot product for the target), so a row's error is a few float32 roundoffs of its logits' size:
 // 2e-5 (1 + |lse| + |z_t|), the loss that times w_t + 2 z_loss |lse|; bf16 logits would miss a
@@ -1126,16 +1127,19 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
     float z_loss;
     bool cancel;  // one cold row's target weighted -2 z_loss lse: its a = w_t + 2 z_loss lse cancels
     float softcap;
+    bool bias;  // a bias and grad_bias
   };
   const Case cases[] = {
-      {"mean, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f, false, false, true, 0, 0, 0.0f, false, 0.0f},
+      {"mean, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f, false, false, true, 0, 0, 0.0f, false, 0.0f, false},
       {"none, class weights, scale -0.8, skip_ignored, V 386, chunks", 200, 64, 386, fusedce::Reduction::kNone, -0.8f,
-       true, true, false, 0, size_t(64) << 10, 0.0f, false, 0.0f},
-      {"sum, shift, metrics, V 2", 120, 32, 2, fusedce::Reduction::kSum, 1.0f, false, false, true, 10, 0, 0.0f, false, 0.0f},
+       true, true, false, 0, size_t(64) << 10, 0.0f, false, 0.0f, false},
+      {"sum, shift, metrics, V 2", 120, 32, 2, fusedce::Reduction::kSum, 1.0f, false, false, true, 10, 0, 0.0f, false, 0.0f, false},
       {"mean, z-loss, class weights, a row whose a cancels, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f,
-       true, false, true, 0, 0, 0.01f, true, 0.0f},
+       true, false, true, 0, 0, 0.01f, true, 0.0f, false},
       {"mean, soft-cap 20, scale 1.3, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.3f, false, false, true, 0, 0,
-       0.0f, false, 20.0f},
+       0.0f, false, 20.0f, false},
+      {"none, bias and grad_bias, soft-cap 30, z-loss, chunks", 200, 64, 386, fusedce::Reduction::kNone, 1.0f, false,
+       false, false, 0, size_t(64) << 10, 1e-3f, false, 30.0f, true},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -1162,6 +1166,8 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
     if (c.shift > 0) tgt[1] = 0;  // at least one counted row
     std::vector<float> cw(c.class_weight ? V : 0), up(c.reduction == fusedce::Reduction::kNone ? N : 1, 1.75f);
     for (auto& x : cw) x = 0.25f + static_cast<float>(rng() % 100) / 50.0f;
+    std::vector<uint16_t> bias(c.bias ? V : 0);
+    for (auto& x : bias) x = float_to_bf16(normal(rng));
     if (c.reduction == fusedce::Reduction::kNone)
       for (auto& x : up) x = 0.5f + static_cast<float>(rng() % 100) / 100.0f;
 
@@ -1171,11 +1177,12 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
       for (int64_t j = 0; j < V; ++j) {
         double x = 0.0;
         for (int64_t k = 0; k < H; ++k) x += double(bf16_to_float(hid[i * H + k])) * bf16_to_float(w[j * H + k]);
+        if (c.bias) x += bf16_to_float(bias[j]);
         z[j] = c.softcap > 0.0f ? c.softcap * std::tanh(c.scale * x / c.softcap) : c.scale * x;
       }
     };
     std::vector<double> loss_row(N, 0.0), lse_ref(N, 0.0), zt_ref(N, 0.0), gh_ref(N * H, 0.0), gw_ref(V * H, 0.0),
-        z(V);
+        gb_ref(V, 0.0), z(V);
     auto lse_of = [&](const std::vector<double>& zz) {
       double mx = -INFINITY, s = 0.0;
       for (double x : zz) mx = std::max(mx, x);
@@ -1233,6 +1240,7 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
         const double dz = c.softcap > 0.0f ? c.scale * (1.0 - (z[j] / c.softcap) * (z[j] / c.softcap)) : c.scale;
         const double d = g * (a * std::exp(z[j] - lse) - (j == t ? wt : 0.0)) * dz;
         if (d == 0.0) continue;
+        gb_ref[j] += d;
         for (int64_t k = 0; k < H; ++k) {
           gh_ref[i * H + k] += d * bf16_to_float(w[j * H + k]);
           gw_ref[j * H + k] += d * bf16_to_float(hid[i * H + k]);
@@ -1247,12 +1255,13 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
     void* d_t = upload(tgt.data(), N * 8);
     void* d_cw = upload(cw.data(), cw.size() * 4);
     void* d_up = upload(up.data(), up.size() * 4);
+    void* d_bias = c.bias ? upload(bias.data(), V * 2) : nullptr;
     const int64_t loss_n = c.reduction == fusedce::Reduction::kNone ? N : 1;
     struct Out {
       std::vector<float> loss, lse;
       float entropy = 0.0f;
       int64_t correct = 0;
-      std::vector<uint16_t> gh, gw;
+      std::vector<uint16_t> gh, gw, gb;
     };
     auto call = [&](bool metrics) {
       Out o;
@@ -1262,6 +1271,7 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
       void* d_cor = upload(nullptr, 8);
       void* d_gh = upload(nullptr, N * H * 2);
       void* d_gw = upload(nullptr, V * H * 2);
+      void* d_gb = c.bias ? upload(nullptr, V * 2) : nullptr;
       fusedce::Options opt;
       opt.reduction = c.reduction;
       opt.logit_scale = c.scale;
@@ -1283,9 +1293,11 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
       fusedce::LinearGrads g;
       g.grad_hidden = fusedce::matrix(d_gh, DType::kBFloat16, N, H);
       g.grad_weight = fusedce::matrix(d_gw, DType::kBFloat16, V, H);
+      if (c.bias) g.grad_bias = fusedce::vector(d_gb, DType::kBFloat16, V);
       const fusedce::Status st = fusedce::linear_cross_entropy_forward_backward(
           fusedce::Device::cuda(dev), fusedce::matrix(d_hid, DType::kBFloat16, N, H),
-          fusedce::matrix(d_w, DType::kBFloat16, V, H), fusedce::VectorView{}, fusedce::vector(d_t, DType::kInt64, N),
+          fusedce::matrix(d_w, DType::kBFloat16, V, H),
+          c.bias ? fusedce::vector(d_bias, DType::kBFloat16, V) : fusedce::VectorView{}, fusedce::vector(d_t, DType::kInt64, N),
           opt, lo, out, fusedce::vector(d_up, DType::kFloat32, up.size()), g);
       EXPECT_TRUE(st.ok()) << st.message();
       EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -1297,6 +1309,10 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
       EXPECT_EQ(cudaMemcpy(o.lse.data(), d_lse, N * 4, cudaMemcpyDeviceToHost), cudaSuccess);
       EXPECT_EQ(cudaMemcpy(o.gh.data(), d_gh, N * H * 2, cudaMemcpyDeviceToHost), cudaSuccess);
       EXPECT_EQ(cudaMemcpy(o.gw.data(), d_gw, V * H * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      if (c.bias) {
+        o.gb.resize(V);
+        EXPECT_EQ(cudaMemcpy(o.gb.data(), d_gb, V * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      }
       if (metrics) {
         EXPECT_EQ(cudaMemcpy(&o.entropy, d_ent, 4, cudaMemcpyDeviceToHost), cudaSuccess);
         EXPECT_EQ(cudaMemcpy(&o.correct, d_cor, 8, cudaMemcpyDeviceToHost), cudaSuccess);
@@ -1343,6 +1359,7 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
     };
     check_grad("grad_hidden", got.gh, gh_ref);
     check_grad("grad_weight", got.gw, gw_ref);
+    if (c.bias) check_grad("grad_bias", got.gb, gb_ref);
     if (c.metrics) {
       EXPECT_NEAR(got.entropy, ent_ref, 2e-4 * std::abs(ent_ref) + 1e-3);
       EXPECT_NEAR(static_cast<double>(got.correct), static_cast<double>(correct_ref), 1.0);

@@ -522,44 +522,43 @@ TEST(AlgoChoice, NeverASplitKOrReducingCandidate) {
 
 // The linear form's window plan (cuda/linear/window_plan.h): bf16 on Hopper with the options
 // whose gradient is a per-row factor (z-loss's included) or a stored per-entry one (the
-// soft-cap's), never elsewhere; label smoothing (a rank-1 term), low_memory, grad_bias, an H the
-// TMA cannot address or wider than kWindowMaxHidden, or an odd V keeps the logits path. And the
+// soft-cap's), never elsewhere; label smoothing (a rank-1 term), low_memory, an H the TMA cannot
+// address or wider than kWindowMaxHidden, or an odd V keeps the logits path. And the
 // window itself: offset 0 inside +-64 powers of two, the tile's own outside.
 TEST(WindowPlan, TakesTheCallsWhoseGradientIsARowFactor) {
   using fusedce::cuda::window_eligible;
   using fusedce::cuda::window_offset;
   using fusedce::cuda::window_tiles;
   Options plain;
-  EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, plain, false, false, true));
-  EXPECT_TRUE(window_eligible(fusedce::cuda::kWindowMaxHidden, 151936, DType::kBFloat16, plain, false, false, true));
-  EXPECT_FALSE(window_eligible(fusedce::cuda::kWindowMaxHidden + 8, 151936, DType::kBFloat16, plain, false, false, true))
+  EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, plain, false, true));
+  EXPECT_TRUE(window_eligible(fusedce::cuda::kWindowMaxHidden, 151936, DType::kBFloat16, plain, false, true));
+  EXPECT_FALSE(window_eligible(fusedce::cuda::kWindowMaxHidden + 8, 151936, DType::kBFloat16, plain, false, true))
       << "past the widest hidden size the logits path stays";
-  EXPECT_FALSE(window_eligible(4096, 128256, DType::kBFloat16, plain, false, false, true));
+  EXPECT_FALSE(window_eligible(4096, 128256, DType::kBFloat16, plain, false, true));
   Options rows = plain;  // every per-row-factor option at once
   rows.logit_scale = -0.8f;
   rows.reduction = Reduction::kNone;
   rows.return_metrics = true;
   rows.ignore_index = 7;
-  EXPECT_TRUE(window_eligible(64, 2, DType::kBFloat16, rows, false, false, true));
-  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, plain, false, false, false)) << "no Hopper kernels";
-  EXPECT_FALSE(window_eligible(2048, 128256, DType::kFloat16, plain, false, false, true));
-  EXPECT_FALSE(window_eligible(2048, 128256, DType::kFloat32, plain, false, false, true));
-  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, plain, true, false, true)) << "low_memory";
-  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, plain, false, true, true)) << "grad_bias";
-  EXPECT_FALSE(window_eligible(2052, 128256, DType::kBFloat16, plain, false, false, true)) << "H % 8";
-  EXPECT_FALSE(window_eligible(2048, 128257, DType::kBFloat16, plain, false, false, true)) << "odd V";
+  EXPECT_TRUE(window_eligible(64, 2, DType::kBFloat16, rows, false, true));
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, plain, false, false)) << "no Hopper kernels";
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kFloat16, plain, false, true));
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kFloat32, plain, false, true));
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, plain, true, true)) << "low_memory";
+  EXPECT_FALSE(window_eligible(2052, 128256, DType::kBFloat16, plain, false, true)) << "H % 8";
+  EXPECT_FALSE(window_eligible(2048, 128257, DType::kBFloat16, plain, false, true)) << "odd V";
   Options o = plain;
   o.label_smoothing = 0.1f;
-  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, o, false, false, true)) << "label smoothing";
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, o, false, true)) << "label smoothing";
   o = plain;
   o.softcap = 30.0f;
-  EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, o, false, false, true)) << "soft-cap: stored per entry";
+  EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, o, false, true)) << "soft-cap: stored per entry";
   o = plain;
   o.z_loss = 1e-4f;
-  EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, o, false, false, true)) << "z-loss: a per-row factor";
+  EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, o, false, true)) << "z-loss: a per-row factor";
   o = plain;
   o.logit_scale = INFINITY;
-  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, o, false, false, true)) << "an infinite logit scale";
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, o, false, true)) << "an infinite logit scale";
 
   EXPECT_EQ(window_offset(0.0f), 0.0f);
   EXPECT_EQ(window_offset(64.0f), 0.0f);

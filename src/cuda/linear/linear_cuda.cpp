@@ -152,7 +152,7 @@ struct LinearPlan {
   bool gw_via_acc;       // 16-bit grad_weight summed over chunks in a float32 accumulator
   bool logits_in_gw;     // the logit buffer borrows the 16-bit grad_weight output (see plan_linear)
   bool pad_weight;       // grad_hidden from a copy of the weight padded to ld_logits rows
-  bool window;           // the window form where the call allows it (window_eligible; bias: at run)
+  bool window;           // the window form where the call allows it (window_eligible)
   size_t buffer_bytes;   // the logit buffer
   size_t slice_acc_bytes;
   int64_t chunk_rows;  // rows the logit buffer holds: the most a chunk has
@@ -162,7 +162,7 @@ struct LinearPlan {
   // workspace byte offsets
   size_t gemm_ws, logits, ce_ws, ce_ws_bytes, ones, gw_acc, gb_acc, eff_target, idx, scalars, target_c, grad_p,
       loss_c, lse_p, row_loss, chunk_entropy, chunk_correct, hidden_c, gh_c, slice_acc, weight_pad, win_sum,
-      win_offset, win_r, win_rescale, win_kmax, win_entry, win_flag, win_scratch, win_centred, win_top, win_top_col, win_entropy,
+      win_offset, win_r, win_r16, win_rescale, win_kmax, win_entry, win_flag, win_scratch, win_centred, win_top, win_top_col, win_entropy,
       win_correct, total;
 };
 
@@ -223,14 +223,15 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   const size_t el = elem_size(dtype);
   const int64_t per16 = static_cast<int64_t>(16 / el);
   p.ld_logits = (V + per16 - 1) / per16 * per16;
-  p.window = window_eligible(H, V, dtype, o, lo.low_memory, p.grad_bias,
+  p.window = window_eligible(H, V, dtype, o, lo.low_memory,
                              dtype == DType::kBFloat16 && cutlass_products_available(device.index));
   // Per row of a chunk: its logits, and (compacting) its gathered hidden row and grad_hidden row;
   // in the window form its partials and factors, and the row of the scratch that holds
   // grad_weight's scaled hidden operand, then grad_hidden's float32 product.
   const size_t scratch_row = p.grad_hidden ? size_t(H) * 4 : p.grad_weight ? size_t(H) * 2 : 0;
   const size_t window_row =
-      p.window ? size_t(window_tiles(V)) * (p.metrics ? 20 : 8) + 17 + (p.metrics ? 5 : 0) + scratch_row : 0;
+      p.window ? size_t(window_tiles(V)) * (p.metrics ? 20 : 8) + 17 + (p.grad_bias ? 2 : 0) + (p.metrics ? 5 : 0) + scratch_row
+               : 0;
   const size_t row_bytes =
       size_t(p.ld_logits) * el + (p.compact ? size_t(H) * el * (p.grad_hidden ? 2 : 1) : 0) + window_row;
   auto set_chunks = [&](size_t budget) {
@@ -323,6 +324,7 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
     p.win_offset = take(size_t(C) * window_tiles(V) * 4);
     p.win_r = take(size_t(C) * 4);
     p.win_rescale = take(size_t(C) * 4);
+    p.win_r16 = p.grad_bias ? take(size_t(C) * 2) : 0;
     p.win_kmax = take(size_t(C) * 4);
     p.win_entry = take(size_t(C) * 4);
     p.win_flag = take(size_t(C));
@@ -357,7 +359,7 @@ class LinearRun {
         stream_(static_cast<cudaStream_t>(call.device.stream)),
         dev_(call.device),
         cutlass_(plan.dtype == DType::kBFloat16 && cutlass_products_available(call.device.index)),
-        window_(plan.window && call.bias.data == nullptr) {}
+        window_(plan.window) {}
 
   Status run() {
     if (p_.compact) {
@@ -559,6 +561,7 @@ class LinearRun {
     f.ld_weight = c_.weight.row_stride;
     f.scale = c_.options.logit_scale;
     f.softcap = c_.options.softcap;
+    f.bias = c_.bias.data;
     f.store_e = p_.grad;
     f.e = logits_;
     f.ld_e = p_.ld_logits;
@@ -594,6 +597,8 @@ class LinearRun {
     m.class_weight = static_cast<const float*>(c_.options.class_weight.data);
     m.weight_stride = c_.options.class_weight.stride;
     m.lc = detail::make_loss_constants(c_.options, p_.V, 0.0f);
+    m.bias = c_.bias.data;
+    m.r16 = p_.grad_bias ? at(p_.win_r16) : nullptr;
     m.centred = f.centred;
     m.top = f.top;
     m.top_col = f.top_col;
@@ -671,6 +676,20 @@ class LinearRun {
       RowScaleParams rs{scratch, true, p_.H, m.r, out, p_.compact ? p_.H : gh.row_stride, nc, p_.H};
       launch_row_scale(rs, stream_);
       FUSEDCE_TRY(last_error("scaling grad_hidden's rows"));
+    }
+    if (p_.grad_bias) {
+      // grad_bias (V x 1) (+)= E^T (V x nc) . bf16(r) (nc x 1): the column sums of the dlogits
+      // (alpha 1: r carries the mean's scale)
+      GemmCall b = base_gemm();
+      b.a = e_op;
+      b.b = GemmOperand{m.r16, d, nc, 1, nc};
+      b.d = at(p_.gb_acc);
+      b.d_dtype = DType::kFloat32;
+      b.m = p_.V;
+      b.n = 1;
+      b.ld_d = p_.V;
+      b.beta = chunk == 0 ? 0.0f : 1.0f;
+      FUSEDCE_TRY(gemm(b));
     }
     return Status::Ok();
   }

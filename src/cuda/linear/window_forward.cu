@@ -56,6 +56,7 @@ struct EpiParams {
   int* top_col;
   int tiles;
   float scale;
+  const __nv_bfloat16* bias;  // (V,) added to the accumulators, or null
   // soft-cap c > 0 (the kSoftcap variants): z = c tanh(acc cap_in), y = z log2 e = tanh(.) cap_out,
   // and the stored entry E (1 - t^2) with t = z / c = y cap_t
   float cap_in, cap_out, cap_t;
@@ -97,10 +98,10 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
     Tensor cD = make_identity_tensor(make_shape(Int<BM>{}, Int<BN>{}));
     Tensor tCcD = thr_mma.partition_C(cD);  // each value's (row, col) in the tile
     const int row0 = m_tile * BM, col0 = n_tile * BN;
-    // z log2 e = acc * (scale log2 e): one multiply a value, never contracted into what follows,
-    // so that the variants with and without metrics give E, S and m the same bits. With the
-    // soft-cap the first sweep turns each accumulator into its y in place (the accumulators are
-    // this warp group's alone once its main loop is done), so the tanh runs once a value.
+    // y = z log2 e = (acc + bias) * (scale log2 e) (soft-capped: tanh((acc + bias) cap_in) cap_out),
+    // formed once a value by the first sweep, in place (the accumulators are this warp group's
+    // alone once its main loop is done): one rounding each, never contracted into what follows,
+    // so that every variant gives E, S and m the same bits.
     const float zs = params.scale * kLog2e;
 
     // The rows' maxima of z log2 e over the tile's columns (a quad holds a row).
@@ -124,13 +125,10 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
             auto c = make_coord(make_coord(v0, v1, v2), m, 0);
             const int col = col0 + get<1>(tCcD(c));
             const bool in = col < N;
-            float y;
-            if constexpr (kSoftcap) {
-              y = __fmul_rn(tanhf(acc(c) * params.cap_in), params.cap_out);
-              acc(c) = y;
-            } else {
-              y = __fmul_rn(acc(c), zs);
-            }
+            float x = acc(c);
+            if (params.bias != nullptr && in) x += __bfloat162float(params.bias[col]);
+            const float y = kSoftcap ? __fmul_rn(tanhf(x * params.cap_in), params.cap_out) : __fmul_rn(x, zs);
+            acc(c) = y;
             rmax[m * V1 + v1] = fmaxf(rmax[m * V1 + v1], in ? y : -INFINITY);
             if constexpr (kMetrics) {
               if (in && ahead(y, col, top[m * V1 + v1], top_col[m * V1 + v1])) top[m * V1 + v1] = y, top_col[m * V1 + v1] = col;
@@ -174,8 +172,7 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
             auto c1 = make_coord(make_coord(1, v1, v2), m, 0);
             const int col = get<1>(tCcD(c0));
             const bool in = col0 + col < N;  // N even: a pair is in or out together
-            const float y0 = kSoftcap ? acc(c0) : __fmul_rn(acc(c0), zs);
-            const float y1 = kSoftcap ? acc(c1) : __fmul_rn(acc(c1), zs);
+            const float y0 = acc(c0), y1 = acc(c1);
             const float e0 = in ? ex2(y0 - koff[r]) : 0.0f;
             const float e1 = in ? ex2(y1 - koff[r]) : 0.0f;
             ssum[r] += e0 + e1;
@@ -269,6 +266,7 @@ Status run_kernel(const WindowForward& p) {
                       p.top_col,
                       static_cast<int>(window_tiles(p.V)),
                       p.scale,
+                      static_cast<const __nv_bfloat16*>(p.bias),
                       kSoftcap ? p.scale / p.softcap : 0.0f,
                       cap_out,
                       kSoftcap ? 1.0f / cap_out : 0.0f};

@@ -26,7 +26,7 @@
 namespace fusedce {
 namespace cuda {
 
-/// logits (rows x V) = scale * hidden (rows x H) . weight (V x H)^T, both bf16 row-major with the
+/// logits (rows x V) = scale * (hidden (rows x H) . weight (V x H)^T + bias), bf16 row-major with the
 /// given row strides (elements), never stored: E (rows x V, bf16, row stride ld_e) where
 /// store_e, and the partials, each (rows x tiles) row-major: sum[i tiles + t] and offset[i tiles
 /// + t] (the tile's own m); with metrics centred, top and top_col.
@@ -37,6 +37,7 @@ struct WindowForward {
   const void* weight;
   int64_t ld_weight;
   float scale;
+  const void* bias;  // (V,) bf16, dense, added to the logits before the scale; or null
   float softcap;  // c > 0: z = c tanh(scale acc / c), and E stored as bf16(2^(z log2 e - k) (1 - (z / c)^2)); 0: off
   bool store_e;  // false: the partials only (a forward without gradients)
   void* e;

@@ -77,6 +77,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) window_merge_kernel(const Wi
   if (lane != 0) return;
   const float lse = window_math::lse(K, S);
   const float scale = p.lc.logit_scale;
+  if (valid && p.bias != nullptr) dot += Elem<BFloat16>::to_float(static_cast<const BFloat16*>(p.bias)[t]);
   const float zt = detail::transform_logit(dot, p.lc, p.lc.softcap != 0.0f);
   // A target outside [0, V) has no logit and no weight: NaN, as the logits path gives it.
   const float wt = ignored ? 0.0f : !valid ? NAN : p.class_weight ? p.class_weight[t * p.weight_stride] : 1.0f;
@@ -92,6 +93,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) window_merge_kernel(const Wi
   const window_math::RowFactor f =
       ignored ? window_math::RowFactor{0.0f, 1.0f, 0.0f} : window_math::row_factor(rg.g_a * scale, rg.g_bt * scale, S);
   p.r[i] = f.r;
+  if (p.r16 != nullptr) static_cast<BFloat16*>(p.r16)[i] = Elem<BFloat16>::from_float(f.r);
   p.rescale[i] = f.rescale;
   // The target's entry in the frame of K: c 2^(z_t log2 e - K) - d (times the soft-cap's factor),
   // from the exact logit.

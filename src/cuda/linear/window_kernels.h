@@ -14,7 +14,7 @@ namespace fusedce {
 namespace cuda {
 
 /// One warp a position of the chunk: K = max_t k_t (k_t = window_offset(m_t)), S = sum_t S_t
-/// 2^(k_t - K), lse = ln 2 (K + log2 S); the target's logit z_t = scale (h . w_t) (soft-capped
+/// 2^(k_t - K), lse = ln 2 (K + log2 S); the target's logit z_t = scale (h . w_t + b_t) (soft-capped
 /// where the call caps: detail::transform_logit), from a float32 dot product of the bf16 operands (the loss's and the rewrite's, so that neither depends on the
 /// product's rounding); loss = w_t (lse - z_t) + z_loss lse^2 (detail::row_loss). With gradients
 /// the row's dlogits are r (c E - d onehot_t) (window_math::row_factor: r = g alpha scale a / S
@@ -40,6 +40,7 @@ struct WindowMergeParams {
   int64_t ignore_index;
   const float* class_weight;  // (V,) strided, or null
   int64_t weight_stride;
+  const void* bias;           // (V,) bf16 added to the logits, or null
   detail::LossConstants lc;  // the loss's constants: logit scale, soft-cap, z_loss (no smoothing)
   const float* centred;  // metrics: (n x tiles) partials; null without metrics
   const float* top;
@@ -52,6 +53,7 @@ struct WindowMergeParams {
   float* loss;
   float* lse;
   float* r;             // with gradients
+  void* r16;            // with grad_bias: bf16(r), grad_bias's other operand (E^T r); else null
   float* rescale;       // with gradients: c (1 but where a nearly cancels)
   float* kmax;          // with gradients: K
   float* target_entry;  // with gradients: the rewritten entry in the frame of K (NaN: none)

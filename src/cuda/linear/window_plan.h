@@ -53,14 +53,13 @@ constexpr int64_t kWindowMaxHidden = 3072;
 
 /// Whether a call may take the window form: bf16 where the CUTLASS kernels run (`hopper`), with
 /// the options whose gradient is a per-row factor times softmax minus a target term (logit scale,
-/// class weights, z-loss, ignore_index, the shift, every reduction, skip_ignored, the metrics) and
-/// the soft-cap (its per-entry factor stored in the matrix the products read). Label smoothing's
-/// uniform term, grad_bias and low_memory's vocabulary slices keep the logits path; so does a bias (seen at run time: the size query has no bias to
-/// look at). H a multiple of 8 (the TMA's 16-byte rows) and at most kWindowMaxHidden, V even (the
-/// epilogue's bf16 pairs).
-inline bool window_eligible(int64_t H, int64_t V, DType dtype, const Options& o, bool low_memory, bool grad_bias,
-                            bool hopper) {
-  if (!hopper || dtype != DType::kBFloat16 || low_memory || grad_bias) return false;
+/// class weights, z-loss, ignore_index, the shift, every reduction, skip_ignored, the metrics), the
+/// soft-cap (its per-entry factor stored in the matrix the products read), a bias and grad_bias
+/// (the bias added in the epilogue, its gradient E^T r). Label smoothing's uniform term and
+/// low_memory's vocabulary slices keep the logits path. H a multiple of 8 (the TMA's 16-byte rows)
+/// and at most kWindowMaxHidden, V even (the epilogue's bf16 pairs).
+inline bool window_eligible(int64_t H, int64_t V, DType dtype, const Options& o, bool low_memory, bool hopper) {
+  if (!hopper || dtype != DType::kBFloat16 || low_memory) return false;
   if (o.label_smoothing != 0.0f || !std::isfinite(o.logit_scale)) return false;
   return H % 8 == 0 && H <= kWindowMaxHidden && V % 2 == 0;
 }
