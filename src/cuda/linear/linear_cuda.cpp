@@ -535,6 +535,22 @@ class LinearRun {
     return gemm(w);
   }
   /// A gradient product: base_gemm scaled by the upstream gradient the dlogits do not carry.
+  /// A chunk's grad_bias product: the float32 accumulator (V x 1) (+)= dlogits^T (V x rows) . vec
+  /// (rows x 1), times the device scalar alpha (null: 1); the first chunk writes it.
+  Status bias_product(const GemmOperand& dlogits, const GemmOperand& vec, int64_t chunk, const float* alpha) {
+    GemmCall b = base_gemm();
+    b.scale = alpha;
+    b.a = dlogits;
+    b.b = vec;
+    b.d = at(p_.gb_acc);
+    b.d_dtype = DType::kFloat32;
+    b.m = p_.V;
+    b.n = 1;
+    b.ld_d = p_.V;
+    b.beta = chunk == 0 ? 0.0f : 1.0f;
+    return gemm(b);
+  }
+
   GemmCall grad_gemm() const {
     GemmCall g = base_gemm();
     g.scale = scalars()->scale;
@@ -678,18 +694,9 @@ class LinearRun {
       FUSEDCE_TRY(last_error("scaling grad_hidden's rows"));
     }
     if (p_.grad_bias) {
-      // grad_bias (V x 1) (+)= E^T (V x nc) . bf16(r) (nc x 1): the column sums of the dlogits
-      // (alpha 1: r carries the mean's scale)
-      GemmCall b = base_gemm();
-      b.a = e_op;
-      b.b = GemmOperand{m.r16, d, nc, 1, nc};
-      b.d = at(p_.gb_acc);
-      b.d_dtype = DType::kFloat32;
-      b.m = p_.V;
-      b.n = 1;
-      b.ld_d = p_.V;
-      b.beta = chunk == 0 ? 0.0f : 1.0f;
-      FUSEDCE_TRY(gemm(b));
+      // grad_bias (+)= E^T bf16(r): the column sums of the dlogits (alpha 1: r carries the
+      // mean's scale)
+      FUSEDCE_TRY(bias_product(e_op, GemmOperand{m.r16, d, nc, 1, nc}, chunk, nullptr));
     }
     return Status::Ok();
   }
@@ -800,17 +807,8 @@ class LinearRun {
       FUSEDCE_TRY(weight_product(hidden_op, dlogits_op, chunk, last, scalars()->scale));
     }
     if (p_.grad_bias) {
-      // grad_bias (V x 1) (+)= dlogits^T (V x nc) . ones (nc x 1)
-      GemmCall b = grad_gemm();
-      b.a = dlogits_op;
-      b.b = GemmOperand{at(p_.ones), d, nc, 1, nc};
-      b.d = at(p_.gb_acc);
-      b.d_dtype = DType::kFloat32;
-      b.m = p_.V;
-      b.n = 1;
-      b.ld_d = p_.V;
-      b.beta = chunk == 0 ? 0.0f : 1.0f;
-      FUSEDCE_TRY(gemm(b));
+      // grad_bias (+)= dlogits^T ones, times the products' alpha
+      FUSEDCE_TRY(bias_product(dlogits_op, GemmOperand{at(p_.ones), d, nc, 1, nc}, chunk, scalars()->scale));
     }
 
     return scatter(p0, nc);
