@@ -1372,5 +1372,116 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
   }
 }
 
+// The window form over more than 2^31 logits in one chunk (8193 x 262144, the last row starting at
+// element 2^31; a 5 GiB budget holds every row, so E, the partials and every product index past
+// int32): reduction none, bf16, H = 16, logits exact in bf16 (hidden in {-1, 0, 1}, weight in
+// k / 8) of standard deviation about 4; upstream gradients on four rows (the first, the middle,
+// the last two), 0 elsewhere. Checked against float64: lse and loss at eight rows (2e-5 (1 + |lse|
+// + |z_t|), the float32 sums' rounding), grad_hidden at the four rows and grad_weight over every
+// entry (elementwise 2^-8 |ref| + 1e-2 max |ref|, the bf16 rule of the test above), and that the
+// ignored rows give 0.
+TEST(CudaLinearWindow, MoreThan2To31LogitsInOneChunk) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  int dev = 0;
+  ASSERT_CUDA(cudaGetDevice(&dev));
+  if (!fusedce::cuda::cutlass_products_available(dev)) GTEST_SKIP() << "the window form runs on sm_90 builds with CUTLASS";
+  using fusedce::detail::bf16_to_float;
+  using fusedce::detail::float_to_bf16;
+  constexpr int64_t N = 8193, V = 262144, H = 16;
+  ASSERT_EQ((N - 1) * V, int64_t(1) << 31) << "the last row starts at element 2^31";
+  std::mt19937_64 rng = test_rng();
+  std::vector<uint16_t> hid(N * H), w(V * H);
+  for (auto& x : hid) x = float_to_bf16(static_cast<float>(static_cast<int>(rng() % 3) - 1));
+  for (auto& x : w) x = float_to_bf16(static_cast<float>(static_cast<int>(rng() % 33) - 16) / 8.0f);
+  const std::vector<int64_t> checked{0, 1, 4095, 4096, 8191, 8192, 1234, 7777};
+  const std::vector<int64_t> weighted{0, 4096, 8191, 8192};
+  std::vector<int64_t> tgt(N);
+  for (int64_t i = 0; i < N; ++i) {
+    const bool keep = std::find(checked.begin(), checked.end(), i) != checked.end();
+    tgt[i] = !keep && rng() % 10 < 3 ? -100 : static_cast<int64_t>(rng() % V);
+  }
+  std::vector<float> up(N, 0.0f);
+  for (int64_t i : weighted) up[i] = 0.5f + static_cast<float>(rng() % 100) / 100.0f;
+
+  DeviceAllocs mem;
+  void* d_hid = mem.upload(hid.data(), hid.size() * 2);
+  void* d_w = mem.upload(w.data(), w.size() * 2);
+  void* d_t = mem.upload(tgt.data(), N * 8);
+  void* d_up = mem.upload(up.data(), N * 4);
+  void* d_loss = mem.upload(nullptr, N * 4);
+  void* d_lse = mem.upload(nullptr, N * 4);
+  void* d_gh = mem.upload(nullptr, N * H * 2);
+  void* d_gw = mem.upload(nullptr, V * H * 2);
+  fusedce::Options opt;
+  opt.reduction = fusedce::Reduction::kNone;
+  fusedce::LinearOptions lo;
+  lo.chunk_budget_bytes = size_t(5) << 30;
+  fusedce::ForwardOutputs out;
+  out.loss = fusedce::vector(d_loss, DType::kFloat32, N);
+  out.lse = fusedce::vector(d_lse, DType::kFloat32, N);
+  fusedce::LinearGrads g;
+  g.grad_hidden = fusedce::matrix(d_gh, DType::kBFloat16, N, H);
+  g.grad_weight = fusedce::matrix(d_gw, DType::kBFloat16, V, H);
+  const fusedce::Status st = fusedce::linear_cross_entropy_forward_backward(
+      fusedce::Device::cuda(dev), fusedce::matrix(d_hid, DType::kBFloat16, N, H),
+      fusedce::matrix(d_w, DType::kBFloat16, V, H), fusedce::VectorView{}, fusedce::vector(d_t, DType::kInt64, N), opt,
+      lo, out, fusedce::vector(d_up, DType::kFloat32, N), g);
+  ASSERT_TRUE(st.ok()) << st.message();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<float> loss(N), lse(N);
+  std::vector<uint16_t> gh(N * H), gw(V * H);
+  ASSERT_EQ(cudaMemcpy(loss.data(), d_loss, N * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(lse.data(), d_lse, N * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(gh.data(), d_gh, N * H * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(gw.data(), d_gw, V * H * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+
+  int64_t bad = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    if (tgt[i] == -100 && (loss[i] != 0.0f || lse[i] != 0.0f) && bad++ < 5) {
+      ADD_FAILURE() << "ignored row " << i << ": loss " << loss[i] << ", lse " << lse[i];
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  std::vector<double> gh_ref(N * H, 0.0), gw_ref(V * H, 0.0), z(V);
+  for (int64_t i : checked) {
+    double mx = -INFINITY;
+    for (int64_t j = 0; j < V; ++j) {
+      double x = 0.0;
+      for (int64_t k = 0; k < H; ++k) x += double(bf16_to_float(hid[i * H + k])) * bf16_to_float(w[j * H + k]);
+      z[j] = x;
+      mx = std::max(mx, x);
+    }
+    double s = 0.0;
+    for (int64_t j = 0; j < V; ++j) s += std::exp(z[j] - mx);
+    const double l = mx + std::log(s), zt = z[tgt[i]];
+    const double tol = 2e-5 * (1.0 + std::abs(l) + std::abs(zt));
+    EXPECT_NEAR(lse[i], l, tol) << "row " << i;
+    EXPECT_NEAR(loss[i], l - zt, tol) << "row " << i;
+    if (up[i] == 0.0f) continue;
+    for (int64_t j = 0; j < V; ++j) {
+      const double d = up[i] * (std::exp(z[j] - l) - (j == tgt[i] ? 1.0 : 0.0));
+      for (int64_t k = 0; k < H; ++k) {
+        gh_ref[i * H + k] += d * bf16_to_float(w[j * H + k]);
+        gw_ref[j * H + k] += d * bf16_to_float(hid[i * H + k]);
+      }
+    }
+  }
+  auto check = [&](const char* what, const std::vector<uint16_t>& got, const std::vector<double>& ref) {
+    double mx = 0.0;
+    for (double v : ref) mx = std::max(mx, std::abs(v));
+    ASSERT_GT(mx, 0.0) << what;
+    int64_t wrong = 0;
+    for (size_t k = 0; k < ref.size(); ++k) {
+      const double x = bf16_to_float(got[k]);
+      if (!(std::abs(x - ref[k]) <= std::ldexp(1.0, -8) * std::abs(ref[k]) + 1e-2 * mx) && ++wrong <= 3) {
+        ADD_FAILURE() << what << "[" << k << "]: " << x << " / " << ref[k] << " (largest " << mx << ")";
+      }
+    }
+    EXPECT_EQ(wrong, 0) << what;
+  };
+  check("grad_hidden", gh, gh_ref);
+  check("grad_weight", gw, gw_ref);
+}
+
 }  // namespace
 }  // namespace fusedce_test
