@@ -1089,8 +1089,9 @@ TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
 }
 
 // The linear cross-entropy's window form (cuda/linear/window_forward.h): on Hopper a bf16 call
-// without a bias, label smoothing, soft-cap or z-loss takes it, so these calls run it. Against
-// float64 (logits from the bf16 inputs, exact), on rows the window form treats three ways:
+// with H <= 3072 takes it (but label smoothing with the soft-cap, and low_memory), so these calls
+// run it. Against float64 (logits from the bf16 inputs, exact), on rows the window form treats
+// three ways:
 // ordinary rows (every tile at offset 0), hot rows (the target's logit about 59 nats: its tile
 // takes its own offset and the row is rebased) and cold rows (every logit about -60 nats: every
 // tile its own offset), with ignored rows between them; six option sets (mean with metrics;
@@ -1100,10 +1101,15 @@ TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
 // softmax factor a = w_t + 2 z_loss lse cancels to rounding: that row is rescaled by a / w_t;
 // mean with the soft-cap 20, scale 1.3 and metrics: the hot targets capped, the stored entries
 // carrying 1 - (z / c)^2; none with a bias and grad_bias (E^T bf16(r): r's rounding besides E's),
-// the soft-cap 30, z-loss and several chunks).
+// the soft-cap 30, z-loss and several chunks; three with label smoothing, whose uniform term rides
+// the products' extra rows: mean with 0.1, class weights and metrics; none with 0.2, a bias and
+// grad_bias, z-loss, scale 0.7, skip_ignored and several chunks; sum with 0.3, a causal shift,
+// class weights and several chunks).
 // Tolerances: the loss and lse come from float32 logits (the product's accumulators and a float32
 // dot product for the target), so a row's error is a few float32 roundoffs of its logits' size:
-// 2e-5 (1 + |lse| + |z_t|), the loss that times w_t + 2 z_loss |lse|; bf16 logits would miss a
+// 2e-5 (1 + |lse| + |z_t|), the loss that times its lse factor (1 - eps) w_t + eps W / V + 2 z_loss
+// |lse| (W the class weights' sum, V without them; the smoothing's mean logit is within the
+// largest |z|); bf16 logits would miss a
 // 59-nat target logit by up to 0.125, which this fails. Gradients: dlogits r E carry E's bf16 rounding (2^-9) and grad_weight's operand
 // bf16(r h) one more, the output one more: elementwise 2^-8 |ref| + 1e-2 max |ref| (the bf16
 // rule of test_linear.cpp), and the projection sum got ref / sum ref ref within 2e-3 of 1, which
@@ -1128,18 +1134,25 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
     bool cancel;  // one cold row's target weighted -2 z_loss lse: its a = w_t + 2 z_loss lse cancels
     float softcap;
     bool bias;  // a bias and grad_bias
+    float smoothing;
   };
   const Case cases[] = {
-      {"mean, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f, false, false, true, 0, 0, 0.0f, false, 0.0f, false},
+      {"mean, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f, false, false, true, 0, 0, 0.0f, false, 0.0f, false, 0.0f},
       {"none, class weights, scale -0.8, skip_ignored, V 386, chunks", 200, 64, 386, fusedce::Reduction::kNone, -0.8f,
-       true, true, false, 0, size_t(64) << 10, 0.0f, false, 0.0f, false},
-      {"sum, shift, metrics, V 2", 120, 32, 2, fusedce::Reduction::kSum, 1.0f, false, false, true, 10, 0, 0.0f, false, 0.0f, false},
+       true, true, false, 0, size_t(64) << 10, 0.0f, false, 0.0f, false, 0.0f},
+      {"sum, shift, metrics, V 2", 120, 32, 2, fusedce::Reduction::kSum, 1.0f, false, false, true, 10, 0, 0.0f, false, 0.0f, false, 0.0f},
       {"mean, z-loss, class weights, a row whose a cancels, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f,
-       true, false, true, 0, 0, 0.01f, true, 0.0f, false},
+       true, false, true, 0, 0, 0.01f, true, 0.0f, false, 0.0f},
       {"mean, soft-cap 20, scale 1.3, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.3f, false, false, true, 0, 0,
-       0.0f, false, 20.0f, false},
+       0.0f, false, 20.0f, false, 0.0f},
       {"none, bias and grad_bias, soft-cap 30, z-loss, chunks", 200, 64, 386, fusedce::Reduction::kNone, 1.0f, false,
-       false, false, 0, size_t(64) << 10, 1e-3f, false, 30.0f, true},
+       false, false, 0, size_t(64) << 10, 1e-3f, false, 30.0f, true, 0.0f},
+      {"mean, label smoothing 0.1, class weights, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f, true, false,
+       true, 0, 0, 0.0f, false, 0.0f, false, 0.1f},
+      {"none, label smoothing 0.2, bias and grad_bias, z-loss, scale 0.7, skip_ignored, chunks", 200, 64, 386,
+       fusedce::Reduction::kNone, 0.7f, false, true, false, 0, size_t(64) << 10, 1e-3f, false, 0.0f, true, 0.2f},
+      {"sum, label smoothing 0.3, shift, class weights, chunks", 200, 64, 1000, fusedce::Reduction::kSum, 1.0f, true,
+       false, false, 10, size_t(128) << 10, 0.0f, false, 0.0f, false, 0.3f},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -1205,6 +1218,9 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
       cw[u] = static_cast<float>(-2.0 * c.z_loss * lse_of(z));
       ASSERT_GT(cw[u], 0.0f) << "a cold row's lse is negative";
     }
+    double wsum = 0.0;  // W: the class weights' sum, V without them
+    for (int64_t j = 0; j < V; ++j) wsum += c.class_weight ? cw[j] : 1.0;
+    const double eps = c.smoothing;
     double denom = 0.0, loss_sum = 0.0, ent_ref = 0.0;
     int64_t correct_ref = 0;
     auto target_of = [&](int64_t i) -> int64_t {
@@ -1226,10 +1242,12 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
       double sz = 0.0;
       for (int64_t j = 0; j < V; ++j) sz += std::exp(z[j] - lse) * z[j];
       const double wt = c.class_weight ? cw[t] : 1.0;
-      const double a = wt + 2.0 * c.z_loss * lse;
+      const double a = (1.0 - eps) * wt + eps / V * wsum + 2.0 * c.z_loss * lse;
+      double smooth = 0.0;  // sum_j v_j (lse - z_j)
+      for (int64_t j = 0; j < V; ++j) smooth += (c.class_weight ? cw[j] : 1.0) * (lse - z[j]);
       lse_ref[i] = lse;
       zt_ref[i] = z[t];
-      loss_row[i] = wt * (lse - z[t]) + c.z_loss * lse * lse;
+      loss_row[i] = (1.0 - eps) * wt * (lse - z[t]) + eps / V * smooth + c.z_loss * lse * lse;
       loss_sum += loss_row[i];
       ent_ref += lse - sz;
       correct_ref += am == t;
@@ -1238,7 +1256,8 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
                                                                  : up[0] / denom;
       for (int64_t j = 0; j < V; ++j) {
         const double dz = c.softcap > 0.0f ? c.scale * (1.0 - (z[j] / c.softcap) * (z[j] / c.softcap)) : c.scale;
-        const double d = g * (a * std::exp(z[j] - lse) - (j == t ? wt : 0.0)) * dz;
+        const double vj = c.class_weight ? cw[j] : 1.0;
+        const double d = g * (a * std::exp(z[j] - lse) - (j == t ? (1.0 - eps) * wt : 0.0) - eps / V * vj) * dz;
         if (d == 0.0) continue;
         gb_ref[j] += d;
         for (int64_t k = 0; k < H; ++k) {
@@ -1277,6 +1296,7 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
       opt.logit_scale = c.scale;
       opt.z_loss = c.z_loss;
       opt.softcap = c.softcap;
+      opt.label_smoothing = c.smoothing;
       opt.return_metrics = metrics;
       if (c.class_weight) opt.class_weight = fusedce::vector(d_cw, DType::kFloat32, V);
       fusedce::LinearOptions lo;
@@ -1328,7 +1348,8 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
       // the loss's error: w_t times the lse's and z_t's, plus the z-loss's 2 z_loss |lse| times the lse's
       const double wt = t == -100 || !c.class_weight ? 1.0 : cw[t];
       const bool ok = std::abs(got.lse[i] - lse_ref[i]) <= tol &&
-                      (loss_n == 1 || std::abs(got.loss[i] - loss_row[i]) <= tol * (wt + 2.0 * c.z_loss * std::abs(lse_ref[i])));
+                      (loss_n == 1 || std::abs(got.loss[i] - loss_row[i]) <=
+                                          tol * ((1.0 - eps) * wt + eps * wsum / V + 2.0 * c.z_loss * std::abs(lse_ref[i])));
       if (!ok && ++bad <= 5) ADD_FAILURE() << "row " << i << ": lse " << got.lse[i] << " / " << lse_ref[i] << ", loss " << (loss_n == 1 ? 0.0f : got.loss[i]) << " / " << loss_row[i];
     }
     EXPECT_EQ(bad, 0);

@@ -522,8 +522,9 @@ TEST(AlgoChoice, NeverASplitKOrReducingCandidate) {
 
 // The linear form's window plan (cuda/linear/window_plan.h): bf16 on Hopper with the options
 // whose gradient is a per-row factor (z-loss's included) or a stored per-entry one (the
-// soft-cap's), never elsewhere; label smoothing (a rank-1 term), low_memory, an H the TMA cannot
-// address or wider than kWindowMaxHidden, or an odd V keeps the logits path. And the
+// soft-cap's) or a rank-one term (label smoothing's, without the soft-cap), never elsewhere; label
+// smoothing with the soft-cap, low_memory, an H the TMA cannot address or wider than
+// kWindowMaxHidden, or an odd V keeps the logits path. And the
 // window itself: offset 0 inside +-64 powers of two, the tile's own outside.
 TEST(WindowPlan, TakesTheCallsWhoseGradientIsARowFactor) {
   using fusedce::cuda::window_eligible;
@@ -549,7 +550,12 @@ TEST(WindowPlan, TakesTheCallsWhoseGradientIsARowFactor) {
   EXPECT_FALSE(window_eligible(2048, 128257, DType::kBFloat16, plain, false, true)) << "odd V";
   Options o = plain;
   o.label_smoothing = 0.1f;
-  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, o, false, true)) << "label smoothing";
+  EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, o, false, true)) << "label smoothing: a rank-one term";
+  o.z_loss = 1e-4f;
+  o.logit_scale = 0.5f;
+  EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, o, false, true)) << "label smoothing, z-loss, scale";
+  o.softcap = 30.0f;
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, o, false, true)) << "label smoothing and the soft-cap";
   o = plain;
   o.softcap = 30.0f;
   EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, o, false, true)) << "soft-cap: stored per entry";

@@ -41,13 +41,15 @@ struct RowResult {
   std::vector<double> dlogits;  // r (c E - d onehot) after the rebase and the target's rewrite
   bool apart;
   float rescale;  // c
+  float q;        // label smoothing's factor of the uniform term, -g eps / V (0 without)
 };
 
 /// The window form of one row: epilogue, merge and rebase as the kernels do them, with the host's
 /// exp2f for the device's ex2.approx (both within a few float32 units) and bf16 E; class weight
-/// wt, z-loss zl, soft-cap cap (z here the scaled logits before it).
+/// wt, z-loss zl, soft-cap cap (z here the scaled logits before it), label smoothing eps with the
+/// class weights' sum wsum (the dlogits leave out its uniform term: r.q carries it).
 RowResult window_row(const std::vector<float>& z, int64_t t, float g, float wt = 1.0f, float zl = 0.0f,
-                     float cap = 0.0f, float plant = 1.0f) {
+                     float cap = 0.0f, float plant = 1.0f, float eps = 0.0f, float wsum = 0.0f) {
   const int64_t V = static_cast<int64_t>(z.size()), tiles = window_tiles(V);
   std::vector<float> sum(tiles), off(tiles), centred(tiles);
   std::vector<uint16_t> e(V);
@@ -83,7 +85,10 @@ RowResult window_row(const std::vector<float>& z, int64_t t, float g, float wt =
   r.entropy = wm::entropy(S, K, Mx, C, U);
   r.apart = apart;
   fusedce::detail::LossConstants lc{};
-  lc.one_minus_eps = 1.0f;
+  lc.one_minus_eps = 1.0f - eps;
+  lc.eps = eps;
+  lc.eps_over_v = static_cast<float>(double(eps) / double(V));
+  lc.weight_sum = wsum;
   lc.z_loss = zl;
   lc.logit_scale = 1.0f;
   lc.softcap = cap;
@@ -92,6 +97,7 @@ RowResult window_row(const std::vector<float>& z, int64_t t, float g, float wt =
   const fusedce::detail::RowGrad rg = fusedce::detail::row_grad(lc, wm::lse(K, S), wt, g);
   const wm::RowFactor rf = wm::row_factor(rg.g_a, rg.g_bt, S);
   r.rescale = rf.rescale;
+  r.q = -rg.g_c;
   const float rr = rf.r * plant;
   r.dlogits.resize(V);
   for (int64_t j = 0; j < V; ++j) {
@@ -242,6 +248,163 @@ TEST(WindowMath, SoftcapRowMatchesFloat64) {
     expect_row("soft-cap 5, hot" + v, hot, t, false, false, 1.0f, 0.0f, 5.0f);
     expect_row("soft-cap 5, z-loss, class weight" + v, x, t, false, wide, 1.3f, 1e-3f, 5.0f);
     expect_row("soft-cap 1e4" + v, x, t, false, wide, 1.0f, 0.0f, 1e4f);
+  }
+}
+
+// Label smoothing without the soft-cap: the rows' dlogits are r (c E - d onehot) + q_i v_j (q_i =
+// -g eps / V, v the class weights or 1). The loss's row sum comes from scale (h . sum_j v_j w_j +
+// sum_j v_j b_j); grad_weight's and grad_bias's share v u^T and v sum_i q_i (u = sum_i q_i h_i) ride
+// kSmoothRows extra rows of the products' K, each factor split in two bf16 (smooth_part); grad_hidden's
+// is q_i sum_j v_j w_j. A small head (24 rows, H 16, V 385, a bias; ordinary, hot and cold rows,
+// ignored rows with q 0), eps 0.1 unweighted, and eps 0.2 with class weights (not bf16 numbers) and
+// z-loss, against float64. Tolerances: the loss 2e-6 (1 + |lse| + max |z|) times its lse factor (the
+// float32 sums); the rank-one share 2^-15 of sum_i |q_i h_i| |v_j| (the dropped v_lo u_lo is 2^-18,
+// float32 sums far less); the whole gradients 1.01 2^-8 of the sum of their terms' magnitudes, |r E'|
+// and |q v| apart (E's entries within 2^-8 of theirs: bf16, rebased), plus 1e-6 of the largest.
+// Each planted fault fails: q's sign flipped, the third extra row dropped (v_lo u_hi: 2^-9 of the
+// class-weighted share), the bias left out of the row sum.
+enum class SmoothPlant { kNone, kQSign, kDropRow, kNoBias };
+
+struct SmoothErrors {
+  double loss = 0.0, rank1 = 0.0, grads = 0.0;  // the largest error over its allowance
+};
+
+SmoothErrors smoothing_head(bool weighted, SmoothPlant plant) {
+  const int64_t N = 24, H = 16, V = 385;
+  const float eps = weighted ? 0.2f : 0.1f, zl = weighted ? 1e-3f : 0.0f;
+  std::mt19937_64 rng(weighted ? 20261210 : 20261211);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  auto bf = [](float x) { return fusedce::detail::bf16_to_float(fusedce::detail::float_to_bf16(x)); };
+  std::vector<float> w(V * H), b(V), h(N * H), v(V, 1.0f), g(N);
+  for (int64_t j = 0; j < V; ++j)
+    for (int64_t k = 0; k < H; ++k) w[j * H + k] = bf(k == 0 ? 1.0f : normal(rng) * 2.0f / std::sqrt(float(H)));
+  for (auto& x : b) x = bf(normal(rng));
+  if (weighted)
+    for (auto& x : v) x = 0.27f + static_cast<float>(rng() % 100) / 47.0f;
+  std::vector<int64_t> tgt(N);
+  for (int64_t i = 0; i < N; ++i) {
+    tgt[i] = i % 6 == 4 ? -1 : static_cast<int64_t>(rng() % V);
+    g[i] = 0.5f + static_cast<float>(rng() % 100) / 100.0f;
+    for (int64_t k = 0; k < H; ++k) {
+      float x = normal(rng);
+      if (i % 5 == 2 && tgt[i] >= 0) x = 12.0f * w[tgt[i] * H + k];  // hot: z_t about 48
+      if (i % 7 == 3 && k == 0) x = -60.0f;                          // cold: every logit about -60
+      h[i * H + k] = bf(x);
+    }
+  }
+  double wsum = 0.0;
+  for (float x : v) wsum += x;
+  // sum_j v_j w_j and sum_j v_j b_j as the column sums form them (float32, in row order)
+  std::vector<float> vw(H, 0.0f);
+  float vb = 0.0f;
+  for (int64_t j = 0; j < V; ++j) {
+    for (int64_t k = 0; k < H; ++k) vw[k] = std::fma(v[j], w[j * H + k], vw[k]);
+    vb = std::fma(v[j], b[j], vb);
+  }
+  fusedce::detail::LossConstants lc{};
+  lc.one_minus_eps = 1.0f - eps;
+  lc.eps = eps;
+  lc.eps_over_v = static_cast<float>(double(eps) / double(V));
+  lc.inv_v = static_cast<float>(1.0 / double(V));
+  lc.z_loss = zl;
+  lc.logit_scale = 1.0f;
+  lc.weight_sum = static_cast<float>(wsum);
+
+  SmoothErrors err;
+  std::vector<double> gw(V * H, 0.0), gb(V, 0.0), gh(N * H, 0.0);            // the window form's
+  std::vector<double> gw_ref(V * H, 0.0), gb_ref(V, 0.0), gh_ref(N * H, 0.0);  // float64
+  std::vector<double> gw_abs(V * H, 0.0), gb_abs(V, 0.0), gh_abs(N * H, 0.0);  // sums of |terms|
+  std::vector<float> q(N, 0.0f);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t t = tgt[i];
+    if (t < 0) continue;  // ignored: q 0, no dlogits
+    std::vector<double> z(V);
+    std::vector<float> zf(V);
+    for (int64_t j = 0; j < V; ++j) {
+      double x = b[j];
+      for (int64_t k = 0; k < H; ++k) x += double(h[i * H + k]) * w[j * H + k];
+      z[j] = x, zf[j] = static_cast<float>(x);
+    }
+    double mx = -INFINITY, s = 0.0, zmax = 0.0, sm = 0.0;
+    for (double x : z) mx = std::max(mx, x), zmax = std::max(zmax, std::abs(x));
+    for (double x : z) s += std::exp(x - mx);
+    const double lse = mx + std::log(s);
+    for (int64_t j = 0; j < V; ++j) sm += v[j] * (lse - z[j]);
+    const double wt = v[t];
+    const double a = (1.0 - eps) * wt + eps / V * wsum + 2.0 * zl * lse;
+    const double loss_ref = (1.0 - eps) * wt * (lse - z[t]) + eps / V * sm + zl * lse * lse;
+
+    const RowResult r = window_row(zf, t, g[i], v[t], zl, 0.0f, 1.0f, eps, static_cast<float>(wsum));
+    q[i] = plant == SmoothPlant::kQSign ? -r.q : r.q;
+    float hv = 0.0f;
+    for (int64_t k = 0; k < H; ++k) hv = std::fma(h[i * H + k], vw[k], hv);
+    const float ssum = wm::smooth_sum(1.0f, hv, plant == SmoothPlant::kNoBias ? 0.0f : vb);
+    const float loss = fusedce::detail::row_loss(lc, static_cast<float>(r.lse), zf[t], v[t], ssum, weighted);
+    const double lse_factor = (1.0 - eps) * wt + eps * wsum / V + 2.0 * zl * std::abs(lse);
+    err.loss = std::max(err.loss, std::abs(loss - loss_ref) / (2e-6 * (1.0 + std::abs(lse) + zmax) * lse_factor));
+    for (int64_t j = 0; j < V; ++j) {
+      const double d = g[i] * (a * std::exp(z[j] - lse) - (j == t ? (1.0 - eps) * wt : 0.0) - eps / V * v[j]);
+      // the terms' magnitudes: E's share and the uniform term's, each rounded on its own
+      const double m = std::abs(r.dlogits[j]) + std::abs(double(r.q) * v[j]);
+      gb_ref[j] += d, gb_abs[j] += m, gb[j] += r.dlogits[j];
+      for (int64_t k = 0; k < H; ++k) {
+        gw_ref[j * H + k] += d * h[i * H + k], gw_abs[j * H + k] += m * std::abs(h[i * H + k]);
+        gw[j * H + k] += r.dlogits[j] * h[i * H + k];
+        gh_ref[i * H + k] += d * w[j * H + k], gh_abs[i * H + k] += m * std::abs(w[j * H + k]);
+        gh[i * H + k] += r.dlogits[j] * w[j * H + k];
+      }
+    }
+    for (int64_t k = 0; k < H; ++k) gh[i * H + k] += double(q[i]) * vw[k];
+  }
+  // the products' extra rows: E's hold v's parts, the other operand's u's (and sum_i q_i's)
+  std::vector<float> u(H + 1, 0.0f);
+  std::vector<double> u_abs(H + 1, 0.0);
+  for (int64_t i = 0; i < N; ++i) {
+    for (int64_t k = 0; k < H; ++k) u[k] = std::fma(q[i], h[i * H + k], u[k]), u_abs[k] += std::abs(double(q[i]) * h[i * H + k]);
+    u[H] += q[i], u_abs[H] += std::abs(q[i]);
+  }
+  const int rows = plant == SmoothPlant::kDropRow ? static_cast<int>(fusedce::cuda::kSmoothRows) - 1
+                                                  : static_cast<int>(fusedce::cuda::kSmoothRows);
+  for (int64_t j = 0; j < V; ++j) {
+    const wm::Split vs = wm::split_bf16(v[j]);
+    for (int64_t k = 0; k <= H; ++k) {
+      const wm::Split us = wm::split_bf16(u[k]);
+      double share = 0.0;  // the K sum over the extra rows: float32 products of bf16 parts
+      for (int e = 0; e < rows; ++e) share += double(bf(wm::smooth_part(vs, e, true))) * bf(wm::smooth_part(us, e, false));
+      err.rank1 = std::max(err.rank1, std::abs(share - double(v[j]) * u[k]) / (std::ldexp(1.0, -15) * v[j] * u_abs[k]));
+      (k < H ? gw[j * H + k] : gb[j]) += share;
+    }
+  }
+  auto grads = [&](const std::vector<double>& got, const std::vector<double>& ref, const std::vector<double>& abs) {
+    double mx = 0.0;
+    for (double x : ref) mx = std::max(mx, std::abs(x));
+    for (size_t k = 0; k < ref.size(); ++k)
+      err.grads = std::max(err.grads, std::abs(got[k] - ref[k]) / (1.01 * std::ldexp(1.0, -8) * abs[k] + 1e-6 * mx));
+  };
+  grads(gw, gw_ref, gw_abs);
+  grads(gb, gb_ref, gb_abs);
+  grads(gh, gh_ref, gh_abs);
+  return err;
+}
+
+TEST(WindowMath, SmoothingRowsMatchFloat64) {
+  const wm::Split one = wm::split_bf16(1.0f);
+  EXPECT_EQ(one.hi, 1.0f);
+  EXPECT_EQ(one.lo, 0.0f);
+  const wm::Split x = wm::split_bf16(0.27f);
+  EXPECT_NE(x.lo, 0.0f);
+  EXPECT_LE(std::abs(double(x.hi) + x.lo - 0.27f), std::ldexp(0.27, -17));
+  for (const bool weighted : {false, true}) {
+    SCOPED_TRACE(weighted ? "eps 0.2, class weights, z-loss" : "eps 0.1");
+    const SmoothErrors e = smoothing_head(weighted, SmoothPlant::kNone);
+    EXPECT_LE(e.loss, 1.0);
+    EXPECT_LE(e.rank1, 1.0);
+    EXPECT_LE(e.grads, 1.0);
+    EXPECT_GT(smoothing_head(weighted, SmoothPlant::kQSign).grads, 1.0) << "q's sign flipped passes";
+    EXPECT_GT(smoothing_head(weighted, SmoothPlant::kNoBias).loss, 1.0) << "the row sum without the bias passes";
+    if (weighted) {
+      EXPECT_GT(smoothing_head(weighted, SmoothPlant::kDropRow).rank1, 1.0) << "a dropped extra row passes";
+    }
   }
 }
 

@@ -153,6 +153,7 @@ struct LinearPlan {
   bool logits_in_gw;     // the logit buffer borrows the 16-bit grad_weight output (see plan_linear)
   bool pad_weight;       // grad_hidden from a copy of the weight padded to ld_logits rows
   bool window;           // the window form where the call allows it (window_eligible)
+  bool win_smooth;       // ... with label smoothing: its vectors and the products' extra K rows
   size_t buffer_bytes;   // the logit buffer
   size_t slice_acc_bytes;
   int64_t chunk_rows;  // rows the logit buffer holds: the most a chunk has
@@ -163,7 +164,7 @@ struct LinearPlan {
   size_t gemm_ws, logits, ce_ws, ce_ws_bytes, ones, gw_acc, gb_acc, eff_target, idx, scalars, target_c, grad_p,
       loss_c, lse_p, row_loss, chunk_entropy, chunk_correct, hidden_c, gh_c, slice_acc, weight_pad, win_sum,
       win_offset, win_r, win_r16, win_rescale, win_kmax, win_entry, win_flag, win_scratch, win_centred, win_top, win_top_col, win_entropy,
-      win_correct, total;
+      win_correct, win_q, win_svec, win_u, win_partial, total;
 };
 
 struct Scalars {  // device-side batch scalars written by the prepare and product-scale kernels
@@ -225,12 +226,17 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   p.ld_logits = (V + per16 - 1) / per16 * per16;
   p.window = window_eligible(H, V, dtype, o, lo.low_memory,
                              dtype == DType::kBFloat16 && cutlass_products_available(device.index));
+  p.win_smooth = p.window && o.label_smoothing != 0.0f;
+  // Label smoothing's extra rows of the gradient products' K (window_math::smooth_part): E's
+  // after a chunk's rows, the scaled hidden operand's and bf16(r)'s after theirs.
+  const int64_t smooth_rows = p.win_smooth && p.grad ? kSmoothRows : 0;
   // Per row of a chunk: its logits, and (compacting) its gathered hidden row and grad_hidden row;
   // in the window form its partials and factors, and the row of the scratch that holds
   // grad_weight's scaled hidden operand, then grad_hidden's float32 product.
   const size_t scratch_row = p.grad_hidden ? size_t(H) * 4 : p.grad_weight ? size_t(H) * 2 : 0;
   const size_t window_row =
-      p.window ? size_t(window_tiles(V)) * (p.metrics ? 20 : 8) + 17 + (p.grad_bias ? 2 : 0) + (p.metrics ? 5 : 0) + scratch_row
+      p.window ? size_t(window_tiles(V)) * (p.metrics ? 20 : 8) + 17 + (p.grad_bias ? 2 : 0) + (p.metrics ? 5 : 0) +
+                     (smooth_rows ? 4 : 0) + scratch_row
                : 0;
   const size_t row_bytes =
       size_t(p.ld_logits) * el + (p.compact ? size_t(H) * el * (p.grad_hidden ? 2 : 1) : 0) + window_row;
@@ -262,6 +268,7 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   } else {
     set_chunks(default_chunk_budget(V, H));
   }
+  p.buffer_bytes += size_t(smooth_rows) * p.ld_logits * el;
   // 16-bit grad_weight over several chunks sums them in a float32 accumulator.
   p.gw_via_acc = acc16 && p.max_chunks > 1;
   // Then the grad_weight output holds nothing until the accumulator is rounded into it after
@@ -324,11 +331,17 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
     p.win_offset = take(size_t(C) * window_tiles(V) * 4);
     p.win_r = take(size_t(C) * 4);
     p.win_rescale = take(size_t(C) * 4);
-    p.win_r16 = p.grad_bias ? take(size_t(C) * 2) : 0;
+    p.win_r16 = p.grad_bias ? take(size_t(C + smooth_rows) * 2) : 0;
     p.win_kmax = take(size_t(C) * 4);
     p.win_entry = take(size_t(C) * 4);
     p.win_flag = take(size_t(C));
-    p.win_scratch = scratch_row ? take(size_t(C) * scratch_row) : 0;
+    p.win_scratch = scratch_row ? take(size_t(C) * scratch_row + size_t(smooth_rows) * H * 2) : 0;
+    if (p.win_smooth) {
+      p.win_svec = take(size_t(H + 1) * 4);
+      p.win_partial = take(size_t(ColumnSumParams::kMaxSlices) * (H + 1) * 4);
+      p.win_q = smooth_rows ? take(size_t(C) * 4) : 0;
+      p.win_u = smooth_rows ? take(size_t(H + 1) * 4) : 0;
+    }
     if (p.metrics) {
       p.win_centred = take(size_t(C) * window_tiles(V) * 4);
       p.win_top = take(size_t(C) * window_tiles(V) * 4);
@@ -377,6 +390,7 @@ class LinearRun {
       FUSEDCE_TRY(last_error("filling the ones vector"));
     }
     if (p_.pad_weight) FUSEDCE_TRY(pad_weight());
+    if (p_.win_smooth) FUSEDCE_TRY(smooth_vector());
     const int64_t step = balanced_rows(positions, p_.chunk_rows);
     int64_t chunk = 0;
     for (int64_t p0 = 0; p0 < positions; p0 += step, ++chunk) {
@@ -407,6 +421,24 @@ class LinearRun {
       return last_error("padding the weight");
     }
     return Status::Ok();
+  }
+
+  /// Label smoothing in the window form: sum_j v_j w_j (H) and sum_j v_j b_j into win_svec, v the
+  /// class weights or 1 (the merge's row sums of the logits, grad_hidden's uniform term).
+  Status smooth_vector() {
+    ColumnSumParams c{};
+    c.x = c_.weight.data;
+    c.ld = c_.weight.row_stride;
+    c.rows = p_.V;
+    c.cols = p_.H;
+    c.w = static_cast<const float*>(c_.options.class_weight.data);
+    c.w_stride = c_.options.class_weight.stride;
+    c.last = c_.bias.data;
+    c.partial = at_as<float>(p_.win_partial);
+    c.slices = static_cast<int>(std::min<int64_t>(ColumnSumParams::kMaxSlices, std::max<int64_t>(p_.V, 1)));
+    c.out = at_as<float>(p_.win_svec);
+    launch_column_sums(c, stream_);
+    return last_error("label smoothing's weight sums");
   }
 
   Status prepare() {
@@ -613,6 +645,9 @@ class LinearRun {
     m.class_weight = static_cast<const float*>(c_.options.class_weight.data);
     m.weight_stride = c_.options.class_weight.stride;
     m.lc = detail::make_loss_constants(c_.options, p_.V, 0.0f);
+    m.weight_sum = &scalars()->weight_sum;
+    m.smooth = p_.win_smooth ? at_as<float>(p_.win_svec) : nullptr;
+    m.q = p_.grad && p_.win_smooth ? at_as<float>(p_.win_q) : nullptr;
     m.bias = c_.bias.data;
     m.r16 = p_.grad_bias ? at(p_.win_r16) : nullptr;
     m.centred = f.centred;
@@ -659,13 +694,40 @@ class LinearRun {
     void* scratch = at(p_.win_scratch);
     const GemmOperand weight_op{c_.weight.data, d, p_.H, p_.V, c_.weight.row_stride};  // H x V
     const GemmOperand e_op{logits_, d, p_.V, nc, p_.ld_logits};                       // V x nc
+    // Label smoothing: grad_weight's and grad_bias's products run over ks more rows of K, E's
+    // holding v and the other operand's u = sum_i q_i h_i (and sum_i q_i), split in bf16 parts.
+    const int64_t ks = p_.win_smooth ? kSmoothRows : 0;
+    if (ks != 0 && (p_.grad_weight || p_.grad_bias)) {
+      ColumnSumParams u{};
+      u.x = hc;
+      u.ld = ldh;
+      u.rows = nc;
+      u.cols = p_.H;
+      u.w = m.q;
+      u.w_stride = 1;
+      u.last_ones = true;
+      u.partial = at_as<float>(p_.win_partial);
+      u.slices = static_cast<int>(std::min<int64_t>(ColumnSumParams::kMaxSlices, nc));
+      u.out = at_as<float>(p_.win_u);
+      u.split = p_.grad_weight ? static_cast<char*>(scratch) + size_t(nc) * p_.H * el : nullptr;
+      u.ld_split = p_.H;
+      u.split_last = p_.grad_bias ? static_cast<char*>(m.r16) + size_t(nc) * el : nullptr;
+      launch_column_sums(u, stream_);
+      FUSEDCE_TRY(last_error("label smoothing's row sums"));
+      launch_smooth_rows(SmoothRowsParams{static_cast<char*>(logits_) + size_t(nc) * p_.ld_logits * el, p_.ld_logits,
+                                          p_.V, m.class_weight, m.weight_stride},
+                         stream_);
+      FUSEDCE_TRY(last_error("label smoothing's rows of E"));
+    }
+    const GemmOperand e_k{logits_, d, p_.V, nc + ks, p_.ld_logits};  // V x (nc + ks)
     if (p_.grad_weight) {
       // hidden' (nc x H, dense) = bf16(r h): the rows' factor on the other operand
-      RowScaleParams hs{hc, false, ldh, m.r, scratch, p_.H, nc, p_.H};
+      RowScaleParams hs{hc, false, ldh, m.r, scratch, p_.H, nc, p_.H, nullptr, nullptr};
       launch_row_scale(hs, stream_);
       FUSEDCE_TRY(last_error("scaling the hidden rows"));
-      // grad_weight^T (H x V) (+)= hidden' (H x nc) . E (nc x V), alpha 1 (r rides hidden')
-      FUSEDCE_TRY(weight_product(GemmOperand{scratch, d, p_.H, nc, p_.H}, e_op, chunk, last, nullptr));
+      // grad_weight^T (H x V) (+)= hidden' (H x (nc + ks)) . E ((nc + ks) x V), alpha 1 (r rides
+      // hidden')
+      FUSEDCE_TRY(weight_product(GemmOperand{scratch, d, p_.H, nc + ks, p_.H}, e_k, chunk, last, nullptr));
     }
     if (p_.grad_hidden) {
       // (E W)^T (H x nc, float32) = weight (H x V) . E^T (V x nc), over ld_logits columns where
@@ -689,14 +751,15 @@ class LinearRun {
       FUSEDCE_TRY(gemm(h));
       const MatrixView& gh = c_.grads.grad_hidden;
       void* out = p_.compact ? at(p_.gh_c) : static_cast<char*>(gh.data) + size_t(p0) * gh.row_stride * el;
-      RowScaleParams rs{scratch, true, p_.H, m.r, out, p_.compact ? p_.H : gh.row_stride, nc, p_.H};
+      RowScaleParams rs{scratch, true, p_.H, m.r, out, p_.compact ? p_.H : gh.row_stride, nc, p_.H, m.q,
+                        p_.win_smooth ? at_as<float>(p_.win_svec) : nullptr};
       launch_row_scale(rs, stream_);
       FUSEDCE_TRY(last_error("scaling grad_hidden's rows"));
     }
     if (p_.grad_bias) {
       // grad_bias (+)= E^T bf16(r): the column sums of the dlogits (alpha 1: r carries the
       // mean's scale)
-      FUSEDCE_TRY(bias_product(e_op, GemmOperand{m.r16, d, nc, 1, nc}, chunk, nullptr));
+      FUSEDCE_TRY(bias_product(e_k, GemmOperand{m.r16, d, nc + ks, 1, nc + ks}, chunk, nullptr));
     }
     return Status::Ok();
   }
@@ -1032,6 +1095,7 @@ class LinearRun {
       FUSEDCE_TRY(last_error("filling the ones vector"));
     }
     if (p_.pad_weight) FUSEDCE_TRY(pad_weight());
+    if (p_.win_smooth) FUSEDCE_TRY(smooth_vector());
     // Chunks that do not run leave zero metric partials; finish sums every planned chunk's.
     const int64_t step = balanced_rows(std::max<int64_t>(p_.N, 1), p_.chunk_rows);
     const int64_t chunks = p_.N > 0 ? (p_.N + step - 1) / step : 0;

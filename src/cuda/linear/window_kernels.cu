@@ -67,21 +67,29 @@ __global__ void __launch_bounds__(kMergeWarps * 32) window_merge_kernel(const Wi
   const int64_t t = p.target[i];
   const bool ignored = t == p.ignore_index;
   const bool valid = !ignored && t >= 0 && t < p.V;
+  const BFloat16* h = static_cast<const BFloat16*>(p.hidden) + i * p.ld_hidden;
   float dot = 0.0f;
   if (valid) {
-    const BFloat16* h = static_cast<const BFloat16*>(p.hidden) + i * p.ld_hidden;
     const BFloat16* w = static_cast<const BFloat16*>(p.weight) + t * p.ld_weight;
     for (int64_t j = lane; j < p.H; j += 32) dot = fmaf(Elem<BFloat16>::to_float(h[j]), Elem<BFloat16>::to_float(w[j]), dot);
     for (int o = 16; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
   }
+  float sdot = 0.0f;  // label smoothing: h . sum_j v_j w_j
+  if (p.smooth != nullptr && !ignored) {
+    for (int64_t j = lane; j < p.H; j += 32) sdot = fmaf(Elem<BFloat16>::to_float(h[j]), p.smooth[j], sdot);
+    for (int o = 16; o > 0; o /= 2) sdot += __shfl_xor_sync(0xffffffffu, sdot, o);
+  }
   if (lane != 0) return;
   const float lse = window_math::lse(K, S);
-  const float scale = p.lc.logit_scale;
+  detail::LossConstants lc = p.lc;
+  if (p.weight_sum != nullptr) lc.weight_sum = *p.weight_sum;
+  const float scale = lc.logit_scale;
   if (valid && p.bias != nullptr) dot += Elem<BFloat16>::to_float(static_cast<const BFloat16*>(p.bias)[t]);
-  const float zt = detail::transform_logit(dot, p.lc, p.lc.softcap != 0.0f);
+  const float zt = detail::transform_logit(dot, lc, lc.softcap != 0.0f);
   // A target outside [0, V) has no logit and no weight: NaN, as the logits path gives it.
   const float wt = ignored ? 0.0f : !valid ? NAN : p.class_weight ? p.class_weight[t * p.weight_stride] : 1.0f;
-  p.loss[i] = ignored ? 0.0f : detail::row_loss(p.lc, lse, zt, wt, 0.0f, false);
+  const float ssum = p.smooth != nullptr ? window_math::smooth_sum(scale, sdot, p.smooth[p.H]) : 0.0f;
+  p.loss[i] = ignored ? 0.0f : detail::row_loss(lc, lse, zt, wt, ssum, p.class_weight != nullptr);
   p.lse[i] = ignored ? 0.0f : lse;
   if (metrics) {
     p.entropy[i] = ignored ? 0.0f : window_math::entropy(S, K, Mx, C, U);
@@ -89,15 +97,16 @@ __global__ void __launch_bounds__(kMergeWarps * 32) window_merge_kernel(const Wi
   }
   if (!p.grad) return;
   p.kmax[i] = K;
-  const detail::RowGrad rg = detail::row_grad(p.lc, lse, wt, p.grad[i] * (p.alpha ? *p.alpha : 1.0f));
+  const detail::RowGrad rg = detail::row_grad(lc, lse, wt, p.grad[i] * (p.alpha ? *p.alpha : 1.0f));
   const window_math::RowFactor f =
       ignored ? window_math::RowFactor{0.0f, 1.0f, 0.0f} : window_math::row_factor(rg.g_a * scale, rg.g_bt * scale, S);
   p.r[i] = f.r;
+  if (p.q != nullptr) p.q[i] = ignored ? 0.0f : -rg.g_c * scale;
   if (p.r16 != nullptr) static_cast<BFloat16*>(p.r16)[i] = Elem<BFloat16>::from_float(f.r);
   p.rescale[i] = f.rescale;
   // The target's entry in the frame of K: c 2^(z_t log2 e - K) - d (times the soft-cap's factor),
   // from the exact logit.
-  const float entry = valid ? window_math::target_entry(zt, K, f, p.lc.softcap) : NAN;
+  const float entry = valid ? window_math::target_entry(zt, K, f, lc.softcap) : NAN;
   p.target_entry[i] = entry;
   const bool flag = !ignored && (apart || f.rescale != 1.0f);
   p.rebase[i] = flag;
@@ -127,6 +136,7 @@ __global__ void row_scale_kernel(const RowScaleParams p) {
   for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < total; c += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i = c / groups, j = (c % groups) * 4;
     const float r = p.r[i];
+    const float q = p.q != nullptr ? p.q[i] : 0.0f;
     float x[4];
     if (p.src_f32) {
       const float* s = static_cast<const float*>(p.src) + i * p.ld_src + j;
@@ -139,7 +149,54 @@ __global__ void row_scale_kernel(const RowScaleParams p) {
     }
     BFloat16* o = static_cast<BFloat16*>(p.out) + i * p.ld_out + j;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) o[k] = Elem<BFloat16>::from_float(x[k] * r);
+    for (int k = 0; k < 4; ++k) o[k] = Elem<BFloat16>::from_float(p.q != nullptr ? fmaf(q, p.vec[j + k], x[k] * r) : x[k] * r);
+  }
+}
+
+/// Stage 1 of the column sums: block (x, s) sums its 256 columns over slice s of the rows, in row
+/// order; column `cols` is the last vector's (or the weights').
+__global__ void __launch_bounds__(256) column_sums_partial_kernel(const ColumnSumParams p) {
+  const int64_t c = int64_t(blockIdx.x) * 256 + threadIdx.x;
+  if (c > p.cols) return;
+  const int64_t s = blockIdx.y;
+  const int64_t r0 = p.rows * s / p.slices, r1 = p.rows * (s + 1) / p.slices;
+  const BFloat16* x = static_cast<const BFloat16*>(p.x);
+  const BFloat16* last = static_cast<const BFloat16*>(p.last);
+  float acc = 0.0f;
+  for (int64_t i = r0; i < r1; ++i) {
+    const float w = p.w != nullptr ? p.w[i * p.w_stride] : 1.0f;
+    const float v = c < p.cols ? Elem<BFloat16>::to_float(x[i * p.ld + c])
+                    : last != nullptr ? Elem<BFloat16>::to_float(last[i])
+                    : p.last_ones ? 1.0f : 0.0f;
+    acc = fmaf(w, v, acc);
+  }
+  p.partial[s * (p.cols + 1) + c] = acc;
+}
+
+/// Stage 2: the slices' partials summed in slice order, and the optional bf16 parts written.
+__global__ void __launch_bounds__(256) column_sums_final_kernel(const ColumnSumParams p) {
+  const int64_t c = int64_t(blockIdx.x) * 256 + threadIdx.x;
+  if (c > p.cols) return;
+  float acc = 0.0f;
+  for (int s = 0; s < p.slices; ++s) acc += p.partial[int64_t(s) * (p.cols + 1) + c];
+  p.out[c] = acc;
+  const window_math::Split parts = window_math::split_bf16(acc);
+  if (c < p.cols && p.split != nullptr) {
+    BFloat16* o = static_cast<BFloat16*>(p.split);
+    for (int k = 0; k < kSmoothRows; ++k) o[k * p.ld_split + c] = Elem<BFloat16>::from_float(window_math::smooth_part(parts, k, false));
+  }
+  if (c == p.cols && p.split_last != nullptr) {
+    BFloat16* o = static_cast<BFloat16*>(p.split_last);
+    for (int k = 0; k < kSmoothRows; ++k) o[k] = Elem<BFloat16>::from_float(window_math::smooth_part(parts, k, false));
+  }
+}
+
+__global__ void smooth_rows_kernel(const SmoothRowsParams p) {
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < p.V; j += int64_t(gridDim.x) * blockDim.x) {
+    const float v = p.class_weight != nullptr ? p.class_weight[j * p.weight_stride] : 1.0f;
+    const window_math::Split parts = window_math::split_bf16(v);
+    BFloat16* e = static_cast<BFloat16*>(p.e);
+    for (int k = 0; k < kSmoothRows; ++k) e[k * p.ld_e + j] = Elem<BFloat16>::from_float(window_math::smooth_part(parts, k, true));
   }
 }
 
@@ -177,6 +234,17 @@ void launch_window_rebase(const WindowRebaseParams& p, cudaStream_t stream) {
 
 void launch_window_metrics(const WindowMetricsParams& p, cudaStream_t stream) {
   window_metrics_kernel<<<1, kMetricsThreads, 0, stream>>>(p);
+}
+
+void launch_column_sums(const ColumnSumParams& p, cudaStream_t stream) {
+  const unsigned blocks = static_cast<unsigned>(p.cols / 256 + 1);  // columns 0..cols
+  column_sums_partial_kernel<<<dim3(blocks, static_cast<unsigned>(p.slices)), 256, 0, stream>>>(p);
+  column_sums_final_kernel<<<blocks, 256, 0, stream>>>(p);
+}
+
+void launch_smooth_rows(const SmoothRowsParams& p, cudaStream_t stream) {
+  if (p.V <= 0) return;
+  smooth_rows_kernel<<<grid_of(p.V, 256), 256, 0, stream>>>(p);
 }
 
 void launch_row_scale(const RowScaleParams& p, cudaStream_t stream) {

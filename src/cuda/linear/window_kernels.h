@@ -27,7 +27,10 @@ namespace cuda {
 /// logits path gives. With metrics: the row's entropy
 /// ln(S 2^(K - Mx)) + (ln 2 sum_t f_t S_t (Mx - m_t) - sum_t f_t Uc_t) / S (Mx = max_t m_t, f_t =
 /// 2^(k_t - K), Uc_t the centred partials: every term of the sum >= 0, no cancellation) and
-/// whether the argmax over the tiles' argmaxes is the target; 0 for an ignored row.
+/// whether the argmax over the tiles' argmaxes is the target; 0 for an ignored row. With label
+/// smoothing (no soft-cap) the loss's sum over the row's logits is scale (h . smooth[0, H) +
+/// smooth[H]) and the rows' dlogits gain q_i v_j (window_math::smooth_part: q_i = -scale g eps /
+/// V, 0 for an ignored row).
 struct WindowMergeParams {
   const float* sum;     // (n x tiles) row-major
   const float* offset;  // (n x tiles): each tile's own offset m_t
@@ -41,7 +44,11 @@ struct WindowMergeParams {
   const float* class_weight;  // (V,) strided, or null
   int64_t weight_stride;
   const void* bias;           // (V,) bf16 added to the logits, or null
-  detail::LossConstants lc;  // the loss's constants: logit scale, soft-cap, z_loss (no smoothing)
+  detail::LossConstants lc;  // the loss's constants (weight_sum from the device's, below)
+  const float* weight_sum;   // the class weights' sum (V without them), on the device
+  // label smoothing (no soft-cap): (H + 1) float32, sum_j v_j w_j then sum_j v_j b_j (v the class
+  // weights, or 1), from launch_column_sums over the weight; null without smoothing
+  const float* smooth;
   const float* centred;  // metrics: (n x tiles) partials; null without metrics
   const float* top;
   const int* top_col;
@@ -53,6 +60,7 @@ struct WindowMergeParams {
   float* loss;
   float* lse;
   float* r;             // with gradients
+  float* q;             // with gradients and smoothing: each row's factor of the uniform term
   void* r16;            // with grad_bias: bf16(r), grad_bias's other operand (E^T r); else null
   float* rescale;       // with gradients: c (1 but where a nearly cancels)
   float* kmax;          // with gradients: K
@@ -87,9 +95,10 @@ struct WindowRebaseParams {
   const float* target_entry;
 };
 
-/// out[i][j] = bf16(r[i] src[i][j]) over (n, H): src float32 dense (grad_hidden's float32
-/// product E W: one rounding, as the logits path's grad_hidden), or src bf16 with row stride
-/// ld_src (grad_weight's other operand, hidden' = bf16(r h)).
+/// out[i][j] = bf16(r[i] src[i][j] + q[i] vec[j]) over (n, H): src float32 dense (grad_hidden's
+/// float32 product E W: one rounding, as the logits path's grad_hidden; q and vec label
+/// smoothing's q_i sum_j v_j w_j), or src bf16 with row stride ld_src (grad_weight's other
+/// operand, hidden' = bf16(r h)); q null: no second term.
 struct RowScaleParams {
   const void* src;
   bool src_f32;
@@ -97,12 +106,49 @@ struct RowScaleParams {
   const float* r;
   void* out;  // bf16
   int64_t ld_out, n, H;
+  const float* q;
+  const float* vec;
+};
+
+/// Weighted column sums of a bf16 matrix x (rows x cols, row stride ld), in two fixed-order
+/// stages (deterministic): out[c] = sum_i w_i x[i][c] for c < cols, and out[cols] = sum_i w_i
+/// last_i (last a bf16 vector; or with last_ones the weights' own sum; else 0). w: float32 with
+/// stride w_stride, null for 1. partial: slices x (cols + 1) float32, slices in [1, kMaxSlices].
+/// split (optional): kSmoothRows bf16 rows of cols, row stride ld_split, row k =
+/// window_math::smooth_part(split_bf16(out[c]), k, false); split_last (optional): the same kSmoothRows
+/// parts of out[cols]. Label smoothing's sum_j v_j w_j over the weight (once a call) and its
+/// u = sum_i q_i h_i over a chunk's rows (the products' extra rows).
+struct ColumnSumParams {
+  static constexpr int kMaxSlices = 128;
+  const void* x;
+  int64_t ld, rows, cols;
+  const float* w;
+  int64_t w_stride;
+  const void* last;
+  bool last_ones;
+  float* partial;
+  int slices;
+  float* out;
+  void* split;
+  int64_t ld_split;
+  void* split_last;
+};
+
+/// E's kSmoothRows extra rows (row stride ld_e, starting at e) over V columns: row k holds
+/// window_math::smooth_part(split_bf16(v_j), k, true), v_j the class weight (strided) or 1.
+struct SmoothRowsParams {
+  void* e;
+  int64_t ld_e, V;
+  const float* class_weight;
+  int64_t weight_stride;
 };
 
 void launch_window_merge(const WindowMergeParams& p, cudaStream_t stream);
 void launch_window_rebase(const WindowRebaseParams& p, cudaStream_t stream);
 void launch_row_scale(const RowScaleParams& p, cudaStream_t stream);
 void launch_window_metrics(const WindowMetricsParams& p, cudaStream_t stream);
+void launch_column_sums(const ColumnSumParams& p, cudaStream_t stream);
+void launch_smooth_rows(const SmoothRowsParams& p, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace fusedce

@@ -70,6 +70,31 @@ FUSEDCE_HD float target_entry(float zt, float K, const RowFactor& f, float cap) 
   return (f.rescale * exp2f(fmaf(zt, kLog2e, -K)) - f.shift) * cap_factor(zt, cap);
 }
 
+/// A float as two bf16 values, hi = bf16(x) and lo = bf16(x - hi): their sum is within 2^-17 |x|
+/// of x (x - hi is exact in float32, lo rounds it to 8 bits).
+struct Split {
+  float hi, lo;
+};
+FUSEDCE_HD Split split_bf16(float x) {
+  const float hi = detail::bf16_to_float(detail::float_to_bf16(x));
+  return {hi, detail::bf16_to_float(detail::float_to_bf16(x - hi))};
+}
+
+/// Label smoothing's uniform term in the window form. The row's dlogits over raw logits are
+/// r (c E - d onehot_t) + q_i v_j: v_j the class weight (1 without), q_i = -scale g eps / V
+/// (row_grad's g_c; 0 for an ignored row). Its share of grad_weight is v u^T with u = sum_i q_i h_i,
+/// of grad_bias v sum_i q_i, of grad_hidden q_i sum_j v_j w_j. The products carry the first two
+/// as kSmoothRows extra rows of their K: row k of E's extra rows holds part(v, k, true), the same
+/// row of the other operand part(u, k, false), so that the K sum adds v_hi u_hi + v_hi u_lo +
+/// v_lo u_hi = v u within about 2^-16 |v u| (the dropped v_lo u_lo is 2^-18 of it).
+FUSEDCE_HD float smooth_part(const Split& s, int k, bool e_side) {
+  return e_side ? (k < 2 ? s.hi : s.lo) : (k == 1 ? s.lo : s.hi);
+}
+
+/// The row's sum of the scaled logits over the vocabulary, weighted by v: scale (h . sum_j v_j
+/// w_j + sum_j v_j b_j) (no soft-cap: z is linear in h), from the precomputed vector.
+FUSEDCE_HD float smooth_sum(float scale, float h_dot_vw, float vb) { return scale * (h_dot_vw + vb); }
+
 }  // namespace window_math
 }  // namespace cuda
 }  // namespace fusedce

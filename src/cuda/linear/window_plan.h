@@ -50,17 +50,25 @@ inline WindowTileOrder window_tile_order(int64_t rows) {
 /// stays (docs/performance.md, "The window form in the library").
 constexpr int64_t kWindowMaxHidden = 3072;
 
+/// Label smoothing's extra rows of the gradient products' K (window_math::smooth_part): the
+/// uniform term q_i v_j as v_hi u_hi + v_hi u_lo + v_lo u_hi, each factor split into two bf16.
+constexpr int64_t kSmoothRows = 3;
+
 
 /// Whether a call may take the window form: bf16 where the CUTLASS kernels run (`hopper`), with
 /// the options whose gradient is a per-row factor times softmax minus a target term (logit scale,
 /// class weights, z-loss, ignore_index, the shift, every reduction, skip_ignored, the metrics), the
 /// soft-cap (its per-entry factor stored in the matrix the products read), a bias and grad_bias
-/// (the bias added in the epilogue, its gradient E^T r). Label smoothing's uniform term and
+/// (the bias added in the epilogue, its gradient E^T r), label smoothing without the soft-cap (its
+/// uniform term is a rank-one matrix q v^T: its sum over a row is linear in the hidden row, its
+/// share of the gradients rides kSmoothRows extra rows of the products' K). Label smoothing with
+/// the soft-cap (its row sum is over capped logits, which only the epilogue sees) and
 /// low_memory's vocabulary slices keep the logits path. H a multiple of 8 (the TMA's 16-byte rows)
 /// and at most kWindowMaxHidden, V even (the epilogue's bf16 pairs).
 inline bool window_eligible(int64_t H, int64_t V, DType dtype, const Options& o, bool low_memory, bool hopper) {
   if (!hopper || dtype != DType::kBFloat16 || low_memory) return false;
-  if (o.label_smoothing != 0.0f || !std::isfinite(o.logit_scale)) return false;
+  if (o.label_smoothing != 0.0f && o.softcap != 0.0f) return false;
+  if (!std::isfinite(o.logit_scale)) return false;
   return H % 8 == 0 && H <= kWindowMaxHidden && V % 2 == 0;
 }
 
