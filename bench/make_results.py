@@ -82,7 +82,8 @@ How things are timed:
 KIND_TITLES = {"ce": "Cross-entropy over logits", "linear": "Linear cross-entropy",
                "logprobs": "Log-probabilities"}
 LINEAR_VARIANTS = [("default", "default"), ("skip_ignored", "skip_ignored"), ("low_memory", "low_memory"),
-                   ("chunks_448MiB", "448 MiB chunks"), ("all_options", "all options")]
+                   ("chunks_448MiB", "448 MiB chunks"), ("all_options", "all options"),
+                   ("options_no_softcap", "all options but the soft-cap")]
 
 
 class SourceError(ValueError):
