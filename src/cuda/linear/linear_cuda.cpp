@@ -591,14 +591,10 @@ class LinearRun {
 
   /// A chunk in the window form (window_forward.h, window_kernels.h), its rows gathered: the
   /// logits product with E and the partials in its epilogue; the merge (loss, lse, each row's
-  /// factor r, the target entries); the rebase of rows whose tiles took different offsets; then
-  /// grad_weight (+)= E^T bf16(r h) and grad_hidden = bf16(r (E W)), the rows' factor riding the
-  /// hidden operand and the float32 product respectively, so that no pass forms dlogits.
+  /// factor r, the target entries); then, with gradients, window_gradients.
   /// `done` false (nothing launched): the product cannot run here, and the call keeps the logits
   /// path from this chunk on.
   Status window_chunk(int64_t p0, int64_t nc, int64_t chunk, bool last, const void* hc, int64_t ldh, bool* done) {
-    const DType d = p_.dtype;
-    const size_t el = elem_size(d);
     WindowForward f{};
     f.rows = nc;
     f.V = p_.V;
@@ -675,7 +671,17 @@ class LinearRun {
       FUSEDCE_TRY(last_error("the window metrics kernel"));
     }
     if (!p_.grad) return Status::Ok();
+    return window_gradients(p0, nc, chunk, last, hc, ldh, m);
+  }
 
+  /// The window form's gradients of a chunk after its merge `m`: the rebase of the flagged rows,
+  /// label smoothing's extra rows, grad_weight (+)= E^T bf16(r h), grad_hidden = bf16(r (E W)) and
+  /// grad_bias (+)= E^T bf16(r), the rows' factor riding the hidden operand and the float32
+  /// product respectively, so that no pass forms dlogits.
+  Status window_gradients(int64_t p0, int64_t nc, int64_t chunk, bool last, const void* hc, int64_t ldh,
+                          const WindowMergeParams& m) {
+    const DType d = p_.dtype;
+    const size_t el = elem_size(d);
     WindowRebaseParams rb{};
     rb.e = logits_;
     rb.ld_e = p_.ld_logits;
@@ -694,31 +700,9 @@ class LinearRun {
     void* scratch = at(p_.win_scratch);
     const GemmOperand weight_op{c_.weight.data, d, p_.H, p_.V, c_.weight.row_stride};  // H x V
     const GemmOperand e_op{logits_, d, p_.V, nc, p_.ld_logits};                       // V x nc
-    // Label smoothing: grad_weight's and grad_bias's products run over ks more rows of K, E's
-    // holding v and the other operand's u = sum_i q_i h_i (and sum_i q_i), split in bf16 parts.
+    // Label smoothing: grad_weight's and grad_bias's products run over ks more rows of K.
     const int64_t ks = p_.win_smooth ? kSmoothRows : 0;
-    if (ks != 0 && (p_.grad_weight || p_.grad_bias)) {
-      ColumnSumParams u{};
-      u.x = hc;
-      u.ld = ldh;
-      u.rows = nc;
-      u.cols = p_.H;
-      u.w = m.q;
-      u.w_stride = 1;
-      u.last_ones = true;
-      u.partial = at_as<float>(p_.win_partial);
-      u.slices = static_cast<int>(std::min<int64_t>(ColumnSumParams::kMaxSlices, nc));
-      u.out = at_as<float>(p_.win_u);
-      u.split = p_.grad_weight ? static_cast<char*>(scratch) + size_t(nc) * p_.H * el : nullptr;
-      u.ld_split = p_.H;
-      u.split_last = p_.grad_bias ? static_cast<char*>(m.r16) + size_t(nc) * el : nullptr;
-      launch_column_sums(u, stream_);
-      FUSEDCE_TRY(last_error("label smoothing's row sums"));
-      launch_smooth_rows(SmoothRowsParams{static_cast<char*>(logits_) + size_t(nc) * p_.ld_logits * el, p_.ld_logits,
-                                          p_.V, m.class_weight, m.weight_stride},
-                         stream_);
-      FUSEDCE_TRY(last_error("label smoothing's rows of E"));
-    }
+    if (ks != 0 && (p_.grad_weight || p_.grad_bias)) FUSEDCE_TRY(smooth_extra_rows(nc, hc, ldh, m, scratch));
     const GemmOperand e_k{logits_, d, p_.V, nc + ks, p_.ld_logits};  // V x (nc + ks)
     if (p_.grad_weight) {
       // hidden' (nc x H, dense) = bf16(r h): the rows' factor on the other operand
@@ -762,6 +746,33 @@ class LinearRun {
       FUSEDCE_TRY(bias_product(e_k, GemmOperand{m.r16, d, nc + ks, 1, nc + ks}, chunk, nullptr));
     }
     return Status::Ok();
+  }
+
+  /// Label smoothing's kSmoothRows extra rows of the gradient products' K (window_math::smooth_part)
+  /// after a chunk's nc rows: E's hold v's parts, the scaled hidden operand's (in `scratch`) those
+  /// of u = sum_i q_i h_i, bf16(r)'s those of sum_i q_i.
+  Status smooth_extra_rows(int64_t nc, const void* hc, int64_t ldh, const WindowMergeParams& m, void* scratch) {
+    const size_t el = elem_size(p_.dtype);
+    ColumnSumParams u{};
+    u.x = hc;
+    u.ld = ldh;
+    u.rows = nc;
+    u.cols = p_.H;
+    u.w = m.q;
+    u.w_stride = 1;
+    u.last_ones = true;
+    u.partial = at_as<float>(p_.win_partial);
+    u.slices = static_cast<int>(std::min<int64_t>(ColumnSumParams::kMaxSlices, nc));
+    u.out = at_as<float>(p_.win_u);
+    u.split = p_.grad_weight ? static_cast<char*>(scratch) + size_t(nc) * p_.H * el : nullptr;
+    u.ld_split = p_.H;
+    u.split_last = p_.grad_bias ? static_cast<char*>(m.r16) + size_t(nc) * el : nullptr;
+    launch_column_sums(u, stream_);
+    FUSEDCE_TRY(last_error("label smoothing's row sums"));
+    launch_smooth_rows(SmoothRowsParams{static_cast<char*>(logits_) + size_t(nc) * p_.ld_logits * el, p_.ld_logits,
+                                        p_.V, m.class_weight, m.weight_stride},
+                       stream_);
+    return last_error("label smoothing's rows of E");
   }
 
   Status run_chunk(int64_t p0, int64_t nc, int64_t chunk, bool last) {
