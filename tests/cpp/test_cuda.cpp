@@ -1104,7 +1104,8 @@ TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
 // the soft-cap 30, z-loss and several chunks; three with label smoothing, whose uniform term rides
 // the products' extra rows: mean with 0.1, class weights and metrics; none with 0.2, a bias and
 // grad_bias, z-loss, scale 0.7, skip_ignored and several chunks; sum with 0.3, a causal shift,
-// class weights and several chunks).
+// class weights and several chunks); and V = 385 (odd: the epilogue's last column pair split; with
+// label smoothing, a bias and metrics) and V = 1 (with z-loss, so that the gradient is not 0).
 // Tolerances: the loss and lse come from float32 logits (the product's accumulators and a float32
 // dot product for the target), so a row's error is a few float32 roundoffs of its logits' size:
 // 2e-5 (1 + |lse| + |z_t|), the loss that times its lse factor (1 - eps) w_t + eps W / V + 2 z_loss
@@ -1153,6 +1154,10 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
        fusedce::Reduction::kNone, 0.7f, false, true, false, 0, size_t(64) << 10, 1e-3f, false, 0.0f, true, 0.2f},
       {"sum, label smoothing 0.3, shift, class weights, chunks", 200, 64, 1000, fusedce::Reduction::kSum, 1.0f, true,
        false, false, 10, size_t(128) << 10, 0.0f, false, 0.0f, false, 0.3f},
+      {"mean, V 385 (odd: a split last pair), class weights, metrics, label smoothing 0.1, bias and grad_bias", 200,
+       64, 385, fusedce::Reduction::kMean, 1.0f, true, false, true, 0, 0, 0.0f, false, 0.0f, true, 0.1f},
+      {"none, V 1, z-loss 0.01", 60, 32, 1, fusedce::Reduction::kNone, 1.0f, false, false, false, 0, 0, 0.01f, false,
+       0.0f, false, 0.0f},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);

@@ -524,7 +524,7 @@ TEST(AlgoChoice, NeverASplitKOrReducingCandidate) {
 // whose gradient is a per-row factor (z-loss's included) or a stored per-entry one (the
 // soft-cap's) or a rank-one term (label smoothing's, without the soft-cap), never elsewhere; label
 // smoothing with the soft-cap, low_memory, an H the TMA cannot address or wider than
-// kWindowMaxHidden, or an odd V keeps the logits path. And the
+// kWindowMaxHidden keeps the logits path; any V takes it. And the
 // window itself: offset 0 inside +-64 powers of two, the tile's own outside.
 TEST(WindowPlan, TakesTheCallsWhoseGradientIsARowFactor) {
   using fusedce::cuda::window_eligible;
@@ -547,7 +547,8 @@ TEST(WindowPlan, TakesTheCallsWhoseGradientIsARowFactor) {
   EXPECT_FALSE(window_eligible(2048, 128256, DType::kFloat32, plain, false, true));
   EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, plain, true, true)) << "low_memory";
   EXPECT_FALSE(window_eligible(2052, 128256, DType::kBFloat16, plain, false, true)) << "H % 8";
-  EXPECT_FALSE(window_eligible(2048, 128257, DType::kBFloat16, plain, false, true)) << "odd V";
+  EXPECT_TRUE(window_eligible(2048, 128257, DType::kBFloat16, plain, false, true)) << "odd V";
+  EXPECT_TRUE(window_eligible(64, 1, DType::kBFloat16, plain, false, true)) << "V = 1";
   Options o = plain;
   o.label_smoothing = 0.1f;
   EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, o, false, true)) << "label smoothing: a rank-one term";

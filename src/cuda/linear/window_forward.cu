@@ -171,10 +171,12 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
             auto c0 = make_coord(make_coord(0, v1, v2), m, 0);
             auto c1 = make_coord(make_coord(1, v1, v2), m, 0);
             const int col = get<1>(tCcD(c0));
-            const bool in = col0 + col < N;  // N even: a pair is in or out together
+            // an odd N splits the last pair: its second column is out (0 in the stage, never
+            // stored: the stores below stop at N)
+            const bool in0 = col0 + col < N, in1 = col0 + col + 1 < N;
             const float y0 = acc(c0), y1 = acc(c1);
-            const float e0 = in ? ex2(y0 - koff[r]) : 0.0f;
-            const float e1 = in ? ex2(y1 - koff[r]) : 0.0f;
+            const float e0 = in0 ? ex2(y0 - koff[r]) : 0.0f;
+            const float e1 = in1 ? ex2(y1 - koff[r]) : 0.0f;
             ssum[r] += e0 + e1;
             // the entropy partial, centred on the tile's own offset (no cancellation at offset 0)
             if constexpr (kMetrics) usum[r] = fmaf(e0, y0 - mown[r], fmaf(e1, y1 - mown[r], usum[r]));
@@ -279,11 +281,12 @@ Status run_kernel(const WindowForward& p) {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 /// TMA needs 16-byte aligned bases and row strides that are multiples of 16 bytes (H % 8 for the
-/// contiguous extent); the epilogue's pair stores need an even V and row stride; int sizes.
+/// contiguous extent); E's rows start on 4-byte boundaries (its 16-byte stores are taken where
+/// aligned, single elements elsewhere); int sizes. Any V: an odd one's last column pair is split.
 bool addressable(const WindowForward& p) {
   const int64_t big = (int64_t(1) << 31) - 1;
   if (p.rows <= 0 || p.V <= 0 || p.H <= 0 || p.rows > big || p.V > big || p.H > big) return false;
-  if (p.H % 8 || p.ld_hidden % 8 || p.ld_weight % 8 || p.V % 2) return false;
+  if (p.H % 8 || p.ld_hidden % 8 || p.ld_weight % 8) return false;
   if (!aligned16(p.hidden) || !aligned16(p.weight)) return false;
   if (p.store_e && (reinterpret_cast<uintptr_t>(p.e) % 4 || p.ld_e % 2)) return false;
   return p.sum && p.offset && (!p.metrics || (p.centred && p.top && p.top_col));

@@ -64,12 +64,12 @@ constexpr int64_t kSmoothRows = 3;
 /// share of the gradients rides kSmoothRows extra rows of the products' K). Label smoothing with
 /// the soft-cap (its row sum is over capped logits, which only the epilogue sees) and
 /// low_memory's vocabulary slices keep the logits path. H a multiple of 8 (the TMA's 16-byte rows)
-/// and at most kWindowMaxHidden, V even (the epilogue's bf16 pairs).
+/// and at most kWindowMaxHidden; any V.
 inline bool window_eligible(int64_t H, int64_t V, DType dtype, const Options& o, bool low_memory, bool hopper) {
   if (!hopper || dtype != DType::kBFloat16 || low_memory) return false;
   if (o.label_smoothing != 0.0f && o.softcap != 0.0f) return false;
   if (!std::isfinite(o.logit_scale)) return false;
-  return H % 8 == 0 && H <= kWindowMaxHidden && V % 2 == 0;
+  return H % 8 == 0 && H <= kWindowMaxHidden && V >= 1;
 }
 
 }  // namespace cuda
