@@ -22,6 +22,7 @@
 #include "cuda/logprobs/lp_fused_products.h"
 #include "fusedce/fusedce.h"
 #include "harness.h"
+#include "linear_form.h"
 #include "problem.h"
 
 namespace fusedce_test {
@@ -1088,9 +1089,9 @@ TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
   }
 }
 
-// The linear cross-entropy's window form (cuda/linear/window_forward.h): on Hopper a bf16 call
-// with H <= 3072 takes it (but label smoothing with the soft-cap, and low_memory), so these calls
-// run it. Against float64 (logits from the bf16 inputs, exact), on rows the window form treats
+// The linear cross-entropy's window form (cuda/linear/window_forward.h), asked for
+// (detail::LinearForm::kWindow: the planner keeps the metrics, the soft-cap and grad_bias on the
+// logits path, and these cases check the form's epilogue with each of them). Against float64 (logits from the bf16 inputs, exact), on rows the window form treats
 // three ways:
 // ordinary rows (every tile at offset 0), hot rows (the target's logit about 59 nats: its tile
 // takes its own offset and the row is rebased) and cold rows (every logit about -60 nats: every
@@ -1319,8 +1320,8 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
       g.grad_hidden = fusedce::matrix(d_gh, DType::kBFloat16, N, H);
       g.grad_weight = fusedce::matrix(d_gw, DType::kBFloat16, V, H);
       if (c.bias) g.grad_bias = fusedce::vector(d_gb, DType::kBFloat16, V);
-      const fusedce::Status st = fusedce::linear_cross_entropy_forward_backward(
-          fusedce::Device::cuda(dev), fusedce::matrix(d_hid, DType::kBFloat16, N, H),
+      const fusedce::Status st = linear_forward_backward_in(
+          fusedce::detail::LinearForm::kWindow, fusedce::Device::cuda(dev), fusedce::matrix(d_hid, DType::kBFloat16, N, H),
           fusedce::matrix(d_w, DType::kBFloat16, V, H),
           c.bias ? fusedce::vector(d_bias, DType::kBFloat16, V) : fusedce::VectorView{}, fusedce::vector(d_t, DType::kInt64, N),
           opt, lo, out, fusedce::vector(d_up, DType::kFloat32, up.size()), g);
@@ -1398,7 +1399,7 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
   }
 }
 
-// The window form over more than 2^31 logits in one chunk (8193 x 262144, the last row starting at
+// The window form (asked for) over more than 2^31 logits in one chunk (8193 x 262144, the last row starting at
 // element 2^31; a 5 GiB budget holds every row, so E, the partials and every product index past
 // int32): reduction none, bf16, H = 16, logits exact in bf16 (hidden in {-1, 0, 1}, weight in
 // k / 8) of standard deviation about 4; upstream gradients on four rows (the first, the middle,
@@ -1448,8 +1449,8 @@ TEST(CudaLinearWindow, MoreThan2To31LogitsInOneChunk) {
   fusedce::LinearGrads g;
   g.grad_hidden = fusedce::matrix(d_gh, DType::kBFloat16, N, H);
   g.grad_weight = fusedce::matrix(d_gw, DType::kBFloat16, V, H);
-  const fusedce::Status st = fusedce::linear_cross_entropy_forward_backward(
-      fusedce::Device::cuda(dev), fusedce::matrix(d_hid, DType::kBFloat16, N, H),
+  const fusedce::Status st = linear_forward_backward_in(
+      fusedce::detail::LinearForm::kWindow, fusedce::Device::cuda(dev), fusedce::matrix(d_hid, DType::kBFloat16, N, H),
       fusedce::matrix(d_w, DType::kBFloat16, V, H), fusedce::VectorView{}, fusedce::vector(d_t, DType::kInt64, N), opt,
       lo, out, fusedce::vector(d_up, DType::kFloat32, N), g);
   ASSERT_TRUE(st.ok()) << st.message();

@@ -17,6 +17,7 @@
 #include "fusedce/fusedce.h"
 #include "backend.h"
 #include "cuda/linear/size_ladder.h"
+#include "linear_form.h"
 #include "problem.h"
 
 namespace fusedce_test {
@@ -801,8 +802,9 @@ TEST(LinearBadInput, NamesTheArgument) {
 // eager (synced) skip_ignored call on the same targets: bit for bit where the two run the same
 // chunks (the count on a rung of the size ladder, or every row valid), else within a reordered
 // float32 sum. Every option is on (label smoothing, logit scale, soft-cap, z-loss, class weights,
-// bias, metrics), but in the `window` case the soft-cap, so that a bf16 call on Hopper takes the
-// window form (cuda/linear/window_plan.h) with label smoothing's extra rows after each rung's rows.
+// bias, metrics), but in the `window` case the soft-cap, and that case asks for the window form
+// (detail::LinearForm::kWindow: the planner keeps the metrics and grad_bias on the logits path), so
+// that a bf16 call on Hopper runs it with label smoothing's extra rows after each rung's rows.
 // Prints the plan of each step, so that one run shows where a failure sits.
 struct CaptureCase {
   std::string name;
@@ -811,7 +813,7 @@ struct CaptureCase {
   Reduction reduction;
   std::vector<int64_t> counts;  // valid rows of each step (the first is captured, then replays)
   std::vector<bool> same_bits;  // whether that step must match the synced call bit for bit
-  bool window = false;          // no soft-cap: the window form where the call may take it
+  bool window = false;          // no soft-cap, the window form asked for
 };
 
 std::vector<CaptureCase> capture_cases() {
@@ -892,6 +894,14 @@ TEST_P(LinearCapture, SkipIgnoredFollowsTheDeviceCount) {
   g.grad_weight = fusedce::matrix(d_gw.data(), d, V, H);
   g.grad_bias = fusedce::vector(d_gb.data(), d, V);
   auto enqueue = [&]() {
+    if (cc.window) {
+      return linear_forward_backward_in(
+          fusedce::detail::LinearForm::kWindow, backend->device(), fusedce::matrix(d_hid.data(), d, N, H),
+          fusedce::matrix(d_w.data(), d, V, H), fusedce::vector(d_b.data(), d, V),
+          fusedce::vector(d_t.data(), DType::kInt64, N), o, lo, out,
+          in.up.size() == 1 ? fusedce::vector(d_up.data(), DType::kFloat32, 1) : fusedce::vector(d_up.data(), DType::kFloat32, N),
+          g);
+    }
     return fusedce::linear_cross_entropy_forward_backward(
         backend->device(), fusedce::matrix(d_hid.data(), d, N, H), fusedce::matrix(d_w.data(), d, V, H),
         fusedce::vector(d_b.data(), d, V), fusedce::vector(d_t.data(), DType::kInt64, N), o, lo, out,

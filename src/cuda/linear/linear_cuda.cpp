@@ -13,7 +13,7 @@
 // product is a CUTLASS kernel (cutlass_products.h) that also rounds, else cuBLASLt and a rounding
 // pass.
 // The window form (Hopper, bf16, the options whose gradient is a per-row factor times softmax:
-// window_eligible) replaces steps 1 and 2: the logits product's epilogue stores E = exp(z - k)
+// window_eligible; taken where it pays: window_chosen) replaces steps 1 and 2: the logits product's epilogue stores E = exp(z - k)
 // in the logit buffer (k = 0 for every 192-wide tile whose largest logit lies within about 44
 // nats of 0) with per-(row, tile) sums and offsets; a merge forms each row's loss, lse and factor
 // r (dlogits = r E, the target's entry of E rewritten; z-loss's per-row softmax factor rides r),
@@ -152,7 +152,7 @@ struct LinearPlan {
   bool gw_via_acc;       // 16-bit grad_weight summed over chunks in a float32 accumulator
   bool logits_in_gw;     // the logit buffer borrows the 16-bit grad_weight output (see plan_linear)
   bool pad_weight;       // grad_hidden from a copy of the weight padded to ld_logits rows
-  bool window;           // the window form where the call allows it (window_eligible)
+  bool window;           // the window form: allowed (window_eligible) and chosen (window_chosen)
   bool win_smooth;       // ... with label smoothing: its vectors and the products' extra K rows
   size_t buffer_bytes;   // the logit buffer
   size_t slice_acc_bytes;
@@ -208,7 +208,7 @@ SlicePlan plan_slices(const LinearPlan& p, int64_t positions) {
 }
 
 LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int64_t V, DType dtype, const Options& o,
-                       const LinearOptions& lo, bool want_gh, bool want_gw, bool want_gb) {
+                       const LinearOptions& lo, bool want_gh, bool want_gw, bool want_gb, detail::LinearForm form) {
   LinearPlan p{};
   p.N = N;
   p.H = H;
@@ -224,8 +224,9 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   const size_t el = elem_size(dtype);
   const int64_t per16 = static_cast<int64_t>(16 / el);
   p.ld_logits = (V + per16 - 1) / per16 * per16;
-  p.window = window_eligible(H, V, dtype, o, lo.low_memory,
-                             dtype == DType::kBFloat16 && cutlass_products_available(device.index));
+  p.window = window_chosen(window_eligible(H, V, dtype, o, lo.low_memory,
+                                           dtype == DType::kBFloat16 && cutlass_products_available(device.index)),
+                           form, o, p.grad_bias);
   p.win_smooth = p.window && o.label_smoothing != 0.0f;
   // Label smoothing's extra rows of the gradient products' K (window_math::smooth_part): E's
   // after a chunk's rows, the scaled hidden operand's and bf16(r)'s after theirs.
@@ -1269,16 +1270,16 @@ class LinearRun {
 LinearPlan plan_for(const detail::LinearCall& c) {
   return plan_linear(c.job, c.device, c.hidden.rows, c.hidden.cols, c.weight.rows, c.hidden.dtype, c.options,
                      c.linear, c.grads.grad_hidden.data != nullptr, c.grads.grad_weight.data != nullptr,
-                     c.grads.grad_bias.data != nullptr);
+                     c.grads.grad_bias.data != nullptr, c.form);
 }
 
 }  // namespace
 
 size_t linear_workspace_size(Job job, const Device& device, int64_t rows, int64_t hidden_size, int64_t vocab,
                              DType dtype, const Options& options, const LinearOptions& linear,
-                             const LinearGrads& grads) {
+                             const LinearGrads& grads, detail::LinearForm form) {
   return plan_linear(job, device, rows, hidden_size, vocab, dtype, options, linear, !grads.grad_hidden.empty(),
-                     !grads.grad_weight.empty(), !grads.grad_bias.empty())
+                     !grads.grad_weight.empty(), !grads.grad_bias.empty(), form)
       .total;
 }
 

@@ -56,7 +56,7 @@ struct EpiParams {
   int* top_col;
   int tiles;
   float scale;
-  const __nv_bfloat16* bias;  // (V,) added to the accumulators, or null
+  const __nv_bfloat16* bias;  // (V,) added to the accumulators (the kBias variants)
   // soft-cap c > 0 (the kSoftcap variants): z = c tanh(acc cap_in), y = z log2 e = tanh(.) cap_out,
   // and the stored entry E (1 - t^2) with t = z / c = y cap_t
   float cap_in, cap_out, cap_t;
@@ -64,7 +64,10 @@ struct EpiParams {
 
 using window_math::ahead;  // torch.argmax's order
 
-template <class BlockShape, bool kStore, bool kMetrics, bool kSoftcap>
+// Each option that adds work per accumulator is a variant of its own (kMetrics, kSoftcap, kBias),
+// so that the plain epilogue holds no register for what it does not do: the consumer warp groups
+// have 232 registers, 192 of them the tile's accumulators.
+template <class BlockShape, bool kStore, bool kMetrics, bool kSoftcap, bool kBias>
 class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
  public:
   // The stage: 128 rows of one 48-column pass, rows padded to 112 bytes so that the 8 rows x 4
@@ -126,7 +129,9 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
             const int col = col0 + get<1>(tCcD(c));
             const bool in = col < N;
             float x = acc(c);
-            if (params.bias != nullptr && in) x += __bfloat162float(params.bias[col]);
+            if constexpr (kBias) {
+              if (in) x += __bfloat162float(params.bias[col]);
+            }
             const float y = kSoftcap ? __fmul_rn(tanhf(x * params.cap_in), params.cap_out) : __fmul_rn(x, zs);
             acc(c) = y;
             rmax[m * V1 + v1] = fmaxf(rmax[m * V1 + v1], in ? y : -INFINITY);
@@ -254,10 +259,10 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
 
 using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
 
-template <bool kStore, bool kMetrics, bool kSoftcap>
+template <bool kStore, bool kMetrics, bool kSoftcap, bool kBias>
 Status run_kernel(const WindowForward& p) {
   static_assert(kWindowTile == 192, "a vocabulary tile is one CTA tile's columns");
-  using Epi = WindowEpilogue<Shape<_128, _192, _64>, kStore, kMetrics, kSoftcap>;
+  using Epi = WindowEpilogue<Shape<_128, _192, _64>, kStore, kMetrics, kSoftcap, kBias>;
   const float cap_out = kSoftcap ? p.softcap * kLog2e : 0.0f;
   const EpiParams epi{static_cast<__nv_bfloat16*>(p.e),
                       p.ld_e,
@@ -278,6 +283,17 @@ Status run_kernel(const WindowForward& p) {
                                             p.device, p.stream, "the CUTLASS window logits product");
 }
 
+/// The variant of the call's options (the template flags of WindowEpilogue).
+template <bool kBias>
+Status run_variant(const WindowForward& p) {
+  if (p.softcap > 0.0f) {
+    if (p.metrics) return p.store_e ? run_kernel<true, true, true, kBias>(p) : run_kernel<false, true, true, kBias>(p);
+    return p.store_e ? run_kernel<true, false, true, kBias>(p) : run_kernel<false, false, true, kBias>(p);
+  }
+  if (p.metrics) return p.store_e ? run_kernel<true, true, false, kBias>(p) : run_kernel<false, true, false, kBias>(p);
+  return p.store_e ? run_kernel<true, false, false, kBias>(p) : run_kernel<false, false, false, kBias>(p);
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 /// TMA needs 16-byte aligned bases and row strides that are multiples of 16 bytes (H % 8 for the
@@ -296,13 +312,7 @@ bool addressable(const WindowForward& p) {
 
 Status run_window_forward(const WindowForward& p) {
   if (!window_fwd::addressable(p)) return Status(StatusCode::kUnsupported, "operands TMA cannot address");
-  using window_fwd::run_kernel;
-  if (p.softcap > 0.0f) {
-    if (p.metrics) return p.store_e ? run_kernel<true, true, true>(p) : run_kernel<false, true, true>(p);
-    return p.store_e ? run_kernel<true, false, true>(p) : run_kernel<false, false, true>(p);
-  }
-  if (p.metrics) return p.store_e ? run_kernel<true, true, false>(p) : run_kernel<false, true, false>(p);
-  return p.store_e ? run_kernel<true, false, false>(p) : run_kernel<false, false, false>(p);
+  return p.bias != nullptr ? window_fwd::run_variant<true>(p) : window_fwd::run_variant<false>(p);
 }
 
 }  // namespace cuda

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/call.h"
 #include "common/numeric.h"
 #include "fusedce/types.h"
 
@@ -70,6 +71,25 @@ inline bool window_eligible(int64_t H, int64_t V, DType dtype, const Options& o,
   if (o.label_smoothing != 0.0f && o.softcap != 0.0f) return false;
   if (!std::isfinite(o.logit_scale)) return false;
   return H % 8 == 0 && H <= kWindowMaxHidden && V >= 1;
+}
+
+/// Whether the planner picks the window form for an eligible call. The form pays where its
+/// epilogue (an exponential, a maximum and a sum per accumulator, E's store) hides under the
+/// other warpgroup's main loop. The metrics (the entropy's and the argmax's partials per
+/// accumulator), the soft-cap (a tanh per accumulator) and grad_bias (a bias value per
+/// accumulator in the epilogue, a fourth product) add per-element work that does not hide, so
+/// such calls keep the logits path (docs/performance.md, "Which calls take the window form").
+/// Label smoothing, z-loss, the logit scale and class weights ride the merge and the products.
+/// A forward's bias without grad_bias is not visible to the plan (the size query has no bias
+/// argument): such a call keeps the window form.
+inline bool window_pays(const Options& o, bool grad_bias) {
+  return !o.return_metrics && o.softcap == 0.0f && !grad_bias;
+}
+
+/// The form a call takes: `eligible` from window_eligible, `form` the call's choice.
+inline bool window_chosen(bool eligible, detail::LinearForm form, const Options& o, bool grad_bias) {
+  if (!eligible || form == detail::LinearForm::kLogits) return false;
+  return form == detail::LinearForm::kWindow || window_pays(o, grad_bias);
 }
 
 }  // namespace cuda
