@@ -201,7 +201,8 @@ class ScaledExpEpilogue {
     return get<1>(p) % 2 == 0 && a.ldE % 2 == 0;  // bf16 pairs stored as one 32-bit word
   }
 
-  CUTLASS_HOST_DEVICE ScaledExpEpilogue(Params const& p, SharedStorage const& = SharedStorage()) : params(p) {}
+  CUTLASS_HOST_DEVICE ScaledExpEpilogue(Params const& p, SharedStorage const& = SharedStorage())
+      : params(p), kernel_params(p) {}
   CUTLASS_DEVICE bool is_source_needed() { return false; }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
@@ -298,7 +299,7 @@ class ScaledExpEpilogue {
         cute::tma_store_fence();  // the stage's generic writes before the async proxy reads it
         bar.arrive_and_wait();
         if (thread_idx == 0) {
-          cute::SM90_TMA_STORE_2D::copy(&params.tmap, stage, col0 + pass * kTmaCols, row0);
+          cute::SM90_TMA_STORE_2D::copy(&kernel_params.tmap, stage, col0 + pass * kTmaCols, row0);
           cute::tma_store_arrive();
           cute::tma_store_wait<0>();  // the stage read: it may be written again
         }
@@ -415,6 +416,9 @@ class ScaledExpEpilogue {
 
  private:
   Params params;
+  // The kernel's own parameter (a __grid_constant__, which the adapter passes by reference):
+  // TMA reads the tensor map there, never from a copy in registers or local memory.
+  Params const& kernel_params;
 };
 
 template <class Stride>
