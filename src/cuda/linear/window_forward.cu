@@ -6,8 +6,10 @@
 // Accumulator layout (sm90, one 64 x N WGMMA a row block): value mode (2, 2, N / 8) = (column
 // pair, row half, column group), then MMA_M blocks; a row of the tile lies in one quad of lanes,
 // each lane holding columns 8 g + 2 (lane % 4) + {0, 1} of it, and a lane holds 2 MMA_M rows.
-// E leaves through a shared-memory stage, four passes of 48 columns, each row's 16-byte pieces
-// stored whole: pair stores straight from the accumulator layout write half sectors.
+// E leaves through a shared-memory stage (cutlass_run::TileStage): the warp group writes its tile
+// there, one thread hands it to TMA stores, and the warp group waits only until TMA has read it,
+// not for the global writes (pair stores straight from the accumulator layout would write half
+// sectors, and each thread would wait on its own stores).
 #include "cuda/linear/window_forward.h"
 #include "cuda/linear/window_math.h"
 
@@ -47,7 +49,8 @@ __device__ __forceinline__ float ex2(float x) {
 
 /// What the epilogue reads and writes (window_forward.h's WindowForward, less the host's part).
 struct EpiParams {
-  __nv_bfloat16* e;
+  cute::TmaDescriptor e_map;  // kStore: E in the stage's boxes (TileStage::map)
+  __nv_bfloat16* e;           // kStore: E (rows x V), its last columns written by the threads
   int64_t ld_e;
   float* sum;
   float* offset;
@@ -70,15 +73,17 @@ using window_math::ahead;  // torch.argmax's order
 template <class BlockShape, bool kStore, bool kMetrics, bool kSoftcap, bool kBias>
 class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
  public:
-  // The stage: 128 rows of one 48-column pass, rows padded to 112 bytes so that the 8 rows x 4
-  // lanes of a warp's 4-byte writes fall in 32 distinct banks.
-  static constexpr int kPassCols = 48, kStageLd = kPassCols + 8;
+  using Stage = cutlass_run::TileStage;
+  static_assert(size<0>(BlockShape{}) == Stage::kBoxRows && size<1>(BlockShape{}) == Stage::kTileCols,
+                "the stage holds one warp group's tile");
   struct SharedStorage {
-    alignas(128) __nv_bfloat16 stage[kStore ? size<0>(BlockShape{}) * kStageLd : 1];
+    alignas(1024) uint8_t stage[kStore ? Stage::kBytes : 16];
   };
   using TensorStorage = SharedStorage;
 
-  CUTLASS_HOST_DEVICE WindowEpilogue(Params const& p, SharedStorage const& = SharedStorage()) : params(p) {}
+  // p is the kernel's parameter (grid constant), where the TMA store's map must stay.
+  CUTLASS_HOST_DEVICE WindowEpilogue(Params const& p, SharedStorage const& = SharedStorage())
+      : params(p), e_map(&p.e_map) {}
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
             class TiledMma, class ResidueMNK>
@@ -94,7 +99,7 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
     constexpr int V0 = size<0, 0>(FrgLayout{}), V1 = size<0, 1>(FrgLayout{}), V2 = size<0, 2>(FrgLayout{});
     constexpr int MM = size<1>(FrgLayout{}), MN = size<2>(FrgLayout{});
     static_assert(V0 == 2 && V1 == 2, "sm90 accumulator value mode (2, 2, N/8) expected");
-    static_assert(MN == 1 && (V2 * 8) % kPassCols == 0, "one MMA along N, whole passes");
+    static_assert(MN == 1, "one MMA along N");
     constexpr int kRows = V1 * MM;
 
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
@@ -106,6 +111,11 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
     // alone once its main loop is done): one rounding each, never contracted into what follows,
     // so that every variant gives E, S and m the same bits.
     const float zs = params.scale * kLog2e;
+    // This lane's first column in the tile: every other one lies a constant past it, so the
+    // bounds below compare constants with one per-tile value (columns formed per entry are the
+    // same for every row, and ptxas would keep them all live across the rows, spilling).
+    const int lane_col = get<1>(tCcD(0));
+    const int n_left = N - col0 - lane_col;  // a column c of the lane is in while c - lane_col < n_left
 
     // The rows' maxima of z log2 e over the tile's columns (a quad holds a row).
     float rmax[kRows];
@@ -126,19 +136,23 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
           CUTLASS_PRAGMA_UNROLL
           for (int v0 = 0; v0 < V0; ++v0) {
             auto c = make_coord(make_coord(v0, v1, v2), m, 0);
-            const int col = col0 + get<1>(tCcD(c));
-            const bool in = col < N;
+            const int off = get<1>(tCcD(c)) - lane_col;
+            const bool in = off < n_left;
             float x = acc(c);
             if constexpr (kBias) {
-              if (in) x += __bfloat162float(params.bias[col]);
+              if (in) x += __bfloat162float(params.bias[col0 + lane_col + off]);
             }
             const float y = kSoftcap ? __fmul_rn(tanhf(x * params.cap_in), params.cap_out) : __fmul_rn(x, zs);
             acc(c) = y;
             rmax[m * V1 + v1] = fmaxf(rmax[m * V1 + v1], in ? y : -INFINITY);
-            if constexpr (kMetrics) {
-              if (in && ahead(y, col, top[m * V1 + v1], top_col[m * V1 + v1])) top[m * V1 + v1] = y, top_col[m * V1 + v1] = col;
+            if constexpr (kMetrics) {  // top_col: past lane_col here (the same order within a lane)
+              if (in && ahead(y, off, top[m * V1 + v1], top_col[m * V1 + v1])) top[m * V1 + v1] = y, top_col[m * V1 + v1] = off;
             }
           }
+    if constexpr (kMetrics) {  // the columns in the matrix, for the quad's comparisons and the merge
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) top_col[r] = top_col[r] == INT_MAX ? INT_MAX : col0 + lane_col + top_col[r];
+    }
     float koff[kRows], mown[kRows], ssum[kRows], usum[kMetrics ? kRows : 1];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -158,68 +172,43 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
       ssum[r] = 0.0f;
     }
 
-    constexpr int kGroups = kPassCols / 8;  // column groups of 8 per pass
-    auto* stage = reinterpret_cast<SharedStorage*>(smem)->stage;
-    // One barrier per consumer warp group (ids after CUTLASS's reserved ones).
-    cutlass::arch::NamedBarrier bar(128, cutlass::canonical_warp_group_idx() & 1);
     CUTLASS_PRAGMA_UNROLL
-    for (int pass = 0; pass < V2 / kGroups; ++pass) {
+    for (int m = 0; m < MM; ++m)
       CUTLASS_PRAGMA_UNROLL
-      for (int m = 0; m < MM; ++m)
+      for (int v1 = 0; v1 < V1; ++v1) {
+        const int r = m * V1 + v1;
+        const int rl = get<0>(tCcD(make_coord(make_coord(0, v1, 0), m, 0)));
+        char* const srow = Stage::row(smem, rl, lane_col);
+        const int sw = (rl & 7) << 4;
         CUTLASS_PRAGMA_UNROLL
-        for (int v1 = 0; v1 < V1; ++v1) {
-          const int r = m * V1 + v1;
-          const int lrow = get<0>(tCcD(make_coord(make_coord(0, v1, 0), m, 0)));
-          CUTLASS_PRAGMA_UNROLL
-          for (int g = 0; g < kGroups; ++g) {
-            const int v2 = pass * kGroups + g;
-            auto c0 = make_coord(make_coord(0, v1, v2), m, 0);
-            auto c1 = make_coord(make_coord(1, v1, v2), m, 0);
-            const int col = get<1>(tCcD(c0));
-            // an odd N splits the last pair: its second column is out (0 in the stage, never
-            // stored: the stores below stop at N)
-            const bool in0 = col0 + col < N, in1 = col0 + col + 1 < N;
-            const float y0 = acc(c0), y1 = acc(c1);
-            const float e0 = in0 ? ex2(y0 - koff[r]) : 0.0f;
-            const float e1 = in1 ? ex2(y1 - koff[r]) : 0.0f;
-            ssum[r] += e0 + e1;
-            // the entropy partial, centred on the tile's own offset (no cancellation at offset 0)
-            if constexpr (kMetrics) usum[r] = fmaf(e0, y0 - mown[r], fmaf(e1, y1 - mown[r], usum[r]));
-            if constexpr (kStore) {
-              // with the soft-cap the stored entry carries dz/dx's per-entry factor 1 - t^2 (the
-              // scale rides the merge's row factor); the sums above take E itself
-              float s0 = e0, s1 = e1;
-              if constexpr (kSoftcap) {
-                const float t0 = y0 * params.cap_t, t1 = y1 * params.cap_t;
-                s0 = e0 * fmaf(-t0, t0, 1.0f), s1 = e1 * fmaf(-t1, t1, 1.0f);
-              }
-              *reinterpret_cast<__nv_bfloat162*>(stage + lrow * kStageLd + col - pass * kPassCols) =
-                  __floats2bfloat162_rn(s0, s1);
+        for (int v2 = 0; v2 < V2; ++v2) {
+          auto c0 = make_coord(make_coord(0, v1, v2), m, 0);
+          auto c1 = make_coord(make_coord(1, v1, v2), m, 0);
+          const int off = get<1>(tCcD(c0)) - lane_col;  // 8 v2
+          // an odd N splits the last pair: its second column is out (0 in the stage, never
+          // stored: the map ends at N rounded down to 8, the threads' stores at N)
+          const bool in0 = off < n_left, in1 = off + 1 < n_left;
+          const float y0 = acc(c0), y1 = acc(c1);
+          const float e0 = in0 ? ex2(y0 - koff[r]) : 0.0f;
+          const float e1 = in1 ? ex2(y1 - koff[r]) : 0.0f;
+          ssum[r] += e0 + e1;
+          // the entropy partial, centred on the tile's own offset (no cancellation at offset 0)
+          if constexpr (kMetrics) usum[r] = fmaf(e0, y0 - mown[r], fmaf(e1, y1 - mown[r], usum[r]));
+          if constexpr (kStore) {
+            // with the soft-cap the stored entry carries dz/dx's per-entry factor 1 - t^2 (the
+            // scale rides the merge's row factor); the sums above take E itself
+            float s0 = e0, s1 = e1;
+            if constexpr (kSoftcap) {
+              const float t0 = y0 * params.cap_t, t1 = y1 * params.cap_t;
+              s0 = e0 * fmaf(-t0, t0, 1.0f), s1 = e1 * fmaf(-t1, t1, 1.0f);
             }
+            *reinterpret_cast<__nv_bfloat162*>(Stage::pair(srow, sw, off)) = __floats2bfloat162_rn(s0, s1);
           }
         }
-      if constexpr (kStore) {
-        bar.arrive_and_wait();
-        // 16-byte pieces along rows: 6 a row, 768 a pass, 6 a thread.
-        constexpr int kPieces = kPassCols / 8;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < BM * kPieces / 128; ++i) {
-          const int piece = thread_idx + 128 * i;
-          const int lrow = piece / kPieces, seg = piece % kPieces;
-          const int row = row0 + lrow, col = col0 + pass * kPassCols + seg * 8;
-          const uint4 v = *reinterpret_cast<const uint4*>(stage + lrow * kStageLd + seg * 8);
-          if (row < M && col < N) {
-            __nv_bfloat16* dst = params.e + int64_t(row) * params.ld_e + col;
-            if (col + 8 <= N && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-              *reinterpret_cast<uint4*>(dst) = v;
-            } else {
-              const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
-              for (int j = 0; j < 8 && col + j < N; ++j) dst[j] = h[j];
-            }
-          }
-        }
-        bar.arrive_and_wait();
       }
+    if constexpr (kStore) {
+      Stage::store(e_map, smem, row0, col0, M, N, thread_idx, reinterpret_cast<cutlass::bfloat16_t*>(params.e),
+                   params.ld_e);
     }
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -255,6 +244,7 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
 
  private:
   Params params;
+  const cute::TmaDescriptor* e_map;
 };
 
 using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
@@ -264,19 +254,24 @@ Status run_kernel(const WindowForward& p) {
   static_assert(kWindowTile == 192, "a vocabulary tile is one CTA tile's columns");
   using Epi = WindowEpilogue<Shape<_128, _192, _64>, kStore, kMetrics, kSoftcap, kBias>;
   const float cap_out = kSoftcap ? p.softcap * kLog2e : 0.0f;
-  const EpiParams epi{static_cast<__nv_bfloat16*>(p.e),
-                      p.ld_e,
-                      p.sum,
-                      p.offset,
-                      p.centred,
-                      p.top,
-                      p.top_col,
-                      static_cast<int>(window_tiles(p.V)),
-                      p.scale,
-                      static_cast<const __nv_bfloat16*>(p.bias),
-                      kSoftcap ? p.scale / p.softcap : 0.0f,
-                      cap_out,
-                      kSoftcap ? 1.0f / cap_out : 0.0f};
+  EpiParams epi{{},
+                static_cast<__nv_bfloat16*>(p.e),
+                p.ld_e,
+                p.sum,
+                p.offset,
+                p.centred,
+                p.top,
+                p.top_col,
+                static_cast<int>(window_tiles(p.V)),
+                p.scale,
+                static_cast<const __nv_bfloat16*>(p.bias),
+                kSoftcap ? p.scale / p.softcap : 0.0f,
+                cap_out,
+                kSoftcap ? 1.0f / cap_out : 0.0f};
+  // Under 8 columns no box is stored (TileStage::store: the threads store them all).
+  if (kStore && p.V >= 8 && !Epi::Stage::map(p.e, p.rows, p.V, p.ld_e, &epi.e_map)) {
+    return Status(StatusCode::kUnsupported, "E: TMA cannot address it");
+  }
   const WindowTileOrder order = window_tile_order(p.rows);
   return cutlass_run::RowsProduct<Epi>::run(p.rows, p.V, p.H, p.hidden, p.ld_hidden, p.weight, p.ld_weight, epi,
                                             order.along_m ? RasterOrder::AlongM : RasterOrder::AlongN, order.swizzle,
@@ -296,15 +291,14 @@ Status run_variant(const WindowForward& p) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-/// TMA needs 16-byte aligned bases and row strides that are multiples of 16 bytes (H % 8 for the
-/// contiguous extent); E's rows start on 4-byte boundaries (its 16-byte stores are taken where
-/// aligned, single elements elsewhere); int sizes. Any V: an odd one's last column pair is split.
+/// TMA needs 16-byte aligned bases and row strides that are multiples of 16 bytes: the operands'
+/// (H % 8 for the contiguous extent) and E's (TileStage::map: also V >= 8); int sizes. Any V: an
+/// odd one's last column pair is split.
 bool addressable(const WindowForward& p) {
   const int64_t big = (int64_t(1) << 31) - 1;
   if (p.rows <= 0 || p.V <= 0 || p.H <= 0 || p.rows > big || p.V > big || p.H > big) return false;
   if (p.H % 8 || p.ld_hidden % 8 || p.ld_weight % 8) return false;
   if (!aligned16(p.hidden) || !aligned16(p.weight)) return false;
-  if (p.store_e && (reinterpret_cast<uintptr_t>(p.e) % 4 || p.ld_e % 2)) return false;
   return p.sum && p.offset && (!p.metrics || (p.centred && p.top && p.top_col));
 }
 
