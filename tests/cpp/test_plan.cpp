@@ -587,10 +587,11 @@ TEST(WindowPlan, TakesTheCallsWhoseGradientIsARowFactor) {
   EXPECT_EQ(fusedce::cuda::window_tile_order(8193).swizzle, 1) << "65 row tiles, the last one partial";
 }
 
-// The planner's choice among eligible calls: the options whose epilogue work per accumulator
-// does not hide under the main loop (the metrics, the soft-cap, grad_bias's bias) keep the logits
-// path unless a test or benchmark asks for the window form; the rest take it. A call the form
-// cannot run never takes it, whatever is asked.
+// The planner's choice among eligible calls: grad_bias (its bias per accumulator does not hide
+// under the main loop) keeps the logits path unless a test or benchmark asks for the window form;
+// every other option takes it. The metrics never change the form (the contract keeps the loss and
+// every gradient bit-identical with them on or off). A call the form cannot run never takes it,
+// whatever is asked.
 TEST(WindowPlan, ChoosesTheFormWhereItPays) {
   using fusedce::cuda::window_chosen;
   using fusedce::cuda::window_pays;
@@ -603,16 +604,24 @@ TEST(WindowPlan, ChoosesTheFormWhereItPays) {
   merged.logit_scale = 0.9f;
   merged.reduction = Reduction::kNone;
   EXPECT_TRUE(window_pays(merged, false));
-  EXPECT_FALSE(window_pays(plain, true)) << "grad_bias";
-  Options metrics = plain;
-  metrics.return_metrics = true;
-  EXPECT_FALSE(window_pays(metrics, false)) << "metrics";
   Options capped = plain;
   capped.softcap = 30.0f;
-  EXPECT_FALSE(window_pays(capped, false)) << "soft-cap";
+  EXPECT_TRUE(window_pays(capped, false)) << "soft-cap";
+  EXPECT_FALSE(window_pays(plain, true)) << "grad_bias";
+  EXPECT_FALSE(window_pays(merged, true)) << "grad_bias";
+  for (const Options& o : {plain, merged, capped}) {
+    Options metrics = o;
+    metrics.return_metrics = true;
+    for (bool grad_bias : {false, true}) {
+      EXPECT_EQ(window_pays(o, grad_bias), window_pays(metrics, grad_bias)) << "the metrics never decide the form";
+    }
+  }
 
+  Options metrics = plain;
+  metrics.return_metrics = true;
   EXPECT_TRUE(window_chosen(true, Form::kAuto, plain, false));
-  EXPECT_FALSE(window_chosen(true, Form::kAuto, metrics, false));
+  EXPECT_TRUE(window_chosen(true, Form::kAuto, metrics, false));
+  EXPECT_FALSE(window_chosen(true, Form::kAuto, plain, true));
   EXPECT_TRUE(window_chosen(true, Form::kWindow, metrics, true)) << "asked for";
   EXPECT_FALSE(window_chosen(true, Form::kLogits, plain, false)) << "asked for the logits path";
   EXPECT_FALSE(window_chosen(false, Form::kWindow, plain, false)) << "not eligible: never";
