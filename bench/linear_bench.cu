@@ -7,7 +7,14 @@
 // for (linear_cross_entropy_workspace_size), given to it explicitly, so nothing else is taken.
 // Timing: CUDA events, after warm-up, median of `iters` runs.
 // Usage: fusedce_linear_bench [--quick] [--csv FILE] [--shape N H V]... [--profile N H V] [--graph [N H V]]
+//                             [--options] [--form window|logits]
 //   --shape N H V (repeatable): these shapes instead of the default list, every target valid.
+//   --options: after the modes, each option alone (bias_only: a bias and grad_bias; metrics_only;
+//   smoothing_z_scale: label smoothing 0.1, z-loss 1e-4 and logit scale 0.9, the options that
+//   ride the window form's merge and products; softcap_only: 30), against `default`.
+//   --form window|logits: every call in that chunk form where the call allows it
+//   (detail::LinearForm, through the internal call the public entry point builds), whatever the
+//   planner picks: what an option costs each form (the variant names get "@window" or "@logits").
 //   --graph: skip_ignored with and without CUDA graph capture at one shape (default
 //   8192 x 4096 x 128256), every target valid and half of them ignored, on a stream of its own:
 //   eager (the synced path), captured once and replayed, and the cost of a graph of one's own
@@ -15,8 +22,9 @@
 //   on the host.
 //   --csv FILE: one line per row of the printed table (bench/make_results.py reads it into
 //   bench/RESULTS.md): gpu, N, H, V, dtype, ignored (the share of ignored targets), variant
-//   (default, skip_ignored, low_memory, chunks_448MiB, all_options), fused_ms, fused_tflops,
-//   floor_ms, floor_tflops (the floor's GEMM rate), x_floor, workspace_mib.
+//   (default, skip_ignored, low_memory, chunks_448MiB, all_options, options_no_softcap),
+//   fused_ms, fused_tflops, floor_ms, floor_tflops (the floor's GEMM rate), x_floor,
+//   workspace_mib.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -29,8 +37,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "common/call.h"
 #include "fusedce/fusedce.h"
 
 #define CK(x)                                                                                  \
@@ -142,9 +152,22 @@ struct Shape {
 };
 
 // The name of each mode of `bench` in the CSV (bench/make_results.py knows these names).
-const char* const kModeNames[] = {"default", "skip_ignored", "low_memory", "chunks_448MiB", "all_options"};
+const char* const kModeNames[] = {"default",  "skip_ignored", "low_memory",   "chunks_448MiB",     "all_options",
+                                  "options_no_softcap", "bias_only", "metrics_only", "smoothing_z_scale", "softcap_only"};
 
-void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory, const char* gpu, FILE* csv) {
+/// The linear call: the public entry point's, with chunk form `form` (kAuto: the planner's).
+fusedce::Status linear_call(fusedce::detail::LinearForm form, const fusedce::Device& dev, const fusedce::MatrixView& hidden,
+                            const fusedce::MatrixView& weight, const fusedce::VectorView& bias,
+                            const fusedce::VectorView& target, const fusedce::Options& o, const fusedce::LinearOptions& lo,
+                            const fusedce::ForwardOutputs& out, const fusedce::LinearGrads& g, fusedce::Workspace ws) {
+  fusedce::detail::LinearCall call =
+      fusedce::detail::forward_backward_call(dev, hidden, weight, bias, target, o, lo, out, {}, g, ws);
+  call.form = form;
+  return fusedce::detail::run_linear_call(call);
+}
+
+void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory, bool per_option,
+           fusedce::detail::LinearForm form, const char* gpu, FILE* csv) {
   const int64_t N = s.N, H = s.H, V = s.V;
   bf16 *hid, *w, *gh, *gw, *full;
   CK(cudaMalloc(&hid, N * H * 2));
@@ -179,7 +202,8 @@ void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory, cons
   // Modes: 0 default, 1 skip_ignored (half-ignored shapes only), 2 low_memory, 3 the logits
   // capped at 448 MiB a chunk (all extra memory within 512 MiB plus the float32 accumulator),
   // 4 every option at once (bias and its gradient, label smoothing, z-loss, logit scale,
-  // soft-cap, metrics).
+  // soft-cap, metrics), 5 the same without the soft-cap (which with label smoothing keeps the
+  // logits path: window_plan.h); with --options, 6-9 one option each (kModeNames).
   bf16 *bias, *gb;
   CK(cudaMalloc(&bias, V * 2));
   CK(cudaMalloc(&gb, V * 2));
@@ -188,16 +212,29 @@ void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory, cons
   float* entropy;
   CK(cudaMalloc(&correct, 8));
   CK(cudaMalloc(&entropy, 4));
-  for (int mode : {0, 1, 2, 3, 4}) {
+  const char* form_tag = form == fusedce::detail::LinearForm::kWindow   ? "@window"
+                         : form == fusedce::detail::LinearForm::kLogits ? "@logits"
+                                                                         : "";
+  for (int mode : {0, 1, 2, 3, 4, 5, 6, 7, 8, 9}) {
     if ((mode == 1 && !s.half_ignored) || (mode >= 2 && (s.half_ignored || !with_low_memory))) continue;
+    if (mode >= 6 && !per_option) continue;
     const bool skip = mode == 1;
-    const bool all = mode == 4;
+    const bool all = mode == 4 || mode == 5;
+    const bool with_bias = all || mode == 6;
+    const bool metrics = all || mode == 7;
     fusedce::Options o;
+    o.return_metrics = mode == 7;
+    if (mode == 8) {
+      o.label_smoothing = 0.1f;
+      o.z_loss = 1e-4f;
+      o.logit_scale = 0.9f;
+    }
+    if (mode == 9) o.softcap = 30.0f;
     if (all) {
       o.label_smoothing = 0.1f;
       o.z_loss = 1e-4f;
       o.logit_scale = 0.9f;
-      o.softcap = 30.0f;
+      o.softcap = mode == 4 ? 30.0f : 0.0f;
       o.return_metrics = true;
     }
     fusedce::LinearOptions lo;
@@ -207,34 +244,33 @@ void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory, cons
     fusedce::LinearGrads g;
     g.grad_hidden = fusedce::matrix(gh, DType::kBFloat16, N, H);
     g.grad_weight = fusedce::matrix(gw, DType::kBFloat16, V, H);
-    if (all) g.grad_bias = fusedce::vector(gb, DType::kBFloat16, V);
+    if (with_bias) g.grad_bias = fusedce::vector(gb, DType::kBFloat16, V);
     const fusedce::Device dev = fusedce::Device::cuda(0, nullptr);
-    const size_t ws_bytes = fusedce::linear_cross_entropy_workspace_size(fusedce::Job::kForwardBackward, dev, N, H, V,
-                                                                         DType::kBFloat16, o, lo, g);
+    const size_t ws_bytes =
+        fusedce::cuda::linear_workspace_size(fusedce::Job::kForwardBackward, dev, N, H, V, DType::kBFloat16, o, lo, g, form);
     void* ws;
     CK(cudaMalloc(&ws, ws_bytes));
     fusedce::ForwardOutputs out;
     out.loss = fusedce::vector(loss, DType::kFloat32, 1);
     out.lse = fusedce::vector(lse, DType::kFloat32, N);
-    if (all) {
+    if (metrics) {
       out.num_correct = fusedce::vector(correct, DType::kInt64, 1);
       out.entropy_sum = fusedce::vector(entropy, DType::kFloat32, 1);
     }
     const double t_fused = median_ms([&] {
-      ok(fusedce::linear_cross_entropy_forward_backward(dev, fusedce::matrix(hid, DType::kBFloat16, N, H),
-                                                        fusedce::matrix(w, DType::kBFloat16, V, H),
-                                                        all ? fusedce::vector(bias, DType::kBFloat16, V) : fusedce::VectorView{},
-                                                        fusedce::vector(dt, DType::kInt64, N), o, lo, out, {}, g,
-                                                        fusedce::Workspace{ws, ws_bytes}));
+      ok(linear_call(form, dev, fusedce::matrix(hid, DType::kBFloat16, N, H), fusedce::matrix(w, DType::kBFloat16, V, H),
+                     with_bias ? fusedce::vector(bias, DType::kBFloat16, V) : fusedce::VectorView{},
+                     fusedce::vector(dt, DType::kInt64, N), o, lo, out, g, fusedce::Workspace{ws, ws_bytes}));
     }, iters);
     std::printf("| %lld x %lld x %lld%s | %.2f ms | %.0f | %.2f ms (%.0f TFLOP/s) | %.3f | %.0f MiB |\n",
                 (long long)N, (long long)H, (long long)V,
-                lo.low_memory ? " low_memory" : mode == 3 ? " 448 MiB chunks" : all ? " all options" : s.half_ignored ? (skip ? " half ignored, skip_ignored" : " half ignored") : "", t_fused,
+                mode >= 2 ? (std::string(" ") + kModeNames[mode] + form_tag).c_str()
+                : s.half_ignored ? (skip ? " half ignored, skip_ignored" : " half ignored") : form_tag, t_fused,
                 flops / t_fused / 1e9, t_floor, flops / t_floor / 1e9, t_fused / t_floor, ws_bytes / 1048576.0);
     std::fflush(stdout);
     if (csv) {
       std::fprintf(csv, "%s,%lld,%lld,%lld,bfloat16,%s,%s,%.4f,%.1f,%.4f,%.1f,%.4f,%.1f\n", gpu, (long long)N, (long long)H,
-                   (long long)V, s.half_ignored ? "0.5" : "0", kModeNames[mode], t_fused, flops / t_fused / 1e9, t_floor,
+                   (long long)V, s.half_ignored ? "0.5" : "0", (kModeNames[mode] + std::string(form_tag)).c_str(), t_fused, flops / t_fused / 1e9, t_floor,
                    flops / t_floor / 1e9, t_fused / t_floor, ws_bytes / 1048576.0);
       std::fflush(csv);
     }
@@ -384,6 +420,8 @@ int main(int argc, char** argv) {
   const char* csv_path = nullptr;
   Shape graph{0, 0, 0, true};
   std::vector<Shape> given;
+  bool per_option = false;
+  fusedce::detail::LinearForm form = fusedce::detail::LinearForm::kAuto;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
@@ -403,11 +441,21 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "fusedce_linear_bench: --shape: N, H and V must be positive\n");
         return 2;
       }
+    } else if (std::strcmp(argv[i], "--options") == 0) {
+      per_option = true;
+    } else if (std::strcmp(argv[i], "--form") == 0 && i + 1 < argc) {
+      const std::string f = argv[++i];
+      if (f != "window" && f != "logits") {
+        std::fprintf(stderr, "fusedce_linear_bench: --form: window or logits, got \"%s\"\n", f.c_str());
+        return 2;
+      }
+      form = f == "window" ? fusedce::detail::LinearForm::kWindow : fusedce::detail::LinearForm::kLogits;
     } else if (std::strcmp(argv[i], "--csv") == 0 && i + 1 < argc) {
       csv_path = argv[++i];
     } else {
       std::fprintf(stderr, "fusedce_linear_bench: unknown or incomplete argument \"%s\"\n"
-                           "usage: fusedce_linear_bench [--quick] [--csv FILE] [--shape N H V]... [--profile N H V] [--graph [N H V]]\n",
+                           "usage: fusedce_linear_bench [--quick] [--csv FILE] [--shape N H V]... [--profile N H V] [--graph [N H V]] "
+                           "[--options] [--form window|logits]\n",
                    argv[i]);
       return 2;
     }
@@ -433,7 +481,7 @@ int main(int argc, char** argv) {
   }
   BareGemm bare;
   if (one.N > 0) {
-    bench(one, bare, 0, true, prop.name, nullptr);
+    bench(one, bare, 0, true, per_option, form, prop.name, nullptr);
     return 0;
   }
   const int iters = quick ? 3 : 10;
@@ -441,7 +489,7 @@ int main(int argc, char** argv) {
                                {8192, 4096, 151936, false}, {8192, 4096, 128256, true}};
   if (!quick) shapes.push_back({32768, 4096, 128256, false});
   if (!given.empty()) shapes = given;
-  for (const Shape& s : shapes) bench(s, bare, iters, true, prop.name, csv);
+  for (const Shape& s : shapes) bench(s, bare, iters, true, per_option, form, prop.name, csv);
   if (csv) std::fclose(csv);
   return 0;
 }

@@ -66,7 +66,9 @@ How things are timed:
   in the same run (6·N·H·V flops). Workspace: all extra memory the call asks for, the float32
   grad_weight accumulator included. Variants: low_memory (extra memory under 512 MiB), 448 MiB
   chunks (chunk_budget_bytes), all options (bias with grad_bias, label smoothing 0.1, z-loss 1e-4,
-  logit scale 0.9, soft-cap 30, metrics), skip_ignored (on the batch with half the targets ignored).
+  logit scale 0.9, soft-cap 30, metrics), skip_ignored (on the batch with half the targets ignored);
+  with `--options` each option alone (bias with grad_bias; metrics; label smoothing with z-loss
+  and scale; soft-cap), with `--form` every call in the chunk form named after "@".
 - `python -m fusedce.bench` (python/fusedce/bench/), every implementation through its public
   Python API in one process: CUDA events, median of the runs shown after warm-up, inputs smaller
   than 3x the L2 rotated among copies (one implementation after the other, unless a run's notes
@@ -81,8 +83,14 @@ How things are timed:
 
 KIND_TITLES = {"ce": "Cross-entropy over logits", "linear": "Linear cross-entropy",
                "logprobs": "Log-probabilities"}
-LINEAR_VARIANTS = [("default", "default"), ("skip_ignored", "skip_ignored"), ("low_memory", "low_memory"),
-                   ("chunks_448MiB", "448 MiB chunks"), ("all_options", "all options")]
+LINEAR_BASE_VARIANTS = [("default", "default"), ("skip_ignored", "skip_ignored"), ("low_memory", "low_memory"),
+                        ("chunks_448MiB", "448 MiB chunks"), ("all_options", "all options"),
+                        ("options_no_softcap", "all options but the soft-cap"), ("bias_only", "bias"),
+                        ("metrics_only", "metrics"), ("smoothing_z_scale", "smoothing, z-loss, scale"),
+                        ("softcap_only", "soft-cap")]
+# --form window|logits names each variant with the chunk form the run asked for.
+LINEAR_VARIANTS = LINEAR_BASE_VARIANTS + [(f"{v}@{form}", f"{label}, {form} form")
+                                          for form in ("window", "logits") for v, label in LINEAR_BASE_VARIANTS]
 
 
 class SourceError(ValueError):

@@ -22,7 +22,9 @@
 //
 // Timed against cuBLASLt's plain bf16 logits product and CUTLASS's own ping-pong and cooperative
 // kernels writing plain logits (interleaved rounds, medians); checked against float64 (E, lse,
-// entropy, target logit) before timing.
+// entropy, target logit) before timing. The staged variant with E stored by TMA (a line of its
+// own under each shape's row): does an asynchronous store of the stage take back what the
+// hand-written stores cost against CUTLASS's TMA epilogue?
 //
 // The per-(row, tile) partials are checked one by one (the "partials:" lines after each shape's),
 // so that a wrong lse or entropy can be traced to the tiles that cause it. The float64 reference
@@ -53,6 +55,8 @@
 // Run (GPU): the binary [grpo]; a table row and a float64 line a shape, then its "partials:" lines.
 // With `grpo`, GRPO's head shape (8192 x 896 x 151936) after a small warm-up shape.
 #include <cublasLt.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -107,18 +111,45 @@ struct ScaledExpOut {
   const int* target = nullptr;  // per row; -1: none
   float* target_logit = nullptr;
   const float* shift = nullptr;  // Mode::StagedShift: per row, the integer offset
+  // Mode::StagedTma: E's tensor map (rows x V, pitch ldE; boxes of 128 rows x 64 columns, 128-byte
+  // swizzle), a kernel parameter as TMA wants it
+  CUtensorMap tmap{};  // aligned as TMA wants by its type
 };
+
+/// E's tensor map for Mode::StagedTma (tma_map_e): TMA stores 128 x 64 boxes from the stage,
+/// clipping at the matrix's edges.
+bool tma_map_e(ScaledExpOut& o, int M, int N) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (!encode) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess || fn == nullptr)
+      return false;
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  const cuuint64_t dims[2] = {cuuint64_t(N), cuuint64_t(M)};
+  const cuuint64_t strides[1] = {cuuint64_t(o.ldE) * 2};
+  const cuuint32_t box[2] = {64, 128};
+  const cuuint32_t elem[2] = {1, 1};
+  return encode(&o.tmap, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, o.e, dims, strides, box, elem,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
 
 /// The epilogue: operator-style (CUTLASS's sm90 kernels call it through
 /// Sm90TmaWarpSpecializedAdapter), on the consumer warpgroup's accumulators in registers.
 /// What the epilogue does, to split its cost: everything (E stored from registers: each lane a
 /// 4-byte word, a quad 16 contiguous bytes of a row); everything with E staged through shared
 /// memory in four 48-column passes and stored in 16-byte pieces along rows; the statistics
-/// without storing E; or plain bf16 logits through the register-to-global stores. StagedShift:
+/// without storing E; or plain bf16 logits through the register-to-global stores. StagedTma:
+/// Staged with three 64-column passes into a stage in TMA's 128-byte swizzle (conflict-free
+/// 4-byte writes), each pass stored by one TMA instruction (the warpgroup waits only for TMA to
+/// have read the stage, not for the global writes). StagedShift:
 /// Staged with the offset given per row (an integer s_i >= the row's max z log2 e, chosen before
 /// the product), no max pass: with one offset for the whole row the gradient products need no
 /// operand transform (grad_hidden's rows and grad_weight's hidden rows take the per-row factor).
-enum class Mode { Full, Staged, StagedShift, NoStore, Plain };
+enum class Mode { Full, Staged, StagedShift, NoStore, Plain, StagedTma };
 
 template <class BlockShape, Mode kMode>
 class ScaledExpEpilogue {
@@ -146,9 +177,11 @@ class ScaledExpEpilogue {
   // Staging for Mode::Staged: 128 rows of one 48-column pass, rows padded to 112 bytes so that
   // the 8 rows x 4 lanes of a warp's 4-byte writes fall in 32 distinct banks.
   static constexpr int kPassCols = 48, kStageLd = kPassCols + 8;
+  static constexpr int kTmaCols = 64;  // StagedTma: a pass is one 128-byte swizzled row a tile row
   struct SharedStorage {
-    alignas(128) __nv_bfloat16 stage[(kMode == Mode::Staged || kMode == Mode::StagedShift)
-                                         ? size<0>(BlockShape{}) * kStageLd : 1];
+    alignas(1024) __nv_bfloat16 stage[(kMode == Mode::Staged || kMode == Mode::StagedShift) ? size<0>(BlockShape{}) * kStageLd
+                                      : kMode == Mode::StagedTma                              ? size<0>(BlockShape{}) * kTmaCols
+                                                                                              : 1];
   };
   using TensorStorage = SharedStorage;
   using Arguments = ScaledExpOut;
@@ -168,7 +201,8 @@ class ScaledExpEpilogue {
     return get<1>(p) % 2 == 0 && a.ldE % 2 == 0;  // bf16 pairs stored as one 32-bit word
   }
 
-  CUTLASS_HOST_DEVICE ScaledExpEpilogue(Params const& p, SharedStorage const& = SharedStorage()) : params(p) {}
+  CUTLASS_HOST_DEVICE ScaledExpEpilogue(Params const& p, SharedStorage const& = SharedStorage())
+      : params(p), kernel_params(p) {}
   CUTLASS_DEVICE bool is_source_needed() { return false; }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
@@ -227,7 +261,51 @@ class ScaledExpEpilogue {
       ssum[r] = 0.0f;
       usum[r] = 0.0f;
     }
-    if constexpr (kMode == Mode::Staged || kMode == Mode::StagedShift) {
+    if constexpr (kMode == Mode::StagedTma) {
+      static_assert(MN == 1 && (V2 * 8) % kTmaCols == 0, "one MMA along N, whole passes");
+      constexpr int kGroups = kTmaCols / 8;  // column groups of 8 (16 bytes) per pass
+      auto* stage = reinterpret_cast<SharedStorage*>(smem)->stage;
+      char* stage_bytes = reinterpret_cast<char*>(stage);
+      const uint32_t sbase = cute::cast_smem_ptr_to_uint(stage);  // 128-byte aligned (SharedStorage)
+      cutlass::arch::NamedBarrier bar(128, cutlass::canonical_warp_group_idx() & 1);
+      CUTLASS_PRAGMA_UNROLL
+      for (int pass = 0; pass < V2 / kGroups; ++pass) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int m = 0; m < MM; ++m)
+          CUTLASS_PRAGMA_UNROLL
+          for (int v1 = 0; v1 < V1; ++v1) {
+            const int r = m * V1 + v1;
+            const int lrow = get<0>(tCcD(make_coord(make_coord(0, v1, 0), m, 0)));
+            CUTLASS_PRAGMA_UNROLL
+            for (int g = 0; g < kGroups; ++g) {
+              const int v2 = pass * kGroups + g;
+              auto c0 = make_coord(make_coord(0, v1, v2), m, 0);
+              auto c1 = make_coord(make_coord(1, v1, v2), m, 0);
+              const int col = get<1>(tCcD(c0));
+              const bool in = col0 + col < N;
+              const float z0 = acc(c0), z1 = acc(c1);
+              const float e0 = in ? ex2(fmaf(z0, kLog2e, -koff[r])) : 0.0f;
+              const float e1 = in ? ex2(fmaf(z1, kLog2e, -koff[r])) : 0.0f;
+              ssum[r] += e0 + e1;
+              usum[r] = fmaf(e0, z0, fmaf(e1, z1, usum[r]));
+              // 128-byte swizzle: the 16-byte chunk c of a 128-byte line sits at chunk c ^ (the
+              // line's address bits 7-9), so the phase follows the stage's address
+              const int cb = (col - pass * kTmaCols) * 2;
+              const int line = int((sbase >> 7) + uint32_t(lrow)) & 7;
+              const int at = lrow * 128 + (((cb >> 4) ^ line) << 4) + (cb & 15);
+              *reinterpret_cast<__nv_bfloat162*>(stage_bytes + at) = __floats2bfloat162_rn(e0, e1);
+            }
+          }
+        cute::tma_store_fence();  // the stage's generic writes before the async proxy reads it
+        bar.arrive_and_wait();
+        if (thread_idx == 0) {
+          cute::SM90_TMA_STORE_2D::copy(&kernel_params.tmap, stage, col0 + pass * kTmaCols, row0);
+          cute::tma_store_arrive();
+          cute::tma_store_wait<0>();  // the stage read: it may be written again
+        }
+        bar.arrive_and_wait();
+      }
+    } else if constexpr (kMode == Mode::Staged || kMode == Mode::StagedShift) {
       static_assert(MN == 1 && (V2 * 8) % kPassCols == 0, "one MMA along N, whole passes");
       constexpr int kGroups = kPassCols / 8;  // column groups of 8 per pass
       auto* stage = reinterpret_cast<SharedStorage*>(smem)->stage;
@@ -338,6 +416,9 @@ class ScaledExpEpilogue {
 
  private:
   Params params;
+  // The kernel's own parameter (a __grid_constant__, which the adapter passes by reference):
+  // TMA reads the tensor map there, never from a copy in registers or local memory.
+  Params const& kernel_params;
 };
 
 template <class Stride>
@@ -1214,7 +1295,7 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&worst, 16));
   const size_t wsb = size_t(64) << 20;
   char* ws;
-  CK(cudaMalloc(&ws, 8 * wsb));
+  CK(cudaMalloc(&ws, 9 * wsb));
   float* shiftbuf;
   CK(cudaMalloc(&shiftbuf, max_m * 4));
   constexpr int kSample = 16;
@@ -1246,12 +1327,17 @@ int main(int argc, char** argv) {
     Candidate<ExpKernel<Mode::Full>> full;
     Candidate<ExpKernel<Mode::Staged>> staged;
     Candidate<ExpKernel<Mode::StagedShift>> shifted;
+    Candidate<ExpKernel<Mode::StagedTma>> tma;
     Candidate<ExpKernel<Mode::NoStore>> nostore;
     Candidate<ExpKernel<Mode::Plain>> hand;
     Candidate<PlainPingPong> pp;
     Candidate<PlainCoop> co;
     full.screen(exp_args<ExpKernel<Mode::Full>>(c.M, c.N, c.K, A, W, out), ws, wsb, s);
     staged.screen(exp_args<ExpKernel<Mode::Staged>>(c.M, c.N, c.K, A, W, out), ws + 5 * wsb, wsb, s);
+    ScaledExpOut out_tma = out;
+    if (tma_map_e(out_tma, c.M, c.N)) {
+      tma.screen(exp_args<ExpKernel<Mode::StagedTma>>(c.M, c.N, c.K, A, W, out_tma), ws + 8 * wsb, wsb, s);
+    }
     // The per-row offset the shifted variant is given: here the row's exact max (from the float32
     // reference product) plus 4, standing for an estimate made before the product.
     lt.run(c.M, c.N, c.K, A, W, Z, CUDA_R_32F, ws + 6 * wsb, wsb, s, false);
@@ -1327,9 +1413,12 @@ int main(int argc, char** argv) {
     float werr_sh[4];
     check(shifted, werr_sh);
     diag(shifted, "staged, row offset given", shiftbuf, reinterpret_cast<const __nv_bfloat16*>(D));
+    float werr_tma[4];
+    check(tma, werr_tma);
+    diag(tma, "staged, TMA store", nullptr, reinterpret_cast<const __nv_bfloat16*>(D));
     if (nostore.ok) nostore.r.run(s);
     diag(nostore, "no E store", nullptr, nullptr);
-    std::vector<float> t_lt, t_co, t_pp, t_hand, t_ns, t_full, t_st, t_sh, t_mg;
+    std::vector<float> t_lt, t_co, t_pp, t_hand, t_ns, t_full, t_st, t_sh, t_mg, t_tma;
     for (int round = 0; round < 3; ++round) {
       t_lt.push_back(lt.run(c.M, c.N, c.K, A, W, D, CUDA_R_16BF, ws + 6 * wsb, wsb, s, true));
       t_co.push_back(co.time(s));
@@ -1339,6 +1428,7 @@ int main(int argc, char** argv) {
       t_full.push_back(full.time(s));
       t_st.push_back(staged.time(s));
       t_sh.push_back(shifted.time(s));
+      t_tma.push_back(tma.time(s));
       t_mg.push_back(time_it(merge, s));
     }
     CK(cudaStreamSynchronize(s));
@@ -1350,6 +1440,9 @@ int main(int argc, char** argv) {
                 median(t_hand), hand.config(), median(t_ns), nostore.config(), f, full.config(), st,
                 staged.config(), sh, shifted.config(), median(t_mg), std::min(f, st) / a, std::min(f, st) / p,
                 sh / a);
+    std::printf("|   %d x %d x %d, staged with the TMA store | E rel err, lse, entropy, target abs err: %.2e, %.2e, %.2e, %.2e | %.3f ms (%s) | / staged %.3f | / cuBLASLt %.3f | / ping-pong plain %.3f |\n",
+                c.M, c.K, c.N, werr_tma[0], werr_tma[1], werr_tma[2], werr_tma[3], median(t_tma), tma.config(),
+                median(t_tma) / st, median(t_tma) / a, median(t_tma) / p);
     std::printf("|   %d x %d x %d, %d rows against float64 dot products | full: lse %.2e, entropy %.2e | cuBLASLt float32 reference: lse %.2e |\n",
                 c.M, c.K, c.N, kSample, w64[0], w64[2], w64[1]);
     std::fputs(pout.c_str(), stdout);

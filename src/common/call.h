@@ -62,6 +62,11 @@ namespace detail {
 
 /// One validated call of a linear cross-entropy entry point: the whole vocabulary, or one step
 /// of the vocabulary-parallel form over a shard of the weight (vocab_parallel.h).
+/// Which chunk form the CUDA backend's linear path takes on Hopper: the planner's choice
+/// (kAuto), or one of the two forms where the call allows it, for tests and benchmarks that must
+/// run a given form whatever the planner would pick (src/cuda/linear/window_plan.h).
+enum class LinearForm { kAuto, kLogits, kWindow };
+
 struct LinearCall {
   Job job;  // kForward or kForwardBackward
   Device device;
@@ -73,6 +78,7 @@ struct LinearCall {
   VectorView grad_loss;
   LinearGrads grads;
   Workspace workspace;
+  LinearForm form = LinearForm::kAuto;  // never set by the public entry points
   // Vocabulary-parallel steps: 0 = the whole vocabulary; 1 = the shard's statistics into
   // `stats` (job kForward); 3 = the shard's gradients from the merged lse, row_weight and batch
   // (job kForwardBackward; grad_hidden is float32, this rank's part of the sum over ranks).
@@ -83,6 +89,15 @@ struct LinearCall {
 };
 
 Status validate_linear_call(const LinearCall& call);
+
+/// The call of linear_cross_entropy_forward_backward (linear_cross_entropy.h): these arguments,
+/// the kAuto form, the whole vocabulary.
+LinearCall forward_backward_call(const Device& device, const MatrixView& hidden, const MatrixView& weight,
+                                 const VectorView& bias, const VectorView& target, const Options& options,
+                                 const LinearOptions& linear, const ForwardOutputs& out, const VectorView& grad_loss,
+                                 const LinearGrads& grads, Workspace workspace);
+/// Validates the call once and hands it to the backend its device names.
+Status run_linear_call(const LinearCall& call);
 
 /// The effective target of row i of a host-resident target: with shift_seq_len L > 0, the
 /// causal shift inside sequences of L rows (docs/contract.md, "Fused linear cross-entropy").
@@ -112,9 +127,10 @@ Status run_linear(const detail::LinearCall& call);
 /// without the CUDA backend.
 Status run_linear_shard(const detail::LinearCall& call);
 size_t linear_shard_workspace_size(const detail::LinearCall& call);
+/// The workspace of a call in chunk form `form` (the public query's is kAuto's).
 size_t linear_workspace_size(Job job, const Device& device, int64_t rows, int64_t hidden_size, int64_t vocab,
                              DType dtype, const Options& options, const LinearOptions& linear,
-                             const LinearGrads& grads);
+                             const LinearGrads& grads, detail::LinearForm form = detail::LinearForm::kAuto);
 }  // namespace cuda
 
 }  // namespace fusedce

@@ -22,6 +22,7 @@
 #include "cuda/logprobs/lp_fused_products.h"
 #include "fusedce/fusedce.h"
 #include "harness.h"
+#include "linear_form.h"
 #include "problem.h"
 
 namespace fusedce_test {
@@ -46,6 +47,27 @@ bool have_gpu() {
   }
   return true;
 }
+
+/// Device buffers freed when it goes out of scope; upload() copies `bytes` of `host` in (null:
+/// left as allocated).
+struct DeviceAllocs {
+  std::vector<void*> owned;
+  DeviceAllocs() = default;
+  DeviceAllocs(const DeviceAllocs&) = delete;
+  DeviceAllocs& operator=(const DeviceAllocs&) = delete;
+  ~DeviceAllocs() {
+    for (void* d : owned) cudaFree(d);
+  }
+  void* upload(const void* host, size_t bytes) {
+    void* d = nullptr;
+    EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(bytes, 1)), cudaSuccess);
+    if (host != nullptr) {
+      EXPECT_EQ(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+    owned.push_back(d);
+    return d;
+  }
+};
 
 /// A random (N, V) problem on host and device: logits ~ N(0, 2) with outliers, 30% ignored.
 struct DeviceProblem {
@@ -922,16 +944,8 @@ TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
     g_lp[i] = normal(rng);
     g_h[i] = normal(rng);
   }
-  std::vector<void*> owned;
-  auto upload = [&](const void* host, size_t bytes) {
-    void* d = nullptr;
-    EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(bytes, 1)), cudaSuccess);
-    if (host != nullptr) {
-      EXPECT_EQ(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    }
-    owned.push_back(d);
-    return d;
-  };
+  DeviceAllocs mem;
+  auto upload = [&](const void* host, size_t bytes) { return mem.upload(host, bytes); };
   void* d_hid = upload(hid.data(), hid.size() * 2);
   void* d_w = upload(w.data(), w.size() * 2);
   void* d_logits = upload(logits.data(), logits.size() * 2);
@@ -1073,7 +1087,427 @@ TEST(CudaFusedLogprobs, ProductsMatchTheRowKernelsOnHopper) {
       }
     }
   }
-  for (void* d : owned) cudaFree(d);
+}
+
+// The linear cross-entropy's window form (cuda/linear/window_forward.h), asked for
+// (detail::LinearForm::kWindow: the planner keeps the metrics, the soft-cap and grad_bias on the
+// logits path, and these cases check the form's epilogue with each of them). Against float64 (logits from the bf16 inputs, exact), on rows the window form treats
+// three ways:
+// ordinary rows (every tile at offset 0), hot rows (the target's logit about 59 nats: its tile
+// takes its own offset and the row is rebased) and cold rows (every logit about -60 nats: every
+// tile its own offset), with ignored rows between them; six option sets (mean with metrics;
+// none with per-row upstream gradients, class weights, a negative logit scale, skip_ignored, V not
+// a multiple of 8 and several token chunks; sum with a causal shift, metrics and V = 2; mean with
+// z-loss 0.01, class weights and metrics, one cold row's class weighted -2 z_loss lse so that its
+// softmax factor a = w_t + 2 z_loss lse cancels to rounding: that row is rescaled by a / w_t;
+// mean with the soft-cap 20, scale 1.3 and metrics: the hot targets capped, the stored entries
+// carrying 1 - (z / c)^2; none with a bias and grad_bias (E^T bf16(r): r's rounding besides E's),
+// the soft-cap 30, z-loss and several chunks; three with label smoothing, whose uniform term rides
+// the products' extra rows: mean with 0.1, class weights and metrics; none with 0.2, a bias and
+// grad_bias, z-loss, scale 0.7, skip_ignored and several chunks; sum with 0.3, a causal shift,
+// class weights and several chunks); and V = 385 (odd: the epilogue's last column pair split; with
+// label smoothing, a bias and metrics) and V = 1 (with z-loss, so that the gradient is not 0).
+// Tolerances: the loss and lse come from float32 logits (the product's accumulators and a float32
+// dot product for the target), so a row's error is a few float32 roundoffs of its logits' size:
+// 2e-5 (1 + |lse| + |z_t|), the loss that times its lse factor (1 - eps) w_t + eps W / V + 2 z_loss
+// |lse| (W the class weights' sum, V without them; the smoothing's mean logit is within the
+// largest |z|); bf16 logits would miss a
+// 59-nat target logit by up to 0.125, which this fails. Gradients: dlogits r E carry E's bf16 rounding (2^-9) and grad_weight's operand
+// bf16(r h) one more, the output one more: elementwise 2^-8 |ref| + 1e-2 max |ref| (the bf16
+// rule of test_linear.cpp), and the projection sum got ref / sum ref ref within 2e-3 of 1, which
+// averages the roundings out so that a 0.5% scale error fails (where at least 100 elements carry
+// the norm). Metrics on and off: the same bits.
+TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  int dev = 0;
+  ASSERT_CUDA(cudaGetDevice(&dev));
+  if (!fusedce::cuda::cutlass_products_available(dev)) GTEST_SKIP() << "the window form runs on sm_90 builds with CUTLASS";
+  using fusedce::detail::bf16_to_float;
+  using fusedce::detail::float_to_bf16;
+  struct Case {
+    const char* name;
+    int64_t N, H, V;
+    fusedce::Reduction reduction;
+    float scale;
+    bool class_weight, skip, metrics;
+    int64_t shift;
+    size_t budget;
+    float z_loss;
+    bool cancel;  // one cold row's target weighted -2 z_loss lse: its a = w_t + 2 z_loss lse cancels
+    float softcap;
+    bool bias;  // a bias and grad_bias
+    float smoothing;
+  };
+  const Case cases[] = {
+      {"mean, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f, false, false, true, 0, 0, 0.0f, false, 0.0f, false, 0.0f},
+      {"none, class weights, scale -0.8, skip_ignored, V 386, chunks", 200, 64, 386, fusedce::Reduction::kNone, -0.8f,
+       true, true, false, 0, size_t(64) << 10, 0.0f, false, 0.0f, false, 0.0f},
+      {"sum, shift, metrics, V 2", 120, 32, 2, fusedce::Reduction::kSum, 1.0f, false, false, true, 10, 0, 0.0f, false, 0.0f, false, 0.0f},
+      {"mean, z-loss, class weights, a row whose a cancels, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f,
+       true, false, true, 0, 0, 0.01f, true, 0.0f, false, 0.0f},
+      {"mean, soft-cap 20, scale 1.3, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.3f, false, false, true, 0, 0,
+       0.0f, false, 20.0f, false, 0.0f},
+      {"none, bias and grad_bias, soft-cap 30, z-loss, chunks", 200, 64, 386, fusedce::Reduction::kNone, 1.0f, false,
+       false, false, 0, size_t(64) << 10, 1e-3f, false, 30.0f, true, 0.0f},
+      {"mean, label smoothing 0.1, class weights, metrics", 200, 64, 1000, fusedce::Reduction::kMean, 1.0f, true, false,
+       true, 0, 0, 0.0f, false, 0.0f, false, 0.1f},
+      {"none, label smoothing 0.2, bias and grad_bias, z-loss, scale 0.7, skip_ignored, chunks", 200, 64, 386,
+       fusedce::Reduction::kNone, 0.7f, false, true, false, 0, size_t(64) << 10, 1e-3f, false, 0.0f, true, 0.2f},
+      {"sum, label smoothing 0.3, shift, class weights, chunks", 200, 64, 1000, fusedce::Reduction::kSum, 1.0f, true,
+       false, false, 10, size_t(128) << 10, 0.0f, false, 0.0f, false, 0.3f},
+      {"mean, V 385 (odd: a split last pair), class weights, metrics, label smoothing 0.1, bias and grad_bias", 200,
+       64, 385, fusedce::Reduction::kMean, 1.0f, true, false, true, 0, 0, 0.0f, false, 0.0f, true, 0.1f},
+      {"none, V 1, z-loss 0.01", 60, 32, 1, fusedce::Reduction::kNone, 1.0f, false, false, false, 0, 0, 0.01f, false,
+       0.0f, false, 0.0f},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int64_t N = c.N, H = c.H, V = c.V;
+    std::mt19937_64 rng = test_rng();
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<uint16_t> hid(N * H), w(V * H);
+    // every weight row has 1 in column 0: a cold row's hidden state -60 there shifts all its logits
+    for (int64_t j = 0; j < V; ++j)
+      for (int64_t k = 0; k < H; ++k) w[j * H + k] = float_to_bf16(k == 0 ? 1.0f : normal(rng) * 2.0f / std::sqrt(float(H)));
+    std::vector<int64_t> tgt(N);
+    for (auto& t : tgt) t = static_cast<int64_t>(rng() % V);
+    for (int64_t i = 0; i < N; ++i) {
+      const bool hot = i % 7 == 3, cold = i % 11 == 5;
+      const int64_t t = tgt[c.shift > 0 ? std::min(i + 1, N - 1) : i];
+      for (int64_t k = 0; k < H; ++k) {
+        float x = normal(rng);
+        if (hot) x = 12.0f * bf16_to_float(w[t * H + k]);  // z_t = 12 |w_t|^2, about 59
+        if (cold && k == 0) x = -60.0f;
+        hid[i * H + k] = float_to_bf16(x);
+      }
+      if (i % 5 == 0) tgt[i] = -100;
+    }
+    if (c.shift > 0) tgt[1] = 0;  // at least one counted row
+    std::vector<float> cw(c.class_weight ? V : 0), up(c.reduction == fusedce::Reduction::kNone ? N : 1, 1.75f);
+    for (auto& x : cw) x = 0.25f + static_cast<float>(rng() % 100) / 50.0f;
+    std::vector<uint16_t> bias(c.bias ? V : 0);
+    for (auto& x : bias) x = float_to_bf16(normal(rng));
+    if (c.reduction == fusedce::Reduction::kNone)
+      for (auto& x : up) x = 0.5f + static_cast<float>(rng() % 100) / 100.0f;
+
+    // float64 reference: each row's logits (they do not depend on the targets), then the targets'
+    // weights, then the loss and the gradients
+    auto logits_of = [&](int64_t i, std::vector<double>& z) {
+      for (int64_t j = 0; j < V; ++j) {
+        double x = 0.0;
+        for (int64_t k = 0; k < H; ++k) x += double(bf16_to_float(hid[i * H + k])) * bf16_to_float(w[j * H + k]);
+        if (c.bias) x += bf16_to_float(bias[j]);
+        z[j] = c.softcap > 0.0f ? c.softcap * std::tanh(c.scale * x / c.softcap) : c.scale * x;
+      }
+    };
+    std::vector<double> loss_row(N, 0.0), lse_ref(N, 0.0), zt_ref(N, 0.0), gh_ref(N * H, 0.0), gw_ref(V * H, 0.0),
+        gb_ref(V, 0.0), z(V);
+    auto lse_of = [&](const std::vector<double>& zz) {
+      double mx = -INFINITY, s = 0.0;
+      for (double x : zz) mx = std::max(mx, x);
+      for (double x : zz) s += std::exp(x - mx);
+      return mx + std::log(s);
+    };
+    if (c.cancel) {
+      // the first counted cold row gets a class no other row targets, weighted so that its a cancels
+      int64_t i0 = 5;
+      while (i0 < N && (i0 % 11 != 5 || tgt[i0] == -100)) ++i0;
+      ASSERT_LT(i0, N);
+      std::vector<bool> used(V, false);
+      for (int64_t i = 0; i < N; ++i)
+        if (i != i0 && tgt[i] >= 0) used[tgt[i]] = true;
+      int64_t u = 0;
+      while (u < V && used[u]) ++u;
+      ASSERT_LT(u, V);
+      tgt[i0] = u;
+      logits_of(i0, z);
+      cw[u] = static_cast<float>(-2.0 * c.z_loss * lse_of(z));
+      ASSERT_GT(cw[u], 0.0f) << "a cold row's lse is negative";
+    }
+    double wsum = 0.0;  // W: the class weights' sum, V without them
+    for (int64_t j = 0; j < V; ++j) wsum += c.class_weight ? cw[j] : 1.0;
+    const double eps = c.smoothing;
+    double denom = 0.0, loss_sum = 0.0, ent_ref = 0.0;
+    int64_t correct_ref = 0;
+    auto target_of = [&](int64_t i) -> int64_t {
+      if (c.shift > 0) return i % c.shift == c.shift - 1 ? -100 : tgt[i + 1];
+      return tgt[i];
+    };
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t t = target_of(i);
+      if (t != -100) denom += c.class_weight ? cw[t] : 1.0;
+    }
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t t = target_of(i);
+      if (t == -100) continue;
+      logits_of(i, z);
+      int64_t am = 0;
+      for (int64_t j = 1; j < V; ++j)
+        if (z[j] > z[am]) am = j;
+      const double lse = lse_of(z);
+      double sz = 0.0;
+      for (int64_t j = 0; j < V; ++j) sz += std::exp(z[j] - lse) * z[j];
+      const double wt = c.class_weight ? cw[t] : 1.0;
+      const double a = (1.0 - eps) * wt + eps / V * wsum + 2.0 * c.z_loss * lse;
+      double smooth = 0.0;  // sum_j v_j (lse - z_j)
+      for (int64_t j = 0; j < V; ++j) smooth += (c.class_weight ? cw[j] : 1.0) * (lse - z[j]);
+      lse_ref[i] = lse;
+      zt_ref[i] = z[t];
+      loss_row[i] = (1.0 - eps) * wt * (lse - z[t]) + eps / V * smooth + c.z_loss * lse * lse;
+      loss_sum += loss_row[i];
+      ent_ref += lse - sz;
+      correct_ref += am == t;
+      const double g = c.reduction == fusedce::Reduction::kNone ? up[i]
+                       : c.reduction == fusedce::Reduction::kSum ? up[0]
+                                                                 : up[0] / denom;
+      for (int64_t j = 0; j < V; ++j) {
+        const double dz = c.softcap > 0.0f ? c.scale * (1.0 - (z[j] / c.softcap) * (z[j] / c.softcap)) : c.scale;
+        const double vj = c.class_weight ? cw[j] : 1.0;
+        const double d = g * (a * std::exp(z[j] - lse) - (j == t ? (1.0 - eps) * wt : 0.0) - eps / V * vj) * dz;
+        if (d == 0.0) continue;
+        gb_ref[j] += d;
+        for (int64_t k = 0; k < H; ++k) {
+          gh_ref[i * H + k] += d * bf16_to_float(w[j * H + k]);
+          gw_ref[j * H + k] += d * bf16_to_float(hid[i * H + k]);
+        }
+      }
+    }
+
+    DeviceAllocs mem;
+    auto upload = [&](const void* host, size_t bytes) { return mem.upload(host, bytes); };
+    void* d_hid = upload(hid.data(), hid.size() * 2);
+    void* d_w = upload(w.data(), w.size() * 2);
+    void* d_t = upload(tgt.data(), N * 8);
+    void* d_cw = upload(cw.data(), cw.size() * 4);
+    void* d_up = upload(up.data(), up.size() * 4);
+    void* d_bias = c.bias ? upload(bias.data(), V * 2) : nullptr;
+    const int64_t loss_n = c.reduction == fusedce::Reduction::kNone ? N : 1;
+    struct Out {
+      std::vector<float> loss, lse;
+      float entropy = 0.0f;
+      int64_t correct = 0;
+      std::vector<uint16_t> gh, gw, gb;
+    };
+    auto call = [&](bool metrics) {
+      Out o;
+      void* d_loss = upload(nullptr, loss_n * 4);
+      void* d_lse = upload(nullptr, N * 4);
+      void* d_ent = upload(nullptr, 4);
+      void* d_cor = upload(nullptr, 8);
+      void* d_gh = upload(nullptr, N * H * 2);
+      void* d_gw = upload(nullptr, V * H * 2);
+      void* d_gb = c.bias ? upload(nullptr, V * 2) : nullptr;
+      fusedce::Options opt;
+      opt.reduction = c.reduction;
+      opt.logit_scale = c.scale;
+      opt.z_loss = c.z_loss;
+      opt.softcap = c.softcap;
+      opt.label_smoothing = c.smoothing;
+      opt.return_metrics = metrics;
+      if (c.class_weight) opt.class_weight = fusedce::vector(d_cw, DType::kFloat32, V);
+      fusedce::LinearOptions lo;
+      lo.shift_seq_len = c.shift;
+      lo.skip_ignored = c.skip;
+      lo.chunk_budget_bytes = c.budget;
+      fusedce::ForwardOutputs out;
+      out.loss = fusedce::vector(d_loss, DType::kFloat32, loss_n);
+      out.lse = fusedce::vector(d_lse, DType::kFloat32, N);
+      if (metrics) {
+        out.entropy_sum = fusedce::vector(d_ent, DType::kFloat32, 1);
+        out.num_correct = fusedce::vector(d_cor, DType::kInt64, 1);
+      }
+      fusedce::LinearGrads g;
+      g.grad_hidden = fusedce::matrix(d_gh, DType::kBFloat16, N, H);
+      g.grad_weight = fusedce::matrix(d_gw, DType::kBFloat16, V, H);
+      if (c.bias) g.grad_bias = fusedce::vector(d_gb, DType::kBFloat16, V);
+      const fusedce::Status st = linear_forward_backward_in(
+          fusedce::detail::LinearForm::kWindow, fusedce::Device::cuda(dev), fusedce::matrix(d_hid, DType::kBFloat16, N, H),
+          fusedce::matrix(d_w, DType::kBFloat16, V, H),
+          c.bias ? fusedce::vector(d_bias, DType::kBFloat16, V) : fusedce::VectorView{}, fusedce::vector(d_t, DType::kInt64, N),
+          opt, lo, out, fusedce::vector(d_up, DType::kFloat32, up.size()), g);
+      EXPECT_TRUE(st.ok()) << st.message();
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      o.loss.resize(loss_n);
+      o.lse.resize(N);
+      o.gh.resize(N * H);
+      o.gw.resize(V * H);
+      EXPECT_EQ(cudaMemcpy(o.loss.data(), d_loss, loss_n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(o.lse.data(), d_lse, N * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(o.gh.data(), d_gh, N * H * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(o.gw.data(), d_gw, V * H * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      if (c.bias) {
+        o.gb.resize(V);
+        EXPECT_EQ(cudaMemcpy(o.gb.data(), d_gb, V * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      }
+      if (metrics) {
+        EXPECT_EQ(cudaMemcpy(&o.entropy, d_ent, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+        EXPECT_EQ(cudaMemcpy(&o.correct, d_cor, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+      }
+      return o;
+    };
+    const Out got = call(c.metrics);
+
+    int bad = 0;
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t t = target_of(i);
+      const double tol = 2e-5 * (1.0 + std::abs(lse_ref[i]) + std::abs(zt_ref[i]));
+      // the loss's error: w_t times the lse's and z_t's, plus the z-loss's 2 z_loss |lse| times the lse's
+      const double wt = t == -100 || !c.class_weight ? 1.0 : cw[t];
+      const bool ok = std::abs(got.lse[i] - lse_ref[i]) <= tol &&
+                      (loss_n == 1 || std::abs(got.loss[i] - loss_row[i]) <=
+                                          tol * ((1.0 - eps) * wt + eps * wsum / V + 2.0 * c.z_loss * std::abs(lse_ref[i])));
+      if (!ok && ++bad <= 5) ADD_FAILURE() << "row " << i << ": lse " << got.lse[i] << " / " << lse_ref[i] << ", loss " << (loss_n == 1 ? 0.0f : got.loss[i]) << " / " << loss_row[i];
+    }
+    EXPECT_EQ(bad, 0);
+    if (loss_n == 1) {
+      const double want = c.reduction == fusedce::Reduction::kMean ? loss_sum / denom : loss_sum;
+      EXPECT_NEAR(got.loss[0], want, 2e-5 * (std::abs(want) + 1.0));
+    }
+    auto check_grad = [&](const char* what, const std::vector<uint16_t>& g, const std::vector<double>& ref) {
+      double mx = 0.0, dot = 0.0, rr = 0.0, r4 = 0.0;
+      for (double v : ref) mx = std::max(mx, std::abs(v));
+      int wrong = 0;
+      for (size_t k = 0; k < ref.size(); ++k) {
+        const double x = bf16_to_float(g[k]);
+        dot += x * ref[k];
+        rr += ref[k] * ref[k];
+        r4 += ref[k] * ref[k] * ref[k] * ref[k];
+        if (!(std::abs(x - ref[k]) <= std::ldexp(1.0, -8) * std::abs(ref[k]) + 1e-2 * mx) && ++wrong <= 3) {
+          ADD_FAILURE() << what << "[" << k << "]: " << x << " / " << ref[k] << " (largest " << mx << ")";
+        }
+      }
+      EXPECT_EQ(wrong, 0) << what;
+      // The projection averages the roundings over the elements that carry the norm, (sum ref^2)^2
+      // / sum ref^4 of them: a few (V = 2: grad_weight's 64 elements, two of them dominant)
+      // leave it one output rounding (2^-9) from 1, and only the elementwise check applies.
+      if (rr * rr >= 100.0 * r4) {
+        EXPECT_NEAR(dot / rr, 1.0, 2e-3) << what << ": the projection on the reference";
+      }
+    };
+    check_grad("grad_hidden", got.gh, gh_ref);
+    check_grad("grad_weight", got.gw, gw_ref);
+    if (c.bias) check_grad("grad_bias", got.gb, gb_ref);
+    if (c.metrics) {
+      EXPECT_NEAR(got.entropy, ent_ref, 2e-4 * std::abs(ent_ref) + 1e-3);
+      EXPECT_NEAR(static_cast<double>(got.correct), static_cast<double>(correct_ref), 1.0);
+      const Out plain = call(false);
+      EXPECT_EQ(plain.loss, got.loss);
+      EXPECT_EQ(plain.lse, got.lse);
+      EXPECT_EQ(plain.gh, got.gh);
+      EXPECT_EQ(plain.gw, got.gw);
+    }
+  }
+}
+
+// The window form (asked for) over more than 2^31 logits in one chunk (8193 x 262144, the last row starting at
+// element 2^31; a 5 GiB budget holds every row, so E, the partials and every product index past
+// int32): reduction none, bf16, H = 16, logits exact in bf16 (hidden in {-1, 0, 1}, weight in
+// k / 8) of standard deviation about 4; upstream gradients on four rows (the first, the middle,
+// the last two), 0 elsewhere. Checked against float64: lse and loss at eight rows (2e-5 (1 + |lse|
+// + |z_t|), the float32 sums' rounding), grad_hidden at the four rows and grad_weight over every
+// entry (elementwise 2^-8 |ref| + 1e-2 max |ref|, the bf16 rule of the test above), and that the
+// ignored rows give 0.
+TEST(CudaLinearWindow, MoreThan2To31LogitsInOneChunk) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  int dev = 0;
+  ASSERT_CUDA(cudaGetDevice(&dev));
+  if (!fusedce::cuda::cutlass_products_available(dev)) GTEST_SKIP() << "the window form runs on sm_90 builds with CUTLASS";
+  using fusedce::detail::bf16_to_float;
+  using fusedce::detail::float_to_bf16;
+  constexpr int64_t N = 8193, V = 262144, H = 16;
+  ASSERT_EQ((N - 1) * V, int64_t(1) << 31) << "the last row starts at element 2^31";
+  std::mt19937_64 rng = test_rng();
+  std::vector<uint16_t> hid(N * H), w(V * H);
+  for (auto& x : hid) x = float_to_bf16(static_cast<float>(static_cast<int>(rng() % 3) - 1));
+  for (auto& x : w) x = float_to_bf16(static_cast<float>(static_cast<int>(rng() % 33) - 16) / 8.0f);
+  const std::vector<int64_t> checked{0, 1, 4095, 4096, 8191, 8192, 1234, 7777};
+  const std::vector<int64_t> weighted{0, 4096, 8191, 8192};
+  std::vector<int64_t> tgt(N);
+  for (int64_t i = 0; i < N; ++i) {
+    const bool keep = std::find(checked.begin(), checked.end(), i) != checked.end();
+    tgt[i] = !keep && rng() % 10 < 3 ? -100 : static_cast<int64_t>(rng() % V);
+  }
+  std::vector<float> up(N, 0.0f);
+  for (int64_t i : weighted) up[i] = 0.5f + static_cast<float>(rng() % 100) / 100.0f;
+
+  DeviceAllocs mem;
+  void* d_hid = mem.upload(hid.data(), hid.size() * 2);
+  void* d_w = mem.upload(w.data(), w.size() * 2);
+  void* d_t = mem.upload(tgt.data(), N * 8);
+  void* d_up = mem.upload(up.data(), N * 4);
+  void* d_loss = mem.upload(nullptr, N * 4);
+  void* d_lse = mem.upload(nullptr, N * 4);
+  void* d_gh = mem.upload(nullptr, N * H * 2);
+  void* d_gw = mem.upload(nullptr, V * H * 2);
+  fusedce::Options opt;
+  opt.reduction = fusedce::Reduction::kNone;
+  fusedce::LinearOptions lo;
+  lo.chunk_budget_bytes = size_t(5) << 30;
+  fusedce::ForwardOutputs out;
+  out.loss = fusedce::vector(d_loss, DType::kFloat32, N);
+  out.lse = fusedce::vector(d_lse, DType::kFloat32, N);
+  fusedce::LinearGrads g;
+  g.grad_hidden = fusedce::matrix(d_gh, DType::kBFloat16, N, H);
+  g.grad_weight = fusedce::matrix(d_gw, DType::kBFloat16, V, H);
+  const fusedce::Status st = linear_forward_backward_in(
+      fusedce::detail::LinearForm::kWindow, fusedce::Device::cuda(dev), fusedce::matrix(d_hid, DType::kBFloat16, N, H),
+      fusedce::matrix(d_w, DType::kBFloat16, V, H), fusedce::VectorView{}, fusedce::vector(d_t, DType::kInt64, N), opt,
+      lo, out, fusedce::vector(d_up, DType::kFloat32, N), g);
+  ASSERT_TRUE(st.ok()) << st.message();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<float> loss(N), lse(N);
+  std::vector<uint16_t> gh(N * H), gw(V * H);
+  ASSERT_EQ(cudaMemcpy(loss.data(), d_loss, N * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(lse.data(), d_lse, N * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(gh.data(), d_gh, N * H * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(gw.data(), d_gw, V * H * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+
+  int64_t bad = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    if (tgt[i] == -100 && (loss[i] != 0.0f || lse[i] != 0.0f) && bad++ < 5) {
+      ADD_FAILURE() << "ignored row " << i << ": loss " << loss[i] << ", lse " << lse[i];
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  std::vector<double> gh_ref(N * H, 0.0), gw_ref(V * H, 0.0), z(V);
+  for (int64_t i : checked) {
+    double mx = -INFINITY;
+    for (int64_t j = 0; j < V; ++j) {
+      double x = 0.0;
+      for (int64_t k = 0; k < H; ++k) x += double(bf16_to_float(hid[i * H + k])) * bf16_to_float(w[j * H + k]);
+      z[j] = x;
+      mx = std::max(mx, x);
+    }
+    double s = 0.0;
+    for (int64_t j = 0; j < V; ++j) s += std::exp(z[j] - mx);
+    const double l = mx + std::log(s), zt = z[tgt[i]];
+    const double tol = 2e-5 * (1.0 + std::abs(l) + std::abs(zt));
+    EXPECT_NEAR(lse[i], l, tol) << "row " << i;
+    EXPECT_NEAR(loss[i], l - zt, tol) << "row " << i;
+    if (up[i] == 0.0f) continue;
+    for (int64_t j = 0; j < V; ++j) {
+      const double d = up[i] * (std::exp(z[j] - l) - (j == tgt[i] ? 1.0 : 0.0));
+      for (int64_t k = 0; k < H; ++k) {
+        gh_ref[i * H + k] += d * bf16_to_float(w[j * H + k]);
+        gw_ref[j * H + k] += d * bf16_to_float(hid[i * H + k]);
+      }
+    }
+  }
+  auto check = [&](const char* what, const std::vector<uint16_t>& got, const std::vector<double>& ref) {
+    double mx = 0.0;
+    for (double v : ref) mx = std::max(mx, std::abs(v));
+    ASSERT_GT(mx, 0.0) << what;
+    int64_t wrong = 0;
+    for (size_t k = 0; k < ref.size(); ++k) {
+      const double x = bf16_to_float(got[k]);
+      if (!(std::abs(x - ref[k]) <= std::ldexp(1.0, -8) * std::abs(ref[k]) + 1e-2 * mx) && ++wrong <= 3) {
+        ADD_FAILURE() << what << "[" << k << "]: " << x << " / " << ref[k] << " (largest " << mx << ")";
+      }
+    }
+    EXPECT_EQ(wrong, 0) << what;
+  };
+  check("grad_hidden", gh, gh_ref);
+  check("grad_weight", gw, gw_ref);
 }
 
 }  // namespace

@@ -4,12 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "cuda/ce/plan.h"
 #include "cuda/linear/algo_choice.h"
+#include "cuda/linear/window_plan.h"
 #include "cuda/sizes.h"
 
 namespace fusedce_test {
@@ -516,6 +518,114 @@ TEST(AlgoChoice, NeverASplitKOrReducingCandidate) {
   // The second preference, after the first's only entry is a split-K one.
   list.push_back({24, 7, 1, 0});
   EXPECT_EQ(choose_algorithm(GemmRole::kLogits, 9, 0, list.data(), 4), 3);
+}
+
+// The linear form's window plan (cuda/linear/window_plan.h): bf16 on Hopper with the options
+// whose gradient is a per-row factor (z-loss's included) or a stored per-entry one (the
+// soft-cap's) or a rank-one term (label smoothing's, without the soft-cap), never elsewhere; label
+// smoothing with the soft-cap, low_memory, an H the TMA cannot address or wider than
+// kWindowMaxHidden keeps the logits path; any V takes it. And the
+// window itself: offset 0 inside +-64 powers of two, the tile's own outside.
+TEST(WindowPlan, TakesTheCallsWhoseGradientIsARowFactor) {
+  using fusedce::cuda::window_eligible;
+  using fusedce::cuda::window_offset;
+  using fusedce::cuda::window_tiles;
+  Options plain;
+  EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, plain, false, true));
+  EXPECT_TRUE(window_eligible(fusedce::cuda::kWindowMaxHidden, 151936, DType::kBFloat16, plain, false, true));
+  EXPECT_FALSE(window_eligible(fusedce::cuda::kWindowMaxHidden + 8, 151936, DType::kBFloat16, plain, false, true))
+      << "past the widest hidden size the logits path stays";
+  EXPECT_FALSE(window_eligible(4096, 128256, DType::kBFloat16, plain, false, true));
+  Options rows = plain;  // every per-row-factor option at once
+  rows.logit_scale = -0.8f;
+  rows.reduction = Reduction::kNone;
+  rows.return_metrics = true;
+  rows.ignore_index = 7;
+  EXPECT_TRUE(window_eligible(64, 2, DType::kBFloat16, rows, false, true));
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, plain, false, false)) << "no Hopper kernels";
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kFloat16, plain, false, true));
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kFloat32, plain, false, true));
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, plain, true, true)) << "low_memory";
+  EXPECT_FALSE(window_eligible(2052, 128256, DType::kBFloat16, plain, false, true)) << "H % 8";
+  EXPECT_TRUE(window_eligible(2048, 128257, DType::kBFloat16, plain, false, true)) << "odd V";
+  EXPECT_TRUE(window_eligible(64, 1, DType::kBFloat16, plain, false, true)) << "V = 1";
+  Options o = plain;
+  o.label_smoothing = 0.1f;
+  EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, o, false, true)) << "label smoothing: a rank-one term";
+  o.z_loss = 1e-4f;
+  o.logit_scale = 0.5f;
+  EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, o, false, true)) << "label smoothing, z-loss, scale";
+  o.softcap = 30.0f;
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, o, false, true)) << "label smoothing and the soft-cap";
+  o = plain;
+  o.softcap = 30.0f;
+  EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, o, false, true)) << "soft-cap: stored per entry";
+  o = plain;
+  o.z_loss = 1e-4f;
+  EXPECT_TRUE(window_eligible(2048, 128256, DType::kBFloat16, o, false, true)) << "z-loss: a per-row factor";
+  o = plain;
+  o.logit_scale = INFINITY;
+  EXPECT_FALSE(window_eligible(2048, 128256, DType::kBFloat16, o, false, true)) << "an infinite logit scale";
+
+  EXPECT_EQ(window_offset(0.0f), 0.0f);
+  EXPECT_EQ(window_offset(64.0f), 0.0f);
+  EXPECT_EQ(window_offset(-64.0f), 0.0f);
+  EXPECT_EQ(window_offset(65.0f), 65.0f);
+  EXPECT_EQ(window_offset(-87.0f), -87.0f);
+  EXPECT_EQ(window_tiles(1), 1);
+  EXPECT_EQ(window_tiles(192), 1);
+  EXPECT_EQ(window_tiles(193), 2);
+  EXPECT_EQ(window_tiles(128256), 668);
+  EXPECT_TRUE(fusedce::cuda::window_tile_order(4096).along_m);
+  EXPECT_EQ(fusedce::cuda::window_tile_order(4096).swizzle, 1);
+  EXPECT_EQ(fusedce::cuda::window_tile_order(8191).swizzle, 1);
+  EXPECT_EQ(fusedce::cuda::window_tile_order(8192).swizzle, 8);
+  // Groups that divide the row tiles: 68 of them (8704 rows) in 4s, 66 in 2s, 65 ungrouped.
+  EXPECT_EQ(fusedce::cuda::window_tile_order(8704).swizzle, 4);
+  EXPECT_EQ(fusedce::cuda::window_tile_order(8448).swizzle, 2);
+  EXPECT_EQ(fusedce::cuda::window_tile_order(8320).swizzle, 1);
+  EXPECT_EQ(fusedce::cuda::window_tile_order(8193).swizzle, 1) << "65 row tiles, the last one partial";
+}
+
+// The planner's choice among eligible calls: grad_bias (its bias per accumulator does not hide
+// under the main loop) keeps the logits path unless a test or benchmark asks for the window form;
+// every other option takes it. The metrics never change the form (the contract keeps the loss and
+// every gradient bit-identical with them on or off). A call the form cannot run never takes it,
+// whatever is asked.
+TEST(WindowPlan, ChoosesTheFormWhereItPays) {
+  using fusedce::cuda::window_chosen;
+  using fusedce::cuda::window_pays;
+  using Form = fusedce::detail::LinearForm;
+  Options plain;
+  EXPECT_TRUE(window_pays(plain, false));
+  Options merged = plain;  // what rides the merge and the products
+  merged.label_smoothing = 0.1f;
+  merged.z_loss = 1e-4f;
+  merged.logit_scale = 0.9f;
+  merged.reduction = Reduction::kNone;
+  EXPECT_TRUE(window_pays(merged, false));
+  Options capped = plain;
+  capped.softcap = 30.0f;
+  EXPECT_TRUE(window_pays(capped, false)) << "soft-cap";
+  EXPECT_FALSE(window_pays(plain, true)) << "grad_bias";
+  EXPECT_FALSE(window_pays(merged, true)) << "grad_bias";
+  for (const Options& o : {plain, merged, capped}) {
+    Options metrics = o;
+    metrics.return_metrics = true;
+    for (bool grad_bias : {false, true}) {
+      EXPECT_EQ(window_pays(o, grad_bias), window_pays(metrics, grad_bias)) << "the metrics never decide the form";
+    }
+  }
+
+  Options metrics = plain;
+  metrics.return_metrics = true;
+  EXPECT_TRUE(window_chosen(true, Form::kAuto, plain, false));
+  EXPECT_TRUE(window_chosen(true, Form::kAuto, metrics, false));
+  EXPECT_FALSE(window_chosen(true, Form::kAuto, plain, true));
+  EXPECT_TRUE(window_chosen(true, Form::kWindow, metrics, true)) << "asked for";
+  EXPECT_FALSE(window_chosen(true, Form::kLogits, plain, false)) << "asked for the logits path";
+  EXPECT_FALSE(window_chosen(false, Form::kWindow, plain, false)) << "not eligible: never";
+  EXPECT_FALSE(window_chosen(false, Form::kAuto, plain, false));
 }
 
 }  // namespace

@@ -12,6 +12,15 @@
 // The products run through cuBLASLt (gemm.h); on Hopper the last chunk's bfloat16 grad_weight
 // product is a CUTLASS kernel (cutlass_products.h) that also rounds, else cuBLASLt and a rounding
 // pass.
+// The window form (Hopper, bf16, the options whose gradient is a per-row factor times softmax:
+// window_eligible; taken where it pays: window_chosen) replaces steps 1 and 2: the logits product's epilogue stores E = exp(z - k)
+// in the logit buffer (k = 0 for every 192-wide tile whose largest logit lies within about 44
+// nats of 0) with per-(row, tile) sums and offsets; a merge forms each row's loss, lse and factor
+// r (dlogits = r E, the target's entry of E rewritten; z-loss's per-row softmax factor rides r),
+// a rebase brings the few rows whose tiles took different offsets (or whose z-loss and likelihood
+// factors cancel) to one; then grad_weight (+)= E^T bf16(r h) and grad_hidden = bf16(r (E W))
+// (cuBLASLt's float32 product, scaled and rounded once). No pass reads or writes the logits
+// beyond the products (window_forward.h, window_kernels.h).
 // low_memory (with grad_weight): the float32 (V, H) accumulator would break the 512 MiB bound, so
 // step 3 leaves grad_weight out and a second pass forms it slice by slice of the vocabulary: for
 // each slice, the logits of every position over the slice's columns are recomputed (a product),
@@ -73,6 +82,9 @@
 #include "cuda/host_util.h"
 #include "cuda/linear/linear.h"
 #include "cuda/linear/size_ladder.h"
+#include "cuda/linear/window_forward.h"
+#include "cuda/linear/window_kernels.h"
+#include "cuda/linear/window_plan.h"
 
 namespace fusedce {
 namespace cuda {
@@ -140,6 +152,8 @@ struct LinearPlan {
   bool gw_via_acc;       // 16-bit grad_weight summed over chunks in a float32 accumulator
   bool logits_in_gw;     // the logit buffer borrows the 16-bit grad_weight output (see plan_linear)
   bool pad_weight;       // grad_hidden from a copy of the weight padded to ld_logits rows
+  bool window;           // the window form: allowed (window_eligible) and chosen (window_chosen)
+  bool win_smooth;       // ... with label smoothing: its vectors and the products' extra K rows
   size_t buffer_bytes;   // the logit buffer
   size_t slice_acc_bytes;
   int64_t chunk_rows;  // rows the logit buffer holds: the most a chunk has
@@ -148,7 +162,9 @@ struct LinearPlan {
   Options ce_options;  // the per-chunk cross-entropy call's options
   // workspace byte offsets
   size_t gemm_ws, logits, ce_ws, ce_ws_bytes, ones, gw_acc, gb_acc, eff_target, idx, scalars, target_c, grad_p,
-      loss_c, lse_p, row_loss, chunk_entropy, chunk_correct, hidden_c, gh_c, slice_acc, weight_pad, total;
+      loss_c, lse_p, row_loss, chunk_entropy, chunk_correct, hidden_c, gh_c, slice_acc, weight_pad, win_sum,
+      win_offset, win_r, win_r16, win_rescale, win_kmax, win_entry, win_flag, win_scratch, win_centred, win_top, win_top_col, win_entropy,
+      win_correct, win_q, win_svec, win_u, win_partial, total;
 };
 
 struct Scalars {  // device-side batch scalars written by the prepare and product-scale kernels
@@ -192,7 +208,7 @@ SlicePlan plan_slices(const LinearPlan& p, int64_t positions) {
 }
 
 LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int64_t V, DType dtype, const Options& o,
-                       const LinearOptions& lo, bool want_gh, bool want_gw, bool want_gb) {
+                       const LinearOptions& lo, bool want_gh, bool want_gw, bool want_gb, detail::LinearForm form) {
   LinearPlan p{};
   p.N = N;
   p.H = H;
@@ -208,8 +224,23 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   const size_t el = elem_size(dtype);
   const int64_t per16 = static_cast<int64_t>(16 / el);
   p.ld_logits = (V + per16 - 1) / per16 * per16;
-  // Per row of a chunk: its logits, and (compacting) its gathered hidden row and grad_hidden row.
-  const size_t row_bytes = size_t(p.ld_logits) * el + (p.compact ? size_t(H) * el * (p.grad_hidden ? 2 : 1) : 0);
+  p.window = window_chosen(window_eligible(H, V, dtype, o, lo.low_memory,
+                                           dtype == DType::kBFloat16 && cutlass_products_available(device.index)),
+                           form, o, p.grad_bias);
+  p.win_smooth = p.window && o.label_smoothing != 0.0f;
+  // Label smoothing's extra rows of the gradient products' K (window_math::smooth_part): E's
+  // after a chunk's rows, the scaled hidden operand's and bf16(r)'s after theirs.
+  const int64_t smooth_rows = p.win_smooth && p.grad ? kSmoothRows : 0;
+  // Per row of a chunk: its logits, and (compacting) its gathered hidden row and grad_hidden row;
+  // in the window form its partials and factors, and the row of the scratch that holds
+  // grad_weight's scaled hidden operand, then grad_hidden's float32 product.
+  const size_t scratch_row = p.grad_hidden ? size_t(H) * 4 : p.grad_weight ? size_t(H) * 2 : 0;
+  const size_t window_row =
+      p.window ? size_t(window_tiles(V)) * (p.metrics ? 20 : 8) + 17 + (p.grad_bias ? 2 : 0) + (p.metrics ? 5 : 0) +
+                     (smooth_rows ? 4 : 0) + scratch_row
+               : 0;
+  const size_t row_bytes =
+      size_t(p.ld_logits) * el + (p.compact ? size_t(H) * el * (p.grad_hidden ? 2 : 1) : 0) + window_row;
   auto set_chunks = [&](size_t budget) {
     int64_t rows = static_cast<int64_t>(budget / row_bytes);
     // Whole tiles of 128 rows for the products when the rows need several chunks anyway; a
@@ -238,6 +269,7 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   } else {
     set_chunks(default_chunk_budget(V, H));
   }
+  p.buffer_bytes += size_t(smooth_rows) * p.ld_logits * el;
   // 16-bit grad_weight over several chunks sums them in a float32 accumulator.
   p.gw_via_acc = acc16 && p.max_chunks > 1;
   // Then the grad_weight output holds nothing until the accumulator is rounded into it after
@@ -295,6 +327,30 @@ LinearPlan plan_linear(Job job, const Device& device, int64_t N, int64_t H, int6
   p.gh_c = p.compact && p.grad_hidden ? take(size_t(C) * H * el) : 0;
   p.slice_acc = p.slice_acc_bytes ? take(p.slice_acc_bytes) : 0;
   p.weight_pad = p.pad_weight ? take(size_t(p.ld_logits) * H * el) : 0;
+  if (p.window) {
+    p.win_sum = take(size_t(C) * window_tiles(V) * 4);
+    p.win_offset = take(size_t(C) * window_tiles(V) * 4);
+    p.win_r = take(size_t(C) * 4);
+    p.win_rescale = take(size_t(C) * 4);
+    p.win_r16 = p.grad_bias ? take(size_t(C + smooth_rows) * 2) : 0;
+    p.win_kmax = take(size_t(C) * 4);
+    p.win_entry = take(size_t(C) * 4);
+    p.win_flag = take(size_t(C));
+    p.win_scratch = scratch_row ? take(size_t(C) * scratch_row + size_t(smooth_rows) * H * 2) : 0;
+    if (p.win_smooth) {
+      p.win_svec = take(size_t(H + 1) * 4);
+      p.win_partial = take(size_t(ColumnSumParams::kMaxSlices) * (H + 1) * 4);
+      p.win_q = smooth_rows ? take(size_t(C) * 4) : 0;
+      p.win_u = smooth_rows ? take(size_t(H + 1) * 4) : 0;
+    }
+    if (p.metrics) {
+      p.win_centred = take(size_t(C) * window_tiles(V) * 4);
+      p.win_top = take(size_t(C) * window_tiles(V) * 4);
+      p.win_top_col = take(size_t(C) * window_tiles(V) * 4);
+      p.win_entropy = take(size_t(C) * 4);
+      p.win_correct = take(size_t(C));
+    }
+  }
   p.total = at;
   return p;
 }
@@ -316,7 +372,8 @@ class LinearRun {
         logits_(logits),
         stream_(static_cast<cudaStream_t>(call.device.stream)),
         dev_(call.device),
-        cutlass_(plan.dtype == DType::kBFloat16 && cutlass_products_available(call.device.index)) {}
+        cutlass_(plan.dtype == DType::kBFloat16 && cutlass_products_available(call.device.index)),
+        window_(plan.window) {}
 
   Status run() {
     if (p_.compact) {
@@ -334,6 +391,7 @@ class LinearRun {
       FUSEDCE_TRY(last_error("filling the ones vector"));
     }
     if (p_.pad_weight) FUSEDCE_TRY(pad_weight());
+    if (p_.win_smooth) FUSEDCE_TRY(smooth_vector());
     const int64_t step = balanced_rows(positions, p_.chunk_rows);
     int64_t chunk = 0;
     for (int64_t p0 = 0; p0 < positions; p0 += step, ++chunk) {
@@ -364,6 +422,24 @@ class LinearRun {
       return last_error("padding the weight");
     }
     return Status::Ok();
+  }
+
+  /// Label smoothing in the window form: sum_j v_j w_j (H) and sum_j v_j b_j into win_svec, v the
+  /// class weights or 1 (the merge's row sums of the logits, grad_hidden's uniform term).
+  Status smooth_vector() {
+    ColumnSumParams c{};
+    c.x = c_.weight.data;
+    c.ld = c_.weight.row_stride;
+    c.rows = p_.V;
+    c.cols = p_.H;
+    c.w = static_cast<const float*>(c_.options.class_weight.data);
+    c.w_stride = c_.options.class_weight.stride;
+    c.last = c_.bias.data;
+    c.partial = at_as<float>(p_.win_partial);
+    c.slices = static_cast<int>(std::min<int64_t>(ColumnSumParams::kMaxSlices, std::max<int64_t>(p_.V, 1)));
+    c.out = at_as<float>(p_.win_svec);
+    launch_column_sums(c, stream_);
+    return last_error("label smoothing's weight sums");
   }
 
   Status prepare() {
@@ -427,8 +503,10 @@ class LinearRun {
 
   /// The last chunk's grad_weight product with a float32 accumulator: where the CUTLASS kernel
   /// runs, accumulator + product rounded once straight into the 16-bit grad_weight (finish then
-  /// has no rounding pass to run); else `into_acc` (cuBLASLt) as every other chunk.
-  Status last_weight_product(const GemmCall& into_acc, const void* hidden, int64_t ld_hidden, int64_t rows) {
+  /// has no rounding pass to run); else `into_acc` (cuBLASLt) as every other chunk. `alpha`: the
+  /// product's factor on the device, as into_acc's scale (null: 1).
+  Status last_weight_product(const GemmCall& into_acc, const void* hidden, int64_t ld_hidden, int64_t rows,
+                             const float* alpha) {
     if (cutlass_ && !p_.logits_in_gw) {
       const MatrixView& gw = c_.grads.grad_weight;
       RoundedWeightProduct q{};
@@ -443,7 +521,7 @@ class LinearRun {
       q.ld_acc = p_.H;
       q.grad_weight = gw.data;
       q.ld_grad_weight = gw.row_stride;
-      q.alpha = scalars()->scale;
+      q.alpha = alpha;
       q.stream = stream_;
       q.device = c_.device.index;
       Status s = run_rounded_weight_product(q);
@@ -466,11 +544,236 @@ class LinearRun {
   }
 
   GemmCall base_gemm() const { return gemm_on(at(p_.gemm_ws), stream_, c_.device.index); }
+
+  /// A chunk's grad_weight product: grad_weight^T (H x V) (+)= hidden (H x rows) . dlogits (rows
+  /// x V), times the device scalar alpha (null: 1); straight into grad_weight for float32 or one
+  /// chunk, else into the float32 accumulator (the last chunk's by last_weight_product).
+  Status weight_product(const GemmOperand& hidden, const GemmOperand& dlogits, int64_t chunk, bool last,
+                        const float* alpha) {
+    const MatrixView& gw = c_.grads.grad_weight;
+    const bool direct = !p_.gw_via_acc;
+    GemmCall w = base_gemm();
+    w.scale = alpha;
+    w.a = hidden;
+    w.b = dlogits;
+    w.transpose_b = true;
+    w.d = direct ? gw.data : at(p_.gw_acc);
+    w.d_dtype = direct ? p_.dtype : DType::kFloat32;
+    w.m = p_.H;
+    w.n = p_.V;
+    w.ld_d = direct ? gw.row_stride : p_.H;
+    w.beta = chunk == 0 ? 0.0f : 1.0f;
+    w.role = grad_weight_role(direct);
+    if (last && chunk > 0 && p_.gw_via_acc) return last_weight_product(w, hidden.data, hidden.ld, dlogits.cols, alpha);
+    return gemm(w);
+  }
   /// A gradient product: base_gemm scaled by the upstream gradient the dlogits do not carry.
+  /// A chunk's grad_bias product: the float32 accumulator (V x 1) (+)= dlogits^T (V x rows) . vec
+  /// (rows x 1), times the device scalar alpha (null: 1); the first chunk writes it.
+  Status bias_product(const GemmOperand& dlogits, const GemmOperand& vec, int64_t chunk, const float* alpha) {
+    GemmCall b = base_gemm();
+    b.scale = alpha;
+    b.a = dlogits;
+    b.b = vec;
+    b.d = at(p_.gb_acc);
+    b.d_dtype = DType::kFloat32;
+    b.m = p_.V;
+    b.n = 1;
+    b.ld_d = p_.V;
+    b.beta = chunk == 0 ? 0.0f : 1.0f;
+    return gemm(b);
+  }
+
   GemmCall grad_gemm() const {
     GemmCall g = base_gemm();
     g.scale = scalars()->scale;
     return g;
+  }
+
+  /// A chunk in the window form (window_forward.h, window_kernels.h), its rows gathered: the
+  /// logits product with E and the partials in its epilogue; the merge (loss, lse, each row's
+  /// factor r, the target entries); then, with gradients, window_gradients.
+  /// `done` false (nothing launched): the product cannot run here, and the call keeps the logits
+  /// path from this chunk on.
+  Status window_chunk(int64_t p0, int64_t nc, int64_t chunk, bool last, const void* hc, int64_t ldh, bool* done) {
+    WindowForward f{};
+    f.rows = nc;
+    f.V = p_.V;
+    f.H = p_.H;
+    f.hidden = hc;
+    f.ld_hidden = ldh;
+    f.weight = c_.weight.data;
+    f.ld_weight = c_.weight.row_stride;
+    f.scale = c_.options.logit_scale;
+    f.softcap = c_.options.softcap;
+    f.bias = c_.bias.data;
+    f.store_e = p_.grad;
+    f.e = logits_;
+    f.ld_e = p_.ld_logits;
+    f.sum = at_as<float>(p_.win_sum);
+    f.offset = at_as<float>(p_.win_offset);
+    f.metrics = p_.metrics;
+    f.centred = p_.metrics ? at_as<float>(p_.win_centred) : nullptr;
+    f.top = p_.metrics ? at_as<float>(p_.win_top) : nullptr;
+    f.top_col = p_.metrics ? at_as<int>(p_.win_top_col) : nullptr;
+    f.stream = stream_;
+    f.device = c_.device.index;
+    const Status s = run_window_forward(f);
+    if (s.code() == StatusCode::kUnsupported) {
+      window_ = false;
+      return Status::Ok();
+    }
+    FUSEDCE_TRY(s);
+    *done = true;
+
+    WindowMergeParams m{};
+    m.sum = f.sum;
+    m.offset = f.offset;
+    m.n = nc;
+    m.tiles = window_tiles(p_.V);
+    m.V = p_.V;
+    m.H = p_.H;
+    m.hidden = hc;
+    m.ld_hidden = ldh;
+    m.weight = c_.weight.data;
+    m.ld_weight = c_.weight.row_stride;
+    m.target = at_as<int64_t>(p_.target_c);
+    m.ignore_index = c_.options.ignore_index;
+    m.class_weight = static_cast<const float*>(c_.options.class_weight.data);
+    m.weight_stride = c_.options.class_weight.stride;
+    m.lc = detail::make_loss_constants(c_.options, p_.V, 0.0f);
+    m.weight_sum = &scalars()->weight_sum;
+    m.smooth = p_.win_smooth ? at_as<float>(p_.win_svec) : nullptr;
+    m.q = p_.grad && p_.win_smooth ? at_as<float>(p_.win_q) : nullptr;
+    m.bias = c_.bias.data;
+    m.r16 = p_.grad_bias ? at(p_.win_r16) : nullptr;
+    m.centred = f.centred;
+    m.top = f.top;
+    m.top_col = f.top_col;
+    m.entropy = p_.metrics ? at_as<float>(p_.win_entropy) : nullptr;
+    m.correct = p_.metrics ? at_as<uint8_t>(p_.win_correct) : nullptr;
+    m.grad = p_.grad ? at_as<float>(p_.grad_p) + p0 : nullptr;
+    m.alpha = p_.grad ? &scalars()->scale[0] : nullptr;
+    m.e = logits_;
+    m.ld_e = p_.ld_logits;
+    m.loss = at_as<float>(p_.loss_c);
+    m.lse = at_as<float>(p_.lse_p) + p0;
+    m.r = at_as<float>(p_.win_r);
+    m.rescale = at_as<float>(p_.win_rescale);
+    m.kmax = at_as<float>(p_.win_kmax);
+    m.target_entry = at_as<float>(p_.win_entry);
+    m.rebase = at_as<uint8_t>(p_.win_flag);
+    launch_window_merge(m, stream_);
+    FUSEDCE_TRY(last_error("the window merge kernel"));
+    if (p_.metrics) {
+      launch_window_metrics(WindowMetricsParams{m.entropy, m.correct, nc, at_as<float>(p_.chunk_entropy) + chunk,
+                                                at_as<int64_t>(p_.chunk_correct) + chunk},
+                            stream_);
+      FUSEDCE_TRY(last_error("the window metrics kernel"));
+    }
+    if (!p_.grad) return Status::Ok();
+    return window_gradients(p0, nc, chunk, last, hc, ldh, m);
+  }
+
+  /// The window form's gradients of a chunk after its merge `m`: the rebase of the flagged rows,
+  /// label smoothing's extra rows, grad_weight (+)= E^T bf16(r h), grad_hidden = bf16(r (E W)) and
+  /// grad_bias (+)= E^T bf16(r), the rows' factor riding the hidden operand and the float32
+  /// product respectively, so that no pass forms dlogits.
+  Status window_gradients(int64_t p0, int64_t nc, int64_t chunk, bool last, const void* hc, int64_t ldh,
+                          const WindowMergeParams& m) {
+    const DType d = p_.dtype;
+    const size_t el = elem_size(d);
+    WindowRebaseParams rb{};
+    rb.e = logits_;
+    rb.ld_e = p_.ld_logits;
+    rb.n = nc;
+    rb.V = p_.V;
+    rb.tiles = m.tiles;
+    rb.offset = m.offset;
+    rb.kmax = m.kmax;
+    rb.rescale = m.rescale;
+    rb.rebase = m.rebase;
+    rb.target = m.target;
+    rb.target_entry = m.target_entry;
+    launch_window_rebase(rb, stream_);
+    FUSEDCE_TRY(last_error("the window rebase kernel"));
+
+    void* scratch = at(p_.win_scratch);
+    const GemmOperand weight_op{c_.weight.data, d, p_.H, p_.V, c_.weight.row_stride};  // H x V
+    const GemmOperand e_op{logits_, d, p_.V, nc, p_.ld_logits};                       // V x nc
+    // Label smoothing: grad_weight's and grad_bias's products run over ks more rows of K.
+    const int64_t ks = p_.win_smooth ? kSmoothRows : 0;
+    if (ks != 0 && (p_.grad_weight || p_.grad_bias)) FUSEDCE_TRY(smooth_extra_rows(nc, hc, ldh, m, scratch));
+    const GemmOperand e_k{logits_, d, p_.V, nc + ks, p_.ld_logits};  // V x (nc + ks)
+    if (p_.grad_weight) {
+      // hidden' (nc x H, dense) = bf16(r h): the rows' factor on the other operand
+      RowScaleParams hs{hc, false, ldh, m.r, scratch, p_.H, nc, p_.H, nullptr, nullptr};
+      launch_row_scale(hs, stream_);
+      FUSEDCE_TRY(last_error("scaling the hidden rows"));
+      // grad_weight^T (H x V) (+)= hidden' (H x (nc + ks)) . E ((nc + ks) x V), alpha 1 (r rides
+      // hidden')
+      FUSEDCE_TRY(weight_product(GemmOperand{scratch, d, p_.H, nc + ks, p_.H}, e_k, chunk, last, nullptr));
+    }
+    if (p_.grad_hidden) {
+      // (E W)^T (H x nc, float32) = weight (H x V) . E^T (V x nc), over ld_logits columns where
+      // the weight is padded (E's padding columns zeroed), then bf16(r .) into grad_hidden
+      GemmCall h = base_gemm();
+      h.a = weight_op;
+      h.b = e_op;
+      if (p_.pad_weight) {
+        if (cudaMemset2DAsync(static_cast<char*>(logits_) + p_.V * el, size_t(p_.ld_logits) * el, 0,
+                              size_t(p_.ld_logits - p_.V) * el, size_t(nc), stream_) != cudaSuccess) {
+          return last_error("zeroing E's padding");
+        }
+        h.a = GemmOperand{at(p_.weight_pad), d, p_.H, p_.ld_logits, p_.H};
+        h.b = GemmOperand{logits_, d, p_.ld_logits, nc, p_.ld_logits};
+      }
+      h.d = scratch;
+      h.d_dtype = DType::kFloat32;
+      h.m = p_.H;
+      h.n = nc;
+      h.ld_d = p_.H;
+      FUSEDCE_TRY(gemm(h));
+      const MatrixView& gh = c_.grads.grad_hidden;
+      void* out = p_.compact ? at(p_.gh_c) : static_cast<char*>(gh.data) + size_t(p0) * gh.row_stride * el;
+      RowScaleParams rs{scratch, true, p_.H, m.r, out, p_.compact ? p_.H : gh.row_stride, nc, p_.H, m.q,
+                        p_.win_smooth ? at_as<float>(p_.win_svec) : nullptr};
+      launch_row_scale(rs, stream_);
+      FUSEDCE_TRY(last_error("scaling grad_hidden's rows"));
+    }
+    if (p_.grad_bias) {
+      // grad_bias (+)= E^T bf16(r): the column sums of the dlogits (alpha 1: r carries the
+      // mean's scale)
+      FUSEDCE_TRY(bias_product(e_k, GemmOperand{m.r16, d, nc + ks, 1, nc + ks}, chunk, nullptr));
+    }
+    return Status::Ok();
+  }
+
+  /// Label smoothing's kSmoothRows extra rows of the gradient products' K (window_math::smooth_part)
+  /// after a chunk's nc rows: E's hold v's parts, the scaled hidden operand's (in `scratch`) those
+  /// of u = sum_i q_i h_i, bf16(r)'s those of sum_i q_i.
+  Status smooth_extra_rows(int64_t nc, const void* hc, int64_t ldh, const WindowMergeParams& m, void* scratch) {
+    const size_t el = elem_size(p_.dtype);
+    ColumnSumParams u{};
+    u.x = hc;
+    u.ld = ldh;
+    u.rows = nc;
+    u.cols = p_.H;
+    u.w = m.q;
+    u.w_stride = 1;
+    u.last_ones = true;
+    u.partial = at_as<float>(p_.win_partial);
+    u.slices = static_cast<int>(std::min<int64_t>(ColumnSumParams::kMaxSlices, nc));
+    u.out = at_as<float>(p_.win_u);
+    u.split = p_.grad_weight ? static_cast<char*>(scratch) + size_t(nc) * p_.H * el : nullptr;
+    u.ld_split = p_.H;
+    u.split_last = p_.grad_bias ? static_cast<char*>(m.r16) + size_t(nc) * el : nullptr;
+    launch_column_sums(u, stream_);
+    FUSEDCE_TRY(last_error("label smoothing's row sums"));
+    launch_smooth_rows(SmoothRowsParams{static_cast<char*>(logits_) + size_t(nc) * p_.ld_logits * el, p_.ld_logits,
+                                        p_.V, m.class_weight, m.weight_stride},
+                       stream_);
+    return last_error("label smoothing's rows of E");
   }
 
   Status run_chunk(int64_t p0, int64_t nc, int64_t chunk, bool last) {
@@ -500,6 +803,11 @@ class LinearRun {
 
     const void* hc = p_.compact ? at(p_.hidden_c) : hidden_row(p0);
     const int64_t ldh = p_.compact ? p_.H : c_.hidden.row_stride;
+    if (window_) {
+      bool done = false;
+      FUSEDCE_TRY(window_chunk(p0, nc, chunk, last, hc, ldh, &done));
+      if (done) return scatter(p0, nc);
+    }
     const GemmOperand hidden_op{hc, d, p_.H, nc, ldh};                           // H x nc
     const GemmOperand weight_op{c_.weight.data, d, p_.H, p_.V, c_.weight.row_stride};  // H x V
     void* logits = logits_;
@@ -571,40 +879,19 @@ class LinearRun {
     }
     if (p_.grad_weight && !p_.low_memory) {
       // grad_weight^T (H x V) (+)= hidden_c (H x nc) . dlogits (nc x V)
-      const MatrixView& gw = c_.grads.grad_weight;
-      const bool direct = !p_.gw_via_acc;  // float32, or one chunk: straight into grad_weight
-      GemmCall w = grad_gemm();
-      w.a = hidden_op;
-      w.b = dlogits_op;
-      w.transpose_b = true;
-      w.d = direct ? gw.data : at(p_.gw_acc);
-      w.d_dtype = direct ? d : DType::kFloat32;
-      w.m = p_.H;
-      w.n = p_.V;
-      w.ld_d = direct ? gw.row_stride : p_.H;
-      w.beta = chunk == 0 ? 0.0f : 1.0f;
-      w.role = grad_weight_role(direct);
-      if (last && chunk > 0 && p_.gw_via_acc) {
-        FUSEDCE_TRY(last_weight_product(w, hc, ldh, nc));
-      } else {
-        FUSEDCE_TRY(gemm(w));
-      }
+      FUSEDCE_TRY(weight_product(hidden_op, dlogits_op, chunk, last, scalars()->scale));
     }
     if (p_.grad_bias) {
-      // grad_bias (V x 1) (+)= dlogits^T (V x nc) . ones (nc x 1)
-      GemmCall b = grad_gemm();
-      b.a = dlogits_op;
-      b.b = GemmOperand{at(p_.ones), d, nc, 1, nc};
-      b.d = at(p_.gb_acc);
-      b.d_dtype = DType::kFloat32;
-      b.m = p_.V;
-      b.n = 1;
-      b.ld_d = p_.V;
-      b.beta = chunk == 0 ? 0.0f : 1.0f;
-      FUSEDCE_TRY(gemm(b));
+      // grad_bias (+)= dlogits^T ones, times the products' alpha
+      FUSEDCE_TRY(bias_product(dlogits_op, GemmOperand{at(p_.ones), d, nc, 1, nc}, chunk, scalars()->scale));
     }
 
-    // Results of the chunk's positions back to their rows.
+    return scatter(p0, nc);
+  }
+
+  /// The results of the chunk of positions [p0, p0 + nc) back to their rows.
+  Status scatter(int64_t p0, int64_t nc) {
+    const DType d = p_.dtype;
     LinearScatterParams sq{};
     sq.idx = at_as<int64_t>(p_.idx);
     sq.p0 = p0;
@@ -820,6 +1107,7 @@ class LinearRun {
       FUSEDCE_TRY(last_error("filling the ones vector"));
     }
     if (p_.pad_weight) FUSEDCE_TRY(pad_weight());
+    if (p_.win_smooth) FUSEDCE_TRY(smooth_vector());
     // Chunks that do not run leave zero metric partials; finish sums every planned chunk's.
     const int64_t step = balanced_rows(std::max<int64_t>(p_.N, 1), p_.chunk_rows);
     const int64_t chunks = p_.N > 0 ? (p_.N + step - 1) / step : 0;
@@ -975,22 +1263,23 @@ class LinearRun {
   cudaStream_t body_stream_ = nullptr;
   bool padded_ = false;       // chunks at rungs of the size ladder: gather / scatter read the count
   const bool cutlass_;       // bfloat16 on a GPU the CUTLASS product runs on
+  bool window_;              // the window form (off for the rest of the call where it cannot run)
   bool gw_rounded_ = false;  // the last product wrote the 16-bit grad_weight itself
 };
 
 LinearPlan plan_for(const detail::LinearCall& c) {
   return plan_linear(c.job, c.device, c.hidden.rows, c.hidden.cols, c.weight.rows, c.hidden.dtype, c.options,
                      c.linear, c.grads.grad_hidden.data != nullptr, c.grads.grad_weight.data != nullptr,
-                     c.grads.grad_bias.data != nullptr);
+                     c.grads.grad_bias.data != nullptr, c.form);
 }
 
 }  // namespace
 
 size_t linear_workspace_size(Job job, const Device& device, int64_t rows, int64_t hidden_size, int64_t vocab,
                              DType dtype, const Options& options, const LinearOptions& linear,
-                             const LinearGrads& grads) {
+                             const LinearGrads& grads, detail::LinearForm form) {
   return plan_linear(job, device, rows, hidden_size, vocab, dtype, options, linear, !grads.grad_hidden.empty(),
-                     !grads.grad_weight.empty(), !grads.grad_bias.empty())
+                     !grads.grad_weight.empty(), !grads.grad_bias.empty(), form)
       .total;
 }
 

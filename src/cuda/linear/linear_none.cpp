@@ -6,7 +6,7 @@ namespace fusedce {
 namespace cuda {
 
 size_t linear_workspace_size(Job, const Device&, int64_t, int64_t, int64_t, DType, const Options&,
-                             const LinearOptions&, const LinearGrads&) {
+                             const LinearOptions&, const LinearGrads&, detail::LinearForm) {
   return 0;
 }
 

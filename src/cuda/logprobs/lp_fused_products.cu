@@ -40,17 +40,13 @@ using bf16 = cutlass::bfloat16_t;
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 
-/// The gradient's staging buffer: a warp group's 128 x 192 tile as three boxes of 128 rows x 64
-/// columns, the TMA store's unit, each row's 16-byte pieces swizzled (piece k of row r at k ^ (r %
-/// 8), the TMA's 128-byte swizzle) so that a warp's pair stores (8 rows x 4 adjacent words) fall
-/// in 32 different banks.
-inline constexpr int kBoxCols = 64;
-inline constexpr int kBoxRows = 128;
-inline constexpr int kBoxBytes = kBoxCols * kBoxRows * 2;
+/// The gradient's staging buffer (cutlass_run::TileStage).
+using Stage = cutlass_run::TileStage;
+static_assert(Stage::kTileCols == kLpFusedTile, "the stage holds one CTA tile's columns");
 
 /// What the epilogue reads and writes besides the accumulators.
 struct LpEpiParams {
-  cute::TmaDescriptor dl_map;  // gradient, staged: dlogits (cols x rows) in kBoxCols x kBoxRows boxes
+  cute::TmaDescriptor dl_map;  // gradient, staged: dlogits (cols x rows) in the stage's boxes
   LpRows r;            // the rows' targets; r.vocab_start: global index of the product's column 0
   float4* partials;    // statistics: (tile, row) partials, tile-major
   float4* dist;        // with r.dist: the distribution columns' partials, the same layout
@@ -108,59 +104,18 @@ using namespace lp_fused;
 /// dlogits go out through shared memory by TMA stores of whole boxes, else by pair stores from
 /// registers (a half of each 32-byte sector a warp's store touches).
 template <bool kGrad, bool kDist = false, bool kStaged = false>
-class LpEpilogue {
+class LpEpilogue : public cutlass_run::RegisterEpilogueBase<LpEpiParams> {
   static_assert(kGrad || !kStaged, "only the gradient is staged");
  public:
-  struct ThreadEpilogueOp {
-    using ElementOutput = bf16;
-    using ElementAccumulator = float;
-    using ElementCompute = float;
-    using ElementD = bf16;
-    static constexpr int kCount = 2;
-    struct Params {};
-  };
-  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementC = bf16;
-  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
-  using ElementD = bf16;
-  using StrideD = StrideC;
-  using ElementOutput = bf16;
-  using ElementAccumulator = float;
-  using ElementCompute = float;
-  using ElementScalar = float;
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
   // The ping-pong kernel runs its two warp groups' epilogues one after the other (its order
   // barrier), so one buffer serves both.
   struct SharedStorage {
-    alignas(1024) uint8_t stage[kStaged ? kLpFusedTile / kBoxCols * kBoxBytes : 16];
+    alignas(1024) uint8_t stage[kStaged ? Stage::kBytes : 16];
   };
   using TensorStorage = SharedStorage;
-  using Arguments = LpEpiParams;
-  using Params = LpEpiParams;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) {
-    return a;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const&) {
-    return true;
-  }
 
   // p is the kernel's parameter (grid constant), where the TMA store's descriptor must stay.
   CUTLASS_HOST_DEVICE explicit LpEpilogue(Params const& p) : params(p), dl_map(&p.dl_map) {}
-  CUTLASS_DEVICE bool is_source_needed() { return false; }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
             class TiledMma, class ResidueMNK>
@@ -251,7 +206,9 @@ class LpEpilogue {
         }
       }
     }
-    if constexpr (kStaged) store_stage(smem, row0, col0, M, N, thread_idx);
+    if constexpr (kStaged) {
+      Stage::store(dl_map, smem, row0, col0, M, N, thread_idx, static_cast<bf16*>(params.g.dlogits), params.g.ld_dlogits);
+    }
   }
 
  private:
@@ -388,20 +345,6 @@ class LpEpilogue {
                    detail::lp_grad(rg, 0.0f, true) * inv_t};
   }
 
-  /// The stage's byte for tile row rl, tile column lc (kBoxCols columns a box, 128-byte rows,
-  /// their 16-byte pieces swizzled).
-  CUTLASS_DEVICE static int stage_at(int rl, int lc) {
-    const int box = lc / kBoxCols, byte = (lc % kBoxCols) * 2;
-    return box * kBoxBytes + rl * (kBoxCols * 2) + ((((byte >> 4) ^ (rl & 7)) << 4) | (byte & 15));
-  }
-
-  /// A lane's pair of a row in the stage (stage_at's byte, from per-row and constant parts): row
-  /// points at the row's bytes plus the lane's 2 lane_col, sw = (rl % 8) 16, and off (a multiple
-  /// of 8) the pair's column past lane_col (lane_col < 8: the pair stays in off's piece).
-  CUTLASS_DEVICE static uint32_t* stage_pair(char* row, int sw, int off) {
-    return reinterpret_cast<uint32_t*>(row + (off / kBoxCols) * kBoxBytes + ((((off % kBoxCols) / 8) << 4) ^ sw));
-  }
-
   /// store_dlogits into the stage, the whole tile's columns (those past N too: the TMA store
   /// leaves them out, as it does rows past M, which are not written).
   template <int V2, int MN, class Acc, class Coords>
@@ -410,7 +353,7 @@ class LpEpilogue {
                                     int lane_col) {
     if (!row_in) return;
     const int rl = get<0>(tCcD(make_coord(make_coord(0, v1, 0), m, 0)));
-    char* const srow = smem + rl * (kBoxCols * 2) + 2 * lane_col;
+    char* const srow = Stage::row(smem, rl, lane_col);
     const int sw = (rl & 7) << 4;
     if (!live) {  // an ignored row's dlogits are zeros, whatever its logits
       CUTLASS_PRAGMA_UNROLL
@@ -418,7 +361,7 @@ class LpEpilogue {
         CUTLASS_PRAGMA_UNROLL
         for (int v2 = 0; v2 < V2; ++v2) {
           const int off = get<1>(tCcD(make_coord(make_coord(0, v1, v2), m, n))) - lane_col;
-          *stage_pair(srow, sw, off) = 0u;
+          *Stage::pair(srow, sw, off) = 0u;
         }
       }
       return;
@@ -440,7 +383,7 @@ class LpEpilogue {
             float t0 = rg.at_target, t1 = 0.0f;
             round_bf16_pair(t0, t1);
             const uint16_t bits = static_cast<uint16_t>(__float_as_uint(t0) >> 16);
-            *reinterpret_cast<uint16_t*>(smem + stage_at(rl, tl)) = bits;
+            *reinterpret_cast<uint16_t*>(smem + Stage::at(rl, tl)) = bits;
           }
         }
       }
@@ -469,38 +412,9 @@ class LpEpilogue {
         auto c0 = make_coord(make_coord(0, v1, v2), m, n);
         auto c1 = make_coord(make_coord(1, v1, v2), m, n);
         const uint32_t bits = dlogit_pair<kFlush>(acc(c0), acc(c1), c, rg.nl2, rg.A, rg.B);
-        *stage_pair(srow, sw, get<1>(tCcD(c0)) - lane_col) = bits;
+        *Stage::pair(srow, sw, get<1>(tCcD(c0)) - lane_col) = bits;
       }
     }
-  }
-
-  /// The staged tile out: after every thread's stores into the stage (made visible to the TMA
-  /// unit by each thread's proxy fence, then a barrier of the warp group), one thread stores the
-  /// boxes that hold columns below N8 = N rounded down to 8 (the map's width: a TMA store over a
-  /// row's end by less than 16 bytes writes the whole 16-byte piece, past the row's end) and
-  /// waits until the TMA has read them, before the warp group leaves its epilogue: the other
-  /// warp group's epilogue, the stage's next user, starts only when every thread of this one has
-  /// left it (the kernel's order barrier). The columns [N8, N), where this tile holds them, go
-  /// out from the stage by one thread a row.
-  CUTLASS_DEVICE void store_stage(char* smem, int row0, int col0, int M, int N, int thread_idx) const {
-    const int n8 = N & ~7;
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup,
-                                      cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
-    if (thread_idx == 0) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int b = 0; b < kLpFusedTile / kBoxCols; ++b) {
-        if (col0 + b * kBoxCols < n8) SM90_TMA_STORE_2D::copy(dl_map, smem + b * kBoxBytes, col0 + b * kBoxCols, row0);
-      }
-      tma_store_arrive();
-    }
-    if (n8 < N && col0 + kLpFusedTile > n8 && thread_idx < kBoxRows && row0 + thread_idx < M) {
-      bf16* out = static_cast<bf16*>(params.g.dlogits) + int64_t(row0 + thread_idx) * params.g.ld_dlogits;
-      for (int col = n8 > col0 ? n8 : col0; col < N; ++col) {
-        out[col] = *reinterpret_cast<const bf16*>(smem + stage_at(thread_idx, col - col0));
-      }
-    }
-    if (thread_idx == 0) tma_store_wait<0>();
   }
 
   /// Gradient: logprobs_kernels.cu's lp_backward_kernel element for element: with d2 = x c -
@@ -585,13 +499,6 @@ class LpEpilogue {
   const cute::TmaDescriptor* dl_map;
 };
 
-// 128 x 192 ping-pong tiles (a warp group's 128 x 192 float32 accumulators: 192 registers a
-// thread, which the ping-pong kernel's register split allows), a cluster of two CTAs along M
-// sharing the weight's tiles by multicast: the configuration that tied cuBLASLt's logits
-// product at the linear path's shapes (docs/performance.md, "The scaled-exp epilogue").
-using Tile = Shape<_128, _192, _64>;
-using Cluster = Shape<_2, _1, _1>;
-
 using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
 /// The persistent scheduler's tile order: CUTLASS's raster order and swizzle size.
 struct LpTileOrder {
@@ -604,29 +511,13 @@ inline constexpr LpTileOrder kLpTileOrder{RasterOrder::Heuristic, 1};
 /// dev/lp_order's twelve on the backward's vocabulary chunks.
 inline constexpr LpTileOrder kLpGradOrder{RasterOrder::AlongN, 8};
 
+/// The fused products on cutlass_run::RowsProduct (128 x 192 ping-pong tiles, clusters of two).
 template <bool kGrad, bool kDist = false, bool kStaged = false>
 struct FusedKernel {
-  using Epi =
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<LpEpilogue<kGrad, kDist, kStaged>>;
-  using Main = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf16, cutlass::layout::RowMajor, 8, bf16,
-      cutlass::layout::ColumnMajor, 8, float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
-  using GK = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GK>;
-
   static Status run(const LpFusedProduct& p, const LpEpiParams& epi, LpTileOrder order = kLpTileOrder) {
-    using cutlass_run::stride_with_ld;
-    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
-                                  {static_cast<int>(p.rows), static_cast<int>(p.cols), static_cast<int>(p.H), 1},
-                                  {static_cast<const bf16*>(p.hidden), stride_with_ld<typename GK::StrideA>(p.ld_hidden),
-                                   static_cast<const bf16*>(p.weight), stride_with_ld<typename GK::StrideB>(p.ld_weight)},
-                                  epi,
-                                  cutlass_run::hardware_of(p.device)};
-    args.scheduler.raster_order = order.raster;
-    args.scheduler.max_swizzle_size = order.swizzle;
-    return cutlass_run::run<Gemm>(args, p.stream, "the CUTLASS log-probability product");
+    return cutlass_run::RowsProduct<LpEpilogue<kGrad, kDist, kStaged>>::run(
+        p.rows, p.cols, p.H, p.hidden, p.ld_hidden, p.weight, p.ld_weight, epi, order.raster, order.swizzle, p.device,
+        p.stream, "the CUTLASS log-probability product");
   }
 };
 
@@ -657,25 +548,6 @@ Status run_lp_stats_product(const LpFusedProduct& p, float4* partials) {
 
 namespace {
 
-/// The TMA store's map of dlogits, rows x cols of row stride ld_dlogits, in the stage's boxes;
-/// false where the TMA cannot address it (a base not 16-byte aligned, a row stride not a multiple
-/// of 16 bytes).
-bool dlogits_map(const LpFusedProduct& p, const LpFusedGrad& g, cute::TmaDescriptor* map) {
-  if (reinterpret_cast<uintptr_t>(g.dlogits) % 16 || g.ld_dlogits % 8 || g.ld_dlogits >= (int64_t(1) << 36) ||
-      p.cols < 8) {
-    return false;
-  }
-  // the width whole 16-byte pieces fill (store_stage writes the rest)
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.cols & ~int64_t(7)), static_cast<cuuint64_t>(p.rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(g.ld_dlogits) * 2};
-  const cuuint32_t box[2] = {kBoxCols, kBoxRows};
-  const cuuint32_t step[2] = {1, 1};
-  return CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-             map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, g.dlogits, dims, strides, box, step,
-             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 /// run_lp_dlogits_product: whole tiles through the stage where the TMA can address dlogits, else
 /// pair stores; each at its own order unless one is given (dev/lp_order's probe).
 Status run_dlogits(const LpFusedProduct& p, const LpFusedGrad& g, const LpTileOrder* order = nullptr) {
@@ -685,7 +557,7 @@ Status run_dlogits(const LpFusedProduct& p, const LpFusedGrad& g, const LpTileOr
   LpEpiParams epi{};
   epi.r = p.r;
   epi.g = g;
-  if (dlogits_map(p, g, &epi.dl_map)) {
+  if (Stage::map(g.dlogits, p.rows, p.cols, g.ld_dlogits, &epi.dl_map)) {
     return FusedKernel<true, false, true>::run(p, epi, order ? *order : kLpGradOrder);
   }
   return FusedKernel<true>::run(p, epi, order ? *order : kLpTileOrder);
