@@ -119,54 +119,51 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
 
     // The rows' maxima of z log2 e over the tile's columns (a quad holds a row).
     float rmax[kRows];
-    float top[kMetrics ? kRows : 1];  // metrics: the argmax's value and column
-    int top_col[kMetrics ? kRows : 1];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) rmax[r] = -INFINITY;
-    if constexpr (kMetrics) {
+    // one value: y in place of the accumulator, and its row's maximum (b: its column's bias)
+    auto first = [&](int v0, int v1, int v2, int m, bool in, float b) {
+      auto c = make_coord(make_coord(v0, v1, v2), m, 0);
+      const float x = kBias ? acc(c) + b : acc(c);
+      const float y = kSoftcap ? __fmul_rn(tanhf(x * params.cap_in), params.cap_out) : __fmul_rn(x, zs);
+      acc(c) = y;
+      rmax[m * V1 + v1] = fmaxf(rmax[m * V1 + v1], in ? y : -INFINITY);
+    };
+    if constexpr (kBias) {  // columns outer: a column's bias is loaded once for the lane's rows
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) top[r] = -INFINITY, top_col[r] = INT_MAX;
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int m = 0; m < MM; ++m)
-      CUTLASS_PRAGMA_UNROLL
-      for (int v1 = 0; v1 < V1; ++v1)
+      for (int v2 = 0; v2 < V2; ++v2)
         CUTLASS_PRAGMA_UNROLL
-        for (int v2 = 0; v2 < V2; ++v2)
+        for (int v0 = 0; v0 < V0; ++v0) {
+          const int off = get<1>(tCcD(make_coord(make_coord(v0, 0, v2), 0, 0))) - lane_col;
+          const bool in = off < n_left;
+          const float b = in ? __bfloat162float(params.bias[col0 + lane_col + off]) : 0.0f;
           CUTLASS_PRAGMA_UNROLL
-          for (int v0 = 0; v0 < V0; ++v0) {
-            auto c = make_coord(make_coord(v0, v1, v2), m, 0);
-            const int off = get<1>(tCcD(c)) - lane_col;
-            const bool in = off < n_left;
-            float x = acc(c);
-            if constexpr (kBias) {
-              if (in) x += __bfloat162float(params.bias[col0 + lane_col + off]);
-            }
-            const float y = kSoftcap ? __fmul_rn(tanhf(x * params.cap_in), params.cap_out) : __fmul_rn(x, zs);
-            acc(c) = y;
-            rmax[m * V1 + v1] = fmaxf(rmax[m * V1 + v1], in ? y : -INFINITY);
-            if constexpr (kMetrics) {  // top_col: past lane_col here (the same order within a lane)
-              if (in && ahead(y, off, top[m * V1 + v1], top_col[m * V1 + v1])) top[m * V1 + v1] = y, top_col[m * V1 + v1] = off;
-            }
-          }
-    if constexpr (kMetrics) {  // the columns in the matrix, for the quad's comparisons and the merge
+          for (int m = 0; m < MM; ++m)
+            CUTLASS_PRAGMA_UNROLL
+            for (int v1 = 0; v1 < V1; ++v1) first(v0, v1, v2, m, in, b);
+        }
+    } else {  // rows outer, the second sweep's order
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) top_col[r] = top_col[r] == INT_MAX ? INT_MAX : col0 + lane_col + top_col[r];
+      for (int m = 0; m < MM; ++m)
+        CUTLASS_PRAGMA_UNROLL
+        for (int v1 = 0; v1 < V1; ++v1)
+          CUTLASS_PRAGMA_UNROLL
+          for (int v2 = 0; v2 < V2; ++v2)
+            CUTLASS_PRAGMA_UNROLL
+            for (int v0 = 0; v0 < V0; ++v0) {
+              const int off = get<1>(tCcD(make_coord(make_coord(v0, v1, v2), m, 0))) - lane_col;
+              first(v0, v1, v2, m, off < n_left, 0.0f);
+            }
     }
     float koff[kRows], mown[kRows], ssum[kRows], usum[kMetrics ? kRows : 1];
+    // metrics: this lane's first column (past lane_col) holding the row's maximum, found by the
+    // second sweep; exact whenever no value is NaN (a NaN makes the lane's sum NaN, see below)
+    int top_col[kMetrics ? kRows : 1];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
       rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 1));
       rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 2));
-      if constexpr (kMetrics) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int o = 1; o <= 2; o *= 2) {
-          const float v = __shfl_xor_sync(0xffffffffu, top[r], o);
-          const int j = __shfl_xor_sync(0xffffffffu, top_col[r], o);
-          if (ahead(v, j, top[r], top_col[r])) top[r] = v, top_col[r] = j;
-        }
-        usum[r] = 0.0f;
-      }
+      if constexpr (kMetrics) usum[r] = 0.0f, top_col[r] = INT_MAX;
       mown[r] = ceilf(rmax[r]);
       koff[r] = window_offset(mown[r]);
       ssum[r] = 0.0f;
@@ -193,7 +190,11 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
           const float e1 = in1 ? ex2(y1 - koff[r]) : 0.0f;
           ssum[r] += e0 + e1;
           // the entropy partial, centred on the tile's own offset (no cancellation at offset 0)
-          if constexpr (kMetrics) usum[r] = fmaf(e0, y0 - mown[r], fmaf(e1, y1 - mown[r], usum[r]));
+          if constexpr (kMetrics) {
+            usum[r] = fmaf(e0, y0 - mown[r], fmaf(e1, y1 - mown[r], usum[r]));
+            if (in0 && y0 == rmax[r]) top_col[r] = min(top_col[r], off);
+            if (in1 && y1 == rmax[r]) top_col[r] = min(top_col[r], off + 1);
+          }
           if constexpr (kStore) {
             // with the soft-cap the stored entry carries dz/dx's per-entry factor 1 - t^2 (the
             // scale rides the merge's row factor); the sums above take E itself
@@ -209,6 +210,47 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
     if constexpr (kStore) {
       Stage::store(e_map, smem, row0, col0, M, N, thread_idx, reinterpret_cast<cutlass::bfloat16_t*>(params.e),
                    params.ld_e);
+    }
+    float top[kMetrics ? kRows : 1];  // metrics: the argmax's value (its column in top_col)
+    if constexpr (kMetrics) {
+      // A NaN value makes its lane's sum NaN (so might an overflow): then the tile's argmax is
+      // searched again in torch's order (a NaN first), which the equality above cannot express.
+      bool odd = false;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) odd |= !(ssum[r] == ssum[r]);
+      if (__any_sync(0xffffffffu, odd)) {
+        // the lane's argmax of each row in torch's order (window_math::ahead), past lane_col
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) top[r] = -INFINITY, top_col[r] = INT_MAX;
+        CUTLASS_PRAGMA_UNROLL
+        for (int m = 0; m < MM; ++m)
+          CUTLASS_PRAGMA_UNROLL
+          for (int v1 = 0; v1 < V1; ++v1)
+            CUTLASS_PRAGMA_UNROLL
+            for (int v2 = 0; v2 < V2; ++v2)
+              CUTLASS_PRAGMA_UNROLL
+              for (int v0 = 0; v0 < V0; ++v0) {
+                auto c = make_coord(make_coord(v0, v1, v2), m, 0);
+                const int off = get<1>(tCcD(c)) - lane_col;
+                const float y = acc(c);
+                const int r = m * V1 + v1;
+                if (off < n_left && ahead(y, off, top[r], top_col[r])) top[r] = y, top_col[r] = off;
+              }
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) top[r] = top_col[r] == INT_MAX ? -INFINITY : rmax[r];
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        // the columns in the matrix, for the quad's comparisons and the merge
+        top_col[r] = top_col[r] == INT_MAX ? INT_MAX : col0 + lane_col + top_col[r];
+        CUTLASS_PRAGMA_UNROLL
+        for (int o = 1; o <= 2; o *= 2) {
+          const float v = __shfl_xor_sync(0xffffffffu, top[r], o);
+          const int j = __shfl_xor_sync(0xffffffffu, top_col[r], o);
+          if (ahead(v, j, top[r], top_col[r])) top[r] = v, top_col[r] = j;
+        }
+      }
     }
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
