@@ -1501,7 +1501,9 @@ TEST(CudaLinearWindow, ArgmaxFollowsTorchOrder) {
       loss->resize(N);
       EXPECT_EQ(cudaMemcpy(loss->data(), d_loss, N * 4, cudaMemcpyDeviceToHost), cudaSuccess);
       int64_t correct = -1;
-      if (metrics) EXPECT_EQ(cudaMemcpy(&correct, d_cor, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+      if (metrics) {
+        EXPECT_EQ(cudaMemcpy(&correct, d_cor, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+      }
       return correct;
     };
     std::vector<float> loss_on, loss_off;
