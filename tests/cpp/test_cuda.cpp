@@ -1402,8 +1402,9 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
 // The window form's argmax (metrics, asked for) in torch.argmax's order: the first NaN of a row,
 // else the first of its largest logits. Exact ties: the weight rows of one tie set are copies of
 // one another, so their logits are the same bits in float32 as in float64 (one MMA order for
-// every column); a hot row's hidden state is a multiple of its set's row, so that the set holds
-// its maximum by a wide margin (checked on the inputs: no near-tie outside a set). The sets span
+// every column); every row is hot on one set (the set's logit 32, the others about N(0, 2^2)), so
+// that the set holds its maximum by a wide margin (checked on the inputs: no near-tie outside a
+// set). The sets span
 // a lane's column pair, quads, tiles (192 columns) and the partial last tile (V = 1000). The
 // cases: ties only; a hidden row with a NaN (its logits all NaN: its argmax is column 0); a
 // weight row with a NaN (every row's argmax is that column, 450, in the third tile). The
