@@ -47,6 +47,19 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 
+__device__ __forceinline__ float rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/// tanh(u) from w = 2 u log2 e as 1 - 2 / (2^w + 1): two MUFU operations (an exponential and a
+/// reciprocal) and two others, where tanhf spends the same two and about fifteen more. Its error
+/// is absolute, a few float32 ulps of 1: what the soft-capped logit c tanh(u) needs, since the
+/// softmax sees a logit's absolute error. w = +-inf gives +-1 (2^w overflows to inf or flushes
+/// to 0), NaN gives NaN.
+__device__ __forceinline__ float tanh_from_exp2(float w) { return fmaf(-2.0f, rcp(ex2(w) + 1.0f), 1.0f); }
+
 /// What the epilogue reads and writes (window_forward.h's WindowForward, less the host's part).
 struct EpiParams {
   cute::TmaDescriptor e_map;  // kStore: E in the stage's boxes (TileStage::map)
@@ -60,8 +73,9 @@ struct EpiParams {
   int tiles;
   float scale;
   const __nv_bfloat16* bias;  // (V,) added to the accumulators (the kBias variants)
-  // soft-cap c > 0 (the kSoftcap variants): z = c tanh(acc cap_in), y = z log2 e = tanh(.) cap_out,
-  // and the stored entry E (1 - t^2) with t = z / c = y cap_t
+  // soft-cap c > 0 (the kSoftcap variants): z = c tanh(u) with u = acc scale / c, formed from
+  // w = 2 u log2 e = acc cap_in; y = z log2 e = tanh(u) cap_out, and the stored entry E (1 - t^2)
+  // with t = z / c = y cap_t
   float cap_in, cap_out, cap_t;
 };
 
@@ -106,7 +120,7 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
     Tensor cD = make_identity_tensor(make_shape(Int<BM>{}, Int<BN>{}));
     Tensor tCcD = thr_mma.partition_C(cD);  // each value's (row, col) in the tile
     const int row0 = m_tile * BM, col0 = n_tile * BN;
-    // y = z log2 e = (acc + bias) * (scale log2 e) (soft-capped: tanh((acc + bias) cap_in) cap_out),
+    // y = z log2 e = (acc + bias) * (scale log2 e) (soft-capped: tanh(u) cap_out, u from (acc + bias) cap_in),
     // formed once a value by the first sweep, in place (the accumulators are this warp group's
     // alone once its main loop is done): one rounding each, never contracted into what follows,
     // so that every variant gives E, S and m the same bits.
@@ -125,7 +139,7 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
     auto first = [&](int v0, int v1, int v2, int m, bool in, float b) {
       auto c = make_coord(make_coord(v0, v1, v2), m, 0);
       const float x = kBias ? acc(c) + b : acc(c);
-      const float y = kSoftcap ? __fmul_rn(tanhf(x * params.cap_in), params.cap_out) : __fmul_rn(x, zs);
+      const float y = kSoftcap ? __fmul_rn(tanh_from_exp2(x * params.cap_in), params.cap_out) : __fmul_rn(x, zs);
       acc(c) = y;
       rmax[m * V1 + v1] = fmaxf(rmax[m * V1 + v1], in ? y : -INFINITY);
     };
@@ -307,7 +321,7 @@ Status run_kernel(const WindowForward& p) {
                 static_cast<int>(window_tiles(p.V)),
                 p.scale,
                 static_cast<const __nv_bfloat16*>(p.bias),
-                kSoftcap ? p.scale / p.softcap : 0.0f,
+                kSoftcap ? 2.0f * kLog2e * p.scale / p.softcap : 0.0f,
                 cap_out,
                 kSoftcap ? 1.0f / cap_out : 0.0f};
   // Under 8 columns no box is stored (TileStage::store: the threads store them all).
