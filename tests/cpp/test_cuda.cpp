@@ -1399,6 +1399,126 @@ TEST(CudaLinearWindow, MatchesFloat64WithRowsOutsideTheWindow) {
   }
 }
 
+// The window form's argmax (metrics, asked for) in torch.argmax's order: the first NaN of a row,
+// else the first of its largest logits. Exact ties: the weight rows of one tie set are copies of
+// one another, so their logits are the same bits in float32 as in float64 (one MMA order for
+// every column); every row is hot on one set (the set's logit 32, the others about N(0, 2^2)), so
+// that the set holds its maximum by a wide margin (checked on the inputs: no near-tie outside a
+// set). The sets span
+// a lane's column pair, quads, tiles (192 columns) and the partial last tile (V = 1000). The
+// cases: ties only; a hidden row with a NaN (its logits all NaN: its argmax is column 0); a
+// weight row with a NaN (every row's argmax is that column, 450, in the third tile). The
+// count of correct rows is compared exactly with the reference (targets on the lowest tie and
+// on a later one), and metrics on and off give the same loss bits where nothing is NaN.
+TEST(CudaLinearWindow, ArgmaxFollowsTorchOrder) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  int dev = 0;
+  ASSERT_CUDA(cudaGetDevice(&dev));
+  if (!fusedce::cuda::cutlass_products_available(dev)) GTEST_SKIP() << "the window form runs on sm_90 builds with CUTLASS";
+  using fusedce::detail::bf16_to_float;
+  using fusedce::detail::float_to_bf16;
+  constexpr int64_t N = 300, H = 16, V = 1000;
+  const std::vector<std::vector<int64_t>> sets = {{5, 200, 201, 383, 999}, {400, 401, 590, 768}, {961, 962, 998}};
+  struct Case {
+    const char* name;
+    bool nan_hidden, nan_weight;
+  };
+  const Case cases[] = {{"ties", false, false}, {"ties, a NaN hidden row", true, false}, {"ties, a NaN weight row", false, true}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::mt19937_64 rng = test_rng();
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<uint16_t> hid(N * H), w(V * H);
+    // set s: weight rows 4 e_s; the other rows 0.25 N(0, 1); a hot row of set s: 8 e_s plus 0.5
+    // N(0, 1) off dimension s, so that the set's logit is 32 and the others about N(0, 2^2)
+    for (auto& x : w) x = float_to_bf16(0.25f * normal(rng));
+    for (size_t s = 0; s < sets.size(); ++s)
+      for (int64_t j : sets[s])
+        for (int64_t k = 0; k < H; ++k) w[j * H + k] = float_to_bf16(k == int64_t(s) ? 4.0f : 0.0f);
+    std::vector<int64_t> tgt(N);
+    for (int64_t i = 0; i < N; ++i) {
+      const size_t s = i % sets.size();
+      for (int64_t k = 0; k < H; ++k) hid[i * H + k] = float_to_bf16(k == int64_t(s) ? 8.0f : 0.5f * normal(rng));
+      tgt[i] = i % 5 == 4 ? -100 : sets[s][(i / sets.size()) % sets[s].size()];  // the lowest tie, or a later one
+    }
+    const int64_t nan_row = 37;
+    if (c.nan_hidden) {
+      hid[nan_row * H + 3] = 0x7fc0;  // a quiet NaN
+      tgt[nan_row] = 0;
+    }
+    if (c.nan_weight) {
+      w[450 * H + 7] = 0x7fc0;
+      for (int64_t i = 0; i < N; i += 4) tgt[i] = 450;
+    }
+    // float64 reference: torch.argmax of each row's logits (a NaN first, then the first maximum)
+    int64_t correct_ref = 0;
+    std::vector<double> z(V);
+    for (int64_t i = 0; i < N; ++i) {
+      int64_t am = -1;
+      for (int64_t j = 0; j < V; ++j) {
+        z[j] = 0.0;
+        for (int64_t k = 0; k < H; ++k) z[j] += double(bf16_to_float(hid[i * H + k])) * bf16_to_float(w[j * H + k]);
+        const bool nan = std::isnan(z[j]);
+        if (am < 0 || (nan && !std::isnan(z[am])) || (!std::isnan(z[am]) && z[j] > z[am])) am = j;
+      }
+      if (!std::isnan(z[am])) {
+        double second = -INFINITY;
+        for (int64_t j = 0; j < V; ++j)
+          if (z[j] < z[am]) second = std::max(second, z[j]);
+        ASSERT_GT(z[am] - second, 1.0) << "row " << i << ": a near-tie outside a set";
+      }
+      if (tgt[i] != -100 && tgt[i] == am) ++correct_ref;
+    }
+    ASSERT_GT(correct_ref, 0);
+
+    DeviceAllocs mem;
+    auto upload = [&](const void* host, size_t bytes) { return mem.upload(host, bytes); };
+    void* d_hid = upload(hid.data(), hid.size() * 2);
+    void* d_w = upload(w.data(), w.size() * 2);
+    void* d_t = upload(tgt.data(), N * 8);
+    auto call = [&](bool metrics, std::vector<float>* loss) {
+      void* d_loss = upload(nullptr, N * 4);
+      void* d_ent = upload(nullptr, 4);
+      void* d_cor = upload(nullptr, 8);
+      fusedce::Options opt;
+      opt.reduction = fusedce::Reduction::kNone;
+      opt.return_metrics = metrics;
+      fusedce::ForwardOutputs out;
+      out.loss = fusedce::vector(d_loss, DType::kFloat32, N);
+      if (metrics) {
+        out.entropy_sum = fusedce::vector(d_ent, DType::kFloat32, 1);
+        out.num_correct = fusedce::vector(d_cor, DType::kInt64, 1);
+      }
+      std::vector<float> up(N, 1.0f);
+      fusedce::LinearGrads g;
+      g.grad_hidden = fusedce::matrix(upload(nullptr, N * H * 2), DType::kBFloat16, N, H);
+      g.grad_weight = fusedce::matrix(upload(nullptr, V * H * 2), DType::kBFloat16, V, H);
+      const fusedce::Status st = linear_forward_backward_in(
+          fusedce::detail::LinearForm::kWindow, fusedce::Device::cuda(dev), fusedce::matrix(d_hid, DType::kBFloat16, N, H),
+          fusedce::matrix(d_w, DType::kBFloat16, V, H), fusedce::VectorView{}, fusedce::vector(d_t, DType::kInt64, N), opt,
+          fusedce::LinearOptions{}, out, fusedce::vector(upload(up.data(), N * 4), DType::kFloat32, N), g);
+      EXPECT_TRUE(st.ok()) << st.message();
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      loss->resize(N);
+      EXPECT_EQ(cudaMemcpy(loss->data(), d_loss, N * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      int64_t correct = -1;
+      if (metrics) {
+        EXPECT_EQ(cudaMemcpy(&correct, d_cor, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+      }
+      return correct;
+    };
+    std::vector<float> loss_on, loss_off;
+    EXPECT_EQ(call(true, &loss_on), correct_ref);
+    call(false, &loss_off);
+    if (!c.nan_weight) {
+      for (int64_t i = 0; i < N; ++i) {
+        if (c.nan_hidden && i == nan_row) continue;
+        EXPECT_EQ(0, std::memcmp(&loss_on[i], &loss_off[i], 4)) << "row " << i << ": metrics on and off";
+      }
+    }
+  }
+}
+
 // The window form (asked for) over more than 2^31 logits in one chunk (8193 x 262144, the last row starting at
 // element 2^31; a 5 GiB budget holds every row, so E, the partials and every product index past
 // int32): reduction none, bf16, H = 16, logits exact in bf16 (hidden in {-1, 0, 1}, weight in

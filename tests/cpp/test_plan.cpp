@@ -587,9 +587,8 @@ TEST(WindowPlan, TakesTheCallsWhoseGradientIsARowFactor) {
   EXPECT_EQ(fusedce::cuda::window_tile_order(8193).swizzle, 1) << "65 row tiles, the last one partial";
 }
 
-// The planner's choice among eligible calls: grad_bias (its bias per accumulator does not hide
-// under the main loop) keeps the logits path unless a test or benchmark asks for the window form;
-// every other option takes it. The metrics never change the form (the contract keeps the loss and
+// The planner's choice among eligible calls: every option takes the window form, grad_bias
+// among them, unless a test or benchmark asks for the logits path. The metrics never change the form (the contract keeps the loss and
 // every gradient bit-identical with them on or off). A call the form cannot run never takes it,
 // whatever is asked.
 TEST(WindowPlan, ChoosesTheFormWhereItPays) {
@@ -607,8 +606,8 @@ TEST(WindowPlan, ChoosesTheFormWhereItPays) {
   Options capped = plain;
   capped.softcap = 30.0f;
   EXPECT_TRUE(window_pays(capped, false)) << "soft-cap";
-  EXPECT_FALSE(window_pays(plain, true)) << "grad_bias";
-  EXPECT_FALSE(window_pays(merged, true)) << "grad_bias";
+  EXPECT_TRUE(window_pays(plain, true)) << "grad_bias";
+  EXPECT_TRUE(window_pays(merged, true)) << "grad_bias";
   for (const Options& o : {plain, merged, capped}) {
     Options metrics = o;
     metrics.return_metrics = true;
@@ -621,7 +620,8 @@ TEST(WindowPlan, ChoosesTheFormWhereItPays) {
   metrics.return_metrics = true;
   EXPECT_TRUE(window_chosen(true, Form::kAuto, plain, false));
   EXPECT_TRUE(window_chosen(true, Form::kAuto, metrics, false));
-  EXPECT_FALSE(window_chosen(true, Form::kAuto, plain, true));
+  EXPECT_TRUE(window_chosen(true, Form::kAuto, plain, true)) << "grad_bias";
+  EXPECT_FALSE(window_chosen(true, Form::kLogits, plain, true)) << "asked for the logits path";
   EXPECT_TRUE(window_chosen(true, Form::kWindow, metrics, true)) << "asked for";
   EXPECT_FALSE(window_chosen(true, Form::kLogits, plain, false)) << "asked for the logits path";
   EXPECT_FALSE(window_chosen(false, Form::kWindow, plain, false)) << "not eligible: never";

@@ -47,6 +47,19 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 
+__device__ __forceinline__ float rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/// tanh(u) from w = 2 u log2 e as 1 - 2 / (2^w + 1): two MUFU operations (an exponential and a
+/// reciprocal) and two others, where tanhf spends the same two and about fifteen more. Its error
+/// is absolute, a few float32 ulps of 1: what the soft-capped logit c tanh(u) needs, since the
+/// softmax sees a logit's absolute error. w = +-inf gives +-1 (2^w overflows to inf or flushes
+/// to 0), NaN gives NaN.
+__device__ __forceinline__ float tanh_from_exp2(float w) { return fmaf(-2.0f, rcp(ex2(w) + 1.0f), 1.0f); }
+
 /// What the epilogue reads and writes (window_forward.h's WindowForward, less the host's part).
 struct EpiParams {
   cute::TmaDescriptor e_map;  // kStore: E in the stage's boxes (TileStage::map)
@@ -60,8 +73,9 @@ struct EpiParams {
   int tiles;
   float scale;
   const __nv_bfloat16* bias;  // (V,) added to the accumulators (the kBias variants)
-  // soft-cap c > 0 (the kSoftcap variants): z = c tanh(acc cap_in), y = z log2 e = tanh(.) cap_out,
-  // and the stored entry E (1 - t^2) with t = z / c = y cap_t
+  // soft-cap c > 0 (the kSoftcap variants): z = c tanh(u) with u = acc scale / c, formed from
+  // w = 2 u log2 e = acc cap_in; y = z log2 e = tanh(u) cap_out, and the stored entry E (1 - t^2)
+  // with t = z / c = y cap_t
   float cap_in, cap_out, cap_t;
 };
 
@@ -106,7 +120,7 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
     Tensor cD = make_identity_tensor(make_shape(Int<BM>{}, Int<BN>{}));
     Tensor tCcD = thr_mma.partition_C(cD);  // each value's (row, col) in the tile
     const int row0 = m_tile * BM, col0 = n_tile * BN;
-    // y = z log2 e = (acc + bias) * (scale log2 e) (soft-capped: tanh((acc + bias) cap_in) cap_out),
+    // y = z log2 e = (acc + bias) * (scale log2 e) (soft-capped: tanh(u) cap_out, u from (acc + bias) cap_in),
     // formed once a value by the first sweep, in place (the accumulators are this warp group's
     // alone once its main loop is done): one rounding each, never contracted into what follows,
     // so that every variant gives E, S and m the same bits.
@@ -119,54 +133,51 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
 
     // The rows' maxima of z log2 e over the tile's columns (a quad holds a row).
     float rmax[kRows];
-    float top[kMetrics ? kRows : 1];  // metrics: the argmax's value and column
-    int top_col[kMetrics ? kRows : 1];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) rmax[r] = -INFINITY;
-    if constexpr (kMetrics) {
+    // one value: y in place of the accumulator, and its row's maximum (b: its column's bias)
+    auto first = [&](int v0, int v1, int v2, int m, bool in, float b) {
+      auto c = make_coord(make_coord(v0, v1, v2), m, 0);
+      const float x = kBias ? acc(c) + b : acc(c);
+      const float y = kSoftcap ? __fmul_rn(tanh_from_exp2(x * params.cap_in), params.cap_out) : __fmul_rn(x, zs);
+      acc(c) = y;
+      rmax[m * V1 + v1] = fmaxf(rmax[m * V1 + v1], in ? y : -INFINITY);
+    };
+    if constexpr (kBias) {  // columns outer: a column's bias is loaded once for the lane's rows
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) top[r] = -INFINITY, top_col[r] = INT_MAX;
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int m = 0; m < MM; ++m)
-      CUTLASS_PRAGMA_UNROLL
-      for (int v1 = 0; v1 < V1; ++v1)
+      for (int v2 = 0; v2 < V2; ++v2)
         CUTLASS_PRAGMA_UNROLL
-        for (int v2 = 0; v2 < V2; ++v2)
+        for (int v0 = 0; v0 < V0; ++v0) {
+          const int off = get<1>(tCcD(make_coord(make_coord(v0, 0, v2), 0, 0))) - lane_col;
+          const bool in = off < n_left;
+          const float b = in ? __bfloat162float(params.bias[col0 + lane_col + off]) : 0.0f;
           CUTLASS_PRAGMA_UNROLL
-          for (int v0 = 0; v0 < V0; ++v0) {
-            auto c = make_coord(make_coord(v0, v1, v2), m, 0);
-            const int off = get<1>(tCcD(c)) - lane_col;
-            const bool in = off < n_left;
-            float x = acc(c);
-            if constexpr (kBias) {
-              if (in) x += __bfloat162float(params.bias[col0 + lane_col + off]);
-            }
-            const float y = kSoftcap ? __fmul_rn(tanhf(x * params.cap_in), params.cap_out) : __fmul_rn(x, zs);
-            acc(c) = y;
-            rmax[m * V1 + v1] = fmaxf(rmax[m * V1 + v1], in ? y : -INFINITY);
-            if constexpr (kMetrics) {  // top_col: past lane_col here (the same order within a lane)
-              if (in && ahead(y, off, top[m * V1 + v1], top_col[m * V1 + v1])) top[m * V1 + v1] = y, top_col[m * V1 + v1] = off;
-            }
-          }
-    if constexpr (kMetrics) {  // the columns in the matrix, for the quad's comparisons and the merge
+          for (int m = 0; m < MM; ++m)
+            CUTLASS_PRAGMA_UNROLL
+            for (int v1 = 0; v1 < V1; ++v1) first(v0, v1, v2, m, in, b);
+        }
+    } else {  // rows outer, the second sweep's order
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) top_col[r] = top_col[r] == INT_MAX ? INT_MAX : col0 + lane_col + top_col[r];
+      for (int m = 0; m < MM; ++m)
+        CUTLASS_PRAGMA_UNROLL
+        for (int v1 = 0; v1 < V1; ++v1)
+          CUTLASS_PRAGMA_UNROLL
+          for (int v2 = 0; v2 < V2; ++v2)
+            CUTLASS_PRAGMA_UNROLL
+            for (int v0 = 0; v0 < V0; ++v0) {
+              const int off = get<1>(tCcD(make_coord(make_coord(v0, v1, v2), m, 0))) - lane_col;
+              first(v0, v1, v2, m, off < n_left, 0.0f);
+            }
     }
     float koff[kRows], mown[kRows], ssum[kRows], usum[kMetrics ? kRows : 1];
+    // metrics: this lane's first column (past lane_col) holding the row's maximum, found by the
+    // second sweep; exact whenever no value is NaN (a NaN makes the lane's sum NaN, see below)
+    int top_col[kMetrics ? kRows : 1];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
       rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 1));
       rmax[r] = fmaxf(rmax[r], __shfl_xor_sync(0xffffffffu, rmax[r], 2));
-      if constexpr (kMetrics) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int o = 1; o <= 2; o *= 2) {
-          const float v = __shfl_xor_sync(0xffffffffu, top[r], o);
-          const int j = __shfl_xor_sync(0xffffffffu, top_col[r], o);
-          if (ahead(v, j, top[r], top_col[r])) top[r] = v, top_col[r] = j;
-        }
-        usum[r] = 0.0f;
-      }
+      if constexpr (kMetrics) usum[r] = 0.0f, top_col[r] = INT_MAX;
       mown[r] = ceilf(rmax[r]);
       koff[r] = window_offset(mown[r]);
       ssum[r] = 0.0f;
@@ -193,7 +204,11 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
           const float e1 = in1 ? ex2(y1 - koff[r]) : 0.0f;
           ssum[r] += e0 + e1;
           // the entropy partial, centred on the tile's own offset (no cancellation at offset 0)
-          if constexpr (kMetrics) usum[r] = fmaf(e0, y0 - mown[r], fmaf(e1, y1 - mown[r], usum[r]));
+          if constexpr (kMetrics) {
+            usum[r] = fmaf(e0, y0 - mown[r], fmaf(e1, y1 - mown[r], usum[r]));
+            if (in0 && y0 == rmax[r]) top_col[r] = min(top_col[r], off);
+            if (in1 && y1 == rmax[r]) top_col[r] = min(top_col[r], off + 1);
+          }
           if constexpr (kStore) {
             // with the soft-cap the stored entry carries dz/dx's per-entry factor 1 - t^2 (the
             // scale rides the merge's row factor); the sums above take E itself
@@ -209,6 +224,47 @@ class WindowEpilogue : public cutlass_run::RegisterEpilogueBase<EpiParams> {
     if constexpr (kStore) {
       Stage::store(e_map, smem, row0, col0, M, N, thread_idx, reinterpret_cast<cutlass::bfloat16_t*>(params.e),
                    params.ld_e);
+    }
+    float top[kMetrics ? kRows : 1];  // metrics: the argmax's value (its column in top_col)
+    if constexpr (kMetrics) {
+      // A NaN value makes its lane's sum NaN (so might an overflow): then the tile's argmax is
+      // searched again in torch's order (a NaN first), which the equality above cannot express.
+      bool odd = false;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) odd |= !(ssum[r] == ssum[r]);
+      if (__any_sync(0xffffffffu, odd)) {
+        // the lane's argmax of each row in torch's order (window_math::ahead), past lane_col
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) top[r] = -INFINITY, top_col[r] = INT_MAX;
+        CUTLASS_PRAGMA_UNROLL
+        for (int m = 0; m < MM; ++m)
+          CUTLASS_PRAGMA_UNROLL
+          for (int v1 = 0; v1 < V1; ++v1)
+            CUTLASS_PRAGMA_UNROLL
+            for (int v2 = 0; v2 < V2; ++v2)
+              CUTLASS_PRAGMA_UNROLL
+              for (int v0 = 0; v0 < V0; ++v0) {
+                auto c = make_coord(make_coord(v0, v1, v2), m, 0);
+                const int off = get<1>(tCcD(c)) - lane_col;
+                const float y = acc(c);
+                const int r = m * V1 + v1;
+                if (off < n_left && ahead(y, off, top[r], top_col[r])) top[r] = y, top_col[r] = off;
+              }
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) top[r] = top_col[r] == INT_MAX ? -INFINITY : rmax[r];
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        // the columns in the matrix, for the quad's comparisons and the merge
+        top_col[r] = top_col[r] == INT_MAX ? INT_MAX : col0 + lane_col + top_col[r];
+        CUTLASS_PRAGMA_UNROLL
+        for (int o = 1; o <= 2; o *= 2) {
+          const float v = __shfl_xor_sync(0xffffffffu, top[r], o);
+          const int j = __shfl_xor_sync(0xffffffffu, top_col[r], o);
+          if (ahead(v, j, top[r], top_col[r])) top[r] = v, top_col[r] = j;
+        }
+      }
     }
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -265,7 +321,7 @@ Status run_kernel(const WindowForward& p) {
                 static_cast<int>(window_tiles(p.V)),
                 p.scale,
                 static_cast<const __nv_bfloat16*>(p.bias),
-                kSoftcap ? p.scale / p.softcap : 0.0f,
+                kSoftcap ? 2.0f * kLog2e * p.scale / p.softcap : 0.0f,
                 cap_out,
                 kSoftcap ? 1.0f / cap_out : 0.0f};
   // Under 8 columns no box is stored (TileStage::store: the threads store them all).

@@ -77,13 +77,12 @@ inline bool window_eligible(int64_t H, int64_t V, DType dtype, const Options& o,
 /// epilogue (an exponential, a maximum and a sum per accumulator, E's store) hides under the
 /// other warpgroup's main loop: with no option, with the soft-cap (a tanh per accumulator), with
 /// label smoothing, z-loss, the logit scale and class weights (they ride the merge and the
-/// products). grad_bias (a bias value per accumulator in the epilogue and a fourth product) does
-/// not hide, alone or beside the metrics, so such calls keep the logits path
-/// (docs/performance.md, "Which calls take the window form"). The metrics never decide the form:
-/// the contract keeps the loss and every gradient bit-identical with metrics on or off, and the
-/// two forms round differently. A forward's bias without grad_bias is not visible to the plan
-/// (the size query has no bias argument): such a call keeps the window form.
-inline bool window_pays(const Options& /*o*/, bool grad_bias) { return !grad_bias; }
+/// products), with a bias and grad_bias (a bias value per column of a tile, E's column sums a
+/// pass over E, which the logits path's cross-entropy pass outweighs) (docs/performance.md,
+/// "Which calls take the window form"). The metrics never decide the form: the contract keeps
+/// the loss and every gradient bit-identical with metrics on or off, and the two forms round
+/// differently.
+inline bool window_pays(const Options& /*o*/, bool /*grad_bias*/) { return true; }
 
 /// The form a call takes: `eligible` from window_eligible, `form` the call's choice.
 inline bool window_chosen(bool eligible, detail::LinearForm form, const Options& o, bool grad_bias) {
