@@ -24,7 +24,9 @@
 //   bench/RESULTS.md): gpu, N, H, V, dtype, ignored (the share of ignored targets), variant
 //   (default, skip_ignored, low_memory, chunks_448MiB, all_options, options_no_softcap),
 //   fused_ms, fused_tflops, floor_ms, floor_tflops (the floor's GEMM rate), x_floor,
-//   workspace_mib.
+//   workspace_mib, host_ms (the median time the host takes to return from the fused call, which
+//   enqueues its work without waiting unless an option needs a value back: near fused_ms, the
+//   host and not the GPU sets the pace).
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -109,7 +111,7 @@ struct BareGemm {
 };
 
 template <typename F>
-double median_ms(F&& fn, int iters) {
+double median_ms(F&& fn, int iters, double* host_ms = nullptr) {
   if (iters <= 0) {  // profile mode: one run, no timing (the profiler times each kernel)
     fn();
     CK(cudaDeviceSynchronize());
@@ -120,10 +122,12 @@ double median_ms(F&& fn, int iters) {
   CK(cudaEventCreate(&b));
   fn();
   fn();
-  std::vector<double> ms;
+  std::vector<double> ms, host;
   for (int i = 0; i < iters; ++i) {
     CK(cudaEventRecord(a));
+    const auto h0 = std::chrono::steady_clock::now();
     fn();
+    host.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count());
     CK(cudaEventRecord(b));
     CK(cudaEventSynchronize(b));
     float t;
@@ -131,6 +135,8 @@ double median_ms(F&& fn, int iters) {
     ms.push_back(t);
   }
   std::sort(ms.begin(), ms.end());
+  std::sort(host.begin(), host.end());
+  if (host_ms) *host_ms = host[host.size() / 2];
   return ms[ms.size() / 2];
 }
 
@@ -257,11 +263,12 @@ void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory, bool
       out.num_correct = fusedce::vector(correct, DType::kInt64, 1);
       out.entropy_sum = fusedce::vector(entropy, DType::kFloat32, 1);
     }
+    double t_host = 0.0;
     const double t_fused = median_ms([&] {
       ok(linear_call(form, dev, fusedce::matrix(hid, DType::kBFloat16, N, H), fusedce::matrix(w, DType::kBFloat16, V, H),
                      with_bias ? fusedce::vector(bias, DType::kBFloat16, V) : fusedce::VectorView{},
                      fusedce::vector(dt, DType::kInt64, N), o, lo, out, g, fusedce::Workspace{ws, ws_bytes}));
-    }, iters);
+    }, iters, &t_host);
     std::printf("| %lld x %lld x %lld%s | %.2f ms | %.0f | %.2f ms (%.0f TFLOP/s) | %.3f | %.0f MiB |\n",
                 (long long)N, (long long)H, (long long)V,
                 mode >= 2 ? (std::string(" ") + kModeNames[mode] + form_tag).c_str()
@@ -269,9 +276,9 @@ void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory, bool
                 flops / t_fused / 1e9, t_floor, flops / t_floor / 1e9, t_fused / t_floor, ws_bytes / 1048576.0);
     std::fflush(stdout);
     if (csv) {
-      std::fprintf(csv, "%s,%lld,%lld,%lld,bfloat16,%s,%s,%.4f,%.1f,%.4f,%.1f,%.4f,%.1f\n", gpu, (long long)N, (long long)H,
+      std::fprintf(csv, "%s,%lld,%lld,%lld,bfloat16,%s,%s,%.4f,%.1f,%.4f,%.1f,%.4f,%.1f,%.4f\n", gpu, (long long)N, (long long)H,
                    (long long)V, s.half_ignored ? "0.5" : "0", (kModeNames[mode] + std::string(form_tag)).c_str(), t_fused, flops / t_fused / 1e9, t_floor,
-                   flops / t_floor / 1e9, t_fused / t_floor, ws_bytes / 1048576.0);
+                   flops / t_floor / 1e9, t_fused / t_floor, ws_bytes / 1048576.0, t_host);
       std::fflush(csv);
     }
     CK(cudaFree(ws));
@@ -467,7 +474,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "fusedce_linear_bench: --csv: cannot write \"%s\"\n", csv_path);
       return 2;
     }
-    std::fprintf(csv, "gpu,N,H,V,dtype,ignored,variant,fused_ms,fused_tflops,floor_ms,floor_tflops,x_floor,workspace_mib\n");
+    std::fprintf(csv, "gpu,N,H,V,dtype,ignored,variant,fused_ms,fused_tflops,floor_ms,floor_tflops,x_floor,workspace_mib,host_ms\n");
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
