@@ -215,8 +215,11 @@ def render_linear_bench(path, name, entry):
     present = [(v, label) for v, label in LINEAR_VARIANTS if any(r["variant"] == v for r in rows)]
     shapes = ordered((r["N"], r["H"], r["V"], r["ignored"]) for r in rows)
     cell = {(r["N"], r["H"], r["V"], r["ignored"], r["variant"]): r for r in rows}
+    # host_ms (a later column of the benchmark): the host's time to return from the call, shown
+    # where the CSV has it, beside the GPU time it is compared with
+    host = all(r.get("host_ms") for r in rows)
     header = (["N x H x V", "floor ms (TFLOP/s)"]
-              + [f"{label} ms (x floor), extra MiB" for _, label in present])
+              + [f"{label} ms (x floor), extra MiB" + (", host ms" if host else "") for _, label in present])
     body = []
     for n, h, v, ignored in shapes:
         shape_rows = [r for r in rows if (r["N"], r["H"], r["V"], r["ignored"]) == (n, h, v, ignored)]
@@ -228,7 +231,8 @@ def render_linear_bench(path, name, entry):
         for variant, _ in present:
             r = cell.get((n, h, v, ignored, variant))
             line.append("" if r is None else
-                        f"{ms_fine(float(r['fused_ms']))} ({float(r['x_floor']):.3f}x), {float(r['workspace_mib']):.0f}")
+                        f"{ms_fine(float(r['fused_ms']))} ({float(r['x_floor']):.3f}x), {float(r['workspace_mib']):.0f}"
+                        + (f", {ms_fine(float(r['host_ms']))}" if host else ""))
         body.append(line)
     return out + [""] + table(header, body)
 
