@@ -7,7 +7,7 @@
 // for (linear_cross_entropy_workspace_size), given to it explicitly, so nothing else is taken.
 // Timing: CUDA events, after warm-up, median of `iters` runs.
 // Usage: fusedce_linear_bench [--quick] [--csv FILE] [--shape N H V]... [--profile N H V] [--graph [N H V]]
-//                             [--options] [--form window|logits]
+//                             [--options] [--form window|logits] [--iters N]
 //   --shape N H V (repeatable): these shapes instead of the default list, every target valid.
 //   --options: after the modes, each option alone (bias_only: a bias and grad_bias; metrics_only;
 //   smoothing_z_scale: label smoothing 0.1, z-loss 1e-4 and logit scale 0.9, the options that
@@ -15,6 +15,10 @@
 //   --form window|logits: every call in that chunk form where the call allows it
 //   (detail::LinearForm, through the internal call the public entry point builds), whatever the
 //   planner picks: what an option costs each form (the variant names get "@window" or "@logits").
+//   --iters N: N timed runs a row (default 10, with --quick 3): a larger N holds each variant on
+//   the GPU long enough for a clock and power trace beside the run (nvidia-smi) to resolve it,
+//   aligned with the rows by their print times and with each shape's floor by the "# floor
+//   measured" line on stderr.
 //   --graph: skip_ignored with and without CUDA graph capture at one shape (default
 //   8192 x 4096 x 128256), every target valid and half of them ignored, on a stream of its own:
 //   eager (the synced path), captured once and replayed, and the cost of a graph of one's own
@@ -202,6 +206,7 @@ void bench(const Shape& s, BareGemm& bare, int iters, bool with_low_memory, bool
     bare.run(CUBLAS_OP_N, CUBLAS_OP_N, H, N, V, w, H, full, V, gh, H, CUDA_R_16BF);
     bare.run(CUBLAS_OP_N, CUBLAS_OP_T, H, V, N, hid, H, full, V, gw32, H, CUDA_R_32F);
   }, iters);
+  std::fprintf(stderr, "# floor measured\n");
   CK(cudaFree(full));
   CK(cudaFree(gw32));
 
@@ -428,6 +433,7 @@ int main(int argc, char** argv) {
   Shape graph{0, 0, 0, true};
   std::vector<Shape> given;
   bool per_option = false;
+  int iters_given = 0;
   fusedce::detail::LinearForm form = fusedce::detail::LinearForm::kAuto;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
@@ -448,6 +454,12 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "fusedce_linear_bench: --shape: N, H and V must be positive\n");
         return 2;
       }
+    } else if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) {
+      iters_given = std::atoi(argv[++i]);
+      if (iters_given <= 0) {
+        std::fprintf(stderr, "fusedce_linear_bench: --iters: a positive count, got \"%s\"\n", argv[i]);
+        return 2;
+      }
     } else if (std::strcmp(argv[i], "--options") == 0) {
       per_option = true;
     } else if (std::strcmp(argv[i], "--form") == 0 && i + 1 < argc) {
@@ -462,7 +474,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr, "fusedce_linear_bench: unknown or incomplete argument \"%s\"\n"
                            "usage: fusedce_linear_bench [--quick] [--csv FILE] [--shape N H V]... [--profile N H V] [--graph [N H V]] "
-                           "[--options] [--form window|logits]\n",
+                           "[--options] [--form window|logits] [--iters N]\n",
                    argv[i]);
       return 2;
     }
@@ -491,7 +503,7 @@ int main(int argc, char** argv) {
     bench(one, bare, 0, true, per_option, form, prop.name, nullptr);
     return 0;
   }
-  const int iters = quick ? 3 : 10;
+  const int iters = iters_given > 0 ? iters_given : quick ? 3 : 10;
   std::vector<Shape> shapes = {{4096, 4096, 128256, false}, {8192, 4096, 128256, false}, {16384, 2304, 256000, false},
                                {8192, 4096, 151936, false}, {8192, 4096, 128256, true}};
   if (!quick) shapes.push_back({32768, 4096, 128256, false});
