@@ -96,6 +96,25 @@ _fusedce_low_memory = _fusedce_linear_variant(
     low_memory=True)
 
 
+# Rows of logits per chunk in quack's chunked linear cross-entropy (its default chunk_size).
+QUACK_CHUNK_ROWS = 4096
+
+
+def _fusedce_wide(device):
+    """fusedce.linear_cross_entropy with a logit buffer for QUACK_CHUNK_ROWS rows (chunk_budget_bytes,
+    5% over the logits for the per-row scratch beside them), the buffer quack's chunked loss takes:
+    both at about the same memory, where the default's buffer is a float32 copy of the weight."""
+    import fusedce
+
+    if device == "cuda" and not fusedce.with_cuda:
+        raise Unavailable("this build of fusedce has no CUDA kernels")
+
+    def call(h, w, t):
+        budget = QUACK_CHUNK_ROWS * w.shape[0] * w.element_size() * 21 // 20
+        return fusedce.linear_cross_entropy(h, w, t, chunk_budget_bytes=budget)
+    return {"linear": call}, {}
+
+
 def _fusedce_all_options(device):
     """fusedce.linear_cross_entropy with every option that changes its work: a bias (with its
     gradient), label smoothing, z-loss, logit scale, soft-cap and the metrics. A different loss
@@ -316,6 +335,7 @@ REGISTRY = [
     ("fusedce-skip", "fusedce skip_ignored", _fusedce_skip, ("linear",), False),
     ("fusedce-lowmem", "fusedce low_memory", _fusedce_low_memory, ("linear",), False),
     ("fusedce-all", "fusedce all options", _fusedce_all_options, ("linear",), False),
+    ("fusedce-wide", "fusedce 4096-row chunks", _fusedce_wide, ("linear",), False),
     ("fusedce-keep", "fusedce keep_logits", _fusedce_forced(True), ("logprobs",), False),
     ("fusedce-recompute", "fusedce keep_logits=False", _fusedce_forced(False), ("logprobs",), False),
     ("torch", "torch eager", _torch, ("ce", "linear", "logprobs"), False),
