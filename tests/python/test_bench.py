@@ -292,3 +292,16 @@ def test_the_compile_peer_compiles_every_shape_of_a_run():
     for n in range(1, 13):
         f(torch.ones(n, 3))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 12
+
+
+def test_the_wide_peer_is_checked_against_the_reference(tmp_path):
+    """fusedce-wide is the same loss with another chunk budget: its rows are checked like
+    fusedce's, and its loss and gradients agree with the reference."""
+    bench_main.main(["--device", "cpu", "--only", "linear", "--shapes", "8x32x100",
+                     "--peers", "fusedce,fusedce-wide", "--repeat", "1", "--warmup", "0",
+                     "--no-progress", "--out", str(tmp_path)])
+    with open(tmp_path / "results.csv", newline="") as f:
+        rows = {r["peer"]: r for r in csv.DictReader(f)}
+    wide = rows["fusedce 4096-row chunks"]
+    assert wide["status"] == "ok" and wide["correct"] == "True"
+    assert float(wide["loss_err"]) < 1e-5 and float(wide["grad_err"]) < 1e-4

@@ -70,6 +70,7 @@ def test_every_source_is_shown():
                                           ("h200/grpo_step_trl.csv", "median_ms"),
                                           ("h200/sft_step_trl.csv", "median_ms"),
                                           ("h200/distill.csv", "median_ms"),
+                                          ("h100/linear_options_window.csv", "host_ms"),
                                           ("cpu/results.csv", "median_ms")])
 def test_a_changed_value_shows(bench_copy, name, column):
     def edit(rows):
